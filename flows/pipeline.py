@@ -1,0 +1,248 @@
+"""The Prefect layer: one cached task per stage, a flow that orders them, and the run summary.
+
+Caching (DESIGN.md §2, §6): each stage is a task whose `cache_key_fn` returns our cache key and
+whose result (a small JSON of output fingerprints) is persisted. Before submitting, the flow
+checks the store's own record for that key and verifies every output file; if anything is missing
+or corrupt it sets `refresh_cache=True`, so a stale Prefect cache can never hand a deleted
+artifact downstream. Tasks pass fingerprints and run ids, never tensors or tables.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from prefect import flow, get_run_logger, task
+from prefect.context import get_run_context
+
+from flows.cache import cache_key, config_hash
+from flows.context import FlowContext
+from flows.recipes import Plan, load_plan
+from flows.settings import Settings
+from flows.store import ArtifactStore, CacheRecord
+from flows.tracking import Tracker
+from schemas.artifacts import DATA_FILE, Producer
+from schemas.errors import ArtifactError, ConfigError
+from stages import get_stage
+from stages.base import Input
+
+KEY_METRICS = {
+    "import_model": ("parameters",),
+    "prompts": ("train_rows", "eval_rows"),
+    "sft": ("final_loss", "trained_steps"),
+    "eval": ("accuracy", "format_rate", "pass@4", "mean_length"),
+}
+LOG_DATA_MAX_BYTES = 50 << 20  # datasets up to this size are copied into MLflow; larger ones by pointer
+
+
+def default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _flow_run_id() -> str | None:
+    try:
+        ctx = get_run_context()
+        run = getattr(ctx, "flow_run", None) or getattr(getattr(ctx, "task_run", None), "flow_run_id", None)
+        return str(getattr(run, "id", run)) if run else None
+    except Exception:  # outside Prefect
+        return None
+
+
+def execute_stage(
+    *, node: str, stage: str, config: dict[str, Any], inputs: dict[str, str], seed: int, key: str,
+    parent_run_id: str | None, settings: dict[str, str], experiment: str, flow_run_id: str | None = None,
+    log: logging.Logger | logging.LoggerAdapter | None = None, refresh: bool = False,
+) -> dict[str, Any]:
+    """Run one stage (or reuse its recorded outputs) and publish its artifacts. Plain function:
+    the Prefect task wraps it, tests call it directly."""
+    s = Settings(**settings)
+    store = ArtifactStore(s.store, home=s.home)
+    log = log or logging.getLogger("r1flow")
+    record = None if refresh else store.lookup(key)
+    if record is not None:
+        return {"outputs": record.outputs, "metrics": record.metrics, "seconds": 0.0, "reused": True,
+                "mlflow_run_id": record.mlflow_run_id}
+
+    module = get_stage(stage)
+    cfg = module.CONFIG.model_validate(config)
+    resolved = {name: store.get(fp) for name, fp in inputs.items()}  # verified before any compute
+    tracker = Tracker(s.tracking_uri, experiment, s.mlflow_artifact_location)
+    run_id = tracker.start_run(node, {"r1flow.stage": stage, "r1flow.node": node, "r1flow.stage_version": module.VERSION,
+                                       "r1flow.cache_key": key, "r1flow.cache_hit": "false",
+                                       "r1flow.flow_run_id": flow_run_id or ""}, parent_run_id)
+    tracker.log_params(run_id, {"config": config, "seed": seed,
+                                "inputs": {k: v[:16] for k, v in inputs.items()}})
+    ctx = FlowContext(store=store, tracker=tracker, run_id=run_id, cache_key=key, seed=seed,
+                      device=default_device(), log=log)
+    t0 = time.perf_counter()
+    ok = False
+    try:
+        outputs = module.run(cfg, resolved, ctx)
+        if set(outputs) != set(module.OUTPUTS):
+            raise ArtifactError(f"stage {stage!r} returned outputs {sorted(outputs)}, declared {sorted(module.OUTPUTS)}")
+        seconds = time.perf_counter() - t0
+        producer = Producer(stage=stage, node=node, stage_version=module.VERSION, config_hash=config_hash(config),
+                            cache_key=key, mlflow_run_id=run_id, flow_run_id=flow_run_id)
+        published, metrics = {}, {}
+        for name, out in outputs.items():
+            manifest = store.publish(out.path, kind=out.kind, schema=out.schema, producer=producer,
+                                     parents=sorted(set(inputs.values())), rows=out.rows, metrics=out.metrics,
+                                     extra=out.extra)
+            published[name] = manifest.fingerprint
+            metrics.update(out.metrics)
+            tracker.log_text(run_id, manifest.to_json(), f"outputs/{name}/manifest.json")
+            data = store.local_dir(manifest.fingerprint) / DATA_FILE
+            if manifest.kind == "dataset" and data.exists() and data.stat().st_size <= LOG_DATA_MAX_BYTES:
+                tracker.log_file(run_id, data, f"outputs/{name}")
+            tracker.set_tags(run_id, {f"r1flow.output.{name}": manifest.fingerprint})
+        metrics["stage_seconds"] = seconds
+        tracker.log_metrics(run_id, {"stage_seconds": seconds})
+        store.record(CacheRecord(key=key, node=node, stage=stage, outputs=published, mlflow_run_id=run_id,
+                                 duration_s=seconds, metrics={k: float(v) for k, v in metrics.items()}))
+        shutil.rmtree(ctx.checkpoint_dir, ignore_errors=True)  # published: the checkpoints are spent
+        ok = True
+        return {"outputs": published, "metrics": metrics, "seconds": seconds, "reused": False, "mlflow_run_id": run_id}
+    finally:
+        shutil.rmtree(ctx.staging, ignore_errors=True)
+        tracker.end(run_id, ok)
+
+
+def _task_key(_context, parameters: dict[str, Any]) -> str:
+    return parameters["key"]
+
+
+@task(persist_result=True, cache_key_fn=_task_key, result_serializer="json", task_run_name="{node}",
+      log_prints=True)
+def stage_task(node: str, stage: str, config: dict[str, Any], inputs: dict[str, str], seed: int, key: str,
+               parent_run_id: str | None, settings: dict[str, str], experiment: str,
+               refresh: bool = False) -> dict[str, Any]:
+    return execute_stage(node=node, stage=stage, config=config, inputs=inputs, seed=seed, key=key,
+                         parent_run_id=parent_run_id, settings=settings, experiment=experiment,
+                         flow_run_id=_flow_run_id(), log=get_run_logger(), refresh=refresh)
+
+
+@dataclass
+class StageResult:
+    node: str
+    stage: str
+    status: str  # "run" | "cached" | "skipped"
+    seconds: float
+    outputs: dict[str, str] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+    mlflow_run_id: str | None = None
+
+    def key_metrics(self) -> dict[str, float]:
+        return {k: self.metrics[k] for k in KEY_METRICS.get(self.stage, ()) if k in self.metrics}
+
+
+def node_key(plan_node, upstream: dict[str, dict[str, str]]) -> tuple[str, dict[str, str], str]:
+    module = get_stage(plan_node.stage)
+    inputs = {inp: upstream[up][out] for inp, (up, out) in plan_node.inputs.items()}
+    salt = module.cache_salt(plan_node.config) if hasattr(module, "cache_salt") else ""
+    return cache_key(plan_node.stage, module.VERSION, plan_node.config_dict, inputs, plan_node.seed, salt), inputs, salt
+
+
+def experiment_name(recipe: str) -> str:
+    return f"r1flow/{recipe}"
+
+
+@flow(name="r1flow-pipeline", persist_result=True, log_prints=True)
+def pipeline(recipe: str, profile: str, overrides: list[str] | None = None, only: list[str] | None = None,
+             force: list[str] | None = None, settings: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run a recipe: every stage node in dependency order, reusing cached outputs where valid."""
+    plan = load_plan(recipe, profile, overrides or [])
+    s = Settings(**settings) if settings else Settings.from_env()
+    return run_plan(plan, s, only=set(only or []), force=set(force or []))
+
+
+def run_plan(plan: Plan, s: Settings, only: set[str] = frozenset(), force: set[str] = frozenset()) -> dict[str, Any]:
+    for name in only | force:
+        plan.node(name)  # raises a clear error for unknown names
+    store = ArtifactStore(s.store, home=s.home)
+    experiment = experiment_name(plan.recipe)
+    tracker = Tracker(s.tracking_uri, experiment, s.mlflow_artifact_location)
+    flow_run_id = _flow_run_id()
+    parent = tracker.start_run(f"{plan.recipe}-{plan.profile}", {"r1flow.recipe": plan.recipe, "r1flow.profile": plan.profile,
+                                                                 "r1flow.flow_run_id": flow_run_id or ""})
+    tracker.log_params(parent, {"recipe": plan.recipe, "profile": plan.profile, "model": plan.model, "seed": plan.seed,
+                                "overrides": " ".join(plan.overrides), "only": ",".join(sorted(only)),
+                                "force": ",".join(sorted(force))})
+    selected = set(only) if only else {n.name for n in plan.nodes}
+    needed = plan.ancestors(selected)
+    forced = set(force)
+    upstream: dict[str, dict[str, str]] = {}
+    results: list[StageResult] = []
+    ok = False
+    try:
+        for node in plan.nodes:
+            if node.name not in needed:
+                results.append(StageResult(node.name, node.stage, "skipped", 0.0))
+                continue
+            key, inputs, _ = node_key(node, upstream)
+            t0 = time.perf_counter()
+            if node.name not in selected:  # an upstream of --only: must come from the cache
+                rec = store.lookup(key)
+                if rec is None:
+                    raise ConfigError(f"--only {','.join(sorted(selected))}: upstream node {node.name!r} has no valid "
+                                      f"cached outputs for this config; run it first (or drop --only)")
+                upstream[node.name] = rec.outputs
+                results.append(StageResult(node.name, node.stage, "cached", time.perf_counter() - t0, rec.outputs,
+                                           rec.metrics, rec.mlflow_run_id))
+                continue
+            refresh = node.name in forced or store.lookup(key) is None
+            state = stage_task.with_options(refresh_cache=refresh)(
+                node=node.name, stage=node.stage, config=node.config_dict, inputs=inputs, seed=node.seed, key=key,
+                parent_run_id=parent, settings=s.to_dict(), experiment=experiment, refresh=node.name in forced,
+                return_state=True)
+            out = state.result()
+            cached = state.name == "Cached" or out["reused"]
+            seconds = time.perf_counter() - t0
+            if cached:
+                for fp in out["outputs"].values():  # Prefect's record outlived ours? never pass it on unverified
+                    store.verify(fp)
+                run_id = tracker.start_run(node.name, {"r1flow.stage": node.stage, "r1flow.node": node.name,
+                                                       "r1flow.cache_key": key, "r1flow.cache_hit": "true",
+                                                       "r1flow.source_run_id": out.get("mlflow_run_id") or "",
+                                                       "r1flow.flow_run_id": flow_run_id or ""}, parent)
+                tracker.log_params(run_id, {"config": node.config_dict, "seed": node.seed})
+                tracker.log_metrics(run_id, {k: v for k, v in out["metrics"].items() if k != "stage_seconds"})
+                tracker.set_tags(run_id, {f"r1flow.output.{k}": v for k, v in out["outputs"].items()})
+                tracker.end(run_id)
+            else:
+                run_id = out["mlflow_run_id"]
+            upstream[node.name] = out["outputs"]
+            results.append(StageResult(node.name, node.stage, "cached" if cached else "run", seconds,
+                                       out["outputs"], out["metrics"], run_id))
+        summary = {f"{r.node}/{k}": v for r in results for k, v in r.key_metrics().items()}
+        summary.update({f"{r.node}/seconds": r.seconds for r in results if r.status != "skipped"})
+        tracker.log_metrics(parent, summary)
+        tracker.log_text(parent, render_markdown(plan, results), "report.md")
+        ok = True
+    finally:
+        tracker.end(parent, ok)
+    return {"recipe": plan.recipe, "profile": plan.profile, "parent_run_id": parent,
+            "experiment_id": tracker.experiment_id, "link": tracker.run_link(parent), "flow_run_id": flow_run_id,
+            "stages": [r.__dict__ for r in results]}
+
+
+def fmt_metric(v: float) -> str:
+    return f"{v:,.0f}" if abs(v) >= 1000 or float(v).is_integer() else f"{v:.3f}"
+
+
+def render_markdown(plan: Plan, results: list[StageResult]) -> str:
+    lines = [f"# r1flow run: recipe `{plan.recipe}`, profile `{plan.profile}`", "",
+             "| stage | kind | status | seconds | key metrics | outputs |", "|---|---|---|---|---|---|"]
+    for r in results:
+        metrics = ", ".join(f"{k}={fmt_metric(v)}" for k, v in r.key_metrics().items())
+        outs = ", ".join(f"{k}:{v[:12]}" for k, v in r.outputs.items())
+        lines.append(f"| {r.node} | {r.stage} | {r.status} | {r.seconds:.1f} | {metrics} | {outs} |")
+    return "\n".join(lines) + "\n"
+
+
+def resolve_input(store: ArtifactStore, fingerprint_prefix: str) -> Input:
+    return store.get(store.resolve_prefix(fingerprint_prefix))

@@ -1,0 +1,74 @@
+"""MLflow tracking through MlflowClient with explicit run ids.
+
+MLflow's fluent "active run" is thread-local and Prefect runs tasks in worker threads
+(DESIGN.md §6), so every call here names its run id; nothing relies on a current run.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from mlflow.entities import Metric, Param, RunTag
+from mlflow.tracking import MlflowClient
+
+PARAM_MAX = 6000
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+class Tracker:
+    def __init__(self, tracking_uri: str, experiment: str, artifact_location: str | None = None):
+        self.uri = tracking_uri
+        self.client = MlflowClient(tracking_uri)
+        exp = self.client.get_experiment_by_name(experiment)
+        self.experiment_id = exp.experiment_id if exp else self.client.create_experiment(
+            experiment, artifact_location=artifact_location
+        )
+
+    def start_run(self, name: str, tags: dict[str, str], parent_run_id: str | None = None) -> str:
+        tags = {k: str(v) for k, v in tags.items()}
+        if parent_run_id:
+            tags["mlflow.parentRunId"] = parent_run_id
+        return self.client.create_run(self.experiment_id, run_name=name, tags=tags).info.run_id
+
+    def log_params(self, run_id: str, params: dict[str, Any]) -> None:
+        flat = [Param(k, str(v)[:PARAM_MAX]) for k, v in flatten(params).items()]
+        for i in range(0, len(flat), 100):
+            self.client.log_batch(run_id, params=flat[i : i + 100])
+
+    def log_metrics(self, run_id: str, metrics: dict[str, float], step: int | None = None) -> None:
+        now = int(time.time() * 1000)
+        batch = [Metric(k, float(v), now, step or 0) for k, v in metrics.items() if v is not None and math.isfinite(float(v))]
+        for i in range(0, len(batch), 500):
+            self.client.log_batch(run_id, metrics=batch[i : i + 500])
+
+    def set_tags(self, run_id: str, tags: dict[str, Any]) -> None:
+        self.client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+
+    def log_file(self, run_id: str, path: Path, subdir: str = "") -> None:
+        self.client.log_artifact(run_id, str(path), subdir or None)
+
+    def log_text(self, run_id: str, text: str, name: str) -> None:
+        self.client.log_text(run_id, text, name)
+
+    def end(self, run_id: str, ok: bool = True) -> None:
+        self.client.set_terminated(run_id, "FINISHED" if ok else "FAILED")
+
+    def run_link(self, run_id: str) -> str:
+        """Where to look at a run: a URL for a server, else the `mlflow ui` command to start one."""
+        path = f"#/experiments/{self.experiment_id}/runs/{run_id}"
+        if self.uri.startswith(("http://", "https://")):
+            return f"{self.uri.rstrip('/')}/{path}"
+        return f"mlflow ui --backend-store-uri {self.uri} --host 127.0.0.1  then open http://127.0.0.1:5000/{path}"

@@ -1,0 +1,21 @@
+"""Typed errors. Every message names the artifact, file, column or field it concerns."""
+
+
+class R1FlowError(Exception):
+    """Base class: the CLI prints these as one clear line instead of a traceback."""
+
+
+class SchemaError(R1FlowError):
+    """A dataset does not match its declared kind (names the column and the problem)."""
+
+
+class ConfigError(R1FlowError):
+    """A recipe, profile, stage config or `--set` override is invalid (names the key)."""
+
+
+class ArtifactError(R1FlowError):
+    """An artifact is missing, incomplete or does not match its fingerprint."""
+
+
+class ModelError(R1FlowError):
+    """A model reference cannot be resolved or loaded."""

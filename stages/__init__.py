@@ -1,0 +1,31 @@
+"""Stages: one module per stage, each with VERSION, CONFIG, INPUTS, OUTPUTS and run().
+
+Modules are imported lazily so that listing stages or validating a recipe stays fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from schemas.errors import ConfigError
+
+STAGE_MODULES = {
+    "import_model": "stages.import_model",
+    "prompts": "stages.prompts",
+    "sft": "stages.sft",
+    "eval": "stages.eval",
+}
+
+STAGE_SUMMARIES = {
+    "import_model": "import a model reference (builtin, local dir, hub name) as a model artifact",
+    "prompts": "verifiable prompts from reasoning-gym tasks and user files, with a train/eval split",
+    "sft": "supervised fine-tuning (LoRA or full), loss on assistant tokens, resumable",
+    "eval": "greedy pass@1 and sampled pass@k on held-out prompts, format rate, length",
+}
+
+
+def get_stage(name: str) -> ModuleType:
+    if name not in STAGE_MODULES:
+        raise ConfigError(f"unknown stage {name!r}; known stages: {', '.join(STAGE_MODULES)}")
+    return importlib.import_module(STAGE_MODULES[name])

@@ -1,0 +1,145 @@
+"""The stage API: what a stage declares, what it receives, what it returns.
+
+A stage is a module `stages/<name>.py` with `VERSION`, `CONFIG` (a class from schemas.configs),
+`INPUTS` and `OUTPUTS` (name -> kind) and `run(cfg, inputs, ctx) -> dict[str, Output]`. Stages
+never import Prefect or MLflow: they talk to a `StageContext`, so a stage runs the same way in a
+unit test, by hand, or under a Prefect task.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from schemas.artifacts import DATA_FILE, MANIFEST_FILE, MODEL_DIR, Manifest
+from schemas.datasets import validate
+from schemas.errors import ArtifactError
+
+
+@dataclass(frozen=True)
+class Input:
+    """A resolved input artifact: a local directory and its manifest."""
+
+    path: Path
+    manifest: Manifest
+
+    @property
+    def fingerprint(self) -> str:
+        return self.manifest.fingerprint
+
+    @property
+    def label(self) -> str:
+        return f"artifact {self.manifest.fingerprint[:12]} ({self.manifest.schema_name})"
+
+    def table(self, kind: str | None = None) -> pa.Table:
+        """The dataset, validated against `kind` (default: the manifest's) before any compute."""
+        if self.manifest.kind != "dataset":
+            raise ArtifactError(f"{self.label}: expected a dataset, got a {self.manifest.kind}")
+        file = self.path / DATA_FILE
+        if not file.exists():
+            raise ArtifactError(f"{self.label}: {file} is missing")
+        return validate(pq.read_table(file), kind or self.manifest.schema_name, where=f"{self.label} {file}")
+
+    @property
+    def model_dir(self) -> Path:
+        if self.manifest.kind != "model":
+            raise ArtifactError(f"{self.label}: expected a model, got a {self.manifest.kind}")
+        return self.path / MODEL_DIR
+
+    @classmethod
+    def from_dir(cls, path: Path) -> Input:
+        manifest_path = Path(path) / MANIFEST_FILE
+        if not manifest_path.exists():
+            raise ArtifactError(f"{path}: no {MANIFEST_FILE}; not a (complete) artifact")
+        return cls(Path(path), Manifest.model_validate_json(manifest_path.read_text()))
+
+
+@dataclass
+class Output:
+    """What a stage produced, staged in a directory the context gave it; the context publishes it."""
+
+    kind: str  # "dataset" | "model"
+    schema: str  # dataset kind, or "model" / "adapter"
+    path: Path
+    rows: int | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class StageContext(Protocol):
+    """What a stage may ask of its runner."""
+
+    seed: int
+    device: str
+    cache_dir: Path  # shared cache (builtin model conversions, downloads)
+    checkpoint_dir: Path  # survives a crash; same config + inputs → same directory
+    log: logging.Logger
+
+    def output_dir(self, name: str) -> Path: ...
+    def log_params(self, params: dict[str, Any]) -> None: ...
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None: ...
+    def log_file(self, path: Path, subdir: str = "") -> None: ...
+
+
+def write_dataset(ctx: StageContext, name: str, table: pa.Table, kind: str, metrics: dict | None = None) -> Output:
+    """Validate `table` as `kind` and stage it as output `name`."""
+    table = validate(table, kind, where=f"output {name!r}")
+    out = ctx.output_dir(name)
+    pq.write_table(table, out / DATA_FILE)
+    return Output("dataset", kind, out, rows=table.num_rows, metrics=dict(metrics or {}))
+
+
+def model_output_dir(ctx: StageContext, name: str) -> tuple[Path, Path]:
+    """(artifact staging dir, the `model/` directory inside it to save_pretrained into)."""
+    out = ctx.output_dir(name)
+    return out, out / MODEL_DIR
+
+
+def seed_everything(seed: int) -> None:
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def json_dumps(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, default=str)
+
+
+class LocalContext:
+    """A StageContext for running a stage by hand or in a unit test: plain directories, metrics in a list."""
+
+    def __init__(self, root: Path | None = None, seed: int = 0, device: str = "cpu", cache_dir: Path | None = None):
+        self.root = Path(root or tempfile.mkdtemp(prefix="r1flow-local-"))
+        self.seed = seed
+        self.device = device
+        self.cache_dir = Path(cache_dir or self.root / "cache")
+        self.checkpoint_dir = self.root / "checkpoints"
+        self.log = logging.getLogger("r1flow.stage")
+        self.params: dict[str, Any] = {}
+        self.metrics: list[tuple[int | None, dict[str, float]]] = []
+        self.files: list[Path] = []
+
+    def output_dir(self, name: str) -> Path:
+        path = self.root / "outputs" / name
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        self.params.update(params)
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.metrics.append((step, dict(metrics)))
+
+    def log_file(self, path: Path, subdir: str = "") -> None:
+        self.files.append(Path(path))

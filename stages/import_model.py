@@ -1,0 +1,78 @@
+"""`import_model` stage: turn a model reference into a content-addressed model artifact.
+
+Builtin names are converted once into a cached HF directory (stages.models); local directories
+and that cache are linked into the artifact (hard links where possible, bytes unchanged, so the
+fingerprint is stable); hub names are loaded with `from_pretrained` and saved as safetensors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+from schemas.configs import ModelConfig
+from schemas.errors import ConfigError
+from stages import models
+from stages.base import Output, StageContext, model_output_dir
+
+VERSION = "1"
+CONFIG = ModelConfig
+INPUTS: dict[str, str] = {}
+OUTPUTS = {"model": "model"}
+
+_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+def check(cfg: ModelConfig) -> None:
+    if cfg.ref.startswith((".", "/", "~")) and not Path(cfg.ref).expanduser().is_dir():
+        raise ConfigError(f"import_model.ref: {cfg.ref} is not a directory")
+
+
+def cache_salt(cfg: ModelConfig) -> str:
+    """A local directory can change under the same path: its file names, sizes and mtimes count."""
+    p = Path(cfg.ref).expanduser()
+    if cfg.ref in models.BUILTIN_MODELS or not p.is_dir():
+        return ""
+    h = hashlib.sha256()
+    for f in sorted(p.rglob("*")):
+        if f.is_file():
+            st = f.stat()
+            h.update(f"{f.relative_to(p)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()
+
+
+def _link_tree(src: Path, dst: Path) -> None:
+    for f in sorted(src.rglob("*")):
+        if not f.is_file() or f.name.startswith("."):
+            continue
+        target = dst / f.relative_to(src)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(f, target)
+        except OSError:
+            shutil.copy2(f, target)
+
+
+def run(cfg: ModelConfig, inputs: dict, ctx: StageContext) -> dict[str, Output]:
+    import torch
+
+    out, model_dir = model_output_dir(ctx, "model")
+    resolved = models.resolve_model_dir(
+        cfg.ref, ctx.cache_dir, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code
+    )
+    dtype = getattr(torch, _DTYPES[cfg.dtype])
+    if isinstance(resolved, Path) and cfg.dtype == "float32":
+        _link_tree(resolved, model_dir)
+        model, _ = models.load_model(model_dir, dtype=dtype)
+    else:
+        model, tokenizer = models.load_model(
+            resolved, dtype=dtype, trust_remote_code=cfg.trust_remote_code, revision=cfg.revision
+        )
+        models.save_model(model, tokenizer, model_dir)
+    counts = models.count_parameters(model)
+    ctx.log.info("import_model: %s -> %s parameters", cfg.ref, f"{counts['total']:,}")
+    metrics = {"parameters": float(counts["total"])}
+    ctx.log_metrics(metrics)
+    return {"model": Output("model", "model", out, metrics=metrics, extra={"ref": cfg.ref})}

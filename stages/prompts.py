@@ -1,0 +1,185 @@
+"""`prompts` stage: verifiable prompt sets from reasoning-gym tasks and users' files.
+
+Each reasoning-gym task is generated with a seed derived from (stage seed, task name), so adding a
+task never changes the prompts of another. Ids are content hashes of (task, question): the
+train/eval split is a seeded permutation per task, so the same config always gives the same split.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from schemas.configs import PromptsConfig
+from schemas.datasets import from_rows
+from schemas.errors import ConfigError, SchemaError
+from stages.base import Output, StageContext, write_dataset
+from stages.rewards import R1_SYSTEM_PROMPT, VERIFIERS
+
+VERSION = "1"
+CONFIG = PromptsConfig
+INPUTS: dict[str, str] = {}
+OUTPUTS = {"prompts": "prompts"}
+
+
+def stable_seed(*parts: Any) -> int:
+    return int.from_bytes(hashlib.sha256("\0".join(map(str, parts)).encode()).digest()[:4], "little")
+
+
+def prompt_id(task: str, question: str) -> str:
+    return hashlib.sha256(f"{task}\0{question}".encode()).hexdigest()[:16]
+
+
+def check(cfg: PromptsConfig) -> None:
+    """Fail before any compute on unknown tasks, bad options or missing files."""
+    import reasoning_gym
+
+    from reasoning_gym.factory import DATASETS
+
+    for section, tasks in (("tasks", cfg.tasks), ("eval_tasks", cfg.eval_tasks)):
+        for name, opts in tasks.items():
+            if name not in DATASETS:
+                close = [d for d in DATASETS if name.split("_")[0] in d][:5]
+                raise ConfigError(
+                    f"prompts.{section}: unknown reasoning-gym task {name!r}"
+                    + (f" (did you mean: {', '.join(close)}?)" if close else "")
+                )
+            try:
+                reasoning_gym.create_dataset(name, size=1, seed=0, **opts)
+            except Exception as e:  # the library raises assorted types for bad options
+                raise ConfigError(f"prompts.{section}.{name}: invalid options {opts}: {e}") from None
+    for f in cfg.files:
+        p = Path(f)
+        if not p.exists():
+            raise ConfigError(f"prompts.files: {f} does not exist")
+        if p.suffix not in (".parquet", ".jsonl", ".json"):
+            raise ConfigError(f"prompts.files: {f}: expected .parquet or .jsonl")
+
+
+def cache_salt(cfg: PromptsConfig) -> str:
+    """User files are inputs too: their content is part of the cache key."""
+    h = hashlib.sha256()
+    for f in cfg.files:
+        h.update(Path(f).read_bytes())
+    return h.hexdigest() if cfg.files else ""
+
+
+def _messages(system: str, question: str) -> list[dict[str, str]]:
+    return [{"role": "system", "content": system}, {"role": "user", "content": question}]
+
+
+def _split(n: int, eval_fraction: float, seed: int) -> np.ndarray:
+    """Boolean mask: True = eval. A seeded permutation, exactly round(n * fraction) eval rows."""
+    n_eval = int(round(n * eval_fraction))
+    mask = np.zeros(n, dtype=bool)
+    mask[np.random.default_rng(seed).permutation(n)[:n_eval]] = True
+    return mask
+
+
+def reasoning_gym_rows(task: str, opts: dict, size: int, seed: int, system: str) -> list[dict]:
+    import reasoning_gym
+
+    ds = reasoning_gym.create_dataset(task, size=size, seed=stable_seed(seed, task), **opts)
+    rows, seen = [], set()
+    for entry in ds:
+        pid = prompt_id(task, entry["question"])
+        if pid in seen:  # procedural generators repeat easy items; keep ids unique
+            continue
+        seen.add(pid)
+        meta = dict(entry.get("metadata") or {}, question=entry["question"])
+        rows.append({
+            "id": pid,
+            "messages": _messages(system, entry["question"]),
+            "answer": None if entry.get("answer") is None else str(entry["answer"]),
+            "task": task,
+            "verifier": "reasoning_gym",
+            "metadata": json.dumps(meta, default=str, sort_keys=True),
+        })
+    return rows
+
+
+def read_user_file(path: Path) -> pa.Table:
+    import pyarrow.json as pajson
+    import pyarrow.parquet as pq
+
+    try:
+        if path.suffix == ".parquet":
+            return pq.read_table(path)
+        return pajson.read_json(path)
+    except (pa.ArrowInvalid, OSError) as e:
+        raise SchemaError(f"{path}: cannot read ({e})") from None
+
+
+def file_rows(path: Path, system: str) -> list[dict]:
+    table = read_user_file(path)
+    cols = set(table.column_names)
+    if not {"question", "messages"} & cols:
+        raise SchemaError(f"{path}: needs a 'question' or 'messages' column (has: {', '.join(sorted(cols))})")
+    rows = []
+    for i, rec in enumerate(table.to_pylist()):
+        if rec.get("messages"):
+            messages = [{"role": m["role"], "content": m["content"]} for m in rec["messages"]]
+        elif isinstance(rec.get("question"), str) and rec["question"].strip():
+            messages = _messages(system, rec["question"])
+        else:
+            raise SchemaError(f"{path}: row {i}: column 'question' is empty")
+        answer = rec.get("answer")
+        verifier = rec.get("verifier") or ("math" if answer is not None else "none")
+        if verifier not in VERIFIERS:
+            raise SchemaError(f"{path}: row {i}: column 'verifier' value {verifier!r} unknown; known: {sorted(VERIFIERS)}")
+        split = rec.get("split")
+        if split is not None and split not in ("train", "eval"):
+            raise SchemaError(f"{path}: row {i}: column 'split' must be 'train' or 'eval', got {split!r}")
+        task = rec.get("task") or f"file:{path.stem}"
+        text = json.dumps(messages, sort_keys=True)
+        rows.append({
+            "id": str(rec["id"]) if rec.get("id") is not None else prompt_id(task, text),
+            "messages": messages,
+            "answer": None if answer is None else str(answer),
+            "task": task,
+            "verifier": verifier,
+            "split": split,
+            "metadata": json.dumps(rec.get("metadata") or {}, default=str, sort_keys=True),
+        })
+    return rows
+
+
+def build_prompts(cfg: PromptsConfig, seed: int) -> list[dict]:
+    system = cfg.system_prompt or R1_SYSTEM_PROMPT
+    rows: list[dict] = []
+    for task, opts in cfg.tasks.items():
+        task_rows = reasoning_gym_rows(task, opts, cfg.size, seed, system)
+        for row, is_eval in zip(task_rows, _split(len(task_rows), cfg.eval_fraction, stable_seed(seed, task, "split"))):
+            row["split"] = "eval" if is_eval else "train"
+        rows += task_rows
+    for task, opts in cfg.eval_tasks.items():
+        if task in cfg.tasks:
+            raise ConfigError(f"prompts.eval_tasks: {task!r} is also a training task")
+        rows += [dict(r, split="eval") for r in reasoning_gym_rows(task, opts, cfg.eval_size, seed, system)]
+    for f in cfg.files:
+        frows = file_rows(Path(f), system)
+        unsplit = [r for r in frows if r["split"] is None]
+        for row, is_eval in zip(unsplit, _split(len(unsplit), cfg.eval_fraction, stable_seed(seed, f, "split"))):
+            row["split"] = "eval" if is_eval else "train"
+        rows += frows
+    return rows
+
+
+def run(cfg: PromptsConfig, inputs: dict, ctx: StageContext) -> dict[str, Output]:
+    rows = build_prompts(cfg, ctx.seed)
+    if not rows:
+        raise ConfigError("prompts: the config produced no prompts (no tasks and no files)")
+    table = from_rows(rows, "prompts", where="prompts output")
+    metrics: dict[str, float] = {"rows": len(rows)}
+    for split in ("train", "eval"):
+        metrics[f"{split}_rows"] = sum(r["split"] == split for r in rows)
+    for task in sorted({r["task"] for r in rows}):
+        metrics[f"rows/{task}"] = sum(r["task"] == task for r in rows)
+    ctx.log_metrics(metrics)
+    ctx.log.info("prompts: %d rows (%d train, %d eval)", len(rows), metrics["train_rows"], metrics["eval_rows"])
+    return {"prompts": write_dataset(ctx, "prompts", table, "prompts", metrics)}

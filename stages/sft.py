@@ -1,0 +1,297 @@
+"""`sft` stage: supervised fine-tuning on chat conversations, loss on assistant tokens only.
+
+Reads like a training script: tokenize (mask the prompt), order the data from the seed, then a
+plain loop of micro-batches → optimizer steps with checkpoints. Departures from common trainers:
+- the loss is a token mean over the whole optimizer step (all micro-batches), so batch 1 ×
+  accumulation 8 equals batch 8 × accumulation 1 (TRL's invariant tests check the same);
+- the data order is a pure function of (seed, step), so a resumed run sees exactly the batches the
+  uninterrupted run would have, and a checkpoint at the last step publishes instead of retraining.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow.compute as pc
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+
+from schemas.configs import SFTConfig
+from schemas.errors import ArtifactError, SchemaError
+from stages import models
+from stages.base import Input, Output, StageContext, model_output_dir, seed_everything
+from stages.rewards import gold_completion
+
+VERSION = "1"
+CONFIG = SFTConfig
+INPUTS = {"model": "model", "data": "sft|prompts"}
+OUTPUTS = {"model": "model"}
+
+IGNORE = -100
+
+
+# ---------------------------------------------------------------------------- pure pieces
+
+
+def masked_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Summed next-token cross-entropy over positions whose label is not IGNORE, and their count.
+
+    logits: (B, T, V); labels: (B, T) aligned with input_ids (shifted here).
+    """
+    shift_logits = logits[:, :-1, :].float()
+    shift_labels = labels[:, 1:]
+    loss = F.cross_entropy(
+        shift_logits.reshape(-1, shift_logits.size(-1)), shift_labels.reshape(-1), ignore_index=IGNORE, reduction="sum"
+    )
+    return loss, int((shift_labels != IGNORE).sum())
+
+
+def lr_factor(step: int, total: int, warmup: int, kind: str) -> float:
+    """Multiplier of the peak LR at 0-based `step`: linear warmup, then cosine/linear/constant."""
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    if kind == "constant":
+        return 1.0
+    progress = (step - warmup) / max(1, total - warmup)
+    if kind == "linear":
+        return max(0.0, 1.0 - progress)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def micro_batch_indices(n: int, batch_size: int, seed: int, micro_step: int) -> list[int]:
+    """Example indices of global micro-batch `micro_step`: epochs are seeded permutations."""
+    per_epoch = math.ceil(n / batch_size)
+    epoch, within = divmod(micro_step, per_epoch)
+    perm = np.random.default_rng([seed, epoch]).permutation(n)
+    return perm[within * batch_size : (within + 1) * batch_size].tolist()
+
+
+@dataclass(frozen=True)
+class Example:
+    input_ids: list[int]
+    labels: list[int]
+
+
+def tokenize_conversation(tokenizer, messages: list[dict], max_length: int) -> Example:
+    """Chat-template the conversation; label only the final assistant turn."""
+    prompt = tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
+    full = tokenizer.apply_chat_template(messages, tokenize=False)
+    if not full.startswith(prompt):
+        raise SchemaError("sft: the chat template renders the prompt differently with and without the answer; "
+                          "cannot mask prompt tokens reliably")
+    p_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    c_ids = tokenizer(full[len(prompt) :], add_special_tokens=False)["input_ids"]
+    ids = (p_ids + c_ids)[:max_length]
+    labels = ([IGNORE] * len(p_ids) + c_ids)[:max_length]
+    return Example(ids, labels)
+
+
+def pack(examples: list[Example], max_length: int) -> list[Example]:
+    """Greedily concatenate examples into blocks of at most max_length tokens.
+
+    Attention is not blocked between packed examples (as in TRL's classic packing); labels of each
+    example stay masked as before, so only assistant tokens are trained.
+    """
+    blocks, ids, labels = [], [], []
+    for ex in examples:
+        if ids and len(ids) + len(ex.input_ids) > max_length:
+            blocks.append(Example(ids, labels))
+            ids, labels = [], []
+        ids, labels = ids + ex.input_ids, labels + ex.labels
+    if ids:
+        blocks.append(Example(ids, labels))
+    return blocks
+
+
+def collate(batch: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad a micro-batch (training needs no left padding)."""
+    width = max(len(e.input_ids) for e in batch)
+    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(batch), width), IGNORE, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for i, e in enumerate(batch):
+        ids[i, : len(e.input_ids)] = torch.tensor(e.input_ids)
+        labels[i, : len(e.labels)] = torch.tensor(e.labels)
+        mask[i, : len(e.input_ids)] = 1
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+# ---------------------------------------------------------------------------- data
+
+
+def conversations_from(data: Input, cfg: SFTConfig) -> list[list[dict]]:
+    """SFT conversations from an `sft` dataset, or gold-answer R1 targets from `prompts` (train split)."""
+    kind = data.manifest.schema_name
+    if kind == "sft":
+        return data.table("sft").column("messages").to_pylist()
+    if kind == "prompts":
+        table = data.table("prompts")
+        table = table.filter(pc.and_(pc.equal(table["split"], "train"), pc.is_valid(table["answer"])))
+        if table.num_rows == 0:
+            raise SchemaError(f"{data.label}: no train-split prompts with an 'answer' to build SFT targets from")
+        return [
+            msgs + [{"role": "assistant", "content": gold_completion(ans, cfg.gold_think)}]
+            for msgs, ans in zip(table["messages"].to_pylist(), table["answer"].to_pylist())
+        ]
+    raise SchemaError(f"{data.label}: sft needs an 'sft' or 'prompts' dataset, got {kind!r}")
+
+
+# ---------------------------------------------------------------------------- checkpoints
+
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    done = [p for p in root.glob("step-*") if _STEP_DIR.match(p.name) and (p / "state.json").exists()]
+    return max(done, key=lambda p: int(_STEP_DIR.match(p.name).group(1)), default=None)
+
+
+def save_checkpoint(root: Path, step: int, model, optimizer, state: dict, keep: int) -> Path:
+    """Write step-N atomically (temp dir + rename; state.json last) and prune old ones."""
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".tmp-{uuid.uuid4().hex}"
+    tmp.mkdir()
+    trainable = {n: p.detach().cpu().contiguous() for n, p in model.named_parameters() if p.requires_grad}
+    save_file(trainable, tmp / "trainable.safetensors")
+    torch.save({"optimizer": optimizer.state_dict(), "rng": torch.get_rng_state()}, tmp / "optimizer.pt")
+    (tmp / "state.json").write_text(json.dumps(state))
+    final = root / f"step-{step:06d}"
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    steps = sorted((p for p in root.glob("step-*") if _STEP_DIR.match(p.name)), key=lambda p: p.name)
+    for old in steps[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load_checkpoint(path: Path, model, optimizer) -> dict:
+    tensors = load_file(path / "trainable.safetensors")
+    params = dict(model.named_parameters())
+    missing = [n for n, p in params.items() if p.requires_grad and n not in tensors]
+    if missing or set(tensors) - set(params):
+        raise ArtifactError(f"checkpoint {path}: parameters do not match the model being trained")
+    with torch.no_grad():
+        for name, t in tensors.items():
+            params[name].copy_(t)
+    blob = torch.load(path / "optimizer.pt", weights_only=True)
+    optimizer.load_state_dict(blob["optimizer"])
+    torch.set_rng_state(blob["rng"])
+    return json.loads((path / "state.json").read_text())
+
+
+# ---------------------------------------------------------------------------- the stage
+
+
+def resolve_precision(precision: str, device: str) -> torch.dtype | None:
+    """Autocast dtype, or None for plain fp32."""
+    if precision == "auto":
+        return torch.bfloat16 if device.startswith("cuda") and torch.cuda.is_bf16_supported() else None
+    return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+
+
+def load_trainable(model_dir: Path, cfg: SFTConfig, device: str, log):
+    model, tokenizer = models.load_model(model_dir)
+    merged_input = hasattr(model, "merge_and_unload")
+    if merged_input:  # an adapter artifact: fold it in, then train a fresh adapter (or all weights)
+        model = model.merge_and_unload()
+    model = models.apply_lora(model.to(device), cfg.lora)
+    if cfg.lora.r > 0 and not merged_input:
+        for pc in model.peft_config.values():
+            pc.base_model_name_or_path = str(model_dir)
+    model.config.use_cache = False
+    return model, tokenizer, merged_input
+
+
+def run(cfg: SFTConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[str, Output]:
+    conversations = conversations_from(inputs["data"], cfg)  # validates before loading the model
+    seed_everything(ctx.seed)
+    model, tokenizer, merged_input = load_trainable(inputs["model"].model_dir, cfg, ctx.device, ctx.log)
+    examples = [tokenize_conversation(tokenizer, c, cfg.max_length) for c in conversations]
+    examples = [e for e in examples if any(lab != IGNORE for lab in e.labels[1:])]
+    if not examples:
+        raise SchemaError(f"{inputs['data'].label}: every example lost its assistant tokens to max_length={cfg.max_length}")
+    if cfg.packing:
+        examples = pack(examples, cfg.max_length)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    warmup = int(cfg.warmup_ratio * cfg.max_steps)
+    autocast_dtype = resolve_precision(cfg.precision, ctx.device)
+    counts = models.count_parameters(model)
+    ctx.log_params({"examples": len(examples), "trainable_parameters": counts["trainable"],
+                    "total_parameters": counts["total"], "precision": str(autocast_dtype or "fp32")})
+
+    start, history = 0, []
+    ckpt = latest_checkpoint(ctx.checkpoint_dir)
+    if ckpt is not None:
+        state = load_checkpoint(ckpt, model, optimizer)
+        start, history = state["step"], state["history"]
+        ctx.log.info("sft: resuming from %s (step %d of %d)", ckpt.name, start, cfg.max_steps)
+        for i, loss in enumerate(history):  # the curve of the interrupted run, so MLflow shows it whole
+            ctx.log_metrics({"train/loss": loss}, step=i + 1)
+
+    model.train()
+    tokens_seen, t0 = 0, time.perf_counter()
+    bar = tqdm(total=cfg.max_steps, initial=start, desc="sft", unit="step")
+    for step in range(start, cfg.max_steps):
+        lr = cfg.learning_rate * lr_factor(step, cfg.max_steps, warmup, cfg.lr_scheduler)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        micro = [
+            collate([examples[i] for i in micro_batch_indices(len(examples), cfg.batch_size, ctx.seed, step * cfg.grad_accum + a)], pad_id)
+            for a in range(cfg.grad_accum)
+        ]
+        n_tokens = sum(int((b["labels"][:, 1:] != IGNORE).sum()) for b in micro)
+        step_loss = 0.0
+        for batch in micro:
+            batch = {k: v.to(ctx.device) for k, v in batch.items()}
+            with torch.autocast(device_type=ctx.device.split(":")[0], dtype=autocast_dtype or torch.float32,
+                                enabled=autocast_dtype is not None):
+                logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            loss_sum, _ = masked_token_loss(logits, batch["labels"])
+            (loss_sum / n_tokens).backward()
+            step_loss += loss_sum.item() / n_tokens
+            tokens_seen += int(batch["attention_mask"].sum())
+        grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm).item()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        history.append(step_loss)
+        done = step + 1
+        if done % cfg.checkpoint_every == 0 or done == cfg.max_steps:
+            save_checkpoint(ctx.checkpoint_dir, done, model, optimizer, {"step": done, "history": history},
+                            cfg.keep_checkpoints)
+        ctx.log_metrics({"train/loss": step_loss, "train/lr": lr, "train/grad_norm": grad_norm}, step=done)
+        bar.set_postfix(loss=f"{step_loss:.4f}")
+        bar.update(1)
+    bar.close()
+    elapsed = time.perf_counter() - t0
+    trained_steps = cfg.max_steps - start
+
+    out, model_dir = model_output_dir(ctx, "model")
+    merge = cfg.lora.merge or merged_input
+    models.save_model(model, tokenizer, model_dir, merge=merge)
+    is_adapter = cfg.lora.r > 0 and not merge
+    tail = history[-max(1, min(10, len(history) // 5)) :]
+    metrics = {
+        "final_loss": float(np.mean(tail)),
+        "first_loss": float(history[0]),
+        "steps": float(cfg.max_steps),
+        "trained_steps": float(trained_steps),
+        "resumed_from_step": float(start),
+        "examples": float(len(examples)),
+        "tokens_per_s": tokens_seen / elapsed if elapsed and trained_steps else 0.0,
+    }
+    ctx.log_metrics({k: v for k, v in metrics.items() if k != "steps"})
+    extra = {"base_fingerprint": inputs["model"].fingerprint} if is_adapter else {}
+    return {"model": Output("model", "adapter" if is_adapter else "model", out, metrics=metrics, extra=extra)}

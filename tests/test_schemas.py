@@ -1,0 +1,87 @@
+import re
+import json
+
+import pyarrow as pa
+import pytest
+
+from schemas import SCHEMAS, SchemaError, from_rows, validate
+
+
+def prompt_row(**kw):
+    row = {"id": "p1", "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "2+2?"}],
+           "answer": "4", "task": "t", "verifier": "math", "split": "train", "metadata": "{}"}
+    row.update(kw)
+    return row
+
+
+def test_every_kind_has_a_schema_and_accepts_an_empty_table():
+    assert set(SCHEMAS) == {"prompts", "sft", "samples", "preferences", "unpaired", "eval"}
+    for kind, schema in SCHEMAS.items():
+        assert validate(schema.empty_table(), kind).schema.equals(schema)
+
+
+def test_valid_prompts_roundtrip_and_extra_columns_dropped():
+    table = pa.Table.from_pylist([dict(prompt_row(), extra=1)])
+    out = validate(table, "prompts")
+    assert out.column_names == SCHEMAS["prompts"].names
+    assert out.to_pylist()[0]["answer"] == "4"
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda r: r.pop("task"), "missing column 'task'"),
+        (lambda r: r.update(split="test"), "column 'split' has value(s) ['test']"),
+        (lambda r: r.update(metadata="{not json"), "column 'metadata' row 0: not valid JSON"),
+        (lambda r: r.update(messages=[{"role": "robot", "content": "x"}]), "role 'robot'"),
+        (lambda r: r.update(messages=[]), "empty conversation"),
+        (lambda r: r.update(messages=[{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]),
+         "must not end with an assistant turn"),
+    ],
+)
+def test_prompt_violations_name_the_column(mutate, message):
+    row = prompt_row()
+    mutate(row)
+    with pytest.raises(SchemaError, match=re.escape(message)):
+        validate(pa.Table.from_pylist([row]), "prompts", where="prompts.jsonl")
+
+
+def test_error_names_where_and_type():
+    table = pa.Table.from_pylist([prompt_row()]).set_column(2, "answer", pa.array([1.5]))
+    with pytest.raises(SchemaError, match=r"^my.parquet: column 'answer' has type double, expected string"):
+        validate(table, "prompts", where="my.parquet")
+
+
+def test_null_in_required_column():
+    table = pa.Table.from_pylist([prompt_row(), prompt_row(id="p2", task=None)])
+    with pytest.raises(SchemaError, match="column 'task' has 1 null"):
+        validate(table, "prompts")
+
+
+def test_nullable_answer_allowed_and_duplicate_ids_rejected():
+    validate(pa.Table.from_pylist([prompt_row(answer=None)]), "prompts")
+    with pytest.raises(SchemaError, match="duplicate value 'p1'"):
+        validate(pa.Table.from_pylist([prompt_row(), prompt_row()]), "prompts")
+
+
+def test_sft_must_end_with_assistant():
+    row = {"id": "a", "messages": [{"role": "user", "content": "q"}], "source": "x", "metadata": "{}"}
+    with pytest.raises(SchemaError, match="must end with an assistant turn"):
+        from_rows([row], "sft")
+    row["messages"].append({"role": "assistant", "content": "a"})
+    assert from_rows([row], "sft").num_rows == 1
+
+
+def test_int_columns_widen_and_floats_accept_ints():
+    rows = [{"prompt_id": "p", "messages": [{"role": "user", "content": "q"}], "completion": "c", "sample_index": 0,
+             "reward": 1, "reward_components": json.dumps({"a": 1}), "correct": True, "num_tokens": 3,
+             "finish_reason": "stop", "metadata": "{}"}]
+    table = pa.Table.from_pylist(rows)  # ints arrive as int64, reward as int64
+    out = validate(table, "samples")
+    assert out.schema.field("sample_index").type == pa.int32()
+    assert out.column("reward").to_pylist() == [1.0]
+
+
+def test_unknown_kind():
+    with pytest.raises(SchemaError, match="unknown dataset kind 'foo'"):
+        validate(pa.table({"a": [1]}), "foo")

@@ -1,0 +1,201 @@
+"""SFT: the pure pieces against hand-worked numbers, then the stage on the tiny model
+(learning, loss masking, the accumulation invariant, crash + resume)."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from schemas.configs import LoraSpec, SFTConfig
+from schemas.datasets import from_rows
+from stages import sft
+from stages.base import LocalContext, write_dataset
+from tests.conftest import fake_input
+
+IG = sft.IGNORE
+
+
+def test_masked_token_loss_hand_computed():
+    """Vocabulary of 2, sequence of 3. Uniform logits at position 0 → CE ln 2 for label[1];
+    position 1 predicts label[2] which is IGNORE → contributes nothing. Sum = ln 2, count = 1."""
+    logits = torch.tensor([[[0.0, 0.0], [5.0, -5.0], [1.0, 2.0]]])
+    labels = torch.tensor([[IG, 1, IG]])
+    loss, n = sft.masked_token_loss(logits, labels)
+    assert n == 1
+    torch.testing.assert_close(loss, torch.tensor(math.log(2.0)))
+
+
+def test_prompt_positions_contribute_nothing_numerically():
+    """Scrambling the logits at every position whose next token is a prompt token leaves loss and
+    gradient of the completion positions unchanged, and the scrambled positions get zero gradient."""
+    torch.manual_seed(0)
+    labels = torch.tensor([[IG, IG, IG, 4, 2, 7]])  # 3 prompt tokens, 3 completion tokens
+    logits = torch.randn(1, 6, 10, requires_grad=True)
+    loss, n = sft.masked_token_loss(logits, labels)
+    loss.backward()
+    assert n == 3
+    expected = F.cross_entropy(logits[0, 2:5].detach(), labels[0, 3:6], reduction="sum")
+    torch.testing.assert_close(loss.detach(), expected)
+    assert torch.all(logits.grad[0, :2] == 0) and torch.all(logits.grad[0, 5] == 0)
+    scrambled = logits.detach().clone()
+    scrambled[0, :2] = torch.randn(2, 10) * 100
+    torch.testing.assert_close(sft.masked_token_loss(scrambled, labels)[0], loss.detach())
+
+
+def test_tokenize_conversation_labels_only_the_assistant_turn(tiny_tokenizer):
+    msgs = [{"role": "system", "content": "sys"}, {"role": "user", "content": "2+2?"},
+            {"role": "assistant", "content": "<think>\nadd\n</think>\n<answer>4</answer>"}]
+    ex = sft.tokenize_conversation(tiny_tokenizer, msgs, max_length=512)
+    assert len(ex.input_ids) == len(ex.labels)
+    labelled = [t for t in ex.labels if t != IG]
+    text = tiny_tokenizer.decode(labelled)
+    assert text.startswith("<think>\nadd\n</think>\n<answer>4</answer><|im_end|>")
+    prompt_part = tiny_tokenizer.decode([t for t, lab in zip(ex.input_ids, ex.labels) if lab == IG])
+    assert "2+2?" in prompt_part and "<answer>" not in prompt_part
+    short = sft.tokenize_conversation(tiny_tokenizer, msgs, max_length=10)
+    assert len(short.input_ids) == 10 and all(lab == IG for lab in short.labels)
+
+
+@pytest.mark.parametrize(
+    "step, kind, expected",
+    [(0, "cosine", 0.25), (3, "cosine", 1.0), (4, "cosine", 1.0), (14, "cosine", 0.5), (24, "cosine", 0.0),
+     (14, "linear", 0.5), (20, "constant", 1.0)],
+)
+def test_lr_factor(step, kind, expected):
+    """total 24 steps, warmup 4: step 0 → 1/4; after warmup progress = (step-4)/20; cosine at
+    progress 0.5 → 0.5; linear at 0.5 → 0.5; at progress 1 both reach 0."""
+    assert sft.lr_factor(step, 24, 4, kind) == pytest.approx(expected)
+
+
+def test_micro_batches_cover_each_epoch_exactly_once_and_are_seeded():
+    n, bs = 10, 3
+    epoch0 = [i for m in range(4) for i in sft.micro_batch_indices(n, bs, seed=1, micro_step=m)]
+    assert sorted(epoch0) == list(range(10))
+    assert sft.micro_batch_indices(n, bs, 1, 4) != sft.micro_batch_indices(n, bs, 1, 0) or n < bs
+    assert sft.micro_batch_indices(n, bs, 1, 5) == sft.micro_batch_indices(n, bs, 1, 5)
+    assert sft.micro_batch_indices(n, bs, 2, 0) != sft.micro_batch_indices(n, bs, 1, 0)
+
+
+def test_pack_keeps_labels_aligned():
+    exs = [sft.Example([1, 2, 3], [IG, 2, 3]), sft.Example([4, 5], [IG, 5]), sft.Example([6, 7, 8, 9], [IG, 7, 8, 9])]
+    blocks = sft.pack(exs, max_length=5)
+    assert [b.input_ids for b in blocks] == [[1, 2, 3, 4, 5], [6, 7, 8, 9]]
+    assert blocks[0].labels == [IG, 2, 3, IG, 5]
+
+
+# ---------------------------------------------------------------------------- the stage on the tiny model
+
+
+@pytest.fixture()
+def sft_inputs(tmp_path, tiny_model_input):
+    """A learnable set: 'say X' → the R1-format answer X."""
+    rows = []
+    for i in range(24):
+        word = "abcdefgh"[i % 8] * (1 + i % 3)
+        rows.append({"id": str(i), "source": "test", "metadata": "{}", "messages": [
+            {"role": "user", "content": f"say {word}"},
+            {"role": "assistant", "content": f"<think>\n</think>\n<answer>{word}</answer>"}]})
+    out = write_dataset(LocalContext(tmp_path / "data"), "d", from_rows(rows, "sft"), "sft")
+    return {"model": tiny_model_input, "data": fake_input(out.path, "dataset", "sft", 24)}
+
+
+def _cfg(**kw):
+    base = dict(max_steps=12, batch_size=4, learning_rate=3e-3, warmup_ratio=0.0, max_length=128,
+                checkpoint_every=4, lora=LoraSpec(r=0), lr_scheduler="constant")
+    base.update(kw)
+    return SFTConfig(**base)
+
+
+def test_loss_curve_decreases(sft_inputs, tmp_path):
+    ctx = LocalContext(tmp_path / "run")
+    out = sft.run(_cfg(max_steps=30), sft_inputs, ctx)["model"]
+    losses = [m["train/loss"] for step, m in ctx.metrics if step is not None and "train/loss" in m]
+    assert len(losses) == 30
+    assert out.metrics["final_loss"] < 0.6 * losses[0]
+    assert (out.path / "model" / "model.safetensors").exists()
+
+
+class SimulatedCrash(RuntimeError):
+    pass
+
+
+class CrashingContext(LocalContext):
+    """Dies right after optimizer step `crash_at` (after that step's checkpoint, if one was due)."""
+
+    def __init__(self, root, crash_at: int):
+        super().__init__(root)
+        self.crash_at = crash_at
+
+    def log_metrics(self, metrics, step=None):
+        super().log_metrics(metrics, step)
+        if step == self.crash_at and "train/loss" in metrics:
+            raise SimulatedCrash(f"killed after step {step}")
+
+
+def _losses(ctx):
+    return {step: m["train/loss"] for step, m in ctx.metrics if step is not None and "train/loss" in m}
+
+
+@pytest.mark.parametrize("crash_at", [8, 6, 12])
+def test_resume_after_crash_trains_exactly_the_remaining_steps(sft_inputs, tmp_path, crash_at):
+    """crash_at=8: exactly on a checkpoint boundary; 6: between checkpoints (steps 5-6 are redone);
+    12: after the final step's checkpoint but before publishing: resume must publish, not retrain,
+    and must not report success without a model."""
+    cfg = _cfg()
+    ref_ctx = LocalContext(tmp_path / "ref")
+    ref = sft.run(cfg, sft_inputs, ref_ctx)["model"]
+
+    root = tmp_path / "crash"
+    with pytest.raises(SimulatedCrash):
+        sft.run(cfg, sft_inputs, CrashingContext(root, crash_at))
+    last_ckpt = sft.latest_checkpoint(root / "checkpoints")
+    expected_start = (crash_at // cfg.checkpoint_every) * cfg.checkpoint_every
+    assert last_ckpt.name == f"step-{expected_start:06d}"
+    assert not (root / "outputs" / "model" / "model").exists() or not any((root / "outputs" / "model" / "model").iterdir())
+
+    resumed_ctx = LocalContext(root)  # same checkpoint dir, as the flow gives a re-run with the same cache key
+    out = sft.run(cfg, sft_inputs, resumed_ctx)["model"]
+    assert out.metrics["resumed_from_step"] == expected_start
+    assert out.metrics["trained_steps"] == cfg.max_steps - expected_start
+    trained = _losses(resumed_ctx)
+    assert sorted(trained) == list(range(1, cfg.max_steps + 1))  # curve re-logged whole, then the new steps
+    ref_losses = _losses(ref_ctx)
+    for step in range(expected_start + 1, cfg.max_steps + 1):
+        assert trained[step] == pytest.approx(ref_losses[step], rel=1e-4, abs=1e-5), step
+    assert out.metrics["final_loss"] == pytest.approx(ref.metrics["final_loss"], rel=1e-4)
+    assert (out.path / "model" / "model.safetensors").exists()
+
+
+def test_accumulation_invariant(sft_inputs, tmp_path):
+    """batch 4 × accumulation 1 and batch 1 × accumulation 4 see the same examples per step and
+    normalise by the same token count, so the loss curves match."""
+    a = LocalContext(tmp_path / "a")
+    b = LocalContext(tmp_path / "b")
+    sft.run(_cfg(max_steps=4, batch_size=4, grad_accum=1), sft_inputs, a)
+    sft.run(_cfg(max_steps=4, batch_size=1, grad_accum=4), sft_inputs, b)
+    la, lb = _losses(a), _losses(b)
+    for step in la:
+        assert la[step] == pytest.approx(lb[step], rel=1e-4), step
+
+
+def test_lora_trains_only_the_adapter_and_saves_an_adapter(sft_inputs, tmp_path):
+    ctx = LocalContext(tmp_path / "lora")
+    out = sft.run(_cfg(max_steps=3, lora=LoraSpec(r=4, alpha=8)), sft_inputs, ctx)["model"]
+    assert out.schema == "adapter" and out.extra["base_fingerprint"] == sft_inputs["model"].fingerprint
+    assert (out.path / "model" / "adapter_config.json").exists()
+    assert not (out.path / "model" / "model.safetensors").exists()
+    assert ctx.params["trainable_parameters"] < ctx.params["total_parameters"] / 5
+
+
+def test_prompts_input_builds_gold_targets(tmp_path, tiny_model_input):
+    from stages.rewards import format_ok
+
+    rows = [{"id": f"p{i}", "messages": [{"role": "user", "content": f"{i}+1?"}], "answer": str(i + 1),
+             "task": "t", "verifier": "math", "split": "train" if i < 4 else "eval", "metadata": "{}"}
+            for i in range(6)]
+    out = write_dataset(LocalContext(tmp_path / "d"), "p", from_rows(rows, "prompts"), "prompts")
+    convs = sft.conversations_from(fake_input(out.path, "dataset", "prompts"), _cfg())
+    assert len(convs) == 4  # train split only
+    assert all(format_ok(c[-1]["content"]) and c[-1]["role"] == "assistant" for c in convs)
+    assert convs[0][-1]["content"].endswith("<answer>1</answer>")

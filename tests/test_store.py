@@ -1,0 +1,110 @@
+import json
+import os
+
+import pytest
+
+from flows.cache import cache_key
+from flows.store import ArtifactStore, CacheRecord, fingerprint_of, hash_files
+from schemas.artifacts import MANIFEST_FILE, Producer
+from schemas.errors import ArtifactError
+
+PRODUCER = Producer(stage="t", stage_version="1", config_hash="h")
+
+
+def stage(store: ArtifactStore, files: dict[str, str]):
+    d = store.new_staging_dir()
+    for rel, text in files.items():
+        (d / rel).parent.mkdir(parents=True, exist_ok=True)
+        (d / rel).write_text(text)
+    return d
+
+
+def test_publish_is_content_addressed_and_idempotent(tmp_path):
+    store = ArtifactStore(tmp_path)
+    m1 = store.publish(stage(store, {"a.txt": "x", "sub/b.txt": "y"}), kind="dataset", schema="sft",
+                       producer=PRODUCER, parents=[])
+    assert m1.fingerprint == fingerprint_of(m1.files)
+    assert set(m1.files) == {"a.txt", "sub/b.txt"}
+    m2 = store.publish(stage(store, {"a.txt": "x", "sub/b.txt": "y"}), kind="dataset", schema="sft",
+                       producer=PRODUCER.model_copy(update={"stage": "other"}), parents=[])
+    assert m2.fingerprint == m1.fingerprint and m2.producer.stage == "t"  # first copy kept, immutable
+    m3 = store.publish(stage(store, {"a.txt": "z"}), kind="dataset", schema="sft", producer=PRODUCER, parents=[])
+    assert m3.fingerprint != m1.fingerprint
+    assert {m.fingerprint for m in store.list()} == {m1.fingerprint, m3.fingerprint}
+    assert not any((tmp_path / "tmp").iterdir())  # staging dirs moved or removed
+
+
+def test_manifest_is_written_and_verified(tmp_path):
+    store = ArtifactStore(tmp_path)
+    m = store.publish(stage(store, {"data.parquet": "bytes"}), kind="dataset", schema="prompts", producer=PRODUCER,
+                      parents=["abc"], rows=3, metrics={"acc": 0.5})
+    on_disk = json.loads((tmp_path / "artifacts" / m.fingerprint / MANIFEST_FILE).read_text())
+    assert on_disk["schema"] == "prompts" and on_disk["rows"] == 3 and on_disk["parents"] == ["abc"]
+    assert on_disk["producer"]["stage"] == "t" and on_disk["metrics"] == {"acc": 0.5}
+    assert store.get(m.fingerprint).path == tmp_path / "artifacts" / m.fingerprint
+
+
+def test_verify_detects_tampering_and_deletion(tmp_path):
+    store = ArtifactStore(tmp_path)
+    m = store.publish(stage(store, {"f": "1", "g": "2"}), kind="model", schema="model", producer=PRODUCER, parents=[])
+    root = tmp_path / "artifacts" / m.fingerprint
+    (root / "f").write_text("tampered")
+    with pytest.raises(ArtifactError, match="file f does not match its hash"):
+        store.verify(m.fingerprint)
+    (root / "g").unlink()
+    assert not store.is_valid(m.fingerprint)
+    with pytest.raises(ArtifactError, match=f"artifact {m.fingerprint[:12]}"):
+        store.get(m.fingerprint)
+
+
+def test_incomplete_artifact_is_invisible_and_replaced_on_publish(tmp_path):
+    store = ArtifactStore(tmp_path)
+    files = {"f": "content"}
+    fp = fingerprint_of(hash_files(stage(store, files)))
+    leftover = tmp_path / "artifacts" / fp  # a crash between copy and manifest on a non-atomic store
+    leftover.mkdir()
+    (leftover / "f").write_text("half")
+    assert store.list() == [] and not store.is_valid(fp)
+    m = store.publish(stage(store, files), kind="dataset", schema="sft", producer=PRODUCER, parents=[])
+    assert m.fingerprint == fp and store.is_valid(fp)
+    assert (leftover / "f").read_text() == "content"
+
+
+def test_cache_records_are_checked_against_outputs(tmp_path):
+    store = ArtifactStore(tmp_path)
+    m = store.publish(stage(store, {"f": "1"}), kind="dataset", schema="sft", producer=PRODUCER, parents=[])
+    rec = CacheRecord(key="k", node="n", stage="t", outputs={"out": m.fingerprint}, mlflow_run_id=None,
+                      duration_s=1.0, metrics={})
+    store.record(rec)
+    assert store.lookup("k") == rec
+    assert store.lookup("missing") is None
+    os.remove(tmp_path / "artifacts" / m.fingerprint / "f")
+    assert store.lookup("k") is None  # an artifact file deleted: the stage must run again
+
+
+def test_fsspec_memory_store_roundtrip(tmp_path):
+    store = ArtifactStore("memory://r1flow-test-store", home=tmp_path / "home")
+    m = store.publish(stage(store, {"a": "x", "d/b": "y"}), kind="dataset", schema="sft", producer=PRODUCER, parents=[])
+    assert store.is_valid(m.fingerprint)
+    local = store.get(m.fingerprint)
+    assert (local.path / "d" / "b").read_text() == "y"
+    assert local.path.is_relative_to(tmp_path / "home")
+    store.fs.rm(f"{store.artifact_path(m.fingerprint)}/a")
+    assert not store.is_valid(m.fingerprint)
+
+
+def test_resolve_prefix(tmp_path):
+    store = ArtifactStore(tmp_path)
+    m = store.publish(stage(store, {"a": "x"}), kind="dataset", schema="sft", producer=PRODUCER, parents=[])
+    assert store.resolve_prefix(m.fingerprint[:8]) == m.fingerprint
+    with pytest.raises(ArtifactError, match="no artifact"):
+        store.resolve_prefix("zzzz")
+
+
+def test_cache_key_depends_on_every_part():
+    base = dict(stage="sft", version="1", config={"lr": 1e-4, "n": 2}, inputs={"a": "f1"}, seed=0)
+    k = cache_key(**base)
+    assert k == cache_key(**dict(base, config={"n": 2, "lr": 1e-4}))  # canonical JSON: key order irrelevant
+    for change in ({"stage": "dpo"}, {"version": "2"}, {"config": {"lr": 2e-4, "n": 2}}, {"inputs": {"a": "f2"}},
+                   {"seed": 1}, {"salt": "file-hash"}):
+        assert cache_key(**dict(base, **change)) != k
