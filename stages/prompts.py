@@ -59,6 +59,7 @@ def check(cfg: PromptsConfig) -> None:
             raise ConfigError(f"prompts.files: {f} does not exist")
         if p.suffix not in (".parquet", ".jsonl", ".json"):
             raise ConfigError(f"prompts.files: {f}: expected .parquet or .jsonl")
+        file_rows(p, cfg.system_prompt or R1_SYSTEM_PROMPT)  # schema errors name the file, row and column now
 
 
 def cache_salt(cfg: PromptsConfig) -> str:

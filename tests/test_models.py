@@ -204,6 +204,10 @@ def test_merged_adapter_matches_unmerged(tmp_path: Path, base_dir: Path) -> None
 # ---------------------------------------------------------------------------- references
 
 
+def test_every_builtin_has_a_builder() -> None:
+    assert models._BUILTIN_BUILDERS.keys() == models.BUILTIN_MODELS.keys()
+
+
 def test_resolve_builtin_tiny_random_builds_once(tmp_path: Path, tokenizer: PreTrainedTokenizerBase) -> None:
     path = resolve_model_dir("tiny-random", tmp_path)
     assert path == tmp_path / "builtin" / "tiny-random"

@@ -1,0 +1,152 @@
+"""The pipeline end to end through the CLI on the tiny profile: Prefect (one test server for the
+module), MLflow (sqlite), caching, selective re-runs, artifact loss, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from flows.cli import main
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory):
+    from prefect.testing.utilities import prefect_test_harness
+
+    path = tmp_path_factory.mktemp("flow-home")
+    old = os.environ.get("R1FLOW_HOME")
+    os.environ["R1FLOW_HOME"] = str(path)
+    with prefect_test_harness(server_startup_timeout=120):
+        yield path
+    if old is None:
+        os.environ.pop("R1FLOW_HOME", None)
+    else:
+        os.environ["R1FLOW_HOME"] = old
+
+
+def run(home: Path, *args: str) -> dict:
+    out = home / "last-run.json"
+    assert main(["run", "--recipe", "sft-eval", "--profile", "tiny", "--json", str(out), *args]) == 0
+    result = json.loads(out.read_text())
+    return result
+
+
+def statuses(result: dict) -> dict[str, str]:
+    return {s["node"]: s["status"] for s in result["stages"]}
+
+
+def test_first_run_runs_every_stage_and_tracks_it(home):
+    from mlflow.tracking import MlflowClient
+
+    result = run(home)
+    assert statuses(result) == dict.fromkeys(["base", "prompts", "sft", "eval_base", "eval_sft"], "run")
+    client = MlflowClient(f"sqlite:///{home}/mlflow.db")
+    parent = client.get_run(result["parent_run_id"])
+    assert parent.info.status == "FINISHED"
+    assert parent.data.params["recipe"] == "sft-eval"
+    assert "sft/final_loss" in parent.data.metrics and "eval_sft/accuracy" in parent.data.metrics
+    children = client.search_runs([result["experiment_id"]],
+                                  f"tags.mlflow.parentRunId = '{result['parent_run_id']}'")
+    by_node = {r.data.tags["r1flow.node"]: r for r in children}
+    assert set(by_node) == {"base", "prompts", "sft", "eval_base", "eval_sft"}
+    for node, r in by_node.items():
+        assert r.info.status == "FINISHED" and r.data.tags["r1flow.cache_hit"] == "false"
+        assert any(k.startswith("config.") for k in r.data.params), node
+        assert "stage_seconds" in r.data.metrics
+        arts = [a.path for a in client.list_artifacts(r.info.run_id, "outputs")]
+        assert arts, node
+    sft = by_node["sft"]
+    assert sft.data.params["config.learning_rate"] == "0.003"
+    assert len(client.get_metric_history(sft.info.run_id, "train/loss")) == 40
+    assert client.list_artifacts(by_node["eval_sft"].info.run_id, "outputs/results")  # eval data logged
+    results_fp = next(s for s in result["stages"] if s["node"] == "eval_sft")["outputs"]["results"]
+    manifest = json.loads((home / "artifacts" / results_fp / "manifest.json").read_text())
+    assert manifest["schema"] == "eval" and manifest["producer"]["node"] == "eval_sft"
+    assert "accuracy" in manifest["metrics"] and manifest["parents"]
+
+
+def test_second_run_is_fully_cached(home):
+    result = run(home)
+    assert set(statuses(result).values()) == {"cached"}
+    assert {s["prefect_state"] for s in result["stages"]} == {"Cached"}
+    assert sum(s["seconds"] for s in result["stages"]) < 15
+
+
+def test_changing_sft_learning_rate_reruns_sft_and_its_eval_only(home):
+    result = run(home, "--set", "sft.learning_rate=1e-3")
+    assert statuses(result) == {"base": "cached", "prompts": "cached", "sft": "run", "eval_base": "cached",
+                                "eval_sft": "run"}
+
+
+def test_deleted_artifact_file_makes_its_stage_rerun(home):
+    first = run(home)
+    prompts_fp = next(s for s in first["stages"] if s["node"] == "prompts")["outputs"]["prompts"]
+    (home / "artifacts" / prompts_fp / "data.parquet").unlink()
+    result = run(home)
+    st = statuses(result)
+    assert st["prompts"] == "run"
+    # prompts are deterministic: the same bytes come back, so everything downstream stays valid
+    assert next(s for s in result["stages"] if s["node"] == "prompts")["outputs"]["prompts"] == prompts_fp
+    assert st["sft"] == st["eval_sft"] == "cached"
+
+
+def test_only_and_force(home):
+    result = run(home, "--only", "eval_base", "--force", "eval_base")
+    st = statuses(result)
+    assert st["eval_base"] == "run"
+    assert st["base"] == st["prompts"] == "cached"
+    assert st["sft"] == st["eval_sft"] == "skipped"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--recipe", "nope"], "unknown recipe 'nope'"),
+        (["--set", "sft.nope=1"], "sft.nope: unknown key"),
+        (["--set", "sft.max_steps=zero"], "sft.max_steps: Input should be a valid integer"),
+        (["--only", "dpo"], "has no stage node 'dpo'"),
+        (["--profile", "huge"], "unknown profile 'huge'"),
+    ],
+)
+def test_errors_are_one_line_before_any_compute(args, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("R1FLOW_HOME", str(tmp_path / "untouched"))
+    argv = ["run", "--recipe", "sft-eval", "--profile", "tiny", *args]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("r1flow: error:") and message in err[0], err
+    assert not (tmp_path / "untouched").exists()  # nothing was computed or written
+
+
+def test_bad_user_prompt_file_names_file_and_column(capsys, tmp_path, monkeypatch):
+    bad = tmp_path / "mine.jsonl"
+    bad.write_text(json.dumps({"prompt": "2+2?", "answer": "4"}) + "\n")
+    monkeypatch.setenv("R1FLOW_HOME", str(tmp_path / "untouched"))
+    assert main(["run", "--recipe", "sft-eval", "--profile", "tiny", "--set", f"prompts.files=[{bad}]"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"{bad}: needs a 'question' or 'messages' column" in err and "\n" not in err
+
+
+def test_only_without_cached_upstream_is_a_clear_error(home, capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("R1FLOW_HOME", str(tmp_path / "fresh"))
+    assert main(["run", "--recipe", "sft-eval", "--profile", "tiny", "--only", "eval_sft"]) == 2
+    err = capsys.readouterr().err
+    assert "upstream node 'base' has no valid cached outputs" in err
+
+
+def test_artifacts_and_models_commands(home, capsys):
+    assert main(["artifacts"]) == 0
+    out = capsys.readouterr().out
+    assert "prompts" in out and "eval" in out and "artifact(s)" in out
+    fp = out.splitlines()[1].split()[0]
+    assert main(["artifacts", fp, "--verify"]) == 0
+    assert "verified: all files match" in capsys.readouterr().out
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    assert "smollm2-135m-instruct" in out and "model artifacts" in out
+    assert main(["stages", "-v"]) == 0
+    assert "learning_rate" in capsys.readouterr().out
