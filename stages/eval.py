@@ -84,7 +84,7 @@ def run(cfg: EvalConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[st
 
     rows = []
     for mode, rows_in, completions in runs:
-        for prompt, comps in zip(rows_in, completions):
+        for prompt, comps in zip(rows_in, completions, strict=True):
             for i, c in enumerate(comps):
                 verdict = score(prompt, c.text)
                 rows.append({

@@ -38,7 +38,6 @@ def prompt_id(task: str, question: str) -> str:
 def check(cfg: PromptsConfig) -> None:
     """Fail before any compute on unknown tasks, bad options or missing files."""
     import reasoning_gym
-
     from reasoning_gym.factory import DATASETS
 
     for section, tasks in (("tasks", cfg.tasks), ("eval_tasks", cfg.eval_tasks)):
@@ -155,7 +154,7 @@ def build_prompts(cfg: PromptsConfig, seed: int) -> list[dict]:
     rows: list[dict] = []
     for task, opts in cfg.tasks.items():
         task_rows = reasoning_gym_rows(task, opts, cfg.size, seed, system)
-        for row, is_eval in zip(task_rows, _split(len(task_rows), cfg.eval_fraction, stable_seed(seed, task, "split"))):
+        for row, is_eval in zip(task_rows, _split(len(task_rows), cfg.eval_fraction, stable_seed(seed, task, "split")), strict=True):
             row["split"] = "eval" if is_eval else "train"
         rows += task_rows
     for task, opts in cfg.eval_tasks.items():
@@ -165,7 +164,7 @@ def build_prompts(cfg: PromptsConfig, seed: int) -> list[dict]:
     for f in cfg.files:
         frows = file_rows(Path(f), system)
         unsplit = [r for r in frows if r["split"] is None]
-        for row, is_eval in zip(unsplit, _split(len(unsplit), cfg.eval_fraction, stable_seed(seed, f, "split"))):
+        for row, is_eval in zip(unsplit, _split(len(unsplit), cfg.eval_fraction, stable_seed(seed, f, "split")), strict=True):
             row["split"] = "eval" if is_eval else "train"
         rows += frows
     return rows

@@ -141,7 +141,7 @@ def conversations_from(data: Input, cfg: SFTConfig) -> list[list[dict]]:
             raise SchemaError(f"{data.label}: no train-split prompts with an 'answer' to build SFT targets from")
         return [
             msgs + [{"role": "assistant", "content": gold_completion(ans, cfg.gold_think)}]
-            for msgs, ans in zip(table["messages"].to_pylist(), table["answer"].to_pylist())
+            for msgs, ans in zip(table["messages"].to_pylist(), table["answer"].to_pylist(), strict=True)
         ]
     raise SchemaError(f"{data.label}: sft needs an 'sft' or 'prompts' dataset, got {kind!r}")
 

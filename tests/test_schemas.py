@@ -1,5 +1,5 @@
-import re
 import json
+import re
 
 import pyarrow as pa
 import pytest

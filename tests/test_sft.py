@@ -51,7 +51,7 @@ def test_tokenize_conversation_labels_only_the_assistant_turn(tiny_tokenizer):
     labelled = [t for t in ex.labels if t != IG]
     text = tiny_tokenizer.decode(labelled)
     assert text.startswith("<think>\nadd\n</think>\n<answer>4</answer><|im_end|>")
-    prompt_part = tiny_tokenizer.decode([t for t, lab in zip(ex.input_ids, ex.labels) if lab == IG])
+    prompt_part = tiny_tokenizer.decode([t for t, lab in zip(ex.input_ids, ex.labels, strict=True) if lab == IG])
     assert "2+2?" in prompt_part and "<answer>" not in prompt_part
     short = sft.tokenize_conversation(tiny_tokenizer, msgs, max_length=10)
     assert len(short.input_ids) == 10 and all(lab == IG for lab in short.labels)
