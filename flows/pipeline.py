@@ -34,7 +34,7 @@ KEY_METRICS = {
     "import_model": ("parameters",),
     "prompts": ("train_rows", "eval_rows"),
     "sft": ("final_loss", "trained_steps"),
-    "eval": ("accuracy", "format_rate", "pass_at_[0-9]", "pass_at_[0-9][0-9]", "mean_length"),
+    "eval": ("accuracy", "accuracy_lenient", "format_rate", "pass_at_[0-9]", "pass_at_[0-9][0-9]", "mean_length"),
 }
 LOG_DATA_MAX_BYTES = 50 << 20  # datasets up to this size are copied into MLflow; larger ones by pointer
 

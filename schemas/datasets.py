@@ -76,6 +76,7 @@ SCHEMAS: dict[str, pa.Schema] = {
         _f("extracted", pa.string(), nullable=True),
         _f("answer", pa.string(), nullable=True),
         _f("correct", pa.bool_(), nullable=True),  # null: the verifier could not score
+        _f("correct_lenient", pa.bool_(), nullable=True),  # answer may come from outside the answer block
         _f("format_ok", pa.bool_()),
         _f("num_tokens", pa.int32()),
         _f("finish_reason", pa.string()),

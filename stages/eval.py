@@ -1,6 +1,8 @@
 """`eval` stage: greedy pass@1 and sampled pass@k on held-out prompts, scored by each row's verifier.
 
-Writes one `eval` dataset (a row per completion) and summary metrics: accuracy (greedy), pass@k
+Writes one `eval` dataset (a row per completion) and summary metrics: accuracy (greedy; the answer
+must be in the <answer> block or a \\boxed{}), accuracy_lenient (else the last number counts, so a
+base model that has not learnt the format is measured fairly), pass@k
 (unbiased estimator over the sampled completions), format rate, mean completion length,
 generation throughput, and the same per task.
 """
@@ -20,7 +22,7 @@ from stages.base import Input, Output, StageContext, seed_everything, write_data
 from stages.generation import generate
 from stages.rewards import pass_at_k, score
 
-VERSION = "1"
+VERSION = "2"  # 2: correct_lenient column and accuracy_lenient metric
 CONFIG = EvalConfig
 INPUTS = {"model": "model", "prompts": "prompts"}
 OUTPUTS = {"results": "eval"}
@@ -47,6 +49,7 @@ def summarize(rows: list[dict], k: int) -> dict[str, float]:
     out: dict[str, float] = {}
     if greedy:
         out["accuracy"] = float(np.mean([r["correct"] for r in scored])) if scored else float("nan")
+        out["accuracy_lenient"] = float(np.mean([r["correct_lenient"] for r in scored])) if scored else float("nan")
         out["format_rate"] = float(np.mean([r["format_ok"] for r in greedy]))
         out["mean_length"] = float(np.mean([r["num_tokens"] for r in greedy]))
         out["truncated_rate"] = float(np.mean([r["finish_reason"] == "length" for r in greedy]))
@@ -90,13 +93,14 @@ def run(cfg: EvalConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[st
                 rows.append({
                     "prompt_id": prompt["id"], "task": prompt["task"], "mode": mode, "sample_index": i,
                     "completion": c.text, "extracted": verdict.extracted, "answer": prompt["answer"],
-                    "correct": verdict.correct, "format_ok": verdict.format_ok,
+                    "correct": verdict.correct, "correct_lenient": verdict.correct_lenient,
+                    "format_ok": verdict.format_ok,
                     "num_tokens": c.num_tokens, "finish_reason": c.finish_reason,
                 })
     metrics = summarize(rows, cfg.pass_k)
     for task in sorted({r["task"] for r in rows}):
         for name, value in summarize([r for r in rows if r["task"] == task], cfg.pass_k).items():
-            if name in ("accuracy", "format_rate", "mean_length") or name.startswith("pass_at_"):
+            if name in ("accuracy", "accuracy_lenient", "format_rate", "mean_length") or name.startswith("pass_at_"):
                 metrics[f"{task}/{name}"] = value
     metrics["tokens_per_s"] = new_tokens / seconds if seconds else 0.0
     metrics["prompts"] = float(len(prompts))

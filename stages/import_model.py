@@ -49,6 +49,7 @@ def _link_tree(src: Path, dst: Path) -> None:
             continue
         target = dst / f.relative_to(src)
         target.parent.mkdir(parents=True, exist_ok=True)
+        target.unlink(missing_ok=True)
         try:
             os.link(f, target)
         except OSError:

@@ -134,6 +134,28 @@ def extract_answer(completion: str) -> str | None:
     return answer.strip() or None
 
 
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:/\d+)?")
+
+
+def extract_answer_lenient(completion: str) -> str | None:
+    """`extract_answer`, else the last number outside the thinking part.
+
+    For evaluation only: it measures what a model knows before it has learnt the answer format
+    (a base model that writes "2 + 3 = 5" gets credit). Rewards never use it — an RL policy
+    would learn to spray numbers.
+
+    >>> extract_answer_lenient("2 + 3 = 5")
+    '5'
+    >>> extract_answer_lenient("<think>7</think> no idea") is None
+    True
+    """
+    strict = extract_answer(completion)
+    if strict is not None:
+        return strict
+    numbers = _NUMBER.findall(_outside_think(completion))
+    return numbers[-1] if numbers else None
+
+
 # --------------------------------------------------------------------------- format
 
 
@@ -305,6 +327,8 @@ class Verdict:
     correct: the verifier's score >= 1.0 (so reasoning-gym partial credit is not correct);
         None when the row cannot be scored.
     extracted: `extract_answer(completion)`.
+    correct_lenient: like `correct`, but an answer missing from the answer block falls back to
+        the last number outside the thinking part (evaluation only; see extract_answer_lenient).
     format_ok: `format_ok(completion)`.
     reward: sum of weight * component over the weights; None when a component with a non-zero
         weight is absent (with the default weights: whenever correct is None).
@@ -317,6 +341,7 @@ class Verdict:
     format_ok: bool
     reward: float | None
     components: dict[str, float]
+    correct_lenient: bool | None = None
 
 
 def score(row: Mapping[str, Any], completion: str, weights: Mapping[str, float] = DEFAULT_WEIGHTS) -> Verdict:
@@ -343,7 +368,13 @@ def score(row: Mapping[str, Any], completion: str, weights: Mapping[str, float] 
     reward: float | None = None
     if all(k in components for k, w in weights.items() if w != 0):
         reward = sum(w * components[k] for k, w in weights.items() if w != 0)
-    return Verdict(correct=correct, extracted=extracted, format_ok=well_formed, reward=reward, components=components)
+    correct_lenient = correct
+    if extracted is None and correct is not None:
+        lenient = extract_answer_lenient(completion)
+        raw_lenient = verifier(lenient, row) if lenient is not None else None
+        correct_lenient = raw_lenient >= 1.0 if raw_lenient is not None else False
+    return Verdict(correct=correct, extracted=extracted, format_ok=well_formed, reward=reward, components=components,
+                   correct_lenient=correct_lenient)
 
 
 # --------------------------------------------------------------------------- pass@k

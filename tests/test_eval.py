@@ -11,22 +11,25 @@ from stages.base import LocalContext, write_dataset
 from tests.conftest import fake_input
 
 
-def row(pid, mode, correct, fmt=True, n=10, finish="stop", task="t", i=0):
+def row(pid, mode, correct, fmt=True, n=10, finish="stop", task="t", i=0, lenient=None):
     return {"prompt_id": pid, "task": task, "mode": mode, "sample_index": i, "completion": "", "extracted": None,
-            "answer": None, "correct": correct, "format_ok": fmt, "num_tokens": n, "finish_reason": finish}
+            "answer": None, "correct": correct, "correct_lenient": correct if lenient is None else lenient,
+            "format_ok": fmt, "num_tokens": n, "finish_reason": finish}
 
 
 def test_summarize_hand_computed():
-    """greedy: 3 rows, correct [T, F, None] → accuracy 1/2 over the 2 scored, 1 unscored; format
+    """greedy: 3 rows, correct [T, F, None] → accuracy 1/2 over the 2 scored, 1 unscored (lenient
+    [T, T] → 1); format
     [T, T, F] → 2/3; lengths 10, 20, 30 → 20; one truncated → 1/3.
     sampled, k=2: prompt a has 1 of 2 correct → pass@2 = 1, pass@1 = 0.5; prompt b 0 of 2 → 0, 0.
     means: pass@2 = 0.5, pass@1 = 0.25."""
-    rows = [row("a", "greedy", True, n=10), row("b", "greedy", False, n=20),
+    rows = [row("a", "greedy", True, n=10), row("b", "greedy", False, n=20, lenient=True),
             row("c", "greedy", None, fmt=False, n=30, finish="length"),
             row("a", "sampled", True, i=0), row("a", "sampled", False, i=1),
             row("b", "sampled", False, i=0), row("b", "sampled", False, i=1)]
     m = eval_stage.summarize(rows, k=2)
     assert m["accuracy"] == pytest.approx(0.5)
+    assert m["accuracy_lenient"] == pytest.approx(1.0)  # b's answer was right, outside the answer block
     assert m["unscored"] == 1
     assert m["format_rate"] == pytest.approx(2 / 3)
     assert m["mean_length"] == pytest.approx(20)

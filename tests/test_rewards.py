@@ -262,7 +262,7 @@ def test_reasoning_gym_basic_arithmetic_right_and_wrong():
     right = score(rows[0], gold_completion("-4", "5 - 3 = 2, 2 - 6 = -4"))
     assert right == Verdict(
         correct=True, extracted="-4", format_ok=True, reward=1.0,
-        components={"format": 1.0, "reasoning_gym": 1.0, "accuracy": 1.0},
+        components={"format": 1.0, "reasoning_gym": 1.0, "accuracy": 1.0}, correct_lenient=True,
     )
     wrong = score(rows[0], r1("4"))
     assert wrong.correct is False and wrong.reward == 0.0
@@ -378,3 +378,16 @@ def test_pass_at_k_large_n_is_finite():
 def test_pass_at_k_rejects_bad_arguments(n, c, k):
     with pytest.raises(ValueError):
         pass_at_k(n, c, k)
+
+
+def test_lenient_accuracy_is_for_eval_only():
+    """A base model that writes '5 - 3 = 2' without tags: strict incorrect (no answer to score, and
+    the reward stays 0), lenient correct. A tagged wrong answer stays wrong leniently too."""
+    row = {"verifier": "math", "answer": "2", "task": "t", "metadata": "{}", "messages": []}
+    v = score(row, "5 - 3 = 2")
+    assert v.correct is False and v.reward == 0.0 and v.correct_lenient is True
+    v = score(row, "<think>it is 2</think><answer>3</answer>")
+    assert v.correct is False and v.correct_lenient is False
+    v = score(row, "<think>2</think>no number here")
+    assert v.correct_lenient is False
+    assert score({**row, "verifier": "none"}, "2").correct_lenient is None
