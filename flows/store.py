@@ -128,10 +128,13 @@ class ArtifactStore:
             return existing
         final = self.artifact_path(fp)
         if self.is_local:
-            (staged / MANIFEST_FILE).write_text(manifest.to_json())
+            # Move next to the final place first (may cross filesystems), manifest last, then one rename.
+            incoming = f"{self.base}/artifacts/.incoming-{uuid.uuid4().hex}"
+            shutil.move(str(staged), incoming)
+            Path(incoming, MANIFEST_FILE).write_text(manifest.to_json())
             if os.path.exists(final):  # an incomplete or corrupt leftover: move it aside, never overwrite in place
-                os.replace(final, self.home / "tmp" / f"corrupt-{fp[:12]}-{uuid.uuid4().hex[:6]}")
-            os.replace(staged, final)
+                os.replace(final, f"{self.base}/artifacts/.corrupt-{fp[:12]}-{uuid.uuid4().hex[:6]}")
+            os.replace(incoming, final)
         else:
             if self.fs.exists(final):
                 self.fs.rm(final, recursive=True)
@@ -204,7 +207,8 @@ class ArtifactStore:
 
     def resolve_prefix(self, prefix: str) -> str:
         """Full fingerprint from a unique prefix (as shown by `r1flow artifacts`)."""
-        matches = [Path(p).name for p in self.fs.ls(f"{self.base}/artifacts", detail=False) if Path(p).name.startswith(prefix)]
+        names = [Path(p).name for p in self.fs.ls(f"{self.base}/artifacts", detail=False)]
+        matches = [n for n in names if n.startswith(prefix) and not n.startswith(".")]
         if not matches:
             raise ArtifactError(f"no artifact with fingerprint starting {prefix!r} in {self.uri}")
         if len(matches) > 1:
@@ -214,6 +218,8 @@ class ArtifactStore:
     def list(self) -> list[Manifest]:
         out = []
         for p in self.fs.ls(f"{self.base}/artifacts", detail=False):
+            if Path(p).name.startswith("."):  # incoming or set-aside directories
+                continue
             try:
                 out.append(self.read_manifest(Path(p).name))
             except ArtifactError:

@@ -26,10 +26,12 @@ from schemas.errors import ArtifactError
 
 @dataclass(frozen=True)
 class Input:
-    """A resolved input artifact: a local directory and its manifest."""
+    """A resolved input artifact: a local directory and its manifest (and, for a LoRA adapter,
+    the resolved base model artifact it was trained on)."""
 
     path: Path
     manifest: Manifest
+    base: Input | None = None
 
     @property
     def fingerprint(self) -> str:
@@ -53,6 +55,13 @@ class Input:
         if self.manifest.kind != "model":
             raise ArtifactError(f"{self.label}: expected a model, got a {self.manifest.kind}")
         return self.path / MODEL_DIR
+
+    def load_model(self, **kwargs):
+        """(model, tokenizer) of a model artifact; an adapter is attached to its resolved base."""
+        from stages import models
+
+        base = self.base.model_dir if self.base is not None else None
+        return models.load_model(self.model_dir, base=base, **kwargs)
 
     @classmethod
     def from_dir(cls, path: Path) -> Input:

@@ -17,7 +17,6 @@ import pyarrow as pa
 from schemas.configs import EvalConfig, GenerationSpec
 from schemas.datasets import from_rows
 from schemas.errors import SchemaError
-from stages import models
 from stages.base import Input, Output, StageContext, seed_everything, write_dataset
 from stages.generation import generate
 from stages.rewards import pass_at_k, score
@@ -69,7 +68,7 @@ def run(cfg: EvalConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[st
     if not prompts:
         raise SchemaError(f"{inputs['prompts'].label}: no prompts with split={cfg.split!r} to evaluate")
     seed_everything(ctx.seed)
-    model, tokenizer = models.load_model(inputs["model"].model_dir)
+    model, tokenizer = inputs["model"].load_model()
     model.to(ctx.device)
     conversations = [p["messages"] for p in prompts]
     greedy_spec = GenerationSpec(max_new_tokens=cfg.max_new_tokens, temperature=0.0, batch_size=cfg.batch_size)

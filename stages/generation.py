@@ -82,7 +82,8 @@ def generate(
         kwargs = dict(do_sample=do_sample, max_new_tokens=spec.max_new_tokens, num_return_sequences=n,
                       eos_token_id=eos_ids, pad_token_id=pad_id)
         if do_sample:
-            kwargs.update(temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k or None)
+            # top_k=0 disables the filter; None would fall back to the model's generation_config (often 50).
+            kwargs.update(temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k)
         else:
             kwargs.update(temperature=None, top_p=None, top_k=None)
         out = model.generate(**enc, **kwargs)

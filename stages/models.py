@@ -308,11 +308,14 @@ def load_model(
     trust_remote_code: bool = False,
     revision: str | None = None,
     is_trainable: bool = False,
+    base: Path | str | None = None,
 ) -> tuple[Model, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer (left padding, pad token set) from a directory or hub name.
 
     A directory holding a PEFT adapter loads its base model from `base_model_name_or_path` and
-    attaches the adapter (`is_trainable` to keep training it); the tokenizer comes from the adapter
+    attaches the adapter (`is_trainable` to keep training it); `base` overrides that recorded path
+    (artifacts locate their base by fingerprint, not by a path that may have moved); the tokenizer
+    comes from the adapter
     directory when it has one.
     """
     ref = str(path_or_name)
@@ -321,7 +324,7 @@ def load_model(
         model, tokenizer = _load_plain(ref, dtype, trust_remote_code, revision)
         return model.to(device), tokenizer
     try:
-        base_ref = PeftConfig.from_pretrained(adapter_dir).base_model_name_or_path
+        base_ref = str(base) if base is not None else PeftConfig.from_pretrained(adapter_dir).base_model_name_or_path
     except (OSError, ValueError) as err:
         raise ModelError(f"cannot read adapter config in {ref!r}: {err}") from err
     if not base_ref:

@@ -199,8 +199,9 @@ def resolve_precision(precision: str, device: str) -> torch.dtype | None:
     return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
 
 
-def load_trainable(model_dir: Path, cfg: SFTConfig, device: str, log):
-    model, tokenizer = models.load_model(model_dir)
+def load_trainable(source: Input, cfg: SFTConfig, device: str):
+    model_dir = source.model_dir
+    model, tokenizer = source.load_model()
     merged_input = hasattr(model, "merge_and_unload")
     if merged_input:  # an adapter artifact: fold it in, then train a fresh adapter (or all weights)
         model = model.merge_and_unload()
@@ -215,7 +216,7 @@ def load_trainable(model_dir: Path, cfg: SFTConfig, device: str, log):
 def run(cfg: SFTConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[str, Output]:
     conversations = conversations_from(inputs["data"], cfg)  # validates before loading the model
     seed_everything(ctx.seed)
-    model, tokenizer, merged_input = load_trainable(inputs["model"].model_dir, cfg, ctx.device, ctx.log)
+    model, tokenizer, merged_input = load_trainable(inputs["model"], cfg, ctx.device)
     examples = [tokenize_conversation(tokenizer, c, cfg.max_length) for c in conversations]
     examples = [e for e in examples if any(lab != IGNORE for lab in e.labels[1:])]
     if not examples:

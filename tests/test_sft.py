@@ -199,3 +199,22 @@ def test_prompts_input_builds_gold_targets(tmp_path, tiny_model_input):
     assert len(convs) == 4  # train split only
     assert all(format_ok(c[-1]["content"]) and c[-1]["role"] == "assistant" for c in convs)
     assert convs[0][-1]["content"].endswith("<answer>1</answer>")
+
+
+def test_adapter_artifact_finds_its_base_by_fingerprint_not_by_path(sft_inputs, tmp_path):
+    """The adapter config records an absolute base path; artifacts must survive that path moving
+    (another machine, a remote store), so the base comes from the resolved base artifact."""
+    import json
+
+    from stages.base import Input
+
+    out = sft.run(_cfg(max_steps=2, lora=LoraSpec(r=4, alpha=8)), sft_inputs, LocalContext(tmp_path / "l"))["model"]
+    cfg_path = out.path / "model" / "adapter_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["base_model_name_or_path"] = str(tmp_path / "moved-away")
+    cfg_path.write_text(json.dumps(cfg))
+    adapter = fake_input(out.path, "model", "adapter")
+    with pytest.raises(Exception, match="moved-away"):
+        adapter.load_model()
+    model, _ = Input(adapter.path, adapter.manifest, base=sft_inputs["model"]).load_model()
+    assert hasattr(model, "peft_config")

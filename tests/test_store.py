@@ -108,3 +108,15 @@ def test_cache_key_depends_on_every_part():
     for change in ({"stage": "dpo"}, {"version": "2"}, {"config": {"lr": 2e-4, "n": 2}}, {"inputs": {"a": "f2"}},
                    {"seed": 1}, {"salt": "file-hash"}):
         assert cache_key(**dict(base, **change)) != k
+
+
+def test_publish_across_filesystem_boundaries_and_hidden_incoming(tmp_path):
+    """The store root need not be under home (R1FLOW_STORE on another disk): publish still lands
+    atomically, and half-moved `.incoming-*` directories never show up as artifacts."""
+    store = ArtifactStore(tmp_path / "store", home=tmp_path / "home")
+    m = store.publish(stage(store, {"a": "x"}), kind="dataset", schema="sft", producer=PRODUCER, parents=[])
+    assert store.is_valid(m.fingerprint)
+    half = tmp_path / "store" / "artifacts" / ".incoming-dead"
+    half.mkdir()
+    (half / MANIFEST_FILE).write_text(m.to_json())
+    assert [x.fingerprint for x in store.list()] == [m.fingerprint]
