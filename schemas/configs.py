@@ -48,6 +48,42 @@ class GenerationSpec(Strict):
 Precision = Literal["auto", "fp32", "bf16", "fp16"]
 
 
+class SandboxLimits(Strict):
+    """Limits of the sandboxed subprocess that runs untrusted code (code-task rewards)."""
+
+    wall_timeout_s: float = Field(10.0, gt=0, description="Wall-clock limit for one program run.")
+    cpu_time_s: int = Field(5, ge=1, description="RLIMIT_CPU seconds.")
+    memory_mb: int = Field(512, ge=32, description="RLIMIT_AS address-space limit in MiB.")
+    max_output_bytes: int = Field(65536, ge=1024, description="Stdout/stderr kept; more is a failure.")
+    max_processes: int = Field(1, ge=1, description="Extra processes the program may create (fork bombs stop here).")
+
+
+class RewardSpec(Strict):
+    """How a completion is scored: weighted components, routed per prompt by its `verifier`.
+
+    Components: accuracy (1/0 from the verifier), format (R1 tags well formed), overlong (DAPO's
+    soft overlong punishment, ≤ 0), repetition (n-gram repetition penalty, ≤ 0), cosine (accuracy
+    scaled by length, Demystifying Long CoT), reward_model (score of a trained reward model).
+    """
+
+    weights: dict[str, float] = Field(
+        default_factory=lambda: {"accuracy": 1.0, "format": 0.2},
+        description="Component name -> weight. Known: accuracy, format, overlong, repetition, cosine, "
+        "reward_model, or a verifier's raw score by its name (e.g. reasoning_gym).",
+    )
+    overlong_max_tokens: int = Field(512, ge=1, description="DAPO L_max: completions longer are penalised fully.")
+    overlong_buffer: int = Field(128, ge=0, description="DAPO L_cache: the soft penalty ramps over this many tokens.")
+    repetition_ngram: int = Field(3, ge=1, description="n of the n-gram repetition penalty.")
+    repetition_max_penalty: float = Field(-1.0, le=0, description="Penalty when every n-gram repeats.")
+    cosine_max_len: int = Field(512, ge=1, description="Length at which the cosine schedule ends.")
+    cosine_min_value_wrong: float = Field(-0.5, description="Cosine reward of a wrong answer at length 0.")
+    cosine_max_value_wrong: float = Field(0.0, description="Cosine reward of a wrong answer at max length.")
+    cosine_min_value_correct: float = Field(0.5, description="Cosine reward of a correct answer at max length.")
+    cosine_max_value_correct: float = Field(1.0, description="Cosine reward of a correct answer at length 0.")
+    math_timeout_s: float = Field(5.0, gt=0, description="Deadline for one math-verify check (process pool).")
+    sandbox: SandboxLimits = Field(default_factory=SandboxLimits, description="Limits for code rewards.")
+
+
 # ---------------------------------------------------------------------------- stages
 
 
@@ -126,11 +162,67 @@ class EvalConfig(Strict):
     top_p: float = Field(0.95, gt=0, le=1, description="Nucleus threshold for pass@k.")
 
 
+class RejectionSamplingConfig(Strict):
+    """`rejection_sampling` stage: K samples per prompt, scored; keep up to M that pass."""
+
+    num_samples: int = Field(8, ge=1, description="K: completions sampled per prompt.")
+    keep_per_prompt: int = Field(1, ge=1, description="M: accepted completions kept per prompt (best first).")
+    require_correct: bool = Field(True, description="Accept only verified-correct completions.")
+    require_format: bool = Field(True, description="Accept only well-formed R1-format completions.")
+    min_reward: float | None = Field(None, description="Also require reward >= this (None: no reward threshold).")
+    split: Literal["train", "eval"] = Field("train", description="Which split of the prompts to sample from.")
+    max_prompts: int | None = Field(None, ge=1, description="Use only the first N prompts (None: all).")
+    generation: GenerationSpec = Field(
+        default_factory=lambda: GenerationSpec(temperature=0.8, top_p=0.95, max_new_tokens=256),
+        description="Sampling settings.",
+    )
+    reward: RewardSpec = Field(default_factory=RewardSpec, description="How samples are scored.")
+
+
+class PreferenceDataConfig(Strict):
+    """`preference_data` stage: chosen/rejected pairs from scored samples (and/or users' files)."""
+
+    min_margin: float = Field(0.5, ge=0, description="Minimum chosen - rejected score difference.")
+    drop_ties: bool = Field(True, description="Skip prompts whose best and worst scores are equal.")
+    pairs_per_prompt: int = Field(1, ge=1, description="Pairs per prompt: best vs worst, 2nd best vs 2nd worst, …")
+    balance_tasks: bool = Field(True, description="Cap every task at the pair count of the smallest task.")
+    files: list[str] = Field(
+        default_factory=list,
+        description="User preference files (parquet/jsonl) with prompt or messages, chosen, rejected.",
+    )
+    hf_dataset: str | None = Field(None, description="A Hugging Face preference dataset name (where a hub is reachable).")
+    hf_split: str = Field("train", description="Split of hf_dataset.")
+    eval_fraction: float = Field(0.1, ge=0, lt=1, description="Share of pairs held out (id suffix marks split in metadata).")
+
+
+class RewardModelConfig(Strict):
+    """`reward_model` stage: Bradley-Terry reward model (scalar head on a causal LM)."""
+
+    max_steps: int = Field(100, ge=1, description="Optimizer steps.")
+    batch_size: int = Field(8, ge=1, description="Pairs per micro-batch.")
+    grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
+    learning_rate: float = Field(1e-4, gt=0, description="Peak learning rate.")
+    lr_scheduler: Literal["cosine", "linear", "constant"] = Field("cosine", description="Decay after warmup.")
+    warmup_ratio: float = Field(0.05, ge=0, lt=1, description="Share of steps with linear warmup.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
+    max_length: int = Field(512, ge=8, description="Tokens per sequence (prompt + completion).")
+    margin: bool = Field(False, description="Use the score difference as a margin in the BT loss (Llama-2 style).")
+    eval_fraction: float = Field(0.2, ge=0, lt=1, description="Share of pairs held out for pairwise accuracy.")
+    lora: LoraSpec = Field(default_factory=lambda: LoraSpec(merge=True), description="LoRA settings (merged on save).")
+    precision: Precision = Field("auto", description="auto: bf16 on GPUs that support it, else fp32.")
+    checkpoint_every: int = Field(50, ge=1, description="Save a resumable checkpoint every N steps.")
+    keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept on disk.")
+
+
 STAGE_CONFIGS: dict[str, type[Strict]] = {
     "import_model": ModelConfig,
     "prompts": PromptsConfig,
     "sft": SFTConfig,
     "eval": EvalConfig,
+    "rejection_sampling": RejectionSamplingConfig,
+    "preference_data": PreferenceDataConfig,
+    "reward_model": RewardModelConfig,
 }
 
 
