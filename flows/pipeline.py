@@ -34,6 +34,9 @@ KEY_METRICS = {
     "import_model": ("parameters",),
     "prompts": ("train_rows", "eval_rows"),
     "sft": ("final_loss", "trained_steps"),
+    "rejection_sampling": ("acceptance_rate", "accepted_rows", "sample_accuracy"),
+    "preference_data": ("pairs", "mean_margin"),
+    "reward_model": ("eval_accuracy", "eval_margin"),
     "eval": ("accuracy", "accuracy_lenient", "format_rate", "pass_at_[0-9]", "pass_at_[0-9][0-9]", "mean_length"),
 }
 LOG_DATA_MAX_BYTES = 50 << 20  # datasets up to this size are copied into MLflow; larger ones by pointer

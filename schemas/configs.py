@@ -43,6 +43,9 @@ class GenerationSpec(Strict):
     top_k: int = Field(0, ge=0, description="Top-k sampling; 0 disables.")
     batch_size: int = Field(16, ge=1, description="Prompts per generate() call.")
     stop: list[str] = Field(default_factory=list, description="Extra stop strings (EOS always stops).")
+    backend: Literal["transformers", "vllm"] = Field(
+        "transformers", description="Generation backend; vllm needs the optional extra and a GPU."
+    )
 
 
 Precision = Literal["auto", "fp32", "bf16", "fp16"]
@@ -192,7 +195,6 @@ class PreferenceDataConfig(Strict):
     )
     hf_dataset: str | None = Field(None, description="A Hugging Face preference dataset name (where a hub is reachable).")
     hf_split: str = Field("train", description="Split of hf_dataset.")
-    eval_fraction: float = Field(0.1, ge=0, lt=1, description="Share of pairs held out (id suffix marks split in metadata).")
 
 
 class RewardModelConfig(Strict):

@@ -15,6 +15,9 @@ STAGE_MODULES = {
     "prompts": "stages.prompts",
     "sft": "stages.sft",
     "eval": "stages.eval",
+    "rejection_sampling": "stages.rejection_sampling",
+    "preference_data": "stages.preference_data",
+    "reward_model": "stages.reward_model",
 }
 
 STAGE_SUMMARIES = {
@@ -22,6 +25,9 @@ STAGE_SUMMARIES = {
     "prompts": "verifiable prompts from reasoning-gym tasks and user files, with a train/eval split",
     "sft": "supervised fine-tuning (LoRA or full), loss on assistant tokens, resumable",
     "eval": "greedy pass@1 and sampled pass@k on held-out prompts, format rate, length",
+    "rejection_sampling": "K scored samples per prompt; keep up to M verified ones as an sft dataset",
+    "preference_data": "chosen/rejected pairs from scored samples (and user files), plus unpaired rows for KTO",
+    "reward_model": "Bradley-Terry reward model (scalar head on a causal LM), held-out pairwise accuracy",
 }
 
 

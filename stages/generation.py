@@ -1,18 +1,28 @@
-"""Batched generation with transformers: n completions per prompt, left padding, KV cache.
+"""The generation engine every sampling stage shares: n completions per prompt, one interface,
+two backends (transformers by default, vLLM where installed).
 
-Prompts are sorted by length before batching (less padding) and results restored to input order.
-Each batch reseeds from (seed, batch index), so results do not depend on what ran before.
+transformers backend: prompts sorted by length before batching (less padding; results restored to
+input order), left padding, KV cache, EOS and stop strings end a completion, each batch reseeded
+from (seed, batch index) so results do not depend on what ran before.
+
+Per-token log-probs, when asked, come from a teacher-forced forward pass over prompt + completion
+with the same position ids generation used: log-probs of the sampled tokens under the model's own
+distribution (temperature 1, no top-p/top-k), i.e. exactly what a trainer's forward pass computes.
+The pass runs in row chunks, so [batch, seq, vocab] logits are never held for the whole batch.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
 
 import torch
 from tqdm.auto import tqdm
 
 from schemas.configs import GenerationSpec
+from schemas.errors import ModelError
 
 
 @dataclass(frozen=True)
@@ -20,6 +30,8 @@ class Completion:
     text: str
     num_tokens: int
     finish_reason: str  # "stop" (EOS or a stop string) | "length"
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[float, ...] | None = None  # one per token in token_ids, when asked for
 
 
 @dataclass
@@ -34,6 +46,12 @@ class GenerationStats:
         return self.new_tokens / self.seconds if self.seconds else 0.0
 
 
+class GenerationBackend(Protocol):
+    def generate(self, conversations: list[list[dict]], spec: GenerationSpec, n: int = 1, seed: int = 0,
+                 logprobs: bool = False, desc: str = "generate",
+                 progress: bool = True) -> tuple[list[list[Completion]], GenerationStats]: ...
+
+
 def render_prompts(tokenizer, conversations: list[list[dict]]) -> list[str]:
     return [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations]
 
@@ -46,63 +64,154 @@ def stop_token_ids(tokenizer) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
-def _cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
-    cut = min((text.find(s) + len(s) for s in stops if s in text), default=-1)
-    return (text[:cut], True) if cut >= 0 else (text, False)
+def cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
+    """Text up to and including the earliest stop string, and whether one was found."""
+    hits = [(text.find(s), s) for s in stops if s and s in text]
+    if not hits:
+        return text, False
+    pos, stop = min(hits)
+    return text[: pos + len(stop)], True
 
 
-@torch.no_grad()
-def generate(
-    model,
-    tokenizer,
-    conversations: list[list[dict]],
-    spec: GenerationSpec,
-    n: int = 1,
-    seed: int = 0,
-    desc: str = "generate",
-    progress: bool = True,
-) -> tuple[list[list[Completion]], GenerationStats]:
-    """Return n completions per conversation (in input order) and throughput stats."""
-    texts = render_prompts(tokenizer, conversations)
-    order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
-    eos_ids = stop_token_ids(tokenizer)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
-    device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    tokenizer.padding_side = "left"
-    results: list[list[Completion] | None] = [None] * len(texts)
-    stats = GenerationStats(prompts=len(texts))
-    do_sample = spec.temperature > 0
-    t0 = time.perf_counter()
-    batches = [order[i : i + spec.batch_size] for i in range(0, len(order), spec.batch_size)]
-    for b, idx in enumerate(tqdm(batches, desc=desc, unit="batch", disable=not progress, leave=False)):
-        enc = tokenizer([texts[i] for i in idx], return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-        torch.manual_seed(seed * 1_000_003 + b)
-        kwargs = dict(do_sample=do_sample, max_new_tokens=spec.max_new_tokens, num_return_sequences=n,
-                      eos_token_id=eos_ids, pad_token_id=pad_id)
-        if do_sample:
-            # top_k=0 disables the filter; None would fall back to the model's generation_config (often 50).
-            kwargs.update(temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k)
-        else:
-            kwargs.update(temperature=None, top_p=None, top_k=None)
-        out = model.generate(**enc, **kwargs)
-        new = out[:, enc["input_ids"].shape[1] :]
-        for j, row in enumerate(new.tolist()):
-            length = next((k + 1 for k, t in enumerate(row) if t in eos_ids), None)
-            finish = "stop" if length is not None else "length"
-            length = length if length is not None else len(row)
-            text = tokenizer.decode(row[:length], skip_special_tokens=True)
+def completion_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
+                        completion_mask: torch.Tensor, chunk_rows: int = 8) -> torch.Tensor:
+    """Log-prob of every completion token given the prompt and the tokens before it.
+
+    prompt_ids/prompt_mask: (B, P), left padded; completion_ids/completion_mask: (B, C), right
+    padded. Returns (B, C) float32 with 0 where completion_mask is 0. Position ids follow the
+    attention mask, as in generation, so left padding does not shift positions.
+    """
+    ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    mask = torch.cat([prompt_mask, completion_mask], dim=1)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    p, out = prompt_ids.shape[1], []
+    with torch.no_grad():
+        for i in range(0, ids.shape[0], chunk_rows):
+            rows = slice(i, i + chunk_rows)
+            logits = model(input_ids=ids[rows], attention_mask=mask[rows], position_ids=positions[rows]).logits
+            logits = logits[:, p - 1 : -1, :].float()  # the positions that predict completion tokens
+            lp = torch.log_softmax(logits, dim=-1).gather(-1, completion_ids[rows].unsqueeze(-1)).squeeze(-1)
+            out.append(lp * completion_mask[rows])
+    return torch.cat(out)
+
+
+class TransformersBackend:
+    def __init__(self, model, tokenizer):
+        self.model = model
+        self.tokenizer = tokenizer
+
+    @torch.no_grad()
+    def generate(self, conversations: list[list[dict]], spec: GenerationSpec, n: int = 1, seed: int = 0,
+                 logprobs: bool = False, desc: str = "generate",
+                 progress: bool = True) -> tuple[list[list[Completion]], GenerationStats]:
+        model, tokenizer = self.model, self.tokenizer
+        texts = render_prompts(tokenizer, conversations)
+        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+        eos_ids = stop_token_ids(tokenizer)
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
+        device = next(model.parameters()).device
+        was_training = model.training
+        model.eval()
+        tokenizer.padding_side = "left"
+        results: list[list[Completion]] = [[] for _ in texts]
+        stats = GenerationStats(prompts=len(texts))
+        do_sample = spec.temperature > 0
+        t0 = time.perf_counter()
+        batches = [order[i : i + spec.batch_size] for i in range(0, len(order), spec.batch_size)]
+        for b, idx in enumerate(tqdm(batches, desc=desc, unit="batch", disable=not progress, leave=False)):
+            enc = tokenizer([texts[i] for i in idx], return_tensors="pt", padding=True,
+                            add_special_tokens=False).to(device)
+            torch.manual_seed(seed * 1_000_003 + b)
+            kwargs = dict(do_sample=do_sample, max_new_tokens=spec.max_new_tokens, num_return_sequences=n,
+                          eos_token_id=eos_ids, pad_token_id=pad_id)
+            if do_sample:
+                # top_k=0 disables the filter; None would fall back to the model's generation_config (often 50).
+                kwargs.update(temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k)
+            else:
+                kwargs.update(temperature=None, top_p=None, top_k=None)
             if spec.stop:
-                text, stopped = _cut_at_stop(text, spec.stop)
-                if stopped:
-                    finish = "stop"
-            stats.new_tokens += length
-            pos = idx[j // n]
-            if results[pos] is None:
-                results[pos] = []
-            results[pos].append(Completion(text, length, finish))
-    stats.completions = len(texts) * n
-    stats.seconds = time.perf_counter() - t0
-    model.train(was_training)
-    return [r or [] for r in results], stats
+                kwargs.update(stop_strings=list(spec.stop), tokenizer=tokenizer)
+            out = model.generate(**enc, **kwargs)
+            new = out[:, enc["input_ids"].shape[1] :]
+            rows = self._rows(new.tolist(), eos_ids, spec.stop)
+            lps = None
+            if logprobs:
+                lens = torch.tensor([len(r[0]) for r in rows], device=device)
+                cmask = (torch.arange(new.shape[1], device=device)[None, :] < lens[:, None]).long()
+                lps = completion_logprobs(model, enc["input_ids"].repeat_interleave(n, 0),
+                                          enc["attention_mask"].repeat_interleave(n, 0), new * cmask, cmask).tolist()
+            for j, (ids, text, finish) in enumerate(rows):
+                stats.new_tokens += len(ids)
+                lp = tuple(lps[j][: len(ids)]) if lps is not None else None
+                results[idx[j // n]].append(Completion(text, len(ids), finish, tuple(ids), lp))
+        stats.completions = len(texts) * n
+        stats.seconds = time.perf_counter() - t0
+        model.train(was_training)
+        return results, stats
+
+    def _rows(self, generated: list[list[int]], eos_ids: list[int], stops: list[str]):
+        """(token ids up to and including EOS, text, finish reason) per generated row."""
+        out = []
+        for row in generated:
+            end = next((k + 1 for k, t in enumerate(row) if t in eos_ids), None)
+            finish = "stop" if end is not None else "length"
+            ids = row[: end if end is not None else len(row)]
+            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            if stops:
+                # generate() stops on the token completing a stop string; cut any characters after it.
+                text, stopped = cut_at_stop(text, stops)
+                finish = "stop" if stopped else finish
+            out.append((ids, text, finish))
+        return out
+
+
+class VLLMBackend:
+    """vLLM (optional extra, CUDA). Needs a full model directory (merge adapters first)."""
+
+    def __init__(self, model_dir: Path | str, tokenizer, seed: int = 0, gpu_memory_utilization: float = 0.5):
+        try:
+            from vllm import LLM
+        except ImportError:
+            raise ModelError("generation backend 'vllm' requested but vllm is not installed "
+                             "(pip install 'r1flow[vllm]' on a CUDA machine), or use backend: transformers") from None
+        self.tokenizer = tokenizer
+        self.llm = LLM(model=str(model_dir), seed=seed, gpu_memory_utilization=gpu_memory_utilization)
+
+    def generate(self, conversations: list[list[dict]], spec: GenerationSpec, n: int = 1, seed: int = 0,
+                 logprobs: bool = False, desc: str = "generate",
+                 progress: bool = True) -> tuple[list[list[Completion]], GenerationStats]:
+        from vllm import SamplingParams
+
+        params = SamplingParams(n=n, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k or -1,
+                                max_tokens=spec.max_new_tokens, stop=list(spec.stop) or None, seed=seed,
+                                include_stop_str_in_output=True, logprobs=0 if logprobs else None)
+        t0 = time.perf_counter()
+        outs = self.llm.generate(render_prompts(self.tokenizer, conversations), params, use_tqdm=progress)
+        stats = GenerationStats(prompts=len(conversations), completions=len(conversations) * n)
+        results = []
+        for o in outs:
+            comps = []
+            for c in o.outputs:
+                lp = tuple(next(iter(d.values())).logprob for d in c.logprobs) if logprobs and c.logprobs else None
+                comps.append(Completion(c.text, len(c.token_ids), "length" if c.finish_reason == "length" else "stop",
+                                        tuple(c.token_ids), lp))
+                stats.new_tokens += len(c.token_ids)
+            results.append(comps)
+        stats.seconds = time.perf_counter() - t0
+        return results, stats
+
+
+def make_backend(spec: GenerationSpec, model, tokenizer, model_dir: Path | None = None) -> GenerationBackend:
+    if spec.backend == "vllm":
+        if model_dir is None or not (Path(model_dir) / "config.json").exists():
+            raise ModelError("the vllm backend needs a full model directory; merge the adapter (lora.merge: true)")
+        return VLLMBackend(model_dir, tokenizer)
+    return TransformersBackend(model, tokenizer)
+
+
+def generate(model, tokenizer, conversations: list[list[dict]], spec: GenerationSpec, n: int = 1, seed: int = 0,
+             desc: str = "generate", progress: bool = True,
+             logprobs: bool = False) -> tuple[list[list[Completion]], GenerationStats]:
+    """n completions per conversation (in input order) with the transformers backend."""
+    return TransformersBackend(model, tokenizer).generate(conversations, spec, n=n, seed=seed, logprobs=logprobs,
+                                                          desc=desc, progress=progress)

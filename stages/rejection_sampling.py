@@ -1,0 +1,127 @@
+"""`rejection_sampling` stage: sample K completions per prompt, score them, keep up to M that pass.
+
+This is how R1 built its cold-start data and its stage-3 SFT set: sample from a model, keep what a
+verifier accepts. Accepted completions become an `sft` dataset (score kept in metadata); all
+scored samples are kept too (`samples`), for preference pairs and for inspection. Chaining
+rejection_sampling → sft → rejection_sampling in a recipe gives Llama-2-style rounds.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+
+import numpy as np
+
+from schemas.configs import RejectionSamplingConfig
+from schemas.datasets import from_rows
+from schemas.errors import SchemaError
+from stages.base import Input, Output, StageContext, seed_everything, write_dataset
+from stages.generation import make_backend
+from stages.rewards import score
+
+VERSION = "1"
+CONFIG = RejectionSamplingConfig
+INPUTS = {"model": "model", "prompts": "prompts"}
+OUTPUTS = {"samples": "samples", "data": "sft"}
+
+
+def passes(sample: dict, cfg: RejectionSamplingConfig) -> bool:
+    """The acceptance rule, on one scored sample row."""
+    meta = json.loads(sample["metadata"])
+    if cfg.require_correct and sample["correct"] is not True:
+        return False
+    if cfg.require_format and not meta["format_ok"]:
+        return False
+    if cfg.min_reward is not None and (sample["reward"] is None or sample["reward"] < cfg.min_reward):
+        return False
+    return True
+
+
+def _normalise(text: str) -> str:
+    return " ".join(text.split())
+
+
+def accept(samples: list[dict], cfg: RejectionSamplingConfig) -> list[dict]:
+    """Per prompt: passing samples, de-duplicated by normalised text, best reward first, at most M."""
+    by_prompt: dict[str, list[dict]] = defaultdict(list)
+    for s in samples:
+        by_prompt[s["prompt_id"]].append(s)
+    kept = []
+    for pid in sorted(by_prompt):
+        ok = [s for s in by_prompt[pid] if passes(s, cfg)]
+        ok.sort(key=lambda s: (-(s["reward"] if s["reward"] is not None else -np.inf), s["sample_index"]))
+        seen: set[str] = set()
+        for s in ok:
+            key = _normalise(s["completion"])
+            if key in seen:
+                continue
+            seen.add(key)
+            kept.append(s)
+            if len(seen) == cfg.keep_per_prompt:
+                break
+    return kept
+
+
+def run(cfg: RejectionSamplingConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[str, Output]:
+    table = inputs["prompts"].table("prompts")
+    prompts = [r for r in table.to_pylist() if r["split"] == cfg.split][: cfg.max_prompts]
+    if not prompts:
+        raise SchemaError(f"{inputs['prompts'].label}: no prompts with split={cfg.split!r}")
+    seed_everything(ctx.seed)
+    model, tokenizer = inputs["model"].load_model()
+    model.to(ctx.device)
+    backend = make_backend(cfg.generation, model, tokenizer, inputs["model"].model_dir)
+    completions, stats = backend.generate([p["messages"] for p in prompts], cfg.generation, n=cfg.num_samples,
+                                          seed=ctx.seed, desc="rejection sampling")
+    samples = []
+    for prompt, comps in zip(prompts, completions, strict=True):
+        for i, c in enumerate(comps):
+            v = score(prompt, c.text, cfg.reward, num_tokens=c.num_tokens)
+            samples.append({
+                "prompt_id": prompt["id"], "messages": prompt["messages"], "completion": c.text, "sample_index": i,
+                "reward": v.reward, "reward_components": json.dumps(v.components, sort_keys=True),
+                "correct": v.correct, "num_tokens": c.num_tokens, "finish_reason": c.finish_reason,
+                "metadata": json.dumps({"task": prompt["task"], "verifier": prompt["verifier"], "answer": prompt["answer"],
+                                        "extracted": v.extracted, "format_ok": v.format_ok}, sort_keys=True),
+            })
+    kept = accept(samples, cfg)
+    sft_rows = [{
+        "id": f"{s['prompt_id']}-{s['sample_index']}",
+        "messages": s["messages"] + [{"role": "assistant", "content": s["completion"]}],
+        "source": "rejection_sampling",
+        "metadata": json.dumps({"prompt_id": s["prompt_id"], "sample_index": s["sample_index"], "reward": s["reward"],
+                                "reward_components": json.loads(s["reward_components"]),
+                                "task": json.loads(s["metadata"])["task"]}, sort_keys=True),
+    } for s in kept]
+
+    metrics = acceptance_metrics(prompts, samples, kept)
+    metrics["tokens_per_s"] = stats.tokens_per_s
+    ctx.log_metrics(metrics)
+    ctx.log.info("rejection sampling: %d/%d prompts accepted (%.1f%%), %d sft rows",
+                 metrics["prompts_accepted"], len(prompts), 100 * metrics["acceptance_rate"], len(sft_rows))
+    return {
+        "samples": write_dataset(ctx, "samples", from_rows(samples, "samples"), "samples", metrics),
+        "data": write_dataset(ctx, "data", from_rows(sft_rows, "sft"), "sft", metrics),
+    }
+
+
+def acceptance_metrics(prompts: list[dict], samples: list[dict], kept: list[dict]) -> dict[str, float]:
+    accepted_ids = {s["prompt_id"] for s in kept}
+    rewards = [s["reward"] for s in samples if s["reward"] is not None]
+    scored = [s["correct"] for s in samples if s["correct"] is not None]
+    metrics: dict[str, float] = {
+        "prompts": float(len(prompts)),
+        "samples": float(len(samples)),
+        "accepted_rows": float(len(kept)),
+        "prompts_accepted": float(len(accepted_ids)),
+        "acceptance_rate": len(accepted_ids) / len(prompts),
+        "sample_accuracy": float(np.mean(scored)) if scored else 0.0,
+        "sample_format_rate": float(np.mean([json.loads(s["metadata"])["format_ok"] for s in samples])),
+        "reward_mean": float(np.mean(rewards)) if rewards else 0.0,
+        "mean_length": float(np.mean([s["num_tokens"] for s in samples])),
+    }
+    for task in sorted({p["task"] for p in prompts}):
+        ids = {p["id"] for p in prompts if p["task"] == task}
+        metrics[f"{task}/acceptance_rate"] = len(ids & accepted_ids) / len(ids)
+    return metrics

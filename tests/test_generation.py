@@ -1,0 +1,109 @@
+"""The generation engine on the tiny model: shapes, order, determinism, finish reasons, stop
+strings, and log-probs that match generate()'s own logits."""
+
+import pytest
+import torch
+
+from schemas.configs import GenerationSpec
+from stages.generation import TransformersBackend, completion_logprobs, cut_at_stop, make_backend
+
+CONVS = [[{"role": "user", "content": q}] for q in ("hi", "a much longer question here?", "2+2", "x")]
+
+
+@pytest.fixture(scope="module")
+def backend(tiny_tokenizer):
+    from stages.models import build_tiny_model
+
+    return TransformersBackend(build_tiny_model(tiny_tokenizer, seed=0), tiny_tokenizer)
+
+
+def test_n_completions_per_prompt_in_input_order(backend, tiny_tokenizer):
+    spec = GenerationSpec(max_new_tokens=6, temperature=1.0, batch_size=3)
+    out, stats = backend.generate(CONVS, spec, n=3, seed=1, progress=False)
+    assert [len(c) for c in out] == [3, 3, 3, 3]
+    assert stats.completions == 12 and stats.new_tokens == sum(c.num_tokens for cs in out for c in cs)
+    for comps in out:
+        for c in comps:
+            assert 1 <= c.num_tokens <= 6 and len(c.token_ids) == c.num_tokens
+            assert c.finish_reason in ("stop", "length")
+            ended = c.token_ids[-1] == tiny_tokenizer.eos_token_id
+            assert (c.finish_reason == "stop") == ended and (ended or c.num_tokens == 6)
+    # order is the input order even though batches are sorted by prompt length
+    single, _ = backend.generate([CONVS[1]], GenerationSpec(max_new_tokens=6, temperature=0.0), n=1, progress=False)
+    greedy, _ = backend.generate(CONVS, GenerationSpec(max_new_tokens=6, temperature=0.0, batch_size=4), progress=False)
+    assert greedy[1][0].text == single[0][0].text
+
+
+def test_seeded_sampling_is_deterministic_and_seed_sensitive(backend):
+    spec = GenerationSpec(max_new_tokens=8, temperature=1.0, batch_size=2)
+    a, _ = backend.generate(CONVS, spec, n=2, seed=7, progress=False)
+    b, _ = backend.generate(CONVS, spec, n=2, seed=7, progress=False)
+    c, _ = backend.generate(CONVS, spec, n=2, seed=8, progress=False)
+    assert a == b
+    assert [x.text for cs in a for x in cs] != [x.text for cs in c for x in cs]
+
+
+def test_logprobs_match_generates_own_logits(backend, tiny_tokenizer):
+    """Greedy, one prompt (no padding): generate(output_logits=True) gives the raw logits at each
+    step; log_softmax at the chosen token must equal our teacher-forced recomputation."""
+    spec = GenerationSpec(max_new_tokens=5, temperature=0.0)
+    out, _ = backend.generate([CONVS[0]], spec, logprobs=True, progress=False)
+    comp = out[0][0]
+    enc = tiny_tokenizer(tiny_tokenizer.apply_chat_template(CONVS[0], tokenize=False, add_generation_prompt=True),
+                         return_tensors="pt", add_special_tokens=False)
+    gen = backend.model.generate(**enc, do_sample=False, max_new_tokens=5, output_logits=True,
+                                 return_dict_in_generate=True, temperature=None, top_p=None, top_k=None,
+                                 eos_token_id=tiny_tokenizer.eos_token_id, pad_token_id=tiny_tokenizer.pad_token_id)
+    expected = [torch.log_softmax(step[0].float(), -1)[tok].item() for step, tok in zip(gen.logits, comp.token_ids, strict=False)]
+    assert comp.logprobs == pytest.approx(expected, abs=1e-4)
+    assert all(lp <= 0 for lp in comp.logprobs)
+
+
+def test_logprobs_unaffected_by_left_padding(backend):
+    """The same prompt alone and batched next to a longer one (so it is left padded) gets the same
+    completion log-probs: position ids follow the attention mask."""
+    spec = GenerationSpec(max_new_tokens=4, temperature=0.0, batch_size=2)
+    alone, _ = backend.generate([CONVS[0]], spec, logprobs=True, progress=False)
+    batched, _ = backend.generate([CONVS[0], CONVS[1]], spec, logprobs=True, progress=False)
+    assert alone[0][0].token_ids == batched[0][0].token_ids
+    assert alone[0][0].logprobs == pytest.approx(batched[0][0].logprobs, abs=1e-4)
+
+
+def test_completion_logprobs_masks_padding():
+    """A 'model' whose logits are fixed: vocab 3, log_softmax of [0, 0, ln 2] is
+    [ln 1/4, ln 1/4, ln 1/2]. Completion tokens [2, 0] → [ln .5, ln .25]; masked position → 0."""
+    class Fixed(torch.nn.Module):
+        def forward(self, input_ids, attention_mask, position_ids):
+            logits = torch.tensor([0.0, 0.0, float(torch.log(torch.tensor(2.0)))]).expand(*input_ids.shape, 3)
+            return type("O", (), {"logits": logits})()
+
+    lp = completion_logprobs(Fixed(), torch.tensor([[1, 1]]), torch.tensor([[1, 1]]), torch.tensor([[2, 0, 0]]),
+                             torch.tensor([[1, 1, 0]]))
+    torch.testing.assert_close(lp, torch.log(torch.tensor([[0.5, 0.25, 1.0]])) * torch.tensor([[1.0, 1.0, 0.0]]))
+
+
+def test_stop_strings():
+    assert cut_at_stop("abc</answer>tail", ["</answer>"]) == ("abc</answer>", True)
+    assert cut_at_stop("a;b.c", [".", ";"]) == ("a;", True)
+    assert cut_at_stop("abc", ["x"]) == ("abc", False)
+
+
+def test_stop_string_ends_generation(backend):
+    spec = GenerationSpec(max_new_tokens=30, temperature=1.0, stop=["a", "e", "i", "o", "u", " "])
+    out, _ = backend.generate(CONVS, spec, n=2, seed=3, progress=False)
+    for comps in out:
+        for c in comps:
+            if c.finish_reason == "stop" and c.num_tokens < 30:
+                continue
+            assert not any(ch in c.text for ch in "aeiou ")
+
+
+def test_vllm_backend_is_a_clear_error_without_vllm(backend, tmp_path):
+    try:
+        import vllm  # noqa: F401
+        pytest.skip("vllm is installed here")
+    except ImportError:
+        pass
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(Exception, match="vllm is not installed"):
+        make_backend(GenerationSpec(backend="vllm"), backend.model, backend.tokenizer, tmp_path)

@@ -1,0 +1,71 @@
+"""Rejection sampling: the acceptance rule and selection on literal rows, then the stage on the
+tiny model, checking the sft output is exactly the accepted samples."""
+
+import json
+
+import pyarrow.parquet as pq
+
+from schemas.configs import GenerationSpec, RejectionSamplingConfig, RewardSpec
+from schemas.datasets import from_rows
+from stages import rejection_sampling as rs
+from stages.base import LocalContext, write_dataset
+from tests.conftest import fake_input
+
+
+def sample(pid, i, reward, correct=True, fmt=True, text=None):
+    return {"prompt_id": pid, "sample_index": i, "reward": reward, "correct": correct, "completion": text or f"{pid}-{i}",
+            "metadata": json.dumps({"format_ok": fmt})}
+
+
+def test_passes_rule():
+    cfg = RejectionSamplingConfig()
+    assert rs.passes(sample("a", 0, 1.0), cfg)
+    assert not rs.passes(sample("a", 0, 1.0, correct=False), cfg)
+    assert not rs.passes(sample("a", 0, 1.0, correct=None), cfg)  # unscorable is not verified
+    assert not rs.passes(sample("a", 0, 1.0, fmt=False), cfg)
+    loose = RejectionSamplingConfig(require_correct=False, require_format=False, min_reward=0.5)
+    assert rs.passes(sample("a", 0, 0.5, correct=False, fmt=False), loose)
+    assert not rs.passes(sample("a", 0, 0.4), loose)
+    assert not rs.passes(sample("a", 0, None), loose)
+
+
+def test_accept_keeps_best_m_distinct_per_prompt():
+    cfg = RejectionSamplingConfig(keep_per_prompt=2)
+    samples = [sample("a", 0, 0.5), sample("a", 1, 1.2), sample("a", 2, 1.2, text="a-1"),  # dup text of a-1
+               sample("a", 3, 0.9), sample("a", 4, 2.0, correct=False),
+               sample("b", 0, 1.0, fmt=False), sample("b", 1, 1.0, correct=False)]
+    kept = rs.accept(samples, cfg)
+    assert [(s["prompt_id"], s["sample_index"]) for s in kept] == [("a", 1), ("a", 3)]
+
+
+def test_acceptance_metrics_hand_computed():
+    prompts = [{"id": "a", "task": "x"}, {"id": "b", "task": "x"}, {"id": "c", "task": "y"}]
+    samples = [dict(sample(p, 0, r, correct=c), num_tokens=n) for p, r, c, n in
+               [("a", 1.0, True, 10), ("b", 0.0, False, 20), ("c", 1.0, True, 30)]]
+    kept = [samples[0], samples[2]]
+    m = rs.acceptance_metrics(prompts, samples, kept)
+    assert m["acceptance_rate"] == 2 / 3 and m["x/acceptance_rate"] == 0.5 and m["y/acceptance_rate"] == 1.0
+    assert m["sample_accuracy"] == 2 / 3 and m["mean_length"] == 20 and m["reward_mean"] == 2 / 3
+
+
+def test_stage_on_tiny_model_outputs_exactly_the_accepted_samples(tmp_path, tiny_model_input):
+    rows = [{"id": f"p{i}", "messages": [{"role": "user", "content": f"say {i}"}], "answer": str(i), "task": "t",
+             "verifier": "math", "split": "train", "metadata": "{}"} for i in range(6)]
+    data = write_dataset(LocalContext(tmp_path / "d"), "p", from_rows(rows, "prompts"), "prompts")
+    # The random tiny model is never correct: accept on a reward threshold over shaped components.
+    cfg = RejectionSamplingConfig(num_samples=4, keep_per_prompt=2, require_correct=False, require_format=False,
+                                  min_reward=-0.2, generation=GenerationSpec(max_new_tokens=12, temperature=1.0),
+                                  reward=RewardSpec(weights={"accuracy": 1.0, "repetition": 1.0}))
+    out = rs.run(cfg, {"model": tiny_model_input, "prompts": fake_input(data.path, "dataset", "prompts")},
+                 LocalContext(tmp_path / "run", seed=3))
+    samples = pq.read_table(out["samples"].path / "data.parquet").to_pylist()
+    sft_rows = pq.read_table(out["data"].path / "data.parquet").to_pylist()
+    assert len(samples) == 6 * 4
+    expected = rs.accept(samples, cfg)  # recompute the selection from the scored samples
+    assert 0 < len(expected) < len(samples)  # the threshold really selects
+    assert [r["id"] for r in sft_rows] == [f"{s['prompt_id']}-{s['sample_index']}" for s in expected]
+    for row, s in zip(sft_rows, expected, strict=True):
+        assert row["messages"][:-1] == s["messages"]
+        assert row["messages"][-1] == {"role": "assistant", "content": s["completion"]}
+        assert json.loads(row["metadata"])["reward"] == s["reward"] >= -0.2
+    assert out["data"].metrics["accepted_rows"] == len(expected)
