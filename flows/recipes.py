@@ -151,7 +151,12 @@ class Plan:
 
 
 def _kinds(spec: str) -> set[str]:
-    return set(spec.split("|"))
+    return set(spec.rstrip("?").split("|"))
+
+
+def _required(declared: dict[str, str]) -> set[str]:
+    """Input names a node must wire; a kind ending in '?' marks an optional input."""
+    return {name for name, kind in declared.items() if not kind.endswith("?")}
 
 
 def _topological(nodes: dict[str, dict]) -> list[str]:
@@ -233,8 +238,8 @@ def load_plan(recipe: str = DEFAULT_RECIPE, profile: str = "cpu", overrides: lis
         if given - set(declared):
             raise ConfigError(f"node {name!r}: stage {spec.stage!r} has no input(s) {sorted(given - set(declared))}; "
                               f"its inputs: {', '.join(declared) or 'none'}")
-        if set(declared) - given:
-            raise ConfigError(f"node {name!r}: missing input(s) {sorted(set(declared) - given)} of stage {spec.stage!r}")
+        if _required(declared) - given:
+            raise ConfigError(f"node {name!r}: missing input(s) {sorted(_required(declared) - given)} of stage {spec.stage!r}")
         inputs = {}
         for inp, src in spec.inputs.items():
             up, out = src.split(".", 1)

@@ -1,7 +1,8 @@
 """The stage API: what a stage declares, what it receives, what it returns.
 
 A stage is a module `stages/<name>.py` with `VERSION`, `CONFIG` (a class from schemas.configs),
-`INPUTS` and `OUTPUTS` (name -> kind) and `run(cfg, inputs, ctx) -> dict[str, Output]`. Stages
+`INPUTS` and `OUTPUTS` (name -> kind; `a|b` accepts either kind, a trailing `?` marks an optional
+input that `inputs` lacks when the recipe does not wire it) and `run(cfg, inputs, ctx) -> dict[str, Output]`. Stages
 never import Prefect or MLflow: they talk to a `StageContext`, so a stage runs the same way in a
 unit test, by hand, or under a Prefect task.
 """

@@ -22,7 +22,7 @@ from stages.rewards import score
 
 VERSION = "1"
 CONFIG = RejectionSamplingConfig
-INPUTS = {"model": "model", "prompts": "prompts"}
+INPUTS = {"model": "model", "prompts": "prompts", "reward_model": "model?"}
 OUTPUTS = {"samples": "samples", "data": "sft"}
 
 
@@ -74,10 +74,12 @@ def run(cfg: RejectionSamplingConfig, inputs: dict[str, Input], ctx: StageContex
     backend = make_backend(cfg.generation, model, tokenizer, inputs["model"].model_dir)
     completions, stats = backend.generate([p["messages"] for p in prompts], cfg.generation, n=cfg.num_samples,
                                           seed=ctx.seed, desc="rejection sampling")
+    rm_scores = reward_model_scores(inputs.get("reward_model"), prompts, completions)
     samples = []
-    for prompt, comps in zip(prompts, completions, strict=True):
+    for p_idx, (prompt, comps) in enumerate(zip(prompts, completions, strict=True)):
         for i, c in enumerate(comps):
-            v = score(prompt, c.text, cfg.reward, num_tokens=c.num_tokens)
+            rm = rm_scores[p_idx][i] if rm_scores is not None else None
+            v = score(prompt, c.text, cfg.reward, num_tokens=c.num_tokens, rm_score=rm)
             samples.append({
                 "prompt_id": prompt["id"], "messages": prompt["messages"], "completion": c.text, "sample_index": i,
                 "reward": v.reward, "reward_components": json.dumps(v.components, sort_keys=True),
@@ -104,6 +106,22 @@ def run(cfg: RejectionSamplingConfig, inputs: dict[str, Input], ctx: StageContex
         "samples": write_dataset(ctx, "samples", from_rows(samples, "samples"), "samples", metrics),
         "data": write_dataset(ctx, "data", from_rows(sft_rows, "sft"), "sft", metrics),
     }
+
+
+def reward_model_scores(rm: Input | None, prompts: list[dict], completions) -> list[list[float]] | None:
+    """The optional reward model's score of every completion (the `reward_model` reward component)."""
+    if rm is None:
+        return None
+    from stages.reward_model import RewardScorer
+
+    scorer = RewardScorer.from_input(rm)
+    flat = scorer.score([p["messages"] for p, cs in zip(prompts, completions, strict=True) for _ in cs],
+                        [c.text for cs in completions for c in cs])
+    out, k = [], 0
+    for cs in completions:
+        out.append(flat[k : k + len(cs)])
+        k += len(cs)
+    return out
 
 
 def acceptance_metrics(prompts: list[dict], samples: list[dict], kept: list[dict]) -> dict[str, float]:

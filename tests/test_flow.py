@@ -62,7 +62,7 @@ def test_first_run_runs_every_stage_and_tracks_it(home):
         assert arts, node
     sft = by_node["sft"]
     assert sft.data.params["config.learning_rate"] == "0.003"
-    assert len(client.get_metric_history(sft.info.run_id, "train/loss")) == 40
+    assert len(client.get_metric_history(sft.info.run_id, "train/loss")) == 120
     assert client.list_artifacts(by_node["eval_sft"].info.run_id, "outputs/results")  # eval data logged
     results_fp = next(s for s in result["stages"] if s["node"] == "eval_sft")["outputs"]["results"]
     manifest = json.loads((home / "artifacts" / results_fp / "manifest.json").read_text())
@@ -136,6 +136,23 @@ def test_only_without_cached_upstream_is_a_clear_error(home, capsys, tmp_path, m
     assert main(["run", "--recipe", "sft-eval", "--profile", "tiny", "--only", "eval_sft"]) == 2
     err = capsys.readouterr().err
     assert "upstream node 'base' has no valid cached outputs" in err
+
+
+def test_rlhf_recipe_end_to_end_then_cached(home):
+    """prompts → sft → rejection_sampling → preference_data → reward_model (+ eval); the nodes it
+    shares with sft-eval (same stage, config, inputs, seed) are reused from the runs above."""
+    out = home / "rlhf.json"
+    assert main(["run", "--recipe", "rlhf", "--profile", "tiny", "--json", str(out)]) == 0
+    first = json.loads(out.read_text())
+    st = statuses(first)
+    assert st["base"] == st["prompts"] == st["sft"] == st["eval_sft"] == "cached"
+    assert st["rejection_sampling"] == st["preference_data"] == st["reward_model"] == "run"
+    by_node = {s["node"]: s for s in first["stages"]}
+    assert by_node["preference_data"]["metrics"]["pairs"] > 0
+    assert 0 <= by_node["reward_model"]["metrics"]["eval_accuracy"] <= 1
+    assert 0 < by_node["rejection_sampling"]["metrics"]["acceptance_rate"] <= 1
+    assert main(["run", "--recipe", "rlhf", "--profile", "tiny", "--json", str(out)]) == 0
+    assert set(statuses(json.loads(out.read_text())).values()) == {"cached"}
 
 
 def test_artifacts_and_models_commands(home, capsys):

@@ -69,3 +69,32 @@ def test_stage_on_tiny_model_outputs_exactly_the_accepted_samples(tmp_path, tiny
         assert row["messages"][-1] == {"role": "assistant", "content": s["completion"]}
         assert json.loads(row["metadata"])["reward"] == s["reward"] >= -0.2
     assert out["data"].metrics["accepted_rows"] == len(expected)
+
+
+def test_reward_model_score_as_a_reward_component(tmp_path, tiny_model_input, tiny_tokenizer):
+    """With an (untrained, randomly headed) reward model wired in and weight 1 on it alone, every
+    sample's reward is exactly the scorer's score of that completion."""
+    import pytest
+
+    from schemas.artifacts import MODEL_DIR
+    from stages.models import build_tiny_model
+    from stages.reward_model import RewardScorer, reward_model_from_causal_lm
+
+    rm_dir = tmp_path / "rm"
+    rm = reward_model_from_causal_lm(build_tiny_model(tiny_tokenizer, seed=1), tiny_tokenizer.pad_token_id)
+    rm.save_pretrained(rm_dir / MODEL_DIR)
+    tiny_tokenizer.save_pretrained(rm_dir / MODEL_DIR)
+    rows = [{"id": f"p{i}", "messages": [{"role": "user", "content": f"say {i}"}], "answer": str(i), "task": "t",
+             "verifier": "math", "split": "train", "metadata": "{}"} for i in range(3)]
+    data = write_dataset(LocalContext(tmp_path / "d"), "p", from_rows(rows, "prompts"), "prompts")
+    cfg = RejectionSamplingConfig(num_samples=2, require_correct=False, require_format=False,
+                                  generation=GenerationSpec(max_new_tokens=8, temperature=1.0),
+                                  reward=RewardSpec(weights={"reward_model": 1.0}))
+    out = rs.run(cfg, {"model": tiny_model_input, "prompts": fake_input(data.path, "dataset", "prompts"),
+                       "reward_model": fake_input(rm_dir, "model", "reward_model")}, LocalContext(tmp_path / "r"))
+    samples = pq.read_table(out["samples"].path / "data.parquet").to_pylist()
+    expected = RewardScorer.from_dir(rm_dir / MODEL_DIR).score([s["messages"] for s in samples],
+                                                               [s["completion"] for s in samples])
+    assert [s["reward"] for s in samples] == pytest.approx(expected, abs=1e-5)
+    assert all("reward_model" in json.loads(s["reward_components"]) for s in samples)
+    assert len(set(round(r, 6) for r in expected)) > 1  # a real signal, not a constant

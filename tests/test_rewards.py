@@ -1,33 +1,48 @@
-"""Rewards on literal cases: extraction, the R1 format, each verifier, score(), pass@k.
+"""Rewards on literal cases: extraction, the R1 format, each verifier, shaping terms, score(), pass@k.
 
 Expected values are worked out by hand in the docstrings; no mock stands in for math-verify or
-reasoning-gym.
+reasoning-gym. The sandbox is replaced by a recording fake only where the test is about how
+the code verifier calls it; one test runs the real sandbox.
 """
 
 from __future__ import annotations
 
 import doctest
 import json
+import logging
 import math
+import sys
+import threading
+import time
+import types
 from concurrent.futures import ThreadPoolExecutor
 
 import math_verify
 import pytest
 import reasoning_gym
 
+from schemas.configs import RewardSpec, SandboxLimits
 from stages import rewards
 from stages.rewards import (
     R1_FORMAT_EXAMPLE,
     R1_SYSTEM_PROMPT,
     VERIFIERS,
     Verdict,
+    cosine_scaled,
     extract_answer,
+    extract_program,
     format_ok,
     format_reward,
     gold_completion,
+    overlong_penalty,
     pass_at_k,
+    repetition_penalty,
     score,
+    shutdown_math_pool,
 )
+
+SPEC = RewardSpec()
+ACCURACY_ONLY = RewardSpec(weights={"accuracy": 1.0})
 
 
 def row(answer: str | None, verifier: str = "math", task: str = "math", metadata: dict | None = None) -> dict:
@@ -174,7 +189,7 @@ def test_gold_completion_rejects_what_would_be_malformed(answer):
     ],
 )
 def test_math_verifier(reference, completion, correct):
-    v = score(row(reference), completion)
+    v = score(row(reference), completion, ACCURACY_ONLY)
     assert v.correct is correct
     assert v.reward == (1.0 if correct else 0.0)
     assert v.components["accuracy"] == v.reward
@@ -192,7 +207,7 @@ def test_math_verifier_failure_is_none_not_zero():
         timeout_seconds=None,
     )
     assert silent is False  # the trap this guards against exists in this math-verify version
-    assert VERIFIERS["math"]("0.5", row("1/0")) is None
+    assert VERIFIERS["math"]("0.5", row("1/0"), SPEC) is None
     v = score(row("1/0"), r1("0.5"))
     assert v.correct is None
     assert v.reward is None
@@ -201,9 +216,9 @@ def test_math_verifier_failure_is_none_not_zero():
 
 def test_math_unparseable_reference_is_none():
     """A reference with nothing math-verify can extract cannot be scored, even with no answer."""
-    assert VERIFIERS["math"]("5", row("")) is None
-    assert VERIFIERS["math"](None, row("")) is None
-    assert VERIFIERS["math"](None, row("5")) == 0.0
+    assert VERIFIERS["math"]("5", row(""), SPEC) is None
+    assert VERIFIERS["math"](None, row(""), SPEC) is None
+    assert VERIFIERS["math"](None, row("5"), SPEC) == 0.0
 
 
 def test_math_verifier_in_worker_threads():
@@ -211,7 +226,8 @@ def test_math_verifier_in_worker_threads():
     with ThreadPoolExecutor(max_workers=2) as pool:
         with pytest.raises(ValueError, match="thread"):  # the trap, with math-verify's defaults
             pool.submit(math_verify.parse, "1/2").result()
-        verdicts = list(pool.map(lambda c: score(row("1/2"), c), [r1("0.5"), r1("\\frac{1}{2}"), r1("0.6")]))
+        verdicts = list(pool.map(lambda c: score(row("1/2"), c, ACCURACY_ONLY),
+                                 [r1("0.5"), r1("\\frac{1}{2}"), r1("0.6")]))
     assert [v.correct for v in verdicts] == [True, True, False]
     assert [v.reward for v in verdicts] == [1.0, 1.0, 0.0]
 
@@ -260,11 +276,12 @@ def test_reasoning_gym_basic_arithmetic_right_and_wrong():
     rows = rg_rows()
     assert [r["answer"] for r in rows[:2]] == ["-4", "3"]
     right = score(rows[0], gold_completion("-4", "5 - 3 = 2, 2 - 6 = -4"))
+    # default weights: accuracy 1 + format 0.2; its 11 word trigrams are all distinct: repetition 0
     assert right == Verdict(
-        correct=True, extracted="-4", format_ok=True, reward=1.0,
-        components={"format": 1.0, "reasoning_gym": 1.0, "accuracy": 1.0}, correct_lenient=True,
+        correct=True, extracted="-4", format_ok=True, reward=1.2,
+        components={"format": 1.0, "reasoning_gym": 1.0, "accuracy": 1.0, "repetition": 0.0}, correct_lenient=True,
     )
-    wrong = score(rows[0], r1("4"))
+    wrong = score(rows[0], r1("4"), ACCURACY_ONLY)
     assert wrong.correct is False and wrong.reward == 0.0
     assert wrong.components["reasoning_gym"] == 0.0
     assert score(rows[1], r1("3")).correct is True
@@ -275,13 +292,13 @@ def test_reasoning_gym_partial_credit_is_not_correct():
     """basic_arithmetic's default checker: answer containing the reference scores
     len(ref)/len(answer): "-4" inside "x -4" is 2/4 = 0.5, kept raw, but not correct.
     """
-    v = score(rg_rows()[0], r1("x -4"))
+    v = score(rg_rows()[0], r1("x -4"), ACCURACY_ONLY)
     assert v.components["reasoning_gym"] == 0.5
     assert v.correct is False
     assert v.components["accuracy"] == 0.0
     assert v.reward == 0.0
     # the raw score can be the reward itself by weighting it
-    assert score(rg_rows()[0], r1("x -4"), weights={"reasoning_gym": 1.0}).reward == 0.5
+    assert score(rg_rows()[0], r1("x -4"), RewardSpec(weights={"reasoning_gym": 1.0})).reward == 0.5
 
 
 # --------------------------------------------------------------------------- score / registry
@@ -293,45 +310,50 @@ def test_verifier_none_cannot_score():
     assert v.reward is None
     assert v.extracted == "anything"
     assert v.format_ok is True
-    assert v.components == {"format": 1.0}
+    assert v.components == {"format": 1.0, "repetition": 0.0}
 
 
 def test_unknown_verifier_names_it_and_the_known_ones():
     with pytest.raises(ValueError, match="'sympy'") as err:
         score(row("1", verifier="sympy"), r1("1"))
-    for name in ("reasoning_gym", "math", "exact", "none"):
+    for name in ("reasoning_gym", "math", "exact", "code", "none"):
         assert name in str(err.value)
 
 
-def test_registry_has_the_four_verifiers():
-    assert set(VERIFIERS) == {"reasoning_gym", "math", "exact", "none"}
+def test_registry_has_the_five_verifiers():
+    assert set(VERIFIERS) == {"reasoning_gym", "math", "exact", "code", "none"}
 
 
 def test_format_weight_adds_to_accuracy():
     """weights accuracy 1, format 0.5: right + well formed = 1.5; right, no tags = 1.0;
     wrong + well formed = 0.5."""
-    w = {"accuracy": 1.0, "format": 0.5}
-    assert score(row("2"), r1("2"), weights=w).reward == 1.5
-    assert score(row("2"), "\\boxed{2}", weights=w).reward == 1.0
-    assert score(row("2"), r1("3"), weights=w).reward == 0.5
+    w = RewardSpec(weights={"accuracy": 1.0, "format": 0.5})
+    assert score(row("2"), r1("2"), w).reward == 1.5
+    assert score(row("2"), "\\boxed{2}", w).reward == 1.0
+    assert score(row("2"), r1("3"), w).reward == 0.5
 
 
-def test_default_weights_ignore_format():
+def test_default_spec_is_reward_specs_defaults():
+    """No spec: RewardSpec()'s weights, accuracy 1 + format 0.2 (stages/eval.py calls score(row, text))."""
+    assert RewardSpec().weights == {"accuracy": 1.0, "format": 0.2}
     v = score(row("2"), "\\boxed{2}")
     assert v.correct is True and v.format_ok is False
     assert v.reward == 1.0
     assert v.components["format"] == 0.0
+    assert score(row("2"), r1("2")).reward == pytest.approx(1.2)
 
 
 def test_format_only_reward_is_defined_when_the_answer_cannot_be_scored():
     """No non-zero weight on an absent component: the reward exists."""
-    assert score(row(None), r1("2"), weights={"format": 1.0}).reward == 1.0
-    assert score(row(None), r1("2"), weights={"format": 1.0, "accuracy": 1.0}).reward is None
+    assert score(row(None), r1("2"), RewardSpec(weights={"format": 1.0})).reward == 1.0
+    assert score(row(None), r1("2"), RewardSpec(weights={"format": 1.0, "accuracy": 1.0})).reward is None
 
 
-def test_unknown_weight_is_an_error():
-    with pytest.raises(ValueError, match="acuracy"):
-        score(row("2"), r1("2"), weights={"acuracy": 1.0})
+def test_unknown_weight_is_an_error_naming_each():
+    with pytest.raises(ValueError, match="acuracy") as err:
+        score(row("2"), r1("2"), RewardSpec(weights={"acuracy": 1.0, "lenght": 0.0, "format": 1.0}))
+    assert "lenght" in str(err.value)  # zero weights are checked too
+    assert "format" not in str(err.value).split(";")[0]
 
 
 def test_verdict_is_frozen():
@@ -391,3 +413,352 @@ def test_lenient_accuracy_is_for_eval_only():
     v = score(row, "<think>2</think>no number here")
     assert v.correct_lenient is False
     assert score({**row, "verifier": "none"}, "2").correct_lenient is None
+
+
+# --------------------------------------------------------------------------- shaping terms
+
+
+@pytest.mark.parametrize(
+    ("length", "max_tokens", "buffer", "expected"),
+    [
+        (0, 512, 128, 0.0),
+        (384, 512, 128, 0.0),  # L = L_max - L_cache: last unpunished length
+        (385, 512, 128, -1 / 128),  # (384 - 385) / 128
+        (448, 512, 128, -0.5),  # (384 - 448) / 128
+        (512, 512, 128, -1.0),  # L = L_max: (384 - 512) / 128, the ramp meets the hard penalty
+        (513, 512, 128, -1.0),  # past L_max
+        (10_000, 512, 128, -1.0),
+        (512, 512, 0, 0.0),  # no buffer: no soft zone
+        (513, 512, 0, -1.0),
+        (25, 100, 100, -0.25),  # buffer = L_max: the ramp starts at 0, (0 - 25) / 100
+    ],
+)
+def test_overlong_penalty_hand_worked(length, max_tokens, buffer, expected):
+    assert overlong_penalty(length, max_tokens, buffer) == pytest.approx(expected, abs=1e-12)
+
+
+@pytest.mark.parametrize(("length", "max_tokens", "buffer"), [(-1, 512, 128), (1, 0, 0), (1, 512, -1)])
+def test_overlong_penalty_rejects_bad_arguments(length, max_tokens, buffer):
+    with pytest.raises(ValueError):
+        overlong_penalty(length, max_tokens, buffer)
+
+
+@pytest.mark.parametrize(
+    ("text", "n", "max_penalty", "expected"),
+    [
+        ("a b a b a b", 2, -1.0, -0.6),  # bigrams ab ba ab ba ab: T = 5, U = 2, (1 - 2/5) * -1
+        ("a a a a", 1, -1.0, -0.75),  # T = 4, U = 1
+        ("a a a a", 1, -0.5, -0.375),  # (1 - 1/4) * -0.5
+        ("A a\ta\na", 1, -1.0, -0.75),  # casefolded, any whitespace separates words
+        ("a b c a b c", 3, -1.0, -0.25),  # abc bca cab abc: T = 4, U = 3
+        ("the cat sat", 3, -1.0, 0.0),  # exactly n words: one trigram, nothing repeats
+        ("the cat", 3, -1.0, 0.0),  # fewer than n words
+        ("", 1, -1.0, 0.0),
+        ("one two three four", 2, -1.0, 0.0),
+    ],
+)
+def test_repetition_penalty_hand_worked(text, n, max_penalty, expected):
+    assert repetition_penalty(text, n, max_penalty) == pytest.approx(expected, abs=1e-12)
+
+
+def test_repetition_penalty_no_repeats_is_positive_zero():
+    assert math.copysign(1.0, repetition_penalty("one two three", 1, -1.0)) == 1.0
+
+
+@pytest.mark.parametrize(("n", "max_penalty"), [(0, -1.0), (2, 0.5)])
+def test_repetition_penalty_rejects_bad_arguments(n, max_penalty):
+    with pytest.raises(ValueError):
+        repetition_penalty("a b c", n, max_penalty)
+
+
+@pytest.mark.parametrize(
+    ("correct", "length", "expected"),
+    [
+        # RewardSpec defaults: max_len 512; correct 0.5 (at max_len) .. 1.0 (at 0);
+        # wrong 0.0 (at max_len) .. -0.5 (at 0). reward = lo + 0.5 (hi - lo)(1 + cos(pi L / 512)).
+        (True, 0, 1.0),  # cos 0 = 1: hi
+        (True, 128, 0.5 + 0.25 * (1 + math.sqrt(2) / 2)),  # cos(pi/4): 0.9267766952966369
+        (True, 256, 0.75),  # cos(pi/2) = 0: the midpoint
+        (True, 512, 0.5),  # cos pi = -1: lo
+        (True, 1024, 0.5),  # clamped at max_len
+        (False, 0, -0.5),  # short and wrong: the worst
+        (False, 256, -0.25),
+        (False, 512, 0.0),
+        (False, 2000, 0.0),
+    ],
+)
+def test_cosine_scaled_hand_worked(correct, length, expected):
+    assert cosine_scaled(correct, length, SPEC) == pytest.approx(expected, abs=1e-12)
+
+
+def test_cosine_scaled_uses_the_spec():
+    """max_len 100, correct 0 .. 2: at L = 50, 0 + 0.5 * 2 * (1 + 0) = 1; wrong -1 .. 1 swapped:
+    lo = 1 (max_value_wrong), hi = -1: at L = 0, -1; at L = 100, 1."""
+    spec = RewardSpec(cosine_max_len=100, cosine_min_value_correct=0.0, cosine_max_value_correct=2.0,
+                      cosine_min_value_wrong=-1.0, cosine_max_value_wrong=1.0)
+    assert cosine_scaled(True, 50, spec) == pytest.approx(1.0)
+    assert cosine_scaled(False, 0, spec) == pytest.approx(-1.0)
+    assert cosine_scaled(False, 100, spec) == pytest.approx(1.0)
+    with pytest.raises(ValueError):
+        cosine_scaled(True, -1, spec)
+
+
+# --------------------------------------------------------------------------- score() components
+
+
+ALL_WEIGHTS = RewardSpec(
+    weights={"accuracy": 1.0, "format": 0.5, "overlong": 1.0, "cosine": 2.0, "repetition": 1.0, "reward_model": 0.1},
+    overlong_max_tokens=512, overlong_buffer=128, cosine_max_len=896, repetition_ngram=1,
+)
+
+
+def test_score_components_and_weighted_sum():
+    """Completion "<think>a a a a</think><answer>2</answer>", 448 tokens, reward model 3.0:
+    accuracy 1; format 1; overlong (384 - 448) / 128 = -0.5; cosine at 448 / 896 = 1/2:
+    0.5 + 0.25 * (1 + 0) = 0.75; repetition over the words ["<think>a", "a", "a",
+    "a</think><answer>2</answer>"]: T = 4, U = 3, -0.25; reward_model 3.0.
+    reward = 1 + 0.5 * 1 - 0.5 + 2 * 0.75 - 0.25 + 0.1 * 3 = 2.55.
+    """
+    v = score(row("2"), r1("2", think="a a a a"), ALL_WEIGHTS, num_tokens=448, rm_score=3.0)
+    assert v.components == pytest.approx({
+        "format": 1.0, "accuracy": 1.0, "math": 1.0, "overlong": -0.5, "cosine": 0.75, "repetition": -0.25,
+        "reward_model": 3.0,
+    })
+    assert v.reward == pytest.approx(2.55)
+    assert v.correct is True
+
+
+def test_score_wrong_answer_gets_the_wrong_cosine():
+    """Wrong at 448 of 896: lo 0, hi -0.5 -> 0 + 0.5 * -0.5 * (1 + 0) = -0.25."""
+    v = score(row("2"), r1("3"), ALL_WEIGHTS, num_tokens=448, rm_score=0.0)
+    assert v.components["cosine"] == pytest.approx(-0.25)
+    assert v.components["accuracy"] == 0.0
+
+
+def test_score_optional_components_are_absent_without_their_inputs():
+    v = score(row("2"), r1("2"))
+    assert set(v.components) == {"format", "accuracy", "math", "repetition"}
+    unscorable = score(row(None), r1("2"), num_tokens=10)
+    assert set(unscorable.components) == {"format", "overlong", "repetition"}  # no cosine without a verdict
+
+
+@pytest.mark.parametrize(
+    ("weights", "kwargs"),
+    [
+        ({"accuracy": 1.0, "reward_model": 0.5}, {"num_tokens": 10}),  # no rm_score
+        ({"accuracy": 1.0, "overlong": 1.0}, {"rm_score": 1.0}),  # no num_tokens
+        ({"cosine": 1.0}, {}),
+    ],
+)
+def test_reward_is_none_when_a_weighted_component_is_missing(weights, kwargs):
+    assert score(row("2"), r1("2"), RewardSpec(weights=weights), **kwargs).reward is None
+
+
+def test_zero_weight_on_a_missing_component_does_not_matter():
+    spec = RewardSpec(weights={"accuracy": 1.0, "reward_model": 0.0, "cosine": 0.0})
+    assert score(row("2"), r1("2"), spec).reward == 1.0
+
+
+def test_overlong_applies_to_unscorable_rows_too():
+    """A length penalty needs no verdict: with only overlong weighted, 513 tokens is -1 either way."""
+    spec = RewardSpec(weights={"overlong": 1.0})
+    assert score(row(None, verifier="none"), r1("x"), spec, num_tokens=513).reward == -1.0
+
+
+# --------------------------------------------------------------------------- code verifier
+
+
+@pytest.mark.parametrize(
+    ("completion", "program"),
+    [
+        ("```python\nprint(1)\n```", "print(1)"),
+        ("<think>t</think><answer>```python\nprint(1)\n```</answer>", "print(1)"),
+        ("```\nx = 1\nprint(x)\n```", "x = 1\nprint(x)"),  # untagged
+        ("```Python \nprint(1)\n```", "print(1)"),  # info string casefolded, stripped
+        ("```py\na()\n```\nthen\n```python\nb()\n```", "b()"),  # the last python block
+        ("```python\na()\n```\nOutput:\n```\n5\n```", "a()"),  # python beats a later untagged block
+        ("```\nold()\n```\n```cpp\nint main() {}\n```", "old()"),  # other languages ignored
+        ("- step:\n  ```python\n  if x:\n      y()\n  ```", "if x:\n    y()"),  # dedented
+        ("<think>```python\nprint(0)\n```</think>", None),  # only in thinking
+        ("```python\nprint(1)", None),  # unclosed: truncated
+        ("```cpp\nint main() {}\n```", None),
+        ("<think>t</think><answer>print(3)</answer>", "print(3)"),  # no fence: the answer is the program
+        ("```python\n\n```", None),  # empty
+    ],
+)
+def test_extract_program(completion, program):
+    assert extract_program(completion) == program
+
+
+def code_row(tests: list[dict] | None) -> dict:
+    return row(None, verifier="code", task="code", metadata={"tests": tests} if tests is not None else {})
+
+
+ADD_TESTS = [{"input": "2 3\n", "output": "5\n"}, {"input": "10 -4\n", "output": "6\n"}, {"input": "0 0\n", "output": "0"}]
+ADD_PROGRAM = "a, b = map(int, input().split())\nprint(a + b)"
+
+
+@pytest.fixture()
+def fake_sandbox(monkeypatch):
+    """Replace stages.sandbox.run_tests by a recorder returning a set fraction (the module is
+    stood in for if it cannot be imported)."""
+    try:
+        import stages.sandbox as module
+    except ImportError:
+        module = types.ModuleType("stages.sandbox")
+        monkeypatch.setitem(sys.modules, "stages.sandbox", module)
+    calls: list[tuple] = []
+    state = {"fraction": 1.0}
+
+    def run_tests(code, tests, limits):
+        calls.append((code, tests, limits))
+        return state["fraction"]
+
+    monkeypatch.setattr(module, "run_tests", run_tests, raising=False)
+    return calls, state
+
+
+def test_code_verifier_runs_the_program_on_the_rows_tests(fake_sandbox):
+    calls, state = fake_sandbox
+    spec = RewardSpec(sandbox=SandboxLimits(wall_timeout_s=3.0), weights={"accuracy": 1.0, "code": 1.0})
+    completion = r1(f"```python\n{ADD_PROGRAM}\n```", think="add them")
+    v = score(code_row(ADD_TESTS), completion, spec)
+    assert calls == [(ADD_PROGRAM, ADD_TESTS, spec.sandbox)]
+    assert v.extracted == ADD_PROGRAM
+    assert v.correct is True and v.correct_lenient is True
+    assert v.components["code"] == 1.0 and v.reward == 2.0
+
+    state["fraction"] = 2 / 3  # partial: raw score kept, not correct
+    v = score(code_row(ADD_TESTS), completion, spec)
+    assert v.correct is False
+    assert v.components["code"] == pytest.approx(2 / 3)
+    assert v.components["accuracy"] == 0.0
+    assert v.reward == pytest.approx(2 / 3)
+
+
+def test_code_verifier_without_tests_or_program(fake_sandbox):
+    calls, _ = fake_sandbox
+    assert score(code_row(None), r1("```python\nprint(1)\n```")).correct is None  # no tests: unscorable
+    assert score(code_row([]), r1("```python\nprint(1)\n```")).correct is None
+    v = score(code_row(ADD_TESTS), "<think>```python\nprint(1)\n```</think>")  # program only in thinking
+    assert v.correct is False and v.correct_lenient is False and v.extracted is None
+    assert calls == []  # nothing ran
+
+
+def test_code_verifier_rejects_malformed_tests(fake_sandbox):
+    with pytest.raises(ValueError, match="'p0'.*tests"):
+        score(code_row({"input": "1"}), r1("print(1)"))  # type: ignore[arg-type]
+
+
+def test_code_verifier_with_the_real_sandbox():
+    pytest.importorskip("stages.sandbox")
+    spec = RewardSpec(sandbox=SandboxLimits(wall_timeout_s=10.0, cpu_time_s=5))
+    right = score(code_row(ADD_TESTS), r1(f"```python\n{ADD_PROGRAM}\n```"), spec)
+    assert right.correct is True and right.components["code"] == 1.0
+    # a - b is right only for "0 0": 1 of 3
+    wrong = score(code_row(ADD_TESTS), r1(f"```python\n{ADD_PROGRAM.replace('a + b', 'a - b')}\n```"), spec)
+    assert wrong.correct is False and wrong.components["code"] == pytest.approx(1 / 3)
+
+
+# --------------------------------------------------------------------------- math-verify pool
+
+# 10^{10^{10^{10}}} against 1: math-verify/sympy ran for over 20 s (killed there) in the main
+# thread, at ~90 MB and 100 % CPU (math-verify 0.9.0, sympy 1.14; measured 2026-11).
+PATHOLOGICAL = "10^{10^{10^{10}}}"
+KNOWN_CORRECT = [  # (reference, answer): math-verify says equal
+    ("1/2", "0.5"), ("\\frac{1}{2}", "0.5"), ("63/400", "0.1575"), ("\\frac{63}{400}", "0.1575"),
+    ("\\frac{\\sqrt{2}}{2}", "\\frac{1}{\\sqrt{2}}"), ("2x+1", "1+2x"), ("\\{1,2\\}", "\\{2,1\\}"),
+    ("x^2-1", "(x-1)(x+1)"), ("\\dfrac{3}{4}", "0.75"), ("10^{3}", "1000"), ("\\sqrt{8}", "2\\sqrt{2}"),
+    ("\\sin(\\pi/6)", "\\frac12"),
+]
+
+
+def _pids_alive(pids) -> set[int]:
+    """Those of `pids` still running (not gone and not zombies)."""
+    alive = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            continue
+        if state != "Z":
+            alive.add(pid)
+    return alive
+
+
+def test_known_correct_answers_from_a_thread_pool():
+    """DESIGN §6 acceptance: verifiers work from worker threads; each known-correct answer is 1.0."""
+    assert sum(rewards._math_fast_path(ref, ans) is None for ref, ans in KNOWN_CORRECT) >= 8  # most use the pool
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        verdicts = list(pool.map(lambda pair: score(row(pair[0]), r1(pair[1]), ACCURACY_ONLY), KNOWN_CORRECT * 2))
+    assert [v.components["accuracy"] for v in verdicts] == [1.0] * len(KNOWN_CORRECT) * 2
+    assert [v.reward for v in verdicts] == [1.0] * len(KNOWN_CORRECT) * 2
+
+
+@pytest.mark.parametrize(
+    ("reference", "answer"),
+    [("1/2", "0.5"), ("63/400", "0.1575"), ("-3", "-3.0"), ("4/6", "2/3"), ("007", "7"), ("x + 1", " x  +\t1 "),
+     ("2", None), ("1/3", "0.33"), ("2", "3"), ("1/0", "1/0")],
+)
+def test_fast_path_agrees_with_math_verify(reference, answer):
+    """Where the fast path decides, math-verify (called directly, main thread) agrees. Exception
+    by design: identical answers are 1.0 even where math-verify fails (1/0)."""
+    fast = rewards._math_fast_path(reference, answer)
+    if fast is not None and reference != "1/0":
+        assert rewards._math_equal(reference, answer)[0] == fast
+
+
+def test_pathological_answer_times_out_to_none_and_the_pool_recovers(caplog):
+    """A check past math_timeout_s is None ("could not score", never 0), returned at the
+    deadline; the stuck worker is killed, not left burning CPU; the next check gets a new pool."""
+    spec = RewardSpec(math_timeout_s=1.0, weights={"accuracy": 1.0})
+    old = rewards._math_pool()
+    pids = set(old._processes)
+    start = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="stages.rewards"):
+        v = score(row(PATHOLOGICAL), r1("1"), spec)
+    elapsed = time.monotonic() - start
+    assert v.correct is None and v.reward is None and "accuracy" not in v.components
+    assert 1.0 <= elapsed < 1.0 + 1.0
+    assert "no verdict" in caplog.text  # a deadline, not a math-verify error
+    deadline = time.monotonic() + 5.0
+    while _pids_alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _pids_alive(pids)
+    assert score(row("\\frac{1}{2}"), r1("0.5"), spec).reward == 1.0
+    assert rewards._math_pool() is not old
+
+
+def test_checks_killed_with_the_pool_are_resubmitted(caplog):
+    """Another thread's deadline kills the whole pool: an innocent check in flight is resubmitted
+    to the new pool and still gets its verdict. 2^{2^{28}} vs 3 takes ~1.4 s of sympy (wrong: 0.0)."""
+    spec = RewardSpec(math_timeout_s=60.0)
+    pool = rewards._math_pool()
+    result: list = []
+    with caplog.at_level(logging.INFO, logger="stages.rewards"):
+        worker = threading.Thread(target=lambda: result.append(VERIFIERS["math"]("3", row("2^{2^{28}}"), spec)))
+        worker.start()
+        time.sleep(0.2)
+        rewards._discard_math_pool(pool)  # what a timed-out check does
+        worker.join(30)
+    assert result == [0.0]
+    assert "resubmitting" in caplog.text
+
+
+def test_shutdown_math_pool_kills_workers_and_a_later_check_restarts():
+    pids = set(rewards._math_pool()._processes)
+    shutdown_math_pool()
+    assert rewards._math_pool_instance is None
+    deadline = time.monotonic() + 5.0
+    while _pids_alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _pids_alive(pids)
+    assert VERIFIERS["math"]("\\frac{1}{2}", row("0.5"), SPEC) == 1.0
+    shutdown_math_pool()
+    shutdown_math_pool()  # idempotent
+
+
+def test_pool_workers_are_not_forked_from_this_process():
+    """fork from a threaded process is unsafe: the pool uses forkserver (or spawn)."""
+    assert rewards._math_pool()._mp_context.get_start_method() in ("forkserver", "spawn")

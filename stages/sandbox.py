@@ -1,0 +1,608 @@
+"""Run untrusted, model-written Python programs in a sandboxed subprocess (code-task rewards).
+
+A run costs at most its `SandboxLimits`: a fork bomb, an infinite loop, a 10 GB allocation, an
+output flood or a network attempt ends that run with a status, never the pipeline.
+
+Each run gets a fresh directory and a launcher (`python -I -S -c _LAUNCHER`, started in a new
+session) that sets the sandbox up, forks the program and reports how it ended over a status pipe.
+No `preexec_fn`: Python code between fork and exec is unsafe in a threaded parent, and the
+reward workers are threads. Two isolation modes; `isolation()` picks one per process:
+
+"namespaces" (Linux, euid 0 with CAP_SYS_ADMIN; the mode in the r1flow dev container):
+  - network namespace whose only interface is a loopback that is down: connect, bind and DNS
+    fail at once with ENETUNREACH (no resolver timeout), servers on the host's 127.0.0.1 included;
+  - pid namespace with its own /proc. Its pid 1 is a small root init forked from the launcher
+    (the program must not be pid 1, which ignores SIGXCPU); the program is pid 2 and sees only
+    its own processes. When the program exits, init reports and exits, and the kernel kills
+    whatever is left in the namespace, setsid() escapees and daemons included. No process
+    outlives a run;
+  - mount namespace: the file tree is made read-only and nosuid recursively (mount_setattr,
+    Linux >= 5.12; without it only the uid's own permissions apply, see `isolation()`). The
+    working directory is a private tmpfs (32 MiB, 4096 inodes). The interpreter's prefix is
+    bind-mounted read-only into the run directory, because it may live under a 0700 home (pyenv
+    in /root) that the sandbox uid cannot enter;
+  - ipc and uts namespaces;
+  - credentials: setgroups([]), then setresgid/setresuid to a uid of the run's own (UID_BASE +
+    slot), then no_new_privs. Slots are flock'ed (files in $TMPDIR/r1flow-sandbox-uids), so
+    concurrent runs in threads or other processes never share a uid. RLIMIT_NPROC counts the
+    tasks of a uid (threads included), and root is exempt from it, so it is the uid change that
+    makes it bite: the program gets 1 + max_processes tasks, and a fork bomb stops there.
+"audit-hook" (fallback when not root, or when the kernel refuses the namespaces):
+  - same rlimits, kill and reaping; no uid change, no RLIMIT_NPROC;
+  - an audit hook (sys.addaudithook), installed before the program runs, refuses sockets, DNS,
+    ctypes, fork/exec/spawn/subprocess/os.system and os.kill. Audit hooks are not a security
+    boundary (PEP 578): they stop accidents and model slop, not a determined adversary. The
+    file system is protected only by the caller's own permissions.
+
+Both modes apply RLIMIT_CPU (SIGXCPU, then SIGKILL one second later), RLIMIT_AS (memory_mb),
+RLIMIT_FSIZE (MAX_FILE_BYTES), RLIMIT_CORE=0 and RLIMIT_NOFILE, and start from a fresh
+environment (PATH, LANG, HOME, PYTHONHASHSEED=0). The program runs as `python -S -s -P`: no site,
+no user site, no script directory on sys.path, so only the stdlib can be imported (no numpy).
+We depart from `-I` because its `-E` would ignore PYTHONHASHSEED. A fixed seed keeps set order,
+and so the output, reproducible, and since the environment is ours, `-E` would add nothing.
+`exit`/`quit`, which `site` would define, are provided. Stdin comes from an unlinked temp file.
+Stdout and stderr are read incrementally, and the run is killed as soon as together they exceed
+max_output_bytes. On a wall timeout or output overflow, the parent asks the launcher (SIGUSR1) to
+SIGKILL its child (init, or the program in audit-hook mode) through a pidfd, so pid reuse cannot
+misdirect the kill. Then it SIGKILLs the launcher's process group before reaping the launcher.
+The launcher dies with the parent (PR_SET_PDEATHSIG), and so do init and the program. It also
+backs up the wall limit with alarm().
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import logging
+import os
+import pwd
+import re
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from schemas.configs import SandboxLimits
+
+log = logging.getLogger(__name__)
+
+STATUSES = ("ok", "error", "timeout", "memory", "output_limit", "killed")
+MAX_FILE_BYTES = 16 * 2**20  # RLIMIT_FSIZE: largest file the program may write
+WORKDIR_BYTES = 32 * 2**20  # size of the tmpfs working directory (namespaces mode)
+WORKDIR_INODES = 4096
+MAX_OPEN_FILES = 256
+UID_BASE = 2_000_000_000  # sandbox uids are UID_BASE + slot (namespaces mode)
+UID_SLOTS = 64  # concurrent runs per machine; more wait for a free slot
+KILL_GRACE_S = 2.0  # how long the launcher gets to kill the program before its group is SIGKILLed
+_MEMORY_ERROR = re.compile(r"^MemoryError\b|Cannot allocate memory", re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class SandboxResult:
+    """How one run ended.
+
+    status: "ok" (exit 0) | "error" (nonzero exit) | "timeout" (wall or CPU limit) | "memory"
+    (MemoryError at the RLIMIT_AS limit) | "output_limit" (stdout+stderr over max_output_bytes) |
+    "killed" (any other signal). returncode: the program's exit code, -signal when a signal ended
+    it, None when the sandbox killed it. stdout and stderr together hold at most
+    max_output_bytes (decoded as UTF-8 with replacement).
+    """
+
+    status: str
+    returncode: int | None
+    stdout: str
+    stderr: str
+    wall_s: float
+
+
+class SandboxSetupError(RuntimeError):
+    """The sandbox itself could not be set up (not a failure of the program)."""
+
+
+# Runs as `python -I -S -c _LAUNCHER CONFIG_JSON` in a new session. It has to be root for the
+# namespaces, so it stays outside of them and does not count against the sandbox uid's NPROC.
+_LAUNCHER = r"""
+import ctypes, json, os, resource, signal, sys
+
+cfg = json.loads(sys.argv[1])
+status_fd = cfg["status_fd"]
+child_fd = None
+stop_requested = False
+
+
+def say(**msg):
+    os.write(status_fd, json.dumps(msg).encode() + b"\n")
+
+
+def stop(signum, frame):
+    global stop_requested
+    stop_requested = True
+    if child_fd is not None:
+        try:
+            signal.pidfd_send_signal(child_fd, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+signal.signal(signal.SIGUSR1, stop)
+signal.signal(signal.SIGALRM, stop)
+signal.alarm(cfg["backstop_s"])
+libc = ctypes.CDLL(None, use_errno=True)
+PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
+CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
+CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
+MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
+SYS_MOUNT_SETATTR, AT_FDCWD, AT_RECURSIVE = 442, -100, 0x8000
+MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID = 1, 2
+
+
+def check(ret, what):
+    if ret != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def mount(source, target, fstype, flags, data=None):
+    enc = lambda s: None if s is None else s.encode()
+    check(libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)),
+          f"mount {source} on {target}")
+
+
+def setup_namespaces():
+    check(libc.unshare(CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS), "unshare")
+    mount(None, "/", None, MS_REC | MS_PRIVATE)
+    attr = (ctypes.c_uint64 * 4)(MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID, 0, 0, 0)
+    ro_root = libc.syscall(ctypes.c_long(SYS_MOUNT_SETATTR), ctypes.c_int(AT_FDCWD), b"/",
+                           ctypes.c_uint(AT_RECURSIVE), ctypes.byref(attr), ctypes.c_size_t(32)) == 0
+    if cfg["python_prefix"]:
+        mount(cfg["python_prefix"], cfg["python_mount"], None, MS_BIND | MS_REC)
+        mount(None, cfg["python_mount"], None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+    mount("tmpfs", cfg["workdir"], "tmpfs", MS_NOSUID | MS_NODEV, cfg["tmpfs_options"])
+    return ro_root
+
+
+def forked(main):  # the child runs main() and never returns
+    pid = os.fork()
+    if pid == 0:
+        try:
+            main()
+        except BaseException as exc:
+            say(error=f"{main.__name__}: {exc!r}")
+        os._exit(125)
+    return pid
+
+
+def exec_program():
+    check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl(PDEATHSIG)")
+    for name, value in cfg["rlimits"].items():
+        resource.setrlimit(getattr(resource, name), tuple(value))
+    if cfg["uid"] is not None:
+        os.setgroups([])
+        os.setresgid(cfg["uid"], cfg["uid"], cfg["uid"])
+        os.setresuid(cfg["uid"], cfg["uid"], cfg["uid"])
+    check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(NO_NEW_PRIVS)")
+    os.chdir(cfg["workdir"])
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
+    os.set_inheritable(status_fd, False)  # a successful exec closes it: no message means success
+    os.execve(cfg["argv"][0], cfg["argv"], cfg["env"])
+
+
+def init_main():
+    # pid 1 of the new pid namespace. The program must not be pid 1: init ignores every signal
+    # it has no handler for (SIGXCPU included). This init reaps orphans, reports the program's
+    # end and exits with it, upon which the kernel kills whatever is left in the namespace.
+    check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl(PDEATHSIG)")
+    mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    program = forked(exec_program)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
+    while True:
+        pid, status, usage = os.wait4(-1, 0)
+        if pid == program:
+            say(status=status, cpu_s=usage.ru_utime + usage.ru_stime)
+            os._exit(0)
+
+
+try:
+    check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl(PDEATHSIG)")
+    if os.getppid() != cfg["parent_pid"]:
+        os._exit(1)
+    devnull = os.open(os.devnull, os.O_RDWR)
+    ro_root = setup_namespaces() if cfg["namespaces"] else False
+    pid = forked(init_main if cfg["namespaces"] else exec_program)
+except BaseException as exc:
+    say(error=f"launcher: {exc!r}")
+    os._exit(125)
+child_fd = os.pidfd_open(pid)
+if stop_requested:
+    stop(None, None)
+for fd in (0, 1, 2):  # only the program may hold the pipes: their EOF means it is gone
+    os.dup2(devnull, fd)
+_, status, usage = os.wait4(pid, 0)
+if not cfg["namespaces"]:
+    say(status=status, cpu_s=usage.ru_utime + usage.ru_stime)
+say(ro_root=ro_root)
+"""
+
+# Runs as `python -S -s -P -c _BOOTSTRAP HOOKS PROGRAM`; leaves no names behind in __main__.
+_BOOTSTRAP = r"""
+def _boot():
+    import builtins, sys
+
+    def exit(code=None):
+        raise SystemExit(code)
+
+    builtins.exit = builtins.quit = exit
+    if sys.argv[1] == "1":
+        blocked = frozenset({
+            "socket.__new__", "socket.connect", "socket.bind", "socket.getaddrinfo",
+            "socket.gethostbyname", "socket.gethostbyaddr", "socket.sendto", "socket.sendmsg",
+            "ctypes.dlopen", "ctypes.dlsym", "ctypes.cdata", "subprocess.Popen", "os.system",
+            "os.fork", "os.forkpty", "os.kill", "os.killpg", "pty.spawn",
+        })
+        prefixes = ("os.exec", "os.spawn", "os.posix_spawn")
+
+        def hook(event, args):
+            if event in blocked or event.startswith(prefixes):
+                raise PermissionError(f"{event} is blocked by the r1flow sandbox")
+
+        sys.addaudithook(hook)
+    sys.argv[:] = sys.argv[2:]
+    main = sys.modules["__main__"].__dict__
+    main["__file__"] = sys.argv[0]
+    del main["_boot"]
+    with open(sys.argv[0], "rb") as f:
+        return compile(f.read(), sys.argv[0], "exec")
+
+
+exec(_boot())
+"""
+
+_ISOLATION: dict[str, Any] | None = None
+_ISOLATION_LOCK = threading.Lock()
+
+
+def isolation() -> dict[str, Any]:
+    """The isolation mode of this process, probed once: {"mode": "namespaces" | "audit-hook",
+    "read_only_root": bool, "reason": str}."""
+    global _ISOLATION
+    with _ISOLATION_LOCK:
+        if _ISOLATION is None:
+            _ISOLATION = _probe()
+            log.info("sandbox isolation: %s", _ISOLATION)
+        return dict(_ISOLATION)
+
+
+def _probe() -> dict[str, Any]:
+    if not sys.platform.startswith("linux"):
+        raise SandboxSetupError(f"the sandbox needs Linux, not {sys.platform}")
+    if os.geteuid() != 0:
+        return {"mode": "audit-hook", "read_only_root": False, "reason": "not root: no namespaces"}
+    try:
+        result, report = _run("pass", "", SandboxLimits(wall_timeout_s=10.0), namespaces=True)
+    except SandboxSetupError as exc:
+        log.warning("sandbox namespaces unavailable, falling back to audit hooks: %s", exc)
+        return {"mode": "audit-hook", "read_only_root": False, "reason": str(exc)}
+    if result.status != "ok":
+        raise SandboxSetupError(f"an empty program failed in the sandbox: {result}")
+    return {"mode": "namespaces", "read_only_root": bool(report.get("ro_root")), "reason": "root"}
+
+
+def run_program(code: str, stdin: str = "", limits: SandboxLimits = SandboxLimits()) -> SandboxResult:
+    """Run `code` as a Python program in the sandbox, feeding it `stdin`."""
+    namespaces = isolation()["mode"] == "namespaces"
+    return _run(code, stdin, limits, namespaces=namespaces)[0]
+
+
+def run_tests(code: str, tests: list[dict], limits: SandboxLimits = SandboxLimits()) -> float:
+    """Fraction of stdin/stdout cases `[{"input": str, "output": str}, ...]` that `code` passes.
+
+    A case passes when the program exits 0 and its stdout equals the expected output after
+    trailing whitespace is stripped from every line and blank lines from both ends. A case that
+    times out, crashes or floods its output fails.
+    """
+    if not tests:
+        raise ValueError("run_tests needs at least one test case")
+    for i, case in enumerate(tests):
+        if not isinstance(case.get("input"), str) or not isinstance(case.get("output"), str):
+            raise ValueError(f"test case {i} needs string 'input' and 'output', got {case!r}")
+    passed = 0
+    for case in tests:
+        result = run_program(code, case["input"], limits)
+        passed += result.status == "ok" and normalise_output(result.stdout) == normalise_output(case["output"])
+    return passed / len(tests)
+
+
+def normalise_output(text: str) -> str:
+    """Strip trailing whitespace from every line and blank lines from both ends."""
+    lines = [line.rstrip() for line in text.splitlines()]
+    while lines and not lines[0]:
+        lines.pop(0)
+    while lines and not lines[-1]:
+        lines.pop()
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- one run
+
+
+def _run(code: str, stdin: str, limits: SandboxLimits, *, namespaces: bool) -> tuple[SandboxResult, dict]:
+    base = tempfile.mkdtemp(prefix="r1flow-sandbox-")
+    try:
+        with _uid_slot() if namespaces else contextlib.nullcontext(None) as uid:
+            return _run_in(base, code, stdin, limits, namespaces=namespaces, uid=uid)
+    finally:
+        _remove_tree(base)
+
+
+def _remove_tree(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    if os.path.exists(path):  # the program took the permissions off parts of its directory
+        for root, dirs, _ in os.walk(path):
+            for name in dirs:
+                with contextlib.suppress(OSError):
+                    os.chmod(os.path.join(root, name), 0o700)
+        shutil.rmtree(path, ignore_errors=True)
+    if os.path.exists(path):
+        log.warning("could not remove the sandbox directory %s", path)
+
+
+def _run_in(base: str, code: str, stdin: str, limits: SandboxLimits, *, namespaces: bool,
+            uid: int | None) -> tuple[SandboxResult, dict]:
+    os.chmod(base, 0o755)  # the sandbox uid must reach prog.py, python/ and work/
+    program = os.path.join(base, "prog.py")
+    with open(program, "w", encoding="utf-8") as f:
+        f.write(code)
+    os.chmod(program, 0o644)
+    workdir = os.path.join(base, "work")
+    os.mkdir(workdir, 0o700)
+    exe, prefix, env = _interpreter(base, workdir, namespaces)
+    cpu = limits.cpu_time_s
+    cfg = {
+        "namespaces": namespaces,
+        "uid": uid,
+        "parent_pid": os.getpid(),
+        "backstop_s": int(limits.wall_timeout_s) + 5,
+        "workdir": workdir,
+        "python_prefix": prefix,
+        "python_mount": os.path.join(base, "python"),
+        "tmpfs_options": f"size={WORKDIR_BYTES},nr_inodes={WORKDIR_INODES},mode=0700,uid={uid},gid={uid}",
+        "rlimits": {
+            "RLIMIT_CPU": [cpu, cpu + 1],  # SIGXCPU, then SIGKILL if the program ignores it
+            "RLIMIT_AS": [limits.memory_mb * 2**20] * 2,
+            "RLIMIT_FSIZE": [MAX_FILE_BYTES] * 2,
+            "RLIMIT_CORE": [0, 0],
+            "RLIMIT_NOFILE": [MAX_OPEN_FILES] * 2,
+            # RLIMIT_NPROC is per uid: only meaningful when the program has a uid of its own.
+            **({"RLIMIT_NPROC": [1 + limits.max_processes] * 2} if uid is not None else {}),
+        },
+        "argv": [exe, "-S", "-s", "-P", "-c", _BOOTSTRAP, "0" if namespaces else "1", program],
+        "env": env,
+    }
+    if prefix:
+        os.mkdir(cfg["python_mount"], 0o755)
+
+    status_r, status_w = os.pipe()
+    try:
+        with tempfile.TemporaryFile() as stdin_file:
+            stdin_file.write(stdin.encode("utf-8"))
+            stdin_file.seek(0)
+            cfg["status_fd"] = status_w
+            start = time.monotonic()
+            proc = subprocess.Popen(
+                [sys.executable, "-I", "-S", "-c", _LAUNCHER, json.dumps(cfg)],
+                stdin=stdin_file, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                cwd=base, env={"PATH": os.defpath}, close_fds=True, pass_fds=(status_w,),
+                start_new_session=True,
+            )
+        os.close(status_w)
+        status_w = -1
+        try:
+            stdout, stderr, killed_for = _supervise(proc, start + limits.wall_timeout_s, limits.max_output_bytes)
+        finally:
+            _reap(proc)
+        wall_s = time.monotonic() - start
+        report = _read_reports(status_r)
+    finally:
+        os.close(status_r)
+        if status_w >= 0:
+            os.close(status_w)
+    if "error" in report:
+        raise SandboxSetupError(report["error"])
+    out = stdout.decode("utf-8", errors="replace")
+    err = stderr.decode("utf-8", errors="replace")
+    status, returncode = _classify(killed_for, report, err, cpu)
+    return SandboxResult(status, returncode, out, err, wall_s), report
+
+
+def _interpreter(base: str, workdir: str, namespaces: bool) -> tuple[str, str | None, dict[str, str]]:
+    """(program interpreter path, prefix to bind-mount or None, environment)."""
+    env = {
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "LANG": "C.UTF-8",
+        "LC_ALL": "C.UTF-8",
+        "HOME": workdir,
+        "TMPDIR": workdir,
+        "PYTHONHASHSEED": "0",
+        "PYTHONIOENCODING": "utf-8",
+        "PYTHONDONTWRITEBYTECODE": "1",
+    }
+    exe = os.path.realpath(sys.executable)
+    prefix = os.path.realpath(sys.base_prefix)
+    rel = os.path.relpath(exe, prefix)
+    if not namespaces or rel.startswith(os.pardir):
+        return exe, None, env
+    mounted = os.path.join(base, "python")
+    if os.path.isdir(os.path.join(prefix, "lib")):
+        # A shared libpython is found through an absolute RUNPATH under the original prefix.
+        env["LD_LIBRARY_PATH"] = os.path.join(mounted, "lib")
+    return os.path.join(mounted, rel), prefix, env
+
+
+def _supervise(proc: subprocess.Popen, deadline: float, max_output: int) -> tuple[bytes, bytes, str | None]:
+    """Collect output until the launcher exits and both pipes close; kill on deadline or overflow.
+
+    Returns (stdout, stderr, killed_for) with killed_for in {None, "timeout", "output_limit"}.
+    The launcher is left exited but unreaped, so its pid (= process group id) stays reserved.
+    """
+    assert proc.stdout is not None and proc.stderr is not None
+    pidfd = os.pidfd_open(proc.pid)
+    buffers = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
+    kept = 0
+    killed_for = None
+    launcher_done = False
+    with selectors.DefaultSelector() as sel:
+        for fd in buffers:
+            os.set_blocking(fd, False)
+            sel.register(fd, selectors.EVENT_READ)
+        sel.register(pidfd, selectors.EVENT_READ)
+        try:
+            while len(sel.get_map()) > 0:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    killed_for = "timeout"
+                    break
+                for key, _ in sel.select(remaining):
+                    fd = key.fd
+                    if fd == pidfd:
+                        sel.unregister(pidfd)
+                        launcher_done = True
+                        # Stragglers still in the launcher's group (audit-hook mode) hold the pipes.
+                        _killpg(proc.pid)
+                        continue
+                    try:
+                        chunk = os.read(fd, min(65536, max_output - kept + 1))
+                    except BlockingIOError:
+                        continue
+                    if not chunk:
+                        sel.unregister(fd)
+                        continue
+                    take = chunk[: max_output - kept]
+                    buffers[fd] += take
+                    kept += len(take)
+                    if len(take) < len(chunk):
+                        killed_for = "output_limit"
+                        break
+                if killed_for:
+                    break
+            if killed_for and not launcher_done:
+                _stop(proc, pidfd)
+        finally:
+            os.close(pidfd)
+    return bytes(buffers[proc.stdout.fileno()]), bytes(buffers[proc.stderr.fileno()]), killed_for
+
+
+def _stop(proc: subprocess.Popen, pidfd: int) -> None:
+    """Have the launcher kill the program (it reaps it and reports); SIGKILL its group if it dawdles."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(proc.pid, signal.SIGUSR1)  # our unreaped child: the pid cannot have been reused
+    with selectors.DefaultSelector() as sel:
+        sel.register(pidfd, selectors.EVENT_READ)
+        if not sel.select(KILL_GRACE_S):
+            _killpg(proc.pid)
+            sel.select()
+
+
+def _killpg(pgid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+def _reap(proc: subprocess.Popen) -> None:
+    """SIGKILL whatever is left in the launcher's process group, then reap the launcher.
+
+    Until it is reaped the launcher's pid, which is the group id, cannot be reused, so the
+    killpg cannot hit an unrelated group. Normally the launcher has already exited and the group
+    is empty; after an exception in the parent this kills a live launcher, and PR_SET_PDEATHSIG
+    takes its namespace down with it.
+    """
+    _killpg(proc.pid)
+    proc.wait()
+    for pipe in (proc.stdout, proc.stderr):
+        if pipe is not None:
+            pipe.close()
+
+
+def _read_reports(fd: int) -> dict:
+    """Merge the launcher's JSON lines; every writer has exited, so this reaches EOF."""
+    os.set_blocking(fd, False)
+    data = b""
+    with contextlib.suppress(BlockingIOError):
+        while chunk := os.read(fd, 65536):
+            data += chunk
+    report: dict = {}
+    for line in data.splitlines():
+        with contextlib.suppress(ValueError):
+            report.update(json.loads(line))
+    return report
+
+
+def _classify(killed_for: str | None, report: dict, stderr: str, cpu_limit: int) -> tuple[str, int | None]:
+    if killed_for is not None:
+        return killed_for, None
+    if "status" not in report:
+        return "killed", None  # the launcher died without reporting (killed from outside)
+    raw = report["status"]
+    returncode = os.waitstatus_to_exitcode(raw)
+    if os.WIFSIGNALED(raw):
+        sig = os.WTERMSIG(raw)
+        if sig == signal.SIGXCPU or (sig == signal.SIGKILL and report["cpu_s"] >= cpu_limit):
+            return "timeout", returncode
+        return "killed", returncode
+    if returncode == 0:
+        return "ok", 0
+    if _MEMORY_ERROR.search(stderr):
+        return "memory", returncode
+    return "error", returncode
+
+
+# ---------------------------------------------------------------------------- uid slots
+
+
+@contextlib.contextmanager
+def _uid_slot() -> Iterator[int]:
+    """Hold a sandbox uid no other run (thread or process) uses meanwhile: flock on a root-only file."""
+    lock_dir = os.path.join(tempfile.gettempdir(), "r1flow-sandbox-uids")
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(lock_dir, 0o700)
+    st = os.lstat(lock_dir)
+    if not os.path.isdir(lock_dir) or os.path.islink(lock_dir) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        raise SandboxSetupError(f"{lock_dir} must be a directory owned by uid {os.geteuid()} with mode 0700")
+    while True:
+        for slot in range(UID_SLOTS):
+            uid = UID_BASE + slot
+            if _has_account(uid):
+                continue
+            fd = os.open(os.path.join(lock_dir, f"{uid}.lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                os.close(fd)
+                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                    raise
+                continue
+            try:
+                yield uid
+                return
+            finally:
+                os.close(fd)  # releases the lock
+        time.sleep(0.02)  # every slot busy: runs end within their limits
+
+
+def _has_account(uid: int) -> bool:
+    try:
+        pwd.getpwuid(uid)
+    except KeyError:
+        return False
+    return True
