@@ -28,7 +28,7 @@ def test_precedence_defaults_recipe_profile_override():
     plan = load_plan("sft-eval", "tiny", ["sft.learning_rate=1e-4", "sft.lora.r=4"])
     sft = plan.node("sft").config
     assert sft.learning_rate == 1e-4  # --set beats the profile's 3e-3
-    assert sft.max_steps == 40  # from the tiny profile
+    assert sft.max_steps == 120  # from the tiny profile
     assert sft.lora.r == 4 and sft.lora.alpha == 32  # nested override keeps siblings
     assert sft.weight_decay == 0.0  # class default
     assert plan.model == "tiny-random" and plan.node("base").config.ref == "tiny-random"
