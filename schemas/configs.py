@@ -217,6 +217,50 @@ class RewardModelConfig(Strict):
     keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept on disk.")
 
 
+class GRPOConfig(Strict):
+    """`grpo` stage: group-relative policy optimisation with verifiable rewards (and variants)."""
+
+    steps: int = Field(50, ge=1, description="Rollout steps (each: sample, score, update).")
+    prompts_per_step: int = Field(8, ge=1, description="Prompts per rollout batch.")
+    group_size: int = Field(8, ge=2, description="G: completions per prompt.")
+    generation: GenerationSpec = Field(
+        default_factory=lambda: GenerationSpec(temperature=1.0, max_new_tokens=128), description="Rollout sampling."
+    )
+    reward: RewardSpec = Field(default_factory=RewardSpec, description="How completions are scored.")
+    advantage: Literal["grpo", "dr_grpo", "rloo", "batch"] = Field(
+        "grpo", description="grpo: (r-mean)/std per group; dr_grpo: r-mean; rloo: r-mean of the others; "
+        "batch: r-group mean scaled by the batch std."
+    )
+    std: Literal["population", "sample"] = Field("population", description="Std estimator for grpo advantages.")
+    policy_loss: Literal["token", "gspo", "cispo"] = Field(
+        "token", description="token: PPO-clipped token ratios; gspo: sequence-level ratio; cispo: clipped IS weights."
+    )
+    aggregation: Literal["seq_mean", "token_mean", "constant"] = Field(
+        "seq_mean", description="seq_mean (GRPO), token_mean (DAPO), constant normaliser (Dr. GRPO)."
+    )
+    epsilon_low: float = Field(0.2, ge=0, description="Clip range below 1.")
+    epsilon_high: float = Field(0.2, ge=0, description="Clip range above 1 (DAPO clip-higher when > epsilon_low).")
+    beta: float = Field(0.0, ge=0, description="KL coefficient; 0 drops the reference model entirely.")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator (Schulman's k1/k2/k3).")
+    mu: int = Field(1, ge=1, description="Optimisation epochs per rollout batch.")
+    minibatch_size: int = Field(16, ge=1, description="Sequences per optimizer micro-batch.")
+    dynamic_sampling: bool = Field(False, description="Drop groups whose rewards are all equal (DAPO).")
+    mask_truncated: bool = Field(False, description="Exclude completions cut at max_new_tokens from the loss.")
+    ref_refresh_every: int = Field(0, ge=0, description="Copy the policy into the reference every N steps (0: never).")
+    learning_rate: float = Field(1e-5, gt=0, description="Peak learning rate.")
+    warmup_ratio: float = Field(0.0, ge=0, lt=1, description="Share of steps with linear warmup.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
+    lora: LoraSpec = Field(default_factory=LoraSpec, description="LoRA settings; lora.r=0 is full fine-tuning.")
+    precision: Precision = Field("auto", description="auto: bf16 on GPUs that support it, else fp32.")
+    checkpoint_every: int = Field(10, ge=1, description="Save a resumable checkpoint every N steps.")
+    keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept on disk.")
+    max_refill_rounds: int = Field(2, ge=0, description="Dynamic sampling: extra rollouts to refill dropped groups.")
+    eval_every: int = Field(0, ge=0, description="Greedy held-out eval every N steps (0: off).")
+    eval_prompts: int = Field(32, ge=1, description="Held-out prompts for the periodic eval.")
+    split: Literal["train", "eval"] = Field("train", description="Prompts split to train on.")
+
+
 STAGE_CONFIGS: dict[str, type[Strict]] = {
     "import_model": ModelConfig,
     "prompts": PromptsConfig,
@@ -225,6 +269,7 @@ STAGE_CONFIGS: dict[str, type[Strict]] = {
     "rejection_sampling": RejectionSamplingConfig,
     "preference_data": PreferenceDataConfig,
     "reward_model": RewardModelConfig,
+    "grpo": GRPOConfig,
 }
 
 

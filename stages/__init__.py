@@ -18,6 +18,7 @@ STAGE_MODULES = {
     "rejection_sampling": "stages.rejection_sampling",
     "preference_data": "stages.preference_data",
     "reward_model": "stages.reward_model",
+    "grpo": "stages.grpo",
 }
 
 STAGE_SUMMARIES = {
@@ -28,6 +29,7 @@ STAGE_SUMMARIES = {
     "rejection_sampling": "K scored samples per prompt; keep up to M verified ones as an sft dataset",
     "preference_data": "chosen/rejected pairs from scored samples (and user files), plus unpaired rows for KTO",
     "reward_model": "Bradley-Terry reward model (scalar head on a causal LM), held-out pairwise accuracy",
+    "grpo": "GRPO with verifiable rewards; Dr. GRPO, DAPO, GSPO, CISPO, RLOO variants by config",
 }
 
 

@@ -122,8 +122,9 @@ class TransformersBackend:
             enc = tokenizer([texts[i] for i in idx], return_tensors="pt", padding=True,
                             add_special_tokens=False).to(device)
             torch.manual_seed(seed * 1_000_003 + b)
+            # use_cache explicitly: trainers set config.use_cache=False, which must not slow sampling.
             kwargs = dict(do_sample=do_sample, max_new_tokens=spec.max_new_tokens, num_return_sequences=n,
-                          eos_token_id=eos_ids, pad_token_id=pad_id)
+                          eos_token_id=eos_ids, pad_token_id=pad_id, use_cache=True)
             if do_sample:
                 # top_k=0 disables the filter; None would fall back to the model's generation_config (often 50).
                 kwargs.update(temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k)

@@ -1,0 +1,322 @@
+"""`grpo` stage: group-relative policy optimisation with verifiable rewards, and its variants.
+
+One step reads like the paper (DeepSeekMath §4.1, arXiv 2402.03300): sample G completions for each
+of B prompts from the current policy, score them, turn each group's rewards into advantages, then
+take clipped policy-gradient steps, optionally anchored to a reference by a KL penalty. The math
+lives in `stages/rl.py` (advantages, policy losses, aggregation, KL estimators); this module only
+orders it. Variants are config: Dr. GRPO (`advantage: dr_grpo`, `aggregation: constant`), DAPO
+(`epsilon_high > epsilon_low`, `aggregation: token_mean`, `dynamic_sampling`, overlong reward),
+GSPO (`policy_loss: gspo`), CISPO (`policy_loss: cispo`), RLOO (`advantage: rloo`).
+
+Departures from the papers, on purpose:
+- old log-probs are recomputed with the trainer's own forward pass after generation (same numerics
+  as the loss), so with mu = 1 the ratio is exactly 1 and clipping only matters for mu > 1;
+- within one optimisation epoch, gradients of all mini-batches are accumulated into one optimizer
+  step, normalised globally (per `aggregation`), so mini-batching only bounds memory;
+- a completion that cannot be scored (reward None) gets reward 0 and is counted in `unscored`.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from schemas.configs import GenerationSpec, GRPOConfig
+from schemas.errors import ConfigError, SchemaError
+from stages import models, rl
+from stages.base import Input, Output, StageContext, model_output_dir, seed_everything
+from stages.generation import TransformersBackend, render_prompts
+from stages.rewards import score
+from stages.sft import (
+    latest_checkpoint,
+    load_checkpoint,
+    load_trainable,
+    lr_factor,
+    resolve_precision,
+    save_checkpoint,
+)
+
+VERSION = "1"
+CONFIG = GRPOConfig
+INPUTS = {"model": "model", "prompts": "prompts"}
+OUTPUTS = {"model": "model"}
+
+
+def check(cfg: GRPOConfig) -> None:
+    if cfg.ref_refresh_every and cfg.lora.r > 0:
+        raise ConfigError("grpo.ref_refresh_every: needs full fine-tuning (lora.r=0); with LoRA the reference "
+                          "is the base model with the adapter disabled")
+    if cfg.generation.temperature == 0:
+        raise ConfigError("grpo.generation.temperature: must be > 0 (a group of identical greedy samples has no signal)")
+
+
+# ---------------------------------------------------------------------------- tensors from rollouts
+
+
+def build_batch(prompt_ids: list[list[int]], completion_ids: list[list[int]], pad_id: int,
+                keep: list[bool]) -> dict[str, torch.Tensor]:
+    """Right-padded prompt+completion rows and a mask over the positions that predict completion tokens.
+
+    Returns input_ids/attention_mask (N, L) and loss_mask (N, L-1) aligned with `token_logprobs`.
+    `keep[i] = False` (e.g. a truncated completion under mask_truncated) zeroes that row's loss mask.
+    """
+    rows = [p + c for p, c in zip(prompt_ids, completion_ids, strict=True)]
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(rows), width), dtype=torch.long)
+    loss_mask = torch.zeros((len(rows), width - 1), dtype=torch.float32)
+    for i, (p, c) in enumerate(zip(prompt_ids, completion_ids, strict=True)):
+        ids[i, : len(p) + len(c)] = torch.tensor(p + c)
+        attn[i, : len(p) + len(c)] = 1
+        if keep[i]:
+            loss_mask[i, len(p) - 1 : len(p) + len(c) - 1] = 1.0  # position t predicts token t+1
+    return {"input_ids": ids, "attention_mask": attn, "loss_mask": loss_mask}
+
+
+def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log p(token t+1 | tokens ≤ t) for every position: (N, L-1); and the entropy there if asked."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1, :].float()
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    entropy = rl.entropy_from_logits(logits.detach()) if with_entropy else None
+    return logp, entropy
+
+
+@torch.no_grad()
+def batched_logprobs(model, batch: dict[str, torch.Tensor], minibatch: int, device: str) -> torch.Tensor:
+    out = []
+    for i in range(0, batch["input_ids"].shape[0], minibatch):
+        lp, _ = token_logprobs(model, batch["input_ids"][i : i + minibatch].to(device),
+                               batch["attention_mask"][i : i + minibatch].to(device))
+        out.append(lp.cpu())
+    return torch.cat(out)
+
+
+# ---------------------------------------------------------------------------- rollout
+
+
+def rollout(backend, tokenizer, rows: list[dict], cfg: GRPOConfig, seed: int):
+    """Sample G completions per prompt row and score them. Returns (completions, verdicts, rewards (B, G))."""
+    completions, stats = backend.generate([r["messages"] for r in rows], cfg.generation, n=cfg.group_size,
+                                          seed=seed, progress=False)
+    t0 = time.perf_counter()
+    verdicts = [[score(r, c.text, cfg.reward, num_tokens=c.num_tokens) for c in comps]
+                for r, comps in zip(rows, completions, strict=True)]
+    rewards = torch.tensor([[v.reward if v.reward is not None else 0.0 for v in vs] for vs in verdicts])
+    return completions, verdicts, rewards, stats.seconds, time.perf_counter() - t0
+
+
+def pick_prompts(n_prompts: int, k: int, seed: int, step: int, attempt: int) -> list[int]:
+    rng = np.random.default_rng([seed, step, attempt])
+    return rng.choice(n_prompts, size=k, replace=n_prompts < k).tolist()
+
+
+# ---------------------------------------------------------------------------- the stage
+
+
+def run(cfg: GRPOConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[str, Output]:
+    table = inputs["prompts"].table("prompts")
+    rows = [r for r in table.to_pylist() if r["split"] == cfg.split and r["answer"] is not None]
+    if not rows:
+        raise SchemaError(f"{inputs['prompts'].label}: no split={cfg.split!r} prompts with an answer to reward")
+    held_out = [r for r in table.to_pylist() if r["split"] == "eval"][: cfg.eval_prompts]
+    seed_everything(ctx.seed)
+    model, tokenizer, merged_input = load_trainable(inputs["model"], cfg, ctx.device)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    is_lora = cfg.lora.r > 0
+    ref = None
+    if cfg.beta > 0 and not is_lora:
+        ref = copy.deepcopy(model).eval().requires_grad_(False)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    warmup = int(cfg.warmup_ratio * cfg.steps)
+    autocast_dtype = resolve_precision(cfg.precision, ctx.device)
+    backend = TransformersBackend(model, tokenizer)
+    kl_fn = rl.KL_ESTIMATORS[cfg.kl_estimator]
+    counts = models.count_parameters(model)
+    ctx.log_params({"train_prompts": len(rows), "trainable_parameters": counts["trainable"],
+                    "total_parameters": counts["total"], "precision": str(autocast_dtype or "fp32")})
+
+    start, history = 0, []
+    ckpt = latest_checkpoint(ctx.checkpoint_dir)
+    if ckpt is not None:
+        state = load_checkpoint(ckpt, model, optimizer)
+        start, history = state["step"], state["history"]
+        if ref is not None and state.get("ref_is_policy"):  # refreshed before the crash: approximate by the policy
+            ref.load_state_dict(model.state_dict())
+        ctx.log.info("grpo: resuming from %s (step %d of %d)", ckpt.name, start, cfg.steps)
+        for i, m in enumerate(history):
+            ctx.log_metrics(m, step=i + 1)
+
+    bar = tqdm(total=cfg.steps, initial=start, desc="grpo", unit="step")
+    for step in range(start, cfg.steps):
+        t_step = time.perf_counter()
+        # ---- rollout and scoring (dynamic sampling drops all-equal groups and refills)
+        batch_rows, comps, verdicts, rewards = [], [], [], []
+        t_gen = t_score = 0.0
+        zero_std_groups = total_groups = 0
+        for attempt in range(1 + (cfg.max_refill_rounds if cfg.dynamic_sampling else 0)):
+            need = cfg.prompts_per_step - len(batch_rows)
+            picked = [rows[i] for i in pick_prompts(len(rows), need, ctx.seed, step, attempt)]
+            c, v, r, tg, ts = rollout(backend, tokenizer, picked, cfg, seed=ctx.seed * 1_000_003 + step * 101 + attempt)
+            t_gen, t_score = t_gen + tg, t_score + ts
+            flat = (r.max(dim=1).values == r.min(dim=1).values).tolist()
+            zero_std_groups += sum(flat)
+            total_groups += len(flat)
+            for i in range(len(picked)):
+                if cfg.dynamic_sampling and flat[i]:
+                    continue
+                batch_rows.append(picked[i])
+                comps.append(c[i])
+                verdicts.append(v[i])
+                rewards.append(r[i])
+            if len(batch_rows) >= cfg.prompts_per_step or not cfg.dynamic_sampling:
+                break
+        metrics = rollout_metrics(verdicts, comps, rewards, cfg, zero_std_groups / max(1, total_groups))
+        metrics.update({"time/generation": t_gen, "time/scoring": t_score})
+        if not batch_rows:  # every group was flat: nothing to learn from this step
+            metrics.update({"train/skipped": 1.0, "time/training": 0.0})
+            history.append(metrics)
+            ctx.log_metrics(metrics, step=step + 1)
+            bar.update(1)
+            continue
+
+        # ---- advantages and training tensors
+        t0 = time.perf_counter()
+        reward_matrix = torch.stack(rewards)  # (B, G)
+        adv = rl.group_advantages(reward_matrix, cfg.advantage, cfg.std).reshape(-1)  # (B*G,)
+        prompt_texts = render_prompts(tokenizer, [r["messages"] for r in batch_rows])
+        prompt_ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in prompt_texts]
+        flat_prompt_ids = [p for p in prompt_ids for _ in range(cfg.group_size)]
+        flat_comps = [c for cs in comps for c in cs]
+        keep = [not (cfg.mask_truncated and c.finish_reason == "length") for c in flat_comps]
+        batch = build_batch(flat_prompt_ids, [list(c.token_ids) for c in flat_comps], pad_id, keep)
+        model.train()
+        old_logp = batched_logprobs(model, batch, cfg.minibatch_size, ctx.device)
+        ref_logp = None
+        if cfg.beta > 0:
+            if is_lora:
+                with model.disable_adapter():
+                    ref_logp = batched_logprobs(model, batch, cfg.minibatch_size, ctx.device)
+            else:
+                ref_logp = batched_logprobs(ref, batch, cfg.minibatch_size, ctx.device)
+
+        # ---- mu epochs; each accumulates all mini-batches into one optimizer step
+        lr = cfg.learning_rate * lr_factor(step, cfg.steps, warmup, "constant")
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        n = batch["input_ids"].shape[0]
+        total_tokens = float(batch["loss_mask"].sum().clamp(min=1))
+        train_stats: dict[str, list[float]] = {"loss": [], "clip_low": [], "clip_high": [], "kl": [], "entropy": []}
+        for epoch in range(cfg.mu):
+            order = torch.randperm(n, generator=torch.Generator().manual_seed(ctx.seed + step * 31 + epoch))
+            for i in range(0, n, cfg.minibatch_size):
+                idx = order[i : i + cfg.minibatch_size]
+                mask = batch["loss_mask"][idx].to(ctx.device)
+                with torch.autocast(device_type=ctx.device.split(":")[0], dtype=autocast_dtype or torch.float32,
+                                    enabled=autocast_dtype is not None):
+                    logp, entropy = token_logprobs(model, batch["input_ids"][idx].to(ctx.device),
+                                                   batch["attention_mask"][idx].to(ctx.device), with_entropy=True)
+                per_token, stats = rl.policy_loss(logp, old_logp[idx].to(ctx.device), adv[idx].to(ctx.device), mask,
+                                                  cfg.policy_loss, cfg.epsilon_low, cfg.epsilon_high)
+                if ref_logp is not None:
+                    kl = kl_fn(logp, ref_logp[idx].to(ctx.device)) * mask
+                    per_token = per_token + cfg.beta * kl
+                    train_stats["kl"].append(float(kl.sum() / mask.sum().clamp(min=1)))
+                loss = rl.aggregate(per_token, mask, cfg.aggregation, max_tokens=cfg.generation.max_new_tokens)
+                weight = float(mask.sum()) / total_tokens if cfg.aggregation == "token_mean" else len(idx) / n
+                (loss * weight).backward()
+                train_stats["loss"].append(float(loss.detach()) * weight)
+                train_stats["clip_low"].append(float(stats["clip_low"]))
+                train_stats["clip_high"].append(float(stats["clip_high"]))
+                train_stats["entropy"].append(float((entropy * mask).sum() / mask.sum().clamp(min=1)))
+            grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm).item()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        if ref is not None and cfg.ref_refresh_every and (step + 1) % cfg.ref_refresh_every == 0:
+            ref.load_state_dict(model.state_dict())
+        metrics.update({
+            "train/loss": float(np.sum(train_stats["loss"])) / cfg.mu,
+            "train/clip_low": float(np.mean(train_stats["clip_low"])),
+            "train/clip_high": float(np.mean(train_stats["clip_high"])),
+            "train/entropy": float(np.mean(train_stats["entropy"])),
+            "train/grad_norm": grad_norm, "train/lr": lr, "time/training": time.perf_counter() - t0,
+            "time/step": time.perf_counter() - t_step,
+        })
+        if train_stats["kl"]:
+            metrics["train/kl"] = float(np.mean(train_stats["kl"]))
+        done = step + 1
+        if cfg.eval_every and held_out and done % cfg.eval_every == 0:
+            metrics.update(held_out_eval(backend, held_out, cfg, ctx.seed))
+        history.append(metrics)
+        if done % cfg.checkpoint_every == 0 or done == cfg.steps:
+            save_checkpoint(ctx.checkpoint_dir, done, model, optimizer,
+                            {"step": done, "history": history,
+                             "ref_is_policy": bool(cfg.ref_refresh_every and done >= cfg.ref_refresh_every)},
+                            cfg.keep_checkpoints)
+        ctx.log_metrics(metrics, step=done)
+        bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
+        bar.update(1)
+    bar.close()
+
+    out, model_dir = model_output_dir(ctx, "model")
+    merge = cfg.lora.merge or merged_input
+    models.save_model(model, tokenizer, model_dir, merge=merge)
+    is_adapter = is_lora and not merge
+    summary = summarize(history)
+    ctx.log_metrics(summary)
+    extra = {"base_fingerprint": inputs["model"].fingerprint} if is_adapter else {}
+    return {"model": Output("model", "adapter" if is_adapter else "model", out, metrics=summary, extra=extra)}
+
+
+def rollout_metrics(verdicts, comps, rewards, cfg: GRPOConfig, zero_std_frac: float) -> dict[str, float]:
+    flat_v = [v for vs in verdicts for v in vs]
+    flat_c = [c for cs in comps for c in cs]
+    r = torch.stack(rewards) if rewards else torch.zeros(0, cfg.group_size)
+    m: dict[str, float] = {
+        "reward/mean": float(r.mean()) if r.numel() else 0.0,
+        "reward/std": float(r.std(unbiased=False)) if r.numel() else 0.0,
+        "reward/zero_std_groups": zero_std_frac,
+        "reward/unscored": float(sum(v.reward is None for v in flat_v)),
+    }
+    if flat_v:
+        scored = [v.correct for v in flat_v if v.correct is not None]
+        m["reward/accuracy"] = float(np.mean(scored)) if scored else 0.0
+        m["reward/format_rate"] = float(np.mean([v.format_ok for v in flat_v]))
+        for name in sorted({k for v in flat_v for k in v.components}):
+            m[f"reward/{name}"] = float(np.mean([v.components.get(name, 0.0) for v in flat_v]))
+        lengths = [c.num_tokens for c in flat_c]
+        m["completion/mean_length"] = float(np.mean(lengths))
+        m["completion/max_length"] = float(np.max(lengths))
+        m["completion/truncated_frac"] = float(np.mean([c.finish_reason == "length" for c in flat_c]))
+    return m
+
+
+def held_out_eval(backend, rows: list[dict], cfg: GRPOConfig, seed: int) -> dict[str, float]:
+    """Greedy accuracy and format rate on held-out prompts, scored as the eval stage scores."""
+    spec = GenerationSpec(max_new_tokens=cfg.generation.max_new_tokens, temperature=0.0,
+                          batch_size=cfg.generation.batch_size)
+    comps, _ = backend.generate([r["messages"] for r in rows], spec, seed=seed, progress=False)
+    verdicts = [score(r, cs[0].text) for r, cs in zip(rows, comps, strict=True)]
+    scored = [v.correct for v in verdicts if v.correct is not None]
+    return {"eval/accuracy": float(np.mean(scored)) if scored else 0.0,
+            "eval/format_rate": float(np.mean([v.format_ok for v in verdicts]))}
+
+
+def summarize(history: list[dict]) -> dict[str, float]:
+    """First/last-tenth reward means, so a run's improvement is one number in the summary table."""
+    rewards = [h["reward/mean"] for h in history]
+    k = max(1, len(rewards) // 10)
+    out = {"steps": float(len(history)), "reward_first": float(np.mean(rewards[:k])),
+           "reward_last": float(np.mean(rewards[-k:]))}
+    evals = [h for h in history if "eval/accuracy" in h]
+    if evals:
+        out["eval_accuracy_last"] = evals[-1]["eval/accuracy"]
+        out["eval_format_rate_last"] = evals[-1]["eval/format_rate"]
+    out["time_per_step"] = float(np.mean([h.get("time/step", 0.0) for h in history])) if history else 0.0
+    return out
+
