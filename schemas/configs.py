@@ -64,14 +64,15 @@ class SandboxLimits(Strict):
 class RewardSpec(Strict):
     """How a completion is scored: weighted components, routed per prompt by its `verifier`.
 
-    Components: accuracy (1/0 from the verifier), format (R1 tags well formed), overlong (DAPO's
+    Components: accuracy (1/0 from the verifier), format (R1 tags well formed), tags (0.25 per R1
+    tag present exactly once: partial format credit), overlong (DAPO's
     soft overlong punishment, ≤ 0), repetition (n-gram repetition penalty, ≤ 0), cosine (accuracy
     scaled by length, Demystifying Long CoT), reward_model (score of a trained reward model).
     """
 
     weights: dict[str, float] = Field(
         default_factory=lambda: {"accuracy": 1.0, "format": 0.2},
-        description="Component name -> weight. Known: accuracy, format, overlong, repetition, cosine, "
+        description="Component name -> weight. Known: accuracy, format, tags, overlong, repetition, cosine, "
         "reward_model, or a verifier's raw score by its name (e.g. reasoning_gym).",
     )
     overlong_max_tokens: int = Field(512, ge=1, description="DAPO L_max: completions longer are penalised fully.")

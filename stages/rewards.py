@@ -230,6 +230,22 @@ def format_ok(completion: str) -> bool:
     return match is not None and match.group(2).strip() != ""
 
 
+_FORMAT_TAGS = ("<think>", "</think>", "<answer>", "</answer>")
+
+
+def tag_count_reward(completion: str) -> float:
+    """0.25 for each of <think>, </think>, <answer>, </answer> that appears exactly once.
+
+    A partial format signal (as open-r1's tag-count reward): a small model that never writes the
+    full R1 format (format_ok) still earns credit for the tags it does write, so RL from a base
+    model (R1-Zero) has a gradient to follow.
+
+    >>> tag_count_reward("<think>x</think> 5")
+    0.5
+    """
+    return sum(0.25 for tag in _FORMAT_TAGS if completion.count(tag) == 1)
+
+
 def format_reward(completion: str) -> float:
     """1.0 if `format_ok(completion)` else 0.0."""
     return 1.0 if format_ok(completion) else 0.0
@@ -663,7 +679,7 @@ class Verdict:
     correct_lenient: bool | None = None
 
 
-_SHAPING = ("accuracy", "format", "overlong", "repetition", "cosine", "reward_model")
+_SHAPING = ("accuracy", "format", "tags", "overlong", "repetition", "cosine", "reward_model")
 
 
 def score(
@@ -700,7 +716,7 @@ def score(
     well_formed = format_ok(completion)
     raw = verifier(extracted, row, spec)
 
-    components = {"format": 1.0 if well_formed else 0.0}
+    components = {"format": 1.0 if well_formed else 0.0, "tags": tag_count_reward(completion)}
     correct: bool | None = None
     if raw is not None:
         correct = raw >= 1.0

@@ -74,3 +74,26 @@ def test_kl_with_lora_reference_and_gspo_cispo_run(tmp_path, tiny_model_input, d
                     "time/scoring", "time/training", "eval/accuracy", "completion/truncated_frac"):
             assert key in logged, (loss, key)
         assert out.schema == "adapter"
+
+
+def test_resume_after_crash_replays_the_same_steps(tmp_path, tiny_model_input, digit_prompts):
+    """Rollouts are seeded by (seed, step) and the checkpoint restores weights, optimizer and RNG,
+    so a run killed after step 4 (last checkpoint: 3) and resumed logs the same curve as an
+    uninterrupted run and trains exactly steps 4-6."""
+    from tests.test_sft import CrashingContext, SimulatedCrash
+
+    cfg = short_is_better(steps=6, checkpoint_every=3)
+    ref_ctx = LocalContext(tmp_path / "ref")
+    grpo.run(cfg, {"model": tiny_model_input, "prompts": digit_prompts}, ref_ctx)
+    root = tmp_path / "crash"
+    with pytest.raises(SimulatedCrash):
+        grpo.run(cfg, {"model": tiny_model_input, "prompts": digit_prompts}, CrashingContext(root, crash_at=4))
+    resumed = LocalContext(root)
+    out = grpo.run(cfg, {"model": tiny_model_input, "prompts": digit_prompts}, resumed)["model"]
+
+    def curve(ctx):
+        return {s: m["reward/mean"] for s, m in ctx.metrics if s is not None and "reward/mean" in m}
+
+    assert sorted(curve(resumed)) == list(range(1, 7))
+    assert curve(resumed) == pytest.approx(curve(ref_ctx), abs=1e-6)
+    assert out.metrics["steps"] == 6

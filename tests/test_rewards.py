@@ -279,7 +279,8 @@ def test_reasoning_gym_basic_arithmetic_right_and_wrong():
     # default weights: accuracy 1 + format 0.2; its 11 word trigrams are all distinct: repetition 0
     assert right == Verdict(
         correct=True, extracted="-4", format_ok=True, reward=1.2,
-        components={"format": 1.0, "reasoning_gym": 1.0, "accuracy": 1.0, "repetition": 0.0}, correct_lenient=True,
+        components={"format": 1.0, "tags": 1.0, "reasoning_gym": 1.0, "accuracy": 1.0, "repetition": 0.0},
+        correct_lenient=True,
     )
     wrong = score(rows[0], r1("4"), ACCURACY_ONLY)
     assert wrong.correct is False and wrong.reward == 0.0
@@ -310,7 +311,7 @@ def test_verifier_none_cannot_score():
     assert v.reward is None
     assert v.extracted == "anything"
     assert v.format_ok is True
-    assert v.components == {"format": 1.0, "repetition": 0.0}
+    assert v.components == {"format": 1.0, "tags": 1.0, "repetition": 0.0}
 
 
 def test_unknown_verifier_names_it_and_the_known_ones():
@@ -521,8 +522,8 @@ def test_score_components_and_weighted_sum():
     """
     v = score(row("2"), r1("2", think="a a a a"), ALL_WEIGHTS, num_tokens=448, rm_score=3.0)
     assert v.components == pytest.approx({
-        "format": 1.0, "accuracy": 1.0, "math": 1.0, "overlong": -0.5, "cosine": 0.75, "repetition": -0.25,
-        "reward_model": 3.0,
+        "format": 1.0, "tags": 1.0, "accuracy": 1.0, "math": 1.0, "overlong": -0.5, "cosine": 0.75,
+        "repetition": -0.25, "reward_model": 3.0,
     })
     assert v.reward == pytest.approx(2.55)
     assert v.correct is True
@@ -537,9 +538,9 @@ def test_score_wrong_answer_gets_the_wrong_cosine():
 
 def test_score_optional_components_are_absent_without_their_inputs():
     v = score(row("2"), r1("2"))
-    assert set(v.components) == {"format", "accuracy", "math", "repetition"}
+    assert set(v.components) == {"format", "tags", "accuracy", "math", "repetition"}
     unscorable = score(row(None), r1("2"), num_tokens=10)
-    assert set(unscorable.components) == {"format", "overlong", "repetition"}  # no cosine without a verdict
+    assert set(unscorable.components) == {"format", "tags", "overlong", "repetition"}  # no cosine without a verdict
 
 
 @pytest.mark.parametrize(
@@ -762,3 +763,15 @@ def test_shutdown_math_pool_kills_workers_and_a_later_check_restarts():
 def test_pool_workers_are_not_forked_from_this_process():
     """fork from a threaded process is unsafe: the pool uses forkserver (or spawn)."""
     assert rewards._math_pool()._mp_context.get_start_method() in ("forkserver", "spawn")
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("<think>a</think><answer>1</answer>", 1.0),
+    ("<think>a</think> 1", 0.5),
+    ("<think><think>a</think>", 0.25),  # a doubled tag earns nothing for that tag
+    ("no tags", 0.0),
+])
+def test_tag_count_reward(text, expected):
+    assert rewards.tag_count_reward(text) == expected
+    row = {"verifier": "none", "answer": None, "task": "t", "metadata": "{}", "messages": []}
+    assert score(row, text).components["tags"] == expected
