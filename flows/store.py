@@ -250,15 +250,3 @@ class ArtifactStore:
         if all(self.is_valid(fp) for fp in rec.outputs.values()):
             return rec
         return None
-
-    def records(self) -> list[CacheRecord]:
-        out = []
-        for p in self.fs.ls(f"{self.base}/cache", detail=False):
-            if not p.endswith(".json"):
-                continue
-            try:
-                with self.fs.open(p, "r") as f:
-                    out.append(CacheRecord(**json.loads(f.read())))
-            except (ValueError, TypeError):
-                continue
-        return out

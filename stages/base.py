@@ -9,7 +9,6 @@ unit test, by hand, or under a Prefect task.
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import tempfile
@@ -120,10 +119,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def json_dumps(obj: Any) -> str:
-    return json.dumps(obj, sort_keys=True, default=str)
 
 
 class LocalContext:

@@ -652,7 +652,6 @@ def test_code_verifier_rejects_malformed_tests(fake_sandbox):
 
 
 def test_code_verifier_with_the_real_sandbox():
-    pytest.importorskip("stages.sandbox")
     spec = RewardSpec(sandbox=SandboxLimits(wall_timeout_s=10.0, cpu_time_s=5))
     right = score(code_row(ADD_TESTS), r1(f"```python\n{ADD_PROGRAM}\n```"), spec)
     assert right.correct is True and right.components["code"] == 1.0
