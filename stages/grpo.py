@@ -31,14 +31,7 @@ from stages import models, rl
 from stages.base import Input, Output, StageContext, model_output_dir, seed_everything
 from stages.generation import TransformersBackend, render_prompts
 from stages.rewards import score
-from stages.sft import (
-    latest_checkpoint,
-    load_checkpoint,
-    load_trainable,
-    lr_factor,
-    resolve_precision,
-    save_checkpoint,
-)
+from stages.sft import load_trainable, lr_factor, resolve_precision, resume, save_checkpoint
 
 VERSION = "1"
 CONFIG = GRPOConfig
@@ -141,16 +134,12 @@ def run(cfg: GRPOConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[st
     ctx.log_params({"train_prompts": len(rows), "trainable_parameters": counts["trainable"],
                     "total_parameters": counts["total"], "precision": str(autocast_dtype or "fp32")})
 
-    start, history = 0, []
-    ckpt = latest_checkpoint(ctx.checkpoint_dir)
-    if ckpt is not None:
-        state = load_checkpoint(ckpt, model, optimizer)
-        start, history = state["step"], state["history"]
-        if ref is not None and state.get("ref_is_policy"):  # refreshed before the crash: approximate by the policy
-            ref.load_state_dict(model.state_dict())
-        ctx.log.info("grpo: resuming from %s (step %d of %d)", ckpt.name, start, cfg.steps)
-        for i, m in enumerate(history):
-            ctx.log_metrics(m, step=i + 1)
+    state = resume(ctx, model, optimizer, "grpo", cfg.steps)
+    start, history = state["step"], state.get("history", [])
+    if ref is not None and state.get("ref_is_policy"):  # refreshed before the crash: approximate by the policy
+        ref.load_state_dict(model.state_dict())
+    for i, m in enumerate(history):
+        ctx.log_metrics(m, step=i + 1)
 
     bar = tqdm(total=cfg.steps, initial=start, desc="grpo", unit="step")
     for step in range(start, cfg.steps):

@@ -314,14 +314,10 @@ def run(cfg: RewardModelConfig, inputs: dict[str, Input], ctx: StageContext) -> 
                     "trainable_parameters": counts["trainable"], "total_parameters": counts["total"],
                     "precision": str(autocast_dtype or "fp32")})
 
-    start, losses, accuracies = 0, [], []
-    ckpt = sft.latest_checkpoint(ctx.checkpoint_dir)
-    if ckpt is not None:
-        state = sft.load_checkpoint(ckpt, model, optimizer)
-        start, losses, accuracies = state["step"], state["losses"], state["accuracies"]
-        ctx.log.info("reward_model: resuming from %s (step %d of %d)", ckpt.name, start, cfg.max_steps)
-        for i, (loss, acc) in enumerate(zip(losses, accuracies, strict=True)):  # the whole curve in MLflow
-            ctx.log_metrics({"train/loss": loss, "train/accuracy": acc}, step=i + 1)
+    state = sft.resume(ctx, model, optimizer, "reward_model", cfg.max_steps)
+    start, losses, accuracies = state["step"], state.get("losses", []), state.get("accuracies", [])
+    for i, (loss, acc) in enumerate(zip(losses, accuracies, strict=True)):  # the whole curve in MLflow
+        ctx.log_metrics({"train/loss": loss, "train/accuracy": acc}, step=i + 1)
 
     model.train()
     pairs_seen, t0 = 0, time.perf_counter()

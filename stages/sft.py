@@ -189,6 +189,19 @@ def load_checkpoint(path: Path, model, optimizer) -> dict:
     return json.loads((path / "state.json").read_text())
 
 
+def resume(ctx: StageContext, model, optimizer, stage: str, total_steps: int) -> dict:
+    """Load the latest complete checkpoint into model and optimizer; its state, or {"step": 0}.
+
+    Shared by every training stage; each re-logs its own history from the returned state.
+    """
+    ckpt = latest_checkpoint(ctx.checkpoint_dir)
+    if ckpt is None:
+        return {"step": 0}
+    state = load_checkpoint(ckpt, model, optimizer)
+    ctx.log.info("%s: resuming from %s (step %d of %d)", stage, ckpt.name, state["step"], total_steps)
+    return state
+
+
 # ---------------------------------------------------------------------------- the stage
 
 
@@ -233,14 +246,10 @@ def run(cfg: SFTConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[str
     ctx.log_params({"examples": len(examples), "trainable_parameters": counts["trainable"],
                     "total_parameters": counts["total"], "precision": str(autocast_dtype or "fp32")})
 
-    start, history = 0, []
-    ckpt = latest_checkpoint(ctx.checkpoint_dir)
-    if ckpt is not None:
-        state = load_checkpoint(ckpt, model, optimizer)
-        start, history = state["step"], state["history"]
-        ctx.log.info("sft: resuming from %s (step %d of %d)", ckpt.name, start, cfg.max_steps)
-        for i, loss in enumerate(history):  # the curve of the interrupted run, so MLflow shows it whole
-            ctx.log_metrics({"train/loss": loss}, step=i + 1)
+    state = resume(ctx, model, optimizer, "sft", cfg.max_steps)
+    start, history = state["step"], state.get("history", [])
+    for i, loss in enumerate(history):  # the curve of the interrupted run, so MLflow shows it whole
+        ctx.log_metrics({"train/loss": loss}, step=i + 1)
 
     model.train()
     tokens_seen, t0 = 0, time.perf_counter()
