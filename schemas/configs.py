@@ -130,8 +130,8 @@ class PromptsConfig(Strict):
     )
 
 
-class SFTConfig(Strict):
-    """`sft` stage: supervised fine-tuning with loss on assistant tokens only."""
+class TrainingConfig(Strict):
+    """The fields of a supervised training loop, shared by the stages that run one (sft, reward_model)."""
 
     max_steps: int = Field(100, ge=1, description="Optimizer steps.")
     batch_size: int = Field(8, ge=1, description="Sequences per micro-batch.")
@@ -142,11 +142,16 @@ class SFTConfig(Strict):
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
     max_length: int = Field(512, ge=8, description="Tokens per sequence; longer examples are truncated.")
-    packing: bool = Field(False, description="Concatenate examples into max_length blocks.")
     lora: LoraSpec = Field(default_factory=LoraSpec, description="LoRA settings; lora.r=0 is full fine-tuning.")
     precision: Precision = Field("auto", description="auto: bf16 on GPUs that support it, else fp32.")
     checkpoint_every: int = Field(25, ge=1, description="Save a resumable checkpoint every N steps.")
     keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept on disk.")
+
+
+class SFTConfig(TrainingConfig):
+    """`sft` stage: supervised fine-tuning with loss on assistant tokens only."""
+
+    packing: bool = Field(False, description="Concatenate examples into max_length blocks.")
     gold_think: str = Field(
         "Let me work this out step by step and check the result.",
         description="Only for `prompts` input: the <think> text of targets built from gold answers.",
@@ -198,24 +203,16 @@ class PreferenceDataConfig(Strict):
     hf_split: str = Field("train", description="Split of hf_dataset.")
 
 
-class RewardModelConfig(Strict):
+class RewardModelConfig(TrainingConfig):
     """`reward_model` stage: Bradley-Terry reward model (scalar head on a causal LM)."""
 
-    max_steps: int = Field(100, ge=1, description="Optimizer steps.")
     batch_size: int = Field(8, ge=1, description="Pairs per micro-batch.")
-    grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
     learning_rate: float = Field(1e-4, gt=0, description="Peak learning rate.")
-    lr_scheduler: Literal["cosine", "linear", "constant"] = Field("cosine", description="Decay after warmup.")
-    warmup_ratio: float = Field(0.05, ge=0, lt=1, description="Share of steps with linear warmup.")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
     max_length: int = Field(512, ge=8, description="Tokens per sequence (prompt + completion).")
+    lora: LoraSpec = Field(default_factory=lambda: LoraSpec(merge=True), description="LoRA settings (merged on save).")
+    checkpoint_every: int = Field(50, ge=1, description="Save a resumable checkpoint every N steps.")
     margin: bool = Field(False, description="Use the score difference as a margin in the BT loss (Llama-2 style).")
     eval_fraction: float = Field(0.2, ge=0, lt=1, description="Share of pairs held out for pairwise accuracy.")
-    lora: LoraSpec = Field(default_factory=lambda: LoraSpec(merge=True), description="LoRA settings (merged on save).")
-    precision: Precision = Field("auto", description="auto: bf16 on GPUs that support it, else fp32.")
-    checkpoint_every: int = Field(50, ge=1, description="Save a resumable checkpoint every N steps.")
-    keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept on disk.")
 
 
 class GRPOConfig(Strict):
