@@ -242,6 +242,18 @@ class GRPOConfig(Strict):
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator (Schulman's k1/k2/k3).")
     mu: int = Field(1, ge=1, description="Optimisation epochs per rollout batch.")
     minibatch_size: int = Field(16, ge=1, description="Sequences per optimizer micro-batch.")
+    old_logprobs: Literal["trainer", "sampler"] = Field(
+        "trainer", description="trainer: recompute old log-probs with the trainer's forward pass before the update; "
+        "sampler: take the sampler's log-probs, read the trainer's from the first epoch's own pass (no extra pass) "
+        "and correct the mismatch by truncated importance sampling, logging the log-prob gap."
+    )
+    tis_cap: float = Field(2.0, gt=0, description="Truncated importance sampling cap C (old_logprobs: sampler).")
+    process_coef: float = Field(
+        0.0, ge=0, description="Weight of process supervision: the reward_model input scores the completion "
+        "prefix at each step_delimiter; step rewards, normalised per group, are accumulated to the tokens "
+        "before them and added to the outcome advantage (0: outcome only)."
+    )
+    step_delimiter: str = Field("\n", min_length=1, description="Where a reasoning step ends (process supervision).")
     dynamic_sampling: bool = Field(False, description="Drop groups whose rewards are all equal (DAPO).")
     mask_truncated: bool = Field(False, description="Exclude completions cut at max_new_tokens from the loss.")
     ref_refresh_every: int = Field(0, ge=0, description="Copy the policy into the reference every N steps (0: never).")

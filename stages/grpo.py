@@ -13,7 +13,12 @@ Departures from the papers, on purpose:
   as the loss), so with mu = 1 the ratio is exactly 1 and clipping only matters for mu > 1;
 - within one optimisation epoch, gradients of all mini-batches are accumulated into one optimizer
   step, normalised globally (per `aggregation`), so mini-batching only bounds memory;
-- a completion that cannot be scored (reward None) gets reward 0 and is counted in `unscored`.
+- a completion that cannot be scored (reward None) gets reward 0 and is counted in `unscored`;
+- `old_logprobs: sampler` takes the trainer's old log-probs from the first epoch's own forward pass
+  (the parameters do not change within an epoch, so they are exact) and multiplies each token's
+  policy loss by the truncated IS weight min(pi_trainer / pi_sampler, tis_cap);
+- process supervision (`process_coef > 0`) adds the accumulated, group-normalised step rewards of
+  a reward model to the outcome advantage instead of replacing it, so verifiable rewards still count.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from stages.sft import load_trainable, lr_factor, resolve_precision, resume, sav
 
 VERSION = "1"
 CONFIG = GRPOConfig
-INPUTS = {"model": "model", "prompts": "prompts"}
+INPUTS = {"model": "model", "prompts": "prompts", "reward_model": "model?"}
 OUTPUTS = {"model": "model"}
 
 
@@ -70,6 +75,40 @@ def build_batch(prompt_ids: list[list[int]], completion_ids: list[list[int]], pa
     return {"input_ids": ids, "attention_mask": attn, "loss_mask": loss_mask}
 
 
+def place(values: list[list[float]], prompt_lens: list[int], width: int) -> torch.Tensor:
+    """Per-completion-token values (e.g. sampler log-probs, token advantages) laid out like `loss_mask`.
+
+    Row i's value j lands at position prompt_lens[i] - 1 + j, the position that predicts completion
+    token j. Returns (N, width - 1), 0 elsewhere.
+    """
+    out = torch.zeros((len(values), width - 1), dtype=torch.float32)
+    for i, (v, p) in enumerate(zip(values, prompt_lens, strict=True)):
+        if len(v):
+            out[i, p - 1 : p - 1 + len(v)] = torch.as_tensor(v, dtype=torch.float32)
+    return out
+
+
+def step_ends(pieces: list[str], delimiter: str = "\n") -> list[int]:
+    """Inclusive token indices where a reasoning step ends, from each token's decoded text.
+
+    A step ends at a token whose text contains the delimiter, once the step has non-blank text; the
+    last token ends a trailing step. E.g. pieces ["a", "\n", "\n", "b"] → [1, 3] (a blank line is
+    not a step).
+    """
+    ends, content = [], False
+    for i, piece in enumerate(pieces):
+        head, sep, tail = piece.partition(delimiter)
+        content = content or bool(head.strip())
+        if sep and content:
+            ends.append(i)
+            content = bool(tail.strip())
+        elif sep:
+            content = bool(tail.strip())
+    if content and pieces and (not ends or ends[-1] != len(pieces) - 1):  # one token can end only one step
+        ends.append(len(pieces) - 1)
+    return ends
+
+
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                    with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(token t+1 | tokens ≤ t) for every position: (N, L-1); and the entropy there if asked."""
@@ -92,13 +131,23 @@ def batched_logprobs(model, batch: dict[str, torch.Tensor], minibatch: int, devi
 # ---------------------------------------------------------------------------- rollout
 
 
-def rollout(backend, tokenizer, rows: list[dict], cfg: GRPOConfig, seed: int):
-    """Sample G completions per prompt row and score them. Returns (completions, verdicts, rewards (B, G))."""
+def rollout(backend, tokenizer, rows: list[dict], cfg: GRPOConfig, seed: int, scorer=None):
+    """Sample G completions per prompt row and score them. Returns (completions, verdicts, rewards (B, G)).
+
+    The sampler's own log-probs come along when `old_logprobs: sampler`; `scorer` (a RewardScorer)
+    supplies the `reward_model` reward component.
+    """
     completions, stats = backend.generate([r["messages"] for r in rows], cfg.generation, n=cfg.group_size,
-                                          seed=seed, progress=False)
+                                          seed=seed, progress=False, logprobs=cfg.old_logprobs == "sampler")
     t0 = time.perf_counter()
-    verdicts = [[score(r, c.text, cfg.reward, num_tokens=c.num_tokens) for c in comps]
-                for r, comps in zip(rows, completions, strict=True)]
+    rm = None
+    if scorer is not None:
+        flat = scorer.score([r["messages"] for r, cs in zip(rows, completions, strict=True) for _ in cs],
+                            [c.text for cs in completions for c in cs])
+        rm = [flat[i * cfg.group_size : (i + 1) * cfg.group_size] for i in range(len(rows))]
+    verdicts = [[score(r, c.text, cfg.reward, num_tokens=c.num_tokens, rm_score=rm[i][j] if rm else None)
+                 for j, c in enumerate(comps)]
+                for i, (r, comps) in enumerate(zip(rows, completions, strict=True))]
     rewards = torch.tensor([[v.reward if v.reward is not None else 0.0 for v in vs] for vs in verdicts])
     return completions, verdicts, rewards, stats.seconds, time.perf_counter() - t0
 
@@ -106,6 +155,45 @@ def rollout(backend, tokenizer, rows: list[dict], cfg: GRPOConfig, seed: int):
 def pick_prompts(n_prompts: int, k: int, seed: int, step: int, attempt: int) -> list[int]:
     rng = np.random.default_rng([seed, step, attempt])
     return rng.choice(n_prompts, size=k, replace=n_prompts < k).tolist()
+
+
+def process_advantages(scorer, tokenizer, rows: list[dict], comps: list[list], delimiter: str
+                       ) -> tuple[list[list[float]], dict[str, float]]:
+    """Process supervision: per-completion-token advantages from a reward model's step scores.
+
+    Each completion is cut into steps at `delimiter`; the reward model scores the prompt with the
+    completion prefix up to the end of each step; the step rewards of a group are normalised
+    together (`rl.normalize_step_rewards`) and every token gets the sum of the normalised rewards
+    of the steps ending at or after it (`rl.step_advantages`). Returns one list per completion
+    (flattened B*G, in order) and metrics.
+    """
+    ends = [[step_ends([tokenizer.decode([t], skip_special_tokens=True) for t in c.token_ids], delimiter)
+             for c in cs] for cs in comps]
+    convs, texts = [], []
+    for r, cs, es in zip(rows, comps, ends, strict=True):
+        for c, e in zip(cs, es, strict=True):
+            for end in e:
+                convs.append(r["messages"])
+                texts.append(tokenizer.decode(list(c.token_ids[: end + 1]), skip_special_tokens=True))
+    flat = scorer.score(convs, texts) if texts else []
+    out, k, raw = [], 0, []
+    for cs, es in zip(comps, ends, strict=True):
+        g, s_max = len(cs), max(1, max(len(e) for e in es))
+        t_max = max(1, max(c.num_tokens for c in cs))
+        r = torch.zeros(g, s_max)
+        e_t = torch.full((g, s_max), -1, dtype=torch.long)
+        for i, e in enumerate(es):
+            r[i, : len(e)] = torch.tensor(flat[k : k + len(e)])
+            e_t[i, : len(e)] = torch.tensor(e, dtype=torch.long)
+            raw.extend(flat[k : k + len(e)])
+            k += len(e)
+        normed = rl.normalize_step_rewards(r, e_t >= 0)
+        mask = torch.arange(t_max)[None, :] < torch.tensor([c.num_tokens for c in cs])[:, None]
+        adv = rl.step_advantages(normed, e_t, mask)
+        out.extend(adv[i, : c.num_tokens].tolist() for i, c in enumerate(cs))
+    n = sum(len(cs) for cs in comps)
+    return out, {"reward/process_mean": float(np.mean(raw)) if raw else 0.0,
+                 "reward/steps_per_completion": len(raw) / max(1, n)}
 
 
 # ---------------------------------------------------------------------------- the stage
@@ -117,6 +205,12 @@ def run(cfg: GRPOConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[st
     if not rows:
         raise SchemaError(f"{inputs['prompts'].label}: no split={cfg.split!r} prompts with an answer to reward")
     held_out = [r for r in table.to_pylist() if r["split"] == "eval"][: cfg.eval_prompts]
+    rm_input = inputs.get("reward_model")
+    wants_rm = [w for w, on in (("process_coef > 0", cfg.process_coef > 0),
+                                ("reward.weights.reward_model", cfg.reward.weights.get("reward_model", 0) != 0)) if on]
+    if wants_rm and rm_input is None:
+        raise ConfigError(f"grpo: {' and '.join(wants_rm)} need a reward model; wire one to the node's "
+                          f"`reward_model` input (inputs: {{reward_model: <node>.model}})")
     seed_everything(ctx.seed)
     model, tokenizer, merged_input = load_trainable(inputs["model"], cfg, ctx.device)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -130,6 +224,11 @@ def run(cfg: GRPOConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[st
     autocast_dtype = resolve_precision(cfg.precision, ctx.device)
     backend = TransformersBackend(model, tokenizer)
     kl_fn = rl.KL_ESTIMATORS[cfg.kl_estimator]
+    scorer = None
+    if rm_input is not None and wants_rm:
+        from stages.reward_model import RewardScorer
+
+        scorer = RewardScorer.from_input(rm_input, device=ctx.device)
     counts = models.count_parameters(model)
     ctx.log_params({"train_prompts": len(rows), "trainable_parameters": counts["trainable"],
                     "total_parameters": counts["total"], "precision": str(autocast_dtype or "fp32")})
@@ -151,7 +250,8 @@ def run(cfg: GRPOConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[st
         for attempt in range(1 + (cfg.max_refill_rounds if cfg.dynamic_sampling else 0)):
             need = cfg.prompts_per_step - len(batch_rows)
             picked = [rows[i] for i in pick_prompts(len(rows), need, ctx.seed, step, attempt)]
-            c, v, r, tg, ts = rollout(backend, tokenizer, picked, cfg, seed=ctx.seed * 1_000_003 + step * 101 + attempt)
+            c, v, r, tg, ts = rollout(backend, tokenizer, picked, cfg, seed=ctx.seed * 1_000_003 + step * 101 + attempt,
+                                      scorer=scorer if cfg.reward.weights.get("reward_model", 0) != 0 else None)
             t_gen, t_score = t_gen + tg, t_score + ts
             flat = (r.max(dim=1).values == r.min(dim=1).values).tolist()
             zero_std_groups += sum(flat)
@@ -184,8 +284,23 @@ def run(cfg: GRPOConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[st
         flat_comps = [c for cs in comps for c in cs]
         keep = [not (cfg.mask_truncated and c.finish_reason == "length") for c in flat_comps]
         batch = build_batch(flat_prompt_ids, [list(c.token_ids) for c in flat_comps], pad_id, keep)
+        prompt_lens = [len(p) for p in flat_prompt_ids]
+        width = batch["input_ids"].shape[1]
+        if cfg.process_coef > 0:
+            t_ps = time.perf_counter()
+            step_adv, ps_metrics = process_advantages(scorer, tokenizer, batch_rows, comps, cfg.step_delimiter)
+            metrics.update(ps_metrics)
+            adv = adv[:, None] + cfg.process_coef * place(step_adv, prompt_lens, width)  # (B*G, L-1)
+            t_score += time.perf_counter() - t_ps
+            metrics["time/scoring"] = t_score
         model.train()
-        old_logp = batched_logprobs(model, batch, cfg.minibatch_size, ctx.device)
+        sampler_logp = tis_w = None
+        if cfg.old_logprobs == "sampler":
+            sampler_logp = place([list(c.logprobs or ()) for c in flat_comps], prompt_lens, width)
+            old_logp = torch.zeros_like(sampler_logp)  # filled by the first epoch's own forward pass
+            tis_w = torch.zeros_like(sampler_logp)
+        else:
+            old_logp = batched_logprobs(model, batch, cfg.minibatch_size, ctx.device)
         ref_logp = None
         if cfg.beta > 0:
             if is_lora:
@@ -200,7 +315,8 @@ def run(cfg: GRPOConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[st
             group["lr"] = lr
         n = batch["input_ids"].shape[0]
         total_tokens = float(batch["loss_mask"].sum().clamp(min=1))
-        train_stats: dict[str, list[float]] = {"loss": [], "clip_low": [], "clip_high": [], "kl": [], "entropy": []}
+        train_stats: dict[str, list[float]] = {"loss": [], "clip_low": [], "clip_high": [], "kl": [], "entropy": [],
+                                               "gap": [], "mismatch_kl": [], "weight_mean": [], "clipped": []}
         for epoch in range(cfg.mu):
             order = torch.randperm(n, generator=torch.Generator().manual_seed(ctx.seed + step * 31 + epoch))
             for i in range(0, n, cfg.minibatch_size):
@@ -210,12 +326,20 @@ def run(cfg: GRPOConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[st
                                     enabled=autocast_dtype is not None):
                     logp, entropy = token_logprobs(model, batch["input_ids"][idx].to(ctx.device),
                                                    batch["attention_mask"][idx].to(ctx.device), with_entropy=True)
+                if sampler_logp is not None and epoch == 0:  # params unchanged within an epoch: exact old log-probs
+                    old_logp[idx] = logp.detach().float().cpu()
+                    w, tis_stats = rl.tis_weights(old_logp[idx], sampler_logp[idx], batch["loss_mask"][idx], cfg.tis_cap)
+                    tis_w[idx] = w
+                    for k, val in tis_stats.items():
+                        train_stats[k].append(float(val))
                 per_token, stats = rl.policy_loss(logp, old_logp[idx].to(ctx.device), adv[idx].to(ctx.device), mask,
                                                   cfg.policy_loss, cfg.epsilon_low, cfg.epsilon_high)
+                if tis_w is not None:
+                    per_token = per_token * tis_w[idx].to(ctx.device)
                 if ref_logp is not None:
                     kl = kl_fn(logp, ref_logp[idx].to(ctx.device)) * mask
                     per_token = per_token + cfg.beta * kl
-                    train_stats["kl"].append(float(kl.sum() / mask.sum().clamp(min=1)))
+                    train_stats["kl"].append(float(kl.detach().sum() / mask.sum().clamp(min=1)))
                 loss = rl.aggregate(per_token, mask, cfg.aggregation, max_tokens=cfg.generation.max_new_tokens)
                 weight = float(mask.sum()) / total_tokens if cfg.aggregation == "token_mean" else len(idx) / n
                 (loss * weight).backward()
@@ -238,6 +362,11 @@ def run(cfg: GRPOConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[st
         })
         if train_stats["kl"]:
             metrics["train/kl"] = float(np.mean(train_stats["kl"]))
+        if train_stats["gap"]:
+            metrics.update({"train/logprob_gap": float(np.mean(train_stats["gap"])),
+                            "train/mismatch_kl": float(np.mean(train_stats["mismatch_kl"])),
+                            "train/tis_weight_mean": float(np.mean(train_stats["weight_mean"])),
+                            "train/tis_clipped": float(np.mean(train_stats["clipped"]))})
         done = step + 1
         if cfg.eval_every and held_out and done % cfg.eval_every == 0:
             metrics.update(held_out_eval(backend, held_out, cfg, ctx.seed))

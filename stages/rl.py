@@ -19,6 +19,8 @@ Papers:
 - GSPO (sequence-level ratio, GSPO-token): https://arxiv.org/abs/2507.18071
 - CISPO / MiniMax-M1 (clipped, stop-gradient IS weights): https://arxiv.org/abs/2506.13585
 - KL estimators k1/k2/k3: John Schulman, http://joschu.net/blog/kl-approx.html
+- Truncated importance sampling for sampler/trainer mismatch (Yao et al. 2025):
+  https://fengyao.notion.site/off-policy-rl
 
 Departures from the papers, on purpose:
 - A group whose rewards are all equal gets advantage exactly 0 for every kind (the papers divide
@@ -132,6 +134,21 @@ def step_advantages(step_rewards: Tensor, step_ends: Tensor, token_mask: Tensor)
     return adv * token_mask.to(adv.dtype)
 
 
+def normalize_step_rewards(step_rewards: Tensor, present: Tensor, eps: float = 1e-4) -> Tensor:
+    """Process supervision's normalisation: (r - mean) / (std + eps) over every present step of the group.
+
+    DeepSeekMath §4.1.3 normalises all step rewards of the G outputs of one prompt together.
+    step_rewards, present: (G, S) for one group (present: bool, False for padding steps).
+    Returns (G, S), 0 on absent steps; a group whose present rewards are all equal gives 0.
+    """
+    present = present.bool()
+    vals = step_rewards[present]
+    if vals.numel() == 0 or bool((vals == vals[0]).all()):
+        return torch.zeros_like(step_rewards)
+    normed = (step_rewards - vals.mean()) / (vals.std(correction=0) + eps)
+    return torch.where(present, normed, torch.zeros_like(normed))
+
+
 # ---------------------------------------------------------------------------- policy losses
 
 
@@ -230,6 +247,38 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
         "ratio_mean": (out.ratio * mf).sum() / n,
     }
     return loss, {k: v.detach() for k, v in stats.items()}
+
+
+# ---------------------------------------------------------------------------- sampler/trainer mismatch
+
+
+def tis_weights(trainer_logp: Tensor, sampler_logp: Tensor, mask: Tensor,
+                cap: float = 2.0) -> tuple[Tensor, dict[str, Tensor]]:
+    """Truncated importance sampling: w = min(pi_trainer / pi_sampler, cap) per token.
+
+    When completions come from a sampler whose numerics differ from the trainer's (vLLM kernels,
+    bf16 KV-cached decode), the samples are slightly off-policy for the trainer; multiplying each
+    token's loss by w corrects that, and the cap bounds the variance (Yao et al. 2025,
+    "Your efficient RL framework secretly brings you off-policy RL training", TIS).
+    trainer_logp, sampler_logp, mask: (B, T). Returns w (B, T) detached, 0 where mask is 0, and
+    stats over masked tokens: gap = mean |trainer - sampler| log-prob, mismatch_kl = k3 estimate
+    of KL(sampler || trainer) on the sampler's tokens, weight_mean, clipped (fraction at the cap).
+    """
+    if cap <= 0:
+        raise ValueError(f"tis cap must be > 0, got {cap}")
+    m = mask.bool()
+    diff = torch.where(m, trainer_logp.detach() - sampler_logp.detach(), torch.zeros_like(trainer_logp))
+    raw = torch.exp(diff)
+    w = torch.where(m, raw.clamp(max=cap), torch.zeros_like(raw))
+    mf = m.to(trainer_logp.dtype)
+    n = mf.sum().clamp(min=1)
+    stats = {
+        "gap": (diff.abs() * mf).sum() / n,
+        "mismatch_kl": (kl_k3(torch.zeros_like(diff), diff) * mf).sum() / n,  # k3(p=sampler, q=trainer), shifted
+        "weight_mean": (w * mf).sum() / n,
+        "clipped": ((raw > cap).to(mf.dtype) * mf).sum() / n,
+    }
+    return w, stats
 
 
 # ---------------------------------------------------------------------------- aggregation

@@ -97,3 +97,107 @@ def test_resume_after_crash_replays_the_same_steps(tmp_path, tiny_model_input, d
     assert sorted(curve(resumed)) == list(range(1, 7))
     assert curve(resumed) == pytest.approx(curve(ref_ctx), abs=1e-6)
     assert out.metrics["steps"] == 6
+
+
+# ---------------------------------------------------------------------------- sampler log-probs, process supervision
+
+
+def test_place_puts_completion_values_where_loss_mask_is():
+    b = grpo.build_batch([[5, 6, 7], [5]], [[8, 9], [4, 4, 4]], pad_id=0, keep=[True, True])
+    placed = grpo.place([[0.1, 0.2], [0.3, 0.4, 0.5]], [3, 1], b["input_ids"].shape[1])
+    assert torch.equal(placed != 0, b["loss_mask"].bool())
+    torch.testing.assert_close(placed, torch.tensor([[0, 0, 0.1, 0.2], [0.3, 0.4, 0.5, 0]]))
+
+
+@pytest.mark.parametrize("pieces,ends", [
+    (["a", "\n", "\n", "b"], [1, 3]),      # a blank line is not a step; trailing text is one
+    (["ab\n", "c"], [0, 1]),
+    (["a", "b\nc"], [1]),                  # the token ending "ab\n" is also the last: one step per token
+    (["x\ny", "\n"], [0, 1]),
+    (["\n", " ", "\n"], []),               # nothing but blanks: no step
+    ([], []),
+])
+def test_step_ends(pieces, ends):
+    assert grpo.step_ends(pieces) == ends
+
+
+class _CharTokenizer:
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(i) for i in ids)
+
+
+class _LengthScorer:
+    """A stand-in reward model: the reward of a prefix is its length in characters."""
+
+    def __init__(self):
+        self.calls = []
+
+    def score(self, conversations, completions):
+        self.calls.extend(completions)
+        return [float(len(c)) for c in completions]
+
+
+def test_process_advantages_hand_computed():
+    """One group: "a\\nbcd" has steps ending at tokens 1 ("a\\n", reward 2) and 4 ("a\\nbcd", 5); "xyz"
+    one step (3). Rewards [2, 5, 3]: mean 10/3, population std sqrt(42/27) = 1.247219, normalised
+    -1.069045, 1.336306, -0.267261. Tokens 0-1 of the first get -1.069045 + 1.336306 = 0.267261, its
+    tokens 2-4 get 1.336306; every token of "xyz" gets -0.267261."""
+    from stages.generation import Completion
+
+    comps = [[Completion(t, len(t), "stop", tuple(ord(ch) for ch in t)) for t in ("a\nbcd", "xyz")]]
+    scorer = _LengthScorer()
+    adv, metrics = grpo.process_advantages(scorer, _CharTokenizer(), [{"messages": []}], comps, "\n")
+    assert scorer.calls == ["a\n", "a\nbcd", "xyz"]
+    torch.testing.assert_close(torch.tensor(adv[0]), torch.tensor([0.267261, 0.267261, 1.336306, 1.336306, 1.336306]),
+                               atol=2e-4, rtol=0)
+    torch.testing.assert_close(torch.tensor(adv[1]), torch.full((3,), -0.267261), atol=2e-4, rtol=0)
+    assert metrics["reward/steps_per_completion"] == 1.5
+    assert metrics["reward/process_mean"] == pytest.approx(10 / 3)
+
+
+def test_sampler_logprobs_match_the_trainer_and_tis_weights_are_one(tmp_path, tiny_model_input, digit_prompts):
+    """On CPU in fp32 the sampler's log-probs (the generation engine's teacher-forced pass, left
+    padded) equal the trainer's (right padded, train mode) to rounding: the logged gap is ~0 and
+    every TIS weight is 1. A misaligned placement would show a gap of whole nats."""
+    ctx = LocalContext(tmp_path / "s")
+    grpo.run(short_is_better(steps=2, old_logprobs="sampler", mu=2), {"model": tiny_model_input,
+                                                                      "prompts": digit_prompts}, ctx)
+    steps = [m for s, m in ctx.metrics if s is not None and "train/logprob_gap" in m]
+    assert len(steps) == 2
+    for m in steps:
+        assert m["train/logprob_gap"] < 1e-4
+        assert m["train/mismatch_kl"] < 1e-6
+        assert m["train/tis_weight_mean"] == pytest.approx(1.0, abs=1e-4)
+        assert m["train/tis_clipped"] == 0.0
+
+
+def _tiny_reward_model(root, tiny_tokenizer):
+    from schemas.artifacts import MODEL_DIR
+    from stages import reward_model as rm
+    from stages.models import build_tiny_model, save_model
+
+    torch.manual_seed(0)
+    model = rm.reward_model_from_causal_lm(build_tiny_model(tiny_tokenizer, seed=1), tiny_tokenizer.eos_token_id)
+    torch.nn.init.normal_(model.score.weight, std=1.0)
+    save_model(model, tiny_tokenizer, root / MODEL_DIR)
+    return fake_input(root, "model", rm.OUTPUT_SCHEMA)
+
+
+def test_process_supervision_and_reward_model_reward_run(tmp_path, tiny_model_input, digit_prompts, tiny_tokenizer):
+    rm_input = _tiny_reward_model(tmp_path / "rm", tiny_tokenizer)
+    cfg = short_is_better(steps=2, process_coef=0.5, step_delimiter=" ",
+                          reward=RewardSpec(weights={"overlong": 1.0, "reward_model": 0.1}, overlong_max_tokens=6,
+                                            overlong_buffer=5))
+    ctx = LocalContext(tmp_path / "run")
+    grpo.run(cfg, {"model": tiny_model_input, "prompts": digit_prompts, "reward_model": rm_input}, ctx)
+    steps = [m for s, m in ctx.metrics if s is not None and "reward/mean" in m]
+    assert all(m["reward/steps_per_completion"] >= 1 for m in steps)
+    assert all("reward/reward_model" in m for m in steps)
+
+
+def test_reward_model_needed_but_missing_fails_before_compute(tmp_path, tiny_model_input, digit_prompts):
+    from schemas.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="process_coef > 0 .*reward_model"):
+        grpo.run(short_is_better(process_coef=1.0), {"model": tiny_model_input, "prompts": digit_prompts},
+                 LocalContext(tmp_path / "x"))

@@ -392,3 +392,54 @@ def test_entropy_with_masked_vocabulary_and_low_precision():
     hb = rl.entropy_from_logits(torch.zeros(4, dtype=torch.bfloat16))
     assert hb.dtype == torch.float32
     assert_close(hb, torch.tensor(math.log(4.0)))
+
+
+# ---------------------------------------------------------------------------- process supervision, TIS
+
+
+def test_normalize_step_rewards_over_all_steps_of_the_group():
+    """Present step rewards [1, 0, 0.5]: mean 0.5, population std sqrt(1/6) = 0.408248, so the
+    normalised rewards are +1.224745, -1.224745, 0; the padding step stays 0."""
+    r = torch.tensor([[1.0, 0.0], [0.5, 7.0]])
+    present = torch.tensor([[True, True], [True, False]])
+    assert_close(rl.normalize_step_rewards(r, present, eps=0.0),
+                 torch.tensor([[1.224745, -1.224745], [0.0, 0.0]]), atol=1e-5, rtol=0)
+    flat = rl.normalize_step_rewards(torch.full((2, 2), 0.3), present)
+    assert torch.equal(flat, torch.zeros(2, 2))
+
+
+def test_process_supervision_composes_normalise_then_accumulate():
+    """Two outputs, two steps each; step rewards [[1, 0], [0, 0]] normalise (eps 0) to
+    mean 0.25, std sqrt(3)/4 = 0.4330: [[1.7321, -0.5774], [-0.5774, -0.5774]]. Output 0's steps end
+    at tokens 1 and 3, so tokens 0-1 get 1.7321 - 0.5774 = 1.1547 and tokens 2-3 get -0.5774."""
+    r = torch.tensor([[1.0, 0.0], [0.0, 0.0]])
+    normed = rl.normalize_step_rewards(r, torch.ones(2, 2, dtype=torch.bool), eps=0.0)
+    adv = rl.step_advantages(normed, torch.tensor([[1, 3], [0, 3]]), torch.ones(2, 4))
+    assert_close(adv, torch.tensor([[1.1547, 1.1547, -0.5774, -0.5774], [-1.1547, -0.5774, -0.5774, -0.5774]]),
+                 atol=1e-4, rtol=0)
+
+
+def test_tis_weights_hand_computed():
+    """trainer - sampler log-prob differences 0.2 and -1.0 (third token masked): weights e^0.2 = 1.221403
+    and e^-1 = 0.367879; gap = (0.2 + 1.0) / 2 = 0.6; k3 KL(sampler||trainer) per token is
+    e^d - 1 - d: 0.021403 and 0.367879, mean 0.194641; nothing reaches the cap 2."""
+    trainer = torch.tensor([[-1.0, -2.0, -0.5]])
+    sampler = torch.tensor([[-1.2, -1.0, float("-inf")]])
+    mask = torch.tensor([[1, 1, 0]])
+    w, stats = rl.tis_weights(trainer, sampler, mask, cap=2.0)
+    assert_close(w, torch.tensor([[1.221403, 0.367879, 0.0]]), atol=1e-6, rtol=0)
+    assert_close(stats["gap"], torch.tensor(0.6), atol=1e-6, rtol=0)
+    assert_close(stats["mismatch_kl"], torch.tensor(0.194641), atol=1e-6, rtol=0)
+    assert_close(stats["weight_mean"], torch.tensor(0.794641), atol=1e-6, rtol=0)
+    assert float(stats["clipped"]) == 0.0
+
+
+def test_tis_weights_truncate_at_the_cap_and_carry_no_gradient():
+    trainer = torch.tensor([[0.0, -1.0]], requires_grad=True)
+    sampler = torch.tensor([[-1.0, -1.0]])  # ratio e^1 = 2.718 > cap 2 on the first token, 1 on the second
+    w, stats = rl.tis_weights(trainer, sampler, torch.ones(1, 2), cap=2.0)
+    assert_close(w, torch.tensor([[2.0, 1.0]]))
+    assert float(stats["clipped"]) == 0.5
+    assert not w.requires_grad
+    with pytest.raises(ValueError, match="cap"):
+        rl.tis_weights(trainer, sampler, torch.ones(1, 2), cap=0.0)
