@@ -140,6 +140,211 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _servers_home() -> str:
+    from flows.settings import Settings
+
+    return Settings.from_env().home
+
+
+def _print_servers(info) -> None:
+    from flows.servers import env_for
+
+    for s, what in ((info.prefect, "Prefect UI"), (info.mlflow, "MLflow UI ")):
+        took = f", up in {s.startup_s:.1f} s" if s.startup_s is not None else ""
+        print(f"{what}  {s.url}   (pid {s.pid}{took}; log {s.log})")
+    print("point r1flow, runners and notebooks at them (in each shell):")
+    print("export " + " ".join(f"{k}={v}" for k, v in env_for(info).items()), flush=True)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    import signal
+
+    from flows import servers
+
+    home = _servers_home()
+    print(f"r1flow: starting Prefect and MLflow servers on 127.0.0.1 for {home} ...", flush=True)
+
+    def _interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # like Ctrl-C, also while starting: nothing is left behind
+        signal.signal(sig, _interrupt)
+    try:
+        info = servers.start(home, prefect_port=args.prefect_port, mlflow_port=args.mlflow_port,
+                             timeout=args.timeout)
+    except KeyboardInterrupt:  # start() has stopped whatever it had spawned
+        print("r1flow: interrupted while starting; nothing is left running", file=sys.stderr)
+        return 130
+    code = 0
+    try:
+        _print_servers(info)
+        if args.detach:
+            print(f"stop them with: R1FLOW_HOME={home} r1flow down")
+            return 0
+        print("serving in the foreground; Ctrl-C or SIGTERM stops them (or `r1flow down` from another shell)",
+              flush=True)
+        while True:
+            time.sleep(1)
+            now = servers.status(home)
+            if now is None or now.stopping:
+                print("r1flow: the servers are being stopped elsewhere (r1flow down)", flush=True)
+                return 0
+            dead = servers.dead(now)
+            if dead:
+                for s in dead:
+                    print(f"r1flow: error: the {s.name} server (pid {s.pid}) exited; see {s.log}", file=sys.stderr)
+                code = 1
+                break
+    except KeyboardInterrupt:
+        pass
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)  # a second Ctrl-C must not leave half-stopped servers
+    for line in servers.stop(home):
+        print(f"stopped {line}")
+    return code
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    from flows import servers
+
+    home = _servers_home()
+    stopped = servers.stop(home)
+    for line in stopped:
+        print(f"stopped {line}")
+    if not stopped:
+        print(f"r1flow: no running servers recorded for {home}")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from flows import servers
+
+    home = _servers_home()
+    info = servers.status(home)
+    if info is None:
+        print(f"r1flow: no servers running for {home} (start them with `r1flow up`)")
+        return 1
+    _print_servers(info)
+    for s in servers.dead(info):
+        print(f"warning: the {s.name} server (pid {s.pid}) is not running; see {s.log}")
+    for r in info.runners:
+        print(f"runner pid {r['pid']} ({r.get('name', 'runner')}, registered {r.get('registered_at', '?')})")
+    return 0
+
+
+def _overrides_dict(pairs: list[str]) -> dict:
+    from flows.recipes import _set_path, parse_override
+
+    out: dict = {}
+    for text in pairs:
+        path, value = parse_override(text)
+        _set_path(out, path, value)
+    return out
+
+
+def _input_refs(pairs: list[str]) -> dict[str, str]:
+    from schemas.errors import ConfigError
+
+    refs = {}
+    for text in pairs:
+        name, sep, ref = text.partition("=")
+        if not sep or not name or not ref:
+            raise ConfigError(f"--input {text!r}: expected NAME=REF, e.g. model=latest:sft@sft-eval")
+        refs[name.strip()] = ref.strip()
+    return refs
+
+
+def cmd_stage(args: argparse.Namespace) -> int:
+    from flows.deploy import stage_config
+    from flows.settings import Settings, prepare_environment
+
+    overrides = _overrides_dict(args.set)
+    stage_config(args.name, args.recipe, args.profile, args.node, overrides)  # config errors before Prefect starts
+    refs = _input_refs(args.input)
+    prepare_environment()
+    from flows.deploy import stage_flow
+
+    result = stage_flow(stage=args.name, inputs=refs, overrides=overrides, node=args.node, seed=args.seed,
+                        recipe=args.recipe, profile=args.profile, settings=Settings.from_env().to_dict(),
+                        force=args.force)
+    print(f"{result['node']} ({result['stage']}): {result['status']} in {result['seconds']:.1f} s")
+    for k, v in result["inputs"].items():
+        print(f"  input  {k}: {v}")
+    for k, v in result["outputs"].items():
+        print(f"  output {k}: {v}")
+    print(f"MLflow run {result['parent_run_id']}: {result['link']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2, default=str)
+    return 0
+
+
+def _specs(args: argparse.Namespace):
+    from flows.deploy import deployment_specs
+    from flows.recipes import DEFAULT_RECIPE
+    from stages import STAGE_MODULES
+
+    recipes = args.recipe or ([] if args.stage else [DEFAULT_RECIPE])
+    stages = list(STAGE_MODULES) if args.all_stages else (args.stage or [])
+    return deployment_specs(recipes, stages, args.profile or _default_profile(), args.set, args.cron, args.interval,
+                            args.tag or [])
+
+
+def cmd_deploy(args: argparse.Namespace) -> int:
+    from flows.settings import prepare_environment
+
+    specs = _specs(args)
+    prepare_environment()
+    import os
+
+    if not os.environ.get("PREFECT_API_URL"):
+        from schemas.errors import ConfigError
+
+        raise ConfigError("r1flow deploy registers deployments with a Prefect server: start one with `r1flow up` "
+                          "(or set PREFECT_API_URL); for this machine alone `r1flow serve` needs no work pool")
+    from flows.deploy import deploy, full_name
+
+    deploy(specs, args.pool, image=args.image)
+    for spec in specs:
+        sched = f" (cron {spec['cron']})" if "cron" in spec else (f" (every {spec['interval']} s)" if "interval" in spec else "")
+        print(f"deployed {full_name(spec)} -> work pool {args.pool}{sched}")
+    print(f"start a worker: prefect worker start --pool {args.pool}")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from flows.settings import Settings, prepare_environment
+
+    specs = _specs(args)
+    prepare_environment()
+    from flows import servers
+    from flows.deploy import full_name, serve
+
+    home = Settings.from_env().home
+    registered = servers.register_runner(home, name="serve")
+    for spec in specs:
+        print(f"serving {full_name(spec)}", flush=True)
+    try:
+        serve(specs, limit=args.limit)
+    finally:
+        if registered:
+            servers.unregister_runner(home)
+    return 0
+
+
+def _add_deploy_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--recipe", action="append", help="recipe to deploy (repeatable; default: the default recipe "
+                   "unless --stage is given)")
+    p.add_argument("--stage", action="append", help="stage to deploy as a single-stage re-run (repeatable)")
+    p.add_argument("--all-stages", action="store_true", help="deploy every stage as a single-stage re-run")
+    p.add_argument("--profile", help="tiny | cpu | gpu (default: gpu when CUDA is available, else cpu)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="recipe overrides baked into "
+                   "the recipe deployments' default parameters")
+    p.add_argument("--cron", help='schedule the recipe deployments, e.g. "0 2 * * *" (02:00 every night)')
+    p.add_argument("--interval", type=float, metavar="SECONDS", help="schedule every N seconds instead")
+    p.add_argument("--tag", action="append", help="extra deployment tag (repeatable)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="r1flow", description="DeepSeek-R1 style post-training as cached Prefect stages.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -162,6 +367,37 @@ def build_parser() -> argparse.ArgumentParser:
     art.add_argument("--verify", action="store_true", help="re-hash every file against the manifest")
     art.set_defaults(func=cmd_artifacts)
     sub.add_parser("models", help="list builtin models and model artifacts").set_defaults(func=cmd_models)
+    up = sub.add_parser("up", help="start local Prefect and MLflow servers (127.0.0.1) for this R1FLOW_HOME")
+    up.add_argument("--prefect-port", type=int, help="default: a free port")
+    up.add_argument("--mlflow-port", type=int, help="default: a free port")
+    up.add_argument("--detach", action="store_true", help="return once both answer; stop them with `r1flow down`")
+    up.add_argument("--timeout", type=float, default=120, help="seconds to wait for both to answer (default 120)")
+    up.set_defaults(func=cmd_up)
+    sub.add_parser("down", help="stop registered runners, then the servers started by `r1flow up`"
+                   ).set_defaults(func=cmd_down)
+    sub.add_parser("status", help="show the servers started by `r1flow up` (exit code 1 if none)"
+                   ).set_defaults(func=cmd_status)
+    stg = sub.add_parser("stage", help="run one stage on existing artifacts (fingerprints, MLflow runs, latest:)")
+    stg.add_argument("name", help="stage name (r1flow stages)")
+    stg.add_argument("--input", action="append", default=[], metavar="NAME=REF",
+                     help="an input: fingerprint or prefix, mlflow:<run id>[:<output>], latest:<node>[@<recipe>][:<output>]")
+    stg.add_argument("--recipe", help="take the base config and seed from this recipe's node")
+    stg.add_argument("--profile", help="profile applied to the base config")
+    stg.add_argument("--node", help="node name (default: the recipe's node of this stage, else the stage name)")
+    stg.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override, e.g. beta=0.2")
+    stg.add_argument("--seed", type=int)
+    stg.add_argument("--force", action="store_true", help="re-run even when cached")
+    stg.add_argument("--json", metavar="FILE", help="also write the result as JSON")
+    stg.set_defaults(func=cmd_stage)
+    dep = sub.add_parser("deploy", help="register recipe and stage deployments with a Prefect server's work pool")
+    _add_deploy_args(dep)
+    dep.add_argument("--pool", default="r1flow-process", help="work pool (created as a process pool if missing)")
+    dep.add_argument("--image", help="container image with the project (kubernetes/docker pools)")
+    dep.set_defaults(func=cmd_deploy)
+    srv = sub.add_parser("serve", help="serve recipe and stage deployments from this machine (no work pool)")
+    _add_deploy_args(srv)
+    srv.add_argument("--limit", type=int, help="at most this many concurrent flow runs")
+    srv.set_defaults(func=cmd_serve)
     return p
 
 

@@ -9,11 +9,14 @@ artifact downstream. Tasks pass fingerprints and run ids, never tensors or table
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import fnmatch
 import logging
 import shutil
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger, task
@@ -26,7 +29,7 @@ from flows.settings import Settings
 from flows.store import ArtifactStore, CacheRecord
 from flows.tracking import Tracker
 from schemas.artifacts import DATA_FILE, Producer
-from schemas.errors import ArtifactError, ConfigError
+from schemas.errors import ArtifactError, ConfigError, R1FlowError
 from stages import get_stage
 from stages.base import Input
 
@@ -58,6 +61,65 @@ def _flow_run_id() -> str | None:
         return None
 
 
+TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (ConnectionError, TimeoutError)
+
+
+def is_transient(exc: BaseException | None) -> bool:
+    """Worth a retry: the tracking or orchestration server (or a remote store) was unreachable.
+
+    Deterministic failures (bad config, bad data, a corrupt artifact, a bug) are not retried: the
+    same inputs would fail the same way, and a retry would only repeat the compute.
+    """
+    if exc is None or isinstance(exc, R1FlowError):
+        return False
+    if isinstance(exc, TRANSIENT_ERRORS):
+        return True
+    try:
+        import httpx
+
+        if isinstance(exc, httpx.TransportError):
+            return True
+    except ImportError:  # pragma: no cover - prefect depends on httpx
+        pass
+    try:
+        import requests
+
+        if isinstance(exc, (requests.ConnectionError, requests.Timeout)):
+            return True
+    except ImportError:  # pragma: no cover - mlflow depends on requests
+        pass
+    from mlflow.exceptions import MlflowException
+
+    if isinstance(exc, MlflowException) and exc.error_code in ("TEMPORARILY_UNAVAILABLE", "REQUEST_LIMIT_EXCEEDED"):
+        return True
+    # MLflow re-raises an unreachable server as MlflowException("API request ... failed") during the
+    # requests.ConnectionError (its __context__, not __cause__); follow both links.
+    inner = exc.__cause__ or exc.__context__
+    return inner is not exc and is_transient(inner)
+
+
+def _retry_transient(task, task_run, state) -> bool:
+    try:
+        exc = state.result(raise_on_failure=False)
+    except Exception as e:  # the result itself could not be read: treat what was raised
+        exc = e
+    return is_transient(exc if isinstance(exc, BaseException) else None)
+
+
+@contextlib.contextmanager
+def stage_lock(home: str, key: str):
+    """One process at a time per cache key on this R1FLOW_HOME: a schedule firing while a user
+    triggers the same stage from the UI waits here, then finds the other's published result."""
+    path = Path(home) / "locks" / f"{key}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def execute_stage(
     *, node: str, stage: str, config: dict[str, Any], inputs: dict[str, str], seed: int, key: str,
     parent_run_id: str | None, settings: dict[str, str], experiment: str, flow_run_id: str | None = None,
@@ -66,8 +128,15 @@ def execute_stage(
     """Run one stage (or reuse its recorded outputs) and publish its artifacts. Plain function:
     the Prefect task wraps it, tests call it directly."""
     s = Settings(**settings)
+    with stage_lock(s.home, key):
+        return _execute_stage(node=node, stage=stage, config=config, inputs=inputs, seed=seed, key=key,
+                              parent_run_id=parent_run_id, s=s, experiment=experiment, flow_run_id=flow_run_id,
+                              log=log or logging.getLogger("r1flow"), refresh=refresh)
+
+
+def _execute_stage(*, node, stage, config, inputs, seed, key, parent_run_id, s: Settings, experiment, flow_run_id,
+                   log, refresh) -> dict[str, Any]:
     store = ArtifactStore(s.store, home=s.home)
-    log = log or logging.getLogger("r1flow")
     record = None if refresh else store.lookup(key)
     if record is not None:
         return {"outputs": record.outputs, "metrics": record.metrics, "seconds": 0.0, "reused": True,
@@ -79,7 +148,8 @@ def execute_stage(
     tracker = Tracker(s.tracking_uri, experiment, s.mlflow_artifact_location)
     run_id = tracker.start_run(node, {"r1flow.stage": stage, "r1flow.node": node, "r1flow.stage_version": module.VERSION,
                                        "r1flow.cache_key": key, "r1flow.cache_hit": "false",
-                                       "r1flow.flow_run_id": flow_run_id or ""}, parent_run_id)
+                                       "r1flow.flow_run_id": flow_run_id or "",
+                                       **{f"r1flow.input.{k}": v for k, v in inputs.items()}}, parent_run_id)
     tracker.log_params(run_id, {"config": config, "seed": seed,
                                 "inputs": {k: v[:16] for k, v in inputs.items()}})
     ctx = FlowContext(store=store, tracker=tracker, run_id=run_id, cache_key=key, seed=seed,
@@ -122,7 +192,7 @@ def _task_key(_context, parameters: dict[str, Any]) -> str:
 
 
 @task(persist_result=True, cache_key_fn=_task_key, result_serializer="json", task_run_name="{node}",
-      log_prints=True)
+      log_prints=True, retries=2, retry_delay_seconds=10, retry_condition_fn=_retry_transient)
 def stage_task(node: str, stage: str, config: dict[str, Any], inputs: dict[str, str], seed: int, key: str,
                parent_run_id: str | None, settings: dict[str, str], experiment: str,
                refresh: bool = False) -> dict[str, Any]:
@@ -165,7 +235,16 @@ def experiment_name(recipe: str) -> str:
 @flow(name="r1flow-pipeline", persist_result=True, log_prints=True)
 def pipeline(recipe: str, profile: str, overrides: list[str] | None = None, only: list[str] | None = None,
              force: list[str] | None = None, settings: dict[str, str] | None = None) -> dict[str, Any]:
-    """Run a recipe: every stage node in dependency order, reusing cached outputs where valid."""
+    """Run a recipe: every stage node in dependency order, reusing cached outputs where valid.
+
+    Args:
+        recipe: Recipe name (r1flow recipes lists them) or path to a recipe YAML.
+        profile: Profile sizing the stages: tiny (tests), cpu, gpu.
+        overrides: Config overrides KEY=VALUE, e.g. sft.learning_rate=1e-4, dpo.beta=0.2, model=PATH, seed=1.
+        only: Run only these nodes; their upstream nodes must be cached.
+        force: Re-run these nodes even when cached.
+        settings: Storage and tracking locations (default: R1FLOW_HOME, R1FLOW_STORE, MLFLOW_TRACKING_URI).
+    """
     plan = load_plan(recipe, profile, overrides or [])
     s = Settings(**settings) if settings else Settings.from_env()
     return run_plan(plan, s, only=set(only or []), force=set(force or []))
@@ -234,7 +313,10 @@ def run_plan(plan: Plan, s: Settings, only: set[str] = frozenset(), force: set[s
         summary = {f"{r.node}/{k}": v for r in results for k, v in r.key_metrics().items()}
         summary.update({f"{r.node}/seconds": r.seconds for r in results if r.status != "skipped"})
         tracker.log_metrics(parent, summary)
-        tracker.log_text(parent, render_markdown(plan, results), "report.md")
+        from flows.report import build_report, publish_report, register_models  # imports flows.pipeline
+
+        registration = register_models(plan, results, tracker, store=store, parent_run_id=parent)
+        publish_report(build_report(plan, results, tracker, parent, registration), tracker, parent)
         ok = True
     finally:
         tracker.end(parent, ok)

@@ -37,3 +37,9 @@ def prepare_environment(home: str | None = None) -> None:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if not os.environ.get("PREFECT_API_URL") and not os.environ.get("MLFLOW_TRACKING_URI"):
+        from flows import servers
+
+        info = servers.status(home_path)  # `r1flow up` servers for this home: use them
+        if info is not None:
+            os.environ.update(servers.env_for(info))

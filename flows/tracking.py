@@ -10,6 +10,7 @@ import math
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
 
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
@@ -66,9 +67,32 @@ class Tracker:
     def end(self, run_id: str, ok: bool = True) -> None:
         self.client.set_terminated(run_id, "FINISHED" if ok else "FAILED")
 
+    def log_dir(self, run_id: str, path: Path, subdir: str = "") -> None:
+        """Every file under `path`, as artifacts of the run under `subdir`."""
+        self.client.log_artifacts(run_id, str(path), subdir or None)
+
+    @property
+    def is_server(self) -> bool:
+        return self.uri.startswith(("http://", "https://"))
+
+    def run_path(self, run_id: str, experiment_id: str | None = None) -> str:
+        """The MLflow UI's route to a run, relative to the UI's root."""
+        return f"#/experiments/{experiment_id or self.experiment_id}/runs/{run_id}"
+
+    def run_url(self, run_id: str, experiment_id: str | None = None) -> str | None:
+        """A clickable URL for a run when tracking goes to a server; None for a local store."""
+        return f"{self.uri.rstrip('/')}/{self.run_path(run_id, experiment_id)}" if self.is_server else None
+
+    def artifact_url(self, run_id: str, path: str) -> str | None:
+        """A URL that serves one artifact file of a run (the server's `get-artifact` route), or None."""
+        if not self.is_server:
+            return None
+        return f"{self.uri.rstrip('/')}/get-artifact?{urlencode({'path': path, 'run_uuid': run_id})}"
+
+    def ui_hint(self) -> str:
+        """How to open the UI for a local store (the run paths are relative to its root)."""
+        return f"mlflow ui --backend-store-uri {self.uri} --host 127.0.0.1  then open http://127.0.0.1:5000/"
+
     def run_link(self, run_id: str) -> str:
         """Where to look at a run: a URL for a server, else the `mlflow ui` command to start one."""
-        path = f"#/experiments/{self.experiment_id}/runs/{run_id}"
-        if self.uri.startswith(("http://", "https://")):
-            return f"{self.uri.rstrip('/')}/{path}"
-        return f"mlflow ui --backend-store-uri {self.uri} --host 127.0.0.1  then open http://127.0.0.1:5000/{path}"
+        return self.run_url(run_id) or f"{self.ui_hint()}{self.run_path(run_id)}"

@@ -17,7 +17,26 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.pop("MLFLOW_TRACKING_URI", None)
 os.environ.pop("R1FLOW_STORE", None)
 
+import contextlib  # noqa: E402
+
 import pytest  # noqa: E402
+
+
+@contextlib.contextmanager
+def harness_home(path: Path):
+    """R1FLOW_HOME=path under one Prefect test server (for a module's end-to-end runs)."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    old = os.environ.get("R1FLOW_HOME")
+    os.environ["R1FLOW_HOME"] = str(path)
+    try:
+        with prefect_test_harness(server_startup_timeout=120):
+            yield path
+    finally:
+        if old is None:
+            os.environ.pop("R1FLOW_HOME", None)
+        else:
+            os.environ["R1FLOW_HOME"] = old
 
 
 @pytest.fixture(scope="session")
@@ -59,3 +78,18 @@ def tiny_model_input(session_dir, tiny_tokenizer):
     if not path.exists():
         save_model(build_tiny_model(tiny_tokenizer, seed=0), tiny_tokenizer, path / MODEL_DIR)
     return fake_input(path, "model", "model")
+
+
+@pytest.fixture(scope="session")
+def live_servers(session_dir):
+    """Prefect and MLflow servers (`flows.servers.start`) on free 127.0.0.1 ports, started once per
+    session under `<session>/servers-home` and stopped at teardown. Yields the ServerInfo;
+    `flows.servers.env_for(info)` gives PREFECT_API_URL and MLFLOW_TRACKING_URI."""
+    from flows import servers
+
+    home = session_dir / "servers-home"
+    info = servers.start(home)
+    try:
+        yield info
+    finally:
+        servers.stop(home)

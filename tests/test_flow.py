@@ -4,29 +4,20 @@ module), MLflow (sqlite), caching, selective re-runs, artifact loss, one-line er
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 
 from flows.cli import main
+from tests.conftest import harness_home
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def home(tmp_path_factory):
-    from prefect.testing.utilities import prefect_test_harness
-
-    path = tmp_path_factory.mktemp("flow-home")
-    old = os.environ.get("R1FLOW_HOME")
-    os.environ["R1FLOW_HOME"] = str(path)
-    with prefect_test_harness(server_startup_timeout=120):
+    with harness_home(tmp_path_factory.mktemp("flow-home")) as path:
         yield path
-    if old is None:
-        os.environ.pop("R1FLOW_HOME", None)
-    else:
-        os.environ["R1FLOW_HOME"] = old
 
 
 def run(home: Path, *args: str) -> dict:
@@ -68,13 +59,33 @@ def test_first_run_runs_every_stage_and_tracks_it(home):
     manifest = json.loads((home / "artifacts" / results_fp / "manifest.json").read_text())
     assert manifest["schema"] == "eval" and manifest["producer"]["node"] == "eval_sft"
     assert "accuracy" in manifest["metrics"] and manifest["parents"]
+    # the run report (MLflow and Prefect) and the model registry (flows/report.py)
+    report = {a.path for a in client.list_artifacts(result["parent_run_id"], "report")}
+    assert report == {"report/report.md", "report/training_loss.png", "report/eval.png"}
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as prefect_client:
+        # a raw filter: the client sends nulls for unset filters, which this server refuses (422), and
+        # an empty task-run filter would exclude flow-level artifacts
+        artifacts = prefect_client.request("POST", "/artifacts/filter", json={"artifacts": {
+            "key": {"any_": ["r1flow-report-sft-eval"]}, "flow_run_id": {"any_": [result["flow_run_id"]]}}}).json()
+    assert len(artifacts) == 1 and "| eval_sft | eval | run |" in artifacts[0]["data"]
+    final = client.get_model_version_by_alias("r1flow-sft-eval", "final")
+    sft_fp = next(s for s in result["stages"] if s["node"] == "sft")["outputs"]["model"]
+    assert final.tags["r1flow.node"] == "sft" and final.tags["r1flow.fingerprint"] == sft_fp
+    assert client.get_model_version_by_alias("r1flow-sft-eval", "champion").tags["r1flow.node"] in ("base", "sft")
 
 
 def test_second_run_is_fully_cached(home):
+    from mlflow.tracking import MlflowClient
+
     result = run(home)
     assert set(statuses(result).values()) == {"cached"}
     assert {s["prefect_state"] for s in result["stages"]} == {"Cached"}
     assert sum(s["seconds"] for s in result["stages"]) < 15
+    client = MlflowClient(f"sqlite:///{home}/mlflow.db")
+    assert len(client.search_model_versions("name='r1flow-sft-eval'")) == 2  # base and sft: no new versions
+    assert client.list_artifacts(result["parent_run_id"], "report")
 
 
 def test_changing_sft_learning_rate_reruns_sft_and_its_eval_only(home):

@@ -1,0 +1,392 @@
+"""Deployments and single-stage re-runs.
+
+Two kinds of deployment, both typed so the Prefect UI renders a form with defaults and
+descriptions:
+- one per recipe: the `r1flow-pipeline` flow with the recipe's name as deployment name;
+- one per stage: a flow `r1flow-<stage>` (deployment `rerun`) whose `config` parameter *is* the
+  stage's pydantic config and whose `inputs` parameter has one field per stage input.
+
+A single-stage run resolves each input reference to an artifact fingerprint, validates it (the
+artifact exists, verifies, and is of the kind the stage takes), builds the config (stage defaults <
+the recipe node's config, when a recipe is named < overrides), and runs the stage through the same
+cached task as the pipeline: the same inputs and config give the same cache key, so the result
+joins the lineage (manifest parents, MLflow input tags) and a pipeline run later reuses it.
+
+Input references:
+- a fingerprint or a unique prefix of one (`r1flow artifacts` lists them);
+- `mlflow:<run id>[:<output>]`: an output of the stage run that MLflow run tracked;
+- `latest:<node>[@<recipe>][:<output>]`: the newest output of that node: from MLflow's
+  `r1flow/<recipe>` experiment when a recipe is named, else from the store's manifests.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from prefect import flow
+from pydantic import BaseModel, Field, ValidationError, create_model
+
+from flows.cache import cache_key
+from flows.recipes import PROFILE_DIR, _load_yaml, deep_merge, load_plan, pydantic_message
+from flows.settings import Settings
+from flows.store import ArtifactStore
+from schemas.configs import STAGE_CONFIGS, ProfileConfig
+from schemas.errors import ArtifactError, ConfigError
+from stages import STAGE_MODULES, STAGE_SUMMARIES, get_stage
+
+ROOT = Path(__file__).resolve().parent.parent
+PIPELINE_ENTRYPOINT = "flows/pipeline.py:pipeline"
+STAGE_DEPLOYMENT = "rerun"
+REF_HELP = "fingerprint (or unique prefix), mlflow:<run id>[:<output>], or latest:<node>[@<recipe>][:<output>]"
+
+
+# ---------------------------------------------------------------------------- input references
+
+
+def _pick_output(outputs: dict[str, str], wanted: str | None, input_name: str, where: str) -> str:
+    if wanted:
+        if wanted not in outputs:
+            raise ArtifactError(f"{where}: no output {wanted!r}; it has {', '.join(sorted(outputs)) or 'none'}")
+        return outputs[wanted]
+    if len(outputs) == 1:
+        return next(iter(outputs.values()))
+    if input_name in outputs:
+        return outputs[input_name]
+    raise ArtifactError(f"{where}: has outputs {', '.join(sorted(outputs)) or 'none'}; name one, e.g. "
+                        f"{where}:{next(iter(sorted(outputs)), 'model')}")
+
+
+def _run_outputs(client, run_id: str) -> dict[str, str]:
+    tags = client.get_run(run_id).data.tags
+    return {k.removeprefix("r1flow.output."): v for k, v in tags.items() if k.startswith("r1flow.output.")}
+
+
+def resolve_ref(ref: str, input_name: str, store: ArtifactStore, tracking_uri: str) -> str:
+    """The full fingerprint an input reference names (see the module docstring for the forms)."""
+    ref = ref.strip()
+    if ref.startswith("mlflow:"):
+        run_id, _, out = ref.removeprefix("mlflow:").partition(":")
+        from mlflow.exceptions import MlflowException
+        from mlflow.tracking import MlflowClient
+
+        try:
+            outputs = _run_outputs(MlflowClient(tracking_uri), run_id)
+        except MlflowException as e:
+            raise ArtifactError(f"input {input_name!r}: MLflow run {run_id!r} not found at {tracking_uri}: {e}") from None
+        return store.resolve_prefix(_pick_output(outputs, out or None, input_name, f"mlflow:{run_id}"))
+    if ref.startswith("latest:"):
+        spec, _, out = ref.removeprefix("latest:").partition(":")
+        node, _, recipe = spec.partition("@")
+        return _latest(node, recipe or None, out or None, input_name, store, tracking_uri)
+    if not ref:
+        raise ArtifactError(f"input {input_name!r}: empty reference; give a {REF_HELP}")
+    return store.resolve_prefix(ref)
+
+
+def _latest(node: str, recipe: str | None, out: str | None, input_name: str, store: ArtifactStore,
+            tracking_uri: str) -> str:
+    where = f"latest:{node}" + (f"@{recipe}" if recipe else "")
+    if recipe is None:  # the store alone: the newest execution of that node, its outputs named by its cache record
+        made = sorted((m for m in store.list() if m.producer.node == node), key=lambda m: m.created_at, reverse=True)
+        if not made:
+            raise ArtifactError(f"input {input_name!r}: {where}: no artifact in {store.uri} was produced by node {node!r}")
+        for m in made:
+            record = store.lookup(m.producer.cache_key)  # None if any output of that run is gone or corrupt
+            if record is not None:
+                return _pick_output(record.outputs, out, input_name, where)
+        raise ArtifactError(f"input {input_name!r}: {where}: no complete, valid outputs of node {node!r} in {store.uri}")
+    from mlflow.tracking import MlflowClient
+
+    from flows.pipeline import experiment_name
+
+    client = MlflowClient(tracking_uri)
+    exp = client.get_experiment_by_name(experiment_name(recipe))
+    if exp is None:
+        raise ArtifactError(f"input {input_name!r}: {where}: no MLflow experiment {experiment_name(recipe)!r} "
+                            f"at {tracking_uri}; has recipe {recipe!r} run there?")
+    runs = client.search_runs([exp.experiment_id], filter_string=f"tags.`r1flow.node` = '{node}'",
+                              order_by=["attributes.start_time DESC"], max_results=50)
+    for run in runs:
+        outputs = _run_outputs(client, run.info.run_id)
+        if outputs:
+            fp = _pick_output(outputs, out, input_name, where)
+            if store.is_valid(fp):
+                return fp
+    raise ArtifactError(f"input {input_name!r}: {where}: no run of node {node!r} with outputs still in the store")
+
+
+def _kinds(spec: str) -> set[str]:
+    return set(spec.rstrip("?").split("|"))
+
+
+# ---------------------------------------------------------------------------- config
+
+
+def stage_config(stage: str, recipe: str | None, profile: str | None, node: str | None,
+                 overrides: dict[str, Any]) -> tuple[dict[str, Any], str, int | None]:
+    """(validated config dict, node name, seed from the recipe or None) for a single-stage run."""
+    if stage not in STAGE_MODULES:
+        raise ConfigError(f"unknown stage {stage!r}; known: {', '.join(STAGE_MODULES)}")
+    seed = None
+    if recipe:
+        plan = load_plan(recipe, profile or "cpu")
+        name = node or next((n.name for n in plan.nodes if n.stage == stage), None)
+        if name is None:
+            raise ConfigError(f"recipe {recipe!r} has no {stage!r} node; name one with node=")
+        n = plan.node(name)
+        if n.stage != stage:
+            raise ConfigError(f"recipe {recipe!r} node {name!r} is a {n.stage!r} stage, not {stage!r}")
+        base, seed = n.config_dict, n.seed
+    else:
+        name = node or stage
+        base = STAGE_CONFIGS[stage]().model_dump(mode="json")
+        if profile:
+            raw, _ = _load_yaml(profile, PROFILE_DIR, "profile")
+            base = deep_merge(base, ProfileConfig.model_validate(raw).stages.get(stage, {}))
+    try:
+        cfg = STAGE_CONFIGS[stage].model_validate(deep_merge(base, overrides))
+    except ValidationError as e:
+        raise ConfigError(pydantic_message(e, name)) from None
+    module = get_stage(stage)
+    if hasattr(module, "check"):
+        module.check(cfg)
+    return cfg.model_dump(mode="json"), name, seed
+
+
+def changed_fields(value: dict[str, Any], default: dict[str, Any]) -> dict[str, Any]:
+    """The nested keys where `value` differs from `default` (what a UI form submission changed)."""
+    out = {}
+    for k, v in value.items():
+        d = default.get(k)
+        if isinstance(v, dict) and isinstance(d, dict):
+            sub = changed_fields(v, d)
+            if sub:
+                out[k] = sub
+        elif v != d:
+            out[k] = v
+    return out
+
+
+# ---------------------------------------------------------------------------- the single-stage run
+
+
+def run_stage(stage: str, inputs: dict[str, str], overrides: dict[str, Any] | None = None, node: str | None = None,
+              seed: int | None = None, recipe: str | None = None, profile: str | None = None,
+              settings: dict[str, str] | None = None, force: bool = False) -> dict[str, Any]:
+    """Run one stage on referenced artifacts (inside a flow: the stage runs as the cached task)."""
+    from flows.pipeline import _flow_run_id, experiment_name, stage_task
+    from flows.tracking import Tracker
+
+    s = Settings(**settings) if settings else Settings.from_env()
+    config, name, recipe_seed = stage_config(stage, recipe, profile, node, overrides or {})
+    module = get_stage(stage)
+    declared = module.INPUTS
+    unknown = set(inputs) - set(declared)
+    if unknown:
+        raise ConfigError(f"stage {stage!r} has no input(s) {sorted(unknown)}; its inputs: {', '.join(declared)}")
+    missing = {k for k, v in declared.items() if not v.endswith("?")} - {k for k, v in inputs.items() if v}
+    if missing:
+        raise ConfigError(f"stage {stage!r}: missing input(s) {sorted(missing)}; give each as a {REF_HELP}")
+    store = ArtifactStore(s.store, home=s.home)
+    resolved = {}
+    for k, ref in inputs.items():
+        if not ref:
+            continue
+        fp = resolve_ref(ref, k, store, s.tracking_uri)
+        manifest = store.verify(fp)  # exists and every file matches, before any compute
+        if not {manifest.kind, manifest.schema_name} & _kinds(declared[k]):  # "model", or a dataset schema
+            raise ArtifactError(f"input {k!r} ({ref}): artifact {fp[:12]} is a {manifest.kind} "
+                                f"({manifest.schema_name}); stage {stage!r} takes a {declared[k].rstrip('?')}")
+        resolved[k] = fp
+    seed = seed if seed is not None else (recipe_seed if recipe_seed is not None else 0)
+    salt = module.cache_salt(config) if hasattr(module, "cache_salt") else ""
+    key = cache_key(stage, module.VERSION, config, resolved, seed, salt)
+    experiment = experiment_name(recipe or "stages")
+    tracker = Tracker(s.tracking_uri, experiment, s.mlflow_artifact_location)
+    flow_run_id = _flow_run_id()
+    parent = tracker.start_run(f"stage:{name}", {"r1flow.single_stage": "true", "r1flow.recipe": recipe or "",
+                                                 "r1flow.profile": profile or "", "r1flow.flow_run_id": flow_run_id or "",
+                                                 **{f"r1flow.input.{k}": v for k, v in resolved.items()}})
+    ok = False
+    t0 = time.perf_counter()
+    try:
+        record = None if force else store.lookup(key)
+        state = stage_task.with_options(refresh_cache=record is None)(
+            node=name, stage=stage, config=config, inputs=resolved, seed=seed, key=key, parent_run_id=parent,
+            settings=s.to_dict(), experiment=experiment, refresh=force, return_state=True)
+        out = state.result()
+        cached = state.name == "Cached" or out["reused"]
+        if cached and record is not None:
+            out = {**out, "outputs": record.outputs, "metrics": record.metrics, "mlflow_run_id": record.mlflow_run_id}
+        tracker.set_tags(parent, {f"r1flow.output.{k}": v for k, v in out["outputs"].items()})
+        ok = True
+    finally:
+        tracker.end(parent, ok)
+    return {"stage": stage, "node": name, "status": "cached" if cached else "run", "seconds": time.perf_counter() - t0,
+            "inputs": resolved, "outputs": out["outputs"], "metrics": out["metrics"], "config": config, "seed": seed,
+            "cache_key": key, "mlflow_run_id": out.get("mlflow_run_id"), "parent_run_id": parent,
+            "link": tracker.run_link(parent), "flow_run_id": flow_run_id}
+
+
+@flow(name="r1flow-stage", persist_result=True, log_prints=True)
+def stage_flow(stage: str, inputs: dict[str, str], overrides: dict[str, Any] | None = None, node: str | None = None,
+               seed: int | None = None, recipe: str | None = None, profile: str | None = None,
+               settings: dict[str, str] | None = None, force: bool = False) -> dict[str, Any]:
+    """Run one stage on referenced artifacts.
+
+    Args:
+        stage: Stage name (r1flow stages lists them).
+        inputs: Input name -> artifact reference: a fingerprint (or unique prefix), mlflow:<run id>[:<output>],
+            or latest:<node>[@<recipe>][:<output>].
+        overrides: Config values over the base config (nested mapping).
+        node: Node name (default: the recipe's node of this stage, else the stage name).
+        seed: Seed (default: the recipe node's, else 0).
+        recipe: Take the base config (and seed) from this recipe's node.
+        profile: Profile applied to the base config (tiny, cpu, gpu).
+        settings: Storage and tracking locations (default: from the environment).
+        force: Re-run even when a valid cached result exists.
+    """
+    return run_stage(stage, inputs, overrides, node, seed, recipe, profile, settings, force)
+
+
+def _inputs_model(stage: str) -> type[BaseModel]:
+    fields = {}
+    for name, kind in get_stage(stage).INPUTS.items():
+        desc = f"A {kind.rstrip('?')} artifact: {REF_HELP}."
+        fields[name] = (str | None, Field(None, description=desc)) if kind.endswith("?") else (
+            str, Field(..., description=desc))
+    return create_model(f"{stage.title().replace('_', '')}Inputs", **fields)
+
+
+def _make_stage_flow(stage: str):
+    """A flow for one stage whose parameters are typed by that stage's config and inputs."""
+    cfg_cls, inputs_cls = STAGE_CONFIGS[stage], _inputs_model(stage)
+    default = cfg_cls().model_dump(mode="json")
+
+    def rerun(inputs, config=None, recipe=None, profile=None, node=None, seed=None, force=False):
+        cfg = config if isinstance(config, cfg_cls) else cfg_cls.model_validate(config or {})
+        given = inputs.model_dump() if isinstance(inputs, BaseModel) else dict(inputs)
+        return run_stage(stage, {k: v for k, v in given.items() if v}, changed_fields(cfg.model_dump(mode="json"), default),
+                         node, seed, recipe, profile, force=force)
+
+    P = inspect.Parameter
+    rerun.__signature__ = inspect.Signature([
+        P("inputs", P.POSITIONAL_OR_KEYWORD, annotation=inputs_cls),
+        P("config", P.POSITIONAL_OR_KEYWORD, default=cfg_cls(), annotation=cfg_cls),
+        P("recipe", P.POSITIONAL_OR_KEYWORD, default=None, annotation=str | None),
+        P("profile", P.POSITIONAL_OR_KEYWORD, default=None, annotation=str | None),
+        P("node", P.POSITIONAL_OR_KEYWORD, default=None, annotation=str | None),
+        P("seed", P.POSITIONAL_OR_KEYWORD, default=None, annotation=int | None),
+        P("force", P.POSITIONAL_OR_KEYWORD, default=False, annotation=bool),
+    ], return_annotation=dict)
+    rerun.__annotations__ = {p.name: p.annotation for p in rerun.__signature__.parameters.values()}
+    rerun.__annotations__["return"] = dict
+    rerun.__doc__ = f"""Re-run the {stage} stage: {STAGE_SUMMARIES[stage]}
+
+    Args:
+        inputs: One artifact reference per input: {REF_HELP}.
+        config: The {stage} config. With a recipe, fields left at the stage default keep the recipe's value.
+        recipe: Take the base config and seed from this recipe's {stage} node.
+        profile: Profile over the base config (tiny, cpu, gpu).
+        node: Node name for lineage and tracking (default: the recipe's {stage} node or {stage!r}).
+        seed: Seed (default: the recipe node's, else 0).
+        force: Re-run even when a valid cached result exists.
+    """
+    rerun.__name__ = rerun.__qualname__ = f"{stage}_stage"
+    rerun.__module__ = __name__
+    return flow(name=f"r1flow-{stage.replace('_', '-')}", persist_result=True, log_prints=True)(rerun)
+
+
+STAGE_FLOWS = {stage: _make_stage_flow(stage) for stage in STAGE_MODULES}
+globals().update({f"{stage}_stage": f for stage, f in STAGE_FLOWS.items()})  # entrypoints flows/deploy.py:<stage>_stage
+
+
+# ---------------------------------------------------------------------------- deployments
+
+
+def schedule_kwargs(cron: str | None, interval: float | None) -> dict[str, Any]:
+    if cron and interval:
+        raise ConfigError("give --cron or --interval, not both")
+    if cron:
+        from prefect.client.schemas.schedules import CronSchedule
+
+        try:
+            CronSchedule(cron=cron)
+        except (ValueError, ValidationError) as e:
+            raise ConfigError(f"--cron {cron!r}: not a valid cron expression ({e})") from None
+        return {"cron": cron}
+    return {"interval": interval} if interval else {}
+
+
+def deployment_specs(recipes: list[str], stages: list[str], profile: str, overrides: list[str],
+                     cron: str | None = None, interval: float | None = None,
+                     tags: list[str] = ()) -> list[dict[str, Any]]:
+    """What to register: flow, entrypoint, name, parameters, schedule, tags, description. Validates
+    every recipe with its overrides first, so a bad one fails before anything is registered."""
+    from flows.pipeline import pipeline
+
+    specs = []
+    sched = schedule_kwargs(cron, interval)
+    for recipe in recipes:
+        plan = load_plan(recipe, profile, overrides)
+        specs.append({"flow": pipeline, "entrypoint": PIPELINE_ENTRYPOINT, "name": plan.recipe,
+                      "parameters": {"recipe": recipe, "profile": profile, "overrides": list(overrides)},
+                      "tags": ["r1flow", "recipe", plan.recipe, *tags], "description": plan.description, **sched})
+    for stage in stages:
+        if stage not in STAGE_FLOWS:
+            raise ConfigError(f"unknown stage {stage!r}; known: {', '.join(STAGE_FLOWS)}")
+        specs.append({"flow": STAGE_FLOWS[stage], "entrypoint": f"flows/deploy.py:{stage}_stage",
+                      "name": STAGE_DEPLOYMENT, "parameters": {"profile": profile}, "tags": ["r1flow", "stage", stage, *tags],
+                      "description": f"Re-run the {stage} stage from cached artifacts: {STAGE_SUMMARIES[stage]}"})
+    return specs
+
+
+def serve(specs: list[dict[str, Any]], limit: int | None = None) -> None:
+    """Serve the deployments from this process (a Prefect runner; flow runs in subprocesses)."""
+    from prefect import serve as prefect_serve
+
+    deployments = [s["flow"].to_deployment(name=s["name"], parameters=s["parameters"], tags=s["tags"],
+                                           description=s["description"],
+                                           **{k: s[k] for k in ("cron", "interval") if k in s})
+                   for s in specs]
+    prefect_serve(*deployments, limit=limit, print_starting_message=True)
+
+
+def ensure_work_pool(name: str, kind: str = "process") -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.exceptions import ObjectAlreadyExists
+
+    with get_client(sync_client=True) as client:
+        try:
+            client.create_work_pool(WorkPoolCreate(name=name, type=kind))
+        except ObjectAlreadyExists:
+            pass
+
+
+def deploy(specs: list[dict[str, Any]], pool: str, image: str | None = None) -> list[str]:
+    """Register the deployments with a work pool (created as a process pool if missing). Without an
+    image the code is loaded from this checkout (process workers on this machine or a shared disk)."""
+    if image is None:
+        ensure_work_pool(pool)
+    ids = []
+    for s in specs:
+        kwargs = {k: s[k] for k in ("cron", "interval") if k in s}
+        source = s["flow"] if image else s["flow"].from_source(source=str(ROOT), entrypoint=s["entrypoint"])
+        # to_deployment + apply: what Flow.deploy does without its image build/push and next-steps printing.
+        dep = source.to_deployment(name=s["name"], work_pool_name=pool, parameters=s["parameters"], tags=s["tags"],
+                                   description=s["description"], **kwargs)
+        ids.append(str(dep.apply(image=image) if image else dep.apply()))
+    return ids
+
+
+def full_name(spec: dict[str, Any]) -> str:
+    return f"{spec['flow'].name}/{spec['name']}"
+
+
+def api_url() -> str | None:
+    return os.environ.get("PREFECT_API_URL")

@@ -1,0 +1,479 @@
+"""Run visibility: the report of a pipeline run, and the recipe's models in the MLflow Model Registry.
+
+**Report.** `build_report` turns the stage results of one pipeline run into markdown (one table
+row per stage node: status run/cached/skipped, seconds, key metrics, a link to the stage's MLflow
+run; an evaluation table; the registry entry) and PNG plots, one per kind and only where there is
+data:
+
+- `training_loss.png`: `train/loss` over steps, one panel per stage node that logged it (sft,
+  reward_model, grpo, ...; their scales differ too much for one axis);
+- `grpo.png`: `reward/mean`, `completion/mean_length` (and `eval/accuracy` when the stage
+  evaluated during training) over steps, one line per node;
+- `eval.png`: accuracy and format rate of every eval node, labelled with the model it evaluated.
+
+Curves are read back from MLflow (`get_metric_history`). A cached stage's run in this pipeline run
+is a fresh "cache hit" run with summary metrics only; its tag `r1flow.source_run_id` names the run
+that produced the outputs, and the curves are read from there. `publish_report` logs
+`report/report.md` and the PNGs as artifacts of the parent run and, inside a Prefect flow run, a
+Prefect markdown artifact `r1flow-report-<recipe>` with the same text (a Prefect artifact cannot
+embed local files: it names where the PNGs are; with an MLflow server it embeds them by URL).
+MLflow errors propagate; a failed Prefect artifact only logs a warning.
+
+**Registry scheme.** One registered model per recipe, `r1flow-<recipe>`. Its versions are the
+recipe's model artifacts that matter:
+
+- *final* models: the model outputs (a stage's `OUTPUTS` of kind `model`) of every model-producing
+  node with no model-producing node downstream of it, directly or through datasets (in `sft-eval`
+  that is `sft`; in `rlhf` `reward_model`; in `rejection-rounds` `sft_round2`);
+- *evaluated* models: the model input of every eval node that ran or was cached in this run (so
+  `base` is a version too when it is evaluated, and can be compared).
+
+A version's source is the artifact's place in the store: its local directory, or the store URI +
+`/artifacts/<fingerprint>` for a remote store. An MLflow server refuses local paths outside the
+run's artifact directory, so with a server and a local store the source is
+`runs:/<producing run>/outputs/<output>` (where the manifest is logged) and the local directory is
+in the tag `r1flow.artifact`. Every version carries the tag `r1flow.fingerprint`; a model whose
+fingerprint already has a version reuses it, so a cached re-run adds no versions. Aliases, moved
+on every run that reaches them:
+
+- `final`: the final model of the newest run (the last final node in plan order when a recipe has
+  several). MLflow reserves the alias name `latest` (`models:/<name>/latest` is the highest version
+  number, which need not be the final model), hence `final`.
+- `champion`: the evaluated model with the highest eval `accuracy` in that run (ties: higher
+  format rate, then the later node), moved only by runs in which every eval node ran or was
+  cached (a `--only` run leaves it alone). Only evals of one run are compared: they share
+  held-out prompts, while runs with other profiles or overrides need not.
+
+Load with `models:/r1flow-<recipe>@final` or `@champion`; the version's tags name the node,
+stage, fingerprint and eval results.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import math
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from mlflow.exceptions import MlflowException
+
+from flows.pipeline import fmt_metric, key_metrics
+from flows.recipes import Plan
+from flows.tracking import Tracker
+from stages import get_stage
+
+if TYPE_CHECKING:
+    from flows.pipeline import StageResult
+    from flows.store import ArtifactStore
+
+log = logging.getLogger("r1flow")
+
+REPORT_DIR = "report"
+FINAL_ALIAS = "final"
+CHAMPION_ALIAS = "champion"
+FINGERPRINT_TAG = "r1flow.fingerprint"
+TRAIN_LOSS = "train/loss"
+GRPO_CURVES = (("reward/mean", "reward mean"), ("completion/mean_length", "completion length (tokens)"),
+               ("eval/accuracy", "held-out accuracy during training"))
+EVAL_COLUMNS = (("accuracy", "accuracy"), ("format_rate", "format rate"), ("mean_length", "mean length"))
+
+
+def slug(text: str) -> str:
+    """Lowercase letters, digits and dashes only (Prefect artifact keys; registry names)."""
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "recipe"
+
+
+def registered_model_name(recipe: str) -> str:
+    return f"r1flow-{slug(recipe)}"
+
+
+def artifact_key(recipe: str) -> str:
+    return f"r1flow-report-{slug(recipe)}"
+
+
+# ---------------------------------------------------------------------------------------- MLflow runs
+@dataclass
+class StageRuns:
+    """The MLflow runs behind one stage result: the run of this pipeline run and the one that
+    produced the outputs (the same run unless the stage was a cache hit)."""
+
+    run_id: str
+    experiment_id: str
+    source_run_id: str | None  # None: the producing run is not in this tracking store
+    source_experiment_id: str | None
+    source_metrics: set[str] = field(default_factory=set)  # metric keys the producing run logged
+
+
+def _get_run(tracker: Tracker, run_id: str):
+    try:
+        return tracker.client.get_run(run_id)
+    except MlflowException as e:
+        if e.error_code == "RESOURCE_DOES_NOT_EXIST":
+            return None
+        raise
+
+
+def stage_runs(tracker: Tracker, result: StageResult) -> StageRuns | None:
+    if result.status == "skipped" or not result.mlflow_run_id:
+        return None
+    run = _get_run(tracker, result.mlflow_run_id)
+    if run is None:
+        return None
+    source = run
+    if run.data.tags.get("r1flow.cache_hit") == "true":
+        src_id = run.data.tags.get("r1flow.source_run_id")
+        source = _get_run(tracker, src_id) if src_id else None
+    return StageRuns(run.info.run_id, run.info.experiment_id,
+                     source.info.run_id if source else None, source.info.experiment_id if source else None,
+                     set(source.data.metrics) if source else set())
+
+
+def metric_curve(tracker: Tracker, run_id: str, key: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of a metric, one value per step (the last one logged: a resumed stage may
+    log a step twice), non-finite values dropped."""
+    last: dict[int, tuple[int, float]] = {}
+    for m in tracker.client.get_metric_history(run_id, key):
+        if math.isfinite(m.value) and (m.step not in last or m.timestamp >= last[m.step][0]):
+            last[m.step] = (m.timestamp, m.value)
+    steps = sorted(last)
+    return steps, [last[s][1] for s in steps]
+
+
+# ---------------------------------------------------------------------------------------- plots
+def _figure(panels: int, width: float = 4.6, height: float = 3.2):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    cols = min(3, panels)
+    rows = math.ceil(panels / cols)
+    fig = Figure(figsize=(width * cols, height * rows), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)  # Agg, without pyplot's global state
+    axes = list(fig.subplots(rows, cols, squeeze=False).ravel())
+    for ax in axes[panels:]:
+        ax.set_visible(False)
+    return fig, axes[:panels]
+
+
+def _png(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()
+
+
+def plot_training_loss(curves: dict[str, tuple[list[int], list[float]]]) -> bytes:
+    fig, axes = _figure(len(curves))
+    for ax, (label, (steps, values)) in zip(axes, curves.items(), strict=True):
+        ax.plot(steps, values, marker="." if len(steps) < 30 else None)
+        ax.set_title(label)
+        ax.set_xlabel("step")
+        ax.set_ylabel(TRAIN_LOSS)
+        ax.grid(alpha=0.3)
+    fig.suptitle("training loss")
+    return _png(fig)
+
+
+def plot_grpo(curves: dict[str, dict[str, tuple[list[int], list[float]]]]) -> bytes:
+    """curves: metric key -> node label -> (steps, values); one panel per metric with data."""
+    titles = dict(GRPO_CURVES)
+    fig, axes = _figure(len(curves))
+    for ax, (key, by_node) in zip(axes, curves.items(), strict=True):
+        for label, (steps, values) in by_node.items():
+            ax.plot(steps, values, marker="." if len(steps) < 30 else None, label=label)
+        ax.set_title(titles.get(key, key))
+        ax.set_xlabel("step")
+        ax.set_ylabel(key)
+        ax.grid(alpha=0.3)
+        if len(by_node) > 1:
+            ax.legend(fontsize="small")
+    fig.suptitle("GRPO")
+    return _png(fig)
+
+
+def plot_eval(rows: list[tuple[str, dict[str, float]]]) -> bytes:
+    """rows: (label, metrics) per eval node; bars of accuracy and, where logged, format rate."""
+    fig, (ax,) = _figure(1, width=max(4.6, 1.4 * len(rows) + 2), height=3.6)
+    keys = [k for k in ("accuracy", "format_rate") if any(k in m for _, m in rows)]
+    width = 0.8 / len(keys)
+    for i, key in enumerate(keys):
+        xs = [j + (i - (len(keys) - 1) / 2) * width for j in range(len(rows))]
+        values = [m.get(key, 0.0) for _, m in rows]
+        bars = ax.bar(xs, values, width, label=key.replace("_", " "))
+        ax.bar_label(bars, fmt="%.2f", fontsize="small")
+    ax.set_xticks(range(len(rows)), [label for label, _ in rows], fontsize="small")
+    ax.set_ylim(0, 1.25)
+    ax.set_ylabel("fraction of held-out prompts")
+    ax.legend(fontsize="small", loc="upper center", ncols=len(keys))
+    ax.set_title("evaluation per model")
+    return _png(fig)
+
+
+# ---------------------------------------------------------------------------------------- report
+@dataclass
+class Report:
+    recipe: str
+    markdown: str
+    images: list[tuple[str, bytes]] = field(default_factory=list)  # (file name, PNG bytes)
+
+    @property
+    def key(self) -> str:
+        return artifact_key(self.recipe)
+
+
+def _link(tracker: Tracker, run_id: str, experiment_id: str) -> str:
+    target = tracker.run_url(run_id, experiment_id) or tracker.run_path(run_id, experiment_id)
+    return f"[{run_id[:8]}]({target})"
+
+
+def _eval_model(plan: Plan, node: str) -> str:
+    src = plan.node(node).inputs.get("model")
+    return src[0] if src else "?"
+
+
+def build_report(plan: Plan, results: list[StageResult], tracker: Tracker, parent_run_id: str,
+                 registration: Registration | None = None) -> Report:
+    """The run's report: markdown (stage table, evals, registry entry, plots) and the PNGs."""
+    runs = {r.node: stage_runs(tracker, r) for r in results}
+    md = [f"# r1flow run: recipe `{plan.recipe}`, profile `{plan.profile}`", "",
+          f"MLflow parent run: {_link(tracker, parent_run_id, tracker.experiment_id)}; this report and its "
+          f"plots are artifacts of that run under `{REPORT_DIR}/`.", "",
+          "| stage | kind | status | seconds | key metrics | MLflow run | outputs |",
+          "|---|---|---|---|---|---|---|"]
+    for r in results:
+        metrics = ", ".join(f"{k}={fmt_metric(v)}" for k, v in key_metrics(r.stage, r.metrics).items())
+        outs = ", ".join(f"{k}:{v[:12]}" for k, v in r.outputs.items())
+        sr = runs[r.node]
+        link = "—"
+        if sr is not None:
+            link = _link(tracker, sr.run_id, sr.experiment_id)
+            if sr.source_run_id and sr.source_run_id != sr.run_id:
+                link += f" (produced by {_link(tracker, sr.source_run_id, sr.source_experiment_id)})"
+        md.append(f"| {r.node} | {r.stage} | {r.status} | {r.seconds:.1f} | {metrics} | {link} | {outs} |")
+
+    evals = [(r, _eval_model(plan, r.node)) for r in results
+             if r.stage == "eval" and r.status != "skipped" and "accuracy" in r.metrics]
+    if evals:
+        md += ["", "## Evaluation", "", "| eval | model | " + " | ".join(t for _, t in EVAL_COLUMNS) + " |",
+               "|---|---|" + "---|" * len(EVAL_COLUMNS)]
+        for r, model in evals:
+            cells = " | ".join(fmt_metric(r.metrics[k]) if k in r.metrics else "—" for k, _ in EVAL_COLUMNS)
+            md.append(f"| {r.node} | {model} | {cells} |")
+
+    if registration is not None:
+        md += ["", "## Model registry", "", registration.markdown(tracker)]
+
+    images = _plots(plan, results, runs, tracker, evals)
+    md += ["", "## Plots", ""]
+    if not images:
+        md.append("No training curves or eval results in this run.")
+    for name, title, _ in images:
+        path = f"{REPORT_DIR}/{name}"
+        url = tracker.artifact_url(parent_run_id, path)  # a server serves them: embed (Prefect shows them too)
+        md += [f"![{title}]({url})", ""] if url else [f"- {title}: `{path}` in the parent run's artifacts"]
+    if not tracker.is_server:
+        md += ["", f"MLflow links are relative to the MLflow UI; open it with `{tracker.ui_hint()}`."]
+    return Report(plan.recipe, "\n".join(md) + "\n", [(n, png) for n, _, png in images])
+
+
+def _plots(plan: Plan, results: list[StageResult], runs: dict[str, StageRuns | None], tracker: Tracker,
+           evals: list[tuple[StageResult, str]]) -> list[tuple[str, str, bytes]]:
+    """(file name, title, PNG) for each kind of plot that has data."""
+    images = []
+    loss: dict[str, tuple[list[int], list[float]]] = {}
+    grpo: dict[str, dict[str, tuple[list[int], list[float]]]] = {}
+    for r in results:
+        sr = runs[r.node]
+        if sr is None or sr.source_run_id is None:
+            continue
+        label = f"{r.node} ({r.stage})" if r.node != r.stage else r.node
+        if TRAIN_LOSS in sr.source_metrics and (curve := metric_curve(tracker, sr.source_run_id, TRAIN_LOSS))[0]:
+            loss[label] = curve
+        if r.stage == "grpo":
+            for key, _ in GRPO_CURVES:
+                if key in sr.source_metrics and (curve := metric_curve(tracker, sr.source_run_id, key))[0]:
+                    grpo.setdefault(key, {})[r.node] = curve
+    if loss:
+        images.append(("training_loss.png", "training loss over steps: " + ", ".join(loss), plot_training_loss(loss)))
+    if grpo:
+        grpo = {k: grpo[k] for k, _ in GRPO_CURVES if k in grpo}
+        images.append(("grpo.png", "GRPO reward mean and completion length over steps", plot_grpo(grpo)))
+    if evals:
+        rows = [(f"{r.node}\n({model})", r.metrics) for r, model in evals]
+        images.append(("eval.png", "eval accuracy and format rate per model", plot_eval(rows)))
+    return images
+
+
+def _in_prefect_run() -> bool:
+    try:
+        from prefect.context import get_run_context
+
+        get_run_context()
+        return True
+    except Exception:  # MissingContextError outside a flow or task run
+        return False
+
+
+def publish_report(report: Report, tracker: Tracker, parent_run_id: str) -> dict[str, Any]:
+    """Log `report/report.md` and the PNGs to the parent run (MLflow errors propagate); inside a
+    Prefect flow run also create the markdown artifact `report.key` (a failure there only warns)."""
+    with tempfile.TemporaryDirectory(prefix="r1flow-report-") as tmp:
+        d = Path(tmp)
+        (d / "report.md").write_text(report.markdown)
+        for name, png in report.images:
+            (d / name).write_bytes(png)
+        tracker.log_dir(parent_run_id, d, REPORT_DIR)
+    out: dict[str, Any] = {"mlflow_artifacts": [f"{REPORT_DIR}/report.md"] + [f"{REPORT_DIR}/{n}" for n, _ in report.images],
+                           "prefect_artifact_id": None}
+    if _in_prefect_run():
+        try:
+            from prefect.artifacts import create_markdown_artifact
+
+            out["prefect_artifact_id"] = str(create_markdown_artifact(
+                markdown=report.markdown, key=report.key,
+                description=f"r1flow run report: recipe {report.recipe}, MLflow parent run {parent_run_id}"))
+        except Exception as e:  # the report is in MLflow already; the run's work must not be lost over this
+            _warn(f"could not create the Prefect report artifact {report.key!r}: {type(e).__name__}: {e}")
+    return out
+
+
+def _warn(message: str) -> None:
+    try:
+        from prefect import get_run_logger
+
+        get_run_logger().warning(message)
+    except Exception:
+        log.warning(message)
+
+
+# ---------------------------------------------------------------------------------------- registry
+def model_outputs(stage: str) -> list[str]:
+    """Output names of a stage whose declared kind is `model`."""
+    return [name for name, kind in get_stage(stage).OUTPUTS.items() if kind == "model"]
+
+
+def final_model_nodes(plan: Plan) -> list[str]:
+    """Model-producing nodes with no model-producing node downstream (directly or via datasets)."""
+    producers = {n.name for n in plan.nodes if model_outputs(n.stage)}
+    return [n.name for n in plan.nodes
+            if n.name in producers and not (plan.descendants({n.name}) - {n.name}) & producers]
+
+
+def evaluated_models(plan: Plan) -> dict[str, tuple[str, str]]:
+    """eval node -> (node, output) of the model it evaluates."""
+    return {n.name: n.inputs["model"] for n in plan.nodes if n.stage == "eval" and "model" in n.inputs}
+
+
+@dataclass
+class Registration:
+    name: str
+    versions: dict[str, str] = field(default_factory=dict)  # "node.output" -> version
+    aliases: dict[str, str] = field(default_factory=dict)  # alias -> version
+    created: list[str] = field(default_factory=list)  # versions created by this run
+
+    def markdown(self, tracker: Tracker) -> str:
+        by_version: dict[str, list[str]] = {}
+        for alias, v in self.aliases.items():
+            by_version.setdefault(v, []).append(f"@{alias}")
+        name = f"[`{self.name}`]({tracker.uri.rstrip('/')}/#/models/{self.name})" if tracker.is_server else f"`{self.name}`"
+        lines = [f"Registered model {name} (load with `models:/{self.name}@{FINAL_ALIAS}` or "
+                 f"`models:/{self.name}@{CHAMPION_ALIAS}`):", ""]
+        for ref, v in self.versions.items():
+            notes = by_version.get(v, []) + (["new"] if v in self.created else [])
+            lines.append(f"- {ref}: version {v}" + (f" ({', '.join(notes)})" if notes else ""))
+        return "\n".join(lines)
+
+
+def _model_source(store: ArtifactStore | None, tracker: Tracker, fingerprint: str, output: str,
+                  run_id: str | None) -> tuple[str, str]:
+    """(model version source, the artifact's location in the store)."""
+    runs_uri = f"runs:/{run_id}/outputs/{output}" if run_id else None
+    if store is None:
+        return runs_uri or f"r1flow-artifact:{fingerprint}", ""
+    if not store.is_local:
+        location = store.fs.unstrip_protocol(store.artifact_path(fingerprint))
+        return location, location
+    location = str(Path(store.artifact_path(fingerprint)).resolve())
+    if tracker.is_server and runs_uri:  # a server refuses local paths outside the run's artifact dir
+        return runs_uri, location
+    return location, location
+
+
+def _ensure_registered_model(tracker: Tracker, name: str, recipe: str) -> None:
+    try:
+        tracker.client.get_registered_model(name)
+    except MlflowException as e:
+        if e.error_code != "RESOURCE_DOES_NOT_EXIST":
+            raise
+        try:
+            tracker.client.create_registered_model(
+                name, tags={"r1flow.recipe": recipe},
+                description=f"r1flow recipe `{recipe}`: its final and evaluated models, one version per model "
+                            f"fingerprint. @{FINAL_ALIAS}: the final model of the newest run; @{CHAMPION_ALIAS}: "
+                            f"the best eval accuracy of the newest run that evaluated every model.")
+        except MlflowException as e:  # a concurrent run created it first
+            if e.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+
+
+def register_models(plan: Plan, results: list[StageResult], tracker: Tracker,
+                    store: ArtifactStore | None = None, parent_run_id: str | None = None) -> Registration | None:
+    """Register the run's final and evaluated models under `r1flow-<recipe>` and move the aliases
+    (scheme in the module docstring). Nodes skipped in this run are left out; None when none remain."""
+    done = {r.node: r for r in results if r.status != "skipped" and r.outputs}
+    finals = [n for n in final_model_nodes(plan) if n in done]
+    all_evals = evaluated_models(plan)
+    evaluated = {e: m for e, m in all_evals.items() if e in done and m[0] in done}  # evaluated in this run
+    wanted: list[tuple[str, str]] = []
+    for node in plan.nodes:
+        refs = [(node.name, o) for o in model_outputs(node.stage)] if node.name in finals else []
+        refs += [m for m in evaluated.values() if m[0] == node.name]
+        wanted += [ref for ref in dict.fromkeys(refs) if ref not in wanted and ref[1] in done[ref[0]].outputs]
+    if not wanted:
+        return None
+    name = registered_model_name(plan.recipe)
+    _ensure_registered_model(tracker, name, plan.recipe)
+    reg = Registration(name)
+    client = tracker.client
+    for node, output in wanted:
+        r = done[node]
+        fp = r.outputs[output]
+        ref = f"{node}.{output}"
+        same = client.search_model_versions(f"name='{name}' and tags.`{FINGERPRINT_TAG}` = '{fp}'")
+        if same:
+            reg.versions[ref] = str(max(int(v.version) for v in same))
+            continue
+        runs = stage_runs(tracker, r)
+        run_id = (runs.source_run_id or runs.run_id) if runs else None
+        source, location = _model_source(store, tracker, fp, output, run_id)
+        tags = {FINGERPRINT_TAG: fp, "r1flow.node": node, "r1flow.stage": r.stage, "r1flow.output": output,
+                "r1flow.recipe": plan.recipe, "r1flow.profile": plan.profile, "r1flow.artifact": location,
+                "r1flow.final": str(node in finals).lower(), "r1flow.parent_run_id": parent_run_id or ""}
+        mv = client.create_model_version(name, source, run_id=run_id, tags=tags,
+                                         description=f"{r.stage} node `{node}` of recipe `{plan.recipe}`, "
+                                                     f"artifact {fp[:12]}")
+        reg.versions[ref] = str(mv.version)
+        reg.created.append(str(mv.version))
+
+    candidates = []
+    order = {n.name: i for i, n in enumerate(plan.nodes)}
+    for eval_node, (node, output) in evaluated.items():
+        r = done.get(eval_node)
+        version = reg.versions.get(f"{node}.{output}")
+        if r is None or version is None or "accuracy" not in r.metrics:
+            continue
+        for key in ("accuracy", "format_rate"):
+            if key in r.metrics:
+                client.set_model_version_tag(name, version, f"r1flow.eval.{eval_node}.{key}", str(r.metrics[key]))
+        candidates.append((r.metrics["accuracy"], r.metrics.get("format_rate", 0.0), order[node], version))
+    final_versions = [v for ref, v in reg.versions.items() if finals and ref.split(".", 1)[0] == finals[-1]]
+    if final_versions:
+        client.set_registered_model_alias(name, FINAL_ALIAS, final_versions[0])
+        reg.aliases[FINAL_ALIAS] = final_versions[0]
+    if candidates and len(candidates) == len(all_evals):  # a partial run (--only) leaves @champion alone
+        version = max(candidates)[3]
+        client.set_registered_model_alias(name, CHAMPION_ALIAS, version)
+        reg.aliases[CHAMPION_ALIAS] = version
+    return reg

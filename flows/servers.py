@@ -1,0 +1,488 @@
+"""Local Prefect and MLflow servers for a team on one machine (`r1flow up` / `r1flow down`).
+
+Both servers bind 127.0.0.1 only, keep their state under `<home>/servers/` (their own sqlite
+databases: both create an `alembic_version` table), run in their own sessions (a Ctrl-C in the
+terminal does not reach them; `stop` signals their process groups) and are recorded in
+`<home>/servers/servers.json`. Runners/workers that serve deployments against these servers
+register their pids here so that `stop` ends them first: they pause schedules through the API
+and hang if it is gone (DESIGN.md §6).
+
+Standard library only: `r1flow up` must not pay for importing Prefect or MLflow.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+from schemas.errors import R1FlowError
+
+HOST = "127.0.0.1"
+STOP_GRACE_S = 10.0
+LOG_TAIL_LINES = 25
+
+
+@dataclass
+class Server:
+    name: str
+    pid: int
+    pgid: int
+    port: int
+    url: str  # the UI
+    health_url: str
+    log: str
+    start_ticks: int | None = None  # process start time (Linux /proc), guards against pid reuse
+    startup_s: float | None = None  # seconds from spawn to a healthy answer
+
+
+@dataclass
+class ServerInfo:
+    home: str
+    started_at: str
+    prefect: Server
+    mlflow: Server
+    runners: list[dict] = field(default_factory=list)
+    stopping: str | None = None  # set by `stop` before it signals anything: a clean stop, not a crash
+
+    @property
+    def prefect_api_url(self) -> str:
+        return f"{self.prefect.url}/api"
+
+    @property
+    def mlflow_tracking_uri(self) -> str:
+        return self.mlflow.url
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["prefect_api_url"] = self.prefect_api_url
+        d["mlflow_tracking_uri"] = self.mlflow_tracking_uri
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ServerInfo:
+        return cls(home=d["home"], started_at=d["started_at"], prefect=Server(**d["prefect"]),
+                   mlflow=Server(**d["mlflow"]), runners=list(d.get("runners", [])), stopping=d.get("stopping"))
+
+
+def servers_dir(home: str | Path) -> Path:
+    return Path(home).expanduser().resolve() / "servers"
+
+
+def info_path(home: str | Path) -> Path:
+    return servers_dir(home) / "servers.json"
+
+
+def env_for(info: ServerInfo) -> dict[str, str]:
+    """The environment a client (r1flow run, a runner, a notebook) needs to use these servers."""
+    return {"PREFECT_API_URL": info.prefect_api_url, "MLFLOW_TRACKING_URI": info.mlflow_tracking_uri}
+
+
+# ---------------------------------------------------------------------------------------------
+# processes
+
+
+def _proc_stat(pid: int) -> tuple[str, int, int] | None:
+    """(state, pgrp, start ticks) from /proc/<pid>/stat, or None if there is no such process."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    except OSError:
+        return None
+    fields = raw[raw.rindex(")") + 2:].split()  # the command name may contain spaces and parens
+    return fields[0], int(fields[2]), int(fields[19])
+
+
+def _have_proc() -> bool:
+    return Path("/proc/self/stat").exists()
+
+
+def _start_ticks(pid: int) -> int | None:
+    st = _proc_stat(pid) if _have_proc() else None
+    return st[2] if st else None
+
+
+def _reap(pid: int) -> None:
+    """Collect our own exited child so it does not linger as a zombie (no-op for other pids)."""
+    with contextlib.suppress(ChildProcessError, OSError):
+        os.waitpid(pid, os.WNOHANG)
+
+
+def _alive(pid: int, start_ticks: int | None = None) -> bool:
+    """Is this the same, still running process? Zombies count as dead; a reused pid too."""
+    if pid <= 0:
+        return False
+    _reap(pid)
+    if _have_proc():
+        st = _proc_stat(pid)
+        if st is None or st[0] in ("Z", "X"):
+            return False
+        return start_ticks is None or st[2] == start_ticks
+    return _signal0(pid)
+
+
+def _signal0(pid: int) -> bool:
+    """Without /proc: does signal 0 find the pid (EPERM: it exists, owned by someone else)?"""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _exists(pid: int) -> bool:
+    """Is there any process (zombies excluded) with this pid?"""
+    if _have_proc():
+        st = _proc_stat(pid)
+        return st is not None and st[0] not in ("Z", "X")
+    return _signal0(pid)
+
+
+def _group_alive(pgid: int) -> bool:
+    """Does any live (non-zombie) process remain in this process group?"""
+    if _have_proc():
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                st = _proc_stat(int(entry.name))
+                if st and st[1] == pgid and st[0] not in ("Z", "X"):
+                    return True
+        return False
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _signal(pid: int, pgid: int | None, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        if pgid:
+            os.killpg(pgid, sig)
+        else:
+            os.kill(pid, sig)
+
+
+def _terminate(pid: int, pgid: int | None, grace: float = STOP_GRACE_S) -> str:
+    """SIGTERM (to the group when given), wait up to `grace` s, then SIGKILL. Says which it took."""
+    def gone() -> bool:
+        _reap(pid)
+        if _group_alive(pgid) if pgid else _alive(pid):
+            return False
+        _reap(pid)  # the leader may have turned zombie since the first call
+        return True
+
+    _signal(pid, pgid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        if gone():
+            return "SIGTERM"
+        time.sleep(0.1)
+    _signal(pid, pgid, signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and not gone():
+        time.sleep(0.05)
+    return "SIGKILL"
+
+
+def _free_ports(n: int) -> list[int]:
+    """n distinct free ports on 127.0.0.1 (the sockets stay open until all are chosen)."""
+    with contextlib.ExitStack() as stack:
+        ports = []
+        for _ in range(n):
+            s = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            s.bind((HOST, 0))
+            ports.append(s.getsockname()[1])
+        return ports
+
+
+def _check_port_free(port: int, what: str) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((HOST, port))
+        except OSError as e:
+            raise R1FlowError(f"cannot start the {what} server: port {HOST}:{port} is in use ({e.strerror}); "
+                              f"pick another with --{what}-port or leave it out for a free one") from None
+
+
+def _executable(name: str) -> list[str]:
+    """The venv's console script next to this interpreter, else `python -m name`."""
+    exe = Path(sys.executable).parent / name
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", name]
+
+
+def _log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return "(no log)"
+    tail = text.strip().splitlines()[-lines:]
+    return "\n".join("    " + line for line in tail) if tail else "    (log is empty)"
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+# ---------------------------------------------------------------------------------------------
+# commands
+
+
+def _prefect_command(port: int) -> list[str]:
+    return _executable("prefect") + ["server", "start", "--host", HOST, "--port", str(port)]
+
+
+def _prefect_env(home: Path, port: int) -> dict[str, str]:
+    api = f"http://{HOST}:{port}/api"
+    return {
+        "PREFECT_HOME": str(home / "prefect-server"),
+        "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{servers_dir(home) / 'prefect.db'}",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_SERVER_API_HOST": HOST,
+        "PREFECT_SERVER_API_PORT": str(port),
+        # the UI runs in the browser and calls this URL; without it, an inherited PREFECT_API_URL
+        # (another server) would be served to it
+        "PREFECT_UI_API_URL": api,
+        "PREFECT_API_URL": api,
+    }
+
+
+def _mlflow_command(home: Path, port: int) -> list[str]:
+    d = servers_dir(home)
+    return _executable("mlflow") + [
+        "server", "--host", HOST, "--port", str(port), "--workers", "1",
+        "--backend-store-uri", f"sqlite:///{d / 'mlflow.db'}",
+        "--artifacts-destination", str(d / "mlartifacts"), "--serve-artifacts",
+    ]
+
+
+def _mlflow_env(home: Path, port: int) -> dict[str, str]:
+    # the job executor adds a consumer pool: 15 processes and ~80 s to start (DESIGN.md §6)
+    return {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+
+
+def _spawn(cmd: list[str], env: dict[str, str], log: Path, cwd: Path) -> subprocess.Popen:
+    full_env = {**os.environ, **env}
+    with open(log, "wb") as out:
+        return subprocess.Popen(cmd, env=full_env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# servers.json
+
+
+@contextlib.contextmanager
+def _locked(home: str | Path):
+    """Serialise read-modify-write of servers.json between r1flow processes."""
+    import fcntl
+
+    d = servers_dir(home)
+    d.mkdir(parents=True, exist_ok=True)
+    with open(d / "servers.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _read(home: str | Path) -> ServerInfo | None:
+    path = info_path(home)
+    try:
+        return ServerInfo.from_dict(json.loads(path.read_text()))
+    except FileNotFoundError:
+        return None
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise R1FlowError(f"{path} is unreadable ({e}); stop the processes it names by hand and delete it") from None
+
+
+def _write(home: str | Path, info: ServerInfo) -> None:
+    path = info_path(home)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(info.to_dict(), indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def _live_servers(info: ServerInfo) -> list[Server]:
+    return [s for s in (info.prefect, info.mlflow) if _alive(s.pid, s.start_ticks)]
+
+
+# ---------------------------------------------------------------------------------------------
+# public API
+
+
+def status(home: str | Path) -> ServerInfo | None:
+    """The recorded servers if at least one of them is still running, else None."""
+    info = _read(home)
+    return info if info and _live_servers(info) else None
+
+
+def dead(info: ServerInfo) -> list[Server]:
+    """The recorded servers that are no longer running."""
+    return [s for s in (info.prefect, info.mlflow) if not _alive(s.pid, s.start_ticks)]
+
+
+def start(home: str | Path, prefect_port: int | None = None, mlflow_port: int | None = None,
+          timeout: float = 120) -> ServerInfo:
+    """Start both servers on 127.0.0.1, wait until both answer their health check, record them."""
+    home = Path(home).expanduser().resolve()
+    d = servers_dir(home)
+    d.mkdir(parents=True, exist_ok=True)
+    (home / "prefect-server").mkdir(parents=True, exist_ok=True)
+    with _locked(home):
+        old = _read(home)
+        if old is not None:
+            live = _live_servers(old)
+            if live:
+                names = ", ".join(f"{s.name} (pid {s.pid}, {s.url})" for s in live)
+                raise R1FlowError(f"servers for {home} are already running: {names}; "
+                                  f"use them, or stop them with `R1FLOW_HOME={home} r1flow down`")
+            _stop_locked(home, old, grace=STOP_GRACE_S)  # stale record: clean up leftover children, runners
+        if prefect_port is not None:
+            _check_port_free(prefect_port, "prefect")
+        if mlflow_port is not None:
+            _check_port_free(mlflow_port, "mlflow")
+        free = [p for p in _free_ports(3) if p not in (prefect_port, mlflow_port)]
+        prefect_port = prefect_port or free.pop()
+        mlflow_port = mlflow_port or free.pop()
+        if prefect_port == mlflow_port:
+            raise R1FlowError(f"--prefect-port and --mlflow-port are both {prefect_port}")
+
+        specs = {
+            "prefect": (_prefect_command(prefect_port), _prefect_env(home, prefect_port), prefect_port,
+                        f"http://{HOST}:{prefect_port}", f"http://{HOST}:{prefect_port}/api/health"),
+            "mlflow": (_mlflow_command(home, mlflow_port), _mlflow_env(home, mlflow_port), mlflow_port,
+                       f"http://{HOST}:{mlflow_port}", f"http://{HOST}:{mlflow_port}/health"),
+        }
+        procs: dict[str, subprocess.Popen] = {}
+        started: dict[str, float] = {}
+        servers: dict[str, Server] = {}
+        try:
+            for name, (cmd, env, port, url, health) in specs.items():
+                log = d / f"{name}.log"
+                started[name] = time.monotonic()
+                p = _spawn(cmd, env, log, cwd=d)
+                procs[name] = p
+                # start_new_session: the server leads its own session and process group
+                servers[name] = Server(name=name, pid=p.pid, pgid=p.pid, port=port, url=url,
+                                       health_url=health, log=str(log), start_ticks=_start_ticks(p.pid))
+            _wait_healthy(procs, servers, started, timeout)
+        except BaseException:
+            for name, p in procs.items():
+                _terminate(p.pid, servers[name].pgid if name in servers else None, grace=5)
+                with contextlib.suppress(Exception):
+                    p.wait(timeout=1)
+            raise
+        info = ServerInfo(home=str(home), started_at=datetime.now(UTC).isoformat(timespec="seconds"),
+                          prefect=servers["prefect"], mlflow=servers["mlflow"])
+        _write(home, info)
+        return info
+
+
+def _wait_healthy(procs: dict[str, subprocess.Popen], servers: dict[str, Server], started: dict[str, float],
+                  timeout: float) -> None:
+    pending = set(procs)
+    deadline = time.monotonic() + timeout
+    while pending:
+        for name in sorted(pending):
+            s = servers[name]
+            code = procs[name].poll()
+            if code is not None:
+                raise R1FlowError(f"the {name} server exited with code {code} before answering {s.health_url}; "
+                                  f"last lines of {s.log}:\n{_log_tail(Path(s.log))}")
+            if _healthy(s.health_url) and procs[name].poll() is None:  # our process, not a port thief
+                s.startup_s = round(time.monotonic() - started[name], 2)
+                pending.discard(name)
+        if pending and time.monotonic() > deadline:
+            name = sorted(pending)[0]
+            s = servers[name]
+            raise R1FlowError(f"the {name} server did not answer {s.health_url} within {timeout:.0f} s; "
+                              f"last lines of {s.log}:\n{_log_tail(Path(s.log))}")
+        if pending:
+            time.sleep(0.25)
+
+
+def stop(home: str | Path, grace: float = STOP_GRACE_S) -> list[str]:
+    """Stop registered runners first, then the servers; remove servers.json. Returns what it stopped."""
+    if not info_path(home).exists():
+        return []  # nothing recorded (and no servers/ directory to create)
+    with _locked(home):
+        info = _read(home)
+        return [] if info is None else _stop_locked(home, info, grace)
+
+
+def _stop_locked(home: str | Path, info: ServerInfo, grace: float) -> list[str]:
+    stopped: list[str] = []
+    info.stopping = datetime.now(UTC).isoformat(timespec="seconds")
+    _write(home, info)  # a foreground `r1flow up` watching these servers exits quietly
+    for r in info.runners:
+        pid, pgid = int(r["pid"]), r.get("pgid")
+        if _alive(pid, r.get("start_ticks")):
+            # the group only when the runner leads one of its own (never the user's shell's group)
+            how = _terminate(pid, pgid if pgid == pid else None, grace=grace)
+            stopped.append(f"runner pid {pid} ({how})")
+    for s in (info.prefect, info.mlflow):
+        # a leader that is gone may leave children in its group (mlflow's uvicorn); a pid that now
+        # names another process (different start time) is not ours, nor is its group
+        orphans = s.pgid == s.pid and not _exists(s.pid) and _group_alive(s.pgid)
+        if _alive(s.pid, s.start_ticks) or orphans:
+            how = _terminate(s.pid, s.pgid, grace=grace)
+            stopped.append(f"{s.name} server pid {s.pid} on {s.url} ({how})")
+    info_path(home).unlink(missing_ok=True)
+    return stopped
+
+
+def register_runner(home: str | Path, pid: int | None = None, name: str = "runner") -> bool:
+    """Record a runner/worker pid so that `stop` ends it before the servers.
+
+    Returns False (records nothing) when no servers started by `r1flow up` are running for home.
+    """
+    pid = os.getpid() if pid is None else pid
+    if not info_path(home).exists():
+        return False
+    with _locked(home):
+        info = _read(home)
+        if info is None or not _live_servers(info):
+            return False
+        info.runners = [r for r in info.runners if int(r["pid"]) != pid]
+        try:
+            pgid = os.getpgid(pid)
+        except ProcessLookupError:
+            return False
+        info.runners.append({"pid": pid, "pgid": pgid, "name": name, "start_ticks": _start_ticks(pid),
+                             "registered_at": datetime.now(UTC).isoformat(timespec="seconds")})
+        _write(home, info)
+        return True
+
+
+def unregister_runner(home: str | Path, pid: int | None = None) -> None:
+    pid = os.getpid() if pid is None else pid
+    if not info_path(home).exists():
+        return
+    with _locked(home):
+        info = _read(home)
+        if info is None:
+            return
+        kept = [r for r in info.runners if int(r["pid"]) != pid]
+        if len(kept) != len(info.runners):
+            info.runners = kept
+            _write(home, info)
