@@ -41,6 +41,8 @@ KEY_METRICS = {
     "preference_data": ("pairs", "mean_margin"),
     "reward_model": ("eval_accuracy", "eval_margin"),
     "grpo": ("reward_first", "reward_last", "eval_accuracy_last", "time_per_step"),
+    "reference_logprobs": ("completions", "sequences_per_s"),
+    "preference_optimization": ("eval_accuracy", "eval_margin", "eval_kl", "units_per_s"),
     "eval": ("accuracy", "accuracy_lenient", "format_rate", "pass_at_[0-9]", "pass_at_[0-9][0-9]", "mean_length"),
 }
 LOG_DATA_MAX_BYTES = 50 << 20  # datasets up to this size are copied into MLflow; larger ones by pointer

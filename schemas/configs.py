@@ -215,6 +215,41 @@ class RewardModelConfig(TrainingConfig):
     eval_fraction: float = Field(0.2, ge=0, lt=1, description="Share of pairs held out for pairwise accuracy.")
 
 
+class ReferenceLogprobsConfig(Strict):
+    """`reference_logprobs` stage: the reference model's log-probs of every preference completion."""
+
+    max_length: int = Field(512, ge=8, description="Tokens per sequence; must equal the consuming stage's max_length.")
+    batch_size: int = Field(16, ge=1, description="Sequences per forward pass.")
+    include_kl: bool = Field(False, description="Also score mismatched (prompt, completion) pairs: KTO's reference point.")
+    precision: Precision = Field("auto", description="auto: bf16 on GPUs that support it, else fp32.")
+
+
+class PreferenceOptimizationConfig(TrainingConfig):
+    """`preference_optimization` stage: DPO and its family (cDPO, IPO, SimPO, KTO, ORPO)."""
+
+    loss: Literal["dpo", "cdpo", "ipo", "simpo", "kto", "orpo"] = Field(
+        "dpo", description="dpo: -log sigmoid(beta * log-ratio margin); cdpo: with label smoothing; ipo: squared "
+        "distance to 1/(2 beta); simpo: reference-free, length-normalised, margin gamma; kto: unpaired; orpo: "
+        "NLL + odds-ratio term, reference-free."
+    )
+    beta: float = Field(0.1, gt=0, description="beta: KL strength (dpo, cdpo, ipo, kto) or reward scale (simpo).")
+    label_smoothing: float = Field(0.1, ge=0, lt=0.5, description="cdpo: probability that a label is flipped.")
+    simpo_gamma: float = Field(0.5, description="simpo: target reward margin gamma.")
+    kto_lambda_d: float = Field(1.0, gt=0, description="kto: weight of desirable examples.")
+    kto_lambda_u: float = Field(1.0, gt=0, description="kto: weight of undesirable examples.")
+    orpo_lambda: float = Field(0.1, ge=0, description="orpo: weight of the odds-ratio term.")
+    batch_size: int = Field(4, ge=1, description="Pairs (examples for kto) per micro-batch; chosen and rejected "
+                            "go through one concatenated forward pass.")
+    learning_rate: float = Field(5e-5, gt=0, description="Peak learning rate.")
+    warmup_ratio: float = Field(0.1, ge=0, lt=1, description="Share of steps with linear warmup.")
+    checkpoint_every: int = Field(50, ge=1, description="Save a resumable checkpoint every N steps.")
+    eval_fraction: float = Field(0.1, ge=0, lt=1, description="Share of pairs held out for reward accuracy and margins.")
+    eval_every: int = Field(0, ge=0, description="Held-out reward metrics every N steps (0: at the end only).")
+    kl_prompts: int = Field(8, ge=0, description="Held-out prompts sampled at the end to estimate KL(policy || "
+                            "reference) (0: off; with full fine-tuning this loads the reference once, after training).")
+    kl_max_new_tokens: int = Field(64, ge=1, description="Tokens sampled per prompt for the KL estimate.")
+
+
 class GRPOConfig(Strict):
     """`grpo` stage: group-relative policy optimisation with verifiable rewards (and variants)."""
 
@@ -280,6 +315,8 @@ STAGE_CONFIGS: dict[str, type[Strict]] = {
     "preference_data": PreferenceDataConfig,
     "reward_model": RewardModelConfig,
     "grpo": GRPOConfig,
+    "reference_logprobs": ReferenceLogprobsConfig,
+    "preference_optimization": PreferenceOptimizationConfig,
 }
 
 

@@ -17,7 +17,7 @@ MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])
 MESSAGES = pa.list_(MESSAGE)
 ROLES = ("system", "user", "assistant")
 
-DatasetKind = Literal["prompts", "sft", "samples", "preferences", "unpaired", "eval"]
+DatasetKind = Literal["prompts", "sft", "samples", "preferences", "unpaired", "eval", "ref_logprobs"]
 
 
 def _f(name: str, type_: pa.DataType, nullable: bool = False) -> pa.Field:
@@ -67,6 +67,15 @@ SCHEMAS: dict[str, pa.Schema] = {
         _f("completion", pa.string()),
         _f("label", pa.bool_()),
     ]),
+    # Reference-model log-probs of every completion of a preference dataset (preference_optimization):
+    # one row per (pair id, role); role chosen | rejected (pairs), desirable | undesirable (unpaired
+    # rows), kl (the completion of the next row under this row's prompt: KTO's reference point).
+    "ref_logprobs": pa.schema([
+        _f("id", pa.string()),
+        _f("role", pa.string()),
+        _f("logp", pa.float64()),
+        _f("tokens", pa.int32()),
+    ]),
     "eval": pa.schema([
         _f("prompt_id", pa.string()),
         _f("task", pa.string()),
@@ -89,6 +98,7 @@ VALUE_SETS = {
     ("eval", "mode"): {"greedy", "sampled"},
     ("samples", "finish_reason"): {"stop", "length"},
     ("eval", "finish_reason"): {"stop", "length"},
+    ("ref_logprobs", "role"): {"chosen", "rejected", "desirable", "undesirable", "kl"},
 }
 
 

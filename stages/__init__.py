@@ -19,6 +19,8 @@ STAGE_MODULES = {
     "preference_data": "stages.preference_data",
     "reward_model": "stages.reward_model",
     "grpo": "stages.grpo",
+    "reference_logprobs": "stages.reference_logprobs",
+    "preference_optimization": "stages.preference_optimization",
 }
 
 STAGE_SUMMARIES = {
@@ -30,6 +32,8 @@ STAGE_SUMMARIES = {
     "preference_data": "chosen/rejected pairs from scored samples (and user files), plus unpaired rows for KTO",
     "reward_model": "Bradley-Terry reward model (scalar head on a causal LM), held-out pairwise accuracy",
     "grpo": "GRPO with verifiable rewards; Dr. GRPO, DAPO, GSPO, CISPO, RLOO variants by config",
+    "reference_logprobs": "the reference model's log-probs of every preference completion, computed once and cached",
+    "preference_optimization": "DPO, cDPO, IPO, SimPO, KTO, ORPO on preference pairs (or unpaired rows for KTO)",
 }
 
 

@@ -242,5 +242,6 @@ def test_nightly_recipe_new_prompts_leave_the_sft_model_cached(tmp_path):
         keys.append({n.name: pipeline.node_key(n, {})[0] for n in plan.nodes if not n.inputs})
     assert keys[0]["new_prompts"] != keys[1]["new_prompts"]
     assert keys[0]["prompts"] == keys[1]["prompts"] and keys[0]["base"] == keys[1]["base"]
-    assert plan.descendants({"new_prompts"}) == {"new_prompts", "rejection_sampling", "preference_data", "reward_model"}
+    assert plan.descendants({"new_prompts"}) == {"new_prompts", "rejection_sampling", "preference_data", "reward_model",
+                                                 "dpo_reference", "dpo", "eval_dpo"}
     assert set(plan.ancestors({"sft"})) == {"sft", "base", "prompts"}

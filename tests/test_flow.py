@@ -158,12 +158,31 @@ def test_rlhf_recipe_end_to_end_then_cached(home):
     st = statuses(first)
     assert st["base"] == st["prompts"] == st["sft"] == st["eval_sft"] == "cached"
     assert st["rejection_sampling"] == st["preference_data"] == st["reward_model"] == "run"
+    assert st["dpo_reference"] == st["dpo"] == st["eval_dpo"] == "run"
     by_node = {s["node"]: s for s in first["stages"]}
+    assert 0 <= by_node["dpo"]["metrics"]["eval_accuracy"] <= 1 and "eval_kl" in by_node["dpo"]["metrics"]
     assert by_node["preference_data"]["metrics"]["pairs"] > 0
     assert 0 <= by_node["reward_model"]["metrics"]["eval_accuracy"] <= 1
     assert 0 < by_node["rejection_sampling"]["metrics"]["acceptance_rate"] <= 1
     assert main(["run", "--recipe", "rlhf", "--profile", "tiny", "--json", str(out)]) == 0
     assert set(statuses(json.loads(out.read_text())).values()) == {"cached"}
+
+    # another loss and beta: only dpo and its eval re-run; the reference log-probs come from the cache
+    assert main(["run", "--recipe", "rlhf", "--profile", "tiny", "--set", "dpo.loss=ipo", "--set", "dpo.beta=0.2",
+                 "--json", str(out)]) == 0
+    again = json.loads(out.read_text())
+    st = statuses(again)
+    assert {n for n, s in st.items() if s == "run"} == {"dpo", "eval_dpo"}
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{home}/mlflow.db")
+    runs = {r.data.tags["r1flow.node"]: r for r in client.search_runs(
+        [again["experiment_id"]], f"tags.mlflow.parentRunId = '{again['parent_run_id']}'")}
+    ref_run = runs["dpo_reference"]
+    assert ref_run.data.tags["r1flow.cache_hit"] == "true"
+    ref_fp = ref_run.data.tags["r1flow.output.logprobs"]
+    assert runs["dpo"].data.tags["r1flow.input.reference"] == ref_fp
+    assert runs["dpo"].data.params["config.loss"] == "ipo" and runs["dpo"].data.params["reference"] == "cached"
 
 
 def test_artifacts_and_models_commands(home, capsys):

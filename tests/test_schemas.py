@@ -15,7 +15,7 @@ def prompt_row(**kw):
 
 
 def test_every_kind_has_a_schema_and_accepts_an_empty_table():
-    assert set(SCHEMAS) == {"prompts", "sft", "samples", "preferences", "unpaired", "eval"}
+    assert set(SCHEMAS) == {"prompts", "sft", "samples", "preferences", "unpaired", "eval", "ref_logprobs"}
     for kind, schema in SCHEMAS.items():
         assert validate(schema.empty_table(), kind).schema.equals(schema)
 
@@ -85,3 +85,13 @@ def test_int_columns_widen_and_floats_accept_ints():
 def test_unknown_kind():
     with pytest.raises(SchemaError, match="unknown dataset kind 'foo'"):
         validate(pa.table({"a": [1]}), "foo")
+
+
+def test_ref_logprobs_roles_are_checked():
+    from schemas.datasets import from_rows
+    from schemas.errors import SchemaError
+
+    ok = from_rows([{"id": "a", "role": "chosen", "logp": -3.5, "tokens": 4}], "ref_logprobs")
+    assert ok.num_rows == 1
+    with pytest.raises(SchemaError, match="role"):
+        from_rows([{"id": "a", "role": "winner", "logp": -3.5, "tokens": 4}], "ref_logprobs")
