@@ -6,6 +6,7 @@ so a field is declared (with its default and description) exactly once. Unknown 
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -45,6 +46,10 @@ class GenerationSpec(Strict):
     stop: list[str] = Field(default_factory=list, description="Extra stop strings (EOS always stops).")
     backend: Literal["transformers", "vllm"] = Field(
         "transformers", description="Generation backend; vllm needs the optional extra and a GPU."
+    )
+    prefill: str = Field(
+        "", description="Text the assistant turn starts with, e.g. '<think>\\n' (R1-Zero's template ends the prompt "
+        "there). Part of the prompt, never trained; completions are returned and scored as prefill + generated text."
     )
 
 
@@ -169,6 +174,8 @@ class EvalConfig(Strict):
     pass_k_prompts: int = Field(16, ge=0, description="Prompts that get pass@k samples (first N).")
     temperature: float = Field(0.7, gt=0, description="Sampling temperature for pass@k.")
     top_p: float = Field(0.95, gt=0, le=1, description="Nucleus threshold for pass@k.")
+    prefill: str = Field("", description="Text the assistant turn starts with (as generation.prefill); compare "
+                         "models under the same prefill.")
 
 
 class RejectionSamplingConfig(Strict):
@@ -306,6 +313,73 @@ class GRPOConfig(Strict):
     split: Literal["train", "eval"] = Field("train", description="Prompts split to train on.")
 
 
+
+class DistillTracesConfig(Strict):
+    """`distill_traces` stage: the teacher's reasoning traces on prompts, as a re-usable sft dataset."""
+
+    num_samples: int = Field(4, ge=1, description="n: traces sampled per prompt (all that pass the filter are kept).")
+    filter: Literal["verified", "lenient", "format", "none"] = Field(
+        "verified", description="Keep traces whose answer the prompt's verifier accepts (verified: answer in "
+        "<answer>/\\boxed{}, as rewards read it; lenient: else the last number, as eval's accuracy_lenient), that "
+        "are well-formed R1 format (format), or every trace (none)."
+    )
+    drop_truncated: bool = Field(False, description="Also drop traces cut at generation.max_new_tokens.")
+    split: Literal["train", "eval"] = Field("train", description="Which split of the prompts to sample on.")
+    max_prompts: int | None = Field(None, ge=1, description="Use only the first N prompts of the split (None: all).")
+    generation: GenerationSpec = Field(
+        default_factory=lambda: GenerationSpec(temperature=0.6, top_p=0.95, max_new_tokens=256),
+        description="Teacher sampling (R1's recommended temperature 0.6, top-p 0.95).",
+    )
+    reward: RewardSpec = Field(default_factory=RewardSpec, description="How traces are scored (kept in metadata).")
+
+
+class MakeStudentConfig(Strict):
+    """`make_student` stage: a smaller student cut from the teacher by keeping a subset of its layers."""
+
+    keep_layers: str | list[int] = Field(
+        "every_2", description="Teacher layers the student keeps, weights copied: 'every_K' (layers 0, K, 2K, …), "
+        "'spread_N' (N layers evenly spaced, first and last included) or a list of 0-based indices."
+    )
+
+    @model_validator(mode="after")
+    def _spec_shape(self) -> MakeStudentConfig:
+        if isinstance(self.keep_layers, str) and not re.fullmatch(r"(every|spread)_[1-9][0-9]*", self.keep_layers):
+            raise ValueError(f"keep_layers: expected 'every_K', 'spread_N' or a list of layer indices, "
+                             f"got {self.keep_layers!r}")
+        return self
+
+
+class DistillConfig(TrainingConfig):
+    """`distill` stage: train a student on a teacher: its traces (SFT), its logits (KD) or on-policy (GKD)."""
+
+    mode: Literal["traces", "logits", "on_policy"] = Field(
+        "traces", description="traces: SFT on the teacher's traces (DeepSeek-R1's distillation); logits: token-level "
+        "KD to the teacher's distributions on its traces; on_policy: the student samples, the teacher's "
+        "distributions supervise every sampled token (GKD), mixed with teacher_fraction teacher traces."
+    )
+    divergence: Literal["forward", "reverse", "jsd"] = Field(
+        "forward", description="logits/on_policy: forward KL(teacher || student), reverse KL(student || teacher), or "
+        "GKD's generalised JSD(beta)."
+    )
+    temperature: float = Field(1.0, gt=0, description="KD temperature T: both softmaxes at T, the loss times T^2.")
+    jsd_beta: float = Field(0.5, gt=0, lt=1, description="divergence=jsd: beta (near 0 ~ forward KL, near 1 ~ reverse KL).")
+    teacher_fraction: float = Field(
+        0.5, ge=0, le=1, description="on_policy: lambda, the share of each step's sequences taken from teacher traces "
+        "(the rest are sampled by the student; GKD's student-data fraction is 1 - lambda)."
+    )
+    generation: GenerationSpec = Field(
+        default_factory=lambda: GenerationSpec(temperature=1.0, max_new_tokens=128),
+        description="on_policy: how the student samples its sequences.",
+    )
+    split: Literal["train", "eval"] = Field("train", description="on_policy: prompts split the student samples on.")
+    eval_fraction: float = Field(0.1, ge=0, lt=1, description="Share of trace prompts held out for the student's "
+                                 "held-out NLL of teacher traces (before and after training).")
+    max_heldout: int = Field(64, ge=1, description="At most this many held-out traces are scored.")
+    lora: LoraSpec = Field(default_factory=lambda: LoraSpec(r=0), description="LoRA settings; the default r=0 trains "
+                           "every weight of the (small) student.")
+    learning_rate: float = Field(1e-4, gt=0, description="Peak learning rate.")
+    checkpoint_every: int = Field(25, ge=1, description="Save a resumable checkpoint every N steps.")
+
 STAGE_CONFIGS: dict[str, type[Strict]] = {
     "import_model": ModelConfig,
     "prompts": PromptsConfig,
@@ -317,6 +391,9 @@ STAGE_CONFIGS: dict[str, type[Strict]] = {
     "grpo": GRPOConfig,
     "reference_logprobs": ReferenceLogprobsConfig,
     "preference_optimization": PreferenceOptimizationConfig,
+    "distill_traces": DistillTracesConfig,
+    "make_student": MakeStudentConfig,
+    "distill": DistillConfig,
 }
 
 

@@ -71,13 +71,15 @@ def run(cfg: EvalConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[st
     model, tokenizer = inputs["model"].load_model()
     model.to(ctx.device)
     conversations = [p["messages"] for p in prompts]
-    greedy_spec = GenerationSpec(max_new_tokens=cfg.max_new_tokens, temperature=0.0, batch_size=cfg.batch_size)
+    greedy_spec = GenerationSpec(max_new_tokens=cfg.max_new_tokens, temperature=0.0, batch_size=cfg.batch_size,
+                                 prefill=cfg.prefill)
     greedy, g_stats = generate(model, tokenizer, conversations, greedy_spec, n=1, seed=ctx.seed, desc="eval greedy")
     runs = [("greedy", prompts, greedy)]
     seconds, new_tokens = g_stats.seconds, g_stats.new_tokens
     if cfg.pass_k and cfg.pass_k_prompts:
         sub = prompts[: cfg.pass_k_prompts]
         spec = GenerationSpec(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+                              prefill=cfg.prefill,
                               batch_size=max(1, cfg.batch_size // cfg.pass_k))
         sampled, s_stats = generate(model, tokenizer, [p["messages"] for p in sub], spec, n=cfg.pass_k,
                                     seed=ctx.seed + 1, desc=f"eval pass@{cfg.pass_k}")

@@ -52,8 +52,10 @@ class GenerationBackend(Protocol):
                  progress: bool = True) -> tuple[list[list[Completion]], GenerationStats]: ...
 
 
-def render_prompts(tokenizer, conversations: list[list[dict]]) -> list[str]:
-    return [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations]
+def render_prompts(tokenizer, conversations: list[list[dict]], prefill: str = "") -> list[str]:
+    """Chat-templated prompts ending with the assistant turn's header, then `prefill` (if any)."""
+    return [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) + prefill
+            for c in conversations]
 
 
 def stop_token_ids(tokenizer) -> list[int]:
@@ -105,7 +107,7 @@ class TransformersBackend:
                  logprobs: bool = False, desc: str = "generate",
                  progress: bool = True) -> tuple[list[list[Completion]], GenerationStats]:
         model, tokenizer = self.model, self.tokenizer
-        texts = render_prompts(tokenizer, conversations)
+        texts = render_prompts(tokenizer, conversations, spec.prefill)
         order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
         eos_ids = stop_token_ids(tokenizer)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
@@ -144,7 +146,7 @@ class TransformersBackend:
             for j, (ids, text, finish) in enumerate(rows):
                 stats.new_tokens += len(ids)
                 lp = tuple(lps[j][: len(ids)]) if lps is not None else None
-                results[idx[j // n]].append(Completion(text, len(ids), finish, tuple(ids), lp))
+                results[idx[j // n]].append(Completion(spec.prefill + text, len(ids), finish, tuple(ids), lp))
         stats.completions = len(texts) * n
         stats.seconds = time.perf_counter() - t0
         model.train(was_training)
@@ -187,14 +189,14 @@ class VLLMBackend:
                                 max_tokens=spec.max_new_tokens, stop=list(spec.stop) or None, seed=seed,
                                 include_stop_str_in_output=True, logprobs=0 if logprobs else None)
         t0 = time.perf_counter()
-        outs = self.llm.generate(render_prompts(self.tokenizer, conversations), params, use_tqdm=progress)
+        outs = self.llm.generate(render_prompts(self.tokenizer, conversations, spec.prefill), params, use_tqdm=progress)
         stats = GenerationStats(prompts=len(conversations), completions=len(conversations) * n)
         results = []
         for o in outs:
             comps = []
             for c in o.outputs:
                 lp = tuple(next(iter(d.values())).logprob for d in c.logprobs) if logprobs and c.logprobs else None
-                comps.append(Completion(c.text, len(c.token_ids), "length" if c.finish_reason == "length" else "stop",
+                comps.append(Completion(spec.prefill + c.text, len(c.token_ids), "length" if c.finish_reason == "length" else "stop",
                                         tuple(c.token_ids), lp))
                 stats.new_tokens += len(c.token_ids)
             results.append(comps)

@@ -278,7 +278,7 @@ def run(cfg: GRPOConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[st
         t0 = time.perf_counter()
         reward_matrix = torch.stack(rewards)  # (B, G)
         adv = rl.group_advantages(reward_matrix, cfg.advantage, cfg.std).reshape(-1)  # (B*G,)
-        prompt_texts = render_prompts(tokenizer, [r["messages"] for r in batch_rows])
+        prompt_texts = render_prompts(tokenizer, [r["messages"] for r in batch_rows], cfg.generation.prefill)
         prompt_ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in prompt_texts]
         flat_prompt_ids = [p for p in prompt_ids for _ in range(cfg.group_size)]
         flat_comps = [c for cs in comps for c in cs]
@@ -416,7 +416,7 @@ def rollout_metrics(verdicts, comps, rewards, cfg: GRPOConfig, zero_std_frac: fl
 
 def held_out_eval(backend, rows: list[dict], cfg: GRPOConfig, seed: int) -> dict[str, float]:
     """Greedy accuracy and format rate on held-out prompts, scored as the eval stage scores."""
-    spec = GenerationSpec(max_new_tokens=cfg.generation.max_new_tokens, temperature=0.0,
+    spec = GenerationSpec(max_new_tokens=cfg.generation.max_new_tokens, temperature=0.0, prefill=cfg.generation.prefill,
                           batch_size=cfg.generation.batch_size)
     comps, _ = backend.generate([r["messages"] for r in rows], spec, seed=seed, progress=False)
     verdicts = [score(r, cs[0].text) for r, cs in zip(rows, comps, strict=True)]

@@ -107,3 +107,18 @@ def test_vllm_backend_is_a_clear_error_without_vllm(backend, tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(Exception, match="vllm is not installed"):
         make_backend(GenerationSpec(backend="vllm"), backend.model, backend.tokenizer, tmp_path)
+
+
+def test_prefill_starts_the_assistant_turn_and_is_returned_not_counted(backend, tiny_tokenizer):
+    """With prefill "<think>" the model continues after it: greedy output equals a plain greedy run on
+    the prompt that already ends with the prefill; the text includes the prefill, the tokens do not."""
+    spec = GenerationSpec(max_new_tokens=6, temperature=0.0, prefill="<think>")
+    out, _ = backend.generate(CONVS[:2], spec, progress=False)
+    model = backend.model
+    for conv, (c,) in zip(CONVS[:2], out, strict=True):
+        assert c.text.startswith("<think>") and len(c.token_ids) == c.num_tokens
+        prompt = tiny_tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True) + "<think>"
+        ids = tiny_tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
+        ref = model.generate(ids, do_sample=False, max_new_tokens=6, eos_token_id=tiny_tokenizer.eos_token_id,
+                             pad_token_id=tiny_tokenizer.pad_token_id or tiny_tokenizer.eos_token_id)
+        assert list(c.token_ids) == ref[0, ids.shape[1]:].tolist()[: c.num_tokens]

@@ -201,3 +201,16 @@ def test_reward_model_needed_but_missing_fails_before_compute(tmp_path, tiny_mod
     with pytest.raises(ConfigError, match="process_coef > 0 .*reward_model"):
         grpo.run(short_is_better(process_coef=1.0), {"model": tiny_model_input, "prompts": digit_prompts},
                  LocalContext(tmp_path / "x"))
+
+
+def test_prefill_is_part_of_the_prompt_the_trainer_scores(tmp_path, tiny_model_input, digit_prompts):
+    """With a prefill the trainer must rebuild the same prompt the sampler saw (prompt + prefill):
+    the sampler's and the trainer's log-probs then agree to rounding, as without one."""
+    from schemas.configs import GenerationSpec
+
+    ctx = LocalContext(tmp_path / "pf")
+    cfg = short_is_better(steps=1, old_logprobs="sampler",
+                          generation=GenerationSpec(max_new_tokens=8, temperature=1.0, batch_size=8, prefill="<t>"))
+    grpo.run(cfg, {"model": tiny_model_input, "prompts": digit_prompts}, ctx)
+    (m,) = [m for s, m in ctx.metrics if s is not None and "train/logprob_gap" in m]
+    assert m["train/logprob_gap"] < 1e-4
