@@ -43,6 +43,10 @@ KEY_METRICS = {
     "grpo": ("reward_first", "reward_last", "eval_accuracy_last", "time_per_step"),
     "reference_logprobs": ("completions", "sequences_per_s"),
     "preference_optimization": ("eval_accuracy", "eval_margin", "eval_kl", "units_per_s"),
+    "distill_traces": ("traces", "keep_rate", "sample_accuracy", "sample_accuracy_lenient"),
+    "make_student": ("parameters", "teacher_parameters", "layers"),
+    "distill": ("student_parameters", "teacher_parameters", "heldout_nll_before", "heldout_nll_after",
+                "heldout_nll_teacher"),
     "eval": ("accuracy", "accuracy_lenient", "format_rate", "pass_at_[0-9]", "pass_at_[0-9][0-9]", "mean_length"),
 }
 LOG_DATA_MAX_BYTES = 50 << 20  # datasets up to this size are copied into MLflow; larger ones by pointer

@@ -21,6 +21,9 @@ STAGE_MODULES = {
     "grpo": "stages.grpo",
     "reference_logprobs": "stages.reference_logprobs",
     "preference_optimization": "stages.preference_optimization",
+    "distill_traces": "stages.distill_traces",
+    "make_student": "stages.make_student",
+    "distill": "stages.distill",
 }
 
 STAGE_SUMMARIES = {
@@ -34,6 +37,9 @@ STAGE_SUMMARIES = {
     "grpo": "GRPO with verifiable rewards; Dr. GRPO, DAPO, GSPO, CISPO, RLOO variants by config",
     "reference_logprobs": "the reference model's log-probs of every preference completion, computed once and cached",
     "preference_optimization": "DPO, cDPO, IPO, SimPO, KTO, ORPO on preference pairs (or unpaired rows for KTO)",
+    "distill_traces": "n teacher traces per prompt, filtered by the verifier, as a re-usable sft dataset",
+    "make_student": "a smaller student cut from the teacher by keeping a subset of its layers (weights copied)",
+    "distill": "train a student on a teacher: SFT on its traces, logit KD (KL at temperature T), or on-policy GKD",
 }
 
 

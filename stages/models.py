@@ -13,9 +13,11 @@ Pure transformers / peft / torch: no Prefect, no MLflow.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -405,6 +407,91 @@ def count_parameters(model: torch.nn.Module) -> dict[str, int]:
         "total": sum(p.numel() for p in params),
         "trainable": sum(p.numel() for p in params if p.requires_grad),
     }
+
+
+# ---------------------------------------------------------------------------- students by layer dropping
+
+_EVERY = re.compile(r"^every_([1-9][0-9]*)$")
+_SPREAD = re.compile(r"^spread_([1-9][0-9]*)$")
+
+
+def layer_indices(spec: str | list[int], num_layers: int) -> list[int]:
+    """The 0-based teacher layers a student keeps, in order.
+
+    "every_K": layers 0, K, 2K, … below num_layers (DistilBERT's choice: every second layer is
+    "every_2"); "spread_N": N layers evenly spaced from the first to the last (both kept); or an
+    explicit list of distinct indices in increasing order.
+
+    >>> layer_indices("every_2", 5), layer_indices("spread_3", 30), layer_indices([0, 3], 4)
+    ([0, 2, 4], [0, 14, 29], [0, 3])
+    """
+    if isinstance(spec, str):
+        if m := _EVERY.match(spec):
+            return list(range(0, num_layers, int(m.group(1))))
+        if m := _SPREAD.match(spec):
+            n = int(m.group(1))
+            if n > num_layers:
+                raise ModelError(f"keep_layers={spec!r}: the teacher has only {num_layers} layers")
+            if n == 1:
+                return [num_layers - 1]
+            return [round(i * (num_layers - 1) / (n - 1)) for i in range(n)]
+        raise ModelError(f"keep_layers={spec!r}: expected 'every_K', 'spread_N' or a list of layer indices")
+    keep = list(spec)
+    if not keep:
+        raise ModelError("keep_layers: keep at least one layer")
+    bad = [i for i in keep if not 0 <= i < num_layers]
+    if bad:
+        raise ModelError(f"keep_layers: {bad} out of range for a teacher with {num_layers} layers (0..{num_layers - 1})")
+    if keep != sorted(set(keep)):
+        raise ModelError(f"keep_layers: {keep} must be distinct and increasing")
+    return keep
+
+
+def _decoder_layers_prefix(model: PreTrainedModel, num_layers: int) -> str:
+    """The state-dict prefix of the decoder's layer list ("model.layers" for Llama-style models)."""
+    found = [name for name, mod in model.named_modules()
+             if isinstance(mod, torch.nn.ModuleList) and len(mod) == num_layers and name.split(".")[-1] == "layers"]
+    if len(found) != 1:
+        raise ModelError(f"cannot find the decoder layer list of {type(model).__name__} "
+                         f"(ModuleLists named 'layers' with {num_layers} entries: {found})")
+    return found[0]
+
+
+def drop_layers(model: PreTrainedModel, keep: list[int]) -> PreTrainedModel:
+    """A smaller model of the same architecture made of the teacher's layers `keep`, weights copied.
+
+    Embeddings, final norm and LM head are copied too (tied embeddings stay tied); layer `keep[j]`
+    of the teacher becomes layer j of the student. Per-layer config lists (e.g. `layer_types`,
+    any list attribute with one entry per layer) are sliced the same way. The teacher is unchanged.
+    """
+    config = model.config
+    num_layers = config.num_hidden_layers
+    keep = layer_indices(keep, num_layers)
+    prefix = _decoder_layers_prefix(model, num_layers)
+    new_config = copy.deepcopy(config)
+    new_config.num_hidden_layers = len(keep)
+    for key, value in config.to_dict().items():
+        if isinstance(value, list) and len(value) == num_layers and key not in ("architectures",):
+            setattr(new_config, key, [value[i] for i in keep])
+    with torch.random.fork_rng(devices=[]):  # its random init is overwritten; leave the caller's RNG alone
+        student = AutoModelForCausalLM.from_config(new_config, dtype=next(model.parameters()).dtype)
+    layer_key = re.compile(rf"^{re.escape(prefix)}\.(\d+)\.(.*)$")
+    new_index = {old: new for new, old in enumerate(keep)}
+    state = {}
+    for name, tensor in model.state_dict().items():
+        if m := layer_key.match(name):
+            if int(m.group(1)) not in new_index:
+                continue
+            name = f"{prefix}.{new_index[int(m.group(1))]}.{m.group(2)}"
+        state[name] = tensor
+    missing, unexpected = student.load_state_dict(state, strict=False)
+    tied = {k for k in missing if k.endswith("lm_head.weight")} if config.tie_word_embeddings else set()
+    if set(missing) - tied or unexpected:
+        raise ModelError(f"drop_layers: student and teacher weights do not line up (missing {sorted(missing)[:5]}, "
+                         f"unexpected {sorted(unexpected)[:5]})")
+    if getattr(model, "generation_config", None) is not None:
+        student.generation_config = copy.deepcopy(model.generation_config)
+    return student.eval()
 
 
 @contextmanager

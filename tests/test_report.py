@@ -188,7 +188,7 @@ def test_names_and_keys_are_sanitised():
     assert registered_model_name("r1-zero") == "r1flow-r1-zero"
 
 
-@pytest.mark.parametrize("recipe, finals", [("sft-eval", ["sft"]), ("rlhf", ["reward_model"]),
+@pytest.mark.parametrize("recipe, finals", [("sft-eval", ["sft"]), ("rlhf", ["reward_model", "dpo"]),
                                              ("rejection-rounds", ["sft_round2"]), ("r1-zero", ["grpo"]),
                                              ("eval", ["base"])])
 def test_final_model_nodes(recipe, finals):

@@ -1,0 +1,365 @@
+"""`distill` stage: teach a smaller student the teacher's reasoning.
+
+Three modes, one training loop (sft's: a token-mean loss over the whole optimizer step, a data order
+that is a pure function of (seed, step), checkpoints with exact resume):
+
+- `traces` (DeepSeek-R1 §2.4: the distilled Qwen/Llama models are plain SFT on R1's verified
+  traces): cross-entropy on the assistant tokens of the teacher's traces, exactly sft's loss.
+- `logits` (Hinton et al. 2015, arXiv 1503.02531; word-level KD, Kim & Rush 2016): on the same
+  traces the student matches the teacher's whole next-token distribution at every assistant token,
+  `distill_losses.distill_loss` (forward or reverse KL at temperature T times T², or GKD's JSD).
+  The teacher's logits come from a no-grad forward pass per micro-batch: [B, T, V] logits exist
+  for one micro-batch at a time, never for the dataset.
+- `on_policy` (GKD, Agarwal et al. 2023, arXiv 2306.13649, Algorithm 1): every step the student
+  samples completions (`stages.generation.generate`) and the teacher's distributions supervise
+  each sampled token, so the student learns on the prefixes it actually produces (including its
+  mistakes); a share λ = `teacher_fraction` of the step's sequences are teacher traces instead.
+
+Held out: the traces of a seeded `eval_fraction` of the prompts are never trained on; the
+student's NLL per token of them is measured before and after training, next to the teacher's own
+(`heldout_nll_before`, `heldout_nll_after`, `heldout_nll_teacher`).
+
+Departures, on purpose:
+- on_policy puts round(λ·B) teacher traces into *every* step instead of flipping a coin per step
+  between an all-student and an all-teacher batch (GKD's Algorithm 1 with student fraction 1 − λ):
+  the same expected mix, lower variance, and a resumed run sees the same batches;
+- logits/on_policy need one tokenizer for teacher and student (checked before any weight loads)
+  and compare distributions over its real tokens (the first len(tokenizer) logits), so models whose
+  embedding matrices are padded to different sizes still line up;
+- the student is trained on whole sequences of at most max_length tokens; longer traces lose
+  their end (as in sft).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import time
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from schemas.configs import DistillConfig
+from schemas.errors import ConfigError, ModelError, SchemaError
+from stages import models
+from stages.base import Input, Output, StageContext, model_output_dir, seed_everything
+from stages.distill_losses import distill_loss
+from stages.generation import generate, render_prompts
+from stages.reward_model import split_pairs
+from stages.sft import (
+    IGNORE,
+    Example,
+    collate,
+    load_trainable,
+    lr_factor,
+    masked_token_loss,
+    micro_batch_indices,
+    resolve_precision,
+    resume,
+    save_checkpoint,
+    tokenize_conversation,
+)
+
+VERSION = "1"
+CONFIG = DistillConfig
+INPUTS = {"teacher": "model", "student": "model", "traces": "sft?", "prompts": "prompts?"}
+OUTPUTS = {"model": "model"}
+
+USES_TEACHER_LOGITS = ("logits", "on_policy")
+
+
+def check(cfg: DistillConfig) -> None:
+    if cfg.mode == "on_policy" and cfg.generation.temperature == 0 and cfg.teacher_fraction < 1:
+        raise ConfigError("distill.generation.temperature: on_policy needs the student to sample (> 0); greedy "
+                          "samples repeat one sequence per prompt")
+
+
+# ---------------------------------------------------------------------------- inputs
+
+
+def needed_inputs(cfg: DistillConfig, inputs: dict[str, Input]) -> None:
+    """Fail before any compute when the mode lacks an input it needs."""
+    has_traces, has_prompts = "traces" in inputs, "prompts" in inputs
+    if cfg.mode in ("traces", "logits") and not has_traces:
+        raise ConfigError(f"distill.mode={cfg.mode!r} trains on teacher traces: wire an sft dataset to the node's "
+                          f"`traces` input (e.g. a distill_traces node)")
+    if cfg.mode == "on_policy":
+        if cfg.teacher_fraction < 1 and not has_prompts:
+            raise ConfigError("distill.mode='on_policy' samples from the student on prompts: wire a prompts dataset "
+                              "to the node's `prompts` input")
+        if cfg.teacher_fraction > 0 and not has_traces:
+            raise ConfigError(f"distill.teacher_fraction={cfg.teacher_fraction} mixes in teacher traces: wire an sft "
+                              f"dataset to the node's `traces` input, or set teacher_fraction: 0")
+
+
+def load_tokenizer(model: Input):
+    """A model artifact's tokenizer, without its weights (an adapter's own, else its base's)."""
+    directory = model.model_dir
+    if not (directory / "tokenizer_config.json").exists() and model.base is not None:
+        directory = model.base.model_dir
+    try:
+        return AutoTokenizer.from_pretrained(directory)
+    except (OSError, ValueError) as err:
+        raise ModelError(f"{model.label}: cannot load its tokenizer from {directory}: {err}") from err
+
+
+def tokenizer_differences(a, b) -> list[str]:
+    """What makes two tokenizers produce different ids or special tokens; [] when they are one tokenizer."""
+    problems = []
+    if len(a) != len(b):
+        problems.append(f"vocabulary sizes {len(a)} and {len(b)}")
+    else:
+        va, vb = a.get_vocab(), b.get_vocab()
+        diff = sorted(set(va.items()) ^ set(vb.items()), key=lambda kv: kv[1])
+        if diff:
+            problems.append(f"{len(diff)} differing vocabulary entries (first: {diff[0][0]!r} -> id {diff[0][1]})")
+    for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        if getattr(a, name) != getattr(b, name):
+            problems.append(f"{name} {getattr(a, name)!r} vs {getattr(b, name)!r}")
+    return problems
+
+
+def check_shared_tokenizer(teacher: Input, student: Input, mode: str) -> bool:
+    """True when teacher and student share a tokenizer; raises for the modes that need one."""
+    problems = tokenizer_differences(load_tokenizer(teacher), load_tokenizer(student))
+    if problems and mode in USES_TEACHER_LOGITS:
+        raise ModelError(f"distill.mode={mode!r} compares teacher and student distributions token by token, so both "
+                         f"need the same tokenizer, but teacher {teacher.label} and student {student.label} differ: "
+                         f"{'; '.join(problems)}. Use mode: traces (SFT on the decoded traces works across "
+                         f"tokenizers) or a student cut from the teacher (make_student).")
+    return not problems
+
+
+def trace_groups(data: Input) -> tuple[list[list[dict]], list[str]]:
+    """Conversations of an sft dataset and the prompt each comes from (metadata prompt_id, else the row id)."""
+    table = data.table("sft")
+    if table.num_rows == 0:
+        raise SchemaError(f"{data.label}: no traces to distil")
+    groups = []
+    for row_id, meta in zip(table["id"].to_pylist(), table["metadata"].to_pylist(), strict=True):
+        try:
+            parsed = json.loads(meta) if meta else {}
+        except json.JSONDecodeError:
+            parsed = {}
+        groups.append(str(parsed.get("prompt_id", row_id)) if isinstance(parsed, dict) else row_id)
+    return table["messages"].to_pylist(), groups
+
+
+def split_by_prompt(groups: list[str], eval_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """(train rows, held-out rows): whole prompts are held out, so no held-out prompt is trained on."""
+    prompts = sorted(set(groups))
+    if eval_fraction > 0 and len(prompts) < 2:
+        return list(range(len(groups))), []  # one prompt cannot be split; nothing is held out
+    _, held = split_pairs(len(prompts), eval_fraction, seed)
+    held_prompts = {prompts[i] for i in held}
+    return ([i for i, g in enumerate(groups) if g not in held_prompts],
+            [i for i, g in enumerate(groups) if g in held_prompts])
+
+
+# ---------------------------------------------------------------------------- tensors
+
+
+def sampled_example(prompt_ids: list[int], completion_ids: list[int], max_length: int) -> Example:
+    """A student sample as a training example: labels only on the completion tokens."""
+    ids = (prompt_ids + completion_ids)[:max_length]
+    labels = ([IGNORE] * len(prompt_ids) + completion_ids)[:max_length]
+    return Example(ids, labels)
+
+
+def autocast(device: str, dtype):
+    return torch.autocast(device_type=device.split(":")[0], dtype=dtype or torch.float32, enabled=dtype is not None)
+
+
+def micro_batch_loss(student, teacher, batch: dict[str, torch.Tensor], cfg: DistillConfig, vocab: int,
+                     autocast_dtype, device: str) -> tuple[torch.Tensor, float, int]:
+    """(summed loss with gradient, summed student NLL, target tokens) of one right-padded micro-batch.
+
+    traces: the NLL is the loss. logits/on_policy: the divergence at every position whose next token
+    is a target (labels != IGNORE), teacher logits from a no-grad pass over the same tokens.
+    """
+    ids, attn, labels = batch["input_ids"].to(device), batch["attention_mask"].to(device), batch["labels"].to(device)
+    with autocast(device, autocast_dtype):
+        logits = student(input_ids=ids, attention_mask=attn).logits
+    nll, n = masked_token_loss(logits, labels)
+    if cfg.mode == "traces":
+        return nll, nll.item(), n
+    with torch.no_grad(), autocast(device, autocast_dtype):
+        teacher_logits = teacher(input_ids=ids, attention_mask=attn).logits
+    mask = labels[:, 1:] != IGNORE  # (B, T-1): position t predicts target token t+1
+    loss = distill_loss(cfg.divergence, logits[:, :-1, :vocab], teacher_logits[:, :-1, :vocab], mask,
+                        cfg.temperature, cfg.jsd_beta, reduction="sum")
+    return loss, nll.item(), n
+
+
+@torch.no_grad()
+def heldout_nll(model, examples: list[Example], pad_id: int, batch_size: int, autocast_dtype, device: str) -> float:
+    """Mean NLL per target token of `examples` under `model` (the held-out teacher traces)."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for i in range(0, len(examples), batch_size):
+        batch = {k: v.to(device) for k, v in collate(examples[i : i + batch_size], pad_id).items()}
+        with autocast(device, autocast_dtype):
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        loss, n = masked_token_loss(logits, batch["labels"])
+        total, count = total + loss.item(), count + n
+    model.train(was_training)
+    return total / max(1, count)
+
+
+def teacher_parameters(teacher: Input, loaded=None) -> float:
+    """The teacher's parameter count: of the loaded model, else its manifest's, else built on the meta device."""
+    if loaded is not None:
+        return float(models.count_parameters(loaded)["total"])
+    if "parameters" in teacher.manifest.metrics:
+        return float(teacher.manifest.metrics["parameters"])
+    config = AutoConfig.from_pretrained(teacher.base.model_dir if teacher.base is not None else teacher.model_dir)
+    with torch.device("meta"):  # shapes only, no memory, no init
+        return float(models.count_parameters(AutoModelForCausalLM.from_config(config))["total"])
+
+
+# ---------------------------------------------------------------------------- the stage
+
+
+def run(cfg: DistillConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[str, Output]:
+    # ---- everything that can be checked before a weight loads
+    needed_inputs(cfg, inputs)
+    shared = check_shared_tokenizer(inputs["teacher"], inputs["student"], cfg.mode)
+    conversations, groups = trace_groups(inputs["traces"]) if "traces" in inputs else ([], [])
+    prompts = []
+    if cfg.mode == "on_policy" and cfg.teacher_fraction < 1:
+        prompts = [r for r in inputs["prompts"].table("prompts").to_pylist() if r["split"] == cfg.split]
+        if not prompts:
+            raise SchemaError(f"{inputs['prompts'].label}: no prompts with split={cfg.split!r} for the student to sample on")
+    train_rows, held_rows = split_by_prompt(groups, cfg.eval_fraction, ctx.seed) if groups else ([], [])
+    if conversations and not train_rows and (cfg.mode != "on_policy" or cfg.teacher_fraction > 0):
+        raise SchemaError(f"{inputs['traces'].label}: every trace is held out (eval_fraction={cfg.eval_fraction})")
+
+    # ---- models
+    seed_everything(ctx.seed)
+    student, tokenizer, merged_input = load_trainable(inputs["student"], cfg, ctx.device)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    autocast_dtype = resolve_precision(cfg.precision, ctx.device)
+    tokenized = [tokenize_conversation(tokenizer, c, cfg.max_length) for c in conversations]
+    train = [tokenized[i] for i in train_rows if any(lab != IGNORE for lab in tokenized[i].labels[1:])]
+    held = [tokenized[i] for i in held_rows if any(lab != IGNORE for lab in tokenized[i].labels[1:])][: cfg.max_heldout]
+    if conversations and not train and (cfg.mode != "on_policy" or cfg.teacher_fraction > 0):
+        raise SchemaError(f"{inputs['traces'].label}: every training trace lost its assistant tokens to "
+                          f"max_length={cfg.max_length}")
+    teacher = None
+    if cfg.mode in USES_TEACHER_LOGITS or (shared and held):
+        teacher, _ = inputs["teacher"].load_model()
+        if hasattr(teacher, "merge_and_unload"):
+            teacher = teacher.merge_and_unload()
+        teacher = teacher.to(ctx.device).eval().requires_grad_(False)
+    counts = models.count_parameters(student)
+    params = {"teacher_parameters": teacher_parameters(inputs["teacher"], teacher),
+              "student_parameters": float(counts["total"])}
+    params["parameter_ratio"] = params["student_parameters"] / params["teacher_parameters"]
+    ctx.log_params({"traces_train": len(train), "traces_heldout": len(held), "train_prompts": len(prompts),
+                    "trainable_parameters": counts["trainable"], "precision": str(autocast_dtype or "fp32"),
+                    "shared_tokenizer": shared})
+    ctx.log_metrics(params)
+
+    trainable = [p for p in student.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    warmup = int(cfg.warmup_ratio * cfg.max_steps)
+    state = resume(ctx, student, optimizer, "distill", cfg.max_steps)
+    start, history = state["step"], state.get("history", [])
+    for i, m in enumerate(history):  # the curve of the interrupted run, so MLflow shows it whole
+        ctx.log_metrics(m, step=i + 1)
+    heldout = {}
+    if held:
+        heldout["heldout_nll_before"] = state.get("heldout_nll_before") or heldout_nll(
+            student, held, pad_id, cfg.batch_size, autocast_dtype, ctx.device)
+        if teacher is not None:
+            heldout["heldout_nll_teacher"] = heldout_nll(teacher, held, pad_id, cfg.batch_size, autocast_dtype,
+                                                         ctx.device)
+        ctx.log_metrics(heldout)
+    if cfg.mode == "traces" and teacher is not None:  # loaded only for its held-out NLL
+        teacher = None
+        gc.collect()
+
+    # ---- one step's micro-batches: a pure function of (seed, step) and, on-policy, the student
+    def step_batches(step: int) -> tuple[list[list[Example]], dict[str, float]]:
+        if cfg.mode != "on_policy":
+            return [[train[i] for i in micro_batch_indices(len(train), cfg.batch_size, ctx.seed,
+                                                           step * cfg.grad_accum + a)]
+                    for a in range(cfg.grad_accum)], {}
+        total = cfg.batch_size * cfg.grad_accum
+        n_teacher = round(cfg.teacher_fraction * total) if train else 0
+        examples = [train[i] for i in np.random.default_rng([ctx.seed, step, 1]).choice(
+            len(train), n_teacher, replace=len(train) < n_teacher)] if n_teacher else []
+        info = {"train/teacher_sequences": float(n_teacher)}
+        if total - n_teacher:
+            picked = np.random.default_rng([ctx.seed, step, 2]).choice(len(prompts), total - n_teacher,
+                                                                      replace=len(prompts) < total - n_teacher)
+            convs = [prompts[i]["messages"] for i in picked]
+            comps, stats = generate(student, tokenizer, convs, cfg.generation, n=1,
+                                    seed=ctx.seed * 1_000_003 + step, progress=False)
+            texts = render_prompts(tokenizer, convs, cfg.generation.prefill)  # a prefill is prompt: not trained
+            prompt_ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+            examples += [sampled_example(p, list(c[0].token_ids), cfg.max_length)
+                         for p, c in zip(prompt_ids, comps, strict=True)]
+            info.update({"train/student_sequences": float(total - n_teacher), "time/generation": stats.seconds,
+                         "train/sample_length": float(np.mean([c[0].num_tokens for c in comps]))})
+        return [examples[i : i + cfg.batch_size] for i in range(0, len(examples), cfg.batch_size)], info
+
+    student.train()
+    vocab = len(tokenizer)
+    tokens_seen, t0 = 0, time.perf_counter()
+    bar = tqdm(total=cfg.max_steps, initial=start, desc=f"distill ({cfg.mode})", unit="step")
+    for step in range(start, cfg.max_steps):
+        lr = cfg.learning_rate * lr_factor(step, cfg.max_steps, warmup, cfg.lr_scheduler)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        micro, metrics = step_batches(step)
+        batches = [collate(m, pad_id) for m in micro]
+        n_tokens = max(1, sum(int((b["labels"][:, 1:] != IGNORE).sum()) for b in batches))
+        t_train = time.perf_counter()
+        step_loss = step_nll = 0.0
+        for batch in batches:
+            loss_sum, nll_sum, _ = micro_batch_loss(student, teacher, batch, cfg, vocab, autocast_dtype, ctx.device)
+            (loss_sum / n_tokens).backward()
+            step_loss += loss_sum.item() / n_tokens
+            step_nll += nll_sum / n_tokens
+            tokens_seen += int(batch["attention_mask"].sum())
+        grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm).item()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        metrics.update({"train/loss": step_loss, "train/nll": step_nll, "train/lr": lr, "train/grad_norm": grad_norm,
+                        "train/tokens": float(n_tokens), "time/training": time.perf_counter() - t_train})
+        history.append(metrics)
+        done = step + 1
+        if done % cfg.checkpoint_every == 0 or done == cfg.max_steps:
+            save_checkpoint(ctx.checkpoint_dir, done, student, optimizer,
+                            {"step": done, "history": history, **heldout}, cfg.keep_checkpoints)
+        ctx.log_metrics(metrics, step=done)
+        bar.set_postfix(loss=f"{step_loss:.4f}")
+        bar.update(1)
+    bar.close()
+    elapsed = time.perf_counter() - t0
+    trained_steps = cfg.max_steps - start
+
+    if held:
+        heldout["heldout_nll_after"] = heldout_nll(student, held, pad_id, cfg.batch_size, autocast_dtype, ctx.device)
+    out, model_dir = model_output_dir(ctx, "model")
+    merge = cfg.lora.merge or merged_input
+    models.save_model(student, tokenizer, model_dir, merge=merge)
+    is_adapter = cfg.lora.r > 0 and not merge
+    losses = [m["train/loss"] for m in history]
+    tail = losses[-max(1, min(10, len(losses) // 5)) :]
+    metrics = {**params, **heldout,
+               "final_loss": float(np.mean(tail)), "first_loss": float(losses[0]),
+               "trained_steps": float(trained_steps), "resumed_from_step": float(start),
+               "traces_train": float(len(train)), "traces_heldout": float(len(held)),
+               "tokens_per_s": tokens_seen / elapsed if elapsed and trained_steps else 0.0}
+    ctx.log_metrics(metrics)
+    if held:
+        ctx.log.info("distill (%s): held-out NLL of teacher traces %.3f -> %.3f per token (teacher %s)", cfg.mode,
+                     heldout["heldout_nll_before"], heldout["heldout_nll_after"],
+                     f"{heldout['heldout_nll_teacher']:.3f}" if "heldout_nll_teacher" in heldout else "n/a")
+    extra = {"base_fingerprint": inputs["student"].fingerprint} if is_adapter else {}
+    return {"model": Output("model", "adapter" if is_adapter else "model", out, metrics=metrics, extra=extra)}
