@@ -59,6 +59,7 @@ from stages.sft import (
     resolve_precision,
     resume,
     save_checkpoint,
+    set_lr,
     tokenize_conversation,
 )
 
@@ -312,9 +313,7 @@ def run(cfg: DistillConfig, inputs: dict[str, Input], ctx: StageContext) -> dict
     tokens_seen, t0 = 0, time.perf_counter()
     bar = tqdm(total=cfg.max_steps, initial=start, desc=f"distill ({cfg.mode})", unit="step")
     for step in range(start, cfg.max_steps):
-        lr = cfg.learning_rate * lr_factor(step, cfg.max_steps, warmup, cfg.lr_scheduler)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+        lr = set_lr(optimizer, cfg.learning_rate * lr_factor(step, cfg.max_steps, warmup, cfg.lr_scheduler))
         micro, metrics = step_batches(step)
         batches = [collate(m, pad_id) for m in micro]
         n_tokens = max(1, sum(int((b["labels"][:, 1:] != IGNORE).sum()) for b in batches))

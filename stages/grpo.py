@@ -36,7 +36,7 @@ from stages import models, rl
 from stages.base import Input, Output, StageContext, model_output_dir, seed_everything
 from stages.generation import TransformersBackend, render_prompts
 from stages.rewards import score
-from stages.sft import load_trainable, lr_factor, resolve_precision, resume, save_checkpoint
+from stages.sft import load_trainable, lr_factor, resolve_precision, resume, save_checkpoint, set_lr
 
 VERSION = "1"
 CONFIG = GRPOConfig
@@ -310,9 +310,7 @@ def run(cfg: GRPOConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[st
                 ref_logp = batched_logprobs(ref, batch, cfg.minibatch_size, ctx.device)
 
         # ---- mu epochs; each accumulates all mini-batches into one optimizer step
-        lr = cfg.learning_rate * lr_factor(step, cfg.steps, warmup, "constant")
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+        lr = set_lr(optimizer, cfg.learning_rate * lr_factor(step, cfg.steps, warmup, "constant"))
         n = batch["input_ids"].shape[0]
         total_tokens = float(batch["loss_mask"].sum().clamp(min=1))
         train_stats: dict[str, list[float]] = {"loss": [], "clip_low": [], "clip_high": [], "kl": [], "entropy": [],

@@ -37,7 +37,7 @@ from stages import models
 from stages import preference_losses as pl
 from stages.base import Input, Output, StageContext, model_output_dir, seed_everything
 from stages.reward_model import split_pairs
-from stages.sft import load_trainable, lr_factor, resolve_precision, resume, save_checkpoint
+from stages.sft import load_trainable, lr_factor, resolve_precision, resume, save_checkpoint, set_lr
 
 VERSION = "1"
 CONFIG = PreferenceOptimizationConfig
@@ -300,9 +300,7 @@ def run(cfg: PreferenceOptimizationConfig, inputs: dict[str, Input], ctx: StageC
     units_seen, t_train = 0, time.perf_counter()
     bar = tqdm(total=cfg.max_steps, initial=start, desc=f"preference_optimization ({cfg.loss})", unit="step")
     for step in range(start, cfg.max_steps):
-        lr = cfg.learning_rate * lr_factor(step, cfg.max_steps, warmup, cfg.lr_scheduler)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+        lr = set_lr(optimizer, cfg.learning_rate * lr_factor(step, cfg.max_steps, warmup, cfg.lr_scheduler))
         micro = step_units(step)
         n = sum(len(m) for m in micro)
         outs, loss_total = [], 0.0

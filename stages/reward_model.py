@@ -323,9 +323,7 @@ def run(cfg: RewardModelConfig, inputs: dict[str, Input], ctx: StageContext) -> 
     pairs_seen, t0 = 0, time.perf_counter()
     bar = tqdm(total=cfg.max_steps, initial=start, desc="reward_model", unit="step")
     for step in range(start, cfg.max_steps):
-        lr = cfg.learning_rate * sft.lr_factor(step, cfg.max_steps, warmup, cfg.lr_scheduler)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+        lr = sft.set_lr(optimizer, cfg.learning_rate * sft.lr_factor(step, cfg.max_steps, warmup, cfg.lr_scheduler))
         micro = [[train[i] for i in sft.micro_batch_indices(len(train), cfg.batch_size, ctx.seed, step * cfg.grad_accum + a)]
                  for a in range(cfg.grad_accum)]
         n_pairs = sum(len(mb) for mb in micro)

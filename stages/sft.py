@@ -68,6 +68,13 @@ def lr_factor(step: int, total: int, warmup: int, kind: str) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
+def set_lr(optimizer, lr: float) -> float:
+    """Set every parameter group's learning rate (the schedule is ours, not a torch scheduler's)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr
+
+
 def micro_batch_indices(n: int, batch_size: int, seed: int, micro_step: int) -> list[int]:
     """Example indices of global micro-batch `micro_step`: epochs are seeded permutations."""
     per_epoch = math.ceil(n / batch_size)
@@ -255,9 +262,7 @@ def run(cfg: SFTConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[str
     tokens_seen, t0 = 0, time.perf_counter()
     bar = tqdm(total=cfg.max_steps, initial=start, desc="sft", unit="step")
     for step in range(start, cfg.max_steps):
-        lr = cfg.learning_rate * lr_factor(step, cfg.max_steps, warmup, cfg.lr_scheduler)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+        lr = set_lr(optimizer, cfg.learning_rate * lr_factor(step, cfg.max_steps, warmup, cfg.lr_scheduler))
         micro = [
             collate([examples[i] for i in micro_batch_indices(len(examples), cfg.batch_size, ctx.seed, step * cfg.grad_accum + a)], pad_id)
             for a in range(cfg.grad_accum)
