@@ -72,13 +72,28 @@ class RewardSpec(Strict):
     Components: accuracy (1/0 from the verifier), format (R1 tags well formed), tags (0.25 per R1
     tag present exactly once: partial format credit), overlong (DAPO's
     soft overlong punishment, ≤ 0), repetition (n-gram repetition penalty, ≤ 0), cosine (accuracy
-    scaled by length, Demystifying Long CoT), reward_model (score of a trained reward model).
+    scaled by length, Demystifying Long CoT), language (share of the thinking's words written in
+    `language_script`: R1's language-consistency reward, §2.3.2), reward_model (score of a trained
+    reward model).
     """
 
     weights: dict[str, float] = Field(
         default_factory=lambda: {"accuracy": 1.0, "format": 0.2},
         description="Component name -> weight. Known: accuracy, format, tags, overlong, repetition, cosine, "
-        "reward_model, or a verifier's raw score by its name (e.g. reasoning_gym).",
+        "language, reward_model, or a verifier's raw score by its name (e.g. reasoning_gym).",
+    )
+    strict_answer: bool = Field(
+        False,
+        description="Reward-hacking guard for answer verifiers (all but code): accuracy counts only an answer given "
+        "in exactly one <answer>…</answer> block outside the thinking; no \\boxed{} fallback, and several answer "
+        "blocks (hedging) score as no answer. Lenient (evaluation) correctness is unaffected.",
+    )
+    # The scripts of stages.rewards.LANGUAGE_SCRIPTS (tests check the two agree).
+    language_script: Literal["latin", "cyrillic", "greek", "arabic", "cjk"] = Field(
+        "latin",
+        description="Target script of the language component (R1 §2.3.2 language consistency): the share of the "
+        "thinking's words all of whose letters are in it. latin, cyrillic, greek, arabic, or cjk (Han ideographs, "
+        "kana and hangul together: Chinese, Japanese, Korean).",
     )
     overlong_max_tokens: int = Field(512, ge=1, description="DAPO L_max: completions longer are penalised fully.")
     overlong_buffer: int = Field(128, ge=0, description="DAPO L_cache: the soft penalty ramps over this many tokens.")
@@ -185,6 +200,18 @@ class RejectionSamplingConfig(Strict):
     keep_per_prompt: int = Field(1, ge=1, description="M: accepted completions kept per prompt (best first).")
     require_correct: bool = Field(True, description="Accept only verified-correct completions.")
     require_format: bool = Field(True, description="Accept only well-formed R1-format completions.")
+    correctness: Literal["strict", "lenient"] = Field(
+        "strict",
+        description="What require_correct checks: strict, the verified answer (`correct`); lenient, also an answer "
+        "stated without tags, the last number outside the thinking (`correct_lenient`: a base model that knows "
+        "the answer but not the format). Lenient matters only with require_format=false.",
+    )
+    reformat: bool = Field(
+        False,
+        description="R1 cold start's post-processing into a readable format: rewrite every accepted completion that "
+        "is not well formed as <think>reasoning</think><answer>answer</answer> (stages.rewards.reformat_r1). "
+        "Needs require_format=false (otherwise every accepted completion is already well formed).",
+    )
     min_reward: float | None = Field(None, description="Also require reward >= this (None: no reward threshold).")
     split: Literal["train", "eval"] = Field("train", description="Which split of the prompts to sample from.")
     max_prompts: int | None = Field(None, ge=1, description="Use only the first N prompts (None: all).")
@@ -193,6 +220,13 @@ class RejectionSamplingConfig(Strict):
         description="Sampling settings.",
     )
     reward: RewardSpec = Field(default_factory=RewardSpec, description="How samples are scored.")
+
+    @model_validator(mode="after")
+    def _reformat_needs_unformatted_samples(self) -> RejectionSamplingConfig:
+        if self.reformat and self.require_format:
+            raise ValueError("reformat=true does nothing with require_format=true (every accepted completion is "
+                             "already well formed); set require_format=false")
+        return self
 
 
 class PreferenceDataConfig(Strict):
@@ -404,11 +438,18 @@ class NodeSpec(Strict):
     """One node of a recipe DAG: a stage, where its inputs come from, and its config."""
 
     stage: str = Field(description="Stage name (see `r1flow stages`).")
-    inputs: dict[str, str] = Field(
-        default_factory=dict, description="Stage input name -> 'node.output' of an upstream node."
+    inputs: dict[str, str | list[str]] = Field(
+        default_factory=dict,
+        description="Stage input name -> 'node.output' of an upstream node, or a list of them: the first whose "
+        "node is enabled (`when`) is used.",
     )
     config: dict[str, Any] = Field(default_factory=dict, description="Overrides of the stage config.")
     seed: int | None = Field(None, description="Seed for this node (default: the recipe seed).")
+    when: bool = Field(True, description="Whether the node is part of the plan (usually `${option}`); a disabled "
+                       "node is dropped, and inputs that name it fall through to their next alternative.")
+
+
+Scalar = str | int | float | bool
 
 
 class RecipeConfig(Strict):
@@ -418,18 +459,35 @@ class RecipeConfig(Strict):
     description: str = ""
     model: str = Field("smollm2-135m-instruct", description="Base model reference used by `import_model` nodes (`${model}` in a node config).")
     seed: int = Field(0, description="Default seed of every node.")
+    options: dict[str, Scalar | list[Scalar]] = Field(
+        default_factory=dict,
+        description="Named choices of the recipe (`--set options.NAME=VALUE`); `${NAME}` in a node's inputs, "
+        "config or `when` is replaced by the value (a whole-string placeholder keeps the value's type).",
+    )
     nodes: dict[str, NodeSpec]
 
     @model_validator(mode="after")
     def _edges_point_somewhere(self) -> RecipeConfig:
         for name, node in self.nodes.items():
-            for inp, src in node.inputs.items():
-                if "." not in src:
-                    raise ValueError(f"node {name!r} input {inp!r}: {src!r} must look like 'node.output'")
-                up = src.split(".", 1)[0]
-                if up not in self.nodes:
-                    raise ValueError(f"node {name!r} input {inp!r}: unknown upstream node {up!r}")
+            for inp, spec in node.inputs.items():
+                sources = [spec] if isinstance(spec, str) else spec
+                if not sources:
+                    raise ValueError(f"node {name!r} input {inp!r}: empty list of sources")
+                for src in sources:
+                    if "." not in src:
+                        raise ValueError(f"node {name!r} input {inp!r}: {src!r} must look like 'node.output'")
+                    up = src.split(".", 1)[0]
+                    if up not in self.nodes:
+                        raise ValueError(f"node {name!r} input {inp!r}: unknown upstream node {up!r}")
         return self
+
+
+class RecipeOverlay(Strict):
+    """A profile's sizes for one recipe only (applied after the profile's general overlays)."""
+
+    options: dict[str, Scalar | list[Scalar]] = Field(default_factory=dict, description="Recipe option values.")
+    stages: dict[str, dict[str, Any]] = Field(default_factory=dict, description="Stage type -> config overlay.")
+    nodes: dict[str, dict[str, Any]] = Field(default_factory=dict, description="Node name -> config overlay.")
 
 
 class ProfileConfig(Strict):
@@ -440,3 +498,6 @@ class ProfileConfig(Strict):
     model: str | None = Field(None, description="Replaces the recipe's base model when set.")
     stages: dict[str, dict[str, Any]] = Field(default_factory=dict, description="Stage type -> config overlay.")
     nodes: dict[str, dict[str, Any]] = Field(default_factory=dict, description="Node name -> config overlay.")
+    recipes: dict[str, RecipeOverlay] = Field(
+        default_factory=dict, description="Recipe name -> overlays for that recipe only (options, stages, nodes)."
+    )

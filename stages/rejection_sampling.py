@@ -2,8 +2,14 @@
 
 This is how R1 built its cold-start data and its stage-3 SFT set: sample from a model, keep what a
 verifier accepts. Accepted completions become an `sft` dataset (score kept in metadata); all
-scored samples are kept too (`samples`), for preference pairs and for inspection. Chaining
-rejection_sampling → sft → rejection_sampling in a recipe gives Llama-2-style rounds.
+scored samples are kept too (`samples`, original completions), for preference pairs and for
+inspection. Chaining rejection_sampling → sft → rejection_sampling in a recipe gives Llama-2-style
+rounds.
+
+Cold start (R1 paper §2.3.1) from a model that does not write the R1 format yet: `correctness:
+lenient` accepts a right answer stated without tags (`Verdict.correct_lenient`), and `reformat`
+rewrites each accepted completion that is not well formed into `<think>…</think><answer>…</answer>`
+(`stages.rewards.reformat_r1`; R1 used annotators and a summary here, we only restructure).
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from schemas.datasets import from_rows
 from schemas.errors import SchemaError
 from stages.base import Input, Output, StageContext, seed_everything, write_dataset
 from stages.generation import make_backend
-from stages.rewards import score
+from stages.rewards import Verdict, extract_answer_lenient, reformat_r1, score
 
 VERSION = "1"
 CONFIG = RejectionSamplingConfig
@@ -27,10 +33,12 @@ OUTPUTS = {"samples": "samples", "data": "sft"}
 
 
 def passes(sample: dict, cfg: RejectionSamplingConfig) -> bool:
-    """The acceptance rule, on one scored sample row."""
+    """The acceptance rule, on one scored sample row (`correctness: lenient` reads metadata's correct_lenient)."""
     meta = json.loads(sample["metadata"])
-    if cfg.require_correct and sample["correct"] is not True:
-        return False
+    if cfg.require_correct:
+        correct = sample["correct"] if cfg.correctness == "strict" else meta["correct_lenient"]
+        if correct is not True:
+            return False
     if cfg.require_format and not meta["format_ok"]:
         return False
     if cfg.min_reward is not None and (sample["reward"] is None or sample["reward"] < cfg.min_reward):
@@ -80,24 +88,12 @@ def run(cfg: RejectionSamplingConfig, inputs: dict[str, Input], ctx: StageContex
         for i, c in enumerate(comps):
             rm = rm_scores[p_idx][i] if rm_scores is not None else None
             v = score(prompt, c.text, cfg.reward, num_tokens=c.num_tokens, rm_score=rm)
-            samples.append({
-                "prompt_id": prompt["id"], "messages": prompt["messages"], "completion": c.text, "sample_index": i,
-                "reward": v.reward, "reward_components": json.dumps(v.components, sort_keys=True),
-                "correct": v.correct, "num_tokens": c.num_tokens, "finish_reason": c.finish_reason,
-                "metadata": json.dumps({"task": prompt["task"], "verifier": prompt["verifier"], "answer": prompt["answer"],
-                                        "extracted": v.extracted, "format_ok": v.format_ok}, sort_keys=True),
-            })
+            samples.append(sample_row(prompt, i, c.text, c.num_tokens, c.finish_reason, v))
     kept = accept(samples, cfg)
-    sft_rows = [{
-        "id": f"{s['prompt_id']}-{s['sample_index']}",
-        "messages": s["messages"] + [{"role": "assistant", "content": s["completion"]}],
-        "source": "rejection_sampling",
-        "metadata": json.dumps({"prompt_id": s["prompt_id"], "sample_index": s["sample_index"], "reward": s["reward"],
-                                "reward_components": json.loads(s["reward_components"]),
-                                "task": json.loads(s["metadata"])["task"]}, sort_keys=True),
-    } for s in kept]
+    sft_rows = build_sft_rows(kept, cfg)
 
     metrics = acceptance_metrics(prompts, samples, kept)
+    metrics["reformatted_rows"] = float(sum(json.loads(r["metadata"])["reformatted"] for r in sft_rows))
     metrics["tokens_per_s"] = stats.tokens_per_s
     ctx.log_metrics(metrics)
     ctx.log.info("rejection sampling: %d/%d prompts accepted (%.1f%%), %d sft rows",
@@ -106,6 +102,55 @@ def run(cfg: RejectionSamplingConfig, inputs: dict[str, Input], ctx: StageContex
         "samples": write_dataset(ctx, "samples", from_rows(samples, "samples"), "samples", metrics),
         "data": write_dataset(ctx, "data", from_rows(sft_rows, "sft"), "sft", metrics),
     }
+
+
+def sample_row(prompt: dict, index: int, completion: str, num_tokens: int, finish_reason: str, v: Verdict) -> dict:
+    """The `samples` row of one scored completion; what the schema has no column for goes to metadata."""
+    return {
+        "prompt_id": prompt["id"], "messages": prompt["messages"], "completion": completion, "sample_index": index,
+        "reward": v.reward, "reward_components": json.dumps(v.components, sort_keys=True),
+        "correct": v.correct, "num_tokens": num_tokens, "finish_reason": finish_reason,
+        "metadata": json.dumps({"task": prompt["task"], "verifier": prompt["verifier"], "answer": prompt["answer"],
+                                "extracted": v.extracted, "format_ok": v.format_ok,
+                                "correct_lenient": v.correct_lenient}, sort_keys=True),
+    }
+
+
+def reformat_sample(sample: dict) -> str | None:
+    """R1's cold-start rewrite of an accepted sample's completion (`reformat_r1`), or None where it
+    stays as it is: already well formed, or no answer to put in the block.
+
+    The answer is the one that was judged: metadata's `extracted`, else (accepted leniently) the
+    lenient one, `extract_answer_lenient`.
+    """
+    meta = json.loads(sample["metadata"])
+    if meta["format_ok"]:
+        return None
+    answer = meta["extracted"] if meta["extracted"] is not None else extract_answer_lenient(sample["completion"])
+    if answer is None:
+        return None
+    try:
+        return reformat_r1(sample["completion"], answer)
+    except ValueError:  # an answer that is nothing but R1 tags
+        return None
+
+
+def build_sft_rows(kept: list[dict], cfg: RejectionSamplingConfig) -> list[dict]:
+    """`sft` rows of the accepted samples, rewritten by `reformat_sample` when `cfg.reformat`."""
+    rows = []
+    for s in kept:
+        rewritten = reformat_sample(s) if cfg.reformat else None
+        content = s["completion"] if rewritten is None else rewritten
+        rows.append({
+            "id": f"{s['prompt_id']}-{s['sample_index']}",
+            "messages": s["messages"] + [{"role": "assistant", "content": content}],
+            "source": "rejection_sampling",
+            "metadata": json.dumps({"prompt_id": s["prompt_id"], "sample_index": s["sample_index"],
+                                    "reward": s["reward"], "reward_components": json.loads(s["reward_components"]),
+                                    "task": json.loads(s["metadata"])["task"], "reformatted": rewritten is not None},
+                                   sort_keys=True),
+        })
+    return rows
 
 
 def reward_model_scores(rm: Input | None, prompts: list[dict], completions) -> list[list[float]] | None:

@@ -9,10 +9,12 @@ unscoreable one is a null in the `correct` and `reward` columns.
 Completions follow the DeepSeek-R1 format `<think>…</think><answer>…</answer>` (R1 paper §2.2.1:
 an accuracy reward from a rule-based verifier plus a format reward). `score` adds the shaping
 terms later recipes use — DAPO's soft overlong punishment, open-r1's n-gram repetition penalty,
-the cosine length scaling of "Demystifying Long Chain-of-Thought", a reward model's score —
-and weighs them with `RewardSpec.weights`. Departures from the paper: the weights are ours
-(`RewardSpec`), and reasoning-gym's partial credit is kept as its own component rather than used
-as the reward.
+the cosine length scaling of "Demystifying Long Chain-of-Thought", R1's language-consistency
+reward (§2.3.2, `language_consistency`), a reward model's score — and weighs them with
+`RewardSpec.weights`. Departures from the paper: the weights are ours (`RewardSpec`), and
+reasoning-gym's partial credit is kept as its own component rather than used as the reward.
+`RewardSpec.strict_answer` guards the accuracy reward against hedging (`extract_answer_strict`);
+`reformat_r1` is R1's cold-start rewrite of a correct but unformatted completion.
 
 math-verify and threads (DESIGN.md §6): math-verify's own time limit uses `signal.alarm`, which
 raises in any thread but the main one, and cannot interrupt sympy busy inside one C call anyway.
@@ -40,6 +42,7 @@ import signal
 import textwrap
 import threading
 import time
+import unicodedata
 from collections.abc import Callable, Mapping
 from concurrent.futures import CancelledError, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -80,27 +83,48 @@ _PYTHON_TAGS = frozenset({"python", "python3", "py"})
 # --------------------------------------------------------------------------- extraction
 
 
-def _outside_think(completion: str) -> str:
-    """The completion with every thinking span removed.
+def _split_think(completion: str) -> tuple[list[str], list[str]]:
+    """(thinking spans, visible spans) of a completion, without the think tags that delimit them.
 
     Thinking is `<think>…</think>`; an unclosed `<think>` runs to the end; a `</think>` with no
     opening tag before it (chat templates that open `<think>` in the prompt) makes everything
-    before it thinking.
+    before it thinking. A `<think>` inside thinking stays in its text.
     """
+    thinking: list[str] = []
     visible: list[str] = []
-    pos, thinking = 0, False
+    pos, inside = 0, False
     for tag in _THINK_TAG.finditer(completion):
         if tag.group() == "<think>":
-            if not thinking:
+            if not inside:
                 visible.append(completion[pos : tag.start()])
-                thinking = True
-        elif thinking:
-            thinking, pos = False, tag.end()
+                inside, pos = True, tag.end()
+        elif inside:
+            thinking.append(completion[pos : tag.start()])
+            inside, pos = False, tag.end()
         else:  # stray </think>: what came before was thinking
+            thinking = [*visible, *thinking, completion[pos : tag.start()]]
             visible, pos = [], tag.end()
-    if not thinking:
-        visible.append(completion[pos:])
-    return "\n".join(visible)
+    (thinking if inside else visible).append(completion[pos:])
+    return thinking, visible
+
+
+def _outside_think(completion: str) -> str:
+    """The completion with every thinking span removed (see `_split_think`)."""
+    return "\n".join(_split_think(completion)[1])
+
+
+_R1_TAG_RUN = re.compile(r"(?:</?(?:think|answer)>)+")
+
+
+def _strip_r1_tags(text: str) -> str:
+    """`text` without R1 tags; a run of tags between two non-space characters becomes one space
+    (so "a</think>5" reads "a 5", not "a5", and no tag can re-form from the pieces)."""
+
+    def gap(m: re.Match[str]) -> str:
+        joins = 0 < m.start() and m.end() < len(text) and not text[m.start() - 1].isspace()
+        return " " if joins and not text[m.end()].isspace() else ""
+
+    return _R1_TAG_RUN.sub(gap, text)
 
 
 def _last_boxed(text: str) -> str | None:
@@ -153,6 +177,31 @@ def extract_answer(completion: str) -> str | None:
         answer = _last_boxed(visible)
     if answer is None:
         return None
+    return answer.strip() or None
+
+
+def extract_answer_strict(completion: str) -> str | None:
+    """The answer of a completion that gives exactly one answer block, else None (`RewardSpec.strict_answer`).
+
+    Outside the thinking part there must be exactly one `<answer>` and one `</answer>`, in that
+    order: two or more answer blocks are no answer (listing several answers must not pay, as it
+    would with `extract_answer`, which takes the last), and there is no `\\boxed{…}` fallback
+    outside a block. A `\\boxed{x}` inside the block yields x; whitespace is stripped; an empty
+    answer is None.
+
+    >>> extract_answer_strict("<think>1 or 2?</think><answer>1</answer><answer>2</answer>") is None
+    True
+    >>> extract_answer_strict("<think><answer>1</answer></think><answer>\\\\boxed{2}</answer>")
+    '2'
+    """
+    visible = _outside_think(completion)
+    if visible.count("<answer>") != 1 or visible.count("</answer>") != 1:
+        return None
+    block = _ANSWER_BLOCK.search(visible)
+    if block is None:  # </answer> before <answer>
+        return None
+    boxed = _last_boxed(block.group(1))
+    answer = boxed if boxed is not None else block.group(1)
     return answer.strip() or None
 
 
@@ -249,6 +298,26 @@ def tag_count_reward(completion: str) -> float:
 def format_reward(completion: str) -> float:
     """1.0 if `format_ok(completion)` else 0.0."""
     return 1.0 if format_ok(completion) else 0.0
+
+
+def reformat_r1(completion: str, answer: str) -> str:
+    """R1's cold-start "post-processing into a readable format" (R1 paper §2.3.1) of a completion
+    whose answer is known to be right: `<think>\\n{reasoning}\\n</think>\\n<answer>{answer}</answer>`.
+
+    reasoning is the whole completion, R1 tags removed (`_strip_r1_tags`), whitespace-stripped;
+    answer (the one that was judged, e.g. `extract_answer_lenient`) likewise. The result is
+    `format_ok`; an answer that is blank without its tags raises ValueError.
+    Departure: R1 rewrote its cold-start data with human annotators and a summary; we only move
+    the answer into its block.
+
+    >>> reformat_r1("2 + 3 = 5", "5")
+    '<think>\\n2 + 3 = 5\\n</think>\\n<answer>5</answer>'
+    """
+    answer = _strip_r1_tags(answer).strip()
+    if not answer:
+        raise ValueError(f"reformat_r1: no answer to put in the answer block (got {answer!r})")
+    reasoning = _strip_r1_tags(completion).strip()
+    return f"<think>\n{reasoning}\n</think>\n<answer>{answer}</answer>"
 
 
 def gold_completion(answer: str, think: str) -> str:
@@ -570,6 +639,8 @@ EXTRACTORS: Mapping[str, tuple[Extractor, Extractor]] = MappingProxyType({
     "code": (extract_program, extract_program),
 })
 _R1_ANSWER: tuple[Extractor, Extractor] = (extract_answer, extract_answer_lenient)
+# RewardSpec.strict_answer: only the strict answer is rewarded; evaluation's lenient measure is unchanged.
+_R1_ANSWER_STRICT: tuple[Extractor, Extractor] = (extract_answer_strict, extract_answer_lenient)
 
 
 def get_verifier(name: str) -> Verifier:
@@ -652,6 +723,53 @@ def cosine_scaled(correct: bool, num_tokens: int, spec: RewardSpec) -> float:
     return lo + 0.5 * (hi - lo) * (1.0 + cosine)
 
 
+# Script -> prefixes of the Unicode character names of its letters (`unicodedata.name`). cjk is one
+# group for Chinese, Japanese and Korean, which mix Han ideographs with kana or hangul within a word.
+# Keys are RewardSpec.language_script's choices.
+LANGUAGE_SCRIPTS: Mapping[str, tuple[str, ...]] = MappingProxyType({
+    "latin": ("LATIN",),
+    "cyrillic": ("CYRILLIC",),
+    "greek": ("GREEK",),
+    "arabic": ("ARABIC",),
+    "cjk": ("CJK", "IDEOGRAPHIC", "HIRAGANA", "KATAKANA", "HANGUL"),
+})
+_WORD = re.compile(r"[^\W\d_]+")
+
+
+def _thinking(completion: str) -> str:
+    """The thinking part (`_split_think`), or the whole completion when it has no think tag."""
+    if _THINK_TAG.search(completion) is None:
+        return completion
+    return "\n".join(_split_think(completion)[0])
+
+
+def language_consistency(completion: str, script: str) -> float:
+    """R1's language-consistency reward (R1 paper §2.3.2): the share of target-language words in the
+    CoT, in [0, 1]; 0.0 when the CoT has no words.
+
+    The CoT is the thinking part (the whole completion when it has no think tag), R1 tags removed.
+    Words are maximal runs of letters (`[^\\W\\d_]+`, after NFC and dropping combining marks so an
+    Arabic vowel sign does not split a word); a word is in the target language when every letter's
+    Unicode name starts with one of `LANGUAGE_SCRIPTS[script]`, so "x" in "x = 2" counts as Latin
+    and a mixed-script word counts as neither. Departure: R1 counts words of a language, we count
+    words of a script; scripts written without spaces (Chinese, Japanese) count one word per run.
+
+    >>> language_consistency("<think>the sum is 结果</think><answer>12</answer>", "latin")  # 3 of 4
+    0.75
+    """
+    try:
+        prefixes = LANGUAGE_SCRIPTS[script]
+    except KeyError:
+        raise ValueError(f"unknown script {script!r}; known scripts: {', '.join(LANGUAGE_SCRIPTS)}") from None
+    text = unicodedata.normalize("NFC", _strip_r1_tags(_thinking(completion)))
+    text = "".join(ch for ch in text if not unicodedata.category(ch).startswith("M"))
+    words = _WORD.findall(text)
+    if not words:
+        return 0.0
+    target = sum(all(unicodedata.name(ch, "").startswith(prefixes) for ch in word) for word in words)
+    return target / len(words)
+
+
 # --------------------------------------------------------------------------- score
 
 
@@ -661,8 +779,8 @@ class Verdict:
 
     correct: the verifier's score >= 1.0 (so reasoning-gym partial credit and code passing
         some tests are not correct); None when the row cannot be scored.
-    extracted: what the verifier judged: `extract_answer(completion)`, or for code rows the
-        program (`EXTRACTORS`).
+    extracted: what the verifier judged: `extract_answer(completion)` (`extract_answer_strict` under
+        `RewardSpec.strict_answer`), or for code rows the program (`EXTRACTORS`).
     correct_lenient: like `correct`, but an answer missing from the answer block falls back to
         the last number outside the thinking part (evaluation only; see extract_answer_lenient).
     format_ok: `format_ok(completion)`.
@@ -679,7 +797,7 @@ class Verdict:
     correct_lenient: bool | None = None
 
 
-_SHAPING = ("accuracy", "format", "tags", "overlong", "repetition", "cosine", "reward_model")
+_SHAPING = ("accuracy", "format", "tags", "overlong", "repetition", "cosine", "language", "reward_model")
 
 
 def score(
@@ -700,7 +818,9 @@ def score(
         cosine        `cosine_scaled(correct, num_tokens, spec)`, when num_tokens is given and the
                       row could be scored;
         repetition    `repetition_penalty(completion, …)`, always;
+        language      `language_consistency(completion, spec.language_script)`, always;
         reward_model  rm_score, when given.
+    With `spec.strict_answer`, answer verifiers (all but code) judge `extract_answer_strict`.
     The reward is the weighted sum over `spec.weights` (None if a non-zero weight names an
     absent component); a weight naming no component raises ValueError.
     """
@@ -711,7 +831,7 @@ def score(
         raise ValueError(f"unknown reward weight(s) {sorted(unknown)}; known components: {sorted(known)}")
     name = row["verifier"]
     verifier = get_verifier(name)
-    extract, extract_lenient = EXTRACTORS.get(name, _R1_ANSWER)
+    extract, extract_lenient = EXTRACTORS.get(name, _R1_ANSWER_STRICT if spec.strict_answer else _R1_ANSWER)
     extracted = extract(completion)
     well_formed = format_ok(completion)
     raw = verifier(extracted, row, spec)
@@ -727,6 +847,7 @@ def score(
         if correct is not None:
             components["cosine"] = cosine_scaled(correct, num_tokens, spec)
     components["repetition"] = repetition_penalty(completion, spec.repetition_ngram, spec.repetition_max_penalty)
+    components["language"] = language_consistency(completion, spec.language_script)
     if rm_score is not None:
         components["reward_model"] = float(rm_score)
 

@@ -4,17 +4,20 @@ tiny model, checking the sft output is exactly the accepted samples."""
 import json
 
 import pyarrow.parquet as pq
+import pydantic
+import pytest
 
 from schemas.configs import GenerationSpec, RejectionSamplingConfig, RewardSpec
 from schemas.datasets import from_rows
 from stages import rejection_sampling as rs
 from stages.base import LocalContext, write_dataset
+from stages.rewards import format_ok, score
 from tests.conftest import fake_input
 
 
-def sample(pid, i, reward, correct=True, fmt=True, text=None):
+def sample(pid, i, reward, correct=True, fmt=True, text=None, lenient=None):
     return {"prompt_id": pid, "sample_index": i, "reward": reward, "correct": correct, "completion": text or f"{pid}-{i}",
-            "metadata": json.dumps({"format_ok": fmt})}
+            "metadata": json.dumps({"format_ok": fmt, "correct_lenient": correct if lenient is None else lenient})}
 
 
 def test_passes_rule():
@@ -27,6 +30,21 @@ def test_passes_rule():
     assert rs.passes(sample("a", 0, 0.5, correct=False, fmt=False), loose)
     assert not rs.passes(sample("a", 0, 0.4), loose)
     assert not rs.passes(sample("a", 0, None), loose)
+
+
+def test_passes_lenient_correctness_reads_correct_lenient():
+    strict = RejectionSamplingConfig(require_format=False)
+    lenient = RejectionSamplingConfig(require_format=False, correctness="lenient")
+    untagged_right = sample("a", 0, 0.0, correct=False, fmt=False, lenient=True)
+    assert not rs.passes(untagged_right, strict) and rs.passes(untagged_right, lenient)
+    assert not rs.passes(sample("a", 0, 0.0, correct=False, fmt=False, lenient=False), lenient)
+    assert not rs.passes(sample("a", 0, 0.0, correct=None, fmt=False, lenient=None), lenient)
+
+
+def test_reformat_needs_require_format_off():
+    with pytest.raises(pydantic.ValidationError, match="require_format"):
+        RejectionSamplingConfig(reformat=True)
+    assert RejectionSamplingConfig(reformat=True, require_format=False).reformat
 
 
 def test_accept_keeps_best_m_distinct_per_prompt():
@@ -69,6 +87,9 @@ def test_stage_on_tiny_model_outputs_exactly_the_accepted_samples(tmp_path, tiny
         assert row["messages"][-1] == {"role": "assistant", "content": s["completion"]}
         assert json.loads(row["metadata"])["reward"] == s["reward"] >= -0.2
     assert out["data"].metrics["accepted_rows"] == len(expected)
+    assert out["data"].metrics["reformatted_rows"] == 0  # reformat is off
+    assert not any(json.loads(r["metadata"])["reformatted"] for r in sft_rows)
+    assert all(json.loads(s["metadata"])["correct_lenient"] in (True, False) for s in samples)  # math rows: scored
 
 
 def test_reward_model_score_as_a_reward_component(tmp_path, tiny_model_input, tiny_tokenizer):
@@ -98,3 +119,72 @@ def test_reward_model_score_as_a_reward_component(tmp_path, tiny_model_input, ti
     assert [s["reward"] for s in samples] == pytest.approx(expected, abs=1e-5)
     assert all("reward_model" in json.loads(s["reward_components"]) for s in samples)
     assert len(set(round(r, 6) for r in expected)) > 1  # a real signal, not a constant
+
+
+# --------------------------------------------------------------------------- cold start: lenient + reformat
+
+PROMPT = {"id": "p", "messages": [{"role": "user", "content": "What is 12 + 30?"}], "answer": "42", "task": "t",
+          "verifier": "math", "split": "train", "metadata": "{}"}
+WELL_FORMED = "<think>12 + 30 = 42</think>\n<answer>42</answer>"
+UNTAGGED_RIGHT = "First, 12 + 30 = 42."
+UNTAGGED_WRONG = "First, 12 + 30 = 43."
+
+
+def scored(texts: list[str]) -> list[dict]:
+    """`samples` rows as the stage writes them, from real scores of literal completions."""
+    return [rs.sample_row(PROMPT, i, t, 10, "stop", score(PROMPT, t)) for i, t in enumerate(texts)]
+
+
+def test_lenient_correct_unformatted_completion_is_accepted_only_with_lenient_correctness():
+    samples = scored([UNTAGGED_RIGHT, UNTAGGED_WRONG])
+    assert [s["correct"] for s in samples] == [False, False]
+    assert [json.loads(s["metadata"])["correct_lenient"] for s in samples] == [True, False]
+    strict = RejectionSamplingConfig(require_format=False, keep_per_prompt=2)
+    lenient = RejectionSamplingConfig(require_format=False, keep_per_prompt=2, correctness="lenient")
+    assert rs.accept(samples, strict) == []
+    assert [s["completion"] for s in rs.accept(samples, lenient)] == [UNTAGGED_RIGHT]
+    # with the format required, lenient accepts nothing more than strict
+    assert rs.accept(samples, RejectionSamplingConfig(correctness="lenient")) == []
+
+
+def test_reformat_rewrites_unformatted_rows_to_correct_r1_and_leaves_well_formed_ones():
+    """Accepted: the well-formed completion (reward 1.2, first) and the untagged right one (reward 0).
+    Reformatted, the untagged one reads '<think>\\nFirst, 12 + 30 = 42.\\n</think>\\n<answer>42</answer>',
+    which score() marks well formed and correct; the well-formed one is kept byte for byte."""
+    cfg = RejectionSamplingConfig(require_format=False, correctness="lenient", reformat=True, keep_per_prompt=3)
+    samples = scored([UNTAGGED_RIGHT, WELL_FORMED, UNTAGGED_WRONG])
+    kept = rs.accept(samples, cfg)
+    assert [s["sample_index"] for s in kept] == [1, 0]
+    rows = rs.build_sft_rows(kept, cfg)
+    assert [r["id"] for r in rows] == ["p-1", "p-0"]
+    texts = [r["messages"][-1]["content"] for r in rows]
+    assert texts[0] == WELL_FORMED
+    assert texts[1] == "<think>\nFirst, 12 + 30 = 42.\n</think>\n<answer>42</answer>"
+    assert [json.loads(r["metadata"])["reformatted"] for r in rows] == [False, True]
+    v = score(PROMPT, texts[1])
+    assert (v.format_ok, v.correct, v.extracted) == (True, True, "42")
+    assert all(r["messages"][:-1] == PROMPT["messages"] for r in rows)
+    assert samples[0]["completion"] == UNTAGGED_RIGHT  # the samples output keeps the original
+    assert all(format_ok(t) for t in texts)
+
+
+def test_reformat_uses_the_judged_answer_and_is_off_by_default():
+    """Strictly accepted but not well formed (text after </answer>): the judged answer, 42, goes in the
+    block; without reformat the row is the original completion."""
+    text = "<think>12 + 30 = 42</think><answer>42</answer> Done."
+    (s,) = scored([text])
+    assert s["correct"] is True and json.loads(s["metadata"])["format_ok"] is False
+    on = RejectionSamplingConfig(require_format=False, reformat=True)
+    (row,) = rs.build_sft_rows([s], on)
+    assert row["messages"][-1]["content"] == "<think>\n12 + 30 = 42 42 Done.\n</think>\n<answer>42</answer>"
+    (row,) = rs.build_sft_rows([s], RejectionSamplingConfig(require_format=False))
+    assert row["messages"][-1]["content"] == text and json.loads(row["metadata"])["reformatted"] is False
+
+
+def test_reformat_leaves_a_row_without_an_answer_as_it_is():
+    """Accepted on reward alone with no answer anywhere: nothing to put in the block."""
+    (s,) = scored(["no idea"])
+    cfg = RejectionSamplingConfig(require_correct=False, require_format=False, reformat=True)
+    assert rs.reformat_sample(s) is None
+    (row,) = rs.build_sft_rows([s], cfg)
+    assert row["messages"][-1]["content"] == "no idea" and json.loads(row["metadata"])["reformatted"] is False

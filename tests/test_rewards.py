@@ -15,27 +15,34 @@ import sys
 import threading
 import time
 import types
+import typing
 from concurrent.futures import ThreadPoolExecutor
 
 import math_verify
+import pydantic
 import pytest
 import reasoning_gym
 
 from schemas.configs import RewardSpec, SandboxLimits
 from stages import rewards
 from stages.rewards import (
+    LANGUAGE_SCRIPTS,
     R1_FORMAT_EXAMPLE,
     R1_SYSTEM_PROMPT,
     VERIFIERS,
     Verdict,
     cosine_scaled,
     extract_answer,
+    extract_answer_lenient,
+    extract_answer_strict,
     extract_program,
     format_ok,
     format_reward,
     gold_completion,
+    language_consistency,
     overlong_penalty,
     pass_at_k,
+    reformat_r1,
     repetition_penalty,
     score,
     shutdown_math_pool,
@@ -104,6 +111,49 @@ def test_extract_answer(completion, expected):
 def test_answer_block_beats_later_box():
     """An answer block is preferred over any \\boxed outside it, even a later one."""
     assert extract_answer("<answer>1</answer> \\boxed{2}") == "1"
+
+
+@pytest.mark.parametrize(
+    ("completion", "expected"),
+    [
+        ("<think>x</think><answer> 7 </answer>", "7"),  # one block, stripped
+        ("<think>x</think>so \\boxed{7}", None),  # no boxed fallback outside a block
+        ("\\boxed{7}", None),
+        ("<answer>The result is \\boxed{12}.</answer>", "12"),  # boxed inside the one block still counts
+        ("<think>x</think><answer>6</answer><answer>7</answer>", None),  # two blocks: hedging, no answer
+        ("<answer>6</answer> or maybe <answer>7</answer> <answer>8</answer>", None),  # three blocks
+        ("<answer>6 <answer>7</answer>", None),  # a second <answer> inside the block
+        ("<answer>7</answer><answer>", None),  # a dangling second <answer>
+        ("</answer>7<answer>", None),  # tags in the wrong order
+        ("<think>maybe <answer>6</answer></think><answer>7</answer>", "7"),  # blocks in thinking don't count
+        ("<think>maybe <answer>6</answer></think>no block", None),
+        ("<think>still thinking <answer>6</answer>", None),  # unclosed think: all thinking
+        ("<answer>  </answer>", None),  # blank
+        ("<answer>1</answer> \\boxed{2}", "1"),  # a box outside the block is ignored
+    ],
+)
+def test_extract_answer_strict(completion, expected):
+    assert extract_answer_strict(completion) == expected
+
+
+def test_strict_answer_guard_stops_hedging_from_paying():
+    """Two answer blocks, the last one right: extract_answer takes the last, so without the guard
+    accuracy is 1; with strict_answer there is no answer, accuracy 0. Lenient correctness (an
+    evaluation measure) stays extract_answer's: True both times."""
+    hedge = "<think>6 or 7?</think><answer>6</answer><answer>7</answer>"
+    loose = score(row("7"), hedge, ACCURACY_ONLY)
+    assert (loose.extracted, loose.components["accuracy"], loose.reward, loose.correct) == ("7", 1.0, 1.0, True)
+    strict = score(row("7"), hedge, RewardSpec(weights={"accuracy": 1.0}, strict_answer=True))
+    assert (strict.extracted, strict.components["accuracy"], strict.reward, strict.correct) == (None, 0.0, 0.0, False)
+    assert loose.correct_lenient is True and strict.correct_lenient is True
+
+
+def test_strict_answer_guard_drops_the_boxed_fallback_but_not_a_single_block():
+    strict = RewardSpec(weights={"accuracy": 1.0}, strict_answer=True)
+    assert score(row("2"), "<think>1 + 1</think> \\boxed{2}", ACCURACY_ONLY).reward == 1.0
+    assert score(row("2"), "<think>1 + 1</think> \\boxed{2}", strict).reward == 0.0
+    assert score(row("2"), r1("\\boxed{2}"), strict).reward == 1.0
+    assert score(row("b", verifier="exact"), r1("(B)"), strict).reward == 1.0  # every answer verifier
 
 
 # --------------------------------------------------------------------------- format
@@ -276,10 +326,12 @@ def test_reasoning_gym_basic_arithmetic_right_and_wrong():
     rows = rg_rows()
     assert [r["answer"] for r in rows[:2]] == ["-4", "3"]
     right = score(rows[0], gold_completion("-4", "5 - 3 = 2, 2 - 6 = -4"))
-    # default weights: accuracy 1 + format 0.2; its 11 word trigrams are all distinct: repetition 0
+    # default weights: accuracy 1 + format 0.2; its 11 word trigrams are all distinct: repetition 0;
+    # the thinking "5 - 3 = 2, 2 - 6 = -4" has no words: language 0
     assert right == Verdict(
         correct=True, extracted="-4", format_ok=True, reward=1.2,
-        components={"format": 1.0, "tags": 1.0, "reasoning_gym": 1.0, "accuracy": 1.0, "repetition": 0.0},
+        components={"format": 1.0, "tags": 1.0, "reasoning_gym": 1.0, "accuracy": 1.0, "repetition": 0.0,
+                    "language": 0.0},
         correct_lenient=True,
     )
     wrong = score(rows[0], r1("4"), ACCURACY_ONLY)
@@ -311,7 +363,7 @@ def test_verifier_none_cannot_score():
     assert v.reward is None
     assert v.extracted == "anything"
     assert v.format_ok is True
-    assert v.components == {"format": 1.0, "tags": 1.0, "repetition": 0.0}
+    assert v.components == {"format": 1.0, "tags": 1.0, "repetition": 0.0, "language": 1.0}  # "anything"
 
 
 def test_unknown_verifier_names_it_and_the_known_ones():
@@ -523,7 +575,7 @@ def test_score_components_and_weighted_sum():
     v = score(row("2"), r1("2", think="a a a a"), ALL_WEIGHTS, num_tokens=448, rm_score=3.0)
     assert v.components == pytest.approx({
         "format": 1.0, "tags": 1.0, "accuracy": 1.0, "math": 1.0, "overlong": -0.5, "cosine": 0.75,
-        "repetition": -0.25, "reward_model": 3.0,
+        "repetition": -0.25, "language": 1.0, "reward_model": 3.0,
     })
     assert v.reward == pytest.approx(2.55)
     assert v.correct is True
@@ -538,9 +590,10 @@ def test_score_wrong_answer_gets_the_wrong_cosine():
 
 def test_score_optional_components_are_absent_without_their_inputs():
     v = score(row("2"), r1("2"))
-    assert set(v.components) == {"format", "tags", "accuracy", "math", "repetition"}
+    assert set(v.components) == {"format", "tags", "accuracy", "math", "repetition", "language"}
     unscorable = score(row(None), r1("2"), num_tokens=10)
-    assert set(unscorable.components) == {"format", "tags", "overlong", "repetition"}  # no cosine without a verdict
+    # no cosine without a verdict
+    assert set(unscorable.components) == {"format", "tags", "overlong", "repetition", "language"}
 
 
 @pytest.mark.parametrize(
@@ -774,3 +827,89 @@ def test_tag_count_reward(text, expected):
     assert rewards.tag_count_reward(text) == expected
     row = {"verifier": "none", "answer": None, "task": "t", "metadata": "{}", "messages": []}
     assert score(row, text).components["tags"] == expected
+
+
+# --------------------------------------------------------------------------- language consistency
+
+
+@pytest.mark.parametrize(
+    ("completion", "script", "expected"),
+    [
+        ("<think>the sum is 12</think><answer>12</answer>", "latin", 1.0),  # 3 words, digits are no words
+        ("<think>the sum is 结果</think><answer>12</answer>", "latin", 0.75),  # 3 of 4
+        ("<think>the sum is 结果</think><answer>12</answer>", "cjk", 0.25),  # 1 of 4
+        ("<think>so kaфe is 5</think>", "latin", 2 / 3),  # "kaфe" mixes Latin and Cyrillic: neither
+        ("<think>so kaфe is 5</think>", "cyrillic", 0.0),
+        ("<think>сумма равна 12, ok</think>", "cyrillic", 2 / 3),  # сумма, равна of 3
+        ("<think>αβγ = x</think>", "greek", 0.5),
+        ("<think>12 + 3 = 15</think><answer>15</answer>", "latin", 0.0),  # no words
+        ("", "latin", 0.0),
+        ("<think>a</think> b c d", "latin", 1.0),  # only the thinking: "a"
+        ("<think>a</think> b c 结果", "latin", 1.0),
+        ("<think>a <think>b</think>结果", "latin", 1.0),  # a nested <think> is thinking text, not a word
+        ("<think>dit is 结果", "latin", 2 / 3),  # unclosed think runs to the end
+        ("prompt opened it 结果</think><answer>x</answer>", "latin", 0.75),  # stray </think>: before is thinking
+        ("no tags at all 结果", "latin", 0.8),  # no think tag: the whole completion, 4 of 5
+        ("<answer>结果</answer> ok", "latin", 0.5),  # no think tag: tags are not words; 结果, ok
+        ("cafe\u0301 nai\u0308ve", "latin", 1.0),  # decomposed accents stay inside their word
+        ("كَتَبَ الولد", "arabic", 1.0),  # 2 words; harakat do not split them
+        ("食べる 人々 한국어 ok", "cjk", 0.75),  # kanji+kana, 々, hangul are all cjk
+    ],
+)
+def test_language_consistency(completion, script, expected):
+    assert language_consistency(completion, script) == pytest.approx(expected, abs=1e-12)
+
+
+def test_language_scripts_are_reward_specs_choices():
+    choices = typing.get_args(RewardSpec.model_fields["language_script"].annotation)
+    assert set(LANGUAGE_SCRIPTS) == set(choices)
+    with pytest.raises(pydantic.ValidationError, match="language_script"):
+        RewardSpec(language_script="klingon")
+    with pytest.raises(ValueError, match="klingon"):
+        language_consistency("x", "klingon")
+
+
+def test_language_is_a_weighted_component():
+    """Weight 1 on language alone: the reward is the share, 0.75 in Latin, 0.25 in cjk; the
+    component is there for any row, scorable or not."""
+    text = "<think>the sum is 结果</think><answer>12</answer>"
+    assert score(row("12"), text, RewardSpec(weights={"language": 1.0})).reward == 0.75
+    assert score(row("12"), text, RewardSpec(weights={"language": 1.0}, language_script="cjk")).reward == 0.25
+    assert score(row(None, verifier="none"), text).components["language"] == 0.75
+
+
+# --------------------------------------------------------------------------- reformat_r1
+
+
+@pytest.mark.parametrize(
+    ("completion", "answer", "expected"),
+    [
+        ("2 + 3 = 5", "5", "<think>\n2 + 3 = 5\n</think>\n<answer>5</answer>"),
+        ("  <think>2 + 3 = 5</think> so 5 \n", "5", "<think>\n2 + 3 = 5 so 5\n</think>\n<answer>5</answer>"),
+        ("<think>a</think>5", "5", "<think>\na 5\n</think>\n<answer>5</answer>"),  # tags between words: a space
+        ("<answer>1</answer><answer>2</answer>", "2", "<think>\n1 2\n</think>\n<answer>2</answer>"),
+        ("<thi<think>nk>", "<answer>7", "<think>\n<thi nk>\n</think>\n<answer>7</answer>"),  # no tag re-forms
+    ],
+)
+def test_reformat_r1(completion, answer, expected):
+    out = reformat_r1(completion, answer)
+    assert out == expected
+    assert format_ok(out)
+
+
+def test_reformat_r1_of_a_lenient_answer_scores_correct():
+    """A base model's '12 + 30 = 42' is lenient-correct only; reformatted with its lenient answer it
+    is well formed and strictly correct, even under the strict-answer guard."""
+    text = "First, 12 + 30 = 42."
+    v = score(row("42"), text)
+    assert (v.correct, v.correct_lenient, v.format_ok) == (False, True, False)
+    out = reformat_r1(text, extract_answer_lenient(text))
+    assert out == "<think>\nFirst, 12 + 30 = 42.\n</think>\n<answer>42</answer>"
+    strict = score(row("42"), out, RewardSpec(strict_answer=True))
+    assert (strict.correct, strict.format_ok, strict.reward) == (True, True, pytest.approx(1.2))
+
+
+@pytest.mark.parametrize("answer", ["", "  ", "<answer></answer>"])
+def test_reformat_r1_needs_an_answer(answer):
+    with pytest.raises(ValueError, match="no answer"):
+        reformat_r1("2 + 3 = 5", answer)
