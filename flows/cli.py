@@ -93,6 +93,8 @@ def cmd_recipes(args: argparse.Namespace) -> int:
         plan = load_plan(name, "tiny", run_checks=False)
         mark = " (default)" if name == DEFAULT_RECIPE else ""
         print(f"{name}{mark}: {plan.description}\n  " + " -> ".join(n.name for n in plan.nodes))
+        if plan.options:
+            print("  options (--set options.NAME=VALUE): " + ", ".join(f"{k}={v}" for k, v in plan.options.items()))
     print(f"profiles: {', '.join(available(PROFILE_DIR))}")
     return 0
 

@@ -267,7 +267,7 @@ def run_plan(plan: Plan, s: Settings, only: set[str] = frozenset(), force: set[s
                                                                  "r1flow.flow_run_id": flow_run_id or ""})
     tracker.log_params(parent, {"recipe": plan.recipe, "profile": plan.profile, "model": plan.model, "seed": plan.seed,
                                 "overrides": " ".join(plan.overrides), "only": ",".join(sorted(only)),
-                                "force": ",".join(sorted(force))})
+                                "force": ",".join(sorted(force)), "options": plan.options})
     selected = set(only) if only else {n.name for n in plan.nodes}
     needed = plan.ancestors(selected)
     forced = set(force)

@@ -8,21 +8,22 @@ profile `nodes.<name>` < `--set`.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from schemas.configs import STAGE_CONFIGS, ProfileConfig, RecipeConfig
+from schemas.configs import STAGE_CONFIGS, ProfileConfig, RecipeConfig, RecipeOverlay
 from schemas.errors import ConfigError
 from stages import STAGE_MODULES, get_stage
 
 RECIPE_DIR = Path(__file__).parent / "recipes"
 PROFILE_DIR = Path(__file__).parent / "profiles"
-# The default recipe: `r1` once its stages exist; until then the longest recipe that exists.
-DEFAULT_RECIPE = "sft-eval"
+# The default recipe: DeepSeek-R1's whole multi-stage recipe (flows/recipes/r1.yaml).
+DEFAULT_RECIPE = "r1"
 
 
 def available(directory: Path) -> list[str]:
@@ -94,11 +95,21 @@ def _set_path(d: dict, path: list[str], value: Any) -> None:
     d[path[-1]] = value
 
 
-def _substitute(obj: Any, variables: dict[str, str]) -> Any:
+_PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+def _substitute(obj: Any, variables: dict[str, Any]) -> Any:
+    """Replace `${name}` for every name in `variables` (others are left as they are).
+
+    A string that is exactly one placeholder becomes the value itself, keeping its type (`when:
+    ${dpo}` is a bool, `keep_layers: ${layers}` may be a list); inside longer text the value is
+    formatted with str().
+    """
     if isinstance(obj, str):
-        for k, v in variables.items():
-            obj = obj.replace("${" + k + "}", str(v))
-        return obj
+        whole = _PLACEHOLDER.fullmatch(obj)
+        if whole and whole.group(1) in variables:
+            return copy.deepcopy(variables[whole.group(1)])
+        return _PLACEHOLDER.sub(lambda m: str(variables[m.group(1)]) if m.group(1) in variables else m.group(0), obj)
     if isinstance(obj, dict):
         return {k: _substitute(v, variables) for k, v in obj.items()}
     if isinstance(obj, list):
@@ -128,6 +139,7 @@ class Plan:
     seed: int
     nodes: list[Node]  # topological order
     overrides: tuple[str, ...] = ()
+    options: dict[str, Any] = field(default_factory=dict)  # the recipe's option values in this plan
 
     def node(self, name: str) -> Node:
         for n in self.nodes:
@@ -159,7 +171,8 @@ def _required(declared: dict[str, str]) -> set[str]:
     return {name for name, kind in declared.items() if not kind.endswith("?")}
 
 
-def _topological(nodes: dict[str, dict]) -> list[str]:
+def _topological(edges: dict[str, list[str]]) -> list[str]:
+    """Node names with every node after its upstream nodes; `edges`: node -> upstream nodes."""
     order, state = [], {}
 
     def visit(name: str, trail: list[str]) -> None:
@@ -168,14 +181,45 @@ def _topological(nodes: dict[str, dict]) -> list[str]:
         if state.get(name) == "visiting":
             raise ConfigError(f"recipe has a cycle: {' -> '.join(trail + [name])}")
         state[name] = "visiting"
-        for src in nodes[name].get("inputs", {}).values():
-            visit(src.split(".", 1)[0], trail + [name])
+        for up in edges[name]:
+            visit(up, trail + [name])
         state[name] = "done"
         order.append(name)
 
-    for name in nodes:  # recipe order breaks ties, so plans are stable
+    for name in edges:  # recipe order breaks ties, so plans are stable
         visit(name, [])
     return order
+
+
+def _options(raw: dict, recipe: str, overlay: RecipeOverlay | None, overrides: list[tuple[list[str], Any, str]]) -> dict:
+    """The recipe's option values: its defaults < the profile's overlay for it < `--set options.NAME=`."""
+    declared = raw.get("options") or {}
+    if not isinstance(declared, dict):
+        raise ConfigError(f"recipe {recipe!r}: options must be a mapping of NAME: value")
+    values = dict(declared)
+
+    def put(name: str, value: Any, where: str) -> None:
+        if name not in declared:
+            known = ", ".join(declared) or "none"
+            raise ConfigError(f"{where}: recipe {recipe!r} has no option {name!r}; its options: {known}")
+        values[name] = value
+
+    for name, value in (overlay.options if overlay else {}).items():
+        put(name, value, f"profile option {name!r}")
+    for path, value, text in overrides:
+        if path[0] == "options":
+            if len(path) != 2:
+                raise ConfigError(f"--set {text!r}: expected options.NAME=VALUE")
+            put(path[1], value, f"--set {text!r}")
+    return values
+
+
+def _resolve_sources(spec: str | list[str], enabled: set[str]) -> str | None:
+    """The first 'node.output' of `spec` whose node is enabled (None: all are disabled)."""
+    for src in [spec] if isinstance(spec, str) else spec:
+        if src.split(".", 1)[0] in enabled:
+            return src
+    return None
 
 
 def load_plan(recipe: str = DEFAULT_RECIPE, profile: str = "cpu", overrides: list[str] | tuple[str, ...] = (),
@@ -183,36 +227,51 @@ def load_plan(recipe: str = DEFAULT_RECIPE, profile: str = "cpu", overrides: lis
     raw, recipe_path = _load_yaml(recipe, RECIPE_DIR, "recipe")
     raw_profile, _ = _load_yaml(profile, PROFILE_DIR, "profile")
     try:
-        rec = RecipeConfig.model_validate(raw)
-    except ValidationError as e:
-        raise ConfigError(f"recipe {recipe_path}: {pydantic_message(e, '')}") from None
-    try:
         prof = ProfileConfig.model_validate(raw_profile)
     except ValidationError as e:
         raise ConfigError(f"profile {profile}: {pydantic_message(e, '')}") from None
+    parsed = [(*parse_override(text), text) for text in overrides]
+    recipe_name = str(raw.get("name", recipe))
+    overlay = prof.recipes.get(recipe_name)
+    options = _options(raw, recipe_name, overlay, parsed)
+    if options and isinstance(raw.get("nodes"), dict):
+        raw = {**raw, "options": options, "nodes": _substitute(raw["nodes"], options)}
+    try:
+        rec = RecipeConfig.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(f"recipe {recipe_path}: {pydantic_message(e, '')}") from None
 
+    enabled = {name for name, n in rec.nodes.items() if n.when}
     model, seed = prof.model or rec.model, rec.seed
-    node_cfgs = {name: dict(n.config) for name, n in rec.nodes.items()}
+    node_cfgs = {name: dict(n.config) for name, n in rec.nodes.items() if name in enabled}
     node_seeds = {name: n.seed for name, n in rec.nodes.items()}
     for name, n in rec.nodes.items():
         if n.stage not in STAGE_MODULES:
             raise ConfigError(f"recipe {rec.name!r} node {name!r}: unknown stage {n.stage!r}; known: {', '.join(STAGE_MODULES)}")
-        node_cfgs[name] = deep_merge(node_cfgs[name], prof.stages.get(n.stage, {}))
-    for name, overlay in prof.nodes.items():
-        if name in node_cfgs:  # a profile may size nodes that only some recipes have
-            node_cfgs[name] = deep_merge(node_cfgs[name], overlay)
-    for stage_type in prof.stages:
-        if stage_type not in STAGE_MODULES:
-            raise ConfigError(f"profile {prof.name!r}: unknown stage type {stage_type!r}")
+    layers = [(prof.stages, prof.nodes, f"profile {prof.name!r}")]
+    if overlay is not None:
+        layers.append((overlay.stages, overlay.nodes, f"profile {prof.name!r} recipes.{recipe_name}"))
+    for stages, nodes_overlay, where in layers:
+        for stage_type in stages:
+            if stage_type not in STAGE_MODULES:
+                raise ConfigError(f"{where}: unknown stage type {stage_type!r}")
+        for name in node_cfgs:
+            node_cfgs[name] = deep_merge(node_cfgs[name], stages.get(rec.nodes[name].stage, {}))
+        for name, cfg_overlay in nodes_overlay.items():
+            if name in node_cfgs:  # a profile may size nodes that only some recipes (or options) have
+                node_cfgs[name] = deep_merge(node_cfgs[name], cfg_overlay)
+            elif overlay is not None and nodes_overlay is overlay.nodes and name not in rec.nodes:
+                raise ConfigError(f"{where}: recipe {rec.name!r} has no node {name!r}")
 
-    for text in overrides:
-        path, value = parse_override(text)
+    for path, value, text in parsed:
         if path == ["model"]:
             model = str(value)
         elif path == ["seed"]:
             if not isinstance(value, int):
                 raise ConfigError(f"--set seed: expected an integer, got {value!r}")
             seed = value
+        elif path[0] == "options":
+            continue  # applied above
         elif path[0] in node_cfgs:
             if len(path) == 2 and path[1] == "seed":
                 node_seeds[path[0]] = int(value)
@@ -220,12 +279,29 @@ def load_plan(recipe: str = DEFAULT_RECIPE, profile: str = "cpu", overrides: lis
                 raise ConfigError(f"--set {text!r}: name a config key, e.g. {path[0]}.<key>=VALUE")
             else:
                 _set_path(node_cfgs[path[0]], path[1:], value)
+        elif path[0] in rec.nodes:
+            raise ConfigError(f"--set {text!r}: node {path[0]!r} is disabled in this run (its `when` is false; "
+                              f"see the recipe's options: {', '.join(f'{k}={v}' for k, v in rec.options.items())})")
         else:
+            extra = " or options.NAME=" if rec.options else ""
             raise ConfigError(f"--set {text!r}: unknown stage node {path[0]!r} in recipe {rec.name!r}; "
-                              f"nodes: {', '.join(rec.nodes)} (or model=, seed=)")
+                              f"nodes: {', '.join(rec.nodes)} (or model=, seed={extra})")
+
+    wiring: dict[str, dict[str, str]] = {}
+    for name in [n for n in rec.nodes if n in enabled]:
+        spec = rec.nodes[name]
+        declared = get_stage(spec.stage).INPUTS
+        wiring[name] = {}
+        for inp, sources in spec.inputs.items():
+            src = _resolve_sources(sources, enabled)
+            if src is not None:
+                wiring[name][inp] = src
+            elif inp in declared and not declared[inp].endswith("?"):
+                raise ConfigError(f"node {name!r} input {inp!r}: every source ({', '.join([sources] if isinstance(sources, str) else sources)}) "
+                                  f"is disabled by its `when`; add an enabled alternative or disable {name!r} too")
 
     nodes = []
-    for name in _topological({k: v.model_dump() for k, v in rec.nodes.items()}):
+    for name in _topological({n: [src.split(".", 1)[0] for src in w.values()] for n, w in wiring.items()}):
         spec = rec.nodes[name]
         module = get_stage(spec.stage)
         cfg_dict = _substitute(node_cfgs[name], {"model": model})
@@ -241,7 +317,7 @@ def load_plan(recipe: str = DEFAULT_RECIPE, profile: str = "cpu", overrides: lis
         if _required(declared) - given:
             raise ConfigError(f"node {name!r}: missing input(s) {sorted(_required(declared) - given)} of stage {spec.stage!r}")
         inputs = {}
-        for inp, src in spec.inputs.items():
+        for inp, src in wiring[name].items():
             up, out = src.split(".", 1)
             up_outputs = get_stage(rec.nodes[up].stage).OUTPUTS
             if out not in up_outputs:
@@ -253,4 +329,4 @@ def load_plan(recipe: str = DEFAULT_RECIPE, profile: str = "cpu", overrides: lis
         if run_checks and hasattr(module, "check"):
             module.check(cfg)
         nodes.append(Node(name, spec.stage, cfg, inputs, node_seeds[name] if node_seeds[name] is not None else seed))
-    return Plan(rec.name, prof.name, rec.description, model, seed, nodes, tuple(overrides))
+    return Plan(rec.name, prof.name, rec.description, model, seed, nodes, tuple(overrides), dict(rec.options))

@@ -2,8 +2,8 @@
 
 **Report.** `build_report` turns the stage results of one pipeline run into markdown (one table
 row per stage node: status run/cached/skipped, seconds, key metrics, a link to the stage's MLflow
-run; an evaluation table; the registry entry) and PNG plots, one per kind and only where there is
-data:
+run; the model comparison table; the registry entry) and PNG plots, one per kind and only where
+there is data:
 
 - `training_loss.png`: `train/loss` over steps, one panel per stage node that logged it (sft,
   reward_model, grpo, ...; their scales differ too much for one axis);
@@ -18,6 +18,21 @@ that produced the outputs, and the curves are read from there. `publish_report` 
 Prefect markdown artifact `r1flow-report-<recipe>` with the same text (a Prefect artifact cannot
 embed local files: it names where the PNGs are; with an MLflow server it embeds them by URL).
 MLflow errors propagate; a failed Prefect artifact only logs a warning.
+
+**Model comparison.** Every eval node of a recipe scores its model on the same held-out prompts, so
+`comparison_rows` (pure) makes one row per eval node that ran or was cached and logged `accuracy`:
+eval node, model node, model and eval-output fingerprints, status, accuracy, lenient accuracy,
+pass@k (the k that was logged), format rate, mean length, tokens/s and `<task>/accuracy` for every
+task seen. The report shows them under "Model comparison"; `publish_report` logs them (full
+fingerprints, with recipe, profile and parent run id) as `report/comparison.json` and
+`report/comparison.csv`, only when there are rows, so a run without evals never hides an earlier
+comparison. Old vs new, by lineage: `previous_comparison` loads `report/comparison.json` of the
+newest other FINISHED parent run (tags `r1flow.recipe`, `r1flow.profile`; no `mlflow.parentRunId`)
+of the same recipe and profile in this experiment, started no later than this one, passing over
+at most `MAX_PREVIOUS_RUNS` runs without one. Under each eval node whose model fingerprint differs
+from that run's row for the same eval node (a changed upstream config re-ran the model), the
+table adds the previous row, `↳ previous (run <id>)`; unchanged fingerprints get none. Those rows
+are in `comparison.json` under `previous` and in the CSV with their own `parent_run_id`.
 
 **Registry scheme.** One registered model per recipe, `r1flow-<recipe>`. Its versions are the
 recipe's model artifacts that matter:
@@ -50,7 +65,9 @@ stage, fingerprint and eval results.
 
 from __future__ import annotations
 
+import csv
 import io
+import json
 import logging
 import math
 import re
@@ -79,7 +96,13 @@ FINGERPRINT_TAG = "r1flow.fingerprint"
 TRAIN_LOSS = "train/loss"
 GRPO_CURVES = (("reward/mean", "reward mean"), ("completion/mean_length", "completion length (tokens)"),
                ("eval/accuracy", "held-out accuracy during training"))
-EVAL_COLUMNS = (("accuracy", "accuracy"), ("format_rate", "format rate"), ("mean_length", "mean length"))
+COMPARISON_JSON = "comparison.json"  # under REPORT_DIR; written by publish_report, read by previous_comparison
+COMPARISON_CSV = "comparison.csv"
+MAX_PREVIOUS_RUNS = 5  # earlier parent runs tried for a comparison.json before giving up
+COMPARISON_COLUMNS = (("accuracy", "accuracy"), ("accuracy_lenient", "lenient acc"), ("pass_at_k", "pass@k"),
+                      ("format_rate", "format rate"), ("mean_length", "mean length"), ("tokens_per_s", "tokens/s"))
+PASS_AT_K = re.compile(r"pass_at_(\d+)")  # full match: `pass_at_1_sampled` and `<task>/pass_at_k` are not it
+TASK_ACCURACY = re.compile(r"(.+)/accuracy")  # full match: not `<task>/accuracy_lenient`
 
 
 def slug(text: str) -> str:
@@ -211,12 +234,172 @@ def plot_eval(rows: list[tuple[str, dict[str, float]]]) -> bytes:
     return _png(fig)
 
 
+# ---------------------------------------------------------------------------------------- model comparison
+def _finite(value: float | None) -> float | None:
+    """JSON and the table have no NaN: an unscored metric is missing, not a number."""
+    return float(value) if value is not None and math.isfinite(value) else None
+
+
+def comparison_rows(plan: Plan, results: list[StageResult]) -> list[dict[str, Any]]:
+    """One row per eval node that ran or was cached and logged `accuracy`, in plan order (pure).
+
+    Keys: eval, model, model_output, model_fingerprint, eval_fingerprint, status, mlflow_run_id,
+    accuracy, accuracy_lenient, pass_k and pass_at_k (the largest k logged as `pass_at_<k>`),
+    format_rate, mean_length, tokens_per_s, and `<task>/accuracy` for every task any row has;
+    every row has every key, None where a value is missing or not finite.
+    """
+    outputs = {r.node: r.outputs for r in results}
+    evals = [r for r in results if r.stage == "eval" and r.status != "skipped" and "accuracy" in r.metrics]
+    tasks = sorted({m.group(1) for r in evals for k in r.metrics if (m := TASK_ACCURACY.fullmatch(k))})
+    rows = []
+    for r in evals:
+        model, output = plan.node(r.node).inputs.get("model", (None, None))
+        ks = [int(m.group(1)) for k in r.metrics if (m := PASS_AT_K.fullmatch(k))]
+        k = max(ks) if ks else None
+        row: dict[str, Any] = {
+            "eval": r.node, "model": model, "model_output": output,
+            "model_fingerprint": outputs.get(model, {}).get(output), "eval_fingerprint": next(iter(r.outputs.values()), None),
+            "status": r.status, "mlflow_run_id": r.mlflow_run_id, "pass_k": k,
+            "pass_at_k": _finite(r.metrics.get(f"pass_at_{k}")) if k else None}
+        row.update({key: _finite(r.metrics.get(key)) for key, _ in COMPARISON_COLUMNS if key != "pass_at_k"})
+        row.update({f"{t}/accuracy": _finite(r.metrics.get(f"{t}/accuracy")) for t in tasks})
+        rows.append(row)
+    return rows
+
+
+def changed_rows(rows: list[dict[str, Any]], previous_rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """eval node -> the previous run's row for it, where that row's model had another fingerprint."""
+    before = {p.get("eval"): p for p in previous_rows}
+    return {r["eval"]: before[r["eval"]] for r in rows
+            if r["eval"] in before and before[r["eval"]].get("model_fingerprint") != r["model_fingerprint"]}
+
+
+def _search_value(value: str) -> str | None:
+    """A quoted string literal for an MLflow search filter, or None when the value has both quotes."""
+    for quote in ("'", '"'):
+        if quote not in value:
+            return f"{quote}{value}{quote}"
+    return None
+
+
+def _load_comparison(tracker: Tracker, run_id: str) -> dict[str, Any] | None:
+    with tempfile.TemporaryDirectory(prefix="r1flow-comparison-") as tmp:
+        try:
+            path = tracker.client.download_artifacts(run_id, f"{REPORT_DIR}/{COMPARISON_JSON}", tmp)
+            data = json.loads(Path(path).read_text())
+        except (MlflowException, OSError, ValueError):  # no such artifact (no evals, older r1flow), or unreadable
+            return None
+    return data if isinstance(data, dict) and isinstance(data.get("rows"), list) else None
+
+
+def previous_comparison(tracker: Tracker, plan: Plan, parent_run_id: str) -> dict[str, Any] | None:
+    """`report/comparison.json` of the newest other FINISHED parent run of the plan's recipe and
+    profile in this experiment, started no later than `parent_run_id`; runs without one are passed
+    over, at most MAX_PREVIOUS_RUNS of them. None when there is none. Its `parent_run_id` is the
+    run it was read from."""
+    wanted = {"r1flow.recipe": plan.recipe, "r1flow.profile": plan.profile}
+    clauses = ["attributes.status = 'FINISHED'"]
+    clauses += [f"tags.`{k}` = {q}" for k, v in wanted.items() if (q := _search_value(v))]  # else checked below only
+    current = _get_run(tracker, parent_run_id)
+    if current is not None:
+        clauses.append(f"attributes.start_time <= {current.info.start_time}")
+    runs = tracker.client.search_runs([tracker.experiment_id], " and ".join(clauses),
+                                      max_results=MAX_PREVIOUS_RUNS + 1, order_by=["attributes.start_time DESC"])
+    tried = 0
+    for run in runs:
+        tags = run.data.tags
+        if (run.info.run_id == parent_run_id or "mlflow.parentRunId" in tags
+                or any(tags.get(k) != v for k, v in wanted.items())):
+            continue
+        if tried == MAX_PREVIOUS_RUNS:
+            break
+        tried += 1
+        if (data := _load_comparison(tracker, run.info.run_id)) is not None:
+            return {**data, "parent_run_id": run.info.run_id}
+    return None
+
+
+def comparison_payload(plan: Plan, parent_run_id: str, rows: list[dict[str, Any]],
+                       previous: dict[str, Any] | None) -> dict[str, Any]:
+    """What `report/comparison.json` holds: this run's rows and, under `previous`, the rows of the
+    previous comparison whose model fingerprint differs (None when there was no previous run)."""
+    prev = None
+    if previous is not None:
+        prev = {"parent_run_id": previous["parent_run_id"],
+                "rows": list(changed_rows(rows, previous["rows"]).values())}
+    return {"recipe": plan.recipe, "profile": plan.profile, "parent_run_id": parent_run_id, "rows": rows,
+            "previous": prev}
+
+
+def comparison_csv(payload: dict[str, Any]) -> str:
+    """The rows as CSV, each previous row right below the row of its eval node; the column
+    `parent_run_id` says which run a row belongs to."""
+    prev = payload["previous"] or {"parent_run_id": None, "rows": []}
+    before = {p.get("eval"): p for p in prev["rows"]}
+    lines = []
+    for row in payload["rows"]:
+        lines.append({"parent_run_id": payload["parent_run_id"], **row})
+        if row["eval"] in before:
+            lines.append({"parent_run_id": prev["parent_run_id"], **before[row["eval"]]})
+    columns = list(dict.fromkeys(k for line in lines for k in line))
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, columns, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(lines)
+    return buf.getvalue()
+
+
+def _cell(value: Any) -> str:
+    return fmt_metric(value) if isinstance(value, (int, float)) and math.isfinite(value) else "—"
+
+
+def comparison_markdown(payload: dict[str, Any], tracker: Tracker) -> list[str]:
+    """The "Model comparison" section: the table, then what its previous rows are."""
+    rows, prev = payload["rows"], payload["previous"]
+    before = {p.get("eval"): p for p in prev["rows"]} if prev else {}
+    shown = rows + list(before.values())
+    tasks = list(dict.fromkeys(m.group(1) for r in shown for k in r if (m := TASK_ACCURACY.fullmatch(k))))
+    ks = {r.get("pass_k") for r in shown if r.get("pass_at_k") is not None}
+    one_k = len(ks) == 1
+    titles = [f"pass@{next(iter(ks))}" if key == "pass_at_k" and one_k else title for key, title in COMPARISON_COLUMNS]
+    md = ["", "## Model comparison", "",
+          "| eval | model | model fp | " + " | ".join(titles + [f"acc: {t}" for t in tasks]) + " |",
+          "|---|---|---|" + "---|" * (len(titles) + len(tasks))]
+
+    def line(label: str, row: dict[str, Any]) -> str:
+        cells = []
+        for key, _ in COMPARISON_COLUMNS:
+            cell = _cell(row.get(key))
+            if key == "pass_at_k" and not one_k and row.get(key) is not None:
+                cell += f" (k={row.get('pass_k')})"
+            cells.append(cell)
+        cells += [_cell(row.get(f"{t}/accuracy")) for t in tasks]
+        fp = row.get("model_fingerprint")
+        return f"| {label} | {row.get('model') or '?'} | {fp[:8] if fp else '—'} | " + " | ".join(cells) + " |"
+
+    for row in rows:
+        md.append(line(row["eval"], row))
+        if row["eval"] in before:
+            md.append(line(f"↳ previous (run {prev['parent_run_id'][:8]})", before[row["eval"]]))
+    md.append("")
+    if prev is not None:
+        link = _link(tracker, prev["parent_run_id"], tracker.experiment_id)
+        md.append(f"Rows marked previous: the same eval node in run {link}, whose model had another fingerprint "
+                  "(changed upstream config)." if before else
+                  f"Compared with run {link}: every evaluated model has the same fingerprint there.")
+        md.append("")
+    md.append(f"Full fingerprints: `{REPORT_DIR}/{COMPARISON_JSON}` and `{REPORT_DIR}/{COMPARISON_CSV}` in the "
+              "parent run's artifacts.")
+    return md
+
+
 # ---------------------------------------------------------------------------------------- report
 @dataclass
 class Report:
     recipe: str
     markdown: str
     images: list[tuple[str, bytes]] = field(default_factory=list)  # (file name, PNG bytes)
+    comparison: dict[str, Any] | None = None  # comparison.json (comparison_payload); None: no eval rows
 
     @property
     def key(self) -> str:
@@ -228,14 +411,10 @@ def _link(tracker: Tracker, run_id: str, experiment_id: str) -> str:
     return f"[{run_id[:8]}]({target})"
 
 
-def _eval_model(plan: Plan, node: str) -> str:
-    src = plan.node(node).inputs.get("model")
-    return src[0] if src else "?"
-
-
 def build_report(plan: Plan, results: list[StageResult], tracker: Tracker, parent_run_id: str,
                  registration: Registration | None = None) -> Report:
-    """The run's report: markdown (stage table, evals, registry entry, plots) and the PNGs."""
+    """The run's report: markdown (stage table, model comparison beside the previous run's where a
+    model's fingerprint changed, registry entry, plots), the PNGs and the comparison payload."""
     runs = {r.node: stage_runs(tracker, r) for r in results}
     md = [f"# r1flow run: recipe `{plan.recipe}`, profile `{plan.profile}`", "",
           f"MLflow parent run: {_link(tracker, parent_run_id, tracker.experiment_id)}; this report and its "
@@ -253,19 +432,16 @@ def build_report(plan: Plan, results: list[StageResult], tracker: Tracker, paren
                 link += f" (produced by {_link(tracker, sr.source_run_id, sr.source_experiment_id)})"
         md.append(f"| {r.node} | {r.stage} | {r.status} | {r.seconds:.1f} | {metrics} | {link} | {outs} |")
 
-    evals = [(r, _eval_model(plan, r.node)) for r in results
-             if r.stage == "eval" and r.status != "skipped" and "accuracy" in r.metrics]
-    if evals:
-        md += ["", "## Evaluation", "", "| eval | model | " + " | ".join(t for _, t in EVAL_COLUMNS) + " |",
-               "|---|---|" + "---|" * len(EVAL_COLUMNS)]
-        for r, model in evals:
-            cells = " | ".join(fmt_metric(r.metrics[k]) if k in r.metrics else "—" for k, _ in EVAL_COLUMNS)
-            md.append(f"| {r.node} | {model} | {cells} |")
+    rows = comparison_rows(plan, results)
+    comparison = None
+    if rows:
+        comparison = comparison_payload(plan, parent_run_id, rows, previous_comparison(tracker, plan, parent_run_id))
+        md += comparison_markdown(comparison, tracker)
 
     if registration is not None:
         md += ["", "## Model registry", "", registration.markdown(tracker)]
 
-    images = _plots(plan, results, runs, tracker, evals)
+    images = _plots(results, runs, tracker, rows)
     md += ["", "## Plots", ""]
     if not images:
         md.append("No training curves or eval results in this run.")
@@ -275,11 +451,11 @@ def build_report(plan: Plan, results: list[StageResult], tracker: Tracker, paren
         md += [f"![{title}]({url})", ""] if url else [f"- {title}: `{path}` in the parent run's artifacts"]
     if not tracker.is_server:
         md += ["", f"MLflow links are relative to the MLflow UI; open it with `{tracker.ui_hint()}`."]
-    return Report(plan.recipe, "\n".join(md) + "\n", [(n, png) for n, _, png in images])
+    return Report(plan.recipe, "\n".join(md) + "\n", [(n, png) for n, _, png in images], comparison)
 
 
-def _plots(plan: Plan, results: list[StageResult], runs: dict[str, StageRuns | None], tracker: Tracker,
-           evals: list[tuple[StageResult, str]]) -> list[tuple[str, str, bytes]]:
+def _plots(results: list[StageResult], runs: dict[str, StageRuns | None], tracker: Tracker,
+           comparison: list[dict[str, Any]]) -> list[tuple[str, str, bytes]]:
     """(file name, title, PNG) for each kind of plot that has data."""
     images = []
     loss: dict[str, tuple[list[int], list[float]]] = {}
@@ -300,9 +476,10 @@ def _plots(plan: Plan, results: list[StageResult], runs: dict[str, StageRuns | N
     if grpo:
         grpo = {k: grpo[k] for k, _ in GRPO_CURVES if k in grpo}
         images.append(("grpo.png", "GRPO reward mean and completion length over steps", plot_grpo(grpo)))
-    if evals:
-        rows = [(f"{r.node}\n({model})", r.metrics) for r, model in evals]
-        images.append(("eval.png", "eval accuracy and format rate per model", plot_eval(rows)))
+    bars = [(f"{r['eval']}\n({r['model']})", {k: r[k] for k in ("accuracy", "format_rate") if r[k] is not None})
+            for r in comparison]
+    if any(m for _, m in bars):
+        images.append(("eval.png", "eval accuracy and format rate per model", plot_eval(bars)))
     return images
 
 
@@ -317,16 +494,20 @@ def _in_prefect_run() -> bool:
 
 
 def publish_report(report: Report, tracker: Tracker, parent_run_id: str) -> dict[str, Any]:
-    """Log `report/report.md` and the PNGs to the parent run (MLflow errors propagate); inside a
-    Prefect flow run also create the markdown artifact `report.key` (a failure there only warns)."""
+    """Log `report/report.md`, the PNGs and (with eval rows) `report/comparison.json` and
+    `report/comparison.csv` to the parent run (MLflow errors propagate); inside a Prefect flow run
+    also create the markdown artifact `report.key` (a failure there only warns)."""
     with tempfile.TemporaryDirectory(prefix="r1flow-report-") as tmp:
         d = Path(tmp)
         (d / "report.md").write_text(report.markdown)
         for name, png in report.images:
             (d / name).write_bytes(png)
+        if report.comparison is not None:
+            (d / COMPARISON_JSON).write_text(json.dumps(report.comparison, indent=1))
+            (d / COMPARISON_CSV).write_text(comparison_csv(report.comparison))
+        names = sorted(p.name for p in d.iterdir())
         tracker.log_dir(parent_run_id, d, REPORT_DIR)
-    out: dict[str, Any] = {"mlflow_artifacts": [f"{REPORT_DIR}/report.md"] + [f"{REPORT_DIR}/{n}" for n, _ in report.images],
-                           "prefect_artifact_id": None}
+    out: dict[str, Any] = {"mlflow_artifacts": [f"{REPORT_DIR}/{n}" for n in names], "prefect_artifact_id": None}
     if _in_prefect_run():
         try:
             from prefect.artifacts import create_markdown_artifact

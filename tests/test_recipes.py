@@ -93,3 +93,79 @@ def test_parse_override_types():
     assert parse_override("a=true") == (["a"], True)
     assert parse_override("a=eval") == (["a"], "eval")
     assert parse_override("a=[1, 2]") == (["a"], [1, 2])
+
+
+OPTIONS_RECIPE = """
+name: opts
+options: {use_b: true, init: a, layers: [0, 1]}
+nodes:
+  a: {stage: import_model, config: {ref: tiny-random}}
+  b: {stage: import_model, when: "${use_b}", config: {ref: tiny-random}}
+  p: {stage: prompts}
+  s:
+    stage: sft
+    inputs: {model: "${init}.model", data: p.prompts}
+  e:
+    stage: eval
+    inputs: {model: [b.model, s.model], prompts: p.prompts}
+  st:
+    stage: make_student
+    inputs: {model: a.model}
+    config: {keep_layers: "${layers}"}
+"""
+
+
+def test_recipe_options_when_and_input_alternatives(tmp_path):
+    path = tmp_path / "opts.yaml"
+    path.write_text(OPTIONS_RECIPE)
+    plan = load_plan(str(path), "tiny")
+    assert plan.options == {"use_b": True, "init": "a", "layers": [0, 1]}
+    assert plan.node("e").inputs["model"] == ("b", "model")  # first enabled alternative
+    assert plan.node("s").inputs["model"] == ("a", "model")
+    assert plan.node("st").config.keep_layers == [0, 1]  # a whole-string placeholder keeps the list
+
+    plan = load_plan(str(path), "tiny", ["options.use_b=false"])
+    assert "b" not in {n.name for n in plan.nodes}
+    assert plan.node("e").inputs["model"] == ("s", "model")  # falls through to the next source
+
+    with pytest.raises(ConfigError, match="every source \\(b.model\\) is disabled"):
+        load_plan(str(path), "tiny", ["options.use_b=false", "options.init=b"])
+    with pytest.raises(ConfigError, match="has no option 'nope'; its options: use_b, init, layers"):
+        load_plan(str(path), "tiny", ["options.nope=1"])
+    with pytest.raises(ConfigError, match="node 'b' is disabled in this run"):
+        load_plan(str(path), "tiny", ["options.use_b=false", "b.ref=x"])
+
+
+def test_r1_options_rewire_the_dag():
+    default = load_plan("r1", "tiny")
+    names = {n.name for n in default.nodes}
+    assert {"dpo", "dpo_reference", "eval_dpo"} <= names
+    assert default.node("sft").inputs["model"] == ("base", "model")
+    assert default.node("grpo_final").inputs["model"] == ("dpo", "model")
+    assert default.node("grpo_final").inputs["reward_model"] == ("reward_model", "model")
+
+    plan = load_plan("r1", "tiny", ["options.dpo=false", "options.sft_init=grpo_reasoning",
+                                    "options.student_layers=[0]"])
+    names = {n.name for n in plan.nodes}
+    assert not {"dpo", "dpo_reference", "eval_dpo"} & names
+    assert plan.node("grpo_final").inputs["model"] == ("sft", "model")
+    assert plan.node("sft").inputs["model"] == ("grpo_reasoning", "model")
+    assert plan.node("student").config.keep_layers == [0]
+    # every model the recipe produces is evaluated, on the same prompts
+    evaluated = {n.inputs["model"][0] for n in default.nodes if n.stage == "eval"}
+    assert evaluated == {"base", "sft_cold", "grpo_reasoning", "sft", "dpo", "grpo_final", "distill"}
+    assert {n.inputs["prompts"] for n in default.nodes if n.stage == "eval"} == {("prompts", "prompts")}
+
+
+def test_profile_recipe_overlay_applies_to_that_recipe_only(tmp_path):
+    profile = tmp_path / "p.yaml"
+    profile.write_text("name: p\nmodel: tiny-random\nstages: {eval: {max_prompts: 7}}\n"
+                       "recipes: {r1: {stages: {eval: {max_prompts: 5}}, nodes: {eval_base: {max_prompts: 3}},"
+                       " options: {dpo: false}}}\n")
+    r1 = load_plan("r1", str(profile))
+    assert r1.node("eval_sft").config.max_prompts == 5 and r1.node("eval_base").config.max_prompts == 3
+    assert r1.options["dpo"] is False and "dpo" not in {n.name for n in r1.nodes}
+    assert load_plan("sft-eval", str(profile)).node("eval_sft").config.max_prompts == 7
+    profile.write_text("name: p\nmodel: tiny-random\nrecipes: {r1: {nodes: {evl_base: {max_prompts: 3}}}}\n")
+    with pytest.raises(ConfigError, match="recipes.r1: recipe 'r1' has no node 'evl_base'"):
+        load_plan("r1", str(profile))

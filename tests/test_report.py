@@ -3,7 +3,9 @@ scheme, on fake stage results against a real sqlite MLflow store."""
 
 from __future__ import annotations
 
+import csv
 import dataclasses
+import json
 
 import pytest
 
@@ -14,8 +16,10 @@ from flows.report import (
     FINAL_ALIAS,
     artifact_key,
     build_report,
+    comparison_rows,
     evaluated_models,
     final_model_nodes,
+    previous_comparison,
     publish_report,
     register_models,
     registered_model_name,
@@ -109,7 +113,9 @@ def test_report_has_one_row_per_stage_with_status_and_link_and_plots_with_data(t
         assert f"(#/experiments/{tracker.experiment_id}/runs/{r.mlflow_run_id})" in rows[r.node][5]
     assert "final_loss=1" in rows["sft"][4] and "accuracy=0.500" in rows["eval_sft"][4]
     assert "mlflow ui --backend-store-uri" in report.markdown  # local store: how to open the links
-    assert "| eval_sft | sft | 0.500 | 0.900 |" in report.markdown  # evaluation table names the model
+    # the comparison table names the model and its fingerprint; unlogged metrics are dashes
+    assert f"| eval_sft | sft | {fp('sft-1')[:8]} | 0.500 | — | — | 0.900 | — | — |" in report.markdown
+    assert "↳ previous" not in report.markdown and "Compared with run" not in report.markdown  # no earlier run
     names = [n for n, _ in report.images]
     assert names == ["training_loss.png", "eval.png"]  # no GRPO stage: no GRPO plot
     assert all(png.startswith(PNG_MAGIC) and len(png) > 1000 for _, png in report.images)
@@ -159,9 +165,131 @@ def test_publish_logs_report_and_pngs_to_mlflow_outside_prefect(tracker, tmp_pat
     out = publish_report(report, tracker, parent)
     assert out["prefect_artifact_id"] is None  # not inside a flow run
     logged = {a.path for a in tracker.client.list_artifacts(parent, "report")}
-    assert logged == {"report/report.md", "report/training_loss.png", "report/eval.png"}
+    assert logged == {"report/report.md", "report/training_loss.png", "report/eval.png",
+                      "report/comparison.json", "report/comparison.csv"}
+    assert sorted(out["mlflow_artifacts"]) == sorted(logged)
     path = tracker.client.download_artifacts(parent, "report/eval.png", str(tmp_path))
     assert open(path, "rb").read().startswith(PNG_MAGIC)
+
+    data = json.loads(open(tracker.client.download_artifacts(parent, "report/comparison.json", str(tmp_path))).read())
+    assert (data["recipe"], data["profile"], data["parent_run_id"]) == ("sft-eval", "tiny", parent)
+    assert data["previous"] is None
+    assert [(r["eval"], r["model"], r["model_fingerprint"], r["accuracy"]) for r in data["rows"]] == [
+        ("eval_base", "base", fp("base"), 0.25), ("eval_sft", "sft", fp("sft-1"), 0.5)]
+    with open(tracker.client.download_artifacts(parent, "report/comparison.csv", str(tmp_path))) as f:
+        lines = list(csv.DictReader(f))
+    assert [(r["parent_run_id"], r["eval"], r["model_fingerprint"], r["accuracy"], r["format_rate"], r["pass_at_k"])
+            for r in lines] == [(parent, "eval_base", fp("base"), "0.25", "0.1", ""),
+                                (parent, "eval_sft", fp("sft-1"), "0.5", "0.9", "")]
+
+
+def test_comparison_rows_on_literal_results():
+    """pass@k is the logged pass_at_<k> (not pass_at_1_sampled), tasks are the union over rows,
+    NaN is missing, and skipped evals or evals without accuracy get no row."""
+    plan = load_plan("sft-eval", "tiny")
+    base = {"accuracy": 0.25, "accuracy_lenient": float("nan"), "format_rate": 0.5, "mean_length": 40.0,
+            "tokens_per_s": 120.0, "arith/accuracy": 0.2, "arith/accuracy_lenient": 0.3, "arith/pass_at_4": 0.9}
+    sft = {"accuracy": 0.5, "accuracy_lenient": 0.6, "pass_at_4": 0.75, "pass_at_1_sampled": 0.3,
+           "format_rate": 1.0, "mean_length": 30.0, "tokens_per_s": 100.0, "arith/accuracy": 0.4,
+           "count/accuracy": 0.8, "prompts": 10.0}
+    results = [StageResult("base", "import_model", "cached", 0.0, "", {"model": fp("base")}, {}, "r0"),
+               StageResult("prompts", "prompts", "cached", 0.0, "", {"prompts": fp("prompts")}, {}, "r1"),
+               StageResult("sft", "sft", "run", 1.0, "", {"model": fp("sft")}, {}, "r2"),
+               StageResult("eval_base", "eval", "cached", 0.0, "", {"results": fp("eb")}, base, "r3"),
+               StageResult("eval_sft", "eval", "run", 1.0, "", {"results": fp("es")}, sft, "r4")]
+    rows = comparison_rows(plan, results)
+    assert [r["eval"] for r in rows] == ["eval_base", "eval_sft"]
+    b, s = rows
+    assert (b["model"], b["model_output"], b["model_fingerprint"], b["eval_fingerprint"], b["status"]) == (
+        "base", "model", fp("base"), fp("eb"), "cached")
+    assert (s["model"], s["model_fingerprint"], s["eval_fingerprint"], s["status"], s["mlflow_run_id"]) == (
+        "sft", fp("sft"), fp("es"), "run", "r4")
+    assert (s["pass_k"], s["pass_at_k"]) == (4, 0.75) and (b["pass_k"], b["pass_at_k"]) == (None, None)
+    assert (b["accuracy"], b["accuracy_lenient"], b["format_rate"], b["mean_length"], b["tokens_per_s"]) == (
+        0.25, None, 0.5, 40.0, 120.0)
+    assert (b["arith/accuracy"], b["count/accuracy"], s["arith/accuracy"], s["count/accuracy"]) == (0.2, None, 0.4, 0.8)
+    assert set(b) == set(s) and not any(k.endswith(("accuracy_lenient", "pass_at_4")) and "/" in k for k in b)
+
+    skipped = [dataclasses.replace(r, status="skipped") if r.node == "eval_base" else r for r in results]
+    no_accuracy = [dataclasses.replace(r, metrics={"format_rate": 1.0}) if r.node == "eval_sft" else r for r in results]
+    assert [r["eval"] for r in comparison_rows(plan, skipped)] == ["eval_sft"]
+    assert [r["eval"] for r in comparison_rows(plan, no_accuracy)] == ["eval_base"]
+    assert comparison_rows(plan, results[:3]) == []
+
+
+def parent_run(tracker: Tracker, plan, name: str) -> str:
+    """A parent run as run_plan starts it: tagged with recipe and profile, no mlflow.parentRunId."""
+    return tracker.start_run(name, {"r1flow.recipe": plan.recipe, "r1flow.profile": plan.profile})
+
+
+def comparison_table(markdown: str) -> list[list[str]]:
+    section = markdown.split("## Model comparison")[1].split("\n## ")[0]
+    return [[c.strip() for c in line.strip().strip("|").split("|")] for line in section.splitlines()
+            if line.startswith("| ") and not line.startswith("| eval |")]
+
+
+def test_rerun_with_changed_model_shows_the_previous_row_for_that_eval_only(tracker, tmp_path, monkeypatch):
+    plan = load_plan("sft-eval", "tiny")
+    p1 = parent_run(tracker, plan, "run-1")
+    publish_report(build_report(plan, sft_eval_results(tracker, p1, acc_base=0.25, acc_sft=0.5), tracker, p1),
+                   tracker, p1)
+    tracker.end(p1)
+    # runs that must be passed over: newer, but failed / another profile / without evals (no comparison.json)
+    failed = parent_run(tracker, plan, "failed")
+    publish_report(build_report(plan, sft_eval_results(tracker, failed, sft_fp="x"), tracker, failed), tracker, failed)
+    tracker.end(failed, ok=False)
+    other = tracker.start_run("cpu", {"r1flow.recipe": plan.recipe, "r1flow.profile": "cpu"})
+    publish_report(build_report(plan, sft_eval_results(tracker, other, sft_fp="y"), tracker, other), tracker, other)
+    tracker.end(other)
+    no_evals = parent_run(tracker, plan, "only-prompts")
+    results = [r if r.node in ("base", "prompts") else StageResult(r.node, r.stage, "skipped", 0.0)
+               for r in sft_eval_results(tracker, no_evals, loss=None)]
+    publish_report(build_report(plan, results, tracker, no_evals), tracker, no_evals)
+    tracker.end(no_evals)
+    assert "report/comparison.json" not in {a.path for a in tracker.client.list_artifacts(no_evals, "report")}
+
+    # sft.learning_rate changed: sft and eval_sft re-ran on a new sft model; eval_base's model is unchanged
+    p2 = parent_run(tracker, plan, "run-2")
+    second = sft_eval_results(tracker, p2, sft_fp="v2-sft", acc_base=0.25, acc_sft=0.1)
+    assert previous_comparison(tracker, plan, p2)["parent_run_id"] == p1
+    report = build_report(plan, second, tracker, p2)
+    assert fp("v2-sft")[:8] != fp("sft-1")[:8]
+    table = comparison_table(report.markdown)
+    assert [row[:4] for row in table] == [
+        ["eval_base", "base", fp("base")[:8], "0.250"],
+        ["eval_sft", "sft", fp("v2-sft")[:8], "0.100"],
+        [f"↳ previous (run {p1[:8]})", "sft", fp("sft-1")[:8], "0.500"]]  # the old numbers, right below
+    assert table[2][6] == "0.900"  # format rate of the old sft
+    assert f"the same eval node in run [{p1[:8]}](" in report.markdown and "changed upstream config" in report.markdown
+    prev = report.comparison["previous"]
+    assert prev["parent_run_id"] == p1 and [(r["eval"], r["model_fingerprint"], r["accuracy"]) for r in prev["rows"]] == [
+        ("eval_sft", fp("sft-1"), 0.5)]
+
+    publish_report(report, tracker, p2)
+    tracker.end(p2)
+    data = json.loads(open(tracker.client.download_artifacts(p2, "report/comparison.json", str(tmp_path))).read())
+    assert data["previous"] == json.loads(json.dumps(prev))
+    with open(tracker.client.download_artifacts(p2, "report/comparison.csv", str(tmp_path))) as f:
+        lines = list(csv.DictReader(f))
+    assert [(r["parent_run_id"], r["eval"], r["model_fingerprint"], r["accuracy"]) for r in lines] == [
+        (p2, "eval_base", fp("base"), "0.25"), (p2, "eval_sft", fp("v2-sft"), "0.1"),
+        (p1, "eval_sft", fp("sft-1"), "0.5")]
+
+    # a fully cached re-run of run 2: every fingerprint as in run 2, so no previous rows
+    p3 = parent_run(tracker, plan, "run-3")
+    report = build_report(plan, cached_rerun(tracker, p3, second), tracker, p3)
+    assert [row[0] for row in comparison_table(report.markdown)] == ["eval_base", "eval_sft"]
+    assert f"Compared with run [{p2[:8]}](" in report.markdown and "↳ previous" not in report.markdown
+    assert report.comparison["previous"] == {"parent_run_id": p2, "rows": []}
+
+    # a handful at most: with one try, run 3 only reaches run 2 (passing over nothing)
+    import flows.report as report_mod
+
+    monkeypatch.setattr(report_mod, "MAX_PREVIOUS_RUNS", 1)
+    assert previous_comparison(tracker, plan, p3)["parent_run_id"] == p2
+    p4 = parent_run(tracker, plan, "run-4")
+    tracker.end(p4)  # finished without evals: the one try is spent on it
+    assert previous_comparison(tracker, plan, parent_run(tracker, plan, "run-5")) is None
 
 
 def test_prefect_artifact_failure_only_warns(tracker, monkeypatch, caplog):

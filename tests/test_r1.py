@@ -1,0 +1,95 @@
+"""The default `r1` recipe end to end on the tiny profile: every stage runs, every model is
+evaluated on the same held-out prompts (with a transfer task), a second run is fully cached, and
+changing `dpo.beta` re-runs exactly dpo and its descendants, whose old and new results the report
+shows side by side."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from flows.cli import main
+from flows.recipes import DEFAULT_RECIPE, load_plan
+from tests.conftest import harness_home
+
+pytestmark = pytest.mark.slow
+
+EVALUATED = {"eval_base": "base", "eval_sft_cold": "sft_cold", "eval_grpo_reasoning": "grpo_reasoning",
+             "eval_sft": "sft", "eval_dpo": "dpo", "eval_grpo_final": "grpo_final", "eval_student": "distill"}
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory):
+    with harness_home(tmp_path_factory.mktemp("r1-home")) as path:
+        yield path
+
+
+def run(home: Path, *args: str) -> dict:
+    out = home / "last-run.json"
+    assert main(["run", "--profile", "tiny", "--json", str(out), *args]) == 0  # no --recipe: the default
+    return json.loads(out.read_text())
+
+
+def statuses(result: dict) -> dict[str, str]:
+    return {s["node"]: s["status"] for s in result["stages"]}
+
+
+def report_text(home: Path, result: dict) -> str:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{home}/mlflow.db")
+    path = client.download_artifacts(result["parent_run_id"], "report/report.md", str(home / f"dl-{result['parent_run_id']}"))
+    return Path(path).read_text()
+
+
+def comparison_table(report: str) -> list[str]:
+    """The rows of the report's model comparison table (header and separator dropped)."""
+    section = report.split("## Model comparison", 1)[1].split("\n## ", 1)[0]
+    return [line for line in section.splitlines() if line.startswith("| ")][1:]  # the separator starts "|-"
+
+
+def test_r1_is_the_default_recipe():
+    assert DEFAULT_RECIPE == "r1"
+
+
+def test_r1_end_to_end_then_cached_then_dpo_beta_reruns_only_its_descendants(home):
+    first = run(home)
+    assert first["recipe"] == "r1"
+    st = statuses(first)
+    assert set(st.values()) == {"run"}, st
+    by_node = {s["node"]: s for s in first["stages"]}
+    for ev in EVALUATED:
+        m = by_node[ev]["metrics"]
+        assert 0 <= m["accuracy"] <= 1 and 0 <= m["format_rate"] <= 1 and m["tokens_per_s"] > 0, ev
+        # the same held-out prompts, including the task no stage trains on (transfer)
+        assert "chain_sum/accuracy" in m and "basic_arithmetic/accuracy" in m, ev
+    assert by_node["cold_start"]["metrics"]["accepted_rows"] > 0
+    assert by_node["preference_data"]["metrics"]["pairs"] > 0
+    assert by_node["student"]["metrics"]["parameters"] < by_node["student"]["metrics"]["teacher_parameters"]
+
+    rows = comparison_table(report_text(home, first))
+    assert [row.split(" | ")[:2] for row in rows] == [[f"| {ev}", model] for ev, model in EVALUATED.items()]
+    assert not any("previous" in row for row in rows)  # the first run of this recipe and profile
+
+    again = run(home)
+    assert set(statuses(again).values()) == {"cached"}
+
+    changed = run(home, "--set", "dpo.beta=0.3")
+    ran = {n for n, s in statuses(changed).items() if s == "run"}
+    plan = load_plan("r1", "tiny")
+    assert ran == plan.descendants({"dpo"})
+    assert ran == {"dpo", "eval_dpo", "grpo_final", "eval_grpo_final", "traces", "student", "distill", "eval_student"}
+
+    rows = comparison_table(report_text(home, changed))
+    previous = [line for line in rows if "previous" in line]
+    # old and new side by side for exactly the evals whose model changed
+    assert len(previous) == 3, previous
+    for ev in ("eval_dpo", "eval_grpo_final", "eval_student"):
+        i = next(k for k, line in enumerate(rows) if line.startswith(f"| {ev} |"))
+        assert "previous" in rows[i + 1], (ev, rows[i + 1])
+    old_fp = {s["node"]: s["outputs"].get("model") for s in first["stages"]}
+    new_fp = {s["node"]: s["outputs"].get("model") for s in changed["stages"]}
+    assert old_fp["dpo"] != new_fp["dpo"] and old_fp["sft"] == new_fp["sft"]
+    assert any(old_fp["dpo"][:8] in line for line in previous) and any(new_fp["dpo"][:8] in line for line in rows)
