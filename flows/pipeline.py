@@ -32,6 +32,7 @@ from schemas.artifacts import DATA_FILE, Producer
 from schemas.errors import ArtifactError, ConfigError, R1FlowError
 from stages import get_stage
 from stages.base import Input
+from stages.launch import run_stage
 
 KEY_METRICS = {
     "import_model": ("parameters",),
@@ -163,7 +164,7 @@ def _execute_stage(*, node, stage, config, inputs, seed, key, parent_run_id, s: 
     t0 = time.perf_counter()
     ok = False
     try:
-        outputs = module.run(cfg, resolved, ctx)
+        outputs = run_stage(module, cfg, resolved, ctx)  # in this process, or under accelerate launch (resources)
         if set(outputs) != set(module.OUTPUTS):
             raise ArtifactError(f"stage {stage!r} returned outputs {sorted(outputs)}, declared {sorted(module.OUTPUTS)}")
         seconds = time.perf_counter() - t0

@@ -56,6 +56,27 @@ class GenerationSpec(Strict):
 Precision = Literal["auto", "fp32", "bf16", "fp16"]
 
 
+class ResourcesSpec(Strict):
+    """How many processes a training stage runs on (data parallel, one node).
+
+    With num_processes > 1 the pipeline launches the stage under `accelerate launch` (torchrun
+    underneath): every process loads the model, takes its share of each micro-batch (or of each
+    step's prompts, GRPO) and the gradients are summed across processes before every optimizer step,
+    normalised by the global batch, so the update is the single-process one. Batch sizes in the
+    stage config stay *global*: the same config trains the same way on 1 or N processes.
+    """
+
+    num_processes: int = Field(1, ge=1, description="Processes (one per GPU; on CPU, gloo processes). 1 runs the "
+                               "stage inside the pipeline's own process, as before.")
+    distributed_type: Literal["ddp"] = Field(
+        "ddp", description="ddp: every process holds the whole model; gradients are all-reduced once per optimizer "
+        "step. (Sharded FSDP / DeepSpeed ZeRO are not implemented yet.)"
+    )
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="torch.distributed backend; auto: nccl when every process gets a CUDA device, else gloo."
+    )
+
+
 class SandboxLimits(Strict):
     """Limits of the sandboxed subprocess that runs untrusted code (code-task rewards)."""
 
@@ -166,6 +187,16 @@ class TrainingConfig(Strict):
     precision: Precision = Field("auto", description="auto: bf16 on GPUs that support it, else fp32.")
     checkpoint_every: int = Field(25, ge=1, description="Save a resumable checkpoint every N steps.")
     keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept on disk.")
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec, description="Processes to train on; batch_size "
+                                     "is global and must divide evenly among them.")
+
+    @model_validator(mode="after")
+    def _batch_divides_among_processes(self) -> TrainingConfig:
+        n = self.resources.num_processes
+        if self.batch_size % n:
+            raise ValueError(f"batch_size={self.batch_size} does not split evenly among resources.num_processes={n}: "
+                             f"every process takes batch_size / num_processes of each micro-batch")
+        return self
 
 
 class SFTConfig(TrainingConfig):
@@ -317,7 +348,8 @@ class GRPOConfig(Strict):
     beta: float = Field(0.0, ge=0, description="KL coefficient; 0 drops the reference model entirely.")
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator (Schulman's k1/k2/k3).")
     mu: int = Field(1, ge=1, description="Optimisation epochs per rollout batch.")
-    minibatch_size: int = Field(16, ge=1, description="Sequences per optimizer micro-batch.")
+    minibatch_size: int = Field(16, ge=1, description="Sequences per forward/backward pass (per process; bounds "
+                                "memory only: the mini-batches of an epoch accumulate into one optimizer step).")
     old_logprobs: Literal["trainer", "sampler"] = Field(
         "trainer", description="trainer: recompute old log-probs with the trainer's forward pass before the update; "
         "sampler: take the sampler's log-probs, read the trainer's from the first epoch's own pass (no extra pass) "
@@ -345,6 +377,16 @@ class GRPOConfig(Strict):
     eval_every: int = Field(0, ge=0, description="Greedy held-out eval every N steps (0: off).")
     eval_prompts: int = Field(32, ge=1, description="Held-out prompts for the periodic eval.")
     split: Literal["train", "eval"] = Field("train", description="Prompts split to train on.")
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec, description="Processes to train on; each takes "
+                                     "prompts_per_step / num_processes whole groups per step.")
+
+    @model_validator(mode="after")
+    def _prompts_divide_among_processes(self) -> GRPOConfig:
+        n = self.resources.num_processes
+        if self.prompts_per_step % n:
+            raise ValueError(f"prompts_per_step={self.prompts_per_step} does not split evenly among "
+                             f"resources.num_processes={n}: every process rolls out whole groups for an equal share")
+        return self
 
 
 

@@ -19,3 +19,7 @@ class ArtifactError(R1FlowError):
 
 class ModelError(R1FlowError):
     """A model reference cannot be resolved or loaded."""
+
+
+class StageError(R1FlowError):
+    """A stage failed in a launched process (names the stage and rank; carries the traceback's tail)."""

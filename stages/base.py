@@ -84,7 +84,9 @@ class Output:
 
 
 class StageContext(Protocol):
-    """What a stage may ask of its runner."""
+    """What a stage may ask of its runner. A runner that starts the stage on several processes
+    (`stages.launch`) also gives each a `dist` (`stages.distributed.Dist`); stages read it with
+    `distributed.of(ctx)`, which is the single-process identity for contexts without one."""
 
     seed: int
     device: str

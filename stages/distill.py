@@ -27,7 +27,11 @@ Departures, on purpose:
   and compare distributions over its real tokens (the first len(tokenizer) logits), so models whose
   embedding matrices are padded to different sizes still line up;
 - the student is trained on whole sequences of at most max_length tokens; longer traces lose
-  their end (as in sft).
+  their end (as in sft);
+- on N processes each process takes 1/N of every micro-batch and divides by the step's global
+  token count (gradients summed, `stages.distributed`); on_policy splits the step's student
+  prompts among the processes (rank r samples with seed base + r) and gathers the samples, so
+  every rank sees the whole step. The held-out NLL and saving run on rank 0.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from schemas.configs import DistillConfig
 from schemas.errors import ConfigError, ModelError, SchemaError
-from stages import models
+from stages import distributed, models
 from stages.base import Input, Output, StageContext, model_output_dir, seed_everything
 from stages.distill_losses import distill_loss
 from stages.generation import generate, render_prompts
@@ -239,6 +243,7 @@ def run(cfg: DistillConfig, inputs: dict[str, Input], ctx: StageContext) -> dict
         raise SchemaError(f"{inputs['traces'].label}: every trace is held out (eval_fraction={cfg.eval_fraction})")
 
     # ---- models
+    dist = distributed.of(ctx)
     seed_everything(ctx.seed)
     student, tokenizer, merged_input = load_trainable(inputs["student"], cfg, ctx.device)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -246,11 +251,12 @@ def run(cfg: DistillConfig, inputs: dict[str, Input], ctx: StageContext) -> dict
     tokenized = [tokenize_conversation(tokenizer, c, cfg.max_length) for c in conversations]
     train = [tokenized[i] for i in train_rows if any(lab != IGNORE for lab in tokenized[i].labels[1:])]
     held = [tokenized[i] for i in held_rows if any(lab != IGNORE for lab in tokenized[i].labels[1:])][: cfg.max_heldout]
+    scoring = bool(held) and dist.is_main  # the held-out NLL is rank 0's job
     if conversations and not train and (cfg.mode != "on_policy" or cfg.teacher_fraction > 0):
         raise SchemaError(f"{inputs['traces'].label}: every training trace lost its assistant tokens to "
                           f"max_length={cfg.max_length}")
     teacher = None
-    if cfg.mode in USES_TEACHER_LOGITS or (shared and held):
+    if cfg.mode in USES_TEACHER_LOGITS or (shared and scoring):
         teacher, _ = inputs["teacher"].load_model()
         if hasattr(teacher, "merge_and_unload"):
             teacher = teacher.merge_and_unload()
@@ -272,7 +278,7 @@ def run(cfg: DistillConfig, inputs: dict[str, Input], ctx: StageContext) -> dict
     for i, m in enumerate(history):  # the curve of the interrupted run, so MLflow shows it whole
         ctx.log_metrics(m, step=i + 1)
     heldout = {}
-    if held:
+    if scoring:
         heldout["heldout_nll_before"] = state.get("heldout_nll_before") or heldout_nll(
             student, held, pad_id, cfg.batch_size, autocast_dtype, ctx.device)
         if teacher is not None:
@@ -297,26 +303,28 @@ def run(cfg: DistillConfig, inputs: dict[str, Input], ctx: StageContext) -> dict
         if total - n_teacher:
             picked = np.random.default_rng([ctx.seed, step, 2]).choice(len(prompts), total - n_teacher,
                                                                       replace=len(prompts) < total - n_teacher)
-            convs = [prompts[i]["messages"] for i in picked]
+            convs = dist.part([prompts[i]["messages"] for i in picked])  # N processes: each samples a part
             comps, stats = generate(student, tokenizer, convs, cfg.generation, n=1,
-                                    seed=ctx.seed * 1_000_003 + step, progress=False)
+                                    seed=ctx.seed * 1_000_003 + step * dist.world + dist.rank, progress=False)
             texts = render_prompts(tokenizer, convs, cfg.generation.prefill)  # a prefill is prompt: not trained
             prompt_ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
-            examples += [sampled_example(p, list(c[0].token_ids), cfg.max_length)
-                         for p, c in zip(prompt_ids, comps, strict=True)]
-            info.update({"train/student_sequences": float(total - n_teacher), "time/generation": stats.seconds,
-                         "train/sample_length": float(np.mean([c[0].num_tokens for c in comps]))})
+            sampled = dist.gather_list([(sampled_example(p, list(c[0].token_ids), cfg.max_length), c[0].num_tokens)
+                                        for p, c in zip(prompt_ids, comps, strict=True)])
+            examples += [ex for ex, _ in sampled]
+            info.update({"train/student_sequences": float(total - n_teacher),
+                         "time/generation": dist.max(stats.seconds),
+                         "train/sample_length": float(np.mean([n for _, n in sampled]))})
         return [examples[i : i + cfg.batch_size] for i in range(0, len(examples), cfg.batch_size)], info
 
     student.train()
     vocab = len(tokenizer)
     tokens_seen, t0 = 0, time.perf_counter()
-    bar = tqdm(total=cfg.max_steps, initial=start, desc=f"distill ({cfg.mode})", unit="step")
+    bar = tqdm(total=cfg.max_steps, initial=start, desc=f"distill ({cfg.mode})", unit="step", disable=not dist.is_main)
     for step in range(start, cfg.max_steps):
         lr = set_lr(optimizer, cfg.learning_rate * lr_factor(step, cfg.max_steps, warmup, cfg.lr_scheduler))
-        micro, metrics = step_batches(step)
-        batches = [collate(m, pad_id) for m in micro]
-        n_tokens = max(1, sum(int((b["labels"][:, 1:] != IGNORE).sum()) for b in batches))
+        micro, metrics = step_batches(step)  # the global step's micro-batches, on every rank
+        n_tokens = max(1, sum(lab != IGNORE for m in micro for ex in m for lab in ex.labels[1:]))
+        batches = [collate(m, pad_id) for m in map(dist.part, micro) if m]  # this process's parts
         t_train = time.perf_counter()
         step_loss = step_nll = 0.0
         for batch in batches:
@@ -325,6 +333,8 @@ def run(cfg: DistillConfig, inputs: dict[str, Input], ctx: StageContext) -> dict
             step_loss += loss_sum.item() / n_tokens
             step_nll += nll_sum / n_tokens
             tokens_seen += int(batch["attention_mask"].sum())
+        dist.sync_gradients(trainable)
+        step_loss, step_nll = dist.sum([step_loss, step_nll])
         grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm).item()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -332,7 +342,7 @@ def run(cfg: DistillConfig, inputs: dict[str, Input], ctx: StageContext) -> dict
                         "train/tokens": float(n_tokens), "time/training": time.perf_counter() - t_train})
         history.append(metrics)
         done = step + 1
-        if done % cfg.checkpoint_every == 0 or done == cfg.max_steps:
+        if dist.is_main and (done % cfg.checkpoint_every == 0 or done == cfg.max_steps):
             save_checkpoint(ctx.checkpoint_dir, done, student, optimizer,
                             {"step": done, "history": history, **heldout}, cfg.keep_checkpoints)
         ctx.log_metrics(metrics, step=done)
@@ -340,13 +350,15 @@ def run(cfg: DistillConfig, inputs: dict[str, Input], ctx: StageContext) -> dict
         bar.update(1)
     bar.close()
     elapsed = time.perf_counter() - t0
+    (tokens_seen,) = dist.sum([tokens_seen])
     trained_steps = cfg.max_steps - start
 
-    if held:
+    if scoring:
         heldout["heldout_nll_after"] = heldout_nll(student, held, pad_id, cfg.batch_size, autocast_dtype, ctx.device)
     out, model_dir = model_output_dir(ctx, "model")
     merge = cfg.lora.merge or merged_input
-    models.save_model(student, tokenizer, model_dir, merge=merge)
+    if dist.is_main:
+        models.save_model(student, tokenizer, model_dir, merge=merge)
     is_adapter = cfg.lora.r > 0 and not merge
     losses = [m["train/loss"] for m in history]
     tail = losses[-max(1, min(10, len(losses) // 5)) :]
@@ -356,7 +368,7 @@ def run(cfg: DistillConfig, inputs: dict[str, Input], ctx: StageContext) -> dict
                "traces_train": float(len(train)), "traces_heldout": float(len(held)),
                "tokens_per_s": tokens_seen / elapsed if elapsed and trained_steps else 0.0}
     ctx.log_metrics(metrics)
-    if held:
+    if scoring:
         ctx.log.info("distill (%s): held-out NLL of teacher traces %.3f -> %.3f per token (teacher %s)", cfg.mode,
                      heldout["heldout_nll_before"], heldout["heldout_nll_after"],
                      f"{heldout['heldout_nll_teacher']:.3f}" if "heldout_nll_teacher" in heldout else "n/a")

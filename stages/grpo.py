@@ -18,12 +18,19 @@ Departures from the papers, on purpose:
   (the parameters do not change within an epoch, so they are exact) and multiplies each token's
   policy loss by the truncated IS weight min(pi_trainer / pi_sampler, tis_cap);
 - process supervision (`process_coef > 0`) adds the accumulated, group-normalised step rewards of
-  a reward model to the outcome advantage instead of replacing it, so verifiable rewards still count.
+  a reward model to the outcome advantage instead of replacing it, so verifiable rewards still count;
+- on N processes the step's prompts are split among them (prompts_per_step / N whole groups each;
+  a dynamic-sampling refill draws from a per-process stream), every process rolls out and scores
+  its own groups with its own sampling seed, the reward matrices are gathered so the advantages
+  are exactly one process's for the same rollouts (`rl.sharded_group_advantages`), the loss
+  normalisers (sequences, tokens) are the whole step's, gradients are summed
+  (`stages.distributed`), and rollout metrics cover every process's groups.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 
 import numpy as np
@@ -32,7 +39,7 @@ from tqdm.auto import tqdm
 
 from schemas.configs import GenerationSpec, GRPOConfig
 from schemas.errors import ConfigError, SchemaError
-from stages import models, rl
+from stages import distributed, models, rl
 from stages.base import Input, Output, StageContext, model_output_dir, seed_everything
 from stages.generation import TransformersBackend, render_prompts
 from stages.rewards import score
@@ -152,9 +159,22 @@ def rollout(backend, tokenizer, rows: list[dict], cfg: GRPOConfig, seed: int, sc
     return completions, verdicts, rewards, stats.seconds, time.perf_counter() - t0
 
 
-def pick_prompts(n_prompts: int, k: int, seed: int, step: int, attempt: int) -> list[int]:
-    rng = np.random.default_rng([seed, step, attempt])
+def pick_prompts(n_prompts: int, k: int, seed: int, step: int, attempt: int, rank: int = 0) -> list[int]:
+    """k prompt indices for a step's rollout `attempt`; rank > 0 draws from its own stream (refills)."""
+    rng = np.random.default_rng([seed, step, attempt, rank] if rank else [seed, step, attempt])
     return rng.choice(n_prompts, size=k, replace=n_prompts < k).tolist()
+
+
+def rollout_seed(seed: int, step: int, attempt: int, rank: int = 0) -> int:
+    """Sampling seed of one process's rollout of a step's attempt (rank 0: the single-process seed)."""
+    return seed * 1_000_003 + step * 101 + attempt + rank * 1_000_000_007
+
+
+def stat_totals(stats: dict[str, list[float]], dist: distributed.Dist) -> dict[str, tuple[float, int]]:
+    """Per key (sum, count) of a step's mini-batch statistics over every process."""
+    keys = sorted(stats)
+    flat = dist.sum([x for k in keys for x in (float(np.sum(stats[k])) if stats[k] else 0.0, len(stats[k]))])
+    return {k: (flat[2 * i], int(flat[2 * i + 1])) for i, k in enumerate(keys)}
 
 
 def process_advantages(scorer, tokenizer, rows: list[dict], comps: list[list], delimiter: str
@@ -211,6 +231,8 @@ def run(cfg: GRPOConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[st
     if wants_rm and rm_input is None:
         raise ConfigError(f"grpo: {' and '.join(wants_rm)} need a reward model; wire one to the node's "
                           f"`reward_model` input (inputs: {{reward_model: <node>.model}})")
+    dist = distributed.of(ctx)
+    share = cfg.prompts_per_step // dist.world  # whole groups per process and step
     seed_everything(ctx.seed)
     model, tokenizer, merged_input = load_trainable(inputs["model"], cfg, ctx.device)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -240,17 +262,20 @@ def run(cfg: GRPOConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[st
     for i, m in enumerate(history):
         ctx.log_metrics(m, step=i + 1)
 
-    bar = tqdm(total=cfg.steps, initial=start, desc="grpo", unit="step")
+    bar = tqdm(total=cfg.steps, initial=start, desc="grpo", unit="step", disable=not dist.is_main)
     for step in range(start, cfg.steps):
         t_step = time.perf_counter()
-        # ---- rollout and scoring (dynamic sampling drops all-equal groups and refills)
+        # ---- rollout and scoring of this process's share (dynamic sampling drops all-equal groups and refills)
         batch_rows, comps, verdicts, rewards = [], [], [], []
         t_gen = t_score = 0.0
         zero_std_groups = total_groups = 0
         for attempt in range(1 + (cfg.max_refill_rounds if cfg.dynamic_sampling else 0)):
-            need = cfg.prompts_per_step - len(batch_rows)
-            picked = [rows[i] for i in pick_prompts(len(rows), need, ctx.seed, step, attempt)]
-            c, v, r, tg, ts = rollout(backend, tokenizer, picked, cfg, seed=ctx.seed * 1_000_003 + step * 101 + attempt,
+            if attempt == 0:  # the step's prompts, split among the processes in whole groups
+                picked_idx = dist.shard(pick_prompts(len(rows), cfg.prompts_per_step, ctx.seed, step, 0))
+            else:  # a refill of this process's dropped groups, from its own stream
+                picked_idx = pick_prompts(len(rows), share - len(batch_rows), ctx.seed, step, attempt, dist.rank)
+            picked = [rows[i] for i in picked_idx]
+            c, v, r, tg, ts = rollout(backend, tokenizer, picked, cfg, seed=rollout_seed(ctx.seed, step, attempt, dist.rank),
                                       scorer=scorer if cfg.reward.weights.get("reward_model", 0) != 0 else None)
             t_gen, t_score = t_gen + tg, t_score + ts
             flat = (r.max(dim=1).values == r.min(dim=1).values).tolist()
@@ -263,56 +288,69 @@ def run(cfg: GRPOConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[st
                 comps.append(c[i])
                 verdicts.append(v[i])
                 rewards.append(r[i])
-            if len(batch_rows) >= cfg.prompts_per_step or not cfg.dynamic_sampling:
+            if len(batch_rows) >= share or not cfg.dynamic_sampling:
                 break
-        metrics = rollout_metrics(verdicts, comps, rewards, cfg, zero_std_groups / max(1, total_groups))
+        local_rewards = torch.stack(rewards) if rewards else torch.zeros(0, cfg.group_size)  # (B_rank, G)
+        if dist.active:  # metrics and advantages need every process's groups: gather them (text-free)
+            gathered = dist.gather((verdicts, [[dataclasses.replace(c, text="", token_ids=(), logprobs=None) for c in cs]
+                                               for cs in comps], local_rewards, (zero_std_groups, total_groups, t_gen, t_score)))
+            rewards_by_rank = [g[2] for g in gathered]
+            all_verdicts, all_comps = [v for g in gathered for v in g[0]], [c for g in gathered for c in g[1]]
+            all_rewards = [row for g in gathered for row in g[2]]
+            zero_std_groups, total_groups = sum(g[3][0] for g in gathered), sum(g[3][1] for g in gathered)
+            t_gen, t_score = max(g[3][2] for g in gathered), max(g[3][3] for g in gathered)
+        else:
+            rewards_by_rank, all_verdicts, all_comps, all_rewards = [local_rewards], verdicts, comps, rewards
+        metrics = rollout_metrics(all_verdicts, all_comps, all_rewards, cfg, zero_std_groups / max(1, total_groups))
         metrics.update({"time/generation": t_gen, "time/scoring": t_score})
-        if not batch_rows:  # every group was flat: nothing to learn from this step
+        if not all_rewards:  # every group was flat: nothing to learn from this step
             metrics.update({"train/skipped": 1.0, "time/training": 0.0})
             history.append(metrics)
             ctx.log_metrics(metrics, step=step + 1)
             bar.update(1)
             continue
 
-        # ---- advantages and training tensors
+        # ---- advantages and training tensors (a process left without groups still joins every gradient sum)
         t0 = time.perf_counter()
-        reward_matrix = torch.stack(rewards)  # (B, G)
-        adv = rl.group_advantages(reward_matrix, cfg.advantage, cfg.std).reshape(-1)  # (B*G,)
-        prompt_texts = render_prompts(tokenizer, [r["messages"] for r in batch_rows], cfg.generation.prefill)
-        prompt_ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in prompt_texts]
-        flat_prompt_ids = [p for p in prompt_ids for _ in range(cfg.group_size)]
-        flat_comps = [c for cs in comps for c in cs]
-        keep = [not (cfg.mask_truncated and c.finish_reason == "length") for c in flat_comps]
-        batch = build_batch(flat_prompt_ids, [list(c.token_ids) for c in flat_comps], pad_id, keep)
-        prompt_lens = [len(p) for p in flat_prompt_ids]
-        width = batch["input_ids"].shape[1]
-        if cfg.process_coef > 0:
-            t_ps = time.perf_counter()
-            step_adv, ps_metrics = process_advantages(scorer, tokenizer, batch_rows, comps, cfg.step_delimiter)
-            metrics.update(ps_metrics)
-            adv = adv[:, None] + cfg.process_coef * place(step_adv, prompt_lens, width)  # (B*G, L-1)
-            t_score += time.perf_counter() - t_ps
-            metrics["time/scoring"] = t_score
-        model.train()
-        sampler_logp = tis_w = None
-        if cfg.old_logprobs == "sampler":
-            sampler_logp = place([list(c.logprobs or ()) for c in flat_comps], prompt_lens, width)
-            old_logp = torch.zeros_like(sampler_logp)  # filled by the first epoch's own forward pass
-            tis_w = torch.zeros_like(sampler_logp)
-        else:
-            old_logp = batched_logprobs(model, batch, cfg.minibatch_size, ctx.device)
-        ref_logp = None
-        if cfg.beta > 0:
-            if is_lora:
-                with model.disable_adapter():
-                    ref_logp = batched_logprobs(model, batch, cfg.minibatch_size, ctx.device)
+        adv = rl.sharded_group_advantages(rewards_by_rank, dist.rank, cfg.advantage, cfg.std).reshape(-1)  # (B*G,)
+        n = adv.numel()  # this process's sequences
+        if n:
+            prompt_texts = render_prompts(tokenizer, [r["messages"] for r in batch_rows], cfg.generation.prefill)
+            prompt_ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in prompt_texts]
+            flat_prompt_ids = [p for p in prompt_ids for _ in range(cfg.group_size)]
+            flat_comps = [c for cs in comps for c in cs]
+            keep = [not (cfg.mask_truncated and c.finish_reason == "length") for c in flat_comps]
+            batch = build_batch(flat_prompt_ids, [list(c.token_ids) for c in flat_comps], pad_id, keep)
+            prompt_lens = [len(p) for p in flat_prompt_ids]
+            width = batch["input_ids"].shape[1]
+            if cfg.process_coef > 0:
+                t_ps = time.perf_counter()
+                step_adv, ps_metrics = process_advantages(scorer, tokenizer, batch_rows, comps, cfg.step_delimiter)
+                metrics.update(ps_metrics)
+                adv = adv[:, None] + cfg.process_coef * place(step_adv, prompt_lens, width)  # (B*G, L-1)
+                t_score += time.perf_counter() - t_ps
+                metrics["time/scoring"] = t_score
+            model.train()
+            sampler_logp = tis_w = None
+            if cfg.old_logprobs == "sampler":
+                sampler_logp = place([list(c.logprobs or ()) for c in flat_comps], prompt_lens, width)
+                old_logp = torch.zeros_like(sampler_logp)  # filled by the first epoch's own forward pass
+                tis_w = torch.zeros_like(sampler_logp)
             else:
-                ref_logp = batched_logprobs(ref, batch, cfg.minibatch_size, ctx.device)
+                old_logp = batched_logprobs(model, batch, cfg.minibatch_size, ctx.device)
+            ref_logp = None
+            if cfg.beta > 0:
+                if is_lora:
+                    with model.disable_adapter():
+                        ref_logp = batched_logprobs(model, batch, cfg.minibatch_size, ctx.device)
+                else:
+                    ref_logp = batched_logprobs(ref, batch, cfg.minibatch_size, ctx.device)
 
         # ---- mu epochs; each accumulates all mini-batches into one optimizer step
         lr = set_lr(optimizer, cfg.learning_rate * lr_factor(step, cfg.steps, warmup, "constant"))
-        n = batch["input_ids"].shape[0]
-        total_tokens = float(batch["loss_mask"].sum().clamp(min=1))
+        # normalisers of the whole step (every process's sequences and tokens)
+        n_all, total_tokens = dist.sum([n, float(batch["loss_mask"].sum()) if n else 0.0])
+        total_tokens = max(1.0, total_tokens)
         train_stats: dict[str, list[float]] = {"loss": [], "clip_low": [], "clip_high": [], "kl": [], "entropy": [],
                                                "gap": [], "mismatch_kl": [], "weight_mean": [], "clipped": []}
         for epoch in range(cfg.mu):
@@ -339,37 +377,36 @@ def run(cfg: GRPOConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[st
                     per_token = per_token + cfg.beta * kl
                     train_stats["kl"].append(float(kl.detach().sum() / mask.sum().clamp(min=1)))
                 loss = rl.aggregate(per_token, mask, cfg.aggregation, max_tokens=cfg.generation.max_new_tokens)
-                weight = float(mask.sum()) / total_tokens if cfg.aggregation == "token_mean" else len(idx) / n
+                weight = float(mask.sum()) / total_tokens if cfg.aggregation == "token_mean" else len(idx) / n_all
                 (loss * weight).backward()
                 train_stats["loss"].append(float(loss.detach()) * weight)
                 train_stats["clip_low"].append(float(stats["clip_low"]))
                 train_stats["clip_high"].append(float(stats["clip_high"]))
                 train_stats["entropy"].append(float((entropy * mask).sum() / mask.sum().clamp(min=1)))
+            dist.sync_gradients(trainable)
             grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm).item()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         if ref is not None and cfg.ref_refresh_every and (step + 1) % cfg.ref_refresh_every == 0:
             ref.load_state_dict(model.state_dict())
+        totals = stat_totals(train_stats, dist)  # key -> (sum, count) over every process's mini-batches
         metrics.update({
-            "train/loss": float(np.sum(train_stats["loss"])) / cfg.mu,
-            "train/clip_low": float(np.mean(train_stats["clip_low"])),
-            "train/clip_high": float(np.mean(train_stats["clip_high"])),
-            "train/entropy": float(np.mean(train_stats["entropy"])),
+            "train/loss": totals["loss"][0] / cfg.mu,
+            **{f"train/{k}": totals[k][0] / totals[k][1] for k in ("clip_low", "clip_high", "entropy")},
             "train/grad_norm": grad_norm, "train/lr": lr, "time/training": time.perf_counter() - t0,
             "time/step": time.perf_counter() - t_step,
         })
-        if train_stats["kl"]:
-            metrics["train/kl"] = float(np.mean(train_stats["kl"]))
-        if train_stats["gap"]:
-            metrics.update({"train/logprob_gap": float(np.mean(train_stats["gap"])),
-                            "train/mismatch_kl": float(np.mean(train_stats["mismatch_kl"])),
-                            "train/tis_weight_mean": float(np.mean(train_stats["weight_mean"])),
-                            "train/tis_clipped": float(np.mean(train_stats["clipped"]))})
+        if totals["kl"][1]:
+            metrics["train/kl"] = totals["kl"][0] / totals["kl"][1]
+        if totals["gap"][1]:
+            metrics.update({f"train/{name}": totals[k][0] / totals[k][1] for name, k in (
+                ("logprob_gap", "gap"), ("mismatch_kl", "mismatch_kl"), ("tis_weight_mean", "weight_mean"),
+                ("tis_clipped", "clipped"))})
         done = step + 1
-        if cfg.eval_every and held_out and done % cfg.eval_every == 0:
+        if cfg.eval_every and held_out and done % cfg.eval_every == 0 and dist.is_main:
             metrics.update(held_out_eval(backend, held_out, cfg, ctx.seed))
         history.append(metrics)
-        if done % cfg.checkpoint_every == 0 or done == cfg.steps:
+        if dist.is_main and (done % cfg.checkpoint_every == 0 or done == cfg.steps):
             save_checkpoint(ctx.checkpoint_dir, done, model, optimizer,
                             {"step": done, "history": history,
                              "ref_is_policy": bool(cfg.ref_refresh_every and done >= cfg.ref_refresh_every)},
@@ -381,7 +418,8 @@ def run(cfg: GRPOConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[st
 
     out, model_dir = model_output_dir(ctx, "model")
     merge = cfg.lora.merge or merged_input
-    models.save_model(model, tokenizer, model_dir, merge=merge)
+    if dist.is_main:
+        models.save_model(model, tokenizer, model_dir, merge=merge)
     is_adapter = is_lora and not merge
     summary = summarize(history)
     ctx.log_metrics(summary)

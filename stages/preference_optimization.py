@@ -19,7 +19,11 @@ Departures, on purpose:
 - the loss of a step is the mean over all pairs of the step (every micro-batch contributes
   sum/pairs_in_step), so batch_size x grad_accum splits give the same update;
 - a sequence longer than max_length keeps its completion (cut from its end only when the
-  completion alone is too long) and loses the prompt's start, so every pair scores whole answers.
+  completion alone is too long) and loses the prompt's start, so every pair scores whole answers;
+- on N processes every process takes 1/N of each micro-batch's units and divides its summed loss
+  by the step's global unit count, gradients are summed (`stages.distributed`), KTO's reference
+  point is the mean over the whole micro-batch, and a reference computed here is scored in N parts
+  and gathered: the same step as on one process. Held-out metrics, KL and saving run on rank 0.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from tqdm.auto import tqdm
 
 from schemas.configs import GenerationSpec, PreferenceOptimizationConfig
 from schemas.errors import ArtifactError, ConfigError, ModelError, SchemaError
-from stages import models
+from stages import distributed, models
 from stages import preference_losses as pl
 from stages.base import Input, Output, StageContext, model_output_dir, seed_everything
 from stages.reward_model import split_pairs
@@ -213,13 +217,20 @@ def batch_loss(model, cfg: PreferenceOptimizationConfig, batch: list[int], examp
 
 
 def kto_reference_point(model, cfg, units: list[int], kl_rows: dict[int, int], tokenized, ref_logps, pad_id,
-                        device) -> torch.Tensor:
-    """z0 for a KTO micro-batch: the batch mean of log pi - log pi_ref on its mismatched pairs."""
+                        device, dist: distributed.Dist = distributed.SINGLE) -> torch.Tensor:
+    """z0 for a KTO micro-batch: the batch mean of log pi - log pi_ref on its mismatched pairs.
+
+    `units` is this rank's share; with several processes the mean is over every rank's share.
+    """
     rows = [kl_rows[u] for u in units]
     with torch.no_grad():
         logp, mask = completion_logprobs(model, [tokenized[r] for r in rows], pad_id, device)
         seq = pl.sequence_logprobs(logp, mask)
-    return pl.kto_kl_estimate(seq, torch.tensor([ref_logps[r] for r in rows], device=device))
+    ref = torch.tensor([ref_logps[r] for r in rows], device=device)
+    if not dist.active:
+        return pl.kto_kl_estimate(seq, ref)
+    total, count = dist.sum([float((seq - ref).sum()), seq.numel()])
+    return torch.tensor(max(0.0, total / count) if count else 0.0, device=device)
 
 
 # ---------------------------------------------------------------------------- the stage
@@ -232,6 +243,7 @@ def run(cfg: PreferenceOptimizationConfig, inputs: dict[str, Input], ctx: StageC
         raise ConfigError(f"preference_optimization.loss={cfg.loss!r} needs preference pairs; {data.label} is "
                           f"{kind!r} (only kto trains on unpaired rows)")
     examples = examples_from(data, include_kl=cfg.loss == "kto")  # validates before any model loads
+    dist = distributed.of(ctx)
     seed_everything(ctx.seed)
     model, tokenizer, merged_input = load_trainable(inputs["model"], cfg, ctx.device)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -264,8 +276,9 @@ def run(cfg: PreferenceOptimizationConfig, inputs: dict[str, Input], ctx: StageC
         if ref_input is not None:
             ref_logps = reference_table(ref_input, examples, tokenized, data, inputs["model"], cfg.max_length)
             ref_source = "cached"
-        else:  # the policy before its first update is the reference
-            ref_logps = score_examples(model, tokenized, pad_id, ctx.device, cfg.batch_size * 2, autocast_dtype)
+        else:  # the policy before its first update is the reference (N processes: each scores a part)
+            ref_logps = dist.gather_list(score_examples(model, dist.part(tokenized), pad_id, ctx.device,
+                                                        cfg.batch_size * 2, autocast_dtype))
             ref_source = "computed"
         ctx.log_metrics({"reference_seconds": time.perf_counter() - t0})
     elif ref_input is not None:
@@ -289,8 +302,9 @@ def run(cfg: PreferenceOptimizationConfig, inputs: dict[str, Input], ctx: StageC
         picked = [train_units[j] for j in rng.choice(len(train_units), size=need, replace=len(train_units) < need)]
         return [picked[i : i + cfg.batch_size] for i in range(0, need, cfg.batch_size)]
 
-    def forward(units: list[int]) -> pl.PreferenceLoss:
-        kl_ref = (kto_reference_point(model, cfg, units, kl_rows, tokenized, ref_logps, pad_id, ctx.device)
+    def forward(units: list[int], group: distributed.Dist = distributed.SINGLE) -> pl.PreferenceLoss:
+        """The loss of `units`, this rank's share of a micro-batch spread over `group` (KTO's z0 spans it)."""
+        kl_ref = (kto_reference_point(model, cfg, units, kl_rows, tokenized, ref_logps, pad_id, ctx.device, group)
                   if cfg.loss == "kto" else None)
         with torch.autocast(device_type=ctx.device.split(":")[0], dtype=autocast_dtype or torch.float32,
                             enabled=autocast_dtype is not None):
@@ -298,29 +312,34 @@ def run(cfg: PreferenceOptimizationConfig, inputs: dict[str, Input], ctx: StageC
 
     model.train()
     units_seen, t_train = 0, time.perf_counter()
-    bar = tqdm(total=cfg.max_steps, initial=start, desc=f"preference_optimization ({cfg.loss})", unit="step")
+    bar = tqdm(total=cfg.max_steps, initial=start, desc=f"preference_optimization ({cfg.loss})", unit="step",
+               disable=not dist.is_main)
     for step in range(start, cfg.max_steps):
         lr = set_lr(optimizer, cfg.learning_rate * lr_factor(step, cfg.max_steps, warmup, cfg.lr_scheduler))
         micro = step_units(step)
-        n = sum(len(m) for m in micro)
+        n = sum(len(m) for m in micro)  # the global step's units
         outs, loss_total = [], 0.0
         for units in micro:
-            out = forward(units)
+            out = forward(dist.shard(units), dist)
             loss = out.losses.sum() / n
             loss.backward()
             loss_total += float(loss.detach())
             outs.append(out)
             units_seen += len(units)
+        dist.sync_gradients(trainable)
+        if dist.active:
+            (loss_total,) = dist.sum([loss_total])
+            outs = dist.gather_list([detached(o) for o in outs])
         grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm).item()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         metrics = {"train/loss": loss_total, "train/lr": lr, "train/grad_norm": grad_norm,
                    **{f"train/{k}": v for k, v in pl.reward_metrics(outs).items()}, **extras_means(outs)}
         done = step + 1
-        if eval_units and cfg.eval_every and done % cfg.eval_every == 0 and done != cfg.max_steps:
+        if eval_units and cfg.eval_every and done % cfg.eval_every == 0 and done != cfg.max_steps and dist.is_main:
             metrics.update(evaluate(model, eval_units, forward, cfg.batch_size))
         history.append(metrics)
-        if done % cfg.checkpoint_every == 0 or done == cfg.max_steps:
+        if dist.is_main and (done % cfg.checkpoint_every == 0 or done == cfg.max_steps):
             save_checkpoint(ctx.checkpoint_dir, done, model, optimizer, {"step": done, "history": history},
                             cfg.keep_checkpoints)
         ctx.log_metrics(metrics, step=done)
@@ -331,16 +350,17 @@ def run(cfg: PreferenceOptimizationConfig, inputs: dict[str, Input], ctx: StageC
     trained = cfg.max_steps - start
 
     final: dict[str, float] = {}
-    if eval_units:
+    if eval_units and dist.is_main:
         final.update(evaluate(model, eval_units, forward, cfg.batch_size))
-    if cfg.kl_prompts:
+    if cfg.kl_prompts and dist.is_main:
         final.update(heldout_kl(model, tokenizer, inputs["model"], examples, eval_units or train_units, cfg, ctx,
                                 pad_id, merged_input))
     ctx.log_metrics(final, step=cfg.max_steps)
 
     out, model_dir = model_output_dir(ctx, "model")
     merge = cfg.lora.merge or merged_input
-    models.save_model(model, tokenizer, model_dir, merge=merge)
+    if dist.is_main:
+        models.save_model(model, tokenizer, model_dir, merge=merge)
     is_adapter = cfg.lora.r > 0 and not merge
     tail = history[-max(1, min(10, len(history) // 5)) :]
     summary = {"final_loss": float(np.mean([h["train/loss"] for h in tail])), "first_loss": history[0]["train/loss"],
@@ -349,6 +369,13 @@ def run(cfg: PreferenceOptimizationConfig, inputs: dict[str, Input], ctx: StageC
     ctx.log_metrics({k: v for k, v in summary.items() if not k.startswith("eval_")})
     extra = {"base_fingerprint": inputs["model"].fingerprint} if is_adapter else {}
     return {"model": Output("model", "adapter" if is_adapter else "model", out, metrics=summary, extra=extra)}
+
+
+def detached(out: pl.PreferenceLoss) -> pl.PreferenceLoss:
+    """A CPU copy without gradient, to send to the other ranks for step metrics."""
+    return out._replace(losses=out.losses.detach().cpu(), chosen_rewards=out.chosen_rewards.detach().cpu(),
+                        rejected_rewards=out.rejected_rewards.detach().cpu(),
+                        extras={k: v.detach().cpu() for k, v in out.extras.items()})
 
 
 def extras_means(outs: list[pl.PreferenceLoss]) -> dict[str, float]:

@@ -21,7 +21,8 @@ Choices and departures from common trainers (TRL's RewardTrainer):
   the reward is read;
 - chosen and rejected go through one concatenated forward pass per micro-batch;
 - the loss is a mean over all pairs of the optimizer step (all micro-batches), so batch 4 ×
-  accumulation 1 equals batch 2 × accumulation 2;
+  accumulation 1 equals batch 2 × accumulation 2, and N processes (each 1/N of every micro-batch,
+  gradients summed: `stages.distributed`) equal one;
 - the result is always saved as merged full weights (`lora.merge=False` is ignored, and logged):
   a reward-model adapter could not be loaded by `Input.load_model()`, which attaches adapters to
   causal LMs only. A reward-model artifact as input is trained further with its head kept.
@@ -43,7 +44,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreT
 
 from schemas.configs import LoraSpec, RewardModelConfig
 from schemas.errors import ArtifactError, ModelError, SchemaError
-from stages import models, sft
+from stages import distributed, models, sft
 from stages.base import Input, Output, StageContext, model_output_dir, seed_everything
 
 VERSION = "1"
@@ -293,6 +294,7 @@ def load_reward_model(source: Input, device: str) -> tuple[PreTrainedModel, obje
 def run(cfg: RewardModelConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[str, Output]:
     data = inputs["preferences"]
     rows, train_idx, eval_idx = load_preferences(data, cfg, ctx.seed)  # validates before loading the model
+    dist = distributed.of(ctx)  # N processes: each takes 1/N of every micro-batch; gradients are summed
     if cfg.lora.r > 0 and not cfg.lora.merge:
         ctx.log.info("reward_model: lora.merge=False ignored; reward models are saved as merged full weights")
     seed_everything(ctx.seed)
@@ -321,13 +323,14 @@ def run(cfg: RewardModelConfig, inputs: dict[str, Input], ctx: StageContext) -> 
 
     model.train()
     pairs_seen, t0 = 0, time.perf_counter()
-    bar = tqdm(total=cfg.max_steps, initial=start, desc="reward_model", unit="step")
+    bar = tqdm(total=cfg.max_steps, initial=start, desc="reward_model", unit="step", disable=not dist.is_main)
     for step in range(start, cfg.max_steps):
         lr = sft.set_lr(optimizer, cfg.learning_rate * sft.lr_factor(step, cfg.max_steps, warmup, cfg.lr_scheduler))
-        micro = [[train[i] for i in sft.micro_batch_indices(len(train), cfg.batch_size, ctx.seed, step * cfg.grad_accum + a)]
-                 for a in range(cfg.grad_accum)]
-        n_pairs = sum(len(mb) for mb in micro)
+        step_indices = [sft.micro_batch_indices(len(train), cfg.batch_size, ctx.seed, step * cfg.grad_accum + a)
+                        for a in range(cfg.grad_accum)]
+        n_pairs = sum(len(idx) for idx in step_indices)  # the global step's
         pairs_seen += n_pairs
+        micro = [[train[i] for i in m] for m in map(dist.part, step_indices) if m]  # this process's parts
         step_loss, step_correct = 0.0, 0
         for mb in micro:
             ids, mask = collate([p.chosen for p in mb] + [p.rejected for p in mb], pad_id)  # (2B, T)
@@ -340,13 +343,15 @@ def run(cfg: RewardModelConfig, inputs: dict[str, Input], ctx: StageContext) -> 
             loss.backward()
             step_loss += loss.item()
             step_correct += int((r_chosen > r_rejected).sum())
+        dist.sync_gradients(trainable)
+        step_loss, step_correct = dist.sum([step_loss, step_correct])
         grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm).item()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(step_loss)
         accuracies.append(step_correct / n_pairs)
         done = step + 1
-        if done % cfg.checkpoint_every == 0 or done == cfg.max_steps:
+        if dist.is_main and (done % cfg.checkpoint_every == 0 or done == cfg.max_steps):
             sft.save_checkpoint(ctx.checkpoint_dir, done, model, optimizer,
                                 {"step": done, "losses": losses, "accuracies": accuracies}, cfg.keep_checkpoints)
         ctx.log_metrics({"train/loss": step_loss, "train/accuracy": accuracies[-1], "train/lr": lr,
@@ -369,7 +374,7 @@ def run(cfg: RewardModelConfig, inputs: dict[str, Input], ctx: StageContext) -> 
         "resumed_from_step": float(start),
         "pairs_per_s": pairs_seen / elapsed if elapsed and pairs_seen else 0.0,
     }
-    if held_out:
+    if held_out and dist.is_main:
         bs = 2 * cfg.batch_size
         r_chosen = score_sequences(model, [p.chosen for p in held_out], pad_id, bs, ctx.device)
         r_rejected = score_sequences(model, [p.rejected for p in held_out], pad_id, bs, ctx.device)
@@ -384,5 +389,6 @@ def run(cfg: RewardModelConfig, inputs: dict[str, Input], ctx: StageContext) -> 
     ctx.log_metrics({k: v for k, v in metrics.items() if k != "steps"})
 
     out, model_dir = model_output_dir(ctx, "model")
-    models.save_model(model, tokenizer, model_dir, merge=True)
+    if dist.is_main:
+        models.save_model(model, tokenizer, model_dir, merge=True)
     return {"model": Output("model", OUTPUT_SCHEMA, out, metrics=metrics)}

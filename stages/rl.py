@@ -354,3 +354,26 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
     p = logp.exp()
     logp = torch.where(p > 0, logp, torch.zeros_like(logp))
     return -(p * logp).sum(dim=-1)
+
+
+# ---------------------------------------------------------------------------- groups spread over processes
+
+
+def sharded_group_advantages(rewards_by_rank: list[Tensor], rank: int, kind: str = "grpo", std: str = "population",
+                             eps: float = 1e-4) -> Tensor:
+    """Advantages of one rank's groups when a step's B groups are spread over processes.
+
+    rewards_by_rank[r]: (B_r, G) rewards of the whole groups rank r rolled out (B_r may differ, or
+    be 0, after dynamic sampling); a group never straddles ranks. Returns rank's rows of
+    `group_advantages` of the concatenation (B, G), i.e. exactly the single-process advantages of
+    the same rollouts: per-group kinds need only their own group, but "batch" scales by the std
+    of all B*G rewards, so every rank computes on the gathered matrix.
+    """
+    if not 0 <= rank < len(rewards_by_rank):
+        raise ValueError(f"rank {rank} outside the {len(rewards_by_rank)} gathered reward matrices")
+    start = sum(r.shape[0] for r in rewards_by_rank[:rank])
+    own = rewards_by_rank[rank].shape[0]
+    if own == 0:
+        return rewards_by_rank[rank].new_zeros(rewards_by_rank[rank].shape)
+    full = torch.cat([r for r in rewards_by_rank if r.shape[0]])  # (B, G)
+    return group_advantages(full, kind, std, eps)[start : start + own]

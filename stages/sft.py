@@ -5,7 +5,11 @@ plain loop of micro-batches → optimizer steps with checkpoints. Departures fro
 - the loss is a token mean over the whole optimizer step (all micro-batches), so batch 1 ×
   accumulation 8 equals batch 8 × accumulation 1 (TRL's invariant tests check the same);
 - the data order is a pure function of (seed, step), so a resumed run sees exactly the batches the
-  uninterrupted run would have, and a checkpoint at the last step publishes instead of retraining.
+  uninterrupted run would have, and a checkpoint at the last step publishes instead of retraining;
+- on N processes (`resources.num_processes`) every process takes 1/N of each global micro-batch and
+  divides its summed loss by the step's global token count (known to every rank: the step's
+  indices are a pure function too), and the gradients are summed, so the update is the
+  single-process one (`stages.distributed`).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from tqdm.auto import tqdm
 
 from schemas.configs import SFTConfig
 from schemas.errors import ArtifactError, SchemaError
-from stages import models
+from stages import distributed, models
 from stages.base import Input, Output, StageContext, model_output_dir, seed_everything
 from stages.rewards import gold_completion
 
@@ -235,6 +239,7 @@ def load_trainable(source: Input, cfg: SFTConfig, device: str):
 
 def run(cfg: SFTConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[str, Output]:
     conversations = conversations_from(inputs["data"], cfg)  # validates before loading the model
+    dist = distributed.of(ctx)
     seed_everything(ctx.seed)
     model, tokenizer, merged_input = load_trainable(inputs["model"], cfg, ctx.device)
     examples = [tokenize_conversation(tokenizer, c, cfg.max_length) for c in conversations]
@@ -243,6 +248,7 @@ def run(cfg: SFTConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[str
         raise SchemaError(f"{inputs['data'].label}: every example lost its assistant tokens to max_length={cfg.max_length}")
     if cfg.packing:
         examples = pack(examples, cfg.max_length)
+    targets = [sum(lab != IGNORE for lab in e.labels[1:]) for e in examples]  # tokens each example trains
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -260,14 +266,14 @@ def run(cfg: SFTConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[str
 
     model.train()
     tokens_seen, t0 = 0, time.perf_counter()
-    bar = tqdm(total=cfg.max_steps, initial=start, desc="sft", unit="step")
+    bar = tqdm(total=cfg.max_steps, initial=start, desc="sft", unit="step", disable=not dist.is_main)
     for step in range(start, cfg.max_steps):
         lr = set_lr(optimizer, cfg.learning_rate * lr_factor(step, cfg.max_steps, warmup, cfg.lr_scheduler))
-        micro = [
-            collate([examples[i] for i in micro_batch_indices(len(examples), cfg.batch_size, ctx.seed, step * cfg.grad_accum + a)], pad_id)
-            for a in range(cfg.grad_accum)
-        ]
-        n_tokens = sum(int((b["labels"][:, 1:] != IGNORE).sum()) for b in micro)
+        step_indices = [micro_batch_indices(len(examples), cfg.batch_size, ctx.seed, step * cfg.grad_accum + a)
+                        for a in range(cfg.grad_accum)]
+        n_tokens = sum(targets[i] for idx in step_indices for i in idx)  # the global step's, on every rank
+        mine = [dist.part(idx) for idx in step_indices]  # an epoch's last micro-batch may be short: parts
+        micro = [collate([examples[i] for i in m], pad_id) for m in mine if m]
         step_loss = 0.0
         for batch in micro:
             batch = {k: v.to(ctx.device) for k, v in batch.items()}
@@ -278,12 +284,14 @@ def run(cfg: SFTConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[str
             (loss_sum / n_tokens).backward()
             step_loss += loss_sum.item() / n_tokens
             tokens_seen += int(batch["attention_mask"].sum())
+        dist.sync_gradients(trainable)
+        (step_loss,) = dist.sum([step_loss])
         grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm).item()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         history.append(step_loss)
         done = step + 1
-        if done % cfg.checkpoint_every == 0 or done == cfg.max_steps:
+        if dist.is_main and (done % cfg.checkpoint_every == 0 or done == cfg.max_steps):
             save_checkpoint(ctx.checkpoint_dir, done, model, optimizer, {"step": done, "history": history},
                             cfg.keep_checkpoints)
         ctx.log_metrics({"train/loss": step_loss, "train/lr": lr, "train/grad_norm": grad_norm}, step=done)
@@ -291,11 +299,13 @@ def run(cfg: SFTConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[str
         bar.update(1)
     bar.close()
     elapsed = time.perf_counter() - t0
+    (tokens_seen,) = dist.sum([tokens_seen])
     trained_steps = cfg.max_steps - start
 
     out, model_dir = model_output_dir(ctx, "model")
     merge = cfg.lora.merge or merged_input
-    models.save_model(model, tokenizer, model_dir, merge=merge)
+    if dist.is_main:
+        models.save_model(model, tokenizer, model_dir, merge=merge)
     is_adapter = cfg.lora.r > 0 and not merge
     tail = history[-max(1, min(10, len(history) // 5)) :]
     metrics = {

@@ -1,0 +1,333 @@
+"""Training on several processes (issue 9): the split of work, the gathered advantages, and the stages
+under `accelerate launch` with 2 gloo processes on CPU against the same stage on 1 process.
+
+What "the same" means: batch sizes are global, so 2 processes take half of every micro-batch each
+and the summed gradients are the single-process gradients. In fp32 the only differences are the
+order of floating-point sums (other padding widths, another thread count, the all-reduce), about
+1e-7 relative per step; Adam carries them forward, so per-step losses are compared at rtol 1e-4
+(the tolerance the single-process resume test already uses) over the whole curve.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from schemas.configs import (
+    GenerationSpec,
+    GRPOConfig,
+    LoraSpec,
+    PreferenceOptimizationConfig,
+    ResourcesSpec,
+    RewardSpec,
+    SFTConfig,
+)
+from schemas.datasets import from_rows
+from schemas.errors import StageError
+from stages import distributed, launch, rl
+from stages.base import LocalContext, write_dataset
+from tests.conftest import fake_input
+
+TWO = ResourcesSpec(num_processes=2)
+RTOL = 1e-4
+
+
+# ---------------------------------------------------------------------------- the split of work
+
+
+@pytest.mark.parametrize("n,world", [(8, 2), (12, 3), (4, 4)])
+def test_shards_are_equal_contiguous_and_cover_the_batch(n, world):
+    shards = [distributed.Dist(rank, world).shard(list(range(n))) for rank in range(world)]
+    assert [x for s in shards for x in s] == list(range(n))
+    assert {len(s) for s in shards} == {n // world}
+
+
+def test_parts_may_be_uneven_and_gather_back_in_order():
+    parts = [distributed.Dist(rank, 3).part(list(range(7))) for rank in range(3)]
+    assert parts == [[0, 1, 2], [3, 4], [5, 6]]
+    assert distributed.Dist(0, 3).part([]) == []
+    with pytest.raises(ValueError, match="evenly"):
+        distributed.Dist(0, 3).shard(list(range(7)))
+
+
+def test_single_is_the_identity():
+    one = distributed.SINGLE
+    assert one.shard([3, 1, 2]) == [3, 1, 2] and one.part([3, 1]) == [3, 1]
+    assert one.sum([1, 2.5]) == [1.0, 2.5] and one.gather_list([1, 2]) == [1, 2]
+    p = torch.nn.Parameter(torch.ones(2))
+    p.grad = torch.full((2,), 3.0)
+    one.sync_gradients([p])
+    assert p.grad.tolist() == [3.0, 3.0]
+    assert distributed.of(LocalContext()) is distributed.SINGLE
+
+
+def test_batch_sizes_must_split_evenly_among_processes():
+    with pytest.raises(ValueError, match="batch_size=3 does not split evenly"):
+        SFTConfig(batch_size=3, resources=TWO)
+    with pytest.raises(ValueError, match="prompts_per_step=5"):
+        GRPOConfig(prompts_per_step=5, resources=TWO)
+    assert SFTConfig(batch_size=4, resources=TWO).resources.num_processes == 2
+
+
+# ---------------------------------------------------------------------------- GRPO: groups on several ranks
+
+
+def test_batch_advantages_need_the_gathered_rewards():
+    """Rank 0 holds group [1, 0], rank 1 group [0, 0]. "batch" scales by the std of all four rewards:
+    mean 0.25, population variance (0.75² + 3·0.25²)/4 = 0.1875, std 0.4330; rank 0's advantages are
+    ±0.5 / (0.4330 + 1e-4) = ±1.1544. Rank 0 alone would divide by its own std 0.5 (→ ±1.0)."""
+    by_rank = [torch.tensor([[1.0, 0.0]]), torch.tensor([[0.0, 0.0]])]
+    a0 = rl.sharded_group_advantages(by_rank, 0, "batch")
+    torch.testing.assert_close(a0, torch.tensor([[1.1544, -1.1544]]), atol=1e-4, rtol=0)
+    torch.testing.assert_close(rl.sharded_group_advantages(by_rank, 1, "batch"), torch.zeros(1, 2))
+    assert not torch.allclose(a0, rl.group_advantages(by_rank[0], "batch"))
+
+
+@pytest.mark.parametrize("kind", sorted(rl.ADVANTAGES))
+@pytest.mark.parametrize("std", ["population", "sample"])
+def test_sharded_advantages_are_the_single_process_advantages(kind, std):
+    torch.manual_seed(0)
+    full = torch.randint(0, 3, (6, 4)).float()  # 6 groups of 4, some constant
+    sizes = [3, 0, 2, 1]  # uneven after dynamic sampling; one rank kept nothing
+    by_rank = list(torch.split(full, sizes))
+    got = torch.cat([rl.sharded_group_advantages(by_rank, r, kind, std) for r in range(len(sizes))])
+    torch.testing.assert_close(got, rl.group_advantages(full, kind, std), rtol=0, atol=0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _gloo_worker(rank: int, world: int, port: int, out: str) -> None:
+    """One of `world` real gloo processes: gather rewards of its groups, compute its advantages, and
+    sum a gradient, then write what it got."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    dist, device = distributed.init_from_env("gloo", cuda=False)
+    try:
+        full = torch.tensor([[1.0, 0.0, 0.0, 1.0], [2.0, 2.0, 2.0, 2.0], [0.0, 1.0, 3.0, 0.5],
+                             [5.0, 1.0, 1.0, 1.0], [0.0, 0.0, 1.0, 0.0]])
+        rows = [[0, 1, 2], [3, 4]][rank]  # whole groups per rank, unevenly
+        by_rank = [m for m in dist.gather(full[rows])]
+        adv = {kind: rl.sharded_group_advantages(by_rank, dist.rank, kind).tolist() for kind in rl.ADVANTAGES}
+        p = torch.nn.Parameter(torch.zeros(3))
+        p.grad = torch.full((3,), float(rank + 1))
+        q = torch.nn.Parameter(torch.zeros(2))  # no gradient on rank 0
+        if rank:
+            q.grad = torch.ones(2)
+        dist.sync_gradients([p, q])
+        Path(out, f"rank{rank}.json").write_text(json.dumps(
+            {"adv": adv, "grad": p.grad.tolist(), "q": q.grad.tolist(), "sum": dist.sum([rank + 1, 0.5]),
+             "gathered": dist.gather_list(dist.part(list(range(5)))), "device": device}))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_gloo_processes_compute_the_single_process_advantages(tmp_path):
+    """GRPO's acceptance line: with 2 processes the same rollouts give the same advantages as 1."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_gloo_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    full = torch.tensor([[1.0, 0.0, 0.0, 1.0], [2.0, 2.0, 2.0, 2.0], [0.0, 1.0, 3.0, 0.5],
+                         [5.0, 1.0, 1.0, 1.0], [0.0, 0.0, 1.0, 0.0]])
+    for kind in rl.ADVANTAGES:
+        both = torch.tensor(got[0]["adv"][kind] + got[1]["adv"][kind])
+        torch.testing.assert_close(both, rl.group_advantages(full, kind), rtol=0, atol=0)
+    for g in got:
+        assert g["grad"] == [3.0, 3.0, 3.0] and g["q"] == [1.0, 1.0]  # summed; a missing grad counts as 0
+        assert g["sum"] == [3.0, 1.0] and g["gathered"] == [0, 1, 2, 3, 4] and g["device"] == "cpu"
+
+
+# ---------------------------------------------------------------------------- 1 process is the in-process call
+
+
+def test_one_process_runs_in_this_process(monkeypatch, tmp_path):
+    """num_processes 1 (the default) and stages without `resources` call module.run here, unchanged:
+    no launcher, no process group."""
+    def no_launch(*a, **k):
+        raise AssertionError("must not launch processes")
+
+    monkeypatch.setattr(launch.subprocess, "Popen", no_launch)
+    monkeypatch.setattr(launch, "run_distributed", no_launch)
+    calls = []
+    module = types.SimpleNamespace(__name__="stages.fake", OUTPUTS={},
+                                   run=lambda cfg, inputs, ctx: calls.append((cfg, inputs, ctx)) or {"out": 1})
+    ctx = LocalContext(tmp_path)
+    for cfg in (SFTConfig(), GRPOConfig(), object()):
+        assert launch.run_stage(module, cfg, {"x": 1}, ctx) == {"out": 1}
+        assert calls[-1] == (cfg, {"x": 1}, ctx)
+    assert launch.num_processes(SFTConfig()) == 1 and not torch.distributed.is_initialized()
+
+
+def test_tail_returns_complete_lines_and_the_last_redraw(tmp_path):
+    f = tmp_path / "log"
+    tail = launch._Tail(f)
+    assert tail.lines() == []
+    f.write_bytes(b"first\nbar 1/3\rbar 2/3\rbar 3/3\nhalf")
+    assert tail.lines() == ["first", "bar 3/3"]
+    with open(f, "ab") as fh:
+        fh.write(b" line\nnext")
+    assert tail.lines() == ["half line"]
+    assert tail.lines(final=True) == ["next"]
+
+
+# ---------------------------------------------------------------------------- stages on 2 processes vs 1
+
+
+def _curve(ctx: LocalContext, key: str) -> list[float]:
+    return [m[key] for step, m in ctx.metrics if step is not None and key in m]
+
+
+@pytest.fixture(scope="module")
+def sft_data(tmp_path_factory):
+    rows = []
+    for i in range(24):
+        word = "abcdefgh"[i % 8] * (1 + i % 3)
+        rows.append({"id": str(i), "source": "test", "metadata": "{}", "messages": [
+            {"role": "user", "content": f"say {word}"},
+            {"role": "assistant", "content": f"<think>\n</think>\n<answer>{word}</answer>"}]})
+    out = write_dataset(LocalContext(tmp_path_factory.mktemp("sft")), "d", from_rows(rows, "sft"), "sft")
+    return fake_input(out.path, "dataset", "sft", 24)
+
+
+@pytest.fixture(scope="module")
+def prefs(tmp_path_factory):
+    from tests.test_preference_optimization import synthetic_pairs
+
+    out = write_dataset(LocalContext(tmp_path_factory.mktemp("prefs")), "p",
+                        from_rows(synthetic_pairs(40), "preferences"), "preferences")
+    return fake_input(out.path, "dataset", "preferences")
+
+
+def _assert_same_curve(one: LocalContext, two: LocalContext, key: str, steps: int) -> float:
+    a, b = _curve(one, key), _curve(two, key)
+    assert len(a) == len(b) == steps, (key, len(a), len(b))
+    assert b == pytest.approx(a, rel=RTOL, abs=1e-6), (key, a, b)
+    return max(abs(x - y) / max(abs(x), 1e-12) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.slow
+def test_sft_on_two_processes_follows_the_single_process_loss_curve(tmp_path, tiny_model_input, sft_data):
+    """Global batch 4 × accumulation 2: one process takes all 8 sequences of a step, two take 2 + 2
+    of each micro-batch; the token-mean over the step is the same, so is every update."""
+    from stages import sft
+
+    cfg = SFTConfig(max_steps=6, batch_size=4, grad_accum=2, learning_rate=3e-3, warmup_ratio=0.0, max_length=128,
+                    checkpoint_every=3, lora=LoraSpec(r=0), lr_scheduler="constant")
+    inputs = {"model": tiny_model_input, "data": sft_data}
+    one, two = LocalContext(tmp_path / "one"), LocalContext(tmp_path / "two")
+    sft.run(cfg, inputs, one)
+    out = launch.run_stage(sft, cfg.model_copy(update={"resources": TWO}), inputs, two)["model"]
+    worst = _assert_same_curve(one, two, "train/loss", 6)
+    _assert_same_curve(one, two, "train/grad_norm", 6)
+    print(f"sft: max relative loss difference 2 vs 1 processes over 6 steps: {worst:.2e}")
+    assert (out.path / "model" / "model.safetensors").exists() and out.path == two.output_dir("model")
+    assert two.params["examples"] == 24  # rank 0's params reached the caller's context
+    assert sft.latest_checkpoint(two.checkpoint_dir).name == "step-000006"  # rank 0 wrote checkpoints
+
+
+@pytest.mark.slow
+def test_dpo_on_two_processes_follows_the_single_process_loss_curve(tmp_path, tiny_model_input, prefs):
+    """DPO with the reference computed in-line (scored in 2 parts and gathered), 4 pairs × 2
+    micro-batches per step; rewards and accuracy are gathered over both processes' pairs."""
+    from stages import preference_optimization as po
+
+    cfg = PreferenceOptimizationConfig(loss="dpo", max_steps=5, batch_size=4, grad_accum=2, learning_rate=3e-3,
+                                       lora=LoraSpec(r=0), max_length=64, eval_fraction=0.2, checkpoint_every=100,
+                                       warmup_ratio=0.0, lr_scheduler="constant", kl_prompts=0)
+    inputs = {"model": tiny_model_input, "preferences": prefs}
+    one, two = LocalContext(tmp_path / "one"), LocalContext(tmp_path / "two")
+    out1 = po.run(cfg, inputs, one)["model"]
+    out2 = launch.run_stage(po, cfg.model_copy(update={"resources": TWO}), inputs, two)["model"]
+    worst = _assert_same_curve(one, two, "train/loss", 5)
+    for key in ("train/rewards/margin", "train/logps/chosen", "train/grad_norm"):
+        a, b = _curve(one, key), _curve(two, key)
+        assert b == pytest.approx(a, rel=1e-3, abs=1e-4), (key, a, b)
+    assert _curve(two, "train/rewards/accuracy") == _curve(one, "train/rewards/accuracy")
+    print(f"dpo: max relative loss difference 2 vs 1 processes over 5 steps: {worst:.2e}")
+    assert out2.metrics["eval_accuracy"] == pytest.approx(out1.metrics["eval_accuracy"])
+    assert (out2.path / "model" / "model.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_grpo_on_two_processes_rolls_out_whole_groups_and_logs_global_metrics(tmp_path, tiny_model_input):
+    from stages import grpo
+
+    rows = [{"id": f"p{i}", "messages": [{"role": "user", "content": f"Say {i % 10}."}], "answer": str(i % 10),
+             "task": "say", "verifier": "exact", "split": "train", "metadata": "{}"} for i in range(8)]
+    prompts = fake_input(write_dataset(LocalContext(tmp_path / "p"), "p", from_rows(rows, "prompts"), "prompts").path,
+                         "dataset", "prompts")
+    cfg = GRPOConfig(steps=2, prompts_per_step=4, group_size=4, learning_rate=1e-3, lora=LoraSpec(r=0),
+                     generation=GenerationSpec(max_new_tokens=6, temperature=1.0, batch_size=8),
+                     reward=RewardSpec(weights={"overlong": 1.0}, overlong_max_tokens=4, overlong_buffer=3),
+                     advantage="batch", aggregation="token_mean", minibatch_size=4, checkpoint_every=100,
+                     resources=TWO)
+    ctx = LocalContext(tmp_path / "two")
+    out = launch.run_stage(grpo, cfg, {"model": tiny_model_input, "prompts": prompts}, ctx)["model"]
+    assert len(_curve(ctx, "reward/mean")) == 2 and len(_curve(ctx, "train/loss")) == 2
+    lengths = _curve(ctx, "completion/mean_length")
+    assert all(1 <= x <= 6 for x in lengths)
+    assert out.metrics["steps"] == 2 and (out.path / "model" / "model.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_a_failing_rank_fails_the_stage_with_its_traceback(tmp_path, tiny_model_input):
+    from stages import sft
+
+    rows = [{"id": "0", "source": "t", "metadata": "{}", "messages": [
+        {"role": "user", "content": "x " * 200}, {"role": "assistant", "content": "y"}]}]
+    data = fake_input(write_dataset(LocalContext(tmp_path / "d"), "d", from_rows(rows, "sft"), "sft").path,
+                      "dataset", "sft", 1)
+    cfg = SFTConfig(max_steps=1, batch_size=2, max_length=16, lora=LoraSpec(r=0), resources=TWO)
+    with pytest.raises(StageError, match=r"(?s)sft on 2 processes: rank\d failed.*SchemaError.*max_length=16"):
+        launch.run_stage(sft, cfg, {"model": tiny_model_input, "data": data}, LocalContext(tmp_path / "run"))
+
+
+@pytest.mark.slow
+def test_the_pipeline_publishes_and_tracks_a_launched_stage(tmp_path, tiny_model_input, sft_data):
+    """execute_stage (the Prefect task's body) with resources.num_processes=2: rank 0's curve reaches
+    MLflow through the caller, the output is published and recorded like an in-process stage's."""
+    import shutil
+
+    from mlflow.tracking import MlflowClient
+
+    from flows.cache import cache_key
+    from flows.pipeline import execute_stage
+    from flows.settings import Settings
+    from flows.store import ArtifactStore
+    from schemas.artifacts import Producer
+
+    home = tmp_path / "home"
+    s = Settings(home=str(home), store=str(home), tracking_uri=f"sqlite:///{home}/mlflow.db")
+    store = ArtifactStore(s.store, home=s.home)
+
+    def put(inp, kind, schema):
+        staged = store.new_staging_dir()
+        shutil.copytree(inp.path, staged, dirs_exist_ok=True)
+        return store.publish(staged, kind=kind, schema=schema, parents=[],
+                             producer=Producer(stage="test", stage_version="0", config_hash="")).fingerprint
+
+    inputs = {"model": put(tiny_model_input, "model", "model"), "data": put(sft_data, "dataset", "sft")}
+    config = SFTConfig(max_steps=3, batch_size=4, max_length=128, lora=LoraSpec(r=0), checkpoint_every=2,
+                       resources=TWO).model_dump(mode="json")
+    key = cache_key("sft", "1", config, inputs, 0)
+    out = execute_stage(node="sft", stage="sft", config=config, inputs=inputs, seed=0, key=key, parent_run_id=None,
+                        settings=s.to_dict(), experiment="r1flow/test-distributed")
+    assert not out["reused"] and store.lookup(key).outputs == out["outputs"]
+    client = MlflowClient(s.tracking_uri)
+    run = client.get_run(out["mlflow_run_id"])
+    assert run.info.status == "FINISHED" and run.data.params["config.resources.num_processes"] == "2"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == [1, 2, 3]
+    assert "examples" in run.data.params and "final_loss" in out["metrics"]
+    assert not store.checkpoint_dir(key).exists()  # published: checkpoints removed as for one process
