@@ -187,6 +187,9 @@ class TrainingConfig(Strict):
     precision: Precision = Field("auto", description="auto: bf16 on GPUs that support it, else fp32.")
     checkpoint_every: int = Field(25, ge=1, description="Save a resumable checkpoint every N steps.")
     keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept on disk.")
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute activations in the backward pass: less memory for longer sequences or bigger "
+        "batches, ~30% more compute.")
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec, description="Processes to train on; batch_size "
                                      "is global and must divide evenly among them.")
 
@@ -373,6 +376,9 @@ class GRPOConfig(Strict):
     precision: Precision = Field("auto", description="auto: bf16 on GPUs that support it, else fp32.")
     checkpoint_every: int = Field(10, ge=1, description="Save a resumable checkpoint every N steps.")
     keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept on disk.")
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute activations in the backward pass: less memory for longer sequences or bigger "
+        "batches, ~30% more compute.")
     max_refill_rounds: int = Field(2, ge=0, description="Dynamic sampling: extra rollouts to refill dropped groups.")
     eval_every: int = Field(0, ge=0, description="Greedy held-out eval every N steps (0: off).")
     eval_prompts: int = Field(32, ge=1, description="Held-out prompts for the periodic eval.")

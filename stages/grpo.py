@@ -120,8 +120,12 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                    with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(token t+1 | tokens ≤ t) for every position: (N, L-1); and the entropy there if asked."""
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1, :].float()
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    entropy = rl.entropy_from_logits(logits.detach()) if with_entropy else None
+    full = torch.log_softmax(logits, dim=-1)
+    logp = full.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    entropy = None
+    if with_entropy:  # from the same log-softmax (one pass over the vocabulary, not two)
+        with torch.no_grad():
+            entropy = -(full.exp() * full.nan_to_num(neginf=0.0)).sum(-1)
     return logp, entropy
 
 
@@ -332,12 +336,13 @@ def run(cfg: GRPOConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[st
                 metrics["time/scoring"] = t_score
             model.train()
             sampler_logp = tis_w = None
+            # The old policy's log-probs are the first epoch's own forward pass (filled below): the
+            # parameters change only after an epoch's last mini-batch, so they are exact, and no
+            # separate no-grad pass over the batch is needed.
+            old_logp = torch.zeros_like(batch["loss_mask"])
             if cfg.old_logprobs == "sampler":
                 sampler_logp = place([list(c.logprobs or ()) for c in flat_comps], prompt_lens, width)
-                old_logp = torch.zeros_like(sampler_logp)  # filled by the first epoch's own forward pass
                 tis_w = torch.zeros_like(sampler_logp)
-            else:
-                old_logp = batched_logprobs(model, batch, cfg.minibatch_size, ctx.device)
             ref_logp = None
             if cfg.beta > 0:
                 if is_lora:
@@ -362,8 +367,9 @@ def run(cfg: GRPOConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[st
                                     enabled=autocast_dtype is not None):
                     logp, entropy = token_logprobs(model, batch["input_ids"][idx].to(ctx.device),
                                                    batch["attention_mask"][idx].to(ctx.device), with_entropy=True)
-                if sampler_logp is not None and epoch == 0:  # params unchanged within an epoch: exact old log-probs
+                if epoch == 0:  # params unchanged within an epoch: exact old log-probs
                     old_logp[idx] = logp.detach().float().cpu()
+                if sampler_logp is not None and epoch == 0:
                     w, tis_stats = rl.tis_weights(old_logp[idx], sampler_logp[idx], batch["loss_mask"][idx], cfg.tis_cap)
                     tis_w[idx] = w
                     for k, val in tis_stats.items():

@@ -179,6 +179,19 @@ def test_accumulation_invariant(sft_inputs, tmp_path):
         assert la[step] == pytest.approx(lb[step], rel=1e-4), step
 
 
+@pytest.mark.parametrize("lora_r", [0, 4])
+def test_gradient_checkpointing_changes_memory_not_the_loss_curve(sft_inputs, tmp_path, lora_r):
+    """Recomputed activations give the same gradients: the loss curves match step for step."""
+    plain, ckpt = LocalContext(tmp_path / "plain"), LocalContext(tmp_path / "ckpt")
+    sft.run(_cfg(max_steps=4, lora=LoraSpec(r=lora_r)), sft_inputs, plain)
+    sft.run(_cfg(max_steps=4, lora=LoraSpec(r=lora_r), gradient_checkpointing=True), sft_inputs, ckpt)
+    lp, lc = _losses(plain), _losses(ckpt)
+    assert lp[1] == pytest.approx(lc[1], rel=1e-6)
+    assert lp[4] != lp[1]  # it trained
+    for step in lp:
+        assert lp[step] == pytest.approx(lc[step], rel=1e-5), step
+
+
 def test_lora_trains_only_the_adapter_and_saves_an_adapter(sft_inputs, tmp_path):
     ctx = LocalContext(tmp_path / "lora")
     out = sft.run(_cfg(max_steps=3, lora=LoraSpec(r=4, alpha=8)), sft_inputs, ctx)["model"]
