@@ -51,6 +51,11 @@ class GenerationSpec(Strict):
         "", description="Text the assistant turn starts with, e.g. '<think>\\n' (R1-Zero's template ends the prompt "
         "there). Part of the prompt, never trained; completions are returned and scored as prefill + generated text."
     )
+    cache: Literal["dynamic", "static"] = Field(
+        "dynamic", description="transformers KV cache. static: preallocated, and on a GPU transformers compiles the "
+        "decode step (CUDA graphs); prompts are then left-padded to a multiple of 64 tokens so few shapes compile. "
+        "On CPU static is correct but not faster.",
+    )
 
 
 Precision = Literal["auto", "fp32", "bf16", "fp16"]

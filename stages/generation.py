@@ -2,8 +2,10 @@
 two backends (transformers by default, vLLM where installed).
 
 transformers backend: prompts sorted by length before batching (less padding; results restored to
-input order), left padding, KV cache, EOS and stop strings end a completion, each batch reseeded
-from (seed, batch index) so results do not depend on what ran before.
+input order), left padding, KV cache (`cache: static` preallocates it, and on a GPU transformers
+then compiles the decode step; prompts are padded to a bucket of 64 tokens so few shapes compile),
+EOS and stop strings end a completion, each batch reseeded from (seed, batch index) so results do
+not depend on what ran before. GRPO samples with the policy it trains, in place: no weight reload.
 
 Per-token log-probs, when asked, come from a teacher-forced forward pass over prompt + completion
 with the same position ids generation used: log-probs of the sampled tokens under the model's own
@@ -97,6 +99,9 @@ def completion_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
     return torch.cat(out)
 
 
+STATIC_BUCKET = 64  # cache: static pads prompts to a multiple of this, so a compiled decode sees few shapes
+
+
 class TransformersBackend:
     def __init__(self, model, tokenizer):
         self.model = model
@@ -121,12 +126,15 @@ class TransformersBackend:
         t0 = time.perf_counter()
         batches = [order[i : i + spec.batch_size] for i in range(0, len(order), spec.batch_size)]
         for b, idx in enumerate(tqdm(batches, desc=desc, unit="batch", disable=not progress, leave=False)):
-            enc = tokenizer([texts[i] for i in idx], return_tensors="pt", padding=True,
-                            add_special_tokens=False).to(device)
+            enc = tokenizer([texts[i] for i in idx], return_tensors="pt", add_special_tokens=False,
+                            **({"padding": True} if spec.cache == "dynamic" else
+                               {"padding": True, "pad_to_multiple_of": STATIC_BUCKET})).to(device)
             torch.manual_seed(seed * 1_000_003 + b)
             # use_cache explicitly: trainers set config.use_cache=False, which must not slow sampling.
             kwargs = dict(do_sample=do_sample, max_new_tokens=spec.max_new_tokens, num_return_sequences=n,
                           eos_token_id=eos_ids, pad_token_id=pad_id, use_cache=True)
+            if spec.cache == "static":  # a fixed-size cache: on CUDA, generate() compiles the decode step
+                kwargs.update(cache_implementation="static")
             if do_sample:
                 # top_k=0 disables the filter; None would fall back to the model's generation_config (often 50).
                 kwargs.update(temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k)

@@ -122,3 +122,16 @@ def test_prefill_starts_the_assistant_turn_and_is_returned_not_counted(backend, 
         ref = model.generate(ids, do_sample=False, max_new_tokens=6, eos_token_id=tiny_tokenizer.eos_token_id,
                              pad_token_id=tiny_tokenizer.pad_token_id or tiny_tokenizer.eos_token_id)
         assert list(c.token_ids) == ref[0, ids.shape[1]:].tolist()[: c.num_tokens]
+
+
+def test_static_cache_gives_the_same_greedy_completions_and_logprobs(backend):
+    """cache: static (preallocated, compiled on GPU; prompts padded to a 64-token bucket) changes
+    speed, not results: the same greedy tokens and log-probs as the dynamic cache."""
+    dyn, _ = backend.generate(CONVS, GenerationSpec(max_new_tokens=12, temperature=0.0, batch_size=4), logprobs=True,
+                              progress=False)
+    sta, _ = backend.generate(CONVS, GenerationSpec(max_new_tokens=12, temperature=0.0, batch_size=4, cache="static"),
+                              logprobs=True, progress=False)
+    assert [c.token_ids for cs in dyn for c in cs] == [c.token_ids for cs in sta for c in cs]
+    for d, s in zip([c for cs in dyn for c in cs], [c for cs in sta for c in cs], strict=True):
+        assert d.finish_reason == s.finish_reason
+        assert s.logprobs == pytest.approx(d.logprobs, abs=1e-4)
