@@ -195,6 +195,9 @@ class TrainingConfig(Strict):
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in the backward pass: less memory for longer sequences or bigger "
         "batches, ~30% more compute.")
+    logprob_chunk: int = Field(
+        4096, ge=0, description="Token positions whose logits exist at once when computing log-probs (the output "
+        "head is recomputed per chunk in the backward pass); 0 materialises the full [batch, seq, vocab] logits.")
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec, description="Processes to train on; batch_size "
                                      "is global and must divide evenly among them.")
 
@@ -384,6 +387,9 @@ class GRPOConfig(Strict):
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in the backward pass: less memory for longer sequences or bigger "
         "batches, ~30% more compute.")
+    logprob_chunk: int = Field(
+        4096, ge=0, description="Token positions whose logits exist at once when computing log-probs (the output "
+        "head is recomputed per chunk in the backward pass); 0 materialises the full [batch, seq, vocab] logits.")
     max_refill_rounds: int = Field(2, ge=0, description="Dynamic sampling: extra rollouts to refill dropped groups.")
     eval_every: int = Field(0, ge=0, description="Greedy held-out eval every N steps (0: off).")
     eval_prompts: int = Field(32, ge=1, description="Held-out prompts for the periodic eval.")

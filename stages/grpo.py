@@ -39,7 +39,7 @@ from tqdm.auto import tqdm
 
 from schemas.configs import GenerationSpec, GRPOConfig
 from schemas.errors import ConfigError, SchemaError
-from stages import distributed, models, rl
+from stages import distributed, logprobs, models, rl
 from stages.base import Input, Output, StageContext, model_output_dir, seed_everything
 from stages.generation import TransformersBackend, render_prompts
 from stages.rewards import score
@@ -117,16 +117,10 @@ def step_ends(pieces: list[str], delimiter: str = "\n") -> list[int]:
 
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log p(token t+1 | tokens ≤ t) for every position: (N, L-1); and the entropy there if asked."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1, :].float()
-    full = torch.log_softmax(logits, dim=-1)
-    logp = full.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    entropy = None
-    if with_entropy:  # from the same log-softmax (one pass over the vocabulary, not two)
-        with torch.no_grad():
-            entropy = -(full.exp() * full.nan_to_num(neginf=0.0)).sum(-1)
-    return logp, entropy
+                   with_entropy: bool = False, chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log p(token t+1 | tokens ≤ t) for every position: (N, L-1); and the entropy there if asked
+    (`stages.logprobs`: the logits exist `chunk` positions at a time)."""
+    return logprobs.token_logprobs(model, input_ids, attention_mask, chunk_tokens=chunk, with_entropy=with_entropy)
 
 
 @torch.no_grad()
@@ -366,7 +360,8 @@ def run(cfg: GRPOConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[st
                 with torch.autocast(device_type=ctx.device.split(":")[0], dtype=autocast_dtype or torch.float32,
                                     enabled=autocast_dtype is not None):
                     logp, entropy = token_logprobs(model, batch["input_ids"][idx].to(ctx.device),
-                                                   batch["attention_mask"][idx].to(ctx.device), with_entropy=True)
+                                                   batch["attention_mask"][idx].to(ctx.device), with_entropy=True,
+                                                   chunk=cfg.logprob_chunk)
                 if epoch == 0:  # params unchanged within an epoch: exact old log-probs
                     old_logp[idx] = logp.detach().float().cpu()
                 if sampler_logp is not None and epoch == 0:

@@ -37,7 +37,7 @@ from tqdm.auto import tqdm
 
 from schemas.configs import GenerationSpec, PreferenceOptimizationConfig
 from schemas.errors import ArtifactError, ConfigError, ModelError, SchemaError
-from stages import distributed, models
+from stages import distributed, logprobs, models
 from stages import preference_losses as pl
 from stages.base import Input, Output, StageContext, model_output_dir, seed_everything
 from stages.reward_model import split_pairs
@@ -112,11 +112,13 @@ def tokenize(tokenizer, messages: list[dict], completion: str, max_length: int) 
     return p + c, len(c)
 
 
-def completion_logprobs(model, sequences: list[tuple[list[int], int]], pad_id: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+def completion_logprobs(model, sequences: list[tuple[list[int], int]], pad_id: int, device: str,
+                        chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
     """Token log-probs of each sequence's completion and the mask over them: both (N, L-1).
 
     Right-padded, one forward pass (with gradient if enabled by the caller); position t of the
-    result is log p(token t+1 | tokens <= t).
+    result is log p(token t+1 | tokens <= t); the logits exist `chunk` positions at a time
+    (`stages.logprobs`).
     """
     width = max(len(ids) for ids, _ in sequences)
     ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
@@ -127,8 +129,7 @@ def completion_logprobs(model, sequences: list[tuple[list[int], int]], pad_id: i
         attn[i, : len(s)] = 1
         mask[i, len(s) - n_c - 1 : len(s) - 1] = True
     ids, attn = ids.to(device), attn.to(device)
-    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1, :].float()
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    logp, _ = logprobs.token_logprobs(model, ids, attn, chunk_tokens=chunk)
     return logp, mask.to(device)
 
 
@@ -192,7 +193,7 @@ def batch_loss(model, cfg: PreferenceOptimizationConfig, batch: list[int], examp
         rows = [2 * i for i in batch] + [2 * i + 1 for i in batch]
     else:
         rows = list(batch)
-    logp, mask = completion_logprobs(model, [tokenized[r] for r in rows], pad_id, device)
+    logp, mask = completion_logprobs(model, [tokenized[r] for r in rows], pad_id, device, cfg.logprob_chunk)
     seq = pl.sequence_logprobs(logp, mask, average=spec.average)  # (R,)
     ref = torch.tensor([ref_logps[r] for r in rows], device=device) if ref_logps is not None else None
     b = len(batch)

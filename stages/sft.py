@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 
 from schemas.configs import SFTConfig
 from schemas.errors import ArtifactError, SchemaError
-from stages import distributed, models
+from stages import distributed, logprobs, models
 from stages.base import Input, Output, StageContext, model_output_dir, seed_everything
 from stages.rewards import gold_completion
 
@@ -281,8 +281,10 @@ def run(cfg: SFTConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[str
             batch = {k: v.to(ctx.device) for k, v in batch.items()}
             with torch.autocast(device_type=ctx.device.split(":")[0], dtype=autocast_dtype or torch.float32,
                                 enabled=autocast_dtype is not None):
-                logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-            loss_sum, _ = masked_token_loss(logits, batch["labels"])
+                labels = batch["labels"][:, 1:]  # the logits exist cfg.logprob_chunk positions at a time
+                logp, _ = logprobs.token_logprobs(model, batch["input_ids"], batch["attention_mask"],
+                                                  chunk_tokens=cfg.logprob_chunk, targets=labels.clamp(min=0))
+            loss_sum = -(logp * (labels != IGNORE)).sum()  # = masked_token_loss on the full logits
             (loss_sum / n_tokens).backward()
             step_loss += loss_sum.item() / n_tokens
             tokens_seen += int(batch["attention_mask"].sum())
