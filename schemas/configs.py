@@ -176,7 +176,20 @@ class PromptsConfig(Strict):
     )
 
 
-class TrainingConfig(Strict):
+class MemoryOptions(Strict):
+    """Memory-for-compute trades shared by every training loop (the supervised ones and GRPO)."""
+
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute activations in the backward pass: less memory for longer sequences or bigger "
+        "batches, ~30% more compute (sft, preference_optimization, grpo, distill; not reward_model yet).")
+    logprob_chunk: int = Field(
+        4096, ge=0, description="Token positions whose logits exist at once when computing log-probs (the output "
+        "head is recomputed per chunk in the backward pass); 0 materialises the full [batch, seq, vocab] logits. "
+        "sft, preference_optimization and grpo; distill's KD needs whole distributions and reward_model scores "
+        "with a scalar head, so they ignore it.")
+
+
+class TrainingConfig(MemoryOptions):
     """The fields of a supervised training loop, shared by the stages that run one (sft, reward_model)."""
 
     max_steps: int = Field(100, ge=1, description="Optimizer steps.")
@@ -192,12 +205,6 @@ class TrainingConfig(Strict):
     precision: Precision = Field("auto", description="auto: bf16 on GPUs that support it, else fp32.")
     checkpoint_every: int = Field(25, ge=1, description="Save a resumable checkpoint every N steps.")
     keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept on disk.")
-    gradient_checkpointing: bool = Field(
-        False, description="Recompute activations in the backward pass: less memory for longer sequences or bigger "
-        "batches, ~30% more compute.")
-    logprob_chunk: int = Field(
-        4096, ge=0, description="Token positions whose logits exist at once when computing log-probs (the output "
-        "head is recomputed per chunk in the backward pass); 0 materialises the full [batch, seq, vocab] logits.")
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec, description="Processes to train on; batch_size "
                                      "is global and must divide evenly among them.")
 
@@ -333,7 +340,7 @@ class PreferenceOptimizationConfig(TrainingConfig):
     kl_max_new_tokens: int = Field(64, ge=1, description="Tokens sampled per prompt for the KL estimate.")
 
 
-class GRPOConfig(Strict):
+class GRPOConfig(MemoryOptions):
     """`grpo` stage: group-relative policy optimisation with verifiable rewards (and variants)."""
 
     steps: int = Field(50, ge=1, description="Rollout steps (each: sample, score, update).")
@@ -384,12 +391,6 @@ class GRPOConfig(Strict):
     precision: Precision = Field("auto", description="auto: bf16 on GPUs that support it, else fp32.")
     checkpoint_every: int = Field(10, ge=1, description="Save a resumable checkpoint every N steps.")
     keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept on disk.")
-    gradient_checkpointing: bool = Field(
-        False, description="Recompute activations in the backward pass: less memory for longer sequences or bigger "
-        "batches, ~30% more compute.")
-    logprob_chunk: int = Field(
-        4096, ge=0, description="Token positions whose logits exist at once when computing log-probs (the output "
-        "head is recomputed per chunk in the backward pass); 0 materialises the full [batch, seq, vocab] logits.")
     max_refill_rounds: int = Field(2, ge=0, description="Dynamic sampling: extra rollouts to refill dropped groups.")
     eval_every: int = Field(0, ge=0, description="Greedy held-out eval every N steps (0: off).")
     eval_prompts: int = Field(32, ge=1, description="Held-out prompts for the periodic eval.")
