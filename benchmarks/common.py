@@ -1,0 +1,262 @@
+"""Pieces the benchmarks share: stage inputs without a store, peak-memory meter, synthetic data, shapes.
+
+Kept free of TRL so the r1flow-only benchmarks (dpo.py, grpo_step.py, generation.py) run in the
+project venv; the TRL side lives in trl_side.py and is imported only in the benchmark venv.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import resource
+import statistics
+import sys
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+CACHE_DIR = ROOT / ".r1flow" / "cache-models"
+MODEL_REFS = {"tiny": "tiny-random", "smollm2": "smollm2-135m-instruct", "1b": "llama-1b-random"}
+
+
+# ---------------------------------------------------------------------------- stage inputs
+
+
+def stage_input(output, parents: list[str] | None = None):
+    """An `Input` for a stage output that was never published: fingerprint = sha256 of its path.
+
+    The same path gives the same fingerprint in every process, so a `reference_logprobs` output
+    made in one subprocess is accepted by `preference_optimization` in another (it checks parents).
+    """
+    from schemas.artifacts import Manifest, Producer
+    from stages.base import Input
+
+    manifest = Manifest(kind=output.kind, schema=output.schema, fingerprint=path_fingerprint(output.path), files={},
+                        rows=output.rows, parents=parents or [], metrics=output.metrics,
+                        producer=Producer(stage="benchmark", stage_version="0", config_hash=""))
+    return Input(Path(output.path), manifest)
+
+
+def path_fingerprint(path: Path | str) -> str:
+    return hashlib.sha256(str(Path(path).resolve()).encode()).hexdigest()
+
+
+# ---------------------------------------------------------------------------- memory
+
+
+def _proc_status_kib(field: str) -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+class PeakMemory:
+    """Peak memory of a window of this process, in MiB.
+
+    CPU: the resident-set high-water mark (VmHWM) is reset at `start()` (Linux: writing 5 to
+    /proc/self/clear_refs), so the peak belongs to the window only; `delta_mib` is that peak minus
+    the RSS at `start()`. Without /proc the process-lifetime ru_maxrss is used instead.
+    GPU: torch.cuda.max_memory_allocated over the window, minus what was allocated at `start()`.
+    """
+
+    def __init__(self, device: str):
+        self.device = device
+        self.start_mib = 0.0
+        self.reset_ok = False
+
+    def start(self) -> None:
+        import gc
+
+        warm_imports()
+        gc.collect()
+        if self.device.startswith("cuda"):
+            import torch
+
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            self.start_mib = torch.cuda.memory_allocated() / 2**20
+            return
+        try:
+            Path("/proc/self/clear_refs").write_text("5")
+            self.reset_ok = True
+        except OSError:
+            self.reset_ok = False
+        rss = _proc_status_kib("VmRSS")
+        self.start_mib = (rss or 0) / 1024
+
+    def peak_mib(self) -> float:
+        if self.device.startswith("cuda"):
+            import torch
+
+            return torch.cuda.max_memory_allocated() / 2**20
+        hwm = _proc_status_kib("VmHWM") if self.reset_ok else None
+        return (hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) / 1024
+
+    def result(self) -> dict[str, float]:
+        peak = self.peak_mib()
+        return {"peak_mib": peak, "peak_delta_mib": peak - self.start_mib, "start_mib": self.start_mib}
+
+
+def warm_imports() -> None:
+    """Import what either side would otherwise import lazily inside the window (model classes, the
+    optimizer, safetensors, parquet), so module import memory is not counted as training memory."""
+    import pyarrow.parquet  # noqa: F401
+    import safetensors.torch  # noqa: F401
+    import torch.optim  # noqa: F401
+    import transformers.models.llama.modeling_llama  # noqa: F401
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+
+
+# ---------------------------------------------------------------------------- synthetic text
+
+WORDS = ("the of and to in is that for it as with was on be by this are from at or an which one two three "
+         "four five six seven eight nine ten add sum total number value first second result step check").split()
+
+
+def exact_text(tokenizer, n_tokens: int, rng: random.Random, tries: int = 50) -> str:
+    """Random words whose tokenization is exactly n_tokens tokens (best effort after `tries`)."""
+    best = ""
+    for _ in range(tries):
+        text = " ".join(rng.choice(WORDS) for _ in range(n_tokens + 8))
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"][:n_tokens]
+        cut = tokenizer.decode(ids, skip_special_tokens=True).strip()
+        if len(tokenizer(cut, add_special_tokens=False)["input_ids"]) == n_tokens:
+            return cut
+        best = cut
+    return best
+
+
+def sft_rows(tokenizer, n: int, prompt_tokens: int, completion_tokens: int, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    return [{"id": f"s{i}", "source": "bench", "metadata": "{}",
+             "messages": [{"role": "user", "content": exact_text(tokenizer, prompt_tokens, rng)},
+                          {"role": "assistant", "content": exact_text(tokenizer, completion_tokens, rng)}]}
+            for i in range(n)]
+
+
+def preference_rows(tokenizer, n: int, prompt_tokens: int, completion_tokens: int, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    return [{"id": f"p{i}", "source": "bench", "chosen_score": 1.0, "rejected_score": 0.0,
+             "messages": [{"role": "user", "content": exact_text(tokenizer, prompt_tokens, rng)}],
+             "chosen": exact_text(tokenizer, completion_tokens, rng),
+             "rejected": exact_text(tokenizer, completion_tokens, rng)}
+            for i in range(n)]
+
+
+# ---------------------------------------------------------------------------- shapes
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One benchmark configuration, applied identically to r1flow and TRL."""
+
+    sft_batch: int
+    sft_prompt_tokens: int
+    sft_completion_tokens: int
+    dpo_batch: int  # pairs per step (one micro-batch: 2 * dpo_batch sequences per forward)
+    dpo_prompt_tokens: int
+    dpo_completion_tokens: int
+    grpo_prompts: int
+    grpo_group: int
+    grpo_new_tokens: int
+    grpo_minibatch: int  # sequences per forward/backward; prompts * group / minibatch micro-batches per step
+    sft_steps: int  # warm (timed) steps; one more warm-up step is run first and not timed
+    dpo_steps: int
+    grpo_steps: int
+    max_length: int = 1024  # truncation limit for sft/dpo (set above every sequence: nothing is truncated)
+    lora_r: int = 0
+    learning_rate: float = 1e-6
+    cache: str = "dynamic"  # KV cache of GRPO's generate() on both sides: dynamic (both defaults) or static
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+SHAPES: dict[tuple[str, str], Shape] = {
+    ("cpu", "tiny"): Shape(sft_batch=8, sft_prompt_tokens=32, sft_completion_tokens=96, dpo_batch=4,
+                           dpo_prompt_tokens=32, dpo_completion_tokens=64, grpo_prompts=4, grpo_group=4,
+                           grpo_new_tokens=32, grpo_minibatch=16, sft_steps=20, dpo_steps=20, grpo_steps=8),
+    ("cpu", "smollm2"): Shape(sft_batch=4, sft_prompt_tokens=32, sft_completion_tokens=96, dpo_batch=2,
+                              dpo_prompt_tokens=32, dpo_completion_tokens=64, grpo_prompts=4, grpo_group=4,
+                              grpo_new_tokens=32, grpo_minibatch=16, sft_steps=8, dpo_steps=8, grpo_steps=5),
+    ("cuda", "tiny"): Shape(sft_batch=16, sft_prompt_tokens=64, sft_completion_tokens=448, dpo_batch=8,
+                            dpo_prompt_tokens=64, dpo_completion_tokens=192, grpo_prompts=16, grpo_group=8,
+                            grpo_new_tokens=128, grpo_minibatch=16, sft_steps=10, dpo_steps=10, grpo_steps=5),
+    ("cuda", "smollm2"): Shape(sft_batch=16, sft_prompt_tokens=64, sft_completion_tokens=448, dpo_batch=8,
+                               dpo_prompt_tokens=64, dpo_completion_tokens=192, grpo_prompts=16, grpo_group=8,
+                               grpo_new_tokens=128, grpo_minibatch=16, sft_steps=10, dpo_steps=10, grpo_steps=5),
+    ("cuda", "1b"): Shape(sft_batch=8, sft_prompt_tokens=64, sft_completion_tokens=448, dpo_batch=4,
+                          dpo_prompt_tokens=64, dpo_completion_tokens=192, grpo_prompts=16, grpo_group=8,
+                          grpo_new_tokens=128, grpo_minibatch=16, sft_steps=5, dpo_steps=5, grpo_steps=3),
+}
+
+
+def shape_for(device: str, model: str, quick: bool = False, lora_r: int = 0, cache: str = "dynamic") -> Shape:
+    kind = "cuda" if device.startswith("cuda") else "cpu"
+    if (kind, model) not in SHAPES:
+        raise SystemExit(f"no benchmark shape for model {model!r} on {kind} (known: "
+                         f"{sorted(m for d, m in SHAPES if d == kind)})")
+    shape = replace(SHAPES[(kind, model)], lora_r=lora_r, cache=cache)
+    if quick:
+        shape = replace(shape, sft_steps=min(shape.sft_steps, 3), dpo_steps=min(shape.dpo_steps, 3),
+                        grpo_steps=min(shape.grpo_steps, 2))
+    return shape
+
+
+# ---------------------------------------------------------------------------- models
+
+
+def ensure_model_dir(name: str) -> Path:
+    """The HF directory of a benchmark model: builtins via stages.models, the ~1B random Llama built here."""
+    from stages import models
+
+    ref = MODEL_REFS[name]
+    if ref in models.BUILTIN_MODELS:
+        return Path(models.resolve_model_dir(ref, CACHE_DIR))
+    return build_llama_1b(CACHE_DIR / "bench" / ref)
+
+
+def build_llama_1b(dest: Path) -> Path:
+    """A randomly initialised ~1.0B-parameter Llama with SmolLM2's tokenizer (GPU benchmarks only).
+
+    hidden 2048, 20 layers, 32 heads (8 KV heads), MLP 5632, tied embeddings: 1.00B parameters.
+    """
+    if (dest / "config.json").is_file():
+        return dest
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from stages import models
+
+    _, tokenizer = models.load_model(ensure_model_dir("smollm2"))
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=2048, intermediate_size=5632, num_hidden_layers=20,
+                         num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=2048,
+                         tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config)
+    tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
+    models.save_model(model, tokenizer, tmp)
+    tmp.rename(dest)
+    return dest
+
+
+# ---------------------------------------------------------------------------- statistics
+
+
+def warm(values: list[float], skip: int = 1) -> list[float]:
+    """Drop the first `skip` measurements (compilation, allocator and cache warm-up)."""
+    return list(values[skip:])
+
+
+def median(values: list[float]) -> float:
+    return float(statistics.median(values)) if values else float("nan")

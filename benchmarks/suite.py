@@ -1,0 +1,420 @@
+"""r1flow against TRL on the same configuration: SFT, DPO, GRPO (and generation inside GRPO), side by side.
+
+    make bench-setup                      # once: .bench-venv with TRL (not an r1flow dependency) and r1flow -e
+    make bench                            # tiny and SmolLM2-135M on this machine's device
+    make bench ARGS="--models tiny --quick"
+    .bench-venv/bin/python benchmarks/suite.py --models smollm2 --tasks grpo --json out.json
+
+Printed per model: SFT tokens/s, DPO pairs/s, GRPO step time split into generation / scoring /
+training, generation tokens/s (the GRPO rollouts), peak memory; each as r1flow, TRL and a `ratio`
+(speed: how many times faster r1flow is; memory: TRL's peak / r1flow's, above 1 means r1flow
+uses less). Every (framework, task) runs in its own subprocess, so imports, allocator state and
+peak memory are its own; both sides run in the same interpreter with the same torch,
+transformers, peft and accelerate.
+
+What is equal on both sides (benchmarks/common.py SHAPES holds the numbers):
+- the model artifact (the same directory, fp32 weights), tokenizer and chat template; the same
+  synthetic SFT / preference data (random words, fixed token counts) and the same reasoning-gym
+  basic_arithmetic prompts; sequences fit max_length, so nothing is truncated on either side;
+- precision: fp32 on CPU; bf16 autocast on CUDA (r1flow `precision: auto`, TRL `bf16=True`);
+- full fine-tuning by default (`--lora R` puts the same LoRA on both: r1flow's LoraSpec defaults,
+  alpha 32, all linear layers); AdamW, weight decay 0, clip 1.0, constant LR 1e-6, no warm-up;
+  one micro-batch per optimizer step for SFT/DPO; no gradient checkpointing (TRL's default is
+  on; r1flow has none); no checkpoints, logging or evaluation during the timed steps;
+- SFT: batch of `sft_batch` conversations, loss on the assistant turn only (TRL: prompt-completion
+  data, `completion_only_loss=True`), no packing, padding to the longest in the batch;
+- DPO: sigmoid loss, beta 0.1, `dpo_batch` pairs per step through one concatenated forward pass;
+  the reference log-probs are computed before training on both sides: r1flow's
+  `reference_logprobs` stage in its own process (the cached artifact the issue asks about; its
+  time is printed, not counted in pairs/s), TRL's `precompute_ref_log_probs=True` with the same
+  batch (2 * dpo_batch sequences), inside the trainer, so its memory window includes it;
+- GRPO: `grpo_prompts` prompts x `grpo_group` completions x at most `grpo_new_tokens` new tokens,
+  temperature 1, top-p 1, no top-k, beta 0 (no reference model), one optimisation epoch
+  (mu = num_iterations = 1), clip 0.2, per-group std-scaled advantages, per-sequence mean loss
+  (TRL `loss_type="grpo"`), `grpo_minibatch` sequences per forward/backward and one optimizer
+  step per rollout batch (TRL: per_device_train_batch_size = minibatch, gradient accumulation =
+  prompts * group / minibatch); transformers generation on both (TRL `use_vllm=False`), all
+  prompts of a step in one generate() call; the reward on both is r1flow's scorer
+  (`stages.rewards.score`, accuracy + 0.2 format). Neither side runs a separate old-log-prob pass
+  at mu = 1 (r1flow takes them from the epoch's own forward, TRL skips them). Completion lengths
+  are sampled and so differ; both are printed.
+- timing: the first step is warm-up and not timed; the median of the remaining steps is reported.
+  SFT/DPO step = interval between two consecutive step ends (r1flow: its per-step metric log; TRL:
+  on_step_end), GRPO split = r1flow's own time/* metrics, and for TRL clocks around
+  `_generate` and `_calculate_rewards` with training = step - generation - scoring.
+- peak memory: CPU, the resident-set high-water mark of the window from just before the data is
+  read and the model loaded to the end of training (r1flow: the whole stage run, final save included), minus RSS at its start (VmHWM reset via /proc/self/clear_refs);
+  CUDA, torch.cuda.max_memory_allocated over the same window.
+
+Shapes: on CPU a small batch (GRPO 4 prompts x 4 x 32 tokens) for `tiny` and `smollm2`; on CUDA
+the issue's shape, GRPO 16 prompts x 8 x 128 tokens, and a random ~1B Llama (`1b`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import CACHE_DIR, MODEL_REFS, Shape, ensure_model_dir, median, shape_for  # noqa: E402
+
+TASKS = ("sft", "dpo", "grpo")
+FRAMEWORKS = ("r1flow", "trl")
+RESULT_MARK = "BENCH-RESULT "
+CHILD_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+             "TOKENIZERS_PARALLELISM": "false", "WANDB_DISABLED": "true", "PYTHONWARNINGS": "ignore"}
+# acceptance targets of issue 9: (device kind, metric) -> minimum ratio
+TARGETS = {("cpu", "sft"): 1.5, ("cpu", "dpo"): 1.5, ("cpu", "grpo"): 3.0, ("cuda", "grpo"): 10.0}
+
+
+# ---------------------------------------------------------------------------- preparation (parent)
+
+
+def prepare(name: str, shape: Shape, work: Path) -> dict:
+    """Model artifact and datasets both sides read: written once, before any measured process starts."""
+    from transformers import AutoTokenizer
+
+    from benchmarks.common import path_fingerprint, preference_rows, sft_rows
+    from schemas.artifacts import MODEL_DIR
+    from schemas.configs import ModelConfig, PromptsConfig
+    from schemas.datasets import from_rows
+    from stages import import_model, prompts
+    from stages.base import LocalContext, write_dataset
+
+    ctx = LocalContext(work / "prep", cache_dir=CACHE_DIR)
+    ref = MODEL_REFS[name]
+    source = ensure_model_dir(name)
+    model = import_model.run(ModelConfig(ref=ref if name != "1b" else str(source)), {}, ctx)["model"]
+    tokenizer = AutoTokenizer.from_pretrained(model.path / MODEL_DIR)
+    n_sft = max(64, shape.sft_batch * (shape.sft_steps + 2))
+    n_dpo = max(32, shape.dpo_batch * (shape.dpo_steps + 2))
+    sft = write_dataset(ctx, "sft", from_rows(sft_rows(tokenizer, n_sft, shape.sft_prompt_tokens,
+                                                       shape.sft_completion_tokens), "sft"), "sft")
+    prefs = write_dataset(ctx, "prefs", from_rows(preference_rows(tokenizer, n_dpo, shape.dpo_prompt_tokens,
+                                                                  shape.dpo_completion_tokens), "preferences"),
+                          "preferences")
+    prm = prompts.run(PromptsConfig(size=max(64, 4 * shape.grpo_prompts * (shape.grpo_steps + 1))), {}, ctx)["prompts"]
+    out = {}
+    for key, o in (("model", model), ("sft", sft), ("prefs", prefs), ("prompts", prm)):
+        out[key] = {"kind": o.kind, "schema": o.schema, "path": str(o.path), "rows": o.rows,
+                    "fingerprint": path_fingerprint(o.path)}
+    return out
+
+
+# ---------------------------------------------------------------------------- children
+
+
+def child_main(args: argparse.Namespace) -> None:
+    import torch
+
+    prep = json.loads(Path(args.prep).read_text())
+    shape = Shape(**json.loads(args.shape))
+    framework, task = args.child.split(":")
+    # a fresh directory per run: a stage finding an earlier run's checkpoints would resume instead of training
+    work = Path(tempfile.mkdtemp(prefix=f"{framework}-{task}-", dir=args.work))
+    if framework == "r1flow":
+        from benchmarks import r1flow_side as side
+    else:
+        from benchmarks import trl_side as side
+    if task == "reference":
+        result = side.run_reference(prep, shape, args.device, work)
+    elif task == "dpo" and framework == "r1flow":
+        result = side.run_dpo(prep, shape, args.device, work, json.loads(Path(args.reference).read_text()))
+    else:
+        result = getattr(side, f"run_{task}")(prep, shape, args.device, work)
+    result["threads"] = torch.get_num_threads()
+    print(RESULT_MARK + json.dumps(result), flush=True)
+
+
+def cpu_busy_seconds() -> float | None:
+    """CPU seconds spent busy by the whole machine since boot (all cores), from /proc/stat."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def wait_until_quiet(max_wait: float, threshold: float = 0.2) -> float:
+    """Wait (up to max_wait s) until other processes use less than `threshold` of the CPUs; return that share.
+
+    This machine is shared (tests of other work may run): a run measured beside them is slower by
+    an unknown factor, so the suite waits for a quiet moment and reports the share it saw.
+    """
+    deadline, share = time.monotonic() + max_wait, 1.0
+    while True:
+        b0 = cpu_busy_seconds()
+        time.sleep(1.0)
+        b1 = cpu_busy_seconds()
+        if b0 is None or b1 is None:
+            return 0.0
+        share = (b1 - b0) / (os.cpu_count() or 1)
+        if share < threshold or time.monotonic() > deadline:
+            return share
+        time.sleep(4.0)
+
+
+def run_child(what: str, device: str, prep_file: Path, shape: Shape, work: Path, log: Path,
+              reference: Path | None = None, timeout: float = 3600, quiet_wait: float = 0.0) -> dict | None:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", what, "--prep", str(prep_file),
+           "--shape", json.dumps(shape.to_dict()), "--device", device, "--work", str(work)]
+    if reference is not None:
+        cmd += ["--reference", str(reference)]
+    if quiet_wait > 0:
+        wait_until_quiet(quiet_wait)
+    busy0, own0 = cpu_busy_seconds(), _children_cpu()
+    t0 = time.perf_counter()
+    with log.open("w") as fh:
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=fh, text=True, cwd=ROOT,
+                              env={**os.environ, **CHILD_ENV}, timeout=timeout)
+    wall = time.perf_counter() - t0
+    busy1, own1 = cpu_busy_seconds(), _children_cpu()
+    # CPU used by other processes while this run was measured, as a share of the machine's cores
+    foreign = None if busy0 is None or busy1 is None else max(0.0, (busy1 - busy0) - (own1 - own0)) / (
+        wall * (os.cpu_count() or 1))
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_MARK)]
+    if proc.returncode or not lines:
+        tail = log.read_text()[-2500:]
+        print(f"  !! {what} failed (exit {proc.returncode}); log {log}:\n{tail}", file=sys.stderr, flush=True)
+        return None
+    result = json.loads(lines[-1][len(RESULT_MARK):])
+    result["wall_s"] = wall
+    result["foreign_cpu"] = foreign
+    return result
+
+
+def _children_cpu() -> float:
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+# ---------------------------------------------------------------------------- summary
+
+
+def summarize(task: str, r: dict | None) -> dict | None:
+    """The reported numbers of one run: medians over its warm steps."""
+    if r is None:
+        return None
+    if task in ("sft", "dpo"):
+        step = median(r["step_s"])
+        units = r["batch"] * (r["seq_len"] if task == "sft" else 1)
+        return {"rate": units / step, "step_s": step, "n_steps": len(r["step_s"]), "seq_len": r["seq_len"],
+                "peak_delta_mib": r["peak_delta_mib"], "peak_mib": r["peak_mib"],
+                "reference_s": r.get("reference_s")}
+    steps = r["steps"]
+    gen = {k: median([s[k] for s in steps]) for k in ("generation", "scoring", "training", "total")}
+    tokens = median([s["completion_tokens"] for s in steps])
+    return {**gen, "n_steps": len(steps), "completion_tokens": tokens,
+            "mean_length": tokens / r["completions"],
+            "gen_tokens_per_s": median([s["completion_tokens"] / s["generation"] for s in steps]),
+            "peak_delta_mib": r["peak_delta_mib"], "peak_mib": r["peak_mib"]}
+
+
+def ratio(ours: float | None, theirs: float | None, higher_is_better: bool) -> float | None:
+    if not ours or not theirs:
+        return None
+    return ours / theirs if higher_is_better else theirs / ours
+
+
+def fmt_ratio(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.2f}x"
+
+
+def verdict(kind: str, task: str, x: float | None) -> str:
+    target = TARGETS.get((kind, task))
+    if target is None or x is None:
+        return ""
+    return f" (target >= {target:g}x: {'met' if x >= target else 'MISSED'})"
+
+
+def report(name: str, device: str, shape: Shape, res: dict, command: str, info: dict) -> list[str]:
+    """Print the table of one model; return RESULTS.md lines (one per measurement, `ratio` before each ratio)."""
+    kind = "cuda" if device.startswith("cuda") else "cpu"
+    where = info.get("device_name", kind)
+    s = {(t, f): summarize(t, res.get((t, f))) for t in TASKS for f in FRAMEWORKS}
+    print(f"\n== {name} ({MODEL_REFS[name]}) on {where}: torch {info.get('torch')}, transformers "
+          f"{info.get('transformers')}, trl {info.get('trl', '-')}, {info.get('threads')} threads, r1flow "
+          f"{info.get('code')} ==")
+    print(f"   SFT {shape.sft_batch} seqs/step; DPO {shape.dpo_batch} pairs/step; GRPO {shape.grpo_prompts} prompts x "
+          f"{shape.grpo_group} x <= {shape.grpo_new_tokens} tokens, minibatch {shape.grpo_minibatch}; "
+          f"{f'LoRA r={shape.lora_r}' if shape.lora_r else 'full fine-tuning'}; "
+          f"{'bf16 autocast' if kind == 'cuda' else 'fp32'}; {shape.cache} KV cache; medians of warm steps")
+    lines: list[str] = []
+
+    def contended(task: str) -> str:
+        shares = {f: (res.get((task, f)) or {}).get("foreign_cpu") for f in FRAMEWORKS}
+        busy = [f"{'TRL' if f == 'trl' else f} {100 * v:.0f}%" for f, v in shares.items() if v is not None and v > 0.1]
+        return f" (contended: other processes used {', '.join(busy)} of the CPUs)" if busy else ""
+
+    def line(label: str, ours: str, theirs: str, x: float | None, extra: str = "") -> None:
+        task = next((t for t in TASKS if label.lower().startswith(t)), "grpo")
+        extra += contended(task)
+        print(f"   {label:34} r1flow {ours:>16}   TRL {theirs:>16}   ratio {fmt_ratio(x)}{extra}")
+        lines.append(f"- {kind} {name} {label}: r1flow {ours.strip()}, TRL {theirs.strip()}, ratio {fmt_ratio(x)}"
+                     f"{extra} (device: {where}; r1flow {info.get('code')}; command: {command})")
+
+    def num(v, f="{:.1f}"):
+        return "failed" if v is None else f.format(v)
+
+    for task, label in (("sft", "SFT tokens/s"), ("dpo", "DPO pairs/s")):
+        a, b = s[(task, "r1flow")], s[(task, "trl")]
+        if a is None and b is None:
+            continue
+        x = ratio(a and a["rate"], b and b["rate"], True)
+        line(label, num(a and a["rate"]), num(b and b["rate"]), x, verdict(kind, task, x))
+    a, b = s[("grpo", "r1flow")], s[("grpo", "trl")]
+    if a is not None or b is not None:
+        x = ratio(a and a["total"], b and b["total"], False)
+        line("GRPO step", num(a and a["total"], "{:.2f} s"), num(b and b["total"], "{:.2f} s"), x,
+             verdict(kind, "grpo", x))
+        for part in ("generation", "scoring", "training"):
+            line(f"GRPO {part}", num(a and a[part], "{:.3f} s"), num(b and b[part], "{:.3f} s"),
+                 ratio(a and a[part], b and b[part], False))
+        line("generation tokens/s (GRPO rollouts)", num(a and a["gen_tokens_per_s"]),
+             num(b and b["gen_tokens_per_s"]), ratio(a and a["gen_tokens_per_s"], b and b["gen_tokens_per_s"], True),
+             f" (mean completion tokens: r1flow {num(a and a['mean_length'])}, TRL {num(b and b['mean_length'])})")
+    for task, label in (("sft", "SFT"), ("dpo", "DPO"), ("grpo", "GRPO")):
+        a, b = s[(task, "r1flow")], s[(task, "trl")]
+        if a is None and b is None:
+            continue
+        x = ratio(a and a["peak_delta_mib"], b and b["peak_delta_mib"], False)
+        extra = ""
+        if task == "dpo" and x is not None:
+            extra = f" (target: r1flow below TRL: {'met' if x > 1 else 'MISSED'})"
+        line(f"{label} peak memory (MiB over start)", num(a and a["peak_delta_mib"], "{:.0f} MiB"),
+             num(b and b["peak_delta_mib"], "{:.0f} MiB"), x, extra)
+    a, b = s[("dpo", "r1flow")], s[("dpo", "trl")]
+    if a is not None and b is not None:
+        print(f"   (DPO reference pass, not in pairs/s: r1flow reference_logprobs stage {a['reference_s']:.1f} s "
+              f"wall incl. model load; TRL precompute {b['reference_s']:.1f} s)")
+    for t in TASKS:
+        for f in FRAMEWORKS:
+            if s[(t, f)] is not None and "seq_len" in s[(t, f)]:
+                print(f"   ({t} {f}: mean sequence {s[(t, f)]['seq_len']:.1f} tokens, {s[(t, f)]['n_steps']} timed steps)")
+    return lines
+
+
+def code_version() -> str:
+    """The commit measured, with '+dirty' when stages/ or schemas/ differ from it (numbers belong to that code)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "stages", "schemas"], cwd=ROOT,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
+def device_info(device: str) -> dict:
+    import torch
+    import transformers
+
+    info = {"torch": torch.__version__, "transformers": transformers.__version__, "threads": torch.get_num_threads(),
+            "code": code_version()}
+    if importlib.util.find_spec("trl") is not None:
+        import trl
+
+        info["trl"] = trl.__version__
+    if device.startswith("cuda"):
+        info["device_name"] = torch.cuda.get_device_name(0)
+    else:
+        info["device_name"] = f"cpu ({os.cpu_count()} cores, {platform.machine()})"
+    return info
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="tiny,smollm2", help=f"comma list of {sorted(MODEL_REFS)} (1b: CUDA only)")
+    ap.add_argument("--tasks", default=",".join(TASKS))
+    ap.add_argument("--frameworks", default=",".join(FRAMEWORKS))
+    ap.add_argument("--quick", action="store_true", help="fewer timed steps (a smoke run)")
+    ap.add_argument("--lora", type=int, default=0, help="LoRA rank on both sides (0: full fine-tuning)")
+    ap.add_argument("--cache", choices=["dynamic", "static"], default="dynamic",
+                    help="KV cache of the GRPO rollouts, on both sides (r1flow generation.cache, TRL cache_implementation)")
+    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    ap.add_argument("--json", help="write every raw measurement here")
+    ap.add_argument("--markdown", help="append the RESULTS.md lines here")
+    ap.add_argument("--work-dir", help="keep artifacts and logs here (default: a temp dir)")
+    ap.add_argument("--quiet-wait", type=float, default=300.0,
+                    help="before each run, wait up to this many seconds for other processes to leave the CPU idle")
+    for hidden in ("--child", "--prep", "--shape", "--work", "--reference"):
+        ap.add_argument(hidden, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        return child_main(args)
+
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    names = [m for m in args.models.split(",") if m]
+    tasks = [t for t in args.tasks.split(",") if t]
+    frameworks = [f for f in args.frameworks.split(",") if f]
+    for bad, known, what in ((names, MODEL_REFS, "model"), (tasks, TASKS, "task"), (frameworks, FRAMEWORKS, "framework")):
+        unknown = [x for x in bad if x not in known]
+        if unknown:
+            ap.error(f"unknown {what}(s) {unknown}; known: {list(known)}")
+    if "trl" in frameworks and importlib.util.find_spec("trl") is None:
+        sys.exit("TRL is not installed in this interpreter; it lives only in the benchmark venv: run `make bench-setup`, "
+                 "then `make bench` (or .bench-venv/bin/python benchmarks/suite.py), or pass --frameworks r1flow")
+    command = os.environ.get("R1FLOW_BENCH_COMMAND") or "python benchmarks/suite.py " + shlex.join(sys.argv[1:])
+    info = device_info(device)
+    root = Path(args.work_dir or tempfile.mkdtemp(prefix="r1flow-bench-"))
+    root.mkdir(parents=True, exist_ok=True)
+    print(f"r1flow vs TRL benchmark: models {names}, tasks {tasks}, device {info['device_name']}; work dir {root}",
+          flush=True)
+    all_lines, raw = [], {}
+    for name in names:
+        shape = shape_for(device, name, quick=args.quick, lora_r=args.lora, cache=args.cache)
+        work = root / name
+        prep_file = work / "prep.json"
+        work.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        prep_file.write_text(json.dumps(prepare(name, shape, work)))
+        print(f"[{name}] prepared model and data in {time.perf_counter() - t0:.1f} s", flush=True)
+        res: dict = {}
+        for task in tasks:
+            reference = None
+            if task == "dpo" and "r1flow" in frameworks:
+                ref = run_child("r1flow:reference", device, prep_file, shape, work, work / "r1flow-reference.log",
+                                quiet_wait=args.quiet_wait)
+                if ref is not None:
+                    reference = work / "reference.json"
+                    reference.write_text(json.dumps(ref))
+            for fw in frameworks:
+                if fw == "r1flow" and task == "dpo" and reference is None:
+                    continue
+                print(f"[{name}] {task} / {fw} ...", flush=True)
+                res[(task, fw)] = run_child(f"{fw}:{task}", device, prep_file, shape, work, work / f"{fw}-{task}.log",
+                                            reference=reference if fw == "r1flow" else None,
+                                            quiet_wait=args.quiet_wait if not device.startswith("cuda") else 0.0)
+                if res[(task, fw)] is not None:
+                    info["threads"] = res[(task, fw)].get("threads", info["threads"])
+        all_lines += report(name, device, shape, res, command, info)
+        raw[name] = {"shape": shape.to_dict(), "info": info,
+                     "results": {f"{t}/{f}": r for (t, f), r in res.items()}}
+    if args.json:
+        Path(args.json).write_text(json.dumps(raw, indent=1))
+    if args.markdown:
+        with open(args.markdown, "a") as fh:
+            fh.write("\n".join(all_lines) + "\n")
+    print("\nRESULTS.md lines:\n" + "\n".join(all_lines))
+
+
+if __name__ == "__main__":
+    main()

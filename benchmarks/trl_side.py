@@ -1,0 +1,223 @@
+"""The TRL side of the suite: TRL's public SFTTrainer, DPOTrainer and GRPOTrainer on the same artifacts.
+
+Imported only in the benchmark venv (`make bench-setup`); TRL is not a dependency of r1flow.
+Every trainer gets `report_to=[]`, no hub, no checkpoints (`save_strategy="no"`), no logging
+(`logging_strategy="no"`), `gradient_checkpointing=False` (TRL's default is True; r1flow does not
+checkpoint), fp32 on CPU and bf16 on CUDA (r1flow's `precision: auto`), a constant learning rate
+and no warm-up. Everything else is TRL's default. The subclasses below only add clocks around
+TRL's own methods; they change no behaviour.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+from transformers import TrainerCallback
+
+from benchmarks.common import PeakMemory, Shape
+from schemas.artifacts import MODEL_DIR
+from schemas.configs import RewardSpec
+from stages import models
+from stages.rewards import score
+
+
+class StepClock(TrainerCallback):
+    """When each optimizer step ends; the interval between two ends is one whole step."""
+
+    def __init__(self):
+        self.ends: list[float] = []
+        self.per_step: list[dict] = []
+        self.trainer = None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.ends.append(time.perf_counter())
+        if self.trainer is not None and hasattr(self.trainer, "bench"):
+            self.per_step.append(dict(self.trainer.bench))
+            self.trainer.bench = {k: 0.0 for k in self.trainer.bench}
+
+    def intervals(self) -> list[float]:
+        """Durations of steps 2..N (step 1 has no previous end and is the warm-up anyway)."""
+        return [b - a for a, b in zip(self.ends, self.ends[1:], strict=False)]
+
+
+def common_args(shape: Shape, device: str, out: Path, steps: int) -> dict:
+    cuda = device.startswith("cuda")
+    return {"output_dir": str(out), "max_steps": steps, "learning_rate": shape.learning_rate,
+            "lr_scheduler_type": "constant", "warmup_steps": 0, "weight_decay": 0.0, "max_grad_norm": 1.0,
+            "gradient_checkpointing": False, "bf16": cuda, "fp16": False, "use_cpu": not cuda,
+            "report_to": [], "save_strategy": "no", "logging_strategy": "no", "disable_tqdm": True,
+            "push_to_hub": False, "seed": 0, "dataloader_num_workers": 0}
+
+
+def peft_config(shape: Shape):
+    if shape.lora_r == 0:
+        return None
+    from peft import LoraConfig
+
+    from schemas.configs import LoraSpec
+
+    spec = LoraSpec(r=shape.lora_r)  # r1flow's defaults for alpha, dropout and target modules
+    return LoraConfig(r=spec.r, lora_alpha=spec.alpha, lora_dropout=spec.dropout, target_modules=spec.target_modules,
+                      task_type="CAUSAL_LM")
+
+
+def model_dir(prep: dict) -> Path:
+    return Path(prep["model"]["path"]) / MODEL_DIR  # the import_model artifact r1flow's side trains from
+
+
+def load(prep: dict):
+    """(model, tokenizer) exactly as r1flow loads them: fp32, pad token set, left padding."""
+    return models.load_model(model_dir(prep))
+
+
+def table_rows(prep: dict, name: str) -> list[dict]:
+    import pyarrow.parquet as pq
+
+    from schemas.artifacts import DATA_FILE
+
+    return pq.read_table(Path(prep[name]["path"]) / DATA_FILE).to_pylist()
+
+
+# ---------------------------------------------------------------------------- SFT
+
+
+def run_sft(prep: dict, shape: Shape, device: str, work: Path) -> dict:
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    args = SFTConfig(**common_args(shape, device, work / "trl-sft", shape.sft_steps + 1),
+                     per_device_train_batch_size=shape.sft_batch, gradient_accumulation_steps=1,
+                     max_length=shape.max_length, packing=False, completion_only_loss=True)
+    clock = StepClock()
+    meter = PeakMemory(device)
+    meter.start()  # the window starts before the data is read, as r1flow's stage reads it inside run()
+    rows = table_rows(prep, "sft")
+    data = Dataset.from_list([{"prompt": r["messages"][:-1], "completion": r["messages"][-1:]} for r in rows])
+    model, tokenizer = load(prep)
+    trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer,
+                         callbacks=[clock], peft_config=peft_config(shape))
+    trainer.train()
+    mem = meter.result()
+    lengths = [len(ids) for ids in trainer.train_dataset["input_ids"]]
+    return {"step_s": clock.intervals(), "seq_len": sum(lengths) / len(lengths), "batch": shape.sft_batch, **mem}
+
+
+# ---------------------------------------------------------------------------- DPO
+
+
+def run_dpo(prep: dict, shape: Shape, device: str, work: Path) -> dict:
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+
+    class TimedDPO(DPOTrainer):
+        bench_ref_s = 0.0
+
+        def _precompute_ref_logps(self, *args, **kwargs):
+            t0 = time.perf_counter()
+            out = super()._precompute_ref_logps(*args, **kwargs)
+            TimedDPO.bench_ref_s += time.perf_counter() - t0
+            return out
+
+    args = DPOConfig(**common_args(shape, device, work / "trl-dpo", shape.dpo_steps + 1),
+                     per_device_train_batch_size=shape.dpo_batch, gradient_accumulation_steps=1,
+                     max_length=shape.max_length, beta=0.1, loss_type=["sigmoid"], precompute_ref_log_probs=True,
+                     precompute_ref_batch_size=shape.dpo_batch)
+    clock = StepClock()
+    meter = PeakMemory(device)
+    meter.start()
+    model, tokenizer = load(prep)
+    # Non-conversational strings, so the sequence is exactly r1flow's: chat-templated prompt, then the
+    # completion and EOS (TRL appends the EOS token; the conversational form would add the template's "\n").
+    rows = table_rows(prep, "prefs")
+    data = Dataset.from_list([{"prompt": tokenizer.apply_chat_template(r["messages"], tokenize=False,
+                                                                       add_generation_prompt=True),
+                               "chosen": r["chosen"], "rejected": r["rejected"]} for r in rows])
+    trainer = TimedDPO(model=model, args=args, train_dataset=data, processing_class=tokenizer, callbacks=[clock],
+                       peft_config=peft_config(shape))
+    trainer.train()
+    mem = meter.result()
+    ds = trainer.train_dataset
+    lengths = [len(p) + len(c) for p, c in zip(ds["prompt_ids"], ds["chosen_ids"], strict=True)]
+    lengths += [len(p) + len(c) for p, c in zip(ds["prompt_ids"], ds["rejected_ids"], strict=True)]
+    return {"step_s": clock.intervals(), "batch": shape.dpo_batch, "seq_len": sum(lengths) / len(lengths),
+            "reference_s": TimedDPO.bench_ref_s, **mem}
+
+
+# ---------------------------------------------------------------------------- GRPO
+
+
+def r1_reward(prompts, completions, completion_ids, **columns):
+    """r1flow's own scorer (`stages.rewards.score`, default RewardSpec: accuracy + 0.2 format), so
+    scoring costs the same on both sides."""
+    spec = RewardSpec()
+    out = []
+    for i, completion in enumerate(completions):
+        text = completion[-1]["content"] if isinstance(completion, list) else completion
+        row = {k: columns[k][i] for k in ("id", "answer", "task", "verifier", "split", "metadata")}
+        row["messages"] = prompts[i]
+        out.append(score(row, text, spec, num_tokens=len(completion_ids[i])).reward)
+    return out
+
+
+def run_grpo(prep: dict, shape: Shape, device: str, work: Path) -> dict:
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    class TimedGRPO(GRPOTrainer):
+        """Clocks around TRL's generation (`_generate`: templating, generate, decode) and reward calls."""
+
+        bench = {"generation": 0.0, "scoring": 0.0, "completion_tokens": 0.0}
+
+        def _generate(self, prompts):
+            t0 = time.perf_counter()
+            out = super()._generate(prompts)
+            self.bench["generation"] += time.perf_counter() - t0
+            self.bench["completion_tokens"] += sum(len(c) for c in out[1])
+            return out
+
+        def _calculate_rewards(self, *args, **kwargs):
+            t0 = time.perf_counter()
+            out = super()._calculate_rewards(*args, **kwargs)
+            self.bench["scoring"] += time.perf_counter() - t0
+            return out
+
+    n = shape.grpo_prompts * shape.grpo_group
+    if n % shape.grpo_minibatch:
+        raise SystemExit(f"grpo: prompts x group ({n}) must be a multiple of the minibatch ({shape.grpo_minibatch})")
+    args = GRPOConfig(**common_args(shape, device, work / "trl-grpo", shape.grpo_steps + 1),
+                      per_device_train_batch_size=shape.grpo_minibatch,
+                      gradient_accumulation_steps=n // shape.grpo_minibatch,
+                      num_generations=shape.grpo_group, max_completion_length=shape.grpo_new_tokens,
+                      temperature=1.0, top_p=1.0, top_k=0, beta=0.0, num_iterations=1, epsilon=0.2,
+                      loss_type="grpo", scale_rewards="group", use_vllm=False, log_completions=False,
+                      cache_implementation=None if shape.cache == "dynamic" else shape.cache)
+    clock = StepClock()
+    meter = PeakMemory(device)
+    meter.start()
+    rows = [r for r in table_rows(prep, "prompts") if r["split"] == "train" and r["answer"] is not None]
+    data = Dataset.from_list([{"prompt": r["messages"], **{k: r[k] for k in ("id", "answer", "task", "verifier",
+                                                                              "split", "metadata")}} for r in rows])
+    model, tokenizer = load(prep)
+    trainer = TimedGRPO(model=model, reward_funcs=r1_reward, args=args, train_dataset=data,
+                        processing_class=tokenizer, callbacks=[clock], peft_config=peft_config(shape))
+    trainer.bench = dict(TimedGRPO.bench)
+    clock.trainer = trainer
+    trainer.train()
+    mem = meter.result()
+    totals = clock.intervals()
+    steps = []
+    for k, total in enumerate(totals, start=1):  # per_step[k] belongs to step k+1, the end of interval k
+        b = clock.per_step[k]
+        steps.append({"step": k + 1, "generation": b["generation"], "scoring": b["scoring"],
+                      "training": total - b["generation"] - b["scoring"], "total": total,
+                      "completion_tokens": b["completion_tokens"]})
+    return {"steps": steps, "completions": n, **mem}
+
+
+def versions() -> dict[str, str]:
+    import transformers
+    import trl
+
+    return {"trl": trl.__version__, "transformers": transformers.__version__, "torch": torch.__version__}
