@@ -35,6 +35,9 @@ def prepare_environment(home: str | None = None) -> None:
     home_path.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("PREFECT_HOME", str(home_path / "prefect"))
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    # Prefect waits 20 s for its ephemeral server; on a busy 2-core machine it has taken longer (seen in the
+    # test suite: "Timed out while attempting to connect to ephemeral Prefect API server").
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if not os.environ.get("PREFECT_API_URL") and not os.environ.get("MLFLOW_TRACKING_URI"):

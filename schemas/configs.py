@@ -367,7 +367,14 @@ class GRPOConfig(MemoryOptions):
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator (Schulman's k1/k2/k3).")
     mu: int = Field(1, ge=1, description="Optimisation epochs per rollout batch.")
     minibatch_size: int = Field(16, ge=1, description="Sequences per forward/backward pass (per process; bounds "
-                                "memory only: the mini-batches of an epoch accumulate into one optimizer step).")
+                                "memory only: the mini-batches of an epoch accumulate into one optimizer step). With "
+                                "prefix_sharing, whole groups: max(1, minibatch_size // group_size) prompts.")
+    prefix_sharing: bool = Field(
+        True, description="Training passes run each group's prompt through the decoder once and its G completions "
+        "against that KV cache (gradients flow through the cache): the same values and gradients at about "
+        "(P + G*C) / (G*(P+C)) of the decoder's cost for prompt length P and completion length C. Applies with a "
+        "plain output head and without gradient_checkpointing; otherwise rows run whole. (Rollout generation "
+        "always prefills each prompt once for its G samples.)")
     old_logprobs: Literal["trainer", "sampler"] = Field(
         "trainer", description="trainer: recompute old log-probs with the trainer's forward pass before the update; "
         "sampler: take the sampler's log-probs, read the trainer's from the first epoch's own pass (no extra pass) "

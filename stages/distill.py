@@ -58,6 +58,7 @@ from stages.sft import (
     collate,
     load_trainable,
     lr_factor,
+    make_optimizer,
     masked_token_loss,
     micro_batch_indices,
     resolve_precision,
@@ -271,7 +272,7 @@ def run(cfg: DistillConfig, inputs: dict[str, Input], ctx: StageContext) -> dict
     ctx.log_metrics(params)
 
     trainable = [p for p in student.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    optimizer = make_optimizer(trainable, cfg.learning_rate, cfg.weight_decay)
     warmup = int(cfg.warmup_ratio * cfg.max_steps)
     state = resume(ctx, student, optimizer, "distill", cfg.max_steps)
     start, history = state["step"], state.get("history", [])

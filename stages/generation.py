@@ -99,6 +99,24 @@ def completion_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
     return torch.cat(out)
 
 
+def generate_shared_prefix(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, n: int, kwargs: dict):
+    """`generate` of n samples per prompt with each prompt prefilled once, not n times.
+
+    The decoder runs over every prompt but its last token once (B rows), the KV cache is repeated n
+    times, and `generate` continues from it with the n-fold prompts, so only the last prompt token
+    and the new tokens run per sample. The rows and the sampling RNG are laid out exactly as
+    `num_return_sequences=n` lays them out, so the samples are the same (up to float rounding).
+    """
+    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    prefill = decoder if decoder is not None else model
+    cache = prefill(input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1], position_ids=positions[:, :-1],
+                    use_cache=True).past_key_values
+    cache.batch_repeat_interleave(n)
+    return model.generate(input_ids=input_ids.repeat_interleave(n, 0), attention_mask=attention_mask.repeat_interleave(n, 0),
+                          past_key_values=cache, **{**kwargs, "num_return_sequences": 1})
+
+
 STATIC_BUCKET = 64  # cache: static pads prompts to a multiple of this, so a compiled decode sees few shapes
 
 
@@ -142,7 +160,10 @@ class TransformersBackend:
                 kwargs.update(temperature=None, top_p=None, top_k=None)
             if spec.stop:
                 kwargs.update(stop_strings=list(spec.stop), tokenizer=tokenizer)
-            out = model.generate(**enc, **kwargs)
+            if n > 1 and spec.cache == "dynamic" and enc["input_ids"].shape[1] > 1:
+                out = generate_shared_prefix(model, enc["input_ids"], enc["attention_mask"], n, kwargs)
+            else:
+                out = model.generate(**enc, **kwargs)
             new = out[:, enc["input_ids"].shape[1] :]
             rows = self._rows(new.tolist(), eos_ids, spec.stop)
             lps = None

@@ -29,6 +29,7 @@ Departures from the papers, on purpose:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import time
@@ -43,7 +44,15 @@ from stages import distributed, logprobs, models, rl
 from stages.base import Input, Output, StageContext, model_output_dir, seed_everything
 from stages.generation import TransformersBackend, render_prompts
 from stages.rewards import score
-from stages.sft import load_trainable, lr_factor, resolve_precision, resume, save_checkpoint, set_lr
+from stages.sft import (
+    load_trainable,
+    lr_factor,
+    make_optimizer,
+    resolve_precision,
+    resume,
+    save_checkpoint,
+    set_lr,
+)
 
 VERSION = "1"
 CONFIG = GRPOConfig
@@ -123,14 +132,56 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     return logprobs.token_logprobs(model, input_ids, attention_mask, chunk_tokens=chunk, with_entropy=with_entropy)
 
 
-@torch.no_grad()
-def batched_logprobs(model, batch: dict[str, torch.Tensor], minibatch: int, device: str) -> torch.Tensor:
-    out = []
-    for i in range(0, batch["input_ids"].shape[0], minibatch):
-        lp, _ = token_logprobs(model, batch["input_ids"][i : i + minibatch].to(device),
-                               batch["attention_mask"][i : i + minibatch].to(device))
-        out.append(lp.cpu())
-    return torch.cat(out)
+def shared_prefix_logprobs(model, prompt_ids: list[list[int]], completion_ids: list[list[int]], group_size: int,
+                           pad_id: int, width: int, device: str, with_entropy: bool = False, chunk: int = 4096
+                           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`token_logprobs` of whole groups, laid out like `build_batch`'s (N, width-1), each prompt run once.
+
+    prompt_ids: one per group (K); completion_ids: K*G rows, group k's at k*G .. k*G+G-1
+    (`logprobs.shared_prefix_rows`).
+    """
+    prompt_of_row = [k for k in range(len(prompt_ids)) for _ in range(group_size)]
+    return logprobs.shared_prefix_rows(model, prompt_ids, completion_ids, prompt_of_row, pad_id, width, device,
+                                       chunk_tokens=chunk, with_entropy=with_entropy)
+
+
+@dataclasses.dataclass
+class RolloutBatch:
+    """One step's rollouts as training tensors: `batch` (build_batch's whole rows), the groups'
+    prompt ids (one per group) and each row's completion ids, for the shared-prefix path."""
+
+    batch: dict[str, torch.Tensor]
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]
+    group_size: int
+    pad_id: int
+    shared: bool
+    device: str
+    chunk: int
+
+    def logprobs(self, net, idx: torch.Tensor, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(len(idx), L-1) log-probs (and entropy) of rows `idx`; with `shared`, idx is whole groups."""
+        if self.shared:
+            groups = (idx[:: self.group_size] // self.group_size).tolist()
+            return shared_prefix_logprobs(net, [self.prompt_ids[g] for g in groups],
+                                          [self.completion_ids[r] for r in idx.tolist()], self.group_size, self.pad_id,
+                                          self.batch["input_ids"].shape[1], self.device, with_entropy, self.chunk)
+        return token_logprobs(net, self.batch["input_ids"][idx].to(self.device),
+                              self.batch["attention_mask"][idx].to(self.device), with_entropy=with_entropy,
+                              chunk=self.chunk)
+
+
+def minibatch_rows(n: int, group_size: int, minibatch_size: int, whole_groups: bool,
+                   generator: torch.Generator) -> list[torch.Tensor]:
+    """Row indices of an epoch's mini-batches in shuffled order: sequences, or whole groups (rows
+    k*G .. k*G+G-1 together, max(1, minibatch_size // G) groups each) for prefix sharing."""
+    if not whole_groups:
+        order = torch.randperm(n, generator=generator)
+        return [order[i : i + minibatch_size] for i in range(0, n, minibatch_size)]
+    groups = torch.randperm(n // group_size, generator=generator)
+    per = max(1, minibatch_size // group_size)
+    return [(groups[i : i + per, None] * group_size + torch.arange(group_size)[None, :]).reshape(-1)
+            for i in range(0, len(groups), per)]
 
 
 # ---------------------------------------------------------------------------- rollout
@@ -239,7 +290,7 @@ def run(cfg: GRPOConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[st
     if cfg.beta > 0 and not is_lora:
         ref = copy.deepcopy(model).eval().requires_grad_(False)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    optimizer = make_optimizer(trainable, cfg.learning_rate, cfg.weight_decay)
     warmup = int(cfg.warmup_ratio * cfg.steps)
     autocast_dtype = resolve_precision(cfg.precision, ctx.device)
     backend = TransformersBackend(model, tokenizer)
@@ -329,6 +380,10 @@ def run(cfg: GRPOConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[st
                 t_score += time.perf_counter() - t_ps
                 metrics["time/scoring"] = t_score
             model.train()
+            shared = cfg.prefix_sharing and logprobs.can_share_prefix(model)
+            rollout_batch = RolloutBatch(batch, prompt_ids, [list(c.token_ids) for c in flat_comps], cfg.group_size,
+                                         pad_id, shared, ctx.device, cfg.logprob_chunk)
+
             sampler_logp = tis_w = None
             # The old policy's log-probs are the first epoch's own forward pass (filled below): the
             # parameters change only after an epoch's last mini-batch, so they are exact, and no
@@ -339,11 +394,10 @@ def run(cfg: GRPOConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[st
                 tis_w = torch.zeros_like(sampler_logp)
             ref_logp = None
             if cfg.beta > 0:
-                if is_lora:
-                    with model.disable_adapter():
-                        ref_logp = batched_logprobs(model, batch, cfg.minibatch_size, ctx.device)
-                else:
-                    ref_logp = batched_logprobs(ref, batch, cfg.minibatch_size, ctx.device)
+                ref_logp = torch.zeros_like(batch["loss_mask"])
+                with torch.no_grad(), (model.disable_adapter() if is_lora else contextlib.nullcontext()):
+                    for idx in minibatch_rows(n, cfg.group_size, cfg.minibatch_size, shared, torch.Generator()):
+                        ref_logp[idx] = rollout_batch.logprobs(model if is_lora else ref, idx)[0].float().cpu()
 
         # ---- mu epochs; each accumulates all mini-batches into one optimizer step
         lr = set_lr(optimizer, cfg.learning_rate * lr_factor(step, cfg.steps, warmup, "constant"))
@@ -353,15 +407,12 @@ def run(cfg: GRPOConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[st
         train_stats: dict[str, list[float]] = {"loss": [], "clip_low": [], "clip_high": [], "kl": [], "entropy": [],
                                                "gap": [], "mismatch_kl": [], "weight_mean": [], "clipped": []}
         for epoch in range(cfg.mu):
-            order = torch.randperm(n, generator=torch.Generator().manual_seed(ctx.seed + step * 31 + epoch))
-            for i in range(0, n, cfg.minibatch_size):
-                idx = order[i : i + cfg.minibatch_size]
+            generator = torch.Generator().manual_seed(ctx.seed + step * 31 + epoch)
+            for idx in minibatch_rows(n, cfg.group_size, cfg.minibatch_size, n > 0 and shared, generator):
                 mask = batch["loss_mask"][idx].to(ctx.device)
                 with torch.autocast(device_type=ctx.device.split(":")[0], dtype=autocast_dtype or torch.float32,
                                     enabled=autocast_dtype is not None):
-                    logp, entropy = token_logprobs(model, batch["input_ids"][idx].to(ctx.device),
-                                                   batch["attention_mask"][idx].to(ctx.device), with_entropy=True,
-                                                   chunk=cfg.logprob_chunk)
+                    logp, entropy = rollout_batch.logprobs(model, idx, with_entropy=True)
                 if epoch == 0:  # params unchanged within an epoch: exact old log-probs
                     old_logp[idx] = logp.detach().float().cpu()
                 if sampler_logp is not None and epoch == 0:

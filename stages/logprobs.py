@@ -9,6 +9,12 @@ checkpointing, so only one chunk's logits exist at a time, in the forward pass a
 backward pass (the head is recomputed per chunk: ~V*H multiply-adds per token, about a fifth of a
 135M model's forward pass).
 
+`positions` (a bool mask over the scored positions) restricts the head to the positions a loss
+reads: the completion tokens in DPO and GRPO, the labelled tokens in SFT. The decoder still runs
+over every position (the prompt is context), but the output head, the largest single matmul of a
+small model (V x H per token: 28M multiply-adds per position for SmolLM2, a fifth of its
+forward), runs only where a value is needed, forward and backward; elsewhere the result is 0.
+
 Models whose forward does more than `head(hidden)` (Gemma's final logit soft-capping, Cohere's
 logit scale) take the plain path, as does `chunk_tokens=0`.
 """
@@ -37,11 +43,12 @@ def _chunk(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, w
 
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, chunk_tokens: int = 4096,
-                   with_entropy: bool = False, targets: torch.Tensor | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   with_entropy: bool = False, targets: torch.Tensor | None = None,
+                   positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(input_ids[:, t+1] | input_ids[:, :t+1]) for t < T-1: (B, T-1) fp32; and the entropy
     of the next-token distribution there (no gradient) if asked. `targets` (B, T-1) replaces
     input_ids[:, 1:] as the tokens scored (e.g. SFT labels with masked positions set to any id).
+    `positions` (B, T-1) bool: compute only there (0 elsewhere, in the log-probs and the entropy).
 
     With chunk_tokens > 0 (and a plain output head) the logits exist `chunk_tokens` positions at
     a time; the values and gradients equal the full computation's up to float rounding.
@@ -53,14 +60,30 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         b, t = logits.shape[:2]
         y = (input_ids[:, 1:] if targets is None else targets).reshape(-1)
         logp, entropy = _chunk(torch.nn.Identity(), logits.reshape(b * t, -1), y, with_entropy)
-        return logp.reshape(b, t), entropy.reshape(b, t) if entropy is not None else None
+        logp, entropy = logp.reshape(b, t), entropy.reshape(b, t) if entropy is not None else None
+        if positions is not None:
+            logp = logp * positions
+            entropy = entropy * positions if entropy is not None else None
+        return logp, entropy
 
     hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-    b, t = input_ids.shape[0], input_ids.shape[1] - 1
-    flat = hidden[:, :-1, :].reshape(b * t, hidden.shape[-1])
-    flat_targets = (input_ids[:, 1:] if targets is None else targets).reshape(-1)
+    return head_logprobs(head, hidden[:, :-1, :], input_ids[:, 1:] if targets is None else targets, positions,
+                         chunk_tokens, with_entropy)
+
+
+def head_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None,
+                  chunk_tokens: int, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log p(targets[b, t] | hidden[b, t]) through the output head, `chunk_tokens` positions at a time
+    under activation checkpointing, only at `positions` if given (0 elsewhere): (B, T) fp32 each."""
+    b, t = targets.shape
+    flat = hidden.reshape(b * t, hidden.shape[-1])
+    flat_targets = targets.reshape(-1)
+    index = None
+    if positions is not None:
+        index = positions.reshape(-1).nonzero().squeeze(-1)  # (n,) flat positions that are scored
+        flat, flat_targets = flat.index_select(0, index), flat_targets.index_select(0, index)
     logps, entropies = [], []
-    for i in range(0, b * t, chunk_tokens):
+    for i in range(0, flat.shape[0], chunk_tokens):
         h, y = flat[i : i + chunk_tokens], flat_targets[i : i + chunk_tokens]
         if torch.is_grad_enabled() and h.requires_grad:
             lp, ent = checkpoint(_chunk, head, h, y, with_entropy, use_reentrant=False)
@@ -69,5 +92,89 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         logps.append(lp)
         if ent is not None:
             entropies.append(ent)
-    logp = torch.cat(logps).reshape(b, t)
-    return logp, torch.cat(entropies).reshape(b, t) if with_entropy else None
+    logp = _scatter(logps, index, b, t, hidden)
+    return logp, _scatter(entropies, index, b, t, hidden) if with_entropy else None
+
+
+def can_share_prefix(model) -> bool:
+    """Whether `shared_prefix_logprobs` applies: a plain output head, and a KV cache in training (HF
+    turns the cache off under gradient checkpointing)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    flag = "is_activation_checkpointing" if hasattr(model, "is_activation_checkpointing") else "is_gradient_checkpointing"
+    checkpointing = bool(getattr(model, flag, False)) and model.training
+    return decoder is not None and head is not None and _head_is_plain(model) and not checkpointing
+
+
+def shared_prefix_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
+                           completion_mask: torch.Tensor, prompt_of_row: torch.Tensor, chunk_tokens: int = 4096,
+                           with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs of completions that continue shared prompts, each prompt computed once.
+
+    prompt_ids/prompt_mask: (K, P), left padded; completion_ids/completion_mask: (N, C), right
+    padded; prompt_of_row (N,): the prompt row i continues (GRPO: G rows per prompt; DPO: chosen
+    and rejected). Returns (N, C): log p(completion token j | prompt, completion tokens < j), 0
+    where completion_mask is 0; and the entropy there if asked.
+
+    The decoder runs over the K prompts once with a KV cache, the cache rows are gathered per
+    completion, and the completions run against it; gradients flow through the cached keys and
+    values into the prompt's computation, so values and gradients equal whole prompt+completion
+    rows (up to float rounding) at about (K*P + N*C) / (N*(P+C)) of the decoder's cost. Positions
+    follow the attention mask, as in generation. Needs `can_share_prefix(model)`.
+    """
+    decoder, head = model.get_decoder(), model.get_output_embeddings()
+    out = decoder(input_ids=prompt_ids, attention_mask=prompt_mask,
+                  position_ids=(prompt_mask.cumsum(-1) - 1).clamp(min=0), use_cache=True)
+    last = out.last_hidden_state[:, -1, :].index_select(0, prompt_of_row)  # (N, H): predicts completion token 0
+    if completion_ids.shape[1] == 0:
+        empty = last.new_zeros(completion_ids.shape, dtype=torch.float32)
+        return empty, empty if with_entropy else None
+    cache = out.past_key_values
+    cache.batch_select_indices(prompt_of_row)  # (N, ...) for autograd: a prompt's gradient sums over its rows
+    row_mask = prompt_mask.index_select(0, prompt_of_row)
+    positions = row_mask.sum(-1, keepdim=True) + torch.arange(completion_ids.shape[1], device=completion_ids.device)[None, :]
+    attention = torch.cat([row_mask, completion_mask], dim=1)
+    h = decoder(input_ids=completion_ids, attention_mask=attention, position_ids=positions, past_key_values=cache,
+                use_cache=True).last_hidden_state  # (K*G, C, H)
+    hidden = torch.cat([last[:, None, :], h[:, :-1, :]], dim=1)  # position j predicts completion token j
+    return head_logprobs(head, hidden, completion_ids, completion_mask.bool(), chunk_tokens, with_entropy)
+
+
+def shared_prefix_rows(model, prompts: list[list[int]], completions: list[list[int]], prompt_of_row: list[int],
+                       pad_id: int, width: int, device: str, chunk_tokens: int = 4096, with_entropy: bool = False
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`shared_prefix_logprobs` from token lists, laid out like whole right-padded rows: (N, width-1).
+
+    Row i is prompts[prompt_of_row[i]] + completions[i]; its completion token j lands at position
+    len(prompt) - 1 + j, the position that predicts it in a whole row (as `token_logprobs` returns
+    it), 0 elsewhere. `width` is the whole rows' padded length (at least every len(prompt) + len(completion)).
+    """
+    p_max, c_max = max(len(p) for p in prompts), max(len(c) for c in completions)
+    pids = torch.full((len(prompts), p_max), pad_id, dtype=torch.long)
+    pmask = torch.zeros((len(prompts), p_max), dtype=torch.long)
+    for i, p in enumerate(prompts):  # left padded, as in generation
+        pids[i, p_max - len(p) :] = torch.tensor(p, dtype=torch.long)
+        pmask[i, p_max - len(p) :] = 1
+    cids = torch.full((len(completions), c_max), pad_id, dtype=torch.long)
+    cmask = torch.zeros((len(completions), c_max), dtype=torch.long)
+    for i, c in enumerate(completions):
+        cids[i, : len(c)] = torch.tensor(c, dtype=torch.long)
+        cmask[i, : len(c)] = 1
+    index = torch.tensor(prompt_of_row, dtype=torch.long)
+    lp, ent = shared_prefix_logprobs(model, pids.to(device), pmask.to(device), cids.to(device), cmask.to(device),
+                                     index.to(device), chunk_tokens=chunk_tokens, with_entropy=with_entropy)  # (N, C)
+    offsets = torch.tensor([len(prompts[k]) - 1 for k in prompt_of_row])
+    cols = (offsets[:, None] + torch.arange(c_max)[None, :]).to(lp.device)  # distinct per row: scatter is exact
+
+    def layout(x: torch.Tensor) -> torch.Tensor:
+        return x.new_zeros(len(completions), width - 1 + c_max).scatter(1, cols, x)[:, : width - 1]
+
+    return layout(lp), layout(ent) if ent is not None else None
+
+
+def _scatter(parts: list[torch.Tensor], index: torch.Tensor | None, b: int, t: int, like: torch.Tensor) -> torch.Tensor:
+    """The chunks' values laid out as (B, T): in order, or at `index` with 0 elsewhere (differentiable)."""
+    values = torch.cat(parts) if parts else like.new_zeros(0, dtype=torch.float32)
+    if index is None:
+        return values.reshape(b, t)
+    return values.new_zeros(b * t).index_copy(0, index, values).reshape(b, t)

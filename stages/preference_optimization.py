@@ -41,7 +41,15 @@ from stages import distributed, logprobs, models
 from stages import preference_losses as pl
 from stages.base import Input, Output, StageContext, model_output_dir, seed_everything
 from stages.reward_model import split_pairs
-from stages.sft import load_trainable, lr_factor, resolve_precision, resume, save_checkpoint, set_lr
+from stages.sft import (
+    load_trainable,
+    lr_factor,
+    make_optimizer,
+    resolve_precision,
+    resume,
+    save_checkpoint,
+    set_lr,
+)
 
 VERSION = "1"
 CONFIG = PreferenceOptimizationConfig
@@ -113,12 +121,14 @@ def tokenize(tokenizer, messages: list[dict], completion: str, max_length: int) 
 
 
 def completion_logprobs(model, sequences: list[tuple[list[int], int]], pad_id: int, device: str,
-                        chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+                        chunk: int = 4096, share_prefix: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Token log-probs of each sequence's completion and the mask over them: both (N, L-1).
 
     Right-padded, one forward pass (with gradient if enabled by the caller); position t of the
     result is log p(token t+1 | tokens <= t); the logits exist `chunk` positions at a time
-    (`stages.logprobs`).
+    (`stages.logprobs`). Sequences with the same prompt (a pair's chosen and rejected) share it:
+    the decoder runs over each distinct prompt once (`logprobs.shared_prefix_rows`; the same
+    values and gradients), unless `share_prefix` is off or the model cannot (gradient checkpointing).
     """
     width = max(len(ids) for ids, _ in sequences)
     ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
@@ -128,9 +138,17 @@ def completion_logprobs(model, sequences: list[tuple[list[int], int]], pad_id: i
         ids[i, : len(s)] = torch.tensor(s)
         attn[i, : len(s)] = 1
         mask[i, len(s) - n_c - 1 : len(s) - 1] = True
+    mask = mask.to(device)
+    if share_prefix and logprobs.can_share_prefix(model):
+        index: dict[tuple[int, ...], int] = {}
+        prompt_of_row = [index.setdefault(tuple(s[: len(s) - n_c]), len(index)) for s, n_c in sequences]
+        if len(index) < len(sequences):
+            logp, _ = logprobs.shared_prefix_rows(model, [list(p) for p in index], [s[len(s) - n_c :] for s, n_c in sequences],
+                                                  prompt_of_row, pad_id, width, device, chunk_tokens=chunk)
+            return logp, mask
     ids, attn = ids.to(device), attn.to(device)
-    logp, _ = logprobs.token_logprobs(model, ids, attn, chunk_tokens=chunk)
-    return logp, mask.to(device)
+    logp, _ = logprobs.token_logprobs(model, ids, attn, chunk_tokens=chunk, positions=mask)  # head on completions only
+    return logp, mask
 
 
 @torch.no_grad()
@@ -290,7 +308,7 @@ def run(cfg: PreferenceOptimizationConfig, inputs: dict[str, Input], ctx: StageC
                     "precision": str(autocast_dtype or "fp32")})
 
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    optimizer = make_optimizer(trainable, cfg.learning_rate, cfg.weight_decay)
     warmup = int(cfg.warmup_ratio * cfg.max_steps)
     state = resume(ctx, model, optimizer, "preference_optimization", cfg.max_steps)
     start, history = state["step"], state.get("history", [])

@@ -308,7 +308,7 @@ def run(cfg: RewardModelConfig, inputs: dict[str, Input], ctx: StageContext) -> 
         ctx.log.warning("reward_model: margin=True but no training pair has both scores (or they are equal); plain BT loss")
 
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    optimizer = sft.make_optimizer(trainable, cfg.learning_rate, cfg.weight_decay)
     warmup = int(cfg.warmup_ratio * cfg.max_steps)
     autocast_dtype = sft.resolve_precision(cfg.precision, ctx.device)
     counts = models.count_parameters(model)

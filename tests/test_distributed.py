@@ -254,7 +254,11 @@ def test_dpo_on_two_processes_follows_the_single_process_loss_curve(tmp_path, ti
     for key in ("train/rewards/margin", "train/logps/chosen", "train/grad_norm"):
         a, b = _curve(one, key), _curve(two, key)
         assert b == pytest.approx(a, rel=1e-3, abs=1e-4), (key, a, b)
-    assert _curve(two, "train/rewards/accuracy") == _curve(one, "train/rewards/accuracy")
+    # At step 1 the policy is the reference: every margin is 0 up to float rounding (~5e-8, from the
+    # prompts' KV computed in other batches), and the share of pairs whose rounding is positive is
+    # noise. From step 2 the margins are real and the accuracy must agree exactly.
+    assert abs(_curve(one, "train/rewards/margin")[0]) < 1e-6 and abs(_curve(two, "train/rewards/margin")[0]) < 1e-6
+    assert _curve(two, "train/rewards/accuracy")[1:] == _curve(one, "train/rewards/accuracy")[1:]
     print(f"dpo: max relative loss difference 2 vs 1 processes over 5 steps: {worst:.2e}")
     assert out2.metrics["eval_accuracy"] == pytest.approx(out1.metrics["eval_accuracy"])
     assert (out2.path / "model" / "model.safetensors").exists()

@@ -135,3 +135,23 @@ def test_static_cache_gives_the_same_greedy_completions_and_logprobs(backend):
     for d, s in zip([c for cs in dyn for c in cs], [c for cs in sta for c in cs], strict=True):
         assert d.finish_reason == s.finish_reason
         assert s.logprobs == pytest.approx(d.logprobs, abs=1e-4)
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_shared_prefix_samples_equal_num_return_sequences(backend, tiny_tokenizer, top_p):
+    """n samples per prompt with each prompt prefilled once are the samples generate() draws with
+    num_return_sequences=n from the same seed: the same rows, the same RNG draws (left-padded batch)."""
+    from stages.generation import generate_shared_prefix
+
+    model = backend.model
+    tiny_tokenizer.padding_side = "left"
+    texts = [tiny_tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in CONVS]
+    enc = tiny_tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    kwargs = dict(do_sample=True, max_new_tokens=10, eos_token_id=tiny_tokenizer.eos_token_id,
+                  pad_token_id=tiny_tokenizer.pad_token_id, use_cache=True, temperature=1.0, top_p=top_p, top_k=0)
+    torch.manual_seed(3)
+    expected = model.generate(**enc, num_return_sequences=3, **kwargs)
+    torch.manual_seed(3)
+    got = generate_shared_prefix(model, enc["input_ids"], enc["attention_mask"], 3, {**kwargs, "num_return_sequences": 3})
+    assert got.shape[0] == 12
+    assert got.tolist() == expected.tolist()

@@ -214,3 +214,78 @@ def test_prefill_is_part_of_the_prompt_the_trainer_scores(tmp_path, tiny_model_i
     grpo.run(cfg, {"model": tiny_model_input, "prompts": digit_prompts}, ctx)
     (m,) = [m for s, m in ctx.metrics if s is not None and "train/logprob_gap" in m]
     assert m["train/logprob_gap"] < 1e-4
+
+
+@pytest.mark.parametrize("lora_r", [0, 4])
+def test_shared_prefix_logprobs_equal_whole_rows_in_value_and_gradient(tiny_tokenizer, lora_r):
+    """Two groups of G=3 with prompts of different lengths (left padding inside the shared pass) and
+    completions of different lengths, one empty: the prompt run once gives the same log-probs,
+    entropies and parameter gradients as the G whole prompt+completion rows."""
+    from stages import logprobs, models
+
+    model = models.apply_lora(models.build_tiny_model(tiny_tokenizer, seed=1), LoraSpec(r=lora_r)).train()
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
+    comps = [[20, 21, 22], [23], [24, 25, 26, 27], [28, 29], [], [30, 31, 32, 33, 34]]
+    flat_prompts = [p for p in prompts for _ in range(3)]
+    batch = grpo.build_batch(flat_prompts, comps, pad_id=0, keep=[True] * 6)
+    width = batch["input_ids"].shape[1]
+    mask = batch["loss_mask"]
+
+    ref, ref_ent = grpo.token_logprobs(model, batch["input_ids"], batch["attention_mask"], with_entropy=True)
+    (ref * mask).sum().backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad()
+
+    assert logprobs.can_share_prefix(model)
+    got, ent = grpo.shared_prefix_logprobs(model, prompts, comps, 3, pad_id=0, width=width, device="cpu",
+                                           with_entropy=True)
+    assert got.shape == mask.shape and (got[mask == 0] == 0).all() and (ent[mask == 0] == 0).all()
+    torch.testing.assert_close(got[mask > 0], ref[mask > 0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent[mask > 0], ref_ent[mask > 0], rtol=1e-5, atol=1e-5)
+    (got * mask).sum().backward()
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(p.grad, ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_minibatch_rows_keep_groups_whole_and_cover_every_row():
+    g = torch.Generator().manual_seed(0)
+    mbs = grpo.minibatch_rows(12, 3, 7, True, g)  # 7 // 3 = 2 groups per mini-batch
+    assert [len(m) for m in mbs] == [6, 6]
+    for m in mbs:
+        rows = m.view(-1, 3)
+        assert (rows[:, 1:] - rows[:, :-1] == 1).all() and (rows[:, 0] % 3 == 0).all()
+    assert sorted(torch.cat(mbs).tolist()) == list(range(12))
+    assert [len(m) for m in grpo.minibatch_rows(12, 3, 2, True, g)] == [3] * 4  # at least one group
+    assert [len(m) for m in grpo.minibatch_rows(12, 3, 5, False, g)] == [5, 5, 2]
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.1])
+def test_prefix_sharing_trains_the_same_model(tmp_path, tiny_model_input, digit_prompts, beta):
+    """Same rollouts, same updates: the metrics and final weights of a run with prefix sharing equal
+    those of a run that computes every row whole, with and without a KL term. The weights are compared
+    to 1% of one step's update (lr 3e-3): Adam divides each gradient element by its own magnitude, so
+    at step 1 an element whose gradient is ~1e-9 moves by up to lr on float rounding alone (measured:
+    at most 2.7e-5 apart, against updates of 3e-3 per step); for the same reason the KL term, a function of
+    the policy-reference weight difference, is compared through the weights it moves, not as a metric."""
+    from stages import models
+
+    runs = {}
+    for sharing in (True, False):
+        cfg = short_is_better(steps=3, beta=beta, prefix_sharing=sharing, minibatch_size=8)
+        ctx = LocalContext(tmp_path / f"run-{sharing}", seed=0)
+        out = grpo.run(cfg, {"model": tiny_model_input, "prompts": digit_prompts}, ctx)["model"]
+        curve = [(m["reward/mean"], m["train/loss"]) for step, m in ctx.metrics if step is not None and "train/loss" in m]
+        if beta:  # step 1's reference is the policy itself: a misplaced shared reference pass would show a KL
+            first_kl = next(m["train/kl"] for step, m in ctx.metrics if step == 1 and "train/kl" in m)
+            assert abs(first_kl) < 1e-6
+        model, _ = models.load_model(out.path / "model")
+        runs[sharing] = (curve, {k: v.clone() for k, v in model.state_dict().items()})
+    (curve_s, weights_s), (curve_u, weights_u) = runs[True], runs[False]
+    assert len(curve_s) == 3
+    torch.testing.assert_close(torch.tensor(curve_s), torch.tensor(curve_u), rtol=1e-4, atol=1e-5)
+    initial = models.build_tiny_model(models.build_tiny_tokenizer(), seed=0).state_dict()
+    moved = max(float((weights_u[k] - initial[k]).abs().max()) for k in weights_u)
+    assert moved > 5e-3  # three steps of lr 3e-3 moved the weights
+    for k in weights_u:
+        torch.testing.assert_close(weights_s[k], weights_u[k], rtol=0, atol=3e-5, msg=k)
