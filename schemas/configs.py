@@ -68,14 +68,19 @@ class ResourcesSpec(Strict):
     underneath): every process loads the model, takes its share of each micro-batch (or of each
     step's prompts, GRPO) and the gradients are summed across processes before every optimizer step,
     normalised by the global batch, so the update is the single-process one. Batch sizes in the
-    stage config stay *global*: the same config trains the same way on 1 or N processes.
+    stage config stay *global*: the same config trains the same way on 1 or N processes. With
+    distributed_type fsdp each process holds 1/N of the model instead of all of it (same updates).
     """
 
     num_processes: int = Field(1, ge=1, description="Processes (one per GPU; on CPU, gloo processes). 1 runs the "
                                "stage inside the pipeline's own process, as before.")
-    distributed_type: Literal["ddp"] = Field(
+    distributed_type: Literal["ddp", "fsdp"] = Field(
         "ddp", description="ddp: every process holds the whole model; gradients are all-reduced once per optimizer "
-        "step. (Sharded FSDP / DeepSpeed ZeRO are not implemented yet.)"
+        "step. fsdp: the model is sharded (torch FSDP2 fully_shard per decoder layer, ZeRO-3 style: parameters, "
+        "gradients and optimizer state split across the processes), for models that do not fit one device; the "
+        "same updates as ddp. Supported by sft, reward_model, preference_optimization and distill (traces, "
+        "logits); not by grpo or distill on_policy, which generate with the model being trained. DeepSpeed is "
+        "not supported."
     )
     backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="torch.distributed backend; auto: nccl when every process gets a CUDA device, else gloo."
@@ -411,6 +416,13 @@ class GRPOConfig(MemoryOptions):
         if self.prompts_per_step % n:
             raise ValueError(f"prompts_per_step={self.prompts_per_step} does not split evenly among "
                              f"resources.num_processes={n}: every process rolls out whole groups for an equal share")
+        if self.generation.backend == "vllm":
+            raise ValueError("generation.backend=vllm is not implemented for grpo (it needs the trainer's weights "
+                             "synced into vLLM after every step): use transformers (rejection_sampling and "
+                             "distill_traces do take vllm)")
+        if self.resources.distributed_type == "fsdp":
+            raise ValueError("resources.distributed_type=fsdp is not supported by grpo (it generates with the model "
+                             "being trained; a sharded model would all-gather at every decoded token): use ddp")
         return self
 
 
@@ -480,6 +492,17 @@ class DistillConfig(TrainingConfig):
                            "every weight of the (small) student.")
     learning_rate: float = Field(1e-4, gt=0, description="Peak learning rate.")
     checkpoint_every: int = Field(25, ge=1, description="Save a resumable checkpoint every N steps.")
+
+    @model_validator(mode="after")
+    def _fsdp_modes(self) -> DistillConfig:
+        if self.mode == "on_policy" and self.generation.backend == "vllm":
+            raise ValueError("distill.mode=on_policy samples with the student being trained, which the vllm backend "
+                             "does not support: use generation.backend=transformers")
+        if self.mode == "on_policy" and self.resources.distributed_type == "fsdp":
+            raise ValueError("distill.mode=on_policy does not support resources.distributed_type=fsdp (the student "
+                             "generates while it trains): use ddp, or mode traces / logits")
+        return self
+
 
 STAGE_CONFIGS: dict[str, type[Strict]] = {
     "import_model": ModelConfig,

@@ -55,6 +55,7 @@ from stages.reward_model import split_pairs
 from stages.sft import (
     IGNORE,
     Example,
+    clip_grad_norm,
     collate,
     load_trainable,
     lr_factor,
@@ -246,7 +247,7 @@ def run(cfg: DistillConfig, inputs: dict[str, Input], ctx: StageContext) -> dict
     # ---- models
     dist = distributed.of(ctx)
     seed_everything(ctx.seed)
-    student, tokenizer, merged_input = load_trainable(inputs["student"], cfg, ctx.device)
+    student, tokenizer, merged_input = load_trainable(inputs["student"], cfg, dist.load_device(ctx.device))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     autocast_dtype = resolve_precision(cfg.precision, ctx.device)
     tokenized = [tokenize_conversation(tokenizer, c, cfg.max_length) for c in conversations]
@@ -271,6 +272,9 @@ def run(cfg: DistillConfig, inputs: dict[str, Input], ctx: StageContext) -> dict
                     "shared_tokenizer": shared})
     ctx.log_metrics(params)
 
+    student = dist.prepare(student)  # sharded across the processes under fsdp
+    if dist.sharded:
+        ctx.log_params({"parameters_per_process": dist.local_parameters(student)})
     trainable = [p for p in student.parameters() if p.requires_grad]
     optimizer = make_optimizer(trainable, cfg.learning_rate, cfg.weight_decay)
     warmup = int(cfg.warmup_ratio * cfg.max_steps)
@@ -279,13 +283,16 @@ def run(cfg: DistillConfig, inputs: dict[str, Input], ctx: StageContext) -> dict
     for i, m in enumerate(history):  # the curve of the interrupted run, so MLflow shows it whole
         ctx.log_metrics(m, step=i + 1)
     heldout = {}
+    before = state.get("heldout_nll_before")
+    net = dist.full_model(student, ctx.device) if held and before is None else None  # fsdp: every rank gathers
     if scoring:
-        heldout["heldout_nll_before"] = state.get("heldout_nll_before") or heldout_nll(
-            student, held, pad_id, cfg.batch_size, autocast_dtype, ctx.device)
+        heldout["heldout_nll_before"] = before or heldout_nll(net, held, pad_id, cfg.batch_size, autocast_dtype,
+                                                              ctx.device)
         if teacher is not None:
             heldout["heldout_nll_teacher"] = heldout_nll(teacher, held, pad_id, cfg.batch_size, autocast_dtype,
                                                          ctx.device)
         ctx.log_metrics(heldout)
+    del net
     if cfg.mode == "traces" and teacher is not None:  # loaded only for its held-out NLL
         teacher = None
         gc.collect()
@@ -325,27 +332,28 @@ def run(cfg: DistillConfig, inputs: dict[str, Input], ctx: StageContext) -> dict
         lr = set_lr(optimizer, cfg.learning_rate * lr_factor(step, cfg.max_steps, warmup, cfg.lr_scheduler))
         micro, metrics = step_batches(step)  # the global step's micro-batches, on every rank
         n_tokens = max(1, sum(lab != IGNORE for m in micro for ex in m for lab in ex.labels[1:]))
-        batches = [collate(m, pad_id) for m in map(dist.part, micro) if m]  # this process's parts
+        # this process's parts (under fsdp a weight-0 filler where a part is empty)
+        batches = [(collate(m, pad_id), real) for m, real in map(dist.part_or_filler, micro) if m]
         t_train = time.perf_counter()
         step_loss = step_nll = 0.0
-        for batch in batches:
+        for batch, real in batches:
             loss_sum, nll_sum, _ = micro_batch_loss(student, teacher, batch, cfg, vocab, autocast_dtype, ctx.device)
-            (loss_sum / n_tokens).backward()
-            step_loss += loss_sum.item() / n_tokens
-            step_nll += nll_sum / n_tokens
-            tokens_seen += int(batch["attention_mask"].sum())
+            (loss_sum * real / n_tokens).backward()
+            step_loss += loss_sum.item() * real / n_tokens
+            step_nll += nll_sum * real / n_tokens
+            tokens_seen += int(batch["attention_mask"].sum()) * real
         dist.sync_gradients(trainable)
         step_loss, step_nll = dist.sum([step_loss, step_nll])
-        grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm).item()
+        grad_norm = clip_grad_norm(trainable, cfg.max_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         metrics.update({"train/loss": step_loss, "train/nll": step_nll, "train/lr": lr, "train/grad_norm": grad_norm,
                         "train/tokens": float(n_tokens), "time/training": time.perf_counter() - t_train})
         history.append(metrics)
         done = step + 1
-        if dist.is_main and (done % cfg.checkpoint_every == 0 or done == cfg.max_steps):
+        if done % cfg.checkpoint_every == 0 or done == cfg.max_steps:
             save_checkpoint(ctx.checkpoint_dir, done, student, optimizer,
-                            {"step": done, "history": history, **heldout}, cfg.keep_checkpoints)
+                            {"step": done, "history": history, **heldout}, cfg.keep_checkpoints, dist)
         ctx.log_metrics(metrics, step=done)
         bar.set_postfix(loss=f"{step_loss:.4f}")
         bar.update(1)
@@ -354,12 +362,13 @@ def run(cfg: DistillConfig, inputs: dict[str, Input], ctx: StageContext) -> dict
     (tokens_seen,) = dist.sum([tokens_seen])
     trained_steps = cfg.max_steps - start
 
+    plain = dist.full_model(student, ctx.device)  # rank 0's evaluation and save (fsdp: gathered, unsharded)
     if scoring:
-        heldout["heldout_nll_after"] = heldout_nll(student, held, pad_id, cfg.batch_size, autocast_dtype, ctx.device)
+        heldout["heldout_nll_after"] = heldout_nll(plain, held, pad_id, cfg.batch_size, autocast_dtype, ctx.device)
     out, model_dir = model_output_dir(ctx, "model")
     merge = cfg.lora.merge or merged_input
     if dist.is_main:
-        models.save_model(student, tokenizer, model_dir, merge=merge)
+        models.save_model(plain, tokenizer, model_dir, merge=merge)
     is_adapter = cfg.lora.r > 0 and not merge
     losses = [m["train/loss"] for m in history]
     tail = losses[-max(1, min(10, len(losses) // 5)) :]

@@ -16,10 +16,23 @@ How a step stays the single-process step (the invariant the distributed tests pi
   `no_sync` achieves; communication does not overlap the backward pass (a GPU cost, not a
   correctness one).
 Only rank 0 writes checkpoints and artifacts and logs metrics; the others compute.
+
+With `fsdp` (resources.distributed_type: fsdp) the model is sharded instead of replicated (FSDP2
+`fully_shard` on every decoder layer and on the root: parameters, gradients and optimizer state
+split across the processes, ZeRO-3 style). The invariant is kept the same way: FSDP's
+reduce-scatter *sums* (divide factor 1) in every backward, so `sync_gradients` has nothing left to
+do. What changes for a stage:
+- every rank must run the same forward passes (each one all-gathers parameters): a rank whose part
+  of a micro-batch is empty runs a filler example with weight 0 (`part_or_filler`);
+- rank-0-only work on the model (held-out evaluation, saving) goes through `full_model`, a
+  collective that hands rank 0 an ordinary unsharded copy;
+- checkpoints hold the full trainable weights and the full optimizer state, gathered collectively
+  (`checkpoint_state`) and loaded by every rank (`load_checkpoint_state`).
 """
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -54,6 +67,7 @@ class Dist:
     rank: int = 0
     world: int = 1
     comm_device: str = "cpu"  # where small tensors for collectives live (cuda under nccl)
+    fsdp: bool = False  # shard the model (FSDP2) instead of replicating it; only with world > 1
 
     @property
     def is_main(self) -> bool:
@@ -73,6 +87,24 @@ class Dist:
         `gather_list` of the per-part results restores the order."""
         start, end = part_bounds(len(items), self.rank, self.world)
         return list(items[start:end])
+
+    @property
+    def sharded(self) -> bool:
+        """Whether models prepared by this Dist are FSDP-sharded."""
+        return self.fsdp and self.active
+
+    def load_device(self, device: str) -> str:
+        """Where to load a model this Dist will `prepare`: the CPU when sharded (see `prepare`), else `device`."""
+        return "cpu" if self.sharded else device
+
+    def part_or_filler(self, items: Sequence[T]) -> tuple[list[T], bool]:
+        """`part(items)`, and whether it is real. Sharded, a rank whose part is empty gets `items[:1]`
+        to run with weight 0, so that every rank runs the same forward passes; not sharded, an
+        empty part stays empty (the caller skips it)."""
+        mine = self.part(items)
+        if not mine and self.sharded and len(items):
+            return list(items[:1]), False
+        return mine, True
 
     def sum(self, values: Sequence[float]) -> list[float]:
         """Element-wise sum over ranks of a few floats (token counts, loss sums), in float64."""
@@ -107,7 +139,7 @@ class Dist:
         A parameter that got no gradient on this rank (None) contributes zeros, so every rank
         calls the same collectives even when its share of a batch was empty.
         """
-        if not self.active:
+        if not self.active or self.sharded:  # FSDP reduce-scattered (summed) them in every backward
             return
         grads = []
         for p in params:
@@ -128,6 +160,163 @@ class Dist:
     def barrier(self) -> None:
         if self.active:
             torch.distributed.barrier()
+
+    # ------------------------------------------------------------------------ FSDP
+
+    def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Shard a freshly loaded trainable model when `sharded` (in place; the same object back);
+        unchanged otherwise. Call on every rank before the optimizer is built. Load the model on
+        the CPU (`load_device`): fully_shard moves each shard to this process's device, so no
+        device ever holds the whole model."""
+        if not self.sharded or is_sharded(model):
+            return model
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        layers = decoder_layers(model)
+        if not layers:
+            raise ValueError(f"fsdp: found no decoder layers in {type(model).__name__} (its _no_split_modules)")
+        skeleton = _meta_copy(model) if self.is_main else None  # for `full_model`: the module tree, no storage
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(self.comm_device.split(":")[0], (self.world,))
+        for layer in layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.set_gradient_divide_factor(1.0)  # sum over ranks: losses are normalised by the global batch
+                m.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
+        model.__dict__["_r1flow_skeleton"] = skeleton  # not a submodule
+        return model
+
+    def local_parameters(self, model: torch.nn.Module) -> int:
+        """Parameter elements this process holds (its shards when sharded)."""
+        return sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
+
+    def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+        """The whole model's state dict on rank 0 (None on the others); a collective when sharded."""
+        if not self.sharded:
+            return model.state_dict() if self.is_main else None
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return state if self.is_main else None
+
+    def full_model(self, model: torch.nn.Module, device: str) -> torch.nn.Module | None:
+        """For rank-0-only work: the model itself when not sharded; when sharded (a collective: every
+        rank calls it) an unsharded copy on rank 0 and None on the others."""
+        if not self.sharded:
+            return model if self.is_main else None
+        state = self.full_state_dict(model)
+        if not self.is_main:
+            return None
+        plain = copy.deepcopy(model.__dict__["_r1flow_skeleton"]).to_empty(device=device)
+        _retie(plain)  # to_empty gives tied weights (embeddings and head) separate storage
+        missing, unexpected = plain.load_state_dict(state, strict=False)
+        tied = {n for n, _ in plain.named_parameters(remove_duplicate=False)} - {n for n, _ in plain.named_parameters()}
+        if set(missing) - tied or unexpected:
+            raise RuntimeError(f"fsdp: gathered state does not fit the model (missing {sorted(missing)[:5]}, "
+                               f"unexpected {sorted(unexpected)[:5]})")
+        with torch.no_grad():  # buffers are not sharded; non-persistent ones (rotary tables) are not in the state
+            for name, buf in model.named_buffers():
+                plain.get_buffer(name).copy_(buf)
+        return plain.train(model.training)
+
+    def checkpoint_state(self, model: torch.nn.Module, optimizer) -> tuple[dict[str, torch.Tensor], dict] | None:
+        """Full trainable weights and full optimizer state (keyed by parameter name) on rank 0, None
+        on the others: a collective (sharded only)."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+        weights = get_model_state_dict(model, options=options)
+        optim = get_optimizer_state_dict(model, optimizer, options=options)
+        if not self.is_main:
+            return None
+        return {n: t.contiguous() for n, t in weights.items() if n in trainable}, optim
+
+    def load_checkpoint_state(self, model: torch.nn.Module, optimizer, weights: dict[str, torch.Tensor],
+                              optim: dict) -> None:
+        """Every rank: load full trainable weights and optimizer state (from `checkpoint_state`) into its shards."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True, strict=False)
+        set_model_state_dict(model, weights, options=options)
+        set_optimizer_state_dict(model, optimizer, optim, options=StateDictOptions(full_state_dict=True))
+
+
+def _meta_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy of `model` whose parameters and buffers are on the meta device, made without
+    copying any data (the originals are swapped out for meta stand-ins while copying)."""
+    stand_in: dict[int, torch.Tensor] = {}
+    swapped = []
+    for m in model.modules():
+        for store in (m._parameters, m._buffers):
+            for name, t in list(store.items()):
+                if t is None:
+                    continue
+                if id(t) not in stand_in:
+                    meta = t.detach().to("meta")
+                    stand_in[id(t)] = torch.nn.Parameter(meta, t.requires_grad) if isinstance(t, torch.nn.Parameter) else meta
+                swapped.append((store, name, t))
+                store[name] = stand_in[id(t)]
+    try:
+        return copy.deepcopy(model)
+    finally:
+        for store, name, t in swapped:
+            store[name] = t
+
+
+def _retie(model: torch.nn.Module) -> None:
+    from transformers import PreTrainedModel
+
+    for m in model.modules():
+        if isinstance(m, PreTrainedModel):
+            m.tie_weights()
+            return
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks of a transformers model (the classes its `_no_split_modules` names), the
+    units FSDP shards one at a time."""
+    names: set[str] = set()
+    for m in model.modules():
+        names |= set(getattr(m, "_no_split_modules", None) or ())
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def inner_output(model: torch.nn.Module, inner: torch.nn.Module, root_kwargs: dict | None = None, **kwargs):
+    """`inner(**kwargs)`, a submodule of `model` (the decoder, a reward model's backbone) whose output a
+    stage combines with a head of its own choosing.
+
+    Under FSDP `model`'s own forward runs instead (with `root_kwargs` added, e.g. one logit position)
+    and a hook takes the submodule's output: the root all-gathers its parameters (embeddings, final
+    norm, head) in its forward and keeps them gathered until backward, which calling the submodule
+    directly would skip.
+    """
+    if not is_sharded(model):
+        return inner(**kwargs)
+    captured: list = []
+    handle = inner.register_forward_hook(lambda module, args, out: captured.append(out))
+    try:
+        model(**kwargs, **(root_kwargs or {}))
+    finally:
+        handle.remove()
+    return captured[-1]
 
 
 def _all_reduce_bucket(grads: list[torch.Tensor]) -> None:

@@ -25,6 +25,7 @@ without them can launch a stage with a LocalContext.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import logging
@@ -239,6 +240,8 @@ def main(argv: list[str] | None = None) -> None:
     spec = json.loads(spec_path.read_text())
     work = Path(spec["work"])
     dist, device = distributed.init_from_env(spec["backend"], cuda=spec["device"] == "cuda")
+    resources = spec["config"].get("resources") or {}
+    dist = dataclasses.replace(dist, fsdp=resources.get("distributed_type") == "fsdp")
     logging.basicConfig(level=logging.INFO if dist.is_main else logging.WARNING,
                         format=f"[rank {dist.rank}] %(levelname)s %(name)s: %(message)s")
     try:

@@ -15,6 +15,10 @@ over every position (the prompt is context), but the output head, the largest si
 small model (V x H per token: 28M multiply-adds per position for SmolLM2, a fifth of its
 forward), runs only where a value is needed, forward and backward; elsewhere the result is 0.
 
+An FSDP-sharded model (`stages.distributed`, distributed_type fsdp) runs through its root forward
+with one logit position, the decoder's hidden states taken by a hook: the root all-gathers the
+embeddings, final norm and head, which calling the decoder directly would skip.
+
 Models whose forward does more than `head(hidden)` (Gemma's final logit soft-capping, Cohere's
 logit scale) take the plain path, as does `chunk_tokens=0`.
 """
@@ -66,7 +70,7 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
             entropy = entropy * positions if entropy is not None else None
         return logp, entropy
 
-    hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    hidden = _decoder_hidden(model, decoder, input_ids, attention_mask)
     return head_logprobs(head, hidden[:, :-1, :], input_ids[:, 1:] if targets is None else targets, positions,
                          chunk_tokens, with_entropy)
 
@@ -103,7 +107,22 @@ def can_share_prefix(model) -> bool:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     flag = "is_activation_checkpointing" if hasattr(model, "is_activation_checkpointing") else "is_gradient_checkpointing"
     checkpointing = bool(getattr(model, flag, False)) and model.training
-    return decoder is not None and head is not None and _head_is_plain(model) and not checkpointing
+    return (decoder is not None and head is not None and _head_is_plain(model) and not checkpointing
+            and not _is_fsdp(model))  # two forwards per batch under FSDP: kept simple, one forward
+
+
+def _is_fsdp(model) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def _decoder_hidden(model, decoder, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The decoder's last hidden state (B, T, H); under FSDP through the root forward (see the module doc)."""
+    from stages.distributed import inner_output
+
+    return inner_output(model, decoder, {"logits_to_keep": 1}, input_ids=input_ids, attention_mask=attention_mask,
+                        use_cache=False).last_hidden_state
 
 
 def shared_prefix_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,

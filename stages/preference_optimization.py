@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -42,6 +43,7 @@ from stages import preference_losses as pl
 from stages.base import Input, Output, StageContext, model_output_dir, seed_everything
 from stages.reward_model import split_pairs
 from stages.sft import (
+    clip_grad_norm,
     load_trainable,
     lr_factor,
     make_optimizer,
@@ -264,10 +266,11 @@ def run(cfg: PreferenceOptimizationConfig, inputs: dict[str, Input], ctx: StageC
     examples = examples_from(data, include_kl=cfg.loss == "kto")  # validates before any model loads
     dist = distributed.of(ctx)
     seed_everything(ctx.seed)
-    model, tokenizer, merged_input = load_trainable(inputs["model"], cfg, ctx.device)
+    model, tokenizer, merged_input = load_trainable(inputs["model"], cfg, dist.load_device(ctx.device))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     tokenized = [tokenize(tokenizer, e.messages, e.completion, cfg.max_length) for e in examples]
     autocast_dtype = resolve_precision(cfg.precision, ctx.device)
+    counts = models.count_parameters(model)
 
     # units: pairs (paired losses) or scored rows (kto); the held-out split is by id, seeded
     if cfg.loss in pl.PAIRED:
@@ -295,17 +298,22 @@ def run(cfg: PreferenceOptimizationConfig, inputs: dict[str, Input], ctx: StageC
         if ref_input is not None:
             ref_logps = reference_table(ref_input, examples, tokenized, data, inputs["model"], cfg.max_length)
             ref_source = "cached"
-        else:  # the policy before its first update is the reference (N processes: each scores a part)
+        elif dist.active and not dist.sharded:  # the policy before its first update (N processes: a part each)
             ref_logps = dist.gather_list(score_examples(model, dist.part(tokenized), pad_id, ctx.device,
                                                         cfg.batch_size * 2, autocast_dtype))
+            ref_source = "computed"
+        else:  # one process, or fsdp (every rank must run the same forwards: each scores everything)
+            ref_logps = score_examples(dist.prepare(model), tokenized, pad_id, ctx.device, cfg.batch_size * 2,
+                                       autocast_dtype)
             ref_source = "computed"
         ctx.log_metrics({"reference_seconds": time.perf_counter() - t0})
     elif ref_input is not None:
         ctx.log.info("preference_optimization: loss %s is reference-free; the reference input is not used", cfg.loss)
-    counts = models.count_parameters(model)
+    model = dist.prepare(model)  # sharded across the processes under fsdp (once: a no-op if the reference did it)
     ctx.log_params({"units_train": len(train_units), "units_eval": len(eval_units), "reference": ref_source,
                     "trainable_parameters": counts["trainable"], "total_parameters": counts["total"],
-                    "precision": str(autocast_dtype or "fp32")})
+                    "precision": str(autocast_dtype or "fp32"),
+                    **({"parameters_per_process": dist.local_parameters(model)} if dist.sharded else {})})
 
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(trainable, cfg.learning_rate, cfg.weight_decay)
@@ -321,13 +329,15 @@ def run(cfg: PreferenceOptimizationConfig, inputs: dict[str, Input], ctx: StageC
         picked = [train_units[j] for j in rng.choice(len(train_units), size=need, replace=len(train_units) < need)]
         return [picked[i : i + cfg.batch_size] for i in range(0, need, cfg.batch_size)]
 
-    def forward(units: list[int], group: distributed.Dist = distributed.SINGLE) -> pl.PreferenceLoss:
-        """The loss of `units`, this rank's share of a micro-batch spread over `group` (KTO's z0 spans it)."""
-        kl_ref = (kto_reference_point(model, cfg, units, kl_rows, tokenized, ref_logps, pad_id, ctx.device, group)
+    def forward(units: list[int], group: distributed.Dist = distributed.SINGLE, net=None) -> pl.PreferenceLoss:
+        """The loss of `units`, this rank's share of a micro-batch spread over `group` (KTO's z0 spans it),
+        under `net` (default: the model being trained)."""
+        net = model if net is None else net
+        kl_ref = (kto_reference_point(net, cfg, units, kl_rows, tokenized, ref_logps, pad_id, ctx.device, group)
                   if cfg.loss == "kto" else None)
         with torch.autocast(device_type=ctx.device.split(":")[0], dtype=autocast_dtype or torch.float32,
                             enabled=autocast_dtype is not None):
-            return batch_loss(model, cfg, units, examples, tokenized, ref_logps, pad_id, ctx.device, kl_ref)
+            return batch_loss(net, cfg, units, examples, tokenized, ref_logps, pad_id, ctx.device, kl_ref)
 
     model.train()
     units_seen, t_train = 0, time.perf_counter()
@@ -349,18 +359,21 @@ def run(cfg: PreferenceOptimizationConfig, inputs: dict[str, Input], ctx: StageC
         if dist.active:
             (loss_total,) = dist.sum([loss_total])
             outs = dist.gather_list([detached(o) for o in outs])
-        grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm).item()
+        grad_norm = clip_grad_norm(trainable, cfg.max_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         metrics = {"train/loss": loss_total, "train/lr": lr, "train/grad_norm": grad_norm,
                    **{f"train/{k}": v for k, v in pl.reward_metrics(outs).items()}, **extras_means(outs)}
         done = step + 1
-        if eval_units and cfg.eval_every and done % cfg.eval_every == 0 and done != cfg.max_steps and dist.is_main:
-            metrics.update(evaluate(model, eval_units, forward, cfg.batch_size))
+        if eval_units and cfg.eval_every and done % cfg.eval_every == 0 and done != cfg.max_steps:
+            net = dist.full_model(model, ctx.device)  # rank 0 evaluates (fsdp: an unsharded copy, gathered)
+            if dist.is_main:
+                metrics.update(evaluate(net, eval_units, partial(forward, net=net), cfg.batch_size))
+            del net
         history.append(metrics)
-        if dist.is_main and (done % cfg.checkpoint_every == 0 or done == cfg.max_steps):
+        if done % cfg.checkpoint_every == 0 or done == cfg.max_steps:
             save_checkpoint(ctx.checkpoint_dir, done, model, optimizer, {"step": done, "history": history},
-                            cfg.keep_checkpoints)
+                            cfg.keep_checkpoints, dist)
         ctx.log_metrics(metrics, step=done)
         bar.set_postfix(loss=f"{loss_total:.4f}")
         bar.update(1)
@@ -369,17 +382,18 @@ def run(cfg: PreferenceOptimizationConfig, inputs: dict[str, Input], ctx: StageC
     trained = cfg.max_steps - start
 
     final: dict[str, float] = {}
+    plain = dist.full_model(model, ctx.device)  # rank 0's evaluation and save (fsdp: gathered, unsharded)
     if eval_units and dist.is_main:
-        final.update(evaluate(model, eval_units, forward, cfg.batch_size))
+        final.update(evaluate(plain, eval_units, partial(forward, net=plain), cfg.batch_size))
     if cfg.kl_prompts and dist.is_main:
-        final.update(heldout_kl(model, tokenizer, inputs["model"], examples, eval_units or train_units, cfg, ctx,
+        final.update(heldout_kl(plain, tokenizer, inputs["model"], examples, eval_units or train_units, cfg, ctx,
                                 pad_id, merged_input))
     ctx.log_metrics(final, step=cfg.max_steps)
 
     out, model_dir = model_output_dir(ctx, "model")
     merge = cfg.lora.merge or merged_input
     if dist.is_main:
-        models.save_model(model, tokenizer, model_dir, merge=merge)
+        models.save_model(plain, tokenizer, model_dir, merge=merge)
     is_adapter = cfg.lora.r > 0 and not merge
     tail = history[-max(1, min(10, len(history) // 5)) :]
     summary = {"final_loss": float(np.mean([h["train/loss"] for h in tail])), "first_loss": history[0]["train/loss"],

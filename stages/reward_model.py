@@ -145,7 +145,8 @@ def pooled_rewards(model, input_ids: torch.Tensor, attention_mask: torch.Tensor)
     """(B,) float rewards: the `score` head applied to the backbone's hidden state at the last real
     token. input_ids, attention_mask: (B, T), any padding side."""
     inner = _unwrap(model)
-    hidden = inner.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state  # (B, T, H)
+    hidden = distributed.inner_output(model, inner.base_model, input_ids=input_ids, attention_mask=attention_mask,
+                                      use_cache=False).last_hidden_state  # (B, T, H)
     last = last_token_index(attention_mask)  # (B,)
     pooled = hidden[torch.arange(hidden.size(0), device=hidden.device), last]  # (B, H)
     return inner.score(pooled).squeeze(-1).float()  # (B,)
@@ -298,7 +299,7 @@ def run(cfg: RewardModelConfig, inputs: dict[str, Input], ctx: StageContext) -> 
     if cfg.lora.r > 0 and not cfg.lora.merge:
         ctx.log.info("reward_model: lora.merge=False ignored; reward models are saved as merged full weights")
     seed_everything(ctx.seed)
-    model, tokenizer, pad_id = load_reward_model(inputs["model"], ctx.device)
+    model, tokenizer, pad_id = load_reward_model(inputs["model"], dist.load_device(ctx.device))
     model = apply_reward_lora(model, cfg.lora)
     pairs = tokenize_pairs(rows, tokenizer, cfg)
     train = [pairs[i] for i in train_idx]
@@ -307,14 +308,16 @@ def run(cfg: RewardModelConfig, inputs: dict[str, Input], ctx: StageContext) -> 
     if cfg.margin and not any(p.margin for p in train):
         ctx.log.warning("reward_model: margin=True but no training pair has both scores (or they are equal); plain BT loss")
 
+    counts = models.count_parameters(model)
+    model = dist.prepare(model)  # sharded across the processes under fsdp
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = sft.make_optimizer(trainable, cfg.learning_rate, cfg.weight_decay)
     warmup = int(cfg.warmup_ratio * cfg.max_steps)
     autocast_dtype = sft.resolve_precision(cfg.precision, ctx.device)
-    counts = models.count_parameters(model)
     ctx.log_params({"pairs_train": len(train), "pairs_eval": len(held_out), "pairs_truncated": truncated,
                     "trainable_parameters": counts["trainable"], "total_parameters": counts["total"],
-                    "precision": str(autocast_dtype or "fp32")})
+                    "precision": str(autocast_dtype or "fp32"),
+                    **({"parameters_per_process": dist.local_parameters(model)} if dist.sharded else {})})
 
     state = sft.resume(ctx, model, optimizer, "reward_model", cfg.max_steps)
     start, losses, accuracies = state["step"], state.get("losses", []), state.get("accuracies", [])
@@ -330,30 +333,31 @@ def run(cfg: RewardModelConfig, inputs: dict[str, Input], ctx: StageContext) -> 
                         for a in range(cfg.grad_accum)]
         n_pairs = sum(len(idx) for idx in step_indices)  # the global step's
         pairs_seen += n_pairs
-        micro = [[train[i] for i in m] for m in map(dist.part, step_indices) if m]  # this process's parts
+        # this process's parts (under fsdp a weight-0 filler where a part is empty)
+        micro = [([train[i] for i in m], real) for m, real in map(dist.part_or_filler, step_indices) if m]
         step_loss, step_correct = 0.0, 0
-        for mb in micro:
+        for mb, real in micro:
             ids, mask = collate([p.chosen for p in mb] + [p.rejected for p in mb], pad_id)  # (2B, T)
             margin = torch.tensor([p.margin for p in mb], device=ctx.device)
             with torch.autocast(device_type=ctx.device.split(":")[0], dtype=autocast_dtype or torch.float32,
                                 enabled=autocast_dtype is not None):
                 rewards = pooled_rewards(model, ids.to(ctx.device), mask.to(ctx.device))  # (2B,)
             r_chosen, r_rejected = rewards[: len(mb)], rewards[len(mb) :]
-            loss = bt_loss(r_chosen, r_rejected, margin) * (len(mb) / n_pairs)  # mean over the step's pairs
+            loss = bt_loss(r_chosen, r_rejected, margin) * (len(mb) / n_pairs * real)  # mean over the step's pairs
             loss.backward()
             step_loss += loss.item()
-            step_correct += int((r_chosen > r_rejected).sum())
+            step_correct += int((r_chosen > r_rejected).sum()) * real
         dist.sync_gradients(trainable)
         step_loss, step_correct = dist.sum([step_loss, step_correct])
-        grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm).item()
+        grad_norm = sft.clip_grad_norm(trainable, cfg.max_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(step_loss)
         accuracies.append(step_correct / n_pairs)
         done = step + 1
-        if dist.is_main and (done % cfg.checkpoint_every == 0 or done == cfg.max_steps):
+        if done % cfg.checkpoint_every == 0 or done == cfg.max_steps:
             sft.save_checkpoint(ctx.checkpoint_dir, done, model, optimizer,
-                                {"step": done, "losses": losses, "accuracies": accuracies}, cfg.keep_checkpoints)
+                                {"step": done, "losses": losses, "accuracies": accuracies}, cfg.keep_checkpoints, dist)
         ctx.log_metrics({"train/loss": step_loss, "train/accuracy": accuracies[-1], "train/lr": lr,
                          "train/grad_norm": grad_norm}, step=done)
         bar.set_postfix(loss=f"{step_loss:.4f}", acc=f"{accuracies[-1]:.2f}")
@@ -374,10 +378,11 @@ def run(cfg: RewardModelConfig, inputs: dict[str, Input], ctx: StageContext) -> 
         "resumed_from_step": float(start),
         "pairs_per_s": pairs_seen / elapsed if elapsed and pairs_seen else 0.0,
     }
+    plain = dist.full_model(model, ctx.device)  # rank 0's evaluation and save (fsdp: gathered, unsharded)
     if held_out and dist.is_main:
         bs = 2 * cfg.batch_size
-        r_chosen = score_sequences(model, [p.chosen for p in held_out], pad_id, bs, ctx.device)
-        r_rejected = score_sequences(model, [p.rejected for p in held_out], pad_id, bs, ctx.device)
+        r_chosen = score_sequences(plain, [p.chosen for p in held_out], pad_id, bs, ctx.device)
+        r_rejected = score_sequences(plain, [p.rejected for p in held_out], pad_id, bs, ctx.device)
         both = torch.cat([r_chosen, r_rejected])
         metrics |= {
             "eval_accuracy": pairwise_accuracy(r_chosen, r_rejected),
@@ -390,5 +395,5 @@ def run(cfg: RewardModelConfig, inputs: dict[str, Input], ctx: StageContext) -> 
 
     out, model_dir = model_output_dir(ctx, "model")
     if dist.is_main:
-        models.save_model(model, tokenizer, model_dir, merge=True)
+        models.save_model(plain, tokenizer, model_dir, merge=True)
     return {"model": Output("model", OUTPUT_SCHEMA, out, metrics=metrics)}

@@ -79,6 +79,12 @@ def make_optimizer(params: list[torch.nn.Parameter], lr: float, weight_decay: fl
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=fused or None)
 
 
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
+    """Clip the gradients' global norm to max_norm; the norm before clipping (over every shard under fsdp)."""
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+
 def set_lr(optimizer, lr: float) -> float:
     """Set every parameter group's learning rate (the schedule is ours, not a torch scheduler's)."""
     for group in optimizer.param_groups:
@@ -174,14 +180,27 @@ def latest_checkpoint(root: Path) -> Path | None:
     return max(done, key=lambda p: int(_STEP_DIR.match(p.name).group(1)), default=None)
 
 
-def save_checkpoint(root: Path, step: int, model, optimizer, state: dict, keep: int) -> Path:
-    """Write step-N atomically (temp dir + rename; state.json last) and prune old ones."""
+def save_checkpoint(root: Path, step: int, model, optimizer, state: dict, keep: int,
+                    dist: distributed.Dist = distributed.SINGLE) -> Path | None:
+    """Write step-N atomically (temp dir + rename; state.json last) and prune old ones.
+
+    Every rank calls it: rank 0 writes (the path back), the others return None. Sharded (FSDP) the
+    full trainable weights and optimizer state are gathered first, a collective."""
+    if dist.sharded:
+        gathered = dist.checkpoint_state(model, optimizer)
+        if gathered is None:
+            return None
+        trainable, optim = gathered[0], {"optimizer_full": gathered[1]}
+    elif not dist.is_main:
+        return None
+    else:
+        trainable = {n: p.detach().cpu().contiguous() for n, p in model.named_parameters() if p.requires_grad}
+        optim = {"optimizer": optimizer.state_dict()}
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".tmp-{uuid.uuid4().hex}"
     tmp.mkdir()
-    trainable = {n: p.detach().cpu().contiguous() for n, p in model.named_parameters() if p.requires_grad}
     save_file(trainable, tmp / "trainable.safetensors")
-    torch.save({"optimizer": optimizer.state_dict(), "rng": torch.get_rng_state()}, tmp / "optimizer.pt")
+    torch.save({**optim, "rng": torch.get_rng_state()}, tmp / "optimizer.pt")
     (tmp / "state.json").write_text(json.dumps(state))
     final = root / f"step-{step:06d}"
     shutil.rmtree(final, ignore_errors=True)
@@ -192,17 +211,23 @@ def save_checkpoint(root: Path, step: int, model, optimizer, state: dict, keep: 
     return final
 
 
-def load_checkpoint(path: Path, model, optimizer) -> dict:
+def load_checkpoint(path: Path, model, optimizer, dist: distributed.Dist = distributed.SINGLE) -> dict:
     tensors = load_file(path / "trainable.safetensors")
     params = dict(model.named_parameters())
     missing = [n for n, p in params.items() if p.requires_grad and n not in tensors]
     if missing or set(tensors) - set(params):
         raise ArtifactError(f"checkpoint {path}: parameters do not match the model being trained")
-    with torch.no_grad():
-        for name, t in tensors.items():
-            params[name].copy_(t)
     blob = torch.load(path / "optimizer.pt", weights_only=True)
-    optimizer.load_state_dict(blob["optimizer"])
+    if ("optimizer_full" in blob) != dist.sharded:
+        raise ArtifactError(f"checkpoint {path}: written {'with' if 'optimizer_full' in blob else 'without'} fsdp, "
+                            f"resumed {'with' if dist.sharded else 'without'} it")
+    if dist.sharded:
+        dist.load_checkpoint_state(model, optimizer, tensors, blob["optimizer_full"])
+    else:
+        with torch.no_grad():
+            for name, t in tensors.items():
+                params[name].copy_(t)
+        optimizer.load_state_dict(blob["optimizer"])
     torch.set_rng_state(blob["rng"])
     return json.loads((path / "state.json").read_text())
 
@@ -215,7 +240,7 @@ def resume(ctx: StageContext, model, optimizer, stage: str, total_steps: int) ->
     ckpt = latest_checkpoint(ctx.checkpoint_dir)
     if ckpt is None:
         return {"step": 0}
-    state = load_checkpoint(ckpt, model, optimizer)
+    state = load_checkpoint(ckpt, model, optimizer, distributed.of(ctx))
     ctx.log.info("%s: resuming from %s (step %d of %d)", stage, ckpt.name, state["step"], total_steps)
     return state
 
@@ -250,7 +275,7 @@ def run(cfg: SFTConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[str
     conversations = conversations_from(inputs["data"], cfg)  # validates before loading the model
     dist = distributed.of(ctx)
     seed_everything(ctx.seed)
-    model, tokenizer, merged_input = load_trainable(inputs["model"], cfg, ctx.device)
+    model, tokenizer, merged_input = load_trainable(inputs["model"], cfg, dist.load_device(ctx.device))
     examples = [tokenize_conversation(tokenizer, c, cfg.max_length) for c in conversations]
     examples = [e for e in examples if any(lab != IGNORE for lab in e.labels[1:])]
     if not examples:
@@ -260,11 +285,14 @@ def run(cfg: SFTConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[str
     targets = [sum(lab != IGNORE for lab in e.labels[1:]) for e in examples]  # tokens each example trains
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
+    counts = models.count_parameters(model)
+    model = dist.prepare(model)  # sharded across the processes under fsdp
+    if dist.sharded:
+        ctx.log_params({"parameters_per_process": dist.local_parameters(model)})
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(trainable, cfg.learning_rate, cfg.weight_decay)
     warmup = int(cfg.warmup_ratio * cfg.max_steps)
     autocast_dtype = resolve_precision(cfg.precision, ctx.device)
-    counts = models.count_parameters(model)
     ctx.log_params({"examples": len(examples), "trainable_parameters": counts["trainable"],
                     "total_parameters": counts["total"], "precision": str(autocast_dtype or "fp32")})
 
@@ -281,10 +309,11 @@ def run(cfg: SFTConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[str
         step_indices = [micro_batch_indices(len(examples), cfg.batch_size, ctx.seed, step * cfg.grad_accum + a)
                         for a in range(cfg.grad_accum)]
         n_tokens = sum(targets[i] for idx in step_indices for i in idx)  # the global step's, on every rank
-        mine = [dist.part(idx) for idx in step_indices]  # an epoch's last micro-batch may be short: parts
-        micro = [collate([examples[i] for i in m], pad_id) for m in mine if m]
+        # an epoch's last micro-batch may be short: parts, a weight-0 filler where fsdp needs one
+        mine = [dist.part_or_filler(idx) for idx in step_indices]
+        micro = [(collate([examples[i] for i in m], pad_id), real) for m, real in mine if m]
         step_loss = 0.0
-        for batch in micro:
+        for batch, real in micro:
             batch = {k: v.to(ctx.device) for k, v in batch.items()}
             with torch.autocast(device_type=ctx.device.split(":")[0], dtype=autocast_dtype or torch.float32,
                                 enabled=autocast_dtype is not None):
@@ -292,20 +321,20 @@ def run(cfg: SFTConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[str
                 logp, _ = logprobs.token_logprobs(model, batch["input_ids"], batch["attention_mask"],
                                                   chunk_tokens=cfg.logprob_chunk, targets=labels.clamp(min=0),
                                                   positions=labels != IGNORE)
-            loss_sum = -(logp * (labels != IGNORE)).sum()  # = masked_token_loss on the full logits
+            loss_sum = -(logp * (labels != IGNORE)).sum() * real  # = masked_token_loss on the full logits
             (loss_sum / n_tokens).backward()
             step_loss += loss_sum.item() / n_tokens
-            tokens_seen += int(batch["attention_mask"].sum())
+            tokens_seen += int(batch["attention_mask"].sum()) * real
         dist.sync_gradients(trainable)
         (step_loss,) = dist.sum([step_loss])
-        grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm).item()
+        grad_norm = clip_grad_norm(trainable, cfg.max_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         history.append(step_loss)
         done = step + 1
-        if dist.is_main and (done % cfg.checkpoint_every == 0 or done == cfg.max_steps):
+        if done % cfg.checkpoint_every == 0 or done == cfg.max_steps:
             save_checkpoint(ctx.checkpoint_dir, done, model, optimizer, {"step": done, "history": history},
-                            cfg.keep_checkpoints)
+                            cfg.keep_checkpoints, dist)
         ctx.log_metrics({"train/loss": step_loss, "train/lr": lr, "train/grad_norm": grad_norm}, step=done)
         bar.set_postfix(loss=f"{step_loss:.4f}")
         bar.update(1)
@@ -316,8 +345,9 @@ def run(cfg: SFTConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[str
 
     out, model_dir = model_output_dir(ctx, "model")
     merge = cfg.lora.merge or merged_input
+    plain = dist.full_model(model, ctx.device)  # fsdp: gathered, rank 0 only
     if dist.is_main:
-        models.save_model(model, tokenizer, model_dir, merge=merge)
+        models.save_model(plain, tokenizer, model_dir, merge=merge)
     is_adapter = cfg.lora.r > 0 and not merge
     tail = history[-max(1, min(10, len(history) // 5)) :]
     metrics = {

@@ -321,3 +321,25 @@ def test_distill_recipe_runs_end_to_end_on_the_tiny_profile(tmp_path):
     m = student["metrics"]
     assert (m["student_parameters"], m["teacher_parameters"]) == (45_760, 82_752)
     assert {"heldout_nll_before", "heldout_nll_after", "heldout_nll_teacher"} <= set(m)
+
+
+@pytest.mark.slow
+def test_logits_mode_sharded_on_two_processes_follows_the_single_process_run(world):
+    """distill under fsdp (the student sharded, the teacher whole on each process): the KD curve,
+    the held-out NLL before and after (rank 0, on the gathered student) and the saved student are
+    the single process's."""
+    from safetensors.torch import load_file
+
+    from schemas.configs import ResourcesSpec
+    from stages import launch
+
+    cfg = distill_cfg(mode="logits", temperature=2.0, max_steps=4, batch_size=4, grad_accum=2)
+    one, two = LocalContext(world.root / "d-fsdp-1"), LocalContext(world.root / "d-fsdp-2")
+    out1 = distill.run(cfg, inputs(world, prompts=None), one)["model"]
+    fsdp = cfg.model_copy(update={"resources": ResourcesSpec(num_processes=2, distributed_type="fsdp")})
+    out2 = launch.run_stage(distill, fsdp, inputs(world, prompts=None), two)["model"]
+    assert curve(two) == pytest.approx(curve(one), rel=1e-4, abs=1e-6) and len(curve(one)) == 4
+    for key in ("heldout_nll_before", "heldout_nll_after", "heldout_nll_teacher"):
+        assert out2.metrics[key] == pytest.approx(out1.metrics[key], rel=1e-4), key
+    w1, w2 = (load_file(o.path / "model" / "model.safetensors") for o in (out1, out2))
+    assert w1.keys() == w2.keys() and all(torch.allclose(w1[k], w2[k], rtol=1e-3, atol=1e-5) for k in w1)

@@ -189,16 +189,20 @@ def _curve(ctx: LocalContext, key: str) -> list[float]:
     return [m[key] for step, m in ctx.metrics if step is not None and key in m]
 
 
-@pytest.fixture(scope="module")
-def sft_data(tmp_path_factory):
+def _sft_input(root: Path, n: int):
     rows = []
-    for i in range(24):
+    for i in range(n):
         word = "abcdefgh"[i % 8] * (1 + i % 3)
         rows.append({"id": str(i), "source": "test", "metadata": "{}", "messages": [
             {"role": "user", "content": f"say {word}"},
             {"role": "assistant", "content": f"<think>\n</think>\n<answer>{word}</answer>"}]})
-    out = write_dataset(LocalContext(tmp_path_factory.mktemp("sft")), "d", from_rows(rows, "sft"), "sft")
-    return fake_input(out.path, "dataset", "sft", 24)
+    out = write_dataset(LocalContext(root), "d", from_rows(rows, "sft"), "sft")
+    return fake_input(out.path, "dataset", "sft", n)
+
+
+@pytest.fixture(scope="module")
+def sft_data(tmp_path_factory):
+    return _sft_input(tmp_path_factory.mktemp("sft"), 24)
 
 
 @pytest.fixture(scope="module")
@@ -335,3 +339,153 @@ def test_the_pipeline_publishes_and_tracks_a_launched_stage(tmp_path, tiny_model
     assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == [1, 2, 3]
     assert "examples" in run.data.params and "final_loss" in out["metrics"]
     assert not store.checkpoint_dir(key).exists()  # published: checkpoints removed as for one process
+
+
+# ---------------------------------------------------------------------------- FSDP: the model sharded
+
+FSDP2 = ResourcesSpec(num_processes=2, distributed_type="fsdp")
+
+
+def test_fsdp_is_refused_where_the_trained_model_generates():
+    from schemas.configs import DistillConfig
+
+    with pytest.raises(ValueError, match="fsdp is not supported by grpo"):
+        GRPOConfig(prompts_per_step=4, resources=FSDP2)
+    with pytest.raises(ValueError, match="on_policy does not support"):
+        DistillConfig(mode="on_policy", batch_size=4, resources=FSDP2)
+    assert DistillConfig(mode="logits", batch_size=4, resources=FSDP2).resources.distributed_type == "fsdp"
+
+
+def test_the_vllm_backend_is_refused_where_the_trained_model_generates():
+    """GRPO and on-policy distillation sample from the weights they are training; the vllm backend has
+    no weight sync here, so asking for it is an error, not a silent fall-back to transformers."""
+    from schemas.configs import DistillConfig
+
+    with pytest.raises(ValueError, match="backend=vllm is not implemented for grpo"):
+        GRPOConfig(generation=GenerationSpec(backend="vllm"))
+    with pytest.raises(ValueError, match="on_policy samples with the student"):
+        DistillConfig(mode="on_policy", generation=GenerationSpec(backend="vllm"))
+    assert DistillConfig(mode="traces", generation=GenerationSpec(backend="vllm")).mode == "traces"
+
+
+def test_a_filler_keeps_every_sharded_rank_running_the_same_forwards():
+    """FSDP all-gathers parameters in every forward, so a rank with an empty part must still run one
+    (weight 0); without sharding an empty part stays empty."""
+    ddp, fsdp = distributed.Dist(1, 2), distributed.Dist(1, 2, fsdp=True)
+    assert ddp.part_or_filler([7]) == ([], True) and fsdp.part_or_filler([7]) == ([7], False)
+    assert fsdp.part_or_filler([7, 8, 9]) == ([9], True) and fsdp.part_or_filler([]) == ([], True)
+    assert not distributed.Dist(0, 1, fsdp=True).sharded and fsdp.sharded
+
+
+@pytest.mark.slow
+def test_sft_sharded_on_two_processes_follows_the_single_process_loss_curve(tmp_path, tiny_model_input):
+    """FSDP: each process holds half of every weight, gradient and Adam moment; the reduce-scatter
+    sums, so the curve is the single-process one. 21 examples, batch 4: the last micro-batch of the
+    epoch holds one example and the second rank runs a weight-0 filler. Checkpoints hold the full
+    weights; the saved model is the same as the single process's."""
+    from safetensors.torch import load_file
+
+    from stages import sft
+
+    data = _sft_input(tmp_path / "data", 21)
+    cfg = SFTConfig(max_steps=6, batch_size=4, grad_accum=2, learning_rate=3e-3, warmup_ratio=0.0, max_length=128,
+                    checkpoint_every=3, lora=LoraSpec(r=0), lr_scheduler="constant")
+    inputs = {"model": tiny_model_input, "data": data}
+    one, two = LocalContext(tmp_path / "one"), LocalContext(tmp_path / "two")
+    out1 = sft.run(cfg, inputs, one)["model"]
+    out2 = launch.run_stage(sft, cfg.model_copy(update={"resources": FSDP2}), inputs, two)["model"]
+    worst = _assert_same_curve(one, two, "train/loss", 6)
+    _assert_same_curve(one, two, "train/grad_norm", 6)
+    print(f"sft fsdp: max relative loss difference 2 vs 1 processes over 6 steps: {worst:.2e}")
+    w1, w2 = (load_file(o.path / "model" / "model.safetensors") for o in (out1, out2))
+    assert w1.keys() == w2.keys()
+    for name in w1:
+        torch.testing.assert_close(w2[name], w1[name], rtol=1e-3, atol=1e-5)
+    total = one.params["total_parameters"]
+    assert two.params["parameters_per_process"] < 0.6 * total  # each process holds about half
+    ckpt = load_file(sft.latest_checkpoint(two.checkpoint_dir) / "trainable.safetensors")  # whole, not a shard
+    model, _ = tiny_model_input.load_model()
+    assert {k: v.shape for k, v in ckpt.items()} == {n: p.shape for n, p in model.named_parameters()}
+
+
+@pytest.mark.slow
+def test_sft_sharded_resumes_from_its_checkpoint(tmp_path, tiny_model_input, sft_data):
+    """A sharded run stopped after 3 steps and resumed to 6 (the full weights and Adam moments gathered
+    into the checkpoint, loaded back into each process's shards) follows the uninterrupted run; a
+    checkpoint written without fsdp is refused by a sharded resume, by name."""
+    from stages import sft
+
+    cfg = SFTConfig(max_steps=6, batch_size=4, learning_rate=3e-3, warmup_ratio=0.0, max_length=128,
+                    checkpoint_every=3, lora=LoraSpec(r=0), lr_scheduler="constant", resources=FSDP2)
+    inputs = {"model": tiny_model_input, "data": sft_data}
+    whole, parts = LocalContext(tmp_path / "whole"), LocalContext(tmp_path / "parts")
+    launch.run_stage(sft, cfg, inputs, whole)
+    launch.run_stage(sft, cfg.model_copy(update={"max_steps": 3}), inputs, parts)
+    out = launch.run_stage(sft, cfg, inputs, parts)["model"]
+    assert out.metrics["resumed_from_step"] == 3 and out.metrics["trained_steps"] == 3
+    a, b = _curve(whole, "train/loss"), _curve(parts, "train/loss")[-6:]
+    assert b == pytest.approx(a, rel=RTOL, abs=1e-6)
+    plain = LocalContext(tmp_path / "plain")
+    sft.run(cfg.model_copy(update={"max_steps": 3, "resources": ResourcesSpec()}), inputs, plain)
+    with pytest.raises(StageError, match="written without fsdp, resumed with it"):
+        launch.run_stage(sft, cfg, inputs, plain)
+
+
+@pytest.mark.slow
+def test_dpo_sharded_on_two_processes_follows_the_single_process_run(tmp_path, tiny_model_input, prefs):
+    """DPO under fsdp with a LoRA adapter (frozen and trainable weights in the same shards), the
+    reference computed in-line and a held-out evaluation mid-run and at the end (rank 0, on the
+    gathered model): the same curve, margins and held-out metrics as one process."""
+    from stages import preference_optimization as po
+
+    cfg = PreferenceOptimizationConfig(loss="dpo", max_steps=4, batch_size=4, grad_accum=2, learning_rate=3e-3,
+                                       lora=LoraSpec(r=4, alpha=8), max_length=64, eval_fraction=0.2, eval_every=2,
+                                       checkpoint_every=100, warmup_ratio=0.0, lr_scheduler="constant", kl_prompts=0)
+    inputs = {"model": tiny_model_input, "preferences": prefs}
+    one, two = LocalContext(tmp_path / "one"), LocalContext(tmp_path / "two")
+    out1 = po.run(cfg, inputs, one)["model"]
+    out2 = launch.run_stage(po, cfg.model_copy(update={"resources": FSDP2}), inputs, two)["model"]
+    worst = _assert_same_curve(one, two, "train/loss", 4)
+    for key in ("train/rewards/margin", "train/grad_norm", "eval/margin", "eval/loss"):
+        a, b = _curve(one, key), _curve(two, key)
+        assert a and b == pytest.approx(a, rel=1e-3, abs=1e-4), (key, a, b)
+    print(f"dpo fsdp: max relative loss difference 2 vs 1 processes over 4 steps: {worst:.2e}")
+    assert out2.metrics["eval_accuracy"] == pytest.approx(out1.metrics["eval_accuracy"])
+    assert two.params["parameters_per_process"] < 0.6 * two.params["total_parameters"]
+    assert out2.schema == "adapter" and (out2.path / "model" / "adapter_model.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_reward_model_sharded_on_two_processes_follows_the_single_process_run(tmp_path, tiny_model_input):
+    """The reward model (a sequence-classification head on the backbone, LoRA merged at the end)
+    under fsdp: the same curve and held-out accuracy as one process, and the same saved scores."""
+    from schemas.configs import RewardModelConfig
+    from stages import reward_model as rm
+    from tests.test_reward_model import _arithmetic_pairs, _preferences
+
+    cfg = RewardModelConfig(max_steps=4, batch_size=4, grad_accum=2, learning_rate=3e-3, warmup_ratio=0.0,
+                            max_length=96, lr_scheduler="constant", checkpoint_every=2, lora=LoraSpec(r=4, alpha=8))
+    inputs = {"model": tiny_model_input, "preferences": _preferences(tmp_path / "prefs", _arithmetic_pairs(30))}
+    one, two = LocalContext(tmp_path / "one"), LocalContext(tmp_path / "two")
+    out1 = rm.run(cfg, inputs, one)["model"]
+    out2 = launch.run_stage(rm, cfg.model_copy(update={"resources": FSDP2}), inputs, two)["model"]
+    _assert_same_curve(one, two, "train/loss", 4)
+    for key in ("eval_accuracy", "eval_margin", "eval_loss"):
+        assert out2.metrics[key] == pytest.approx(out1.metrics[key], rel=1e-3, abs=1e-5), key
+    a, b = (rm.RewardScorer.from_input(fake_input(o.path, "model", "reward_model")) for o in (out1, out2))
+    conv = [[{"role": "user", "content": "2+2?"}]]
+    assert b.score(conv, ["4"]) == pytest.approx(a.score(conv, ["4"]), rel=1e-3, abs=1e-5)
+
+
+def test_the_skeleton_for_the_gathered_copy_costs_no_memory(tiny_model_input):
+    """Rank 0's skeleton (the module tree `full_model` fills with the gathered weights) holds no data,
+    and making it leaves the model untouched."""
+    model, _ = tiny_model_input.load_model()
+    model.model.layers[0].mlp.up_proj.weight.requires_grad_(False)
+    before = {n: (p, p.detach().clone()) for n, p in model.named_parameters()}
+    skeleton = distributed._meta_copy(model)
+    assert all(p.is_meta for p in skeleton.parameters()) and all(b.is_meta for b in skeleton.buffers())
+    assert {n: p.requires_grad for n, p in skeleton.named_parameters()} == {n: p.requires_grad for n, (p, _) in before.items()}
+    for n, p in model.named_parameters():
+        assert p is before[n][0] and not p.is_meta and torch.equal(p, before[n][1])
+    assert [type(m).__name__ for m in distributed.decoder_layers(model)] == ["LlamaDecoderLayer"] * len(model.model.layers)
