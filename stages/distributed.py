@@ -170,14 +170,13 @@ class Dist:
         device ever holds the whole model."""
         if not self.sharded or is_sharded(model):
             return model
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import FSDPModule, fully_shard
 
         layers = decoder_layers(model)
         if not layers:
             raise ValueError(f"fsdp: found no decoder layers in {type(model).__name__} (its _no_split_modules)")
         skeleton = _meta_copy(model) if self.is_main else None  # for `full_model`: the module tree, no storage
-        from torch.distributed.device_mesh import init_device_mesh
-
         mesh = init_device_mesh(self.comm_device.split(":")[0], (self.world,))
         for layer in layers:
             fully_shard(layer, mesh=mesh)
