@@ -209,16 +209,19 @@ class Dist:
         state = self.full_state_dict(model)
         if not self.is_main:
             return None
-        plain = copy.deepcopy(model.__dict__["_r1flow_skeleton"]).to_empty(device=device)
-        _retie(plain)  # to_empty gives tied weights (embeddings and head) separate storage
-        missing, unexpected = plain.load_state_dict(state, strict=False)
-        tied = {n for n, _ in plain.named_parameters(remove_duplicate=False)} - {n for n, _ in plain.named_parameters()}
-        if set(missing) - tied or unexpected:
-            raise RuntimeError(f"fsdp: gathered state does not fit the model (missing {sorted(missing)[:5]}, "
+        # the gathered tensors become the copy's parameters (assign: no second copy), on the skeleton
+        plain = copy.deepcopy(model.__dict__["_r1flow_skeleton"])
+        _, unexpected = plain.load_state_dict(state, strict=False, assign=True)
+        del state
+        _retie(plain)  # tied weights (embeddings and head) share one tensor again
+        still_meta = [n for n, p in plain.named_parameters() if p.is_meta]
+        if still_meta or unexpected:
+            raise RuntimeError(f"fsdp: gathered state does not fit the model (missing {still_meta[:5]}, "
                                f"unexpected {sorted(unexpected)[:5]})")
-        with torch.no_grad():  # buffers are not sharded; non-persistent ones (rotary tables) are not in the state
-            for name, buf in model.named_buffers():
-                plain.get_buffer(name).copy_(buf)
+        for name, buf in model.named_buffers():  # not sharded; non-persistent ones (rotary tables) are not in the state
+            owner, _, leaf = name.rpartition(".")
+            plain.get_submodule(owner)._buffers[leaf] = buf.detach().clone()
+        plain.to(device)
         return plain.train(model.training)
 
     def checkpoint_state(self, model: torch.nn.Module, optimizer) -> tuple[dict[str, torch.Tensor], dict] | None:
