@@ -272,9 +272,7 @@ def run(cfg: DistillConfig, inputs: dict[str, Input], ctx: StageContext) -> dict
                     "shared_tokenizer": shared})
     ctx.log_metrics(params)
 
-    student = dist.prepare(student)  # sharded across the processes under fsdp
-    if dist.sharded:
-        ctx.log_params({"parameters_per_process": dist.local_parameters(student)})
+    student = dist.prepare(student, ctx)  # sharded across the processes under fsdp
     trainable = [p for p in student.parameters() if p.requires_grad]
     optimizer = make_optimizer(trainable, cfg.learning_rate, cfg.weight_decay)
     warmup = int(cfg.warmup_ratio * cfg.max_steps)

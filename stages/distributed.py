@@ -163,11 +163,11 @@ class Dist:
 
     # ------------------------------------------------------------------------ FSDP
 
-    def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Shard a freshly loaded trainable model when `sharded` (in place; the same object back);
-        unchanged otherwise. Call on every rank before the optimizer is built. Load the model on
-        the CPU (`load_device`): fully_shard moves each shard to this process's device, so no
-        device ever holds the whole model."""
+    def prepare(self, model: torch.nn.Module, ctx: Any = None) -> torch.nn.Module:
+        """Shard a freshly loaded trainable model when `sharded` (in place; the same object back) and
+        log `parameters_per_process` to `ctx`; unchanged otherwise. Call on every rank before the
+        optimizer is built. Load the model on the CPU (`load_device`): fully_shard moves each shard
+        to this process's device, so no device ever holds the whole model."""
         if not self.sharded or is_sharded(model):
             return model
         from torch.distributed.device_mesh import init_device_mesh
@@ -186,6 +186,8 @@ class Dist:
                 m.set_gradient_divide_factor(1.0)  # sum over ranks: losses are normalised by the global batch
                 m.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
         model.__dict__["_r1flow_skeleton"] = skeleton  # not a submodule
+        if ctx is not None:
+            ctx.log_params({"parameters_per_process": self.local_parameters(model)})
         return model
 
     def local_parameters(self, model: torch.nn.Module) -> int:

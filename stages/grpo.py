@@ -45,6 +45,7 @@ from stages.base import Input, Output, StageContext, model_output_dir, seed_ever
 from stages.generation import TransformersBackend, render_prompts
 from stages.rewards import score
 from stages.sft import (
+    clip_grad_norm,
     load_trainable,
     lr_factor,
     make_optimizer,
@@ -436,7 +437,7 @@ def run(cfg: GRPOConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[st
                 train_stats["clip_high"].append(float(stats["clip_high"]))
                 train_stats["entropy"].append(float((entropy * mask).sum() / mask.sum().clamp(min=1)))
             dist.sync_gradients(trainable)
-            grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm).item()
+            grad_norm = clip_grad_norm(trainable, cfg.max_grad_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         if ref is not None and cfg.ref_refresh_every and (step + 1) % cfg.ref_refresh_every == 0:

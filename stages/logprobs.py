@@ -28,6 +28,8 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from stages.distributed import inner_output, is_sharded
+
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
@@ -108,19 +110,11 @@ def can_share_prefix(model) -> bool:
     flag = "is_activation_checkpointing" if hasattr(model, "is_activation_checkpointing") else "is_gradient_checkpointing"
     checkpointing = bool(getattr(model, flag, False)) and model.training
     return (decoder is not None and head is not None and _head_is_plain(model) and not checkpointing
-            and not _is_fsdp(model))  # two forwards per batch under FSDP: kept simple, one forward
-
-
-def _is_fsdp(model) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(model, FSDPModule)
+            and not is_sharded(model))  # two forwards per batch under FSDP: kept simple, one forward
 
 
 def _decoder_hidden(model, decoder, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """The decoder's last hidden state (B, T, H); under FSDP through the root forward (see the module doc)."""
-    from stages.distributed import inner_output
-
     return inner_output(model, decoder, {"logits_to_keep": 1}, input_ids=input_ids, attention_mask=attention_mask,
                         use_cache=False).last_hidden_state
 

@@ -271,6 +271,7 @@ def run(cfg: PreferenceOptimizationConfig, inputs: dict[str, Input], ctx: StageC
     tokenized = [tokenize(tokenizer, e.messages, e.completion, cfg.max_length) for e in examples]
     autocast_dtype = resolve_precision(cfg.precision, ctx.device)
     counts = models.count_parameters(model)
+    model = dist.prepare(model, ctx)  # sharded across the processes under fsdp
 
     # units: pairs (paired losses) or scored rows (kto); the held-out split is by id, seeded
     if cfg.loss in pl.PAIRED:
@@ -303,17 +304,14 @@ def run(cfg: PreferenceOptimizationConfig, inputs: dict[str, Input], ctx: StageC
                                                         cfg.batch_size * 2, autocast_dtype))
             ref_source = "computed"
         else:  # one process, or fsdp (every rank must run the same forwards: each scores everything)
-            ref_logps = score_examples(dist.prepare(model), tokenized, pad_id, ctx.device, cfg.batch_size * 2,
-                                       autocast_dtype)
+            ref_logps = score_examples(model, tokenized, pad_id, ctx.device, cfg.batch_size * 2, autocast_dtype)
             ref_source = "computed"
         ctx.log_metrics({"reference_seconds": time.perf_counter() - t0})
     elif ref_input is not None:
         ctx.log.info("preference_optimization: loss %s is reference-free; the reference input is not used", cfg.loss)
-    model = dist.prepare(model)  # sharded across the processes under fsdp (once: a no-op if the reference did it)
     ctx.log_params({"units_train": len(train_units), "units_eval": len(eval_units), "reference": ref_source,
                     "trainable_parameters": counts["trainable"], "total_parameters": counts["total"],
-                    "precision": str(autocast_dtype or "fp32"),
-                    **({"parameters_per_process": dist.local_parameters(model)} if dist.sharded else {})})
+                    "precision": str(autocast_dtype or "fp32")})
 
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(trainable, cfg.learning_rate, cfg.weight_decay)

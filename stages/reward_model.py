@@ -309,15 +309,14 @@ def run(cfg: RewardModelConfig, inputs: dict[str, Input], ctx: StageContext) -> 
         ctx.log.warning("reward_model: margin=True but no training pair has both scores (or they are equal); plain BT loss")
 
     counts = models.count_parameters(model)
-    model = dist.prepare(model)  # sharded across the processes under fsdp
+    model = dist.prepare(model, ctx)  # sharded across the processes under fsdp
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = sft.make_optimizer(trainable, cfg.learning_rate, cfg.weight_decay)
     warmup = int(cfg.warmup_ratio * cfg.max_steps)
     autocast_dtype = sft.resolve_precision(cfg.precision, ctx.device)
     ctx.log_params({"pairs_train": len(train), "pairs_eval": len(held_out), "pairs_truncated": truncated,
                     "trainable_parameters": counts["trainable"], "total_parameters": counts["total"],
-                    "precision": str(autocast_dtype or "fp32"),
-                    **({"parameters_per_process": dist.local_parameters(model)} if dist.sharded else {})})
+                    "precision": str(autocast_dtype or "fp32")})
 
     state = sft.resume(ctx, model, optimizer, "reward_model", cfg.max_steps)
     start, losses, accuracies = state["step"], state.get("losses", []), state.get("accuracies", [])

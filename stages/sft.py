@@ -286,9 +286,7 @@ def run(cfg: SFTConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[str
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     counts = models.count_parameters(model)
-    model = dist.prepare(model)  # sharded across the processes under fsdp
-    if dist.sharded:
-        ctx.log_params({"parameters_per_process": dist.local_parameters(model)})
+    model = dist.prepare(model, ctx)  # sharded across the processes under fsdp
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(trainable, cfg.learning_rate, cfg.weight_decay)
     warmup = int(cfg.warmup_ratio * cfg.max_steps)
