@@ -9,6 +9,13 @@ checkpointing, so only one chunk's logits exist at a time, in the forward pass a
 backward pass (the head is recomputed per chunk: ~V*H multiply-adds per token, about a fifth of a
 135M model's forward pass).
 
+For a plain `nn.Linear` head the head, log-softmax and gather are one autograd function
+(`linear_logprobs`): the forward keeps only each position's log-sum-exp, and the backward forms
+softmax - onehot in the logits buffer itself, without log-softmax's saved output or gather's
+dense scatter. When the scored positions fit in one chunk the logits are kept from the forward
+pass for the backward pass (no second head matmul); more than a chunk, they are recomputed chunk
+by chunk, so `chunk_tokens` bounds the logits held at any time either way.
+
 `positions` (a bool mask over the scored positions) restricts the head to the positions a loss
 reads: the completion tokens in DPO and GRPO, the labelled tokens in SFT. The decoder still runs
 over every position (the prompt is context), but the output head, the largest single matmul of a
@@ -74,13 +81,14 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
 
     hidden = _decoder_hidden(model, decoder, input_ids, attention_mask)
     return head_logprobs(head, hidden[:, :-1, :], input_ids[:, 1:] if targets is None else targets, positions,
-                         chunk_tokens, with_entropy)
+                         chunk_tokens, with_entropy, fused=not is_sharded(model))  # fsdp: the head as a module
 
 
 def head_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None,
-                  chunk_tokens: int, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log p(targets[b, t] | hidden[b, t]) through the output head, `chunk_tokens` positions at a time
-    under activation checkpointing, only at `positions` if given (0 elsewhere): (B, T) fp32 each."""
+                  chunk_tokens: int, with_entropy: bool, fused: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log p(targets[b, t] | hidden[b, t]) through the output head, `chunk_tokens` positions at a time,
+    only at `positions` if given (0 elsewhere): (B, T) fp32 each. A plain `nn.Linear` head goes through
+    `linear_logprobs` (`fused`); any other head through activation checkpointing per chunk."""
     b, t = targets.shape
     flat = hidden.reshape(b * t, hidden.shape[-1])
     flat_targets = targets.reshape(-1)
@@ -88,6 +96,10 @@ def head_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Te
     if positions is not None:
         index = positions.reshape(-1).nonzero().squeeze(-1)  # (n,) flat positions that are scored
         flat, flat_targets = flat.index_select(0, index), flat_targets.index_select(0, index)
+    if fused and type(head) is torch.nn.Linear:
+        logp, entropy = linear_logprobs(flat, head.weight, head.bias, flat_targets, chunk_tokens, with_entropy)
+        return (_scatter([logp], index, b, t, hidden),
+                _scatter([entropy], index, b, t, hidden) if entropy is not None else None)
     logps, entropies = [], []
     for i in range(0, flat.shape[0], chunk_tokens):
         h, y = flat[i : i + chunk_tokens], flat_targets[i : i + chunk_tokens]
@@ -100,6 +112,80 @@ def head_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Te
             entropies.append(ent)
     logp = _scatter(logps, index, b, t, hidden)
     return logp, _scatter(entropies, index, b, t, hidden) if with_entropy else None
+
+
+class _LinearLogprobs(torch.autograd.Function):
+    """log_softmax(hidden @ weight.T + bias)[target] per row, chunked; see `linear_logprobs`."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, chunk, with_entropy):
+        kind = hidden.device.type
+        dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else weight.dtype
+        n = hidden.shape[0]
+        logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        lse = torch.empty_like(logp)
+        entropy = torch.empty_like(logp) if with_entropy else None
+        keep = n <= chunk  # one chunk: hold its logits for the backward pass instead of recomputing them
+        kept = None
+        for i in range(0, n, chunk):
+            z = _linear(hidden[i : i + chunk], weight, bias, dtype)
+            rows = slice(i, i + z.shape[0])
+            lse[rows] = torch.logsumexp(z, dim=-1)
+            logp[rows] = z.gather(-1, targets[rows, None]).squeeze(-1) - lse[rows]
+            if with_entropy:  # H = lse - sum_v p_v z_v
+                entropy[rows] = lse[rows] - (torch.softmax(z, dim=-1) * z).sum(-1)
+            kept = z if keep else None
+        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.kept, ctx.chunk, ctx.dtype = kept, chunk, dtype
+        if entropy is not None:
+            ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, _grad_entropy):
+        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        dtype, chunk = ctx.dtype, ctx.chunk
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = grad_bias = None  # fp32 sums over the chunks
+        w = weight.to(dtype)
+        for i in range(0, hidden.shape[0], chunk):
+            h = hidden[i : i + chunk]
+            rows = slice(i, i + h.shape[0])
+            z = ctx.kept if ctx.kept is not None else _linear(h, weight, bias, dtype)
+            g = grad_logp[rows, None].float()
+            # d logp / d z = onehot(target) - softmax(z), in place in the logits buffer
+            z = z.sub_(lse[rows, None]).exp_().mul_(-g).scatter_add_(1, targets[rows, None], g).to(dtype)
+            if grad_hidden is not None:
+                grad_hidden[rows] = z @ w
+            if ctx.needs_input_grad[1]:
+                part = (z.t() @ h.to(dtype)).float()
+                grad_weight = part if grad_weight is None else grad_weight.add_(part)
+            if ctx.needs_input_grad[2]:
+                part = z.sum(0).float()
+                grad_bias = part if grad_bias is None else grad_bias.add_(part)
+        ctx.kept = None
+        return (grad_hidden,
+                grad_weight.to(weight.dtype) if grad_weight is not None else None,
+                grad_bias.to(bias.dtype) if grad_bias is not None else None, None, None, None)
+
+
+def _linear(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 logits of h @ weight.T (+ bias), the matmul in `dtype` (the autocast dtype the forward saw)."""
+    return torch.nn.functional.linear(h.to(dtype), weight.to(dtype), bias.to(dtype) if bias is not None else None).float()
+
+
+def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+                    chunk_tokens: int, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log_softmax(hidden @ weight.T + bias)[targets] (N,) fp32, and the entropy (no gradient) if asked.
+
+    hidden (N, H), weight (V, H), targets (N,). `chunk_tokens` rows of logits exist at a time; the
+    forward keeps each row's log-sum-exp, and the backward turns the logits into
+    onehot(target) - softmax in place: recomputed per chunk when N > chunk_tokens, kept from the
+    forward when N <= chunk_tokens (one chunk, so no more memory than a chunk). The matmuls run in
+    the autocast dtype active at the forward pass (as `nn.Linear` would), the softmax in fp32.
+    """
+    chunk = chunk_tokens if chunk_tokens > 0 else max(hidden.shape[0], 1)
+    return _LinearLogprobs.apply(hidden, weight, bias, targets, chunk, with_entropy)
 
 
 def can_share_prefix(model) -> bool:

@@ -263,11 +263,13 @@ def test_minibatch_rows_keep_groups_whole_and_cover_every_row():
 @pytest.mark.parametrize("beta", [0.0, 0.1])
 def test_prefix_sharing_trains_the_same_model(tmp_path, tiny_model_input, digit_prompts, beta):
     """Same rollouts, same updates: the metrics and final weights of a run with prefix sharing equal
-    those of a run that computes every row whole, with and without a KL term. The weights are compared
-    to 1% of one step's update (lr 3e-3): Adam divides each gradient element by its own magnitude, so
-    at step 1 an element whose gradient is ~1e-9 moves by up to lr on float rounding alone (measured:
-    at most 2.7e-5 apart, against updates of 3e-3 per step); for the same reason the KL term, a function of
-    the policy-reference weight difference, is compared through the weights it moves, not as a metric."""
+    those of a run that computes every row whole, with and without a KL term. Each tensor's total
+    update must agree to 0.1% of its norm. Not element by element: Adam divides each gradient element by
+    its own magnitude, so an element whose gradient is ~1e-9 moves by up to lr on float rounding alone
+    (measured: single elements up to 4.2e-5 apart, 1.4% of one step's lr of 3e-3, while every tensor's
+    update agrees to 1.1e-4 of its norm; a misplaced prefix or position differs by whole percents).
+    For the same reason the KL term, a function of the policy-reference weight difference, is
+    compared through the weights it moves, not as a metric."""
     from stages import models
 
     runs = {}
@@ -288,4 +290,6 @@ def test_prefix_sharing_trains_the_same_model(tmp_path, tiny_model_input, digit_
     moved = max(float((weights_u[k] - initial[k]).abs().max()) for k in weights_u)
     assert moved > 5e-3  # three steps of lr 3e-3 moved the weights
     for k in weights_u:
-        torch.testing.assert_close(weights_s[k], weights_u[k], rtol=0, atol=3e-5, msg=k)
+        update = (weights_u[k] - initial[k]).norm()
+        assert update > 0, k
+        assert (weights_s[k] - weights_u[k]).norm() <= 1e-3 * update, k

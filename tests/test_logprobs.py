@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from stages import models
-from stages.logprobs import token_logprobs
+from stages.logprobs import head_logprobs, linear_logprobs, token_logprobs
 from stages.sft import IGNORE, masked_token_loss
 
 
@@ -88,3 +88,64 @@ def test_no_positions_gives_zeros_and_no_error(tiny_tokenizer, batch):
     model = models.build_tiny_model(tiny_tokenizer, seed=0)
     got, _ = token_logprobs(model, ids, attn, chunk_tokens=4, positions=torch.zeros(3, 10, dtype=torch.bool))
     assert got.shape == (3, 10) and (got == 0).all()
+
+
+def test_linear_logprobs_hand_computed():
+    """hidden [1, 0], head rows [1, 0], [0, 1], [0, 0]: logits [1, 0, 0], target 0.
+    log p = 1 - log(e + 2) = -0.551445; d/dlogits = onehot - softmax = [0.423883, -0.211942, -0.211942],
+    so d/dhidden = [0.423883, -0.211942]; entropy = 0.975328."""
+    hidden = torch.tensor([[1.0, 0.0]], requires_grad=True)
+    weight = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 0.0]], requires_grad=True)
+    logp, entropy = linear_logprobs(hidden, weight, None, torch.tensor([0]), chunk_tokens=4096, with_entropy=True)
+    torch.testing.assert_close(logp, torch.tensor([-0.551445]), rtol=0, atol=1e-6)
+    torch.testing.assert_close(entropy, torch.tensor([0.975328]), rtol=0, atol=1e-6)
+    logp.sum().backward()
+    torch.testing.assert_close(hidden.grad, torch.tensor([[0.423883, -0.211942]]), rtol=0, atol=1e-6)
+    # d/dweight[v] = (onehot - softmax)[v] * hidden
+    torch.testing.assert_close(weight.grad, torch.tensor([[0.423883, 0.0], [-0.211942, 0.0], [-0.211942, 0.0]]),
+                               rtol=0, atol=1e-6)
+
+
+def _reference_head(hidden, head, targets, grad):
+    logp = torch.log_softmax(head(hidden).float(), -1).gather(-1, targets[:, None]).squeeze(-1)
+    (logp * grad).sum().backward()
+    return logp.detach()
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 13, 4096])  # recomputed per chunk (n > chunk) and kept (n <= chunk)
+def test_linear_logprobs_with_bias_and_a_frozen_weight_matches_autograd(chunk):
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 50, bias=True)
+    head.weight.requires_grad_(False)  # as under LoRA: only the bias and the hidden states get gradients
+    hidden = torch.randn(13, 8, requires_grad=True)
+    targets, grad = torch.randint(0, 50, (13,)), torch.randn(13)
+    ref = _reference_head(hidden, head, targets, grad)
+    ref_hidden, ref_bias = hidden.grad.clone(), head.bias.grad.clone()
+    hidden.grad, head.bias.grad = None, None
+    got, entropy = linear_logprobs(hidden, head.weight, head.bias, targets, chunk_tokens=chunk)
+    assert entropy is None
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    (got * grad).sum().backward()
+    torch.testing.assert_close(hidden.grad, ref_hidden, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(head.bias.grad, ref_bias, rtol=1e-5, atol=1e-6)
+    assert head.weight.grad is None
+
+
+def test_fused_head_under_bf16_autocast_matches_the_module_path():
+    """Under autocast the matmuls run in bf16 as nn.Linear's would: the fused path and the
+    checkpointed module path agree to bf16 rounding, in values and gradients."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 64, bias=False)
+    hidden = torch.randn(1, 20, 16, requires_grad=True)
+    targets, grad = torch.randint(0, 64, (1, 20)), torch.randn(1, 20)
+    results = []
+    for fused in (False, True):
+        hidden.grad, head.weight.grad = None, None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logp, _ = head_logprobs(head, hidden, targets, None, chunk_tokens=7, with_entropy=False, fused=fused)
+        assert logp.dtype == torch.float32
+        (logp * grad).sum().backward()
+        assert head.weight.grad.dtype == torch.float32
+        results.append((logp.detach(), hidden.grad.clone(), head.weight.grad.clone()))
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
