@@ -188,8 +188,9 @@ class MemoryOptions(Strict):
         False, description="Recompute activations in the backward pass: less memory for longer sequences or bigger "
         "batches, ~30% more compute (sft, preference_optimization, grpo, distill; not reward_model yet).")
     logprob_chunk: int = Field(
-        4096, ge=0, description="Token positions whose logits exist at once when computing log-probs (the output "
-        "head is recomputed per chunk in the backward pass); 0 materialises the full [batch, seq, vocab] logits. "
+        4096, ge=0, description="Token positions whose logits exist at once when computing log-probs (up to one "
+        "chunk of scored positions the logits are kept for the backward pass; beyond that the output head is "
+        "recomputed per chunk in it); 0 materialises the full [batch, seq, vocab] logits. "
         "sft, preference_optimization and grpo; distill's KD needs whole distributions and reward_model scores "
         "with a scalar head, so they ignore it.")
 
