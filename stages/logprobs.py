@@ -88,8 +88,10 @@ def head_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Te
                   chunk_tokens: int, with_entropy: bool, fused: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(targets[b, t] | hidden[b, t]) through the output head, `chunk_tokens` positions at a time,
     only at `positions` if given (0 elsewhere): (B, T) fp32 each. A plain `nn.Linear` head goes through
-    `linear_logprobs` (`fused`); any other head through activation checkpointing per chunk."""
+    `linear_logprobs` (`fused`); any other head through activation checkpointing per chunk.
+    chunk_tokens <= 0: every position in one chunk."""
     b, t = targets.shape
+    chunk_tokens = chunk_tokens if chunk_tokens > 0 else max(b * t, 1)
     flat = hidden.reshape(b * t, hidden.shape[-1])
     flat_targets = targets.reshape(-1)
     index = None

@@ -149,3 +149,21 @@ def test_fused_head_under_bf16_autocast_matches_the_module_path():
         results.append((logp.detach(), hidden.grad.clone(), head.weight.grad.clone()))
     for a, b in zip(*results, strict=True):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_head_logprobs_chunk_0_is_one_chunk(fused):
+    """chunk_tokens = 0 (the shared-prefix paths pass `logprob_chunk` through) computes every position
+    at once, for the fused head and for a head that is not a plain nn.Linear alike."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(8, 40, bias=False)
+    head = linear if fused else torch.nn.Sequential(linear)
+    hidden = torch.randn(2, 5, 8, requires_grad=True)
+    targets, grad = torch.randint(0, 40, (2, 5)), torch.randn(2, 5)
+    ref = _reference_head(hidden.reshape(10, 8), linear, targets.reshape(-1), grad.reshape(-1)).reshape(2, 5)
+    ref_grad = hidden.grad.clone()
+    hidden.grad = None
+    got, _ = head_logprobs(head, hidden, targets, None, chunk_tokens=0, with_entropy=False, fused=fused)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    (got * grad).sum().backward()
+    torch.testing.assert_close(hidden.grad, ref_grad, rtol=1e-5, atol=1e-6)
