@@ -3,6 +3,7 @@
     make bench-setup                      # once: .bench-venv with TRL (not an r1flow dependency) and r1flow -e
     make bench                            # tiny and SmolLM2-135M on this machine's device
     make bench ARGS="--models tiny --quick"
+    make bench ARGS="--models smollm2 --tasks sft,dpo --repeats 3"   # alternating runs, pooled medians
     .bench-venv/bin/python benchmarks/suite.py --models smollm2 --tasks grpo --json out.json
 
 Printed per model: SFT tokens/s, DPO pairs/s, GRPO step time split into generation / scoring /
@@ -225,6 +226,37 @@ def summarize(task: str, r: dict | None) -> dict | None:
             "peak_delta_mib": r["peak_delta_mib"], "peak_mib": r["peak_mib"]}
 
 
+def pool(runs: list[dict | None]) -> dict | None:
+    """One result from repeated runs of the same (task, framework): their warm steps together (so the
+    median is over all of them), the largest peak memory, and each run kept under `repeats`."""
+    every = runs
+    runs = [r for r in runs if r is not None]
+    if not runs:
+        return None
+    if len(runs) == 1:
+        return runs[0]
+    merged = {**runs[0], "repeats": every, "peak_delta_mib": max(r["peak_delta_mib"] for r in runs),
+              "peak_mib": max(r["peak_mib"] for r in runs)}
+    key = "step_s" if "step_s" in runs[0] else "steps"
+    merged[key] = [x for r in runs for x in r[key]]
+    return merged
+
+
+def repeat_ratios(task: str, ours: dict | None, theirs: dict | None) -> list[float]:
+    """Speed ratio of each repeat (the runs made next to each other), for the spread across repeats."""
+    if not ours or not theirs or "repeats" not in ours or "repeats" not in theirs:
+        return []
+    out = []
+    for a, b in zip(ours["repeats"], theirs["repeats"], strict=False):
+        if a is None or b is None:  # a failed run: its repeat has no ratio
+            continue
+        sa, sb = summarize(task, a), summarize(task, b)
+        x = ratio(sa["rate"], sb["rate"], True) if task in ("sft", "dpo") else ratio(sa["total"], sb["total"], False)
+        if x is not None:
+            out.append(x)
+    return out
+
+
 def ratio(ours: float | None, theirs: float | None, higher_is_better: bool) -> float | None:
     if not ours or not theirs:
         return None
@@ -271,17 +303,21 @@ def report(name: str, device: str, shape: Shape, res: dict, command: str, info: 
     def num(v, f="{:.1f}"):
         return "failed" if v is None else f.format(v)
 
+    def spread(task: str) -> str:
+        xs = repeat_ratios(task, res.get((task, "r1flow")), res.get((task, "trl")))
+        return f" (each repeat: {', '.join(fmt_ratio(x) for x in xs)})" if xs else ""
+
     for task, label in (("sft", "SFT tokens/s"), ("dpo", "DPO pairs/s")):
         a, b = s[(task, "r1flow")], s[(task, "trl")]
         if a is None and b is None:
             continue
         x = ratio(a and a["rate"], b and b["rate"], True)
-        line(label, num(a and a["rate"]), num(b and b["rate"]), x, verdict(kind, task, x))
+        line(label, num(a and a["rate"]), num(b and b["rate"]), x, verdict(kind, task, x) + spread(task))
     a, b = s[("grpo", "r1flow")], s[("grpo", "trl")]
     if a is not None or b is not None:
         x = ratio(a and a["total"], b and b["total"], False)
         line("GRPO step", num(a and a["total"], "{:.2f} s"), num(b and b["total"], "{:.2f} s"), x,
-             verdict(kind, "grpo", x))
+             verdict(kind, "grpo", x) + spread("grpo"))
         for part in ("generation", "scoring", "training"):
             line(f"GRPO {part}", num(a and a[part], "{:.3f} s"), num(b and b[part], "{:.3f} s"),
                  ratio(a and a[part], b and b[part], False))
@@ -344,6 +380,9 @@ def main() -> None:
     ap.add_argument("--tasks", default=",".join(TASKS))
     ap.add_argument("--frameworks", default=",".join(FRAMEWORKS))
     ap.add_argument("--quick", action="store_true", help="fewer timed steps (a smoke run)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="run each (task, framework) this many times, alternating which side goes first; the "
+                    "medians are over all repeats' warm steps and each repeat's ratio is printed beside them")
     ap.add_argument("--lora", type=int, default=0, help="LoRA rank on both sides (0: full fine-tuning)")
     ap.add_argument("--cache", choices=["dynamic", "static"], default="dynamic",
                     help="KV cache of the GRPO rollouts, on both sides (r1flow generation.cache, TRL cache_implementation)")
@@ -356,6 +395,8 @@ def main() -> None:
     for hidden in ("--child", "--prep", "--shape", "--work", "--reference"):
         ap.add_argument(hidden, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error("--repeats must be at least 1")
     if args.child:
         return child_main(args)
 
@@ -396,15 +437,23 @@ def main() -> None:
                 if ref is not None:
                     reference = work / "reference.json"
                     reference.write_text(json.dumps(ref))
+            runs: dict[str, list] = {fw: [] for fw in frameworks}
+            for rep in range(args.repeats):
+                # alternate which side goes first, so a drift in the machine's speed falls on both
+                for fw in (frameworks if rep % 2 == 0 else frameworks[::-1]):
+                    if fw == "r1flow" and task == "dpo" and reference is None:
+                        continue
+                    tag = f" (repeat {rep + 1}/{args.repeats})" if args.repeats > 1 else ""
+                    print(f"[{name}] {task} / {fw}{tag} ...", flush=True)
+                    suffix = f"-{rep + 1}" if args.repeats > 1 else ""
+                    out = run_child(f"{fw}:{task}", device, prep_file, shape, work, work / f"{fw}-{task}{suffix}.log",
+                                    reference=reference if fw == "r1flow" else None,
+                                    quiet_wait=args.quiet_wait if not device.startswith("cuda") else 0.0)
+                    runs[fw].append(out)
+                    if out is not None:
+                        info["threads"] = out.get("threads", info["threads"])
             for fw in frameworks:
-                if fw == "r1flow" and task == "dpo" and reference is None:
-                    continue
-                print(f"[{name}] {task} / {fw} ...", flush=True)
-                res[(task, fw)] = run_child(f"{fw}:{task}", device, prep_file, shape, work, work / f"{fw}-{task}.log",
-                                            reference=reference if fw == "r1flow" else None,
-                                            quiet_wait=args.quiet_wait if not device.startswith("cuda") else 0.0)
-                if res[(task, fw)] is not None:
-                    info["threads"] = res[(task, fw)].get("threads", info["threads"])
+                res[(task, fw)] = pool(runs[fw])
         all_lines += report(name, device, shape, res, command, info)
         raw[name] = {"shape": shape.to_dict(), "info": info,
                      "results": {f"{t}/{f}": r for (t, f), r in res.items()}}

@@ -41,6 +41,22 @@ def test_summaries_take_medians_of_warm_steps():
     assert suite.summarize("grpo", None) is None
 
 
+def test_repeats_pool_their_steps_and_keep_each_repeats_ratio():
+    def sft(steps, peak):
+        return {"step_s": steps, "batch": 4, "seq_len": 100.0, "peak_delta_mib": peak, "peak_mib": peak + 5}
+
+    ours = suite.pool([sft([1.0, 1.0], 10.0), sft([2.0, 2.0, 2.0], 12.0)])
+    theirs = suite.pool([sft([4.0], 9.0), None, sft([3.0], 8.0)])
+    assert ours["step_s"] == [1.0, 1.0, 2.0, 2.0, 2.0] and ours["peak_delta_mib"] == 12.0
+    assert suite.summarize("sft", ours)["step_s"] == 2.0  # the median of all five warm steps
+    assert theirs["step_s"] == [4.0, 3.0] and theirs["peak_mib"] == 14.0
+    # repeat 1: 4.0 / 1.0; repeat 2: TRL failed, no ratio; repeat 3 has no r1flow run
+    assert suite.repeat_ratios("sft", ours, theirs) == [4.0]
+    assert suite.pool([None, None]) is None
+    single = sft([1.0], 1.0)
+    assert suite.pool([single]) is single and suite.repeat_ratios("sft", single, single) == []
+
+
 def test_ratios_say_how_many_times_better_r1flow_is():
     assert suite.ratio(300.0, 100.0, higher_is_better=True) == 3.0  # throughput
     assert suite.ratio(0.5, 2.0, higher_is_better=False) == 4.0  # seconds or MiB
