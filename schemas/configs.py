@@ -78,9 +78,9 @@ class ResourcesSpec(Strict):
         "ddp", description="ddp: every process holds the whole model; gradients are all-reduced once per optimizer "
         "step. fsdp: the model is sharded (torch FSDP2 fully_shard per decoder layer, ZeRO-3 style: parameters, "
         "gradients and optimizer state split across the processes), for models that do not fit one device; the "
-        "same updates as ddp. Supported by sft, reward_model, preference_optimization and distill (traces, "
-        "logits); not by grpo or distill on_policy, which generate with the model being trained. DeepSpeed is "
-        "not supported."
+        "same updates as ddp. Supported by sft, reward_model, preference_optimization, grpo (which samples from an "
+        "unsharded copy per process, refreshed before each rollout) and distill (traces, logits); not by distill "
+        "on_policy. DeepSpeed is not supported."
     )
     backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="torch.distributed backend; auto: nccl when every process gets a CUDA device, else gloo."
@@ -421,9 +421,6 @@ class GRPOConfig(MemoryOptions):
             raise ValueError("generation.backend=vllm is not implemented for grpo (it needs the trainer's weights "
                              "synced into vLLM after every step): use transformers (rejection_sampling and "
                              "distill_traces do take vllm)")
-        if self.resources.distributed_type == "fsdp":
-            raise ValueError("resources.distributed_type=fsdp is not supported by grpo (it generates with the model "
-                             "being trained; a sharded model would all-gather at every decoded token): use ddp")
         return self
 
 

@@ -26,6 +26,9 @@ do. What changes for a stage:
   of a micro-batch is empty runs a filler example with weight 0 (`part_or_filler`);
 - rank-0-only work on the model (held-out evaluation, saving) goes through `full_model`, a
   collective that hands rank 0 an ordinary unsharded copy;
+- a stage that samples from the model it trains (GRPO) keeps an unsharded sampling copy on every
+  rank and refreshes it with `copy_weights` (a collective) before each rollout: decoding token by
+  token through the sharded model would all-gather every layer at every token;
 - checkpoints hold the full trainable weights and the full optimizer state, gathered collectively
   (`checkpoint_state`) and loaded by every rank (`load_checkpoint_state`).
 """
@@ -225,6 +228,20 @@ class Dist:
             plain.get_submodule(owner)._buffers[leaf] = buf.detach().clone()
         plain.to(device)
         return plain.train(model.training)
+
+    def copy_weights(self, model: torch.nn.Module, into: torch.nn.Module) -> None:
+        """Every rank: copy `model`'s weights into `into`, an unsharded module of the same structure (a
+        sampling copy, a reference to refresh). Sharded, a collective: each rank gathers the whole
+        state (its own full copy for the moment of the load)."""
+        if self.sharded:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+        else:
+            state = model.state_dict()
+        missing, unexpected = into.load_state_dict(state, strict=False)
+        if unexpected or [n for n in missing if n in dict(into.named_parameters())]:
+            raise RuntimeError(f"copy_weights: the models differ (missing {missing[:5]}, unexpected {unexpected[:5]})")
 
     def checkpoint_state(self, model: torch.nn.Module, optimizer) -> tuple[dict[str, torch.Tensor], dict] | None:
         """Full trainable weights and full optimizer state (keyed by parameter name) on rank 0, None

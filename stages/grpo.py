@@ -185,6 +185,23 @@ def minibatch_rows(n: int, group_size: int, minibatch_size: int, whole_groups: b
             for i in range(0, len(groups), per)]
 
 
+def even_passes(minibatches: list[torch.Tensor], dist: distributed.Dist) -> list[torch.Tensor | None]:
+    """The mini-batches, and under fsdp None (a filler) up to the most any rank has: FSDP all-gathers
+    the layers in every forward and reduce-scatters in every backward, so every rank runs as many.
+    Ranks differ when dynamic sampling leaves one with fewer groups, or none."""
+    if not dist.sharded:
+        return list(minibatches)
+    most = int(dist.max(len(minibatches)))
+    return list(minibatches) + [None] * (most - len(minibatches))
+
+
+def filler_backward(model, pad_id: int, device: str) -> None:
+    """A forward and backward of two pad tokens with weight 0: the collectives of a mini-batch, no gradient."""
+    ids = torch.full((1, 2), pad_id, dtype=torch.long, device=device)
+    logp, _ = token_logprobs(model, ids, torch.ones_like(ids))
+    (logp.sum() * 0.0).backward()
+
+
 # ---------------------------------------------------------------------------- rollout
 
 
@@ -284,37 +301,49 @@ def run(cfg: GRPOConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[st
     dist = distributed.of(ctx)
     share = cfg.prompts_per_step // dist.world  # whole groups per process and step
     seed_everything(ctx.seed)
-    model, tokenizer, merged_input = load_trainable(inputs["model"], cfg, ctx.device)
+    model, tokenizer, merged_input = load_trainable(inputs["model"], cfg, dist.load_device(ctx.device))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     is_lora = cfg.lora.r > 0
     ref = None
     if cfg.beta > 0 and not is_lora:
-        ref = copy.deepcopy(model).eval().requires_grad_(False)
+        ref = copy.deepcopy(model).eval().requires_grad_(False).to(ctx.device)
+    # fsdp: rollouts come from an unsharded copy on every rank, refreshed before each step's rollout
+    sampler = copy.deepcopy(model).requires_grad_(False).to(ctx.device) if dist.sharded else None
+    counts = models.count_parameters(model)
+    model = dist.prepare(model, ctx)  # sharded across the processes under fsdp
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(trainable, cfg.learning_rate, cfg.weight_decay)
     warmup = int(cfg.warmup_ratio * cfg.steps)
     autocast_dtype = resolve_precision(cfg.precision, ctx.device)
-    backend = TransformersBackend(model, tokenizer)
+    backend = TransformersBackend(sampler if sampler is not None else model, tokenizer)
+    synced = None  # the step whose weights the sampler holds (fsdp)
+
+    def sync_sampler(done: int) -> None:
+        nonlocal synced
+        if sampler is not None and synced != done:
+            dist.copy_weights(model, sampler)
+            synced = done
+
     kl_fn = rl.KL_ESTIMATORS[cfg.kl_estimator]
     scorer = None
     if rm_input is not None and wants_rm:
         from stages.reward_model import RewardScorer
 
         scorer = RewardScorer.from_input(rm_input, device=ctx.device)
-    counts = models.count_parameters(model)
     ctx.log_params({"train_prompts": len(rows), "trainable_parameters": counts["trainable"],
                     "total_parameters": counts["total"], "precision": str(autocast_dtype or "fp32")})
 
     state = resume(ctx, model, optimizer, "grpo", cfg.steps)
     start, history = state["step"], state.get("history", [])
     if ref is not None and state.get("ref_is_policy"):  # refreshed before the crash: approximate by the policy
-        ref.load_state_dict(model.state_dict())
+        dist.copy_weights(model, ref)
     for i, m in enumerate(history):
         ctx.log_metrics(m, step=i + 1)
 
     bar = tqdm(total=cfg.steps, initial=start, desc="grpo", unit="step", disable=not dist.is_main)
     for step in range(start, cfg.steps):
         t_step = time.perf_counter()
+        sync_sampler(step)
         # ---- rollout and scoring of this process's share (dynamic sampling drops all-equal groups and refills)
         batch_rows, comps, verdicts, rewards = [], [], [], []
         t_gen = t_score = 0.0
@@ -396,9 +425,12 @@ def run(cfg: GRPOConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[st
             ref_logp = None
             if cfg.beta > 0:
                 ref_logp = torch.zeros_like(batch["loss_mask"])
-                with torch.no_grad(), (model.disable_adapter() if is_lora else contextlib.nullcontext()):
+                # LoRA: the reference is the base, the adapter disabled; under fsdp in the unsharded sampling
+                # copy, which holds this step's weights, so no rank's reference pass is a collective
+                base = sampler if sampler is not None else model
+                with torch.no_grad(), (base.disable_adapter() if is_lora else contextlib.nullcontext()):
                     for idx in minibatch_rows(n, cfg.group_size, cfg.minibatch_size, shared, torch.Generator()):
-                        ref_logp[idx] = rollout_batch.logprobs(model if is_lora else ref, idx)[0].float().cpu()
+                        ref_logp[idx] = rollout_batch.logprobs(base if is_lora else ref, idx)[0].float().cpu()
 
         # ---- mu epochs; each accumulates all mini-batches into one optimizer step
         lr = set_lr(optimizer, cfg.learning_rate * lr_factor(step, cfg.steps, warmup, "constant"))
@@ -409,7 +441,11 @@ def run(cfg: GRPOConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[st
                                                "gap": [], "mismatch_kl": [], "weight_mean": [], "clipped": []}
         for epoch in range(cfg.mu):
             generator = torch.Generator().manual_seed(ctx.seed + step * 31 + epoch)
-            for idx in minibatch_rows(n, cfg.group_size, cfg.minibatch_size, n > 0 and shared, generator):
+            for idx in even_passes(minibatch_rows(n, cfg.group_size, cfg.minibatch_size, n > 0 and shared, generator),
+                                   dist):
+                if idx is None:  # fsdp: a weight-0 pass, so every rank runs as many forwards and backwards
+                    filler_backward(model, pad_id, ctx.device)
+                    continue
                 mask = batch["loss_mask"][idx].to(ctx.device)
                 with torch.autocast(device_type=ctx.device.split(":")[0], dtype=autocast_dtype or torch.float32,
                                     enabled=autocast_dtype is not None):
@@ -441,7 +477,7 @@ def run(cfg: GRPOConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[st
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         if ref is not None and cfg.ref_refresh_every and (step + 1) % cfg.ref_refresh_every == 0:
-            ref.load_state_dict(model.state_dict())
+            dist.copy_weights(model, ref)
         totals = stat_totals(train_stats, dist)  # key -> (sum, count) over every process's mini-batches
         metrics.update({
             "train/loss": totals["loss"][0] / cfg.mu,
@@ -456,14 +492,16 @@ def run(cfg: GRPOConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[st
                 ("logprob_gap", "gap"), ("mismatch_kl", "mismatch_kl"), ("tis_weight_mean", "weight_mean"),
                 ("tis_clipped", "clipped"))})
         done = step + 1
-        if cfg.eval_every and held_out and done % cfg.eval_every == 0 and dist.is_main:
-            metrics.update(held_out_eval(backend, held_out, cfg, ctx.seed))
+        if cfg.eval_every and held_out and done % cfg.eval_every == 0:
+            sync_sampler(done)  # every rank (a collective under fsdp); rank 0 evaluates
+            if dist.is_main:
+                metrics.update(held_out_eval(backend, held_out, cfg, ctx.seed))
         history.append(metrics)
-        if dist.is_main and (done % cfg.checkpoint_every == 0 or done == cfg.steps):
+        if done % cfg.checkpoint_every == 0 or done == cfg.steps:  # every rank: gathered under fsdp, rank 0 writes
             save_checkpoint(ctx.checkpoint_dir, done, model, optimizer,
                             {"step": done, "history": history,
                              "ref_is_policy": bool(cfg.ref_refresh_every and done >= cfg.ref_refresh_every)},
-                            cfg.keep_checkpoints)
+                            cfg.keep_checkpoints, dist)
         ctx.log_metrics(metrics, step=done)
         bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
         bar.update(1)
@@ -471,8 +509,9 @@ def run(cfg: GRPOConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[st
 
     out, model_dir = model_output_dir(ctx, "model")
     merge = cfg.lora.merge or merged_input
+    sync_sampler(cfg.steps)  # fsdp: the final weights, whole, in the sampling copy (a collective)
     if dist.is_main:
-        models.save_model(model, tokenizer, model_dir, merge=merge)
+        models.save_model(sampler if sampler is not None else model, tokenizer, model_dir, merge=merge)
     is_adapter = is_lora and not merge
     summary = summarize(history)
     ctx.log_metrics(summary)
