@@ -355,6 +355,18 @@ def test_grpo_sharded_on_two_processes_follows_the_ddp_run(tmp_path, tiny_model_
     for key in w1:
         torch.testing.assert_close(w2[key], w1[key], rtol=1e-3, atol=1e-5)
     assert grpo_checkpoint_is_whole(fsdp, tiny_model_input, lora=variant == "lora_dynamic")
+    if variant == "full_kl_eval":  # resumed from the step-2 checkpoint: step 3 and the saved weights are the same
+        import shutil
+
+        resumed = LocalContext(tmp_path / "resumed")
+        resumed.checkpoint_dir.mkdir(parents=True)
+        shutil.copytree(fsdp.checkpoint_dir / "step-000002", resumed.checkpoint_dir / "step-000002")
+        out3 = launch.run_stage(grpo, cfg.model_copy(update={"resources": FSDP2}), inputs, resumed)["model"]
+        assert _curve(resumed, "reward/mean")[-1] == _curve(fsdp, "reward/mean")[-1]
+        assert _curve(resumed, "train/loss")[-1] == pytest.approx(_curve(fsdp, "train/loss")[-1], rel=RTOL, abs=1e-6)
+        w3 = load_file(out3.path / "model" / name)
+        for key in w2:
+            torch.testing.assert_close(w3[key], w2[key], rtol=1e-5, atol=1e-6)
 
 
 def grpo_checkpoint_is_whole(ctx: LocalContext, model_input, lora: bool) -> bool:
