@@ -379,8 +379,9 @@ class GRPOConfig(MemoryOptions):
         True, description="Training passes run each group's prompt through the decoder once and its G completions "
         "against that KV cache (gradients flow through the cache): the same values and gradients at about "
         "(P + G*C) / (G*(P+C)) of the decoder's cost for prompt length P and completion length C. Applies with a "
-        "plain output head and without gradient_checkpointing; otherwise rows run whole. (Rollout generation "
-        "always prefills each prompt once for its G samples.)")
+        "plain output head and without gradient_checkpointing; otherwise rows run whole. What every prompt of a "
+        "mini-batch starts with (system prompt, chat template; at least 32 tokens) runs once for all of them. "
+        "(Rollout generation always prefills each prompt once for its G samples, and a batch's common part once.)")
     old_logprobs: Literal["trainer", "sampler"] = Field(
         "trainer", description="trainer: recompute old log-probs with the trainer's forward pass before the update; "
         "sampler: take the sampler's log-probs, read the trainer's from the first epoch's own pass (no extra pass) "

@@ -25,6 +25,8 @@ from tqdm.auto import tqdm
 
 from schemas.configs import GenerationSpec
 from schemas.errors import ModelError
+from stages import logprobs
+from stages.logprobs import common_prefix_length
 
 
 @dataclass(frozen=True)
@@ -99,22 +101,55 @@ def completion_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
     return torch.cat(out)
 
 
-def generate_shared_prefix(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, n: int, kwargs: dict):
+def generate_shared_prefix(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, n: int, kwargs: dict,
+                           min_common: int | None = None):
     """`generate` of n samples per prompt with each prompt prefilled once, not n times.
 
     The decoder runs over every prompt but its last token once (B rows), the KV cache is repeated n
     times, and `generate` continues from it with the n-fold prompts, so only the last prompt token
     and the new tokens run per sample. The rows and the sampling RNG are laid out exactly as
     `num_return_sequences=n` lays them out, so the samples are the same (up to float rounding).
+
+    When the B prompts start with at least `min_common` (default `logprobs.COMMON_PREFIX_MIN`) of the same tokens (a system prompt and chat
+    template), those are prefilled once for the batch and each row is laid out [common | padding |
+    own tokens] instead of left padded: same width, positions from the attention mask as before.
+    Only the prompt part of the returned rows differs in layout; the new tokens follow at the same column.
     """
-    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     prefill = decoder if decoder is not None else model
-    cache = prefill(input_ids=input_ids[:, :-1], attention_mask=attention_mask[:, :-1], position_ids=positions[:, :-1],
-                    use_cache=True).past_key_values
+    cache, start = None, 0
+    if decoder is not None and input_ids.shape[0] > 1:
+        rows = [ids[m.bool()].tolist() for ids, m in zip(input_ids, attention_mask, strict=True)]
+        n_common = common_prefix_length(rows)
+        if n_common >= max(logprobs.COMMON_PREFIX_MIN if min_common is None else min_common, 1):
+            input_ids, attention_mask = _common_first(input_ids, attention_mask, n_common, kwargs.get("pad_token_id") or 0)
+            common = input_ids[:1, :n_common]
+            cache = prefill(input_ids=common, attention_mask=torch.ones_like(common),
+                            position_ids=torch.arange(n_common, device=common.device)[None, :], use_cache=True
+                            ).past_key_values
+            cache.batch_repeat_interleave(input_ids.shape[0])
+            start = n_common
+    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    if input_ids.shape[1] - 1 > start:
+        cache = prefill(input_ids=input_ids[:, start:-1], attention_mask=attention_mask[:, :-1],
+                        position_ids=positions[:, start:-1], past_key_values=cache, use_cache=True).past_key_values
     cache.batch_repeat_interleave(n)
     return model.generate(input_ids=input_ids.repeat_interleave(n, 0), attention_mask=attention_mask.repeat_interleave(n, 0),
                           past_key_values=cache, **{**kwargs, "num_return_sequences": 1})
+
+
+def _common_first(input_ids: torch.Tensor, attention_mask: torch.Tensor, n_common: int, pad_id: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded rows re-laid as [first n_common tokens | padding | the rest], same width."""
+    ids, mask = torch.full_like(input_ids, pad_id), torch.zeros_like(attention_mask)
+    width = input_ids.shape[1]
+    for i in range(input_ids.shape[0]):
+        real = input_ids[i, attention_mask[i].bool()]
+        ids[i, :n_common] = real[:n_common]
+        ids[i, width - len(real) + n_common :] = real[n_common:]
+        mask[i, :n_common] = 1
+        mask[i, width - len(real) + n_common :] = 1
+    return ids, mask
 
 
 STATIC_BUCKET = 64  # cache: static pads prompts to a multiple of this, so a compiled decode sees few shapes

@@ -209,7 +209,8 @@ def _decoder_hidden(model, decoder, input_ids: torch.Tensor, attention_mask: tor
 
 def shared_prefix_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
                            completion_mask: torch.Tensor, prompt_of_row: torch.Tensor, chunk_tokens: int = 4096,
-                           with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                           with_entropy: bool = False, common_ids: torch.Tensor | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs of completions that continue shared prompts, each prompt computed once.
 
     prompt_ids/prompt_mask: (K, P), left padded; completion_ids/completion_mask: (N, C), right
@@ -222,17 +223,30 @@ def shared_prefix_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.T
     values into the prompt's computation, so values and gradients equal whole prompt+completion
     rows (up to float rounding) at about (K*P + N*C) / (N*(P+C)) of the decoder's cost. Positions
     follow the attention mask, as in generation. Needs `can_share_prefix(model)`.
+
+    common_ids (1, L), if given: tokens every prompt starts with, run once for all K prompts, which
+    then hold only what follows them (a batch-wide system prompt and chat template). The prompts'
+    cache rows are then [common | left padding | own tokens], the padding masked out.
     """
     decoder, head = model.get_decoder(), model.get_output_embeddings()
-    out = decoder(input_ids=prompt_ids, attention_mask=prompt_mask,
-                  position_ids=(prompt_mask.cumsum(-1) - 1).clamp(min=0), use_cache=True)
+    cache, lead = None, prompt_mask[:, :0]
+    if common_ids is not None and common_ids.shape[1] > 0:
+        n_common = common_ids.shape[1]
+        positions = torch.arange(n_common, device=common_ids.device)[None, :]
+        cache = decoder(input_ids=common_ids, attention_mask=torch.ones_like(common_ids), position_ids=positions,
+                        use_cache=True).past_key_values
+        cache.batch_repeat_interleave(prompt_ids.shape[0])  # for autograd: the common part's gradient sums over prompts
+        lead = prompt_mask.new_ones(prompt_ids.shape[0], n_common)
+    out = decoder(input_ids=prompt_ids, attention_mask=torch.cat([lead, prompt_mask], dim=1),
+                  position_ids=lead.shape[1] + (prompt_mask.cumsum(-1) - 1).clamp(min=0), past_key_values=cache,
+                  use_cache=True)
     last = out.last_hidden_state[:, -1, :].index_select(0, prompt_of_row)  # (N, H): predicts completion token 0
     if completion_ids.shape[1] == 0:
         empty = last.new_zeros(completion_ids.shape, dtype=torch.float32)
         return empty, empty if with_entropy else None
     cache = out.past_key_values
     cache.batch_select_indices(prompt_of_row)  # (N, ...) for autograd: a prompt's gradient sums over its rows
-    row_mask = prompt_mask.index_select(0, prompt_of_row)
+    row_mask = torch.cat([lead, prompt_mask], dim=1).index_select(0, prompt_of_row)
     positions = row_mask.sum(-1, keepdim=True) + torch.arange(completion_ids.shape[1], device=completion_ids.device)[None, :]
     attention = torch.cat([row_mask, completion_mask], dim=1)
     h = decoder(input_ids=completion_ids, attention_mask=attention, position_ids=positions, past_key_values=cache,
@@ -241,19 +255,43 @@ def shared_prefix_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.T
     return head_logprobs(head, hidden, completion_ids, completion_mask.bool(), chunk_tokens, with_entropy)
 
 
+COMMON_PREFIX_MIN = 32  # shortest batch-wide common prefix worth its own decoder call
+
+
+def common_prefix_length(prompts: list[list[int]]) -> int:
+    """How many leading tokens all prompts share, leaving each at least one of its own (0 for one prompt)."""
+    if len(prompts) < 2:
+        return 0
+    first, limit = prompts[0], min(len(p) for p in prompts) - 1
+    n = 0
+    while n < limit and all(p[n] == first[n] for p in prompts[1:]):
+        n += 1
+    return n
+
+
 def shared_prefix_rows(model, prompts: list[list[int]], completions: list[list[int]], prompt_of_row: list[int],
-                       pad_id: int, width: int, device: str, chunk_tokens: int = 4096, with_entropy: bool = False
-                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       pad_id: int, width: int, device: str, chunk_tokens: int = 4096, with_entropy: bool = False,
+                       min_common: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`shared_prefix_logprobs` from token lists, laid out like whole right-padded rows: (N, width-1).
 
     Row i is prompts[prompt_of_row[i]] + completions[i]; its completion token j lands at position
     len(prompt) - 1 + j, the position that predicts it in a whole row (as `token_logprobs` returns
     it), 0 elsewhere. `width` is the whole rows' padded length (at least every len(prompt) + len(completion)).
+    When the prompts share at least `min_common` (default `COMMON_PREFIX_MIN`) leading tokens (R1's
+    system prompt and chat template), those run once for the whole batch (`common_ids`); below
+    that, the saved positions are not worth a third decoder call.
     """
-    p_max, c_max = max(len(p) for p in prompts), max(len(c) for c in completions)
+    n_common = common_prefix_length(prompts)
+    common = None
+    if n_common >= max(COMMON_PREFIX_MIN if min_common is None else min_common, 1):
+        common = torch.tensor([prompts[0][:n_common]], dtype=torch.long).to(device)
+        prompts_own = [p[n_common:] for p in prompts]
+    else:
+        prompts_own = prompts
+    p_max, c_max = max(len(p) for p in prompts_own), max(len(c) for c in completions)
     pids = torch.full((len(prompts), p_max), pad_id, dtype=torch.long)
     pmask = torch.zeros((len(prompts), p_max), dtype=torch.long)
-    for i, p in enumerate(prompts):  # left padded, as in generation
+    for i, p in enumerate(prompts_own):  # left padded, as in generation
         pids[i, p_max - len(p) :] = torch.tensor(p, dtype=torch.long)
         pmask[i, p_max - len(p) :] = 1
     cids = torch.full((len(completions), c_max), pad_id, dtype=torch.long)
@@ -263,7 +301,8 @@ def shared_prefix_rows(model, prompts: list[list[int]], completions: list[list[i
         cmask[i, : len(c)] = 1
     index = torch.tensor(prompt_of_row, dtype=torch.long)
     lp, ent = shared_prefix_logprobs(model, pids.to(device), pmask.to(device), cids.to(device), cmask.to(device),
-                                     index.to(device), chunk_tokens=chunk_tokens, with_entropy=with_entropy)  # (N, C)
+                                     index.to(device), chunk_tokens=chunk_tokens, with_entropy=with_entropy,
+                                     common_ids=common)  # (N, C)
     offsets = torch.tensor([len(prompts[k]) - 1 for k in prompt_of_row])
     cols = (offsets[:, None] + torch.arange(c_max)[None, :]).to(lp.device)  # distinct per row: scatter is exact
 

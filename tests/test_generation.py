@@ -1,6 +1,8 @@
 """The generation engine on the tiny model: shapes, order, determinism, finish reasons, stop
 strings, and log-probs that match generate()'s own logits."""
 
+import os
+
 import pytest
 import torch
 
@@ -155,3 +157,43 @@ def test_shared_prefix_samples_equal_num_return_sequences(backend, tiny_tokenize
     got = generate_shared_prefix(model, enc["input_ids"], enc["attention_mask"], 3, {**kwargs, "num_return_sequences": 3})
     assert got.shape[0] == 12
     assert got.tolist() == expected.tolist()
+
+
+@pytest.mark.parametrize("min_common", [4, 10_000])
+def test_batch_wide_common_prefix_samples_equal_num_return_sequences(backend, tiny_tokenizer, min_common):
+    """Prompts behind one shared system prompt: prefilling it once for the batch (rows re-laid as
+    common | padding | own tokens) draws the same samples as num_return_sequences=n from the same
+    seed, from the same logits; with a threshold above the shared length the per-prompt path runs, with the same samples."""
+    from stages.generation import generate_shared_prefix
+
+    model = backend.model
+    tiny_tokenizer.padding_side = "left"
+    system = {"role": "system", "content": "think first, answer after"}
+    texts = [tiny_tokenizer.apply_chat_template([system, *c], tokenize=False, add_generation_prompt=True) for c in CONVS]
+    enc = tiny_tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    kwargs = dict(do_sample=True, max_new_tokens=10, eos_token_id=tiny_tokenizer.eos_token_id,
+                  pad_token_id=tiny_tokenizer.pad_token_id, use_cache=True, temperature=1.0, top_k=0,
+                  output_logits=True, return_dict_in_generate=True)
+    calls = []
+    hook = model.get_decoder().register_forward_hook(lambda m, a, kw, o: calls.append(tuple(kw["input_ids"].shape)),
+                                                     with_kwargs=True)
+    torch.manual_seed(5)
+    expected = model.generate(**enc, num_return_sequences=3, **kwargs)
+    torch.manual_seed(5)
+    calls.clear()
+    try:
+        got = generate_shared_prefix(model, enc["input_ids"], enc["attention_mask"], 3,
+                                     {**kwargs, "num_return_sequences": 3}, min_common=min_common)
+    finally:
+        hook.remove()
+    width = enc["input_ids"].shape[1]
+    assert got.sequences[:, width:].tolist() == expected.sequences[:, width:].tolist()
+    # the tiny random model samples the same tokens from slightly wrong logits too: compare the logits
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(expected.logits), rtol=1e-5, atol=1e-5)
+    rows = [ids[m.bool()].tolist() for ids, m in zip(enc["input_ids"], enc["attention_mask"], strict=True)]
+    n_common = len(os.path.commonprefix(rows))
+    assert n_common >= 4
+    if min_common < 10_000:  # the common part once, one row; then each prompt's own tokens but its last
+        assert calls[:2] == [(1, n_common), (4, width - 1 - n_common)]
+    else:
+        assert calls[0] == (4, width - 1)

@@ -260,21 +260,27 @@ def test_minibatch_rows_keep_groups_whole_and_cover_every_row():
     assert [len(m) for m in grpo.minibatch_rows(12, 3, 5, False, g)] == [5, 5, 2]
 
 
-@pytest.mark.parametrize("beta", [0.0, 0.1])
-def test_prefix_sharing_trains_the_same_model(tmp_path, tiny_model_input, digit_prompts, beta):
+@pytest.mark.parametrize(("beta", "minibatch", "min_common"), [(0.0, 8, None), (0.1, 8, None), (0.0, 16, 1)],
+                         ids=["per-group", "per-group-kl", "batch-wide-common"])
+def test_prefix_sharing_trains_the_same_model(tmp_path, tiny_model_input, digit_prompts, beta, minibatch, min_common,
+                                              monkeypatch):
     """Same rollouts, same updates: the metrics and final weights of a run with prefix sharing equal
-    those of a run that computes every row whole, with and without a KL term. Each tensor's total
+    those of a run that computes every row whole, with and without a KL term, and with the prompts'
+    common part (10 chat-template tokens here) run once per two-group mini-batch and once per
+    generate() batch (`logprobs.COMMON_PREFIX_MIN` lowered to reach it). Each tensor's total
     update must agree to 0.1% of its norm. Not element by element: Adam divides each gradient element by
     its own magnitude, so an element whose gradient is ~1e-9 moves by up to lr on float rounding alone
     (measured: single elements up to 4.2e-5 apart, 1.4% of one step's lr of 3e-3, while every tensor's
     update agrees to 1.1e-4 of its norm; a misplaced prefix or position differs by whole percents).
     For the same reason the KL term, a function of the policy-reference weight difference, is
     compared through the weights it moves, not as a metric."""
-    from stages import models
+    from stages import logprobs, models
 
+    if min_common is not None:
+        monkeypatch.setattr(logprobs, "COMMON_PREFIX_MIN", min_common)
     runs = {}
     for sharing in (True, False):
-        cfg = short_is_better(steps=3, beta=beta, prefix_sharing=sharing, minibatch_size=8)
+        cfg = short_is_better(steps=3, beta=beta, prefix_sharing=sharing, minibatch_size=minibatch)
         ctx = LocalContext(tmp_path / f"run-{sharing}", seed=0)
         out = grpo.run(cfg, {"model": tiny_model_input, "prompts": digit_prompts}, ctx)["model"]
         curve = [(m["reward/mean"], m["train/loss"]) for step, m in ctx.metrics if step is not None and "train/loss" in m]

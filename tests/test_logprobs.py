@@ -167,3 +167,54 @@ def test_head_logprobs_chunk_0_is_one_chunk(fused):
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
     (got * grad).sum().backward()
     torch.testing.assert_close(hidden.grad, ref_grad, rtol=1e-5, atol=1e-6)
+
+
+def test_common_prefix_length_leaves_every_prompt_a_token_of_its_own():
+    from stages.logprobs import common_prefix_length
+
+    assert common_prefix_length([[1, 2, 3, 4], [1, 2, 3, 5, 6], [1, 2, 9]]) == 2
+    assert common_prefix_length([[1, 2, 3], [1, 2, 3, 4]]) == 2  # the shorter prompt keeps its last token
+    assert common_prefix_length([[1, 2, 3], [1, 2, 3]]) == 2
+    assert common_prefix_length([[7, 2], [1, 2]]) == 0
+    assert common_prefix_length([[1, 2, 3]]) == 0  # one prompt: nothing to share across the batch
+
+
+@pytest.mark.parametrize("lora_r", [0, 4])
+def test_batch_wide_common_prefix_gives_the_same_logprobs_and_gradients(tiny_tokenizer, lora_r):
+    """Three prompts that start with the same 6 tokens and then differ in length (one is the common part
+    plus a single token), one of them continued twice; completions of different lengths, one empty.
+    Running the common part once for the batch (three decoder calls) gives the log-probs, entropies and
+    parameter gradients of whole prompt+completion rows, and so does the path without it (two calls)."""
+    from schemas.configs import LoraSpec
+    from stages import grpo
+    from stages.logprobs import shared_prefix_rows
+
+    model = models.apply_lora(models.build_tiny_model(tiny_tokenizer, seed=2), LoraSpec(r=lora_r)).train()
+    common = [5, 6, 7, 8, 9, 10]
+    prompts = [common + [11, 12, 13], common + [14], common + [15, 16, 17, 18, 19]]
+    prompt_of_row = [0, 0, 1, 2]
+    comps = [[20, 21, 22], [23], [], [24, 25, 26, 27]]
+    batch = grpo.build_batch([prompts[k] for k in prompt_of_row], comps, pad_id=0, keep=[True] * 4)
+    width, mask = batch["input_ids"].shape[1], batch["loss_mask"]
+    ref, ref_ent = token_logprobs(model, batch["input_ids"], batch["attention_mask"], with_entropy=True)
+    (ref * mask).sum().backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    calls = []
+    hook = model.get_decoder().register_forward_hook(lambda m, a, k: calls.append(1), with_kwargs=False)
+    try:
+        for min_common, n_calls in ((4, 3), (7, 2)):  # 6 shared tokens: used at min 4, not at min 7
+            model.zero_grad()
+            calls.clear()
+            got, ent = shared_prefix_rows(model, prompts, comps, prompt_of_row, pad_id=0, width=width, device="cpu",
+                                          with_entropy=True, min_common=min_common)
+            assert len(calls) == n_calls
+            assert got.shape == mask.shape and (got[mask == 0] == 0).all()
+            torch.testing.assert_close(got[mask > 0], ref[mask > 0], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(ent[mask > 0], ref_ent[mask > 0], rtol=1e-5, atol=1e-5)
+            (got * mask).sum().backward()
+            for name, p in model.named_parameters():
+                if p.requires_grad:
+                    torch.testing.assert_close(p.grad, ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    finally:
+        hook.remove()
