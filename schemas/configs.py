@@ -78,9 +78,8 @@ class ResourcesSpec(Strict):
         "ddp", description="ddp: every process holds the whole model; gradients are all-reduced once per optimizer "
         "step. fsdp: the model is sharded (torch FSDP2 fully_shard per decoder layer, ZeRO-3 style: parameters, "
         "gradients and optimizer state split across the processes), for models that do not fit one device; the "
-        "same updates as ddp. Supported by sft, reward_model, preference_optimization, grpo (which samples from an "
-        "unsharded copy per process, refreshed before each rollout) and distill (traces, logits); not by distill "
-        "on_policy. DeepSpeed is not supported."
+        "same updates as ddp. Supported by every training stage; grpo and distill on_policy sample from an unsharded "
+        "copy per process, refreshed from the shards before each rollout. DeepSpeed is not supported."
     )
     backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="torch.distributed backend; auto: nccl when every process gets a CUDA device, else gloo."
@@ -493,13 +492,10 @@ class DistillConfig(TrainingConfig):
     checkpoint_every: int = Field(25, ge=1, description="Save a resumable checkpoint every N steps.")
 
     @model_validator(mode="after")
-    def _fsdp_modes(self) -> DistillConfig:
+    def _on_policy_backend(self) -> DistillConfig:
         if self.mode == "on_policy" and self.generation.backend == "vllm":
             raise ValueError("distill.mode=on_policy samples with the student being trained, which the vllm backend "
                              "does not support: use generation.backend=transformers")
-        if self.mode == "on_policy" and self.resources.distributed_type == "fsdp":
-            raise ValueError("distill.mode=on_policy does not support resources.distributed_type=fsdp (the student "
-                             "generates while it trains): use ddp, or mode traces / logits")
         return self
 
 

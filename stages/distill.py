@@ -31,11 +31,15 @@ Departures, on purpose:
 - on N processes each process takes 1/N of every micro-batch and divides by the step's global
   token count (gradients summed, `stages.distributed`); on_policy splits the step's student
   prompts among the processes (rank r samples with seed base + r) and gathers the samples, so
-  every rank sees the whole step. The held-out NLL and saving run on rank 0.
+  every rank sees the whole step. The held-out NLL and saving run on rank 0. Under fsdp the student
+  samples through an unsharded copy on every rank (`Dist.copy_weights` refreshes it from the shards
+  before each step's sampling): the sharding saves the gradients' and optimizer's memory, not the
+  sampling copy's.
 """
 
 from __future__ import annotations
 
+import copy
 import gc
 import json
 import time
@@ -272,6 +276,9 @@ def run(cfg: DistillConfig, inputs: dict[str, Input], ctx: StageContext) -> dict
                     "shared_tokenizer": shared})
     ctx.log_metrics(params)
 
+    samples = cfg.mode == "on_policy" and cfg.teacher_fraction < 1
+    # fsdp: the student samples through an unsharded copy on every rank, refreshed before each step's sampling
+    sampler = copy.deepcopy(student).requires_grad_(False).to(ctx.device) if dist.sharded and samples else None
     student = dist.prepare(student, ctx)  # sharded across the processes under fsdp
     trainable = [p for p in student.parameters() if p.requires_grad]
     optimizer = make_optimizer(trainable, cfg.learning_rate, cfg.weight_decay)
@@ -310,7 +317,9 @@ def run(cfg: DistillConfig, inputs: dict[str, Input], ctx: StageContext) -> dict
             picked = np.random.default_rng([ctx.seed, step, 2]).choice(len(prompts), total - n_teacher,
                                                                       replace=len(prompts) < total - n_teacher)
             convs = dist.part([prompts[i]["messages"] for i in picked])  # N processes: each samples a part
-            comps, stats = generate(student, tokenizer, convs, cfg.generation, n=1,
+            if sampler is not None:
+                dist.copy_weights(student, sampler)  # a collective: every rank, every step
+            comps, stats = generate(sampler if sampler is not None else student, tokenizer, convs, cfg.generation, n=1,
                                     seed=ctx.seed * 1_000_003 + step * dist.world + dist.rank, progress=False)
             texts = render_prompts(tokenizer, convs, cfg.generation.prefill)  # a prefill is prompt: not trained
             prompt_ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]

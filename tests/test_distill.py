@@ -343,3 +343,38 @@ def test_logits_mode_sharded_on_two_processes_follows_the_single_process_run(wor
         assert out2.metrics[key] == pytest.approx(out1.metrics[key], rel=1e-4), key
     w1, w2 = (load_file(o.path / "model" / "model.safetensors") for o in (out1, out2))
     assert w1.keys() == w2.keys() and all(torch.allclose(w1[k], w2[k], rtol=1e-3, atol=1e-5) for k in w1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lora_r", [0, 4])
+def test_on_policy_sharded_on_two_processes_follows_the_ddp_run(world, lora_r):
+    """on_policy under fsdp: each process samples its part of the step's prompts through an unsharded
+    copy refreshed from the shards before the step, and trains its shard. With the same ranks and
+    seeds as ddp the samples are the same (lengths, student/teacher mix), and so are the loss curve,
+    the held-out NLL and the saved student (full fine-tuning, and a LoRA adapter)."""
+    from safetensors.torch import load_file
+
+    from schemas.configs import ResourcesSpec
+    from stages import launch
+
+    cfg = distill_cfg(mode="on_policy", max_steps=3, batch_size=4, grad_accum=1, teacher_fraction=0.25,
+                      divergence="reverse", lora=LoraSpec(r=lora_r, alpha=8), learning_rate=3e-3)
+    runs = {}
+    for kind in ("ddp", "fsdp"):
+        ctx = LocalContext(world.root / f"d-on-policy-{kind}-{lora_r}")
+        resources = ResourcesSpec(num_processes=2, distributed_type=kind)
+        out = launch.run_stage(distill, cfg.model_copy(update={"resources": resources}), inputs(world), ctx)["model"]
+        steps = [m for s, m in ctx.metrics if s is not None and "train/loss" in m]
+        runs[kind] = (out, steps)
+    (out1, steps1), (out2, steps2) = runs["ddp"], runs["fsdp"]
+    assert len(steps1) == 3 and all(m["train/student_sequences"] == 3 for m in steps1)
+    for key in ("train/sample_length", "train/teacher_sequences"):
+        assert [m[key] for m in steps2] == [m[key] for m in steps1], key  # the same samples
+    assert [m["train/loss"] for m in steps2] == pytest.approx([m["train/loss"] for m in steps1], rel=1e-4, abs=1e-6)
+    assert out2.metrics["heldout_nll_after"] == pytest.approx(out1.metrics["heldout_nll_after"], rel=1e-4)
+    assert out2.metrics["heldout_nll_after"] != pytest.approx(out2.metrics["heldout_nll_before"], rel=1e-4)  # trained
+    name = "adapter_model.safetensors" if lora_r else "model.safetensors"
+    w1, w2 = (load_file(o.path / "model" / name) for o in (out1, out2))
+    assert w1.keys() == w2.keys() and w1
+    for key in w1:
+        torch.testing.assert_close(w2[key], w1[key], rtol=1e-3, atol=1e-5)

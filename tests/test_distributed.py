@@ -439,12 +439,12 @@ def test_the_pipeline_publishes_and_tracks_a_launched_stage(tmp_path, tiny_model
 FSDP2 = ResourcesSpec(num_processes=2, distributed_type="fsdp")
 
 
-def test_fsdp_is_refused_where_the_trained_model_generates():
+def test_fsdp_is_accepted_where_the_trained_model_generates():
+    """GRPO and on-policy distillation sample through an unsharded copy under fsdp."""
     from schemas.configs import DistillConfig
 
-    assert GRPOConfig(prompts_per_step=4, resources=FSDP2).resources.distributed_type == "fsdp"  # a sampling copy
-    with pytest.raises(ValueError, match="on_policy does not support"):
-        DistillConfig(mode="on_policy", batch_size=4, resources=FSDP2)
+    assert GRPOConfig(prompts_per_step=4, resources=FSDP2).resources.distributed_type == "fsdp"
+    assert DistillConfig(mode="on_policy", batch_size=4, resources=FSDP2).resources.distributed_type == "fsdp"
     assert DistillConfig(mode="logits", batch_size=4, resources=FSDP2).resources.distributed_type == "fsdp"
 
 
