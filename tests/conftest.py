@@ -58,6 +58,20 @@ def tiny_model(tiny_tokenizer):
     return build_tiny_model(tiny_tokenizer, seed=0)
 
 
+def assert_matches_whole_rows(model, got, ent, ref, ref_ent, mask, ref_grads) -> None:
+    """Shared-prefix log-probs and entropies equal the whole rows' at the scored positions (0 elsewhere),
+    and backpropagating their masked sum gives the whole rows' parameter gradients (`ref_grads`)."""
+    import torch
+
+    assert got.shape == mask.shape and (got[mask == 0] == 0).all() and (ent[mask == 0] == 0).all()
+    torch.testing.assert_close(got[mask > 0], ref[mask > 0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent[mask > 0], ref_ent[mask > 0], rtol=1e-5, atol=1e-5)
+    (got * mask).sum().backward()
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(p.grad, ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
 def fake_input(path: Path, kind: str, schema: str, rows: int | None = None):
     """An Input for a directory laid out like an artifact, without a store."""
     from schemas.artifacts import Manifest, Producer

@@ -8,7 +8,7 @@ from schemas.configs import GenerationSpec, GRPOConfig, LoraSpec, RewardSpec
 from schemas.datasets import from_rows
 from stages import grpo
 from stages.base import LocalContext, write_dataset
-from tests.conftest import fake_input
+from tests.conftest import assert_matches_whole_rows, fake_input
 
 
 def test_build_batch_masks_exactly_the_completion_predictions():
@@ -239,13 +239,7 @@ def test_shared_prefix_logprobs_equal_whole_rows_in_value_and_gradient(tiny_toke
     assert logprobs.can_share_prefix(model)
     got, ent = grpo.shared_prefix_logprobs(model, prompts, comps, 3, pad_id=0, width=width, device="cpu",
                                            with_entropy=True)
-    assert got.shape == mask.shape and (got[mask == 0] == 0).all() and (ent[mask == 0] == 0).all()
-    torch.testing.assert_close(got[mask > 0], ref[mask > 0], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(ent[mask > 0], ref_ent[mask > 0], rtol=1e-5, atol=1e-5)
-    (got * mask).sum().backward()
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            torch.testing.assert_close(p.grad, ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert_matches_whole_rows(model, got, ent, ref, ref_ent, mask, ref_grads)
 
 
 def test_minibatch_rows_keep_groups_whole_and_cover_every_row():

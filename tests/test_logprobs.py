@@ -6,6 +6,7 @@ import torch
 from stages import models
 from stages.logprobs import head_logprobs, linear_logprobs, token_logprobs
 from stages.sft import IGNORE, masked_token_loss
+from tests.conftest import assert_matches_whole_rows
 
 
 @pytest.fixture()
@@ -209,12 +210,6 @@ def test_batch_wide_common_prefix_gives_the_same_logprobs_and_gradients(tiny_tok
             got, ent = shared_prefix_rows(model, prompts, comps, prompt_of_row, pad_id=0, width=width, device="cpu",
                                           with_entropy=True, min_common=min_common)
             assert len(calls) == n_calls
-            assert got.shape == mask.shape and (got[mask == 0] == 0).all()
-            torch.testing.assert_close(got[mask > 0], ref[mask > 0], rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(ent[mask > 0], ref_ent[mask > 0], rtol=1e-5, atol=1e-5)
-            (got * mask).sum().backward()
-            for name, p in model.named_parameters():
-                if p.requires_grad:
-                    torch.testing.assert_close(p.grad, ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+            assert_matches_whole_rows(model, got, ent, ref, ref_ent, mask, ref_grads)
     finally:
         hook.remove()
