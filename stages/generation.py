@@ -26,7 +26,6 @@ from tqdm.auto import tqdm
 from schemas.configs import GenerationSpec
 from schemas.errors import ModelError
 from stages import logprobs
-from stages.logprobs import common_prefix_length
 
 
 @dataclass(frozen=True)
@@ -110,19 +109,21 @@ def generate_shared_prefix(model, input_ids: torch.Tensor, attention_mask: torch
     and the new tokens run per sample. The rows and the sampling RNG are laid out exactly as
     `num_return_sequences=n` lays them out, so the samples are the same (up to float rounding).
 
-    When the B prompts start with at least `min_common` (default `logprobs.COMMON_PREFIX_MIN`) of the same tokens (a system prompt and chat
-    template), those are prefilled once for the batch and each row is laid out [common | padding |
-    own tokens] instead of left padded: same width, positions from the attention mask as before.
-    Only the prompt part of the returned rows differs in layout; the new tokens follow at the same column.
+    When the B prompts start with at least `min_common` (default `logprobs.COMMON_PREFIX_MIN`) of
+    the same tokens (a system prompt and chat template), those are prefilled once for the batch and
+    each row is laid out [common | padding | own tokens] instead of left padded: same width,
+    positions from the attention mask as before. Only the prompt part of the returned rows differs
+    in layout; the new tokens follow at the same column.
     """
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     prefill = decoder if decoder is not None else model
     cache, start = None, 0
     if decoder is not None and input_ids.shape[0] > 1:
         rows = [ids[m.bool()].tolist() for ids, m in zip(input_ids, attention_mask, strict=True)]
-        n_common = common_prefix_length(rows)
+        n_common = logprobs.common_prefix_length(rows)
         if n_common >= max(logprobs.COMMON_PREFIX_MIN if min_common is None else min_common, 1):
-            input_ids, attention_mask = _common_first(input_ids, attention_mask, n_common, kwargs.get("pad_token_id") or 0)
+            pad_id = kwargs.get("pad_token_id") or 0
+            input_ids, attention_mask = _common_first(input_ids, attention_mask, n_common, pad_id)
             common = input_ids[:1, :n_common]
             cache = prefill(input_ids=common, attention_mask=torch.ones_like(common),
                             position_ids=torch.arange(n_common, device=common.device)[None, :], use_cache=True
