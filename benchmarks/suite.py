@@ -250,11 +250,17 @@ def repeat_ratios(task: str, ours: dict | None, theirs: dict | None) -> list[flo
     for a, b in zip(ours["repeats"], theirs["repeats"], strict=False):
         if a is None or b is None:  # a failed run: its repeat has no ratio
             continue
-        sa, sb = summarize(task, a), summarize(task, b)
-        x = ratio(sa["rate"], sb["rate"], True) if task in ("sft", "dpo") else ratio(sa["total"], sb["total"], False)
+        x = speed_ratio(task, summarize(task, a), summarize(task, b))
         if x is not None:
             out.append(x)
     return out
+
+
+def speed_ratio(task: str, ours: dict | None, theirs: dict | None) -> float | None:
+    """How many times faster r1flow is, from two `summarize` results: tokens or pairs per second for
+    sft/dpo, the step time for grpo."""
+    key, higher_is_better = ("rate", True) if task in ("sft", "dpo") else ("total", False)
+    return ratio(ours and ours[key], theirs and theirs[key], higher_is_better)
 
 
 def ratio(ours: float | None, theirs: float | None, higher_is_better: bool) -> float | None:
@@ -311,11 +317,11 @@ def report(name: str, device: str, shape: Shape, res: dict, command: str, info: 
         a, b = s[(task, "r1flow")], s[(task, "trl")]
         if a is None and b is None:
             continue
-        x = ratio(a and a["rate"], b and b["rate"], True)
+        x = speed_ratio(task, a, b)
         line(label, num(a and a["rate"]), num(b and b["rate"]), x, verdict(kind, task, x) + spread(task))
     a, b = s[("grpo", "r1flow")], s[("grpo", "trl")]
     if a is not None or b is not None:
-        x = ratio(a and a["total"], b and b["total"], False)
+        x = speed_ratio("grpo", a, b)
         line("GRPO step", num(a and a["total"], "{:.2f} s"), num(b and b["total"], "{:.2f} s"), x,
              verdict(kind, "grpo", x) + spread("grpo"))
         for part in ("generation", "scoring", "training"):
