@@ -120,8 +120,8 @@ def generate_shared_prefix(model, input_ids: torch.Tensor, attention_mask: torch
     cache, start = None, 0
     if decoder is not None and input_ids.shape[0] > 1:
         rows = [ids[m.bool()].tolist() for ids, m in zip(input_ids, attention_mask, strict=True)]
-        n_common = logprobs.common_prefix_length(rows)
-        if n_common >= max(logprobs.COMMON_PREFIX_MIN if min_common is None else min_common, 1):
+        n_common = logprobs.common_prefix_length(rows, min_common)
+        if n_common:
             pad_id = kwargs.get("pad_token_id") or 0
             input_ids, attention_mask = _common_first(input_ids, attention_mask, n_common, pad_id)
             common = input_ids[:1, :n_common]

@@ -258,15 +258,17 @@ def shared_prefix_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.T
 COMMON_PREFIX_MIN = 32  # shortest batch-wide common prefix worth its own decoder call
 
 
-def common_prefix_length(prompts: list[list[int]]) -> int:
-    """How many leading tokens all prompts share, leaving each at least one of its own (0 for one prompt)."""
+def common_prefix_length(prompts: list[list[int]], min_common: int | None = None) -> int:
+    """How many leading tokens all prompts share, leaving each at least one of its own; 0 for one
+    prompt, or when they share fewer than `min_common` (default `COMMON_PREFIX_MIN`): too few to be
+    worth a decoder call of their own."""
     if len(prompts) < 2:
         return 0
     first, limit = prompts[0], min(len(p) for p in prompts) - 1
     n = 0
     while n < limit and all(p[n] == first[n] for p in prompts[1:]):
         n += 1
-    return n
+    return n if n >= max(COMMON_PREFIX_MIN if min_common is None else min_common, 1) else 0
 
 
 def shared_prefix_rows(model, prompts: list[list[int]], completions: list[list[int]], prompt_of_row: list[int],
@@ -281,9 +283,9 @@ def shared_prefix_rows(model, prompts: list[list[int]], completions: list[list[i
     system prompt and chat template), those run once for the whole batch (`common_ids`); below
     that, the saved positions are not worth a third decoder call.
     """
-    n_common = common_prefix_length(prompts)
+    n_common = common_prefix_length(prompts, min_common)
     common = None
-    if n_common >= max(COMMON_PREFIX_MIN if min_common is None else min_common, 1):
+    if n_common:
         common = torch.tensor([prompts[0][:n_common]], dtype=torch.long).to(device)
         prompts_own = [p[n_common:] for p in prompts]
     else:

@@ -173,11 +173,14 @@ def test_head_logprobs_chunk_0_is_one_chunk(fused):
 def test_common_prefix_length_leaves_every_prompt_a_token_of_its_own():
     from stages.logprobs import common_prefix_length
 
-    assert common_prefix_length([[1, 2, 3, 4], [1, 2, 3, 5, 6], [1, 2, 9]]) == 2
-    assert common_prefix_length([[1, 2, 3], [1, 2, 3, 4]]) == 2  # the shorter prompt keeps its last token
-    assert common_prefix_length([[1, 2, 3], [1, 2, 3]]) == 2
-    assert common_prefix_length([[7, 2], [1, 2]]) == 0
-    assert common_prefix_length([[1, 2, 3]]) == 0  # one prompt: nothing to share across the batch
+    assert common_prefix_length([[1, 2, 3, 4], [1, 2, 3, 5, 6], [1, 2, 9]], min_common=1) == 2
+    assert common_prefix_length([[1, 2, 3], [1, 2, 3, 4]], min_common=1) == 2  # the shorter prompt keeps its last token
+    assert common_prefix_length([[1, 2, 3], [1, 2, 3]], min_common=1) == 2
+    assert common_prefix_length([[7, 2], [1, 2]], min_common=1) == 0
+    assert common_prefix_length([[1, 2, 3]], min_common=1) == 0  # one prompt: nothing to share across the batch
+    assert common_prefix_length([[1, 2, 3, 4], [1, 2, 3, 5]], min_common=4) == 0  # 3 shared: under the minimum
+    assert common_prefix_length([[1] * 40 + [2], [1] * 40 + [3]]) == 40  # the default minimum, 32
+    assert common_prefix_length([[1] * 20 + [2], [1] * 20 + [3]]) == 0
 
 
 @pytest.mark.parametrize("lora_r", [0, 4])
