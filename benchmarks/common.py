@@ -108,6 +108,7 @@ class PeakMemory:
 def warm_imports() -> None:
     """Import what either side would otherwise import lazily inside the window (model classes, the
     optimizer, safetensors, parquet), so module import memory is not counted as training memory."""
+    import pyarrow.dataset  # noqa: F401  (pq.read_table imports it on first use, and it imports pandas)
     import pyarrow.parquet  # noqa: F401
     import safetensors.torch  # noqa: F401
     import torch.optim  # noqa: F401
