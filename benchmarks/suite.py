@@ -306,8 +306,8 @@ def report(name: str, device: str, shape: Shape, res: dict, command: str, info: 
         lines.append(f"- {kind} {name} {label}: r1flow {ours.strip()}, TRL {theirs.strip()}, ratio {fmt_ratio(x)}"
                      f"{extra} (device: {where}; r1flow {info.get('code')}; command: {command})")
 
-    def num(v, f="{:.1f}"):
-        return "failed" if v is None else f.format(v)
+    def num(v, f=None):  # rates: three decimals below 10 (SmolLM2 DPO on CPU is ~0.3 pairs/s)
+        return "failed" if v is None else (f or ("{:.3f}" if abs(v) < 10 else "{:.1f}")).format(v)
 
     def spread(task: str) -> str:
         xs = repeat_ratios(task, res.get((task, "r1flow")), res.get((task, "trl")))
