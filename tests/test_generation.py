@@ -197,3 +197,111 @@ def test_batch_wide_common_prefix_samples_equal_num_return_sequences(backend, ti
         assert calls[:2] == [(1, n_common), (4, width - 1 - n_common)]
     else:
         assert calls[0] == (4, width - 1)
+
+
+def _frequencies(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
+    return torch.bincount(tokens.flatten(), minlength=vocab).double() / tokens.numel()
+
+
+def test_inverse_cdf_sampler_draws_the_softmax_distribution():
+    """probs [1/2, 1/4, 1/8, 1/8, 0] (logits log p, -inf for the last): 200,000 draws land within
+    5 standard errors of each probability, the -inf token is never drawn, and every returned row
+    is 0 at one token and -inf elsewhere (what generate's argmax needs)."""
+    from stages.generation import InverseCdfSampler
+
+    probs = torch.tensor([0.5, 0.25, 0.125, 0.125, 0.0])
+    n = 200_000
+    torch.manual_seed(0)
+    out = InverseCdfSampler()(torch.zeros(n, 1, dtype=torch.long), probs.log().expand(n, -1).clone())
+    assert ((out == 0).sum(-1) == 1).all() and torch.isinf(out).sum() == n * 4
+    freq = _frequencies(out.argmax(-1), 5)
+    se = (probs * (1 - probs) / n).sqrt().double()
+    assert freq[4] == 0
+    assert ((freq - probs.double()).abs() <= 5 * se + 1e-12).all(), freq
+
+
+def test_sampling_processors_apply_temperature_top_k_top_p_before_the_draw():
+    """logits [2, 1, 0, -1]. top_k=2: softmax([2, 1]) = [0.7311, 0.2689]. temperature 0.5:
+    softmax([4, 2, 0, -2]) = [0.8650, 0.1171, 0.0158, 0.0021]. top_p=0.8 at temperature 1: the
+    sorted probs [0.6439, 0.2369, 0.0871, 0.0321] keep the first two, renormalised [0.7311, 0.2689]."""
+    from stages.generation import sampling_processors
+
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
+    cases = [((1.0, 2, 1.0), [0.7311, 0.2689, 0.0, 0.0]),
+             ((0.5, 0, 1.0), [0.8650, 0.1171, 0.0158, 0.0021]),
+             ((1.0, 0, 0.8), [0.7311, 0.2689, 0.0, 0.0])]
+    n = 200_000
+    for (temperature, top_k, top_p), expected in cases:
+        torch.manual_seed(1)
+        out = sampling_processors(temperature, top_k, top_p)(torch.zeros(n, 1, dtype=torch.long),
+                                                             logits.expand(n, -1).clone())
+        freq, p = _frequencies(out.argmax(-1), 4), torch.tensor(expected, dtype=torch.float64)
+        assert (freq[p == 0] == 0).all(), (temperature, top_k, top_p, freq)
+        assert ((freq - p).abs() <= 5 * (p * (1 - p) / n).sqrt() + 1e-4).all(), (temperature, top_k, top_p, freq)
+
+
+def test_backend_samples_the_models_next_token_distribution(backend, tiny_tokenizer):
+    """20,000 one-token samples of one prompt at temperature 0.5 follow softmax(logits / 0.5) of the
+    model's last prompt position: every token within 5 standard errors, and Pearson's chi-square
+    over the 136 tokens below df + 5 sd (135 + 5 * sqrt(270) = 217), while against temperature 1's
+    distribution it is above that (the test can tell the two apart)."""
+    from stages.generation import render_prompts
+
+    n = 20_000
+    out, _ = backend.generate([CONVS[2]], GenerationSpec(max_new_tokens=1, temperature=0.5), n=n, seed=3,
+                              progress=False)
+    drawn = torch.tensor([c.token_ids[0] for c in out[0]])
+    ids = tiny_tokenizer(render_prompts(tiny_tokenizer, [CONVS[2]]), return_tensors="pt",
+                         add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        p = torch.softmax(backend.model(input_ids=ids).logits[0, -1].double() / 0.5, -1)
+    freq = _frequencies(drawn, p.numel())
+    assert ((freq - p).abs() <= 5 * (p * (1 - p) / n).sqrt() + 1e-9).all()
+    df = p.numel() - 1
+    limit = df + 5 * (2 * df) ** 0.5
+
+    def chi2(q):
+        return (n * (freq - q) ** 2 / q).sum().item()
+
+    assert chi2(p) < limit
+    p1 = torch.softmax(torch.log(p) * 0.5, -1)  # logits / 1 instead of / 0.5 (log p = logits/0.5 + c)
+    assert chi2(p1) > limit
+
+
+def test_rows_first_linears_equal_f_linear_and_are_restored():
+    """Inside `rows_first_linears`, an fp32 CPU nn.Linear gives F.linear's values (to float rounding)
+    for 1, 2, 16, 64 and 65 rows, with and without bias, 2-D and 3-D input; with grad enabled it is
+    F.linear itself (autograd intact); a module whose forward is already replaced is left alone;
+    on exit every forward is the class's again."""
+    import types
+
+    from stages.generation import rows_first_linears
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Linear(40, 8, bias=False), torch.nn.Linear(8, 8))
+    hooked = model[2]
+    hooked.forward = types.MethodType(lambda self, x: x * 2, hooked)
+    with rows_first_linears(model), torch.no_grad():
+        assert "forward" in vars(model[0]) and hooked.forward(torch.ones(1)) == 2
+        for shape in [(1, 24), (2, 24), (16, 24), (64, 24), (65, 24), (4, 4, 24)]:
+            x = torch.randn(*shape)
+            for lin in model[:2]:
+                y = lin(x if lin.in_features == 24 else torch.randn(*shape[:-1], 40))
+                assert y.shape == (*shape[:-1], lin.out_features) and y.is_contiguous()
+            h = torch.randn(*shape[:-1], 40)
+            torch.testing.assert_close(model[1](h), torch.nn.functional.linear(h, model[1].weight))
+            torch.testing.assert_close(model[0](x), torch.nn.functional.linear(x, model[0].weight, model[0].bias))
+    with rows_first_linears(model):
+        x = torch.randn(16, 24, requires_grad=True)
+        model[0](x).sum().backward()
+        torch.testing.assert_close(x.grad, model[0].weight.sum(0).expand(16, -1))
+    assert "forward" not in vars(model[0]) and "forward" not in vars(model[1]) and "forward" in vars(hooked)
+
+
+def test_greedy_n_copies_without_the_shared_prefix_path(backend):
+    """n > 1 through generate() itself (static cache): n rows per prompt, as num_return_sequences laid them."""
+    spec = GenerationSpec(max_new_tokens=5, temperature=0.0, cache="static", batch_size=4)
+    out, stats = backend.generate(CONVS, spec, n=2, progress=False)
+    assert [len(c) for c in out] == [2, 2, 2, 2] and stats.completions == 8
+    single, _ = backend.generate(CONVS, GenerationSpec(max_new_tokens=5, temperature=0.0, batch_size=4), progress=False)
+    assert all(c[0].text == c[1].text == s[0].text for c, s in zip(out, single, strict=True))
