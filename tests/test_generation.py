@@ -305,3 +305,60 @@ def test_greedy_n_copies_without_the_shared_prefix_path(backend):
     assert [len(c) for c in out] == [2, 2, 2, 2] and stats.completions == 8
     single, _ = backend.generate(CONVS, GenerationSpec(max_new_tokens=5, temperature=0.0, batch_size=4), progress=False)
     assert all(c[0].text == c[1].text == s[0].text for c, s in zip(out, single, strict=True))
+
+
+def test_preallocated_layer_returns_what_dynamic_layer_returns():
+    """Against transformers' DynamicLayer fed the same states: after each update (one position, then
+    several past the buffer's capacity, so it grows), after a crop, and after a batch reorder, the
+    keys and values returned and held are equal, and get_seq_length agrees."""
+    from transformers.cache_utils import DynamicLayer
+
+    from stages.generation import PreallocatedLayer
+
+    torch.manual_seed(0)
+    k0, v0 = torch.randn(3, 2, 5, 4), torch.randn(3, 2, 5, 4)
+    ref = DynamicLayer()
+    ref.update(k0, v0)
+    pre = PreallocatedLayer(k0.clone(), v0.clone(), capacity=7)
+
+    def check(step):
+        assert pre.get_seq_length() == ref.get_seq_length(), step
+        torch.testing.assert_close(pre.keys, ref.keys, rtol=0, atol=0, msg=step)
+        torch.testing.assert_close(pre.values, ref.values, rtol=0, atol=0, msg=step)
+
+    for step, n in enumerate([1, 1, 3, 1]):  # 5 -> 6 -> 7 -> 10 (grows) -> 11
+        k, v = torch.randn(3, 2, n, 4), torch.randn(3, 2, n, 4)
+        out_p, out_r = pre.update(k, v), ref.update(k, v)
+        torch.testing.assert_close(out_p[0], out_r[0], rtol=0, atol=0)
+        check(step)
+    pre.crop(-2), ref.crop(-2)
+    check("crop")
+    k, v = torch.randn(3, 2, 1, 4), torch.randn(3, 2, 1, 4)
+    pre.update(k, v), ref.update(k, v)
+    check("after crop")
+    order = torch.tensor([2, 0, 1])
+    pre.reorder_cache(order), ref.reorder_cache(order)
+    k, v = torch.randn(3, 2, 2, 4), torch.randn(3, 2, 2, 4)
+    pre.update(k, v), ref.update(k, v)
+    check("after reorder")
+
+
+def test_generate_shared_prefix_preallocates_the_cache_on_cpu(backend, tiny_tokenizer, monkeypatch):
+    """The shared-prefix path decodes against PreallocatedLayers on CPU, and its samples equal those
+    it draws with transformers' plain DynamicLayers (preallocation switched off)."""
+    from stages import generation
+
+    spec = GenerationSpec(max_new_tokens=8, temperature=1.0, batch_size=4)
+    seen = []
+    real = generation.preallocate_cache
+
+    def spy(cache, new_tokens):
+        real(cache, new_tokens)
+        seen.append({type(layer).__name__ for layer in cache.layers})
+
+    monkeypatch.setattr(generation, "preallocate_cache", spy)
+    a, _ = backend.generate(CONVS, spec, n=3, seed=5, progress=False)
+    assert seen and all(s == {"PreallocatedLayer"} for s in seen)
+    monkeypatch.setattr(generation, "preallocate_cache", lambda cache, new_tokens: None)
+    b, _ = backend.generate(CONVS, spec, n=3, seed=5, progress=False)
+    assert [[c.token_ids for c in cs] for cs in a] == [[c.token_ids for c in cs] for cs in b]
