@@ -8,7 +8,8 @@ EOS and stop strings end a completion, each batch reseeded from (seed, batch ind
 not depend on what ran before. GRPO samples with the policy it trains, in place: no weight reload.
 Sampling is transformers' temperature / top-k / top-p warpers then an inverse-CDF draw
 (`InverseCdfSampler`) under generate's argmax; on CPU, fp32 linears over few rows run as W @ xᵀ
-(`rows_first_linears`). Both are there for decode speed on CPU.
+(`rows_first_linears`), and the shared-prefix decode writes into a preallocated KV cache
+(`PreallocatedLayer`). All three are there for decode speed on CPU.
 
 Per-token log-probs, when asked, come from a teacher-forced forward pass over prompt + completion
 with the same position ids generation used: log-probs of the sampled tokens under the model's own

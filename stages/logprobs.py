@@ -229,15 +229,17 @@ def shared_prefix_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.T
     cache rows are then [common | left padding | own tokens], the padding masked out.
     """
     decoder, head = model.get_decoder(), model.get_output_embeddings()
+    has_common = common_ids is not None and common_ids.shape[1] > 0
+    embeds = _embed_once(decoder, ([common_ids] if has_common else []) + [prompt_ids, completion_ids])
     cache, lead = None, prompt_mask[:, :0]
-    if common_ids is not None and common_ids.shape[1] > 0:
+    if has_common:
         n_common = common_ids.shape[1]
         positions = torch.arange(n_common, device=common_ids.device)[None, :]
-        cache = decoder(input_ids=common_ids, attention_mask=torch.ones_like(common_ids), position_ids=positions,
+        cache = decoder(inputs_embeds=embeds.pop(0), attention_mask=torch.ones_like(common_ids), position_ids=positions,
                         use_cache=True).past_key_values
         cache.batch_repeat_interleave(prompt_ids.shape[0])  # for autograd: the common part's gradient sums over prompts
         lead = prompt_mask.new_ones(prompt_ids.shape[0], n_common)
-    out = decoder(input_ids=prompt_ids, attention_mask=torch.cat([lead, prompt_mask], dim=1),
+    out = decoder(inputs_embeds=embeds[0], attention_mask=torch.cat([lead, prompt_mask], dim=1),
                   position_ids=lead.shape[1] + (prompt_mask.cumsum(-1) - 1).clamp(min=0), past_key_values=cache,
                   use_cache=True)
     last = out.last_hidden_state[:, -1, :].index_select(0, prompt_of_row)  # (N, H): predicts completion token 0
@@ -249,10 +251,19 @@ def shared_prefix_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.T
     row_mask = torch.cat([lead, prompt_mask], dim=1).index_select(0, prompt_of_row)
     positions = row_mask.sum(-1, keepdim=True) + torch.arange(completion_ids.shape[1], device=completion_ids.device)[None, :]
     attention = torch.cat([row_mask, completion_mask], dim=1)
-    h = decoder(input_ids=completion_ids, attention_mask=attention, position_ids=positions, past_key_values=cache,
+    h = decoder(inputs_embeds=embeds[1], attention_mask=attention, position_ids=positions, past_key_values=cache,
                 use_cache=True).last_hidden_state  # (K*G, C, H)
     hidden = torch.cat([last[:, None, :], h[:, :-1, :]], dim=1)  # position j predicts completion token j
     return head_logprobs(head, hidden, completion_ids, completion_mask.bool(), chunk_tokens, with_entropy)
+
+
+def _embed_once(decoder, id_tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Input embeddings of several id tensors from one lookup: the embedding's backward then runs
+    once, where one lookup per decoder call would zero and fill a whole (V, H) gradient per call
+    and sum them (113 MB each for SmolLM2). Same values as the decoder's own lookup (a model that
+    scales its embeddings does so in the embedding module or after it, on inputs_embeds too)."""
+    flat = decoder.get_input_embeddings()(torch.cat([t.reshape(-1) for t in id_tensors]))
+    return [e.view(*t.shape, -1) for e, t in zip(flat.split([t.numel() for t in id_tensors]), id_tensors, strict=True)]
 
 
 COMMON_PREFIX_MIN = 32  # shortest batch-wide common prefix worth its own decoder call
