@@ -203,16 +203,16 @@ def _frequencies(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
     return torch.bincount(tokens.flatten(), minlength=vocab).double() / tokens.numel()
 
 
-def test_inverse_cdf_sampler_draws_the_softmax_distribution():
+def test_block_race_sampler_draws_the_softmax_distribution():
     """probs [1/2, 1/4, 1/8, 1/8, 0] (logits log p, -inf for the last): 200,000 draws land within
     5 standard errors of each probability, the -inf token is never drawn, and every returned row
     is 0 at one token and -inf elsewhere (what generate's argmax needs)."""
-    from stages.generation import InverseCdfSampler
+    from stages.generation import BlockRaceSampler
 
     probs = torch.tensor([0.5, 0.25, 0.125, 0.125, 0.0])
     n = 200_000
     torch.manual_seed(0)
-    out = InverseCdfSampler()(torch.zeros(n, 1, dtype=torch.long), probs.log().expand(n, -1).clone())
+    out = BlockRaceSampler(block=2)(torch.zeros(n, 1, dtype=torch.long), probs.log().expand(n, -1).clone())
     assert ((out == 0).sum(-1) == 1).all() and torch.isinf(out).sum() == n * 4
     freq = _frequencies(out.argmax(-1), 5)
     se = (probs * (1 - probs) / n).sqrt().double()
