@@ -288,7 +288,7 @@ def test_prefix_sharing_trains_the_same_model(tmp_path, tiny_model_input, digit_
     torch.testing.assert_close(torch.tensor(curve_s), torch.tensor(curve_u), rtol=1e-4, atol=1e-5)
     initial = models.build_tiny_model(models.build_tiny_tokenizer(), seed=0).state_dict()
     moved = max(float((weights_u[k] - initial[k]).abs().max()) for k in weights_u)
-    assert moved > 3e-3  # more than one Adam step of lr 3e-3: the steps moved the weights
+    assert moved > 5e-3  # three steps of lr 3e-3 moved the weights
     for k in weights_u:
         update = (weights_u[k] - initial[k]).norm()
         assert update > 0, k
