@@ -269,19 +269,19 @@ def test_backend_samples_the_models_next_token_distribution(backend, tiny_tokeni
 
 
 def test_rows_first_linears_equal_f_linear_and_are_restored():
-    """Inside `rows_first_linears`, an fp32 CPU nn.Linear gives F.linear's values (to float rounding)
-    for 1, 2, 16, 64 and 65 rows, with and without bias, 2-D and 3-D input; with grad enabled it is
-    F.linear itself (autograd intact); a module whose forward is already replaced is left alone;
-    on exit every forward is the class's again."""
+    """Inside `rows_first_linears` (rule: every linear, 2..64 rows), an fp32 CPU nn.Linear gives
+    F.linear's values (to float rounding) for 1, 2, 16, 64 and 65 rows, with and without bias, 2-D
+    and 3-D input; with grad enabled it is F.linear itself (autograd intact); a module whose forward
+    is already replaced is left alone; on exit every forward is the class's again."""
     import types
 
-    from stages.generation import rows_first_linears
+    from stages.generation import RowsFirstRule, rows_first_linears
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Linear(40, 8, bias=False), torch.nn.Linear(8, 8))
     hooked = model[2]
     hooked.forward = types.MethodType(lambda self, x: x * 2, hooked)
-    with rows_first_linears(model), torch.no_grad():
+    with rows_first_linears(model, RowsFirstRule(2, 64)), torch.no_grad():
         assert "forward" in vars(model[0]) and hooked.forward(torch.ones(1)) == 2
         for shape in [(1, 24), (2, 24), (16, 24), (64, 24), (65, 24), (4, 4, 24)]:
             x = torch.randn(*shape)
@@ -291,11 +291,36 @@ def test_rows_first_linears_equal_f_linear_and_are_restored():
             h = torch.randn(*shape[:-1], 40)
             torch.testing.assert_close(model[1](h), torch.nn.functional.linear(h, model[1].weight))
             torch.testing.assert_close(model[0](x), torch.nn.functional.linear(x, model[0].weight, model[0].bias))
-    with rows_first_linears(model):
+    with rows_first_linears(model, RowsFirstRule(2, 64)):
         x = torch.randn(16, 24, requires_grad=True)
         model[0](x).sum().backward()
         torch.testing.assert_close(x.grad, model[0].weight.sum(0).expand(16, -1))
     assert "forward" not in vars(model[0]) and "forward" not in vars(model[1]) and "forward" in vars(hooked)
+
+
+def test_rows_first_rule_per_cpu_level(monkeypatch):
+    """The default rule follows torch's CPU kernel level: AVX2 every linear, AVX-512 only layers with
+    more inputs than outputs (and rows 12..48, where F.linear's values are still what comes out),
+    an unmeasured level (ARM, no AVX) none; rule=None changes nothing."""
+    from stages import generation
+    from stages.generation import rows_first_linears
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Linear(40, 8))
+    patched = {}
+    for level in ["AVX2", "AVX512", "DEFAULT", "SVE256"]:
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda level=level: level)
+        with rows_first_linears(model), torch.no_grad():
+            patched[level] = ["forward" in vars(m) for m in model]
+            for rows in [4, 12, 48, 49]:
+                h = torch.randn(rows, 40)
+                torch.testing.assert_close(model[1](h), torch.nn.functional.linear(h, model[1].weight, model[1].bias))
+        assert not any("forward" in vars(m) for m in model)
+    assert patched == {"AVX2": [True, True], "AVX512": [False, True], "DEFAULT": [False, False],
+                       "SVE256": [False, False]}
+    assert generation.default_rows_first_rule() is None  # SVE256 still patched in
+    with rows_first_linears(model, None):
+        assert not any("forward" in vars(m) for m in model)
 
 
 def test_greedy_n_copies_without_the_shared_prefix_path(backend):
