@@ -32,6 +32,8 @@ logit scale) take the plain path, as does `chunk_tokens=0`.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch.utils.checkpoint import checkpoint
 
@@ -209,8 +211,8 @@ def _decoder_hidden(model, decoder, input_ids: torch.Tensor, attention_mask: tor
 
 def shared_prefix_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
                            completion_mask: torch.Tensor, prompt_of_row: torch.Tensor, chunk_tokens: int = 4096,
-                           with_entropy: bool = False, common_ids: torch.Tensor | None = None
-                           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                           with_entropy: bool = False, common_ids: torch.Tensor | None = None,
+                           bucket_overhead: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs of completions that continue shared prompts, each prompt computed once.
 
     prompt_ids/prompt_mask: (K, P), left padded; completion_ids/completion_mask: (N, C), right
@@ -227,6 +229,11 @@ def shared_prefix_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.T
     common_ids (1, L), if given: tokens every prompt starts with, run once for all K prompts, which
     then hold only what follows them (a batch-wide system prompt and chat template). The prompts'
     cache rows are then [common | left padding | own tokens], the padding masked out.
+
+    Completions of different lengths run in length buckets (`length_buckets`): each bucket's rows
+    padded to the bucket's longest, not the batch's, where that saves more than `bucket_overhead`
+    token positions a bucket (default `default_bucket_overhead` for the device); the head runs only
+    on real completion tokens either way.
     """
     decoder, head = model.get_decoder(), model.get_output_embeddings()
     has_common = common_ids is not None and common_ids.shape[1] > 0
@@ -247,14 +254,84 @@ def shared_prefix_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.T
         empty = last.new_zeros(completion_ids.shape, dtype=torch.float32)
         return empty, empty if with_entropy else None
     cache = out.past_key_values
-    cache.batch_select_indices(prompt_of_row)  # (N, ...) for autograd: a prompt's gradient sums over its rows
     row_mask = torch.cat([lead, prompt_mask], dim=1).index_select(0, prompt_of_row)
     positions = row_mask.sum(-1, keepdim=True) + torch.arange(completion_ids.shape[1], device=completion_ids.device)[None, :]
-    attention = torch.cat([row_mask, completion_mask], dim=1)
-    h = decoder(inputs_embeds=embeds[1], attention_mask=attention, position_ids=positions, past_key_values=cache,
-                use_cache=True).last_hidden_state  # (K*G, C, H)
-    hidden = torch.cat([last[:, None, :], h[:, :-1, :]], dim=1)  # position j predicts completion token j
+    lengths = completion_mask.sum(-1).tolist()
+    buckets = length_buckets(lengths, default_bucket_overhead(completion_ids.device) if bucket_overhead is None
+                             else bucket_overhead)
+    parts, order = [], []
+    for rows in buckets:
+        width = max(1, max(lengths[i] for i in rows))  # columns past it are padding in every row of the bucket
+        if len(buckets) == 1:  # every row: the cache and tensors as they are
+            bucket_cache, index = cache, None
+        else:
+            bucket_cache, index = _cache_rows_copy(cache), torch.tensor(rows, device=completion_ids.device)
+
+        def sel(x: torch.Tensor, index: torch.Tensor | None = index) -> torch.Tensor:
+            return x if index is None else x.index_select(0, index)
+
+        bucket_cache.batch_select_indices(sel(prompt_of_row))  # for autograd: a prompt's gradient sums over its rows
+        h = decoder(inputs_embeds=sel(embeds[1])[:, :width], past_key_values=bucket_cache, use_cache=True,
+                    attention_mask=torch.cat([sel(row_mask), sel(completion_mask)[:, :width]], dim=1),
+                    position_ids=sel(positions)[:, :width]).last_hidden_state  # (n, width, H)
+        hidden = torch.cat([sel(last)[:, None, :], h[:, :-1, :]], dim=1)  # position j predicts completion token j
+        parts.append(torch.nn.functional.pad(hidden, (0, 0, 0, completion_ids.shape[1] - width)))
+        order.extend(rows)
+    hidden = parts[0] if len(parts) == 1 else torch.cat(parts).index_select(
+        0, torch.tensor(order, device=completion_ids.device).argsort())  # back to the input's row order
     return head_logprobs(head, hidden, completion_ids, completion_mask.bool(), chunk_tokens, with_entropy)
+
+
+# Token positions a separate completion bucket must save to be worth its own decoder call (forward and
+# backward) and its own gather of the prompts' cache rows. CPU, measured (benchmarks/completion_buckets.py,
+# SmolLM2, 2 threads): each extra bucket costs about as much as 36 positions; 16 completions of 25-124
+# tokens run 8.0 s -> 5.4 s a forward + backward in 4 buckets at 64 or 3 at 128. CUDA, not measured (no GPU
+# lent): estimated from the issue's H100 numbers (a 128 x 176-token step in 0.18 s, ~8 us a position) and
+# ~4 ms of kernel launches for a decoder call's forward and backward.
+BUCKET_OVERHEAD_CPU = 64
+BUCKET_OVERHEAD_CUDA = 512
+
+
+def default_bucket_overhead(device: torch.device | str) -> int:
+    return BUCKET_OVERHEAD_CUDA if torch.device(device).type == "cuda" else BUCKET_OVERHEAD_CPU
+
+
+def length_buckets(lengths: list[int], overhead: int) -> list[list[int]]:
+    """Rows grouped so that each group runs padded to its own longest row: the grouping by length
+    that minimises padded positions + `overhead` per group (exact: dynamic programming over the
+    distinct lengths, shortest first; rows of equal length always share a group). Each group lists
+    its rows in input order, groups go from shorter to longer; one group `[0, ..., n-1]` when
+    splitting saves no more than the overheads it adds."""
+    if not lengths:
+        return []
+    values = sorted(set(lengths))
+    counts = [0] * len(values)
+    slot = {v: k for k, v in enumerate(values)}
+    for n in lengths:
+        counts[slot[n]] += 1
+    rows_upto = [0]
+    for c in counts:
+        rows_upto.append(rows_upto[-1] + c)
+    m = len(values)
+    best, cut = [0] + [None] * m, [0] * (m + 1)
+    for j in range(1, m + 1):  # best[j]: the rows of the j shortest lengths; the last group values[i:j], padded to values[j-1]
+        for i in range(j):
+            c = best[i] + (rows_upto[j] - rows_upto[i]) * values[j - 1] + overhead
+            if best[j] is None or c < best[j]:
+                best[j], cut[j] = c, i
+    bounds, j = [], m
+    while j > 0:
+        bounds.append((values[cut[j]], values[j - 1]))
+        j = cut[j]
+    return [[r for r, n in enumerate(lengths) if lo <= n <= hi] for lo, hi in reversed(bounds)]
+
+
+def _cache_rows_copy(cache):
+    """A copy of a KV cache object whose layers can be re-indexed or extended without touching the
+    original's (they share the tensors until then: `batch_select_indices` and `update` reassign)."""
+    twin = copy.copy(cache)
+    twin.layers = [copy.copy(layer) for layer in cache.layers]
+    return twin
 
 
 def _embed_once(decoder, id_tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -284,7 +361,8 @@ def common_prefix_length(prompts: list[list[int]], min_common: int | None = None
 
 def shared_prefix_rows(model, prompts: list[list[int]], completions: list[list[int]], prompt_of_row: list[int],
                        pad_id: int, width: int, device: str, chunk_tokens: int = 4096, with_entropy: bool = False,
-                       min_common: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       min_common: int | None = None, bucket_overhead: int | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`shared_prefix_logprobs` from token lists, laid out like whole right-padded rows: (N, width-1).
 
     Row i is prompts[prompt_of_row[i]] + completions[i]; its completion token j lands at position
@@ -315,7 +393,7 @@ def shared_prefix_rows(model, prompts: list[list[int]], completions: list[list[i
     index = torch.tensor(prompt_of_row, dtype=torch.long)
     lp, ent = shared_prefix_logprobs(model, pids.to(device), pmask.to(device), cids.to(device), cmask.to(device),
                                      index.to(device), chunk_tokens=chunk_tokens, with_entropy=with_entropy,
-                                     common_ids=common)  # (N, C)
+                                     common_ids=common, bucket_overhead=bucket_overhead)  # (N, C)
     offsets = torch.tensor([len(prompts[k]) - 1 for k in prompt_of_row])
     cols = (offsets[:, None] + torch.arange(c_max)[None, :]).to(lp.device)  # distinct per row: scatter is exact
 

@@ -207,12 +207,30 @@ def test_batch_wide_common_prefix_gives_the_same_logprobs_and_gradients(tiny_tok
     calls = []
     hook = model.get_decoder().register_forward_hook(lambda m, a, k: calls.append(1), with_kwargs=False)
     try:
-        for min_common, n_calls in ((4, 3), (7, 2)):  # 6 shared tokens: used at min 4, not at min 7
+        # 6 shared tokens: used at min 4, not at min 7; completion buckets: one at the CPU default, and at
+        # overhead 0 one per length (0, 1, 3, 4 tokens), each its own decoder call over its own cache rows
+        for min_common, overhead, n_calls in ((4, None, 3), (7, None, 2), (4, 0, 6), (7, 0, 5)):
             model.zero_grad()
             calls.clear()
             got, ent = shared_prefix_rows(model, prompts, comps, prompt_of_row, pad_id=0, width=width, device="cpu",
-                                          with_entropy=True, min_common=min_common)
+                                          with_entropy=True, min_common=min_common, bucket_overhead=overhead)
             assert len(calls) == n_calls
             assert_matches_whole_rows(model, got, ent, ref, ref_ent, mask, ref_grads)
     finally:
         hook.remove()
+
+
+def test_length_buckets_minimise_padding_plus_overhead():
+    """Hand-computed: lengths [32, 10, 32, 10] cost 4*32 + c as one group, 2*10 + 2*32 + 2c as two,
+    so they split for c < 44 and not at 44 (a tie keeps one group); equal lengths never split; an
+    overhead of 0 gives one group per distinct length, shortest first, rows in input order."""
+    from stages.logprobs import length_buckets
+
+    assert length_buckets([32, 10, 32, 10], 43) == [[1, 3], [0, 2]]
+    assert length_buckets([32, 10, 32, 10], 44) == [[0, 1, 2, 3]]
+    assert length_buckets([7, 7, 7], 0) == [[0, 1, 2]]
+    assert length_buckets([3, 1, 2, 1], 0) == [[1, 3], [2], [0]]
+    # [1, 2, 30, 31]: {1,2} + {30,31} = 2*2 + 2*31 + 2c = 66 + 2c; all: 4*31 + c = 124 + c; split for c < 58
+    assert length_buckets([31, 2, 30, 1], 57) == [[1, 3], [0, 2]]
+    assert length_buckets([31, 2, 30, 1], 58) == [[0, 1, 2, 3]]
+    assert length_buckets([], 5) == [] and length_buckets([0], 5) == [[0]]
