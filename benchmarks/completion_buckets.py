@@ -1,11 +1,14 @@
-"""Length buckets in the shared-prefix training forward: one forward + backward of GRPO's log-probs.
+"""Length buckets in GRPO's training forward: one forward + backward of the completions' log-probs.
 
     .venv/bin/python benchmarks/completion_buckets.py                          # SmolLM2, 16 x 16..128 tokens
     .venv/bin/python benchmarks/completion_buckets.py --min-len 9 --max-len 32 --overheads 0,8,64
+    .venv/bin/python benchmarks/completion_buckets.py --path whole             # whole rows (no prefix sharing)
 
 4 R1-format prompts x 4 completions whose lengths are drawn uniformly from [min-len, max-len]
 (random tokens: the cost of a forward does not depend on which), run through
-`logprobs.shared_prefix_rows` once per bucket overhead: a huge overhead is the single padded
+`logprobs.shared_prefix_rows` (`--path shared`, GRPO's default) or, as whole right-padded
+prompt + completion rows, `logprobs.bucketed_token_logprobs` (`--path whole`: GRPO with
+prefix_sharing off or gradient checkpointing) once per bucket overhead: a huge overhead is the single padded
 batch, each other overhead the buckets `logprobs.length_buckets` picks for it. Prints per
 overhead the bucket sizes, the padded positions, and the forward + backward seconds of each
 repeat (runs alternate; the first of each is warm-up and not printed).
@@ -24,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from schemas.configs import PromptsConfig  # noqa: E402
-from stages import logprobs, models  # noqa: E402
+from stages import grpo, logprobs, models  # noqa: E402
 from stages.generation import render_prompts  # noqa: E402
 from stages.prompts import build_prompts  # noqa: E402
 
@@ -41,6 +44,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cache-dir", default=".r1flow/cache-models")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--path", choices=["shared", "whole"], default="shared")
     args = ap.parse_args()
 
     convs = [r["messages"] for r in build_prompts(PromptsConfig(size=16, eval_fraction=0.0), seed=0)][:4]
@@ -56,13 +60,21 @@ def main() -> None:
     lengths = [len(c) for c in comps]
     overheads = [ONE_BUCKET] + [logprobs.default_bucket_overhead("cpu") if o == "default" else int(o)
                                 for o in args.overheads.split(",")]
-    print(f"torch {torch.__version__} threads {torch.get_num_threads()} model {args.model} rows {n_rows} "
+    print(f"torch {torch.__version__} threads {torch.get_num_threads()} model {args.model} path {args.path} rows {n_rows} "
           f"completion lengths {sorted(lengths)} (tokens {sum(lengths)})")
+
+    batch = grpo.build_batch([prompts[k] for k in rows], comps, pad_id=0, keep=[True] * n_rows)
+    if args.path == "whole":  # the buckets group whole rows by prompt + completion length
+        lengths = batch["attention_mask"].sum(-1).tolist()
 
     def run(overhead: int) -> float:
         t0 = time.perf_counter()
-        lp, _ = logprobs.shared_prefix_rows(model, prompts, comps, rows, pad_id=0, width=width, device="cpu",
-                                            bucket_overhead=overhead)
+        if args.path == "whole":
+            lp, _ = logprobs.bucketed_token_logprobs(model, batch["input_ids"], batch["attention_mask"],
+                                                     bucket_overhead=overhead)
+        else:
+            lp, _ = logprobs.shared_prefix_rows(model, prompts, comps, rows, pad_id=0, width=width, device="cpu",
+                                                bucket_overhead=overhead)
         lp.sum().backward()
         model.zero_grad(set_to_none=True)
         return time.perf_counter() - t0

@@ -128,9 +128,11 @@ def step_ends(pieces: list[str], delimiter: str = "\n") -> list[int]:
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                    with_entropy: bool = False, chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log p(token t+1 | tokens ≤ t) for every position: (N, L-1); and the entropy there if asked
-    (`stages.logprobs`: the logits exist `chunk` positions at a time)."""
-    return logprobs.token_logprobs(model, input_ids, attention_mask, chunk_tokens=chunk, with_entropy=with_entropy)
+    """log p(token t+1 | tokens ≤ t) for every position of right-padded rows: (N, L-1), 0 where
+    token t+1 is padding; and the entropy there if asked (`stages.logprobs`: the logits exist
+    `chunk` positions at a time; rows of different lengths run in length buckets)."""
+    return logprobs.bucketed_token_logprobs(model, input_ids, attention_mask, chunk_tokens=chunk,
+                                            with_entropy=with_entropy)
 
 
 def shared_prefix_logprobs(model, prompt_ids: list[list[int]], completion_ids: list[list[int]], group_size: int,

@@ -86,6 +86,50 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                          chunk_tokens, with_entropy, fused=not is_sharded(model))  # fsdp: the head as a module
 
 
+def bucketed_token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, chunk_tokens: int = 4096,
+                            with_entropy: bool = False, bucket_overhead: int | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`token_logprobs` of right-padded rows in length buckets (`length_buckets`): each bucket's rows
+    cut to the bucket's longest row, not the batch's (`bucket_overhead`: as in
+    `shared_prefix_logprobs`). Returns (B, T-1) like `token_logprobs`, equal to it up to float
+    rounding at every position that predicts a real token, and 0 where it would predict padding.
+
+    One bucket, still cut to the longest row, for an FSDP-sharded model (every rank must run as
+    many forwards: each gathers the layers) and for rows that are not right padded.
+    """
+    b, t = input_ids.shape
+    lengths = attention_mask.sum(-1).tolist()
+    right_padded = bool((attention_mask[:, :-1] >= attention_mask[:, 1:]).all()) if t > 1 else True
+    if not right_padded:
+        return token_logprobs(model, input_ids, attention_mask, chunk_tokens, with_entropy)
+    if is_sharded(model) or b == 0:
+        overhead = 10**12
+    else:
+        overhead = default_bucket_overhead(input_ids.device) if bucket_overhead is None else bucket_overhead
+    buckets = length_buckets(lengths, overhead)
+    logps, entropies, order = [], [], []
+    for rows in buckets:
+        width = max(2, max(lengths[i] for i in rows))  # at least one position
+        if len(buckets) == 1:
+            ids, mask = input_ids[:, :width], attention_mask[:, :width]
+        else:
+            index = torch.tensor(rows, device=input_ids.device)
+            ids, mask = input_ids.index_select(0, index)[:, :width], attention_mask.index_select(0, index)[:, :width]
+        lp, ent = token_logprobs(model, ids, mask, chunk_tokens, with_entropy)
+        real = mask[:, 1:].to(lp.dtype)  # position j predicts token j+1: 0 where that is padding
+        logps.append(torch.nn.functional.pad(lp * real, (0, t - width)))
+        if ent is not None:
+            entropies.append(torch.nn.functional.pad(ent * real, (0, t - width)))
+        order.extend(rows)
+
+    def restore(parts: list[torch.Tensor]) -> torch.Tensor:
+        if len(parts) == 1:
+            return parts[0]
+        return torch.cat(parts).index_select(0, torch.tensor(order, device=input_ids.device).argsort())
+
+    return restore(logps), restore(entropies) if with_entropy else None
+
+
 def head_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None,
                   chunk_tokens: int, with_entropy: bool, fused: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(targets[b, t] | hidden[b, t]) through the output head, `chunk_tokens` positions at a time,

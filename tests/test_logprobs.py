@@ -234,3 +234,56 @@ def test_length_buckets_minimise_padding_plus_overhead():
     assert length_buckets([31, 2, 30, 1], 57) == [[1, 3], [0, 2]]
     assert length_buckets([31, 2, 30, 1], 58) == [[0, 1, 2, 3]]
     assert length_buckets([], 5) == [] and length_buckets([0], 5) == [[0]]
+
+
+@pytest.mark.parametrize("overhead", [0, None])
+def test_bucketed_whole_rows_match_one_padded_batch(tiny_tokenizer, overhead):
+    """Right-padded rows of 3, 9, 2, 9 and 14 tokens (padded to 16): in length buckets the log-probs,
+    entropies and parameter gradients at every position that predicts a real token equal one padded
+    batch's; positions that predict padding are 0. Overhead 0: one decoder call per length, each cut
+    to it (2, 3, 9, 14 columns). The CPU default, 64: one bucket costs 5 * 14 + 64 = 134 positions,
+    the best split {2, 3, 9, 9} + {14} 4 * 9 + 14 + 2 * 64 = 178, so one call, cut to 14 of the
+    16 columns. Left-padded rows are not cut: the plain result, one call of 16."""
+    from stages.logprobs import bucketed_token_logprobs
+
+    model = models.build_tiny_model(tiny_tokenizer, seed=3).train()
+    lengths = [3, 9, 2, 9, 14]
+    g = torch.Generator().manual_seed(0)
+    ids = torch.zeros(5, 16, dtype=torch.long)
+    attn = torch.zeros(5, 16, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        ids[i, :n] = torch.randint(5, 60, (n,), generator=g)
+        attn[i, :n] = 1
+    real = attn[:, 1:].float()
+    weights = torch.randn(5, 15, generator=g) * real
+    ref, ref_ent = token_logprobs(model, ids, attn, with_entropy=True)
+    (ref * weights).sum().backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    calls = []
+
+    def record(module, args, kwargs, out):
+        calls.append(kwargs["attention_mask"].shape[1])
+
+    hook = model.get_decoder().register_forward_hook(record, with_kwargs=True)
+    try:
+        got, ent = bucketed_token_logprobs(model, ids, attn, with_entropy=True, bucket_overhead=overhead)
+    finally:
+        hook.remove()
+    assert calls == ([2, 3, 9, 14] if overhead == 0 else [14])
+    torch.testing.assert_close(got * real, ref * real, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ent * real, ref_ent * real, rtol=1e-5, atol=1e-6)
+    assert (got[real == 0] == 0).all() and (ent[real == 0] == 0).all()
+    (got * weights).sum().backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref_grads[n], rtol=1e-4, atol=1e-6)
+
+    left = attn.flip(1)
+    calls.clear()
+    hook = model.get_decoder().register_forward_hook(record, with_kwargs=True)
+    try:
+        got_left, _ = bucketed_token_logprobs(model, ids.flip(1), left, bucket_overhead=0)
+    finally:
+        hook.remove()
+    assert calls == [16]
+    torch.testing.assert_close(got_left, token_logprobs(model, ids.flip(1), left)[0])
