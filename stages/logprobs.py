@@ -95,14 +95,14 @@ def bucketed_token_logprobs(model, input_ids: torch.Tensor, attention_mask: torc
     rounding at every position that predicts a real token, and 0 where it would predict padding.
 
     One bucket, still cut to the longest row, for an FSDP-sharded model (every rank must run as
-    many forwards: each gathers the layers) and for rows that are not right padded.
+    many forwards: each gathers the layers). Rows that are not right padded, no rows, or fewer than
+    two columns: `token_logprobs` itself.
     """
     b, t = input_ids.shape
-    lengths = attention_mask.sum(-1).tolist()
-    right_padded = bool((attention_mask[:, :-1] >= attention_mask[:, 1:]).all()) if t > 1 else True
-    if not right_padded:
+    if b == 0 or t < 2 or not bool((attention_mask[:, :-1] >= attention_mask[:, 1:]).all()):
         return token_logprobs(model, input_ids, attention_mask, chunk_tokens, with_entropy)
-    if is_sharded(model) or b == 0:
+    lengths = attention_mask.sum(-1).tolist()
+    if is_sharded(model):
         overhead = 10**12
     else:
         overhead = default_bucket_overhead(input_ids.device) if bucket_overhead is None else bucket_overhead
@@ -303,6 +303,8 @@ def shared_prefix_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.T
     lengths = completion_mask.sum(-1).tolist()
     buckets = length_buckets(lengths, default_bucket_overhead(completion_ids.device) if bucket_overhead is None
                              else bucket_overhead)
+    if not isinstance(getattr(cache, "layers", None), list):  # a cache whose rows `_cache_rows_copy` cannot copy
+        buckets = [list(range(len(lengths)))]
     parts, order = [], []
     for rows in buckets:
         width = max(1, max(lengths[i] for i in rows))  # columns past it are padding in every row of the bucket
@@ -328,8 +330,8 @@ def shared_prefix_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.T
 
 # Token positions a separate completion bucket must save to be worth its own decoder call (forward and
 # backward) and its own gather of the prompts' cache rows. CPU, measured (benchmarks/completion_buckets.py,
-# SmolLM2, 2 threads): each extra bucket costs about as much as 36 positions; 16 completions of 25-124
-# tokens run 8.0 s -> 5.4 s a forward + backward in 4 buckets at 64 or 3 at 128. CUDA, not measured (no GPU
+# SmolLM2, 2 threads): each extra bucket costs about as much as 36 positions; 16 completions of 18-124
+# tokens run 7.6 s -> 5.3 s a forward + backward in 4 buckets at 64 or 3 at 128. CUDA, not measured (no GPU
 # lent): estimated from the issue's H100 numbers (a 128 x 176-token step in 0.18 s, ~8 us a position) and
 # ~4 ms of kernel launches for a decoder call's forward and backward.
 BUCKET_OVERHEAD_CPU = 64

@@ -243,7 +243,7 @@ def test_bucketed_whole_rows_match_one_padded_batch(tiny_tokenizer, overhead):
     batch's; positions that predict padding are 0. Overhead 0: one decoder call per length, each cut
     to it (2, 3, 9, 14 columns). The CPU default, 64: one bucket costs 5 * 14 + 64 = 134 positions,
     the best split {2, 3, 9, 9} + {14} 4 * 9 + 14 + 2 * 64 = 178, so one call, cut to 14 of the
-    16 columns. Left-padded rows are not cut: the plain result, one call of 16."""
+    16 columns. Left-padded rows are not cut: the plain result, one call of 16; one column: no positions."""
     from stages.logprobs import bucketed_token_logprobs
 
     model = models.build_tiny_model(tiny_tokenizer, seed=3).train()
@@ -287,3 +287,4 @@ def test_bucketed_whole_rows_match_one_padded_batch(tiny_tokenizer, overhead):
         hook.remove()
     assert calls == [16]
     torch.testing.assert_close(got_left, token_logprobs(model, ids.flip(1), left)[0])
+    assert bucketed_token_logprobs(model, ids[:, :1], attn[:, :1])[0].shape == (5, 0)  # one column: nothing predicted
