@@ -313,8 +313,9 @@ def rows_first_linears(model: torch.nn.Module, rule: RowsFirstRule | None | str 
         m for m in model.modules() if type(m) is torch.nn.Linear and "forward" not in vars(m)
         and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32
         and (not rule.reducing_only or m.in_features > m.out_features)]
+    forward = _rows_first_forward(rule) if mods else None
     for m in mods:
-        m.forward = types.MethodType(_rows_first_forward(rule), m)
+        m.forward = types.MethodType(forward, m)
     try:
         yield
     finally:

@@ -107,27 +107,35 @@ def bucketed_token_logprobs(model, input_ids: torch.Tensor, attention_mask: torc
     else:
         overhead = default_bucket_overhead(input_ids.device) if bucket_overhead is None else bucket_overhead
     buckets = length_buckets(lengths, overhead)
-    logps, entropies, order = [], [], []
+    logps, entropies = [], []
     for rows in buckets:
         width = max(2, max(lengths[i] for i in rows))  # at least one position
-        if len(buckets) == 1:
-            ids, mask = input_ids[:, :width], attention_mask[:, :width]
-        else:
-            index = torch.tensor(rows, device=input_ids.device)
-            ids, mask = input_ids.index_select(0, index)[:, :width], attention_mask.index_select(0, index)[:, :width]
-        lp, ent = token_logprobs(model, ids, mask, chunk_tokens, with_entropy)
+        index = _bucket_index(rows, buckets, input_ids.device)
+        mask = _take(attention_mask, index)[:, :width]
+        lp, ent = token_logprobs(model, _take(input_ids, index)[:, :width], mask, chunk_tokens, with_entropy)
         real = mask[:, 1:].to(lp.dtype)  # position j predicts token j+1: 0 where that is padding
         logps.append(torch.nn.functional.pad(lp * real, (0, t - width)))
         if ent is not None:
             entropies.append(torch.nn.functional.pad(ent * real, (0, t - width)))
-        order.extend(rows)
+    return (_in_input_order(logps, buckets),
+            _in_input_order(entropies, buckets) if with_entropy else None)
 
-    def restore(parts: list[torch.Tensor]) -> torch.Tensor:
-        if len(parts) == 1:
-            return parts[0]
-        return torch.cat(parts).index_select(0, torch.tensor(order, device=input_ids.device).argsort())
 
-    return restore(logps), restore(entropies) if with_entropy else None
+def _bucket_index(rows: list[int], buckets: list[list[int]], device: torch.device) -> torch.Tensor | None:
+    """The rows of one bucket as an index tensor; None when the bucket is the whole batch."""
+    return None if len(buckets) == 1 else torch.tensor(rows, device=device)
+
+
+def _take(x: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+    return x if index is None else x.index_select(0, index)
+
+
+def _in_input_order(parts: list[torch.Tensor], buckets: list[list[int]]) -> torch.Tensor:
+    """The buckets' results (one tensor per bucket, rows in bucket order) as one tensor in input row order."""
+    if len(parts) == 1:
+        return parts[0]
+    order = torch.tensor([r for rows in buckets for r in rows], device=parts[0].device)
+    return torch.cat(parts).index_select(0, order.argsort())
 
 
 def head_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None,
@@ -305,26 +313,18 @@ def shared_prefix_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.T
                              else bucket_overhead)
     if not isinstance(getattr(cache, "layers", None), list):  # a cache whose rows `_cache_rows_copy` cannot copy
         buckets = [list(range(len(lengths)))]
-    parts, order = [], []
+    parts = []
     for rows in buckets:
         width = max(1, max(lengths[i] for i in rows))  # columns past it are padding in every row of the bucket
-        if len(buckets) == 1:  # every row: the cache and tensors as they are
-            bucket_cache, index = cache, None
-        else:
-            bucket_cache, index = _cache_rows_copy(cache), torch.tensor(rows, device=completion_ids.device)
-
-        def sel(x: torch.Tensor, index: torch.Tensor | None = index) -> torch.Tensor:
-            return x if index is None else x.index_select(0, index)
-
-        bucket_cache.batch_select_indices(sel(prompt_of_row))  # for autograd: a prompt's gradient sums over its rows
-        h = decoder(inputs_embeds=sel(embeds[1])[:, :width], past_key_values=bucket_cache, use_cache=True,
-                    attention_mask=torch.cat([sel(row_mask), sel(completion_mask)[:, :width]], dim=1),
-                    position_ids=sel(positions)[:, :width]).last_hidden_state  # (n, width, H)
-        hidden = torch.cat([sel(last)[:, None, :], h[:, :-1, :]], dim=1)  # position j predicts completion token j
+        index = _bucket_index(rows, buckets, completion_ids.device)
+        bucket_cache = cache if index is None else _cache_rows_copy(cache)  # one bucket: the cache as it is
+        bucket_cache.batch_select_indices(_take(prompt_of_row, index))  # for autograd: a prompt's gradient sums over its rows
+        h = decoder(inputs_embeds=_take(embeds[1], index)[:, :width], past_key_values=bucket_cache, use_cache=True,
+                    attention_mask=torch.cat([_take(row_mask, index), _take(completion_mask, index)[:, :width]], dim=1),
+                    position_ids=_take(positions, index)[:, :width]).last_hidden_state  # (n, width, H)
+        hidden = torch.cat([_take(last, index)[:, None, :], h[:, :-1, :]], dim=1)  # position j predicts completion token j
         parts.append(torch.nn.functional.pad(hidden, (0, 0, 0, completion_ids.shape[1] - width)))
-        order.extend(rows)
-    hidden = parts[0] if len(parts) == 1 else torch.cat(parts).index_select(
-        0, torch.tensor(order, device=completion_ids.device).argsort())  # back to the input's row order
+    hidden = _in_input_order(parts, buckets)
     return head_logprobs(head, hidden, completion_ids, completion_mask.bool(), chunk_tokens, with_entropy)
 
 
