@@ -2,14 +2,17 @@
 two backends (transformers by default, vLLM where installed).
 
 transformers backend: prompts sorted by length before batching (less padding; results restored to
-input order), left padding, KV cache (`cache: static` preallocates it, and on a GPU transformers
-then compiles the decode step; prompts are padded to a bucket of 64 tokens so few shapes compile),
-EOS and stop strings end a completion, each batch reseeded from (seed, batch index) so results do
-not depend on what ran before. GRPO samples with the policy it trains, in place: no weight reload.
+input order), left padding, KV cache, EOS and stop strings end a completion, each batch reseeded
+from (seed, batch index) so results do not depend on what ran before. GRPO samples with the policy
+it trains, in place: no weight reload. With the dynamic cache (the default) each prompt is
+prefilled once for its n samples (a batch-wide system prompt once for the batch:
+`prefill_prompts`) and our own decode loop (`decode_rows`) samples; it drops rows that have ended
+from the batch, where generate() computes every row until the longest ends, and samples the tokens
+generate() would. `cache: static` goes through transformers' generate() (preallocated cache; on a
+GPU it compiles the decode step; prompts are padded to a bucket of 64 tokens so few shapes compile).
 Sampling is transformers' temperature / top-k / top-p warpers then a two-level exponential race
-(`BlockRaceSampler`) under generate's argmax; on CPU, fp32 linears over few rows run as W @ xᵀ
-(`rows_first_linears`), and the shared-prefix decode writes into a preallocated KV cache
-(`PreallocatedLayer`). All three are there for decode speed on CPU.
+(`BlockRaceSampler`); on CPU, fp32 linears over few rows run as W @ xᵀ where that CPU is faster
+for it (`rows_first_linears`), and the decode writes into a preallocated KV cache (`PreallocatedLayer`).
 
 Per-token log-probs, when asked, come from a teacher-forced forward pass over prompt + completion
 with the same position ids generation used: log-probs of the sampled tokens under the model's own
@@ -20,6 +23,7 @@ The pass runs in row chunks, so [batch, seq, vocab] logits are never held for th
 from __future__ import annotations
 
 import contextlib
+import inspect
 import time
 import types
 from dataclasses import dataclass
@@ -31,6 +35,7 @@ from tqdm.auto import tqdm
 from transformers import LogitsProcessor, LogitsProcessorList
 from transformers.cache_utils import DynamicLayer
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers.generation.stopping_criteria import StopStringCriteria
 
 from schemas.configs import GenerationSpec
 from schemas.errors import ModelError
@@ -109,20 +114,18 @@ def completion_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
     return torch.cat(out)
 
 
-def generate_shared_prefix(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, n: int, kwargs: dict,
-                           min_common: int | None = None):
-    """`generate` of n samples per prompt with each prompt prefilled once, not n times.
+def prefill_prompts(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, n: int, new_tokens: int,
+                    min_common: int | None = None, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor, object]:
+    """The KV cache of every prompt token but the last, each prompt prefilled once, not n times.
 
-    The decoder runs over every prompt but its last token once (B rows), the KV cache is repeated n
-    times, and `generate` continues from it with the n-fold prompts, so only the last prompt token
-    and the new tokens run per sample. The rows and the sampling RNG are laid out exactly as
-    `num_return_sequences=n` lays them out, so the samples are the same (up to float rounding).
-
-    When the B prompts start with at least `min_common` (default `logprobs.COMMON_PREFIX_MIN`) of
-    the same tokens (a system prompt and chat template), those are prefilled once for the batch and
-    each row is laid out [common | padding | own tokens] instead of left padded: same width,
-    positions from the attention mask as before. Only the prompt part of the returned rows differs
-    in layout; the new tokens follow at the same column.
+    Returns (input_ids, attention_mask, cache) of B * n rows laid out as `num_return_sequences=n`
+    lays them (each prompt's n copies next to each other); the cache (None for one-token prompts)
+    holds all but the last column, repeated n times, so only the last prompt token and the new
+    tokens run per sample. When the B prompts start with at least `min_common` (default
+    `logprobs.COMMON_PREFIX_MIN`) of the same tokens (a system prompt and chat template), those
+    are prefilled once for the batch and each row is laid out [common | padding | own tokens]
+    instead of left padded: same width, positions from the attention mask as before. On CPU the
+    cache is a `PreallocatedLayer` per layer with room for `new_tokens` more.
     """
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     prefill = decoder if decoder is not None else model
@@ -131,7 +134,6 @@ def generate_shared_prefix(model, input_ids: torch.Tensor, attention_mask: torch
         rows = [ids[m.bool()].tolist() for ids, m in zip(input_ids, attention_mask, strict=True)]
         n_common = logprobs.common_prefix_length(rows, min_common)
         if n_common:
-            pad_id = kwargs.get("pad_token_id") or 0
             input_ids, attention_mask = _common_first(input_ids, attention_mask, n_common, pad_id)
             common = input_ids[:1, :n_common]
             cache = prefill(input_ids=common, attention_mask=torch.ones_like(common),
@@ -143,11 +145,85 @@ def generate_shared_prefix(model, input_ids: torch.Tensor, attention_mask: torch
     if input_ids.shape[1] - 1 > start:
         cache = prefill(input_ids=input_ids[:, start:-1], attention_mask=attention_mask[:, :-1],
                         position_ids=positions[:, start:-1], past_key_values=cache, use_cache=True).past_key_values
-    cache.batch_repeat_interleave(n)
-    if input_ids.device.type == "cpu":
-        preallocate_cache(cache, kwargs.get("max_new_tokens") or 0)
-    return model.generate(input_ids=input_ids.repeat_interleave(n, 0), attention_mask=attention_mask.repeat_interleave(n, 0),
-                          past_key_values=cache, **{**kwargs, "num_return_sequences": 1})
+    if cache is not None:
+        cache.batch_repeat_interleave(n)
+        if input_ids.device.type == "cpu":
+            preallocate_cache(cache, new_tokens)
+    return input_ids.repeat_interleave(n, 0), attention_mask.repeat_interleave(n, 0), cache
+
+
+def supports_decode_rows(model) -> bool:
+    """`decode_rows` needs a decoder to prefill and a forward that takes `logits_to_keep` (transformers'
+    causal LMs; a peft wrapper passes it through to the model it wraps)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return hasattr(base, "get_decoder") and "logits_to_keep" in inspect.signature(base.forward).parameters
+
+
+def _rows_selectable(cache) -> bool:
+    """Whether every layer of the cache can drop rows (linear-attention layers of hybrid models cannot)."""
+    layers = getattr(cache, "layers", None)
+    return bool(layers) and all(hasattr(layer, "batch_select_indices") for layer in layers)
+
+
+COMPACT_SHARE = 0.125  # decode_rows drops finished rows once they are this share of the rows it still runs
+
+
+@torch.no_grad()
+def decode_rows(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache, max_new_tokens: int,
+                eos_ids: list[int], pad_id: int, warpers=(), sampler: BlockRaceSampler | None = None,
+                stop=None, compact_share: float = COMPACT_SHARE, trace: list | None = None) -> torch.Tensor:
+    """New tokens [rows, steps] continuing left-padded prompts from a cache of all but their last column.
+
+    The loop `generate(do_sample=False, logits_processor=[*warpers, sampler])` runs, without its
+    per-step machinery, and with one difference: rows that are done (EOS, a `stop` criterion) stop
+    being computed. Once they are `compact_share` of the rows still run (at least one), they are
+    dropped from the batch and from the cache (`Cache.batch_select_indices`; caches whose layers
+    cannot drop rows keep them all, as generate() does), so a batch whose completions end early
+    decodes fewer rows each step where generate() runs every row until the longest ends. The tokens are the ones generate() samples from the same seed: `sampler` draws
+    its random numbers for every row of the batch, done or not, as generate() does, and hands each
+    live row its own (same up to float rounding: a smaller batch can sum in another order).
+    Finished rows are padded with `pad_id` after their last token; steps = the longest row's length.
+    `stop`: a transformers StoppingCriteria called on (live rows' prompt + new tokens, None).
+    `trace`: when a list, gets (live row indices, float logits) per step (tests).
+    """
+    rows, width, device = input_ids.shape[0], input_ids.shape[1], input_ids.device
+    out = torch.full((rows, max_new_tokens), pad_id, dtype=torch.long, device=device)
+    seq = torch.cat([input_ids, out], 1) if stop is not None else None
+    live = torch.arange(rows, device=device)
+    eos = torch.tensor(eos_ids, device=device)
+    mask = attention_mask
+    pos = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, -1:]
+    token = input_ids[:, -1:]
+    done = torch.zeros(rows, dtype=torch.bool, device=device)
+    steps = 0
+    for step in range(max_new_tokens):
+        res = model(input_ids=token, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
+                    logits_to_keep=1)
+        cache = res.past_key_values
+        scores = res.logits[:, -1, :].float()
+        if trace is not None:
+            trace.append((live.clone(), scores.clone()))
+        for warp in warpers:
+            scores = warp(None, scores)
+        nxt = sampler.draw(scores, live, rows) if sampler is not None else scores.argmax(-1)
+        nxt = nxt.masked_fill(done, pad_id)
+        out[live, step] = nxt
+        steps = step + 1
+        done = done | torch.isin(nxt, eos)
+        if seq is not None:
+            seq[live, width + step] = nxt
+            done = done | stop(seq[live, : width + step + 1], None)
+        n_done = int(done.sum())
+        if n_done == len(live):
+            break
+        if n_done and n_done >= compact_share * len(live) and _rows_selectable(cache):
+            keep = (~done).nonzero().squeeze(1)
+            cache.batch_select_indices(keep)
+            live, mask, pos, nxt, done = live[keep], mask[keep], pos[keep], nxt[keep], done[keep]
+        mask = torch.cat([mask, mask.new_ones(len(live), 1)], 1)
+        pos = pos + 1
+        token = nxt[:, None]
+    return out[:, :steps]
 
 
 class PreallocatedLayer(DynamicLayer):
@@ -184,6 +260,18 @@ class PreallocatedLayer(DynamicLayer):
         self.keys, self.values = self._k[:, :, : length + new], self._v[:, :, : length + new]
         return self.keys, self.values
 
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keeps the rows `indices` (decode_rows dropping finished rows) in new buffers of the same capacity."""
+        if self.keys.data_ptr() != self._k.data_ptr() or self.keys.shape[:2] != self._k.shape[:2]:
+            return super().batch_select_indices(indices)
+        length = self.keys.shape[-2]
+        k = self._k.new_empty(len(indices), *self._k.shape[1:])
+        v = self._v.new_empty(len(indices), *self._v.shape[1:])
+        k[:, :, :length] = self.keys.index_select(0, indices)
+        v[:, :, :length] = self.values.index_select(0, indices)
+        self._k, self._v = k, v
+        self.keys, self.values = k[:, :, :length], v[:, :, :length]
+
 
 def preallocate_cache(cache, new_tokens: int) -> None:
     """Swaps a DynamicCache's plain `DynamicLayer`s for `PreallocatedLayer`s with room for `new_tokens` more."""
@@ -209,8 +297,9 @@ def _common_first(input_ids: torch.Tensor, attention_mask: torch.Tensor, n_commo
 
 
 class BlockRaceSampler(LogitsProcessor):
-    """Draws each row's next token from softmax(scores) in two exponential races; returns scores
-    that are 0 at the drawn token and -inf elsewhere, so `generate(do_sample=False)`'s argmax takes it.
+    """Draws each row's next token from softmax(scores) in two exponential races: `draw` returns the
+    token ids (`decode_rows`); as a logits processor it returns scores that are 0 at the drawn token
+    and -inf elsewhere, so `generate(do_sample=False)`'s argmax takes it.
 
     The vocabulary is cut into blocks of `block` tokens. A race over the blocks' masses, argmax of
     mass / Exp(1), picks block k with probability mass_k; a race inside it picks token j with
@@ -229,16 +318,28 @@ class BlockRaceSampler(LogitsProcessor):
         self.block = block
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        token = self.draw(scores)[:, None]
+        return torch.full_like(scores, float("-inf")).scatter_(1, token, 0.0)
+
+    def draw(self, scores: torch.Tensor, live: torch.Tensor | None = None, total: int | None = None) -> torch.Tensor:
+        """One token id per row of `scores`. With `live` (row indices into a batch of `total` rows) the
+        exponentials are drawn for all `total` rows and row i of `scores` takes those of live[i]: what
+        a call with the whole batch would draw for that row (`decode_rows` after finished rows left)."""
         rows, vocab = scores.shape
         n_blocks = -(-vocab // self.block)
         probs = torch.nn.functional.pad(torch.softmax(scores.float(), dim=-1), (0, n_blocks * self.block - vocab))
         blocks = probs.view(rows, n_blocks, self.block)
         mass = blocks.sum(-1)
-        k = (mass / torch.empty_like(mass).exponential_()).argmax(-1)
+        k = (mass / self._exponentials(mass, n_blocks, live, total)).argmax(-1)
         inner = blocks[torch.arange(rows, device=scores.device), k]
-        j = (inner / torch.empty_like(inner).exponential_()).argmax(-1)
-        token = (k * self.block + j).clamp_(max=vocab - 1)[:, None]
-        return torch.full_like(scores, float("-inf")).scatter_(1, token, 0.0)
+        j = (inner / self._exponentials(inner, self.block, live, total)).argmax(-1)
+        return (k * self.block + j).clamp_(max=vocab - 1)
+
+    @staticmethod
+    def _exponentials(like: torch.Tensor, width: int, live: torch.Tensor | None, total: int | None) -> torch.Tensor:
+        if live is None:
+            return torch.empty_like(like).exponential_()
+        return like.new_empty(total, width).exponential_().index_select(0, live)
 
 
 def sampling_processors(temperature: float, top_k: int, top_p: float) -> LogitsProcessorList:
@@ -354,24 +455,16 @@ class TransformersBackend:
                             **({"padding": True} if spec.cache == "dynamic" else
                                {"padding": True, "pad_to_multiple_of": STATIC_BUCKET})).to(device)
             torch.manual_seed(seed * 1_000_003 + b)
-            # use_cache explicitly: trainers set config.use_cache=False, which must not slow sampling.
-            # Sampling is the draw of `sampling_processors` under generate's greedy argmax.
-            # generate() refuses num_return_sequences > 1 without do_sample: rows are repeated here, as it would.
-            kwargs = dict(do_sample=False, max_new_tokens=spec.max_new_tokens, num_return_sequences=1,
-                          eos_token_id=eos_ids, pad_token_id=pad_id, use_cache=True,
-                          temperature=None, top_p=None, top_k=None)
-            if spec.cache == "static":  # a fixed-size cache: on CUDA, generate() compiles the decode step
-                kwargs.update(cache_implementation="static")
-            if do_sample:
-                kwargs.update(logits_processor=sampling_processors(spec.temperature, spec.top_k, spec.top_p))
-            if spec.stop:
-                kwargs.update(stop_strings=list(spec.stop), tokenizer=tokenizer)
             with rows_first_linears(model):
-                if n > 1 and spec.cache == "dynamic" and enc["input_ids"].shape[1] > 1:
-                    out = generate_shared_prefix(model, enc["input_ids"], enc["attention_mask"], n, kwargs)
+                if spec.cache == "dynamic" and supports_decode_rows(model):
+                    p_ids, p_mask, cache = prefill_prompts(model, enc["input_ids"], enc["attention_mask"], n,
+                                                           spec.max_new_tokens, pad_id=pad_id)
+                    procs = list(sampling_processors(spec.temperature, spec.top_k, spec.top_p)) if do_sample else []
+                    stop = StopStringCriteria(tokenizer, list(spec.stop)) if spec.stop else None
+                    new = decode_rows(model, p_ids, p_mask, cache, spec.max_new_tokens, eos_ids, pad_id,
+                                      warpers=procs[:-1], sampler=procs[-1] if procs else None, stop=stop)
                 else:
-                    out = model.generate(**{k: v.repeat_interleave(n, 0) for k, v in enc.items()}, **kwargs)
-            new = out[:, enc["input_ids"].shape[1] :]
+                    new = self._generate(enc, n, spec, eos_ids, pad_id)
             rows = self._rows(new.tolist(), eos_ids, spec.stop)
             lps = None
             if logprobs:
@@ -387,6 +480,22 @@ class TransformersBackend:
         stats.seconds = time.perf_counter() - t0
         model.train(was_training)
         return results, stats
+
+    def _generate(self, enc, n: int, spec: GenerationSpec, eos_ids: list[int], pad_id: int) -> torch.Tensor:
+        """New tokens from transformers' generate(): the static cache (compiled decode on a GPU) and models
+        `decode_rows` does not take. Sampling is the draw of `sampling_processors` under generate's greedy
+        argmax; generate() refuses num_return_sequences > 1 without do_sample, so rows are repeated here."""
+        # use_cache explicitly: trainers set config.use_cache=False, which must not slow sampling.
+        kwargs = dict(do_sample=False, max_new_tokens=spec.max_new_tokens, num_return_sequences=1,
+                      eos_token_id=eos_ids, pad_token_id=pad_id, use_cache=True, temperature=None, top_p=None, top_k=None)
+        if spec.cache == "static":  # a fixed-size cache: on CUDA, generate() compiles the decode step
+            kwargs.update(cache_implementation="static")
+        if spec.temperature > 0:
+            kwargs.update(logits_processor=sampling_processors(spec.temperature, spec.top_k, spec.top_p))
+        if spec.stop:
+            kwargs.update(stop_strings=list(spec.stop), tokenizer=self.tokenizer)
+        out = self.model.generate(**{k: v.repeat_interleave(n, 0) for k, v in enc.items()}, **kwargs)
+        return out[:, enc["input_ids"].shape[1] :]
 
     def _rows(self, generated: list[list[int]], eos_ids: list[int], stops: list[str]):
         """(token ids up to and including EOS, text, finish reason) per generated row."""

@@ -139,57 +139,110 @@ def test_static_cache_gives_the_same_greedy_completions_and_logprobs(backend):
         assert s.logprobs == pytest.approx(d.logprobs, abs=1e-4)
 
 
+def _generate_reference(model, enc, n, kwargs, seed, tiny_tokenizer, top_p=1.0):
+    """transformers' own loop: generate() over the n-fold rows with the backend's sampler under its argmax."""
+    from stages.generation import sampling_processors
+
+    torch.manual_seed(seed)
+    return model.generate(input_ids=enc["input_ids"].repeat_interleave(n, 0),
+                          attention_mask=enc["attention_mask"].repeat_interleave(n, 0), do_sample=False,
+                          logits_processor=sampling_processors(1.0, 0, top_p), temperature=None, top_p=None, top_k=None,
+                          pad_token_id=tiny_tokenizer.pad_token_id, use_cache=True, **kwargs)
+
+
+def _decode(model, enc, n, max_new, eos_ids, seed, tiny_tokenizer, top_p=1.0, min_common=None, **kw):
+    from stages.generation import decode_rows, prefill_prompts, sampling_processors
+
+    torch.manual_seed(seed)
+    ids, mask, cache = prefill_prompts(model, enc["input_ids"], enc["attention_mask"], n, max_new, min_common,
+                                       pad_id=tiny_tokenizer.pad_token_id)
+    procs = list(sampling_processors(1.0, 0, top_p))
+    return decode_rows(model, ids, mask, cache, max_new, eos_ids, tiny_tokenizer.pad_token_id, warpers=procs[:-1],
+                       sampler=procs[-1], **kw)
+
+
 @pytest.mark.parametrize("top_p", [1.0, 0.9])
-def test_shared_prefix_samples_equal_num_return_sequences(backend, tiny_tokenizer, top_p):
-    """n samples per prompt with each prompt prefilled once are the samples generate() draws with
-    num_return_sequences=n from the same seed: the same rows, the same RNG draws (left-padded batch)."""
-    from stages.generation import generate_shared_prefix
+def test_decode_rows_samples_equal_generate(backend, tiny_tokenizer, top_p):
+    """n samples per prompt, each prompt prefilled once, decoded by our loop, are the samples generate()
+    draws over the n-fold rows (the layout num_return_sequences uses) from the same seed (left-padded batch)."""
+    model = backend.model
+    tiny_tokenizer.padding_side = "left"
+    texts = [tiny_tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in CONVS]
+    enc = tiny_tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    eos = [tiny_tokenizer.eos_token_id]
+    expected = _generate_reference(model, enc, 3, dict(max_new_tokens=10, eos_token_id=eos), 3, tiny_tokenizer, top_p)
+    got = _decode(model, enc, 3, 10, eos, 3, tiny_tokenizer, top_p)
+    assert got.shape[0] == 12
+    assert got.tolist() == expected[:, enc["input_ids"].shape[1]:].tolist()
+
+
+def test_decode_rows_drops_finished_rows_and_samples_what_generate_samples(backend, tiny_tokenizer):
+    """With 40 of the 136 tokens ending a row, rows end after a few tokens: the loop runs fewer rows
+    as they end (the trace of live rows shrinks; each compaction once a share of them are done), and
+    still returns generate()'s tokens, padding included, with the same logits for every live row."""
+    model = backend.model
+    tiny_tokenizer.padding_side = "left"
+    texts = [tiny_tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in CONVS]
+    enc = tiny_tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    eos = [tiny_tokenizer.eos_token_id, *range(40, 79)]
+    ref = _generate_reference(model, enc, 4, dict(max_new_tokens=24, eos_token_id=eos, output_logits=True,
+                                                  return_dict_in_generate=True), 11, tiny_tokenizer)
+    trace = []
+    got = _decode(model, enc, 4, 24, eos, 11, tiny_tokenizer, trace=trace)
+    width = enc["input_ids"].shape[1]
+    assert got.tolist() == ref.sequences[:, width:].tolist()
+    live_counts = [len(live) for live, _ in trace]
+    assert live_counts[0] == 16 and live_counts[-1] < 16
+    assert live_counts == sorted(live_counts, reverse=True)
+    for step, (live, logits) in enumerate(trace):
+        torch.testing.assert_close(logits, ref.logits[step][live].float(), rtol=1e-5, atol=1e-5)
+        assert not any(t in eos for t in got[live, :step].flatten().tolist())  # only running rows are computed
+
+
+def test_decode_rows_stop_strings_end_rows_as_generate_does(backend, tiny_tokenizer):
+    """Stop strings through transformers' StopStringCriteria on each live row: the tokens generate()
+    returns with stop_strings, rows ended by a stop string padded after it."""
+    from transformers.generation.stopping_criteria import StopStringCriteria
 
     model = backend.model
     tiny_tokenizer.padding_side = "left"
     texts = [tiny_tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in CONVS]
     enc = tiny_tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-    kwargs = dict(do_sample=True, max_new_tokens=10, eos_token_id=tiny_tokenizer.eos_token_id,
-                  pad_token_id=tiny_tokenizer.pad_token_id, use_cache=True, temperature=1.0, top_p=top_p, top_k=0)
-    torch.manual_seed(3)
-    expected = model.generate(**enc, num_return_sequences=3, **kwargs)
-    torch.manual_seed(3)
-    got = generate_shared_prefix(model, enc["input_ids"], enc["attention_mask"], 3, {**kwargs, "num_return_sequences": 3})
-    assert got.shape[0] == 12
-    assert got.tolist() == expected.tolist()
+    stops, eos = ["a", "e", " "], [tiny_tokenizer.eos_token_id]
+    ref = _generate_reference(model, enc, 2, dict(max_new_tokens=20, eos_token_id=eos, stop_strings=stops,
+                                                  tokenizer=tiny_tokenizer), 4, tiny_tokenizer)
+    got = _decode(model, enc, 2, 20, eos, 4, tiny_tokenizer, stop=StopStringCriteria(tiny_tokenizer, stops))
+    width = enc["input_ids"].shape[1]
+    assert got.tolist() == ref[:, width:].tolist()
+    texts = [tiny_tokenizer.decode([t for t in row if t != tiny_tokenizer.pad_token_id]) for row in got.tolist()]
+    assert sum(any(s in t for s in stops) for t in texts) >= 2  # the stop strings did end rows
 
 
 @pytest.mark.parametrize("min_common", [4, 10_000])
-def test_batch_wide_common_prefix_samples_equal_num_return_sequences(backend, tiny_tokenizer, min_common):
+def test_batch_wide_common_prefix_samples_equal_generate(backend, tiny_tokenizer, min_common):
     """Prompts behind one shared system prompt: prefilling it once for the batch (rows re-laid as
-    common | padding | own tokens) draws the same samples as num_return_sequences=n from the same
-    seed, from the same logits; with a threshold above the shared length the per-prompt path runs, with the same samples."""
-    from stages.generation import generate_shared_prefix
-
+    common | padding | own tokens) draws the same samples as generate() over the n-fold rows from the
+    same seed, from the same logits; with a threshold above the shared length the per-prompt path runs, with the same samples."""
     model = backend.model
     tiny_tokenizer.padding_side = "left"
     system = {"role": "system", "content": "think first, answer after"}
     texts = [tiny_tokenizer.apply_chat_template([system, *c], tokenize=False, add_generation_prompt=True) for c in CONVS]
     enc = tiny_tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-    kwargs = dict(do_sample=True, max_new_tokens=10, eos_token_id=tiny_tokenizer.eos_token_id,
-                  pad_token_id=tiny_tokenizer.pad_token_id, use_cache=True, temperature=1.0, top_k=0,
-                  output_logits=True, return_dict_in_generate=True)
-    calls = []
+    eos = [tiny_tokenizer.eos_token_id]
+    expected = _generate_reference(model, enc, 3, dict(max_new_tokens=10, eos_token_id=eos, output_logits=True,
+                                                       return_dict_in_generate=True), 5, tiny_tokenizer)
+    calls, trace = [], []
     hook = model.get_decoder().register_forward_hook(lambda m, a, kw, o: calls.append(tuple(kw["input_ids"].shape)),
                                                      with_kwargs=True)
-    torch.manual_seed(5)
-    expected = model.generate(**enc, num_return_sequences=3, **kwargs)
-    torch.manual_seed(5)
-    calls.clear()
     try:
-        got = generate_shared_prefix(model, enc["input_ids"], enc["attention_mask"], 3,
-                                     {**kwargs, "num_return_sequences": 3}, min_common=min_common)
+        got = _decode(model, enc, 3, 10, eos, 5, tiny_tokenizer, min_common=min_common, trace=trace)
     finally:
         hook.remove()
     width = enc["input_ids"].shape[1]
-    assert got.sequences[:, width:].tolist() == expected.sequences[:, width:].tolist()
+    assert got.tolist() == expected.sequences[:, width:].tolist()
     # the tiny random model samples the same tokens from slightly wrong logits too: compare the logits
-    torch.testing.assert_close(torch.stack(got.logits), torch.stack(expected.logits), rtol=1e-5, atol=1e-5)
+    for step, (live, logits) in enumerate(trace):
+        torch.testing.assert_close(logits, expected.logits[step][live].float(), rtol=1e-5, atol=1e-5)
     rows = [ids[m.bool()].tolist() for ids, m in zip(enc["input_ids"], enc["attention_mask"], strict=True)]
     n_common = len(os.path.commonprefix(rows))
     assert n_common >= 4
@@ -197,6 +250,21 @@ def test_batch_wide_common_prefix_samples_equal_num_return_sequences(backend, ti
         assert calls[:2] == [(1, n_common), (4, width - 1 - n_common)]
     else:
         assert calls[0] == (4, width - 1)
+
+
+def test_block_race_sampler_live_rows_draw_what_the_whole_batch_draws():
+    """draw(scores[live], live, total) gives each live row the token the whole batch's draw gives it."""
+    from stages.generation import BlockRaceSampler
+
+    torch.manual_seed(0)
+    scores = torch.randn(6, 300)
+    sampler = BlockRaceSampler(block=64)
+    torch.manual_seed(9)
+    whole = sampler.draw(scores)
+    live = torch.tensor([1, 4, 5])
+    torch.manual_seed(9)
+    part = sampler.draw(scores[live], live, 6)
+    assert part.tolist() == whole[live].tolist()
 
 
 def _frequencies(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -334,8 +402,8 @@ def test_greedy_n_copies_without_the_shared_prefix_path(backend):
 
 def test_preallocated_layer_returns_what_dynamic_layer_returns():
     """Against transformers' DynamicLayer fed the same states: after each update (one position, then
-    several past the buffer's capacity, so it grows), after a crop, and after a batch reorder, the
-    keys and values returned and held are equal, and get_seq_length agrees."""
+    several past the buffer's capacity, so it grows), after a crop, a batch reorder and a selection of
+    rows (and an update after each), the keys and values returned and held are equal, and get_seq_length agrees."""
     from transformers.cache_utils import DynamicLayer
 
     from stages.generation import PreallocatedLayer
@@ -366,11 +434,18 @@ def test_preallocated_layer_returns_what_dynamic_layer_returns():
     k, v = torch.randn(3, 2, 2, 4), torch.randn(3, 2, 2, 4)
     pre.update(k, v), ref.update(k, v)
     check("after reorder")
+    keep = torch.tensor([0, 2])
+    pre.batch_select_indices(keep), ref.batch_select_indices(keep)
+    check("select")
+    assert pre.keys.data_ptr() == pre._k.data_ptr()  # still a view of its buffer: the next update writes in place
+    k, v = torch.randn(2, 2, 1, 4), torch.randn(2, 2, 1, 4)
+    pre.update(k, v), ref.update(k, v)
+    check("after select")
 
 
-def test_generate_shared_prefix_preallocates_the_cache_on_cpu(backend, tiny_tokenizer, monkeypatch):
-    """The shared-prefix path decodes against PreallocatedLayers on CPU, and its samples equal those
-    it draws with transformers' plain DynamicLayers (preallocation switched off)."""
+def test_prefill_preallocates_the_cache_on_cpu(backend, tiny_tokenizer, monkeypatch):
+    """prefill_prompts hands the decode loop PreallocatedLayers on CPU, and the samples equal those
+    drawn with transformers' plain DynamicLayers (preallocation switched off)."""
     from stages import generation
 
     spec = GenerationSpec(max_new_tokens=8, temperature=1.0, batch_size=4)
