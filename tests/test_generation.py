@@ -176,10 +176,12 @@ def test_decode_rows_samples_equal_generate(backend, tiny_tokenizer, top_p):
     assert got.tolist() == expected[:, enc["input_ids"].shape[1]:].tolist()
 
 
-def test_decode_rows_drops_finished_rows_and_samples_what_generate_samples(backend, tiny_tokenizer):
-    """With 40 of the 136 tokens ending a row, rows end after a few tokens: the loop runs fewer rows
-    as they end (the trace of live rows shrinks; each compaction once a share of them are done), and
-    still returns generate()'s tokens, padding included, with the same logits for every live row."""
+@pytest.mark.parametrize("share", [0.125, 0.5])
+def test_decode_rows_drops_finished_rows_and_samples_what_generate_samples(backend, tiny_tokenizer, share):
+    """With 40 of the 136 tokens ending a row, rows end after a few tokens: the loop drops the ended
+    rows exactly when they reach `share` of the rows it runs (the rows of the next step are then the
+    running ones, else the same as before), and still returns generate()'s tokens, padding
+    included, with the same logits for every row it runs."""
     model = backend.model
     tiny_tokenizer.padding_side = "left"
     texts = [tiny_tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in CONVS]
@@ -188,15 +190,18 @@ def test_decode_rows_drops_finished_rows_and_samples_what_generate_samples(backe
     ref = _generate_reference(model, enc, 4, dict(max_new_tokens=24, eos_token_id=eos, output_logits=True,
                                                   return_dict_in_generate=True), 11, tiny_tokenizer)
     trace = []
-    got = _decode(model, enc, 4, 24, eos, 11, tiny_tokenizer, trace=trace)
+    got = _decode(model, enc, 4, 24, eos, 11, tiny_tokenizer, trace=trace, compact_share=share)
     width = enc["input_ids"].shape[1]
     assert got.tolist() == ref.sequences[:, width:].tolist()
-    live_counts = [len(live) for live, _ in trace]
-    assert live_counts[0] == 16 and live_counts[-1] < 16
-    assert live_counts == sorted(live_counts, reverse=True)
+    ended_by = [next((k + 1 for k, t in enumerate(row) if t in eos), 10**9) for row in got.tolist()]
+    running = [{r for r in range(16) if ended_by[r] > s} for s in range(len(trace))]
+    lives = [set(live.tolist()) for live, _ in trace]
+    assert lives[0] == set(range(16)) and len(lives[-1]) < 16  # rows were dropped
+    for s in range(1, len(trace)):
+        n_done = len(lives[s - 1] - running[s])
+        assert lives[s] == (running[s] if n_done and n_done >= share * len(lives[s - 1]) else lives[s - 1]), s
     for step, (live, logits) in enumerate(trace):
         torch.testing.assert_close(logits, ref.logits[step][live].float(), rtol=1e-5, atol=1e-5)
-        assert not any(t in eos for t in got[live, :step].flatten().tolist())  # only running rows are computed
 
 
 def test_decode_rows_stop_strings_end_rows_as_generate_does(backend, tiny_tokenizer):
