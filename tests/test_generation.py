@@ -204,6 +204,24 @@ def test_decode_rows_drops_finished_rows_and_samples_what_generate_samples(backe
         torch.testing.assert_close(logits, ref.logits[step][live].float(), rtol=1e-5, atol=1e-5)
 
 
+def test_decode_rows_from_one_token_prompts_without_a_cache(backend, tiny_tokenizer):
+    """One-token prompts leave prefill_prompts nothing to cache (None): the loop starts from the model's
+    own first cache and samples what generate() samples from the same seed."""
+    from stages.generation import decode_rows, prefill_prompts, sampling_processors
+
+    model = backend.model
+    enc = {"input_ids": torch.tensor([[5], [9], [20]]), "attention_mask": torch.ones(3, 1, dtype=torch.long)}
+    eos = [tiny_tokenizer.eos_token_id, *range(40, 79)]
+    ref = _generate_reference(model, enc, 2, dict(max_new_tokens=12, eos_token_id=eos), 2, tiny_tokenizer)
+    torch.manual_seed(2)
+    ids, mask, cache = prefill_prompts(model, enc["input_ids"], enc["attention_mask"], 2, 12)
+    assert cache is None and ids.shape == (6, 1)
+    procs = list(sampling_processors(1.0, 0, 1.0))
+    got = decode_rows(model, ids, mask, cache, 12, eos, tiny_tokenizer.pad_token_id, warpers=procs[:-1],
+                      sampler=procs[-1])
+    assert got.tolist() == ref[:, 1:].tolist()
+
+
 def test_decode_rows_stop_strings_end_rows_as_generate_does(backend, tiny_tokenizer):
     """Stop strings through transformers' StopStringCriteria on each live row: the tokens generate()
     returns with stop_strings, rows ended by a stop string padded after it."""
