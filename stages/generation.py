@@ -252,11 +252,14 @@ class PreallocatedLayer(DynamicLayer):
         self._v[:, :, :length] = self.values
         self.keys, self.values = self._k[:, :, :length], self._v[:, :, :length]
 
+    def _in_buffers(self) -> bool:
+        """Whether keys are still the front of the buffers (nothing replaced them: crop, reorder, offload)."""
+        return self.keys.data_ptr() == self._k.data_ptr() and self.keys.shape[:2] == self._k.shape[:2]
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:
         length, new = self.keys.shape[-2], key_states.shape[-2]
-        if (self.keys.data_ptr() != self._k.data_ptr() or self.keys.shape[:2] != self._k.shape[:2]
-                or self.keys.dtype != key_states.dtype or length + new > self._k.shape[-2]):
+        if not self._in_buffers() or self.keys.dtype != key_states.dtype or length + new > self._k.shape[-2]:
             self._allocate(2 * (length + new))
         self._k[:, :, length : length + new] = key_states
         self._v[:, :, length : length + new] = value_states
@@ -266,7 +269,7 @@ class PreallocatedLayer(DynamicLayer):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keeps the rows `indices` (decode_rows dropping finished rows), moved to the front of the same
         buffers: no new allocation, and the next updates still write in place."""
-        if self.keys.data_ptr() != self._k.data_ptr() or self.keys.shape[:2] != self._k.shape[:2]:
+        if not self._in_buffers():
             return super().batch_select_indices(indices)
         length, rows = self.keys.shape[-2], len(indices)
         self._k[:rows, :, :length] = self.keys.index_select(0, indices)
@@ -332,16 +335,16 @@ class BlockRaceSampler(LogitsProcessor):
         probs = torch.nn.functional.pad(torch.softmax(scores.float(), dim=-1), (0, n_blocks * self.block - vocab))
         blocks = probs.view(rows, n_blocks, self.block)
         mass = blocks.sum(-1)
-        k = (mass / self._exponentials(mass, n_blocks, live, total)).argmax(-1)
+        k = (mass / self._exponentials(mass, live, total)).argmax(-1)
         inner = blocks[torch.arange(rows, device=scores.device), k]
-        j = (inner / self._exponentials(inner, self.block, live, total)).argmax(-1)
+        j = (inner / self._exponentials(inner, live, total)).argmax(-1)
         return (k * self.block + j).clamp_(max=vocab - 1)
 
     @staticmethod
-    def _exponentials(like: torch.Tensor, width: int, live: torch.Tensor | None, total: int | None) -> torch.Tensor:
+    def _exponentials(like: torch.Tensor, live: torch.Tensor | None, total: int | None) -> torch.Tensor:
         if live is None:
             return torch.empty_like(like).exponential_()
-        return like.new_empty(total, width).exponential_().index_select(0, live)
+        return like.new_empty(total, like.shape[1]).exponential_().index_select(0, live)
 
 
 def sampling_processors(temperature: float, top_k: int, top_p: float) -> LogitsProcessorList:
