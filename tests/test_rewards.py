@@ -733,7 +733,7 @@ def _pids_alive(pids) -> set[int]:
         try:
             with open(f"/proc/{pid}/stat") as f:
                 state = f.read().rsplit(")", 1)[1].split()[0]
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # gone before the open, or between open and read
             continue
         if state != "Z":
             alive.add(pid)
