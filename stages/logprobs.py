@@ -105,7 +105,7 @@ def bucketed_token_logprobs(model, input_ids: torch.Tensor, attention_mask: torc
     if is_sharded(model):
         overhead = 10**12
     else:
-        overhead = default_bucket_overhead(input_ids.device) if bucket_overhead is None else bucket_overhead
+        overhead = default_bucket_overhead(input_ids.device, model) if bucket_overhead is None else bucket_overhead
     buckets = length_buckets(lengths, overhead)
     logps, entropies = [], []
     for rows in buckets:
@@ -249,10 +249,15 @@ def can_share_prefix(model) -> bool:
     turns the cache off under gradient checkpointing)."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    flag = "is_activation_checkpointing" if hasattr(model, "is_activation_checkpointing") else "is_gradient_checkpointing"
-    checkpointing = bool(getattr(model, flag, False)) and model.training
-    return (decoder is not None and head is not None and _head_is_plain(model) and not checkpointing
-            and not is_sharded(model))  # two forwards per batch under FSDP: kept simple, one forward
+    if decoder is None or head is None or not _head_is_plain(model) or is_sharded(model):
+        return False  # (FSDP: two forwards per batch; kept simple, one forward)
+    if not model.training:
+        return True
+    # the property walks every module: read it once (older transformers: is_gradient_checkpointing)
+    checkpointing = getattr(model, "is_activation_checkpointing", None)
+    if checkpointing is None:
+        checkpointing = getattr(model, "is_gradient_checkpointing", False)
+    return not checkpointing
 
 
 def _decoder_hidden(model, decoder, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -284,7 +289,7 @@ def shared_prefix_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.T
 
     Completions of different lengths run in length buckets (`length_buckets`): each bucket's rows
     padded to the bucket's longest, not the batch's, where that saves more than `bucket_overhead`
-    token positions a bucket (default `default_bucket_overhead` for the device); the head runs only
+    token positions a bucket (default `default_bucket_overhead` for the device and the model's width); the head runs only
     on real completion tokens either way.
     """
     decoder, head = model.get_decoder(), model.get_output_embeddings()
@@ -309,7 +314,7 @@ def shared_prefix_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.T
     row_mask = torch.cat([lead, prompt_mask], dim=1).index_select(0, prompt_of_row)
     positions = row_mask.sum(-1, keepdim=True) + torch.arange(completion_ids.shape[1], device=completion_ids.device)[None, :]
     lengths = completion_mask.sum(-1).tolist()
-    buckets = length_buckets(lengths, default_bucket_overhead(completion_ids.device) if bucket_overhead is None
+    buckets = length_buckets(lengths, default_bucket_overhead(completion_ids.device, model) if bucket_overhead is None
                              else bucket_overhead)
     if not isinstance(getattr(cache, "layers", None), list):  # a cache whose rows `_cache_rows_copy` cannot copy
         buckets = [list(range(len(lengths)))]
@@ -336,10 +341,42 @@ def shared_prefix_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.T
 # ~4 ms of kernel launches for a decoder call's forward and backward.
 BUCKET_OVERHEAD_CPU = 64
 BUCKET_OVERHEAD_CUDA = 512
+# Those are positions of a SmolLM2-sized model (3.5M parameters a decoder layer). A decoder call's fixed cost is
+# mostly per-op dispatch, about the same at any width, while a position costs in proportion to the layer's
+# parameters: in a narrower model the same call is worth more positions. Measured on CPU (forward + backward time
+# fitted as a + b * positions over 8-4096 positions, 2 threads, 2- and 4-layer Llamas): 2.8M parameters a layer 55
+# positions, SmolLM2 70, 738K 71, 185K 153, the tiny model (37K) 272; (3.5M / p) ** (1/3) scales 64 to 69, 64, 108,
+# 171 and 293. Layers at least as wide as the reference keep the constants. CUDA: the same scaling, not measured.
+OVERHEAD_REFERENCE_LAYER_PARAMETERS = 3_500_000
 
 
-def default_bucket_overhead(device: torch.device | str) -> int:
-    return BUCKET_OVERHEAD_CUDA if torch.device(device).type == "cuda" else BUCKET_OVERHEAD_CPU
+def layer_parameters(model) -> int | None:
+    """Parameters of the model's first decoder layer (LoRA weights included); None if it has no `layers`."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    layers = getattr(decoder, "layers", None)
+    if layers is None or len(layers) == 0:
+        return None
+    return sum(p.numel() for p in layers[0].parameters())
+
+
+def default_bucket_overhead(device: torch.device | str, model=None) -> int:
+    """What one more decoder call (forward and backward) costs, in token positions: the device's constant,
+    scaled up for a model with narrower layers than the reference (see above)."""
+    base = BUCKET_OVERHEAD_CUDA if torch.device(device).type == "cuda" else BUCKET_OVERHEAD_CPU
+    n = layer_parameters(model) if model is not None else None
+    if not n or n >= OVERHEAD_REFERENCE_LAYER_PARAMETERS:
+        return base
+    return round(base * (OVERHEAD_REFERENCE_LAYER_PARAMETERS / n) ** (1 / 3))
+
+
+def prefix_sharing_pays(prompt_lengths: list[int], completion_lengths: list[int], row_lengths: list[int],
+                        overhead: int) -> bool:
+    """Whether running each distinct prompt once (`shared_prefix_rows`) costs fewer token positions than
+    whole rows: K distinct prompts padded to the longest, plus N completions padded to the longest, plus
+    `overhead` for the second decoder call, against N whole rows padded to the longest."""
+    shared = len(prompt_lengths) * max(prompt_lengths, default=0) + len(completion_lengths) * max(
+        completion_lengths, default=0)
+    return shared + overhead < len(row_lengths) * max(row_lengths, default=0)
 
 
 def length_buckets(lengths: list[int], overhead: int) -> list[list[int]]:

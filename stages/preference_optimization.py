@@ -31,6 +31,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from functools import partial
+from itertools import chain
 
 import numpy as np
 import torch
@@ -123,32 +124,37 @@ def tokenize(tokenizer, messages: list[dict], completion: str, max_length: int) 
 
 
 def completion_logprobs(model, sequences: list[tuple[list[int], int]], pad_id: int, device: str,
-                        chunk: int = 4096, share_prefix: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                        chunk: int = 4096, share_prefix: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Token log-probs of each sequence's completion and the mask over them: both (N, L-1).
 
     Right-padded, one forward pass (with gradient if enabled by the caller); position t of the
     result is log p(token t+1 | tokens <= t); the logits exist `chunk` positions at a time
-    (`stages.logprobs`). Sequences with the same prompt (a pair's chosen and rejected) share it:
-    the decoder runs over each distinct prompt once (`logprobs.shared_prefix_rows`; the same
-    values and gradients), unless `share_prefix` is off or the model cannot (gradient checkpointing).
+    (`stages.logprobs`). Sequences with the same prompt (a pair's chosen and rejected) can share it:
+    the decoder runs over each distinct prompt once, then the completions against its cache
+    (`logprobs.shared_prefix_rows`; the same values and gradients). `share_prefix` None: where that
+    skips more positions than the second decoder call costs (`logprobs.prefix_sharing_pays`; on a
+    very narrow model it does not); True: wherever a prompt repeats; False: never. Either way only
+    if the model can (`logprobs.can_share_prefix`: not under gradient checkpointing).
     """
-    width = max(len(ids) for ids, _ in sequences)
-    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-    attn = torch.zeros_like(ids)
-    mask = torch.zeros((len(sequences), width - 1), dtype=torch.bool)
-    for i, (s, n_c) in enumerate(sequences):
-        ids[i, : len(s)] = torch.tensor(s)
-        attn[i, : len(s)] = 1
-        mask[i, len(s) - n_c - 1 : len(s) - 1] = True
-    mask = mask.to(device)
-    if share_prefix and logprobs.can_share_prefix(model):
+    lengths = torch.tensor([len(s) for s, _ in sequences])
+    width = int(lengths.max())
+    columns = torch.arange(width)[None, :]
+    real = columns < lengths[:, None]
+    # position t predicts token t+1: the completion's n_c tokens are predicted from len - n_c - 1 to len - 2
+    first = lengths - torch.tensor([n_c for _, n_c in sequences]) - 1
+    mask = ((columns[:, :-1] >= first[:, None]) & (columns[:, :-1] < (lengths - 1)[:, None])).to(device)
+    if share_prefix is not False and logprobs.can_share_prefix(model):
         index: dict[tuple[int, ...], int] = {}
         prompt_of_row = [index.setdefault(tuple(s[: len(s) - n_c]), len(index)) for s, n_c in sequences]
-        if len(index) < len(sequences):
+        if len(index) < len(sequences) and (share_prefix or logprobs.prefix_sharing_pays(
+                [len(p) for p in index], [n_c for _, n_c in sequences], [len(s) for s, _ in sequences],
+                logprobs.default_bucket_overhead(device, model))):
             logp, _ = logprobs.shared_prefix_rows(model, [list(p) for p in index], [s[len(s) - n_c :] for s, n_c in sequences],
                                                   prompt_of_row, pad_id, width, device, chunk_tokens=chunk)
             return logp, mask
-    ids, attn = ids.to(device), attn.to(device)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    ids[real] = torch.tensor(list(chain.from_iterable(s for s, _ in sequences)), dtype=torch.long)  # row-major: in order
+    ids, attn = ids.to(device), real.long().to(device)
     logp, _ = logprobs.token_logprobs(model, ids, attn, chunk_tokens=chunk, positions=mask)  # head on completions only
     return logp, mask
 

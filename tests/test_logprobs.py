@@ -236,6 +236,47 @@ def test_length_buckets_minimise_padding_plus_overhead():
     assert length_buckets([], 5) == [] and length_buckets([0], 5) == [[0]]
 
 
+def test_bucket_overhead_grows_as_the_layers_narrow(tiny_tokenizer):
+    """The tiny model's layer has 36,992 parameters: 64 * (3.5M / 36,992) ** (1/3) = 64 * 4.557 = 291.7 on
+    CPU, 512 * 4.557 = 2333.2 on CUDA; a layer at least as wide as the reference, or a model without
+    `layers`, keeps the device's constant."""
+    from stages import logprobs, models
+
+    tiny = models.build_tiny_model(tiny_tokenizer)
+    assert logprobs.layer_parameters(tiny) == 36_992
+    assert logprobs.default_bucket_overhead("cpu", tiny) == 292
+    assert logprobs.default_bucket_overhead("cuda", tiny) == 2333
+
+    class Wide(torch.nn.Module):
+        def __init__(self, width: int):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([torch.nn.Linear(width, width, bias=False)])
+
+        def get_decoder(self):
+            return self
+
+    assert logprobs.default_bucket_overhead("cpu", Wide(1871)) == 64  # 3,500,641 parameters
+    assert logprobs.default_bucket_overhead("cpu", Wide(1870)) == 64  # 3,496,900: 64 * 1.00036 = 64.02
+    assert logprobs.default_bucket_overhead("cpu", Wide(935)) == 102  # 874,225: 64 * 1.5878 = 101.6
+    assert logprobs.default_bucket_overhead("cpu", torch.nn.Linear(2, 2)) == 64  # no decoder layers
+    assert logprobs.default_bucket_overhead("cuda") == 512
+
+
+def test_prefix_sharing_pays_counts_padded_positions_and_the_extra_call():
+    """The tiny benchmark's DPO batch: 4 prompts of 51, 8 completions of 65, rows of 116: shared
+    4*51 + 8*65 = 724 positions (+ overhead) against 8*116 = 928 whole; SmolLM2's: 2*62 + 4*65 = 384
+    against 4*127 = 508. Padding counts: one long prompt pads them all."""
+    from stages.logprobs import prefix_sharing_pays
+
+    assert not prefix_sharing_pays([51] * 4, [65] * 8, [116] * 8, 292)  # 1016 > 928
+    assert prefix_sharing_pays([51] * 4, [65] * 8, [116] * 8, 203)  # 927 < 928
+    assert not prefix_sharing_pays([51] * 4, [65] * 8, [116] * 8, 204)  # a tie runs whole rows
+    assert prefix_sharing_pays([62] * 2, [65] * 4, [127] * 4, 64)  # 448 < 508
+    # prompts 10 and 100, completions 5: shared 2*100 + 4*5 = 220 against 4*105 = 420 whole
+    assert prefix_sharing_pays([10, 100], [5] * 4, [15, 15, 105, 105], 199)
+    assert not prefix_sharing_pays([10, 100], [5] * 4, [15, 15, 105, 105], 200)
+
+
 @pytest.mark.parametrize("overhead", [0, None])
 def test_bucketed_whole_rows_match_one_padded_batch(tiny_tokenizer, overhead):
     """Right-padded rows of 3, 9, 2, 9 and 14 tokens (padded to 16): in length buckets the log-probs,

@@ -164,6 +164,31 @@ def test_mismatched_reference_and_bad_combinations_fail_before_training(tmp_path
         po.check(_cfg(loss="cdpo", label_smoothing=0.0))
 
 
+def test_prefix_sharing_is_chosen_by_cost_unless_forced(tiny_tokenizer, monkeypatch):
+    """Default (share_prefix None): the tiny model's narrow layers make a second decoder call cost 292
+    positions, more than a pair sharing a prompt of ~20 tokens saves, so whole rows run; with a
+    cheaper call the prompt runs once; share_prefix True shares regardless. Same numbers each way."""
+    from stages import logprobs, models
+
+    model = models.build_tiny_model(tiny_tokenizer, seed=3).train()
+    seqs = [po.tokenize(tiny_tokenizer, [{"role": "user", "content": "one prompt for both"}], c, 64)
+            for c in ("12", "3456")]
+    calls = []
+    shared = logprobs.shared_prefix_rows
+    monkeypatch.setattr(logprobs, "shared_prefix_rows", lambda *a, **k: calls.append(1) or shared(*a, **k))
+    whole, mask = po.completion_logprobs(model, seqs, 0, "cpu")
+    assert calls == []
+    forced, _ = po.completion_logprobs(model, seqs, 0, "cpu", share_prefix=True)
+    assert calls == [1]
+    monkeypatch.setattr(logprobs, "default_bucket_overhead", lambda device, model=None: 0)
+    cheap, _ = po.completion_logprobs(model, seqs, 0, "cpu")
+    assert calls == [1, 1]
+    assert po.completion_logprobs(model, seqs, 0, "cpu", share_prefix=False)[0] is not None and calls == [1, 1]
+    for got in (forced, cheap):
+        torch.testing.assert_close(got[mask], whole[mask], rtol=1e-5, atol=1e-5)
+        assert (got[~mask] == 0).all()
+
+
 def test_shared_prompts_give_the_same_logprobs_and_gradients_as_whole_rows(tiny_tokenizer):
     """Two pairs with prompts of different lengths, laid out [chosen..., rejected...] as batch_loss
     does: each prompt run once gives the whole rows' completion log-probs and parameter gradients."""

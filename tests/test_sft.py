@@ -77,6 +77,17 @@ def test_micro_batches_cover_each_epoch_exactly_once_and_are_seeded():
     assert sft.micro_batch_indices(n, bs, 2, 0) != sft.micro_batch_indices(n, bs, 1, 0)
 
 
+def test_collate_pads_right_and_leaves_the_examples_alone():
+    a, b = sft.Example([5, 6, 7], [IG, 6, 7]), sft.Example([8], [IG])
+    batch = sft.collate([a, b], pad_id=0)
+    assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
+    assert batch["labels"].tolist() == [[IG, 6, 7], [IG, IG, IG]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert all(t.dtype == torch.long for t in batch.values())
+    batch["input_ids"].fill_(1)  # the batch is a copy of the examples' cached tensors, not a view
+    assert sft.collate([b, a], pad_id=9)["input_ids"].tolist() == [[8, 9, 9], [5, 6, 7]]
+
+
 def test_pack_keeps_labels_aligned():
     exs = [sft.Example([1, 2, 3], [IG, 2, 3]), sft.Example([4, 5], [IG, 5]), sft.Example([6, 7, 8, 9], [IG, 7, 8, 9])]
     blocks = sft.pack(exs, max_length=5)
