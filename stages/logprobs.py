@@ -343,10 +343,12 @@ BUCKET_OVERHEAD_CPU = 64
 BUCKET_OVERHEAD_CUDA = 512
 # Those are positions of a SmolLM2-sized model (3.5M parameters a decoder layer). A decoder call's fixed cost is
 # mostly per-op dispatch, about the same at any width, while a position costs in proportion to the layer's
-# parameters: in a narrower model the same call is worth more positions. Measured on CPU (forward + backward time
-# fitted as a + b * positions over 8-4096 positions, 2 threads, 2- and 4-layer Llamas): 2.8M parameters a layer 55
-# positions, SmolLM2 70, 738K 71, 185K 153, the tiny model (37K) 272; (3.5M / p) ** (1/3) scales 64 to 69, 64, 108,
-# 171 and 293. Layers at least as wide as the reference keep the constants. CUDA: the same scaling, not measured.
+# parameters: in a narrower model the same call is worth more positions. Measured on CPU (benchmarks/call_overhead.py:
+# 2 T(B rows) - T(2B rows) in positions of the 2B-row call, forward + backward, 2 threads, median over row lengths
+# 32-128): the tiny model (37K parameters a layer) 436 (240-454), 185K 153, 738K 60, 2.8M 27, SmolLM2 (3.5M, 30
+# layers) 48; (3.5M / p) ** (1/3) scales 64 to 292, 171, 108, 69 and 64: the right order, between the tiny model
+# (where it decides DPO's prefix sharing) and SmolLM2 on the cautious side (fewer calls). Layers at least as wide
+# as the reference keep the constants. CUDA: the same scaling, not measured.
 OVERHEAD_REFERENCE_LAYER_PARAMETERS = 3_500_000
 
 
