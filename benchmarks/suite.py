@@ -59,6 +59,7 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -129,12 +130,17 @@ def child_main(args: argparse.Namespace) -> None:
         from benchmarks import r1flow_side as side
     else:
         from benchmarks import trl_side as side
-    if task == "reference":
-        result = side.run_reference(prep, shape, args.device, work)
-    elif task == "dpo" and framework == "r1flow":
-        result = side.run_dpo(prep, shape, args.device, work, json.loads(Path(args.reference).read_text()))
-    else:
-        result = getattr(side, f"run_{task}")(prep, shape, args.device, work)
+    try:
+        if task == "reference":
+            result = side.run_reference(prep, shape, args.device, work)
+        elif task == "dpo" and framework == "r1flow":
+            result = side.run_dpo(prep, shape, args.device, work, json.loads(Path(args.reference).read_text()))
+        else:
+            result = getattr(side, f"run_{task}")(prep, shape, args.device, work)
+    finally:
+        # checkpoints and saved models: ~2 GB a SmolLM2 run, ~13 GB a whole suite; the DPO runs read the reference
+        if task != "reference" and not args.keep_artifacts:
+            shutil.rmtree(work, ignore_errors=True)
     result["threads"] = torch.get_num_threads()
     print(RESULT_MARK + json.dumps(result), flush=True)
 
@@ -169,9 +175,12 @@ def wait_until_quiet(max_wait: float, threshold: float = 0.2) -> float:
 
 
 def run_child(what: str, device: str, prep_file: Path, shape: Shape, work: Path, log: Path,
-              reference: Path | None = None, timeout: float = 3600, quiet_wait: float = 0.0) -> dict | None:
+              reference: Path | None = None, timeout: float = 3600, quiet_wait: float = 0.0,
+              keep_artifacts: bool = False) -> dict | None:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", what, "--prep", str(prep_file),
            "--shape", json.dumps(shape.to_dict()), "--device", device, "--work", str(work)]
+    if keep_artifacts:
+        cmd.append("--keep-artifacts")
     if reference is not None:
         cmd += ["--reference", str(reference)]
     if quiet_wait > 0:
@@ -407,7 +416,9 @@ def main() -> None:
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     ap.add_argument("--json", help="write every raw measurement here")
     ap.add_argument("--markdown", help="append the RESULTS.md lines here")
-    ap.add_argument("--work-dir", help="keep artifacts and logs here (default: a temp dir)")
+    ap.add_argument("--work-dir", help="logs, prepared data and the DPO reference go here (default: a temp dir)")
+    ap.add_argument("--keep-artifacts", action="store_true",
+                    help="keep each run's checkpoints and saved model in the work dir (default: removed once measured)")
     ap.add_argument("--quiet-wait", type=float, default=300.0,
                     help="before each run, wait up to this many seconds for other processes to leave the CPU idle")
     for hidden in ("--child", "--prep", "--shape", "--work", "--reference"):
@@ -451,7 +462,7 @@ def main() -> None:
             reference = None
             if task == "dpo" and "r1flow" in frameworks:
                 ref = run_child("r1flow:reference", device, prep_file, shape, work, work / "r1flow-reference.log",
-                                quiet_wait=args.quiet_wait)
+                                quiet_wait=args.quiet_wait, keep_artifacts=args.keep_artifacts)
                 if ref is not None:
                     reference = work / "reference.json"
                     reference.write_text(json.dumps(ref))
@@ -466,7 +477,8 @@ def main() -> None:
                     suffix = f"-{rep + 1}" if args.repeats > 1 else ""
                     out = run_child(f"{fw}:{task}", device, prep_file, shape, work, work / f"{fw}-{task}{suffix}.log",
                                     reference=reference if fw == "r1flow" else None,
-                                    quiet_wait=args.quiet_wait if not device.startswith("cuda") else 0.0)
+                                    quiet_wait=args.quiet_wait if not device.startswith("cuda") else 0.0,
+                                    keep_artifacts=args.keep_artifacts)
                     runs[fw].append(out)
                     if out is not None:
                         info["threads"] = out.get("threads", info["threads"])
