@@ -104,6 +104,8 @@ def micro_batch_indices(n: int, batch_size: int, seed: int, micro_step: int) -> 
 
 @dataclass(frozen=True)
 class Example:
+    """One training sequence: token ids and, of the same length, their labels (IGNORE where no loss)."""
+
     input_ids: list[int]
     labels: list[int]
 
