@@ -136,19 +136,19 @@ def completion_logprobs(model, sequences: list[tuple[list[int], int]], pad_id: i
     very narrow model it does not); True: wherever a prompt repeats; False: never. Either way only
     if the model can (`logprobs.can_share_prefix`: not under gradient checkpointing).
     """
-    lengths = torch.tensor([len(s) for s, _ in sequences])
-    width = int(lengths.max())
+    row_lengths, completion_lengths = [len(s) for s, _ in sequences], [n_c for _, n_c in sequences]
+    lengths = torch.tensor(row_lengths)
+    width = max(row_lengths)
     columns = torch.arange(width)[None, :]
     real = columns < lengths[:, None]
     # position t predicts token t+1: the completion's n_c tokens are predicted from len - n_c - 1 to len - 2
-    first = lengths - torch.tensor([n_c for _, n_c in sequences]) - 1
+    first = lengths - torch.tensor(completion_lengths) - 1
     mask = ((columns[:, :-1] >= first[:, None]) & (columns[:, :-1] < (lengths - 1)[:, None])).to(device)
     if share_prefix is not False and logprobs.can_share_prefix(model):
         index: dict[tuple[int, ...], int] = {}
         prompt_of_row = [index.setdefault(tuple(s[: len(s) - n_c]), len(index)) for s, n_c in sequences]
         if len(index) < len(sequences) and (share_prefix or logprobs.prefix_sharing_pays(
-                [len(p) for p in index], [n_c for _, n_c in sequences], [len(s) for s, _ in sequences],
-                logprobs.default_bucket_overhead(device, model))):
+                [len(p) for p in index], completion_lengths, row_lengths, logprobs.default_bucket_overhead(device, model))):
             logp, _ = logprobs.shared_prefix_rows(model, [list(p) for p in index], [s[len(s) - n_c :] for s, n_c in sequences],
                                                   prompt_of_row, pad_id, width, device, chunk_tokens=chunk)
             return logp, mask
