@@ -39,7 +39,7 @@ from transformers.generation.stopping_criteria import StopStringCriteria
 
 from schemas.configs import GenerationSpec
 from schemas.errors import ModelError
-from stages import logprobs
+from stages import lean_decode, logprobs
 
 
 @dataclass(frozen=True)
@@ -171,7 +171,8 @@ COMPACT_SHARE = 0.5  # decode_rows drops finished rows once they are half the ro
 @torch.no_grad()
 def decode_rows(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache, max_new_tokens: int,
                 eos_ids: list[int], pad_id: int, warpers=(), sampler: BlockRaceSampler | None = None,
-                stop=None, compact_share: float = COMPACT_SHARE, trace: list | None = None) -> torch.Tensor:
+                stop=None, compact_share: float = COMPACT_SHARE, trace: list | None = None,
+                lean: bool = True) -> torch.Tensor:
     """New tokens [rows, steps] continuing left-padded prompts from a cache of all but their last column.
 
     The loop `generate(do_sample=False, logits_processor=[*warpers, sampler])` runs, without its
@@ -188,6 +189,8 @@ def decode_rows(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, ca
     Finished rows are padded with `pad_id` after their last token; steps = the longest row's length.
     `stop`: a transformers StoppingCriteria called on (live rows' prompt + new tokens, None).
     `trace`: when a list, gets (live row indices, float logits) per step (tests).
+    `lean`: run each step through `lean_decode.lean_step` where the model and cache allow it (the same
+    modules and arithmetic as `model(...)` without its per-call machinery), else `model(...)`.
     """
     rows, width, device = input_ids.shape[0], input_ids.shape[1], input_ids.device
     out = torch.full((rows, max_new_tokens), pad_id, dtype=torch.long, device=device)
@@ -198,12 +201,20 @@ def decode_rows(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, ca
     pos = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, -1:]
     token = input_ids[:, -1:]
     done = torch.zeros(rows, dtype=torch.bool, device=device)
+    fast = lean_decode.lean_step(model) if lean else None
+    padded = not bool(attention_mask.all())  # as transformers decides each step whether the mask can be skipped
+    checked, fast_cache = None, False
     steps = 0
     for step in range(max_new_tokens):
-        res = model(input_ids=token, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
-                    logits_to_keep=1)
-        cache = res.past_key_values
-        scores = res.logits[:, -1, :].float()
+        if fast is not None and cache is not checked:
+            checked, fast_cache = cache, lean_decode.takes_cache(cache, LEAN_CACHE_LAYERS)
+        if fast_cache:
+            scores = fast(token, mask, pos, cache, padded).float()
+        else:
+            res = model(input_ids=token, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                        use_cache=True, logits_to_keep=1)
+            cache = res.past_key_values
+            scores = res.logits[:, -1, :].float()
         if trace is not None:
             trace.append((live.clone(), scores.clone()))
         for warp in warpers:
@@ -223,6 +234,7 @@ def decode_rows(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, ca
             keep = (~done).nonzero().squeeze(1)
             cache.batch_select_indices(keep)
             live, mask, pos, nxt, done = live[keep], mask[keep], pos[keep], nxt[keep], done[keep]
+            padded = not bool(mask.all())
         mask = torch.cat([mask, mask.new_ones(len(live), 1)], 1)
         pos = pos + 1
         token = nxt[:, None]
@@ -276,6 +288,9 @@ class PreallocatedLayer(DynamicLayer):
         self._v[:rows, :, :length] = self.values.index_select(0, indices)
         self._k, self._v = self._k[:rows], self._v[:rows]
         self.keys, self.values = self._k[:, :, :length], self._v[:, :, :length]
+
+
+LEAN_CACHE_LAYERS = (DynamicLayer, PreallocatedLayer)  # cache layers lean_decode's step may update
 
 
 def preallocate_cache(cache, new_tokens: int) -> None:
