@@ -494,3 +494,112 @@ def _scatter(parts: list[torch.Tensor], index: torch.Tensor | None, b: int, t: i
     if index is None:
         return values.reshape(b, t)
     return values.new_zeros(b * t).index_copy(0, index, values).reshape(b, t)
+
+
+# ---------------------------------------------------------------------------- packed prefix rows
+
+PACKABLE_MODELS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+def can_pack_prefix(model) -> bool:
+    """Whether `packed_prefix_rows` applies: a plain output head, a Llama / Mistral / Qwen2 decoder with
+    full attention in every layer (a 4D mask replaces the causal mask in every layer, so a sliding window
+    would be lost), sdpa or eager attention (they take a 4D mask; flash-attention kernels do not), not
+    FSDP-sharded. Gradient checkpointing is fine: no KV cache is involved."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = getattr(base, "config", None)
+    if type(base).__name__ not in PACKABLE_MODELS or config is None or not _head_is_plain(base) or is_sharded(model):
+        return False
+    if getattr(config, "_attn_implementation", None) not in ("sdpa", "eager"):
+        return False
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return all(t == "full_attention" for t in layer_types)
+    return getattr(config, "sliding_window", None) is None or getattr(config, "use_sliding_window", True) is False
+
+
+def attention_share(model) -> float:
+    """What one attention score costs beside one token position, for `packing_pays`: per layer, a row of T
+    tokens runs ~2p T multiply-adds in its linear layers (p parameters a layer) and ~2d T^2 in attention
+    (scores and their weighted sum, d the hidden size; every score is computed where a mask is given, the
+    masked ones too); so a score costs d / p positions (SmolLM2: 576 / 3.5M; the tiny model 64 / 37K)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    hidden, per_layer = getattr(getattr(base, "config", None), "hidden_size", None), layer_parameters(base)
+    return hidden / per_layer if hidden and per_layer else 0.0
+
+
+def packing_pays(prompt_lengths: list[int], completion_lengths: list[int], prompt_of_row: list[int],
+                 row_lengths: list[int], share: float) -> bool:
+    """Whether `packed_prefix_rows` (one row per prompt: the prompt, then its completions) costs less than
+    whole rows: rows x (T + share T^2) each way, T the padded row length (`attention_share`: the packed
+    rows are longer, so their attention grows faster than the positions they save)."""
+    packed = list(prompt_lengths)
+    for n, k in zip(completion_lengths, prompt_of_row, strict=True):
+        packed[k] += n
+    t, w = max(packed, default=0), max(row_lengths, default=0)
+    return len(packed) * (t + share * t * t) < len(row_lengths) * (w + share * w * w)
+
+
+def packed_prefix_rows(model, prompts: list[list[int]], completions: list[list[int]], prompt_of_row: list[int],
+                       pad_id: int, width: int, device: str, chunk_tokens: int = 4096, with_entropy: bool = False
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`shared_prefix_rows`' result from one decoder call: each prompt and all its completions in one row.
+
+    Row k is prompts[k] followed by every completion i with prompt_of_row[i] == k, right padded to
+    the longest such row; completion i's tokens take positions len(prompt) .. len(prompt) + n - 1 (as
+    in its own whole row) and a 4D attention mask lets each token see its prompt and the tokens of
+    its own completion before it, nothing of the others. So the values and gradients are those of
+    whole prompt+completion rows (up to float rounding), the prompt computed once, like
+    `shared_prefix_rows`, but in one decoder call, with no KV cache to repeat per completion (nor
+    its backward's gathers), and every weight used once per step (with two calls each weight's
+    gradient is the sum of two matmuls: one more weight-sized add each). The cost: the attention
+    of a packed row spans all of it, (P + sum n)^2 scores where separate rows have sum (P + n)^2,
+    the masked blocks included; small beside the linear layers while rows are short. Needs
+    `can_pack_prefix(model)`. Returns (N, width - 1) as `shared_prefix_rows` does.
+    """
+    decoder, head = model.get_decoder(), model.get_output_embeddings()
+    members: list[list[int]] = [[] for _ in prompts]
+    for i, k in enumerate(prompt_of_row):
+        members[k].append(i)
+    lengths = [len(p) + sum(len(completions[i]) for i in rows) for p, rows in zip(prompts, members, strict=True)]
+    t, c_max = max(lengths), max(len(c) for c in completions)
+    if c_max == 0:  # nothing to score
+        empty = torch.zeros(len(completions), width - 1, device=device)
+        return empty, empty.clone() if with_entropy else None
+    ids = torch.full((len(prompts), t), pad_id, dtype=torch.long)
+    pos = torch.zeros((len(prompts), t), dtype=torch.long)
+    seg = torch.full((len(prompts), t), -1, dtype=torch.long)  # -1 padding, 0 prompt, j + 1 the row's j-th completion
+    source = torch.zeros((len(completions), c_max), dtype=torch.long)  # flat hidden position predicting each token
+    for k, (p, rows) in enumerate(zip(prompts, members, strict=True)):
+        ids[k, : len(p)] = torch.tensor(p, dtype=torch.long)
+        pos[k, : len(p)] = torch.arange(len(p))
+        seg[k, : len(p)] = 0
+        at = len(p)
+        for j, i in enumerate(rows):
+            n = len(completions[i])
+            ids[k, at : at + n] = torch.tensor(completions[i], dtype=torch.long)
+            pos[k, at : at + n] = torch.arange(len(p), len(p) + n)
+            seg[k, at : at + n] = j + 1
+            if n:  # token 0 is predicted by the prompt's last position, token m by the completion's position m - 1
+                source[i, :n] = k * t + torch.cat([torch.tensor([len(p) - 1]), torch.arange(at, at + n - 1)])
+            at += n
+    causal = torch.ones(t, t, dtype=torch.bool).tril()
+    sees = (seg[:, None, :] == 0) | (seg[:, None, :] == seg[:, :, None])  # (K, query, key): its prompt or its own segment
+    mask = (causal & sees) | torch.eye(t, dtype=torch.bool)
+    hidden = decoder(input_ids=ids.to(device), attention_mask=mask[:, None].to(device), position_ids=pos.to(device),
+                     use_cache=False).last_hidden_state  # (K, T, H)
+    source = source.to(device)
+    picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, source.reshape(-1)).view(*source.shape, -1)
+    cids = torch.full((len(completions), c_max), pad_id, dtype=torch.long)
+    cmask = torch.zeros((len(completions), c_max), dtype=torch.bool)
+    for i, c in enumerate(completions):
+        cids[i, : len(c)] = torch.tensor(c, dtype=torch.long)
+        cmask[i, : len(c)] = True
+    lp, ent = head_logprobs(head, picked, cids.to(device), cmask.to(device), chunk_tokens, with_entropy)  # (N, C)
+    offsets = torch.tensor([len(prompts[k]) - 1 for k in prompt_of_row])
+    cols = (offsets[:, None] + torch.arange(c_max)[None, :]).to(lp.device)
+
+    def layout(x: torch.Tensor) -> torch.Tensor:
+        return x.new_zeros(len(completions), width - 1 + c_max).scatter(1, cols, x)[:, : width - 1]
+
+    return layout(lp), layout(ent) if ent is not None else None

@@ -129,12 +129,15 @@ def completion_logprobs(model, sequences: list[tuple[list[int], int]], pad_id: i
 
     Right-padded, one forward pass (with gradient if enabled by the caller); position t of the
     result is log p(token t+1 | tokens <= t); the logits exist `chunk` positions at a time
-    (`stages.logprobs`). Sequences with the same prompt (a pair's chosen and rejected) can share it:
-    the decoder runs over each distinct prompt once, then the completions against its cache
-    (`logprobs.shared_prefix_rows`; the same values and gradients). `share_prefix` None: where that
-    skips more positions than the second decoder call costs (`logprobs.prefix_sharing_pays`; on a
-    very narrow model it does not); True: wherever a prompt repeats; False: never. Either way only
-    if the model can (`logprobs.can_share_prefix`: not under gradient checkpointing).
+    (`stages.logprobs`). Sequences with the same prompt (a pair's chosen and rejected) can share it,
+    the same values and gradients either way: a Llama / Mistral / Qwen2 model runs each prompt and
+    its completions as one row under a mask that keeps the completions apart
+    (`logprobs.packed_prefix_rows`: one decoder call; `can_pack_prefix`), other models run each
+    distinct prompt once, then the completions against its KV cache (`shared_prefix_rows`: two
+    calls; `can_share_prefix`, not under gradient checkpointing). `share_prefix` None: where that
+    costs less than whole rows (`packing_pays`: positions and attention; `prefix_sharing_pays`:
+    positions and the second call, which on a very narrow model outweighs what sharing saves);
+    True: wherever a prompt repeats; False: never.
     """
     row_lengths, completion_lengths = [len(s) for s, _ in sequences], [n_c for _, n_c in sequences]
     lengths = torch.tensor(row_lengths)
@@ -144,13 +147,23 @@ def completion_logprobs(model, sequences: list[tuple[list[int], int]], pad_id: i
     # position t predicts token t+1: the completion's n_c tokens are predicted from len - n_c - 1 to len - 2
     first = lengths - torch.tensor(completion_lengths) - 1
     mask = ((columns[:, :-1] >= first[:, None]) & (columns[:, :-1] < (lengths - 1)[:, None])).to(device)
-    if share_prefix is not False and logprobs.can_share_prefix(model):
+    if share_prefix is not False:
         index: dict[tuple[int, ...], int] = {}
         prompt_of_row = [index.setdefault(tuple(s[: len(s) - n_c]), len(index)) for s, n_c in sequences]
-        if len(index) < len(sequences) and (share_prefix or logprobs.prefix_sharing_pays(
-                [len(p) for p in index], completion_lengths, row_lengths, logprobs.default_bucket_overhead(device, model))):
-            logp, _ = logprobs.shared_prefix_rows(model, [list(p) for p in index], [s[len(s) - n_c :] for s, n_c in sequences],
-                                                  prompt_of_row, pad_id, width, device, chunk_tokens=chunk)
+        prompt_lengths = [len(p) for p in index]
+        shared = None
+        if len(index) == len(sequences):
+            pass  # no prompt repeats
+        elif logprobs.can_pack_prefix(model):
+            if share_prefix or logprobs.packing_pays(prompt_lengths, completion_lengths, prompt_of_row, row_lengths,
+                                                     logprobs.attention_share(model)):
+                shared = logprobs.packed_prefix_rows
+        elif logprobs.can_share_prefix(model) and (share_prefix or logprobs.prefix_sharing_pays(
+                prompt_lengths, completion_lengths, row_lengths, logprobs.default_bucket_overhead(device, model))):
+            shared = logprobs.shared_prefix_rows
+        if shared is not None:
+            logp, _ = shared(model, [list(p) for p in index], [s[len(s) - n_c :] for s, n_c in sequences],
+                             prompt_of_row, pad_id, width, device, chunk_tokens=chunk)
             return logp, mask
     ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
     ids[real] = torch.tensor(list(chain.from_iterable(s for s, _ in sequences)), dtype=torch.long)  # row-major: in order

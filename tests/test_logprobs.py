@@ -329,3 +329,78 @@ def test_bucketed_whole_rows_match_one_padded_batch(tiny_tokenizer, overhead):
     assert calls == [16]
     torch.testing.assert_close(got_left, token_logprobs(model, ids.flip(1), left)[0])
     assert bucketed_token_logprobs(model, ids[:, :1], attn[:, :1])[0].shape == (5, 0)  # one column: nothing predicted
+
+
+@pytest.mark.parametrize("lora_r,checkpointing", [(0, False), (4, False), (0, True)])
+def test_packed_prefix_rows_give_the_same_logprobs_and_gradients(tiny_tokenizer, lora_r, checkpointing):
+    """Three prompts of different lengths, one continued three times, one once, one twice with an empty
+    completion: one decoder call over [prompt | its completions] rows gives the log-probs, entropies and
+    parameter gradients of whole prompt+completion rows, with LoRA and under gradient checkpointing
+    (no KV cache involved, so it applies there too)."""
+    from schemas.configs import LoraSpec
+    from stages import grpo
+    from stages.logprobs import can_pack_prefix, packed_prefix_rows
+
+    model = models.apply_lora(models.build_tiny_model(tiny_tokenizer, seed=2), LoraSpec(r=lora_r)).train()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert can_pack_prefix(model)
+    prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18]]
+    prompt_of_row = [0, 2, 0, 1, 0, 2]
+    comps = [[20, 21, 22], [23, 24], [25], [26, 27, 28, 29], [30, 31], []]
+    batch = grpo.build_batch([prompts[k] for k in prompt_of_row], comps, pad_id=0, keep=[True] * 6)
+    width, mask = batch["input_ids"].shape[1], batch["loss_mask"]
+    ref, ref_ent = token_logprobs(model, batch["input_ids"], batch["attention_mask"], with_entropy=True)
+    (ref * mask).sum().backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad()
+    calls = []
+    hook = model.get_decoder().register_forward_hook(lambda m, a, k: calls.append(1), with_kwargs=False)
+    try:
+        got, ent = packed_prefix_rows(model, prompts, comps, prompt_of_row, pad_id=0, width=width, device="cpu",
+                                      with_entropy=True)
+    finally:
+        hook.remove()
+    assert len(calls) == 1
+    assert_matches_whole_rows(model, got, ent, ref, ref_ent, mask, ref_grads)
+
+
+def test_packing_pays_hand_computed(tiny_tokenizer):
+    """One prompt of 2 tokens with two completions of 20: packed, one row of 42 costs 42 + 1764 s; whole, two
+    rows of 22 cost 44 + 968 s; packing pays while 796 s < 2, s < 0.0025126. Prompts of 10 with completions
+    of 5 always pay (20 + 400 s against 30 + 450 s). The tiny model's share: 64 / 36,992 = 0.00173."""
+    from stages import logprobs
+
+    assert logprobs.packing_pays([2], [20, 20], [0, 0], [22, 22], 0.0025)
+    assert not logprobs.packing_pays([2], [20, 20], [0, 0], [22, 22], 0.0026)
+    assert logprobs.packing_pays([10], [5, 5], [0, 0], [15, 15], 0.0)
+    assert logprobs.packing_pays([10], [5, 5], [0, 0], [15, 15], 1.0)
+    # two prompts of unequal length: packed rows pad to the longest (10 + 2 + 2 = 14): 2 x 14 = 28 < 4 x 12 = 48
+    assert logprobs.packing_pays([10, 3], [2, 2, 2, 2], [0, 0, 1, 1], [12, 12, 5, 5], 0.0)
+    # the same with the rows interleaved ([0, 1, 0, 1]): who belongs to which prompt counts, not the order
+    assert logprobs.packing_pays([10, 3], [2, 2, 2, 2], [0, 1, 0, 1], [12, 5, 12, 5], 0.0)
+    # one prompt of 1 token, completions of 30 and 1: a packed row of 32 (32 + 1024 s) against 2 x 31 (62 + 1922 s)
+    # pays at any share; completions of 30 and 30 (61 + 3721 s against 62 + 1922 s) only below 1 / 1799
+    assert logprobs.packing_pays([1], [30, 1], [0, 0], [31, 2], 10.0)
+    assert logprobs.packing_pays([1], [30, 30], [0, 0], [31, 31], 1 / 1800)
+    assert not logprobs.packing_pays([1], [30, 30], [0, 0], [31, 31], 1 / 1798)
+    assert logprobs.attention_share(models.build_tiny_model(tiny_tokenizer)) == pytest.approx(64 / 36_992)
+
+
+def test_can_pack_prefix_only_where_a_4d_mask_means_what_it_says(tiny_tokenizer):
+    from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
+
+    from schemas.configs import LoraSpec
+    from stages.logprobs import can_pack_prefix
+
+    tiny = models.build_tiny_model(tiny_tokenizer)
+    assert can_pack_prefix(tiny) and can_pack_prefix(models.apply_lora(tiny, LoraSpec(r=2)))
+    flash = models.build_tiny_model(tiny_tokenizer)
+    flash.config._attn_implementation = "flash_attention_2"
+    assert not can_pack_prefix(flash)
+    small = dict(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2)
+    assert can_pack_prefix(Qwen2ForCausalLM(Qwen2Config(**small)))
+    assert not can_pack_prefix(Qwen2ForCausalLM(Qwen2Config(**small, use_sliding_window=True, sliding_window=4,
+                                                            max_window_layers=0)))
+    assert not can_pack_prefix(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50)))

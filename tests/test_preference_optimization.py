@@ -165,46 +165,65 @@ def test_mismatched_reference_and_bad_combinations_fail_before_training(tmp_path
 
 
 def test_prefix_sharing_is_chosen_by_cost_unless_forced(tiny_tokenizer, monkeypatch):
-    """Default (share_prefix None): the tiny model's narrow layers make a second decoder call cost 292
-    positions, more than a pair sharing a prompt of ~20 tokens saves, so whole rows run; with a
-    cheaper call the prompt runs once; share_prefix True shares regardless. Same numbers each way."""
+    """A Llama model packs each pair into one row (prompt, chosen, rejected: `packed_prefix_rows`) where that
+    costs less than whole rows (`packing_pays`: here a ~40-token prompt shared, so it does) or when forced
+    (share_prefix True); share_prefix False runs whole rows. A model that cannot be packed shares the prompt
+    through the KV cache (`shared_prefix_rows`) where a second decoder call pays: the tiny model's narrow
+    layers make one cost 292 positions, more than the ~40 saved, so whole rows run there, shared rows with a
+    free call or when forced. Same numbers every way."""
     from stages import logprobs, models
 
     model = models.build_tiny_model(tiny_tokenizer, seed=3).train()
     seqs = [po.tokenize(tiny_tokenizer, [{"role": "user", "content": "one prompt for both"}], c, 64)
             for c in ("12", "3456")]
     calls = []
-    shared = logprobs.shared_prefix_rows
-    monkeypatch.setattr(logprobs, "shared_prefix_rows", lambda *a, **k: calls.append(1) or shared(*a, **k))
-    whole, mask = po.completion_logprobs(model, seqs, 0, "cpu")
+    for name in ("packed_prefix_rows", "shared_prefix_rows"):
+        real = getattr(logprobs, name)
+        monkeypatch.setattr(logprobs, name, lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k))
+    whole, mask = po.completion_logprobs(model, seqs, 0, "cpu", share_prefix=False)
     assert calls == []
+    packed, _ = po.completion_logprobs(model, seqs, 0, "cpu")
+    assert calls == ["packed_prefix_rows"]
+    monkeypatch.setattr(logprobs, "packing_pays", lambda *a: False)
+    assert po.completion_logprobs(model, seqs, 0, "cpu")[0] is not None and len(calls) == 1  # whole rows
+    po.completion_logprobs(model, seqs, 0, "cpu", share_prefix=True)
+    assert calls[1:] == ["packed_prefix_rows"]
+
+    calls.clear()
+    monkeypatch.setattr(logprobs, "can_pack_prefix", lambda m: False)
+    assert po.completion_logprobs(model, seqs, 0, "cpu")[0] is not None and calls == []  # 292 > saved: whole
     forced, _ = po.completion_logprobs(model, seqs, 0, "cpu", share_prefix=True)
-    assert calls == [1]
+    assert calls == ["shared_prefix_rows"]
     monkeypatch.setattr(logprobs, "default_bucket_overhead", lambda device, model=None: 0)
     cheap, _ = po.completion_logprobs(model, seqs, 0, "cpu")
-    assert calls == [1, 1]
-    assert po.completion_logprobs(model, seqs, 0, "cpu", share_prefix=False)[0] is not None and calls == [1, 1]
-    for got in (forced, cheap):
+    assert calls == ["shared_prefix_rows"] * 2
+    for got in (packed, forced, cheap):
         torch.testing.assert_close(got[mask], whole[mask], rtol=1e-5, atol=1e-5)
         assert (got[~mask] == 0).all()
 
 
 def test_shared_prompts_give_the_same_logprobs_and_gradients_as_whole_rows(tiny_tokenizer):
     """Two pairs with prompts of different lengths, laid out [chosen..., rejected...] as batch_loss
-    does: each prompt run once gives the whole rows' completion log-probs and parameter gradients."""
-    from stages import models
+    does: each prompt run once (packed with its completions in one row, or through the KV cache) gives the
+    whole rows' completion log-probs and parameter gradients."""
+    from stages import logprobs, models
 
     model = models.build_tiny_model(tiny_tokenizer, seed=2).train()
     prompts = ([{"role": "user", "content": "a short one"}], [{"role": "user", "content": "and a much longer prompt"}])
     seqs = [po.tokenize(tiny_tokenizer, p, c, 64) for p, c in zip(prompts * 2, ("12", "3456", "7", "890"), strict=True)]
     grads = {}
-    for share in (False, True):
+    for share in (False, True, "cache"):  # whole rows; packed rows; the KV-cache path of unpackable models
         model.zero_grad()
-        logp, mask = po.completion_logprobs(model, seqs, 0, "cpu", share_prefix=share)
+        with pytest.MonkeyPatch.context() as mp:
+            if share == "cache":
+                mp.setattr(logprobs, "can_pack_prefix", lambda m: False)
+            logp, mask = po.completion_logprobs(model, seqs, 0, "cpu", share_prefix=share is not False)
         assert (logp[~mask] == 0).all()
         (logp * torch.arange(1, logp.shape[1] + 1)).sum().backward()  # position-weighted: a misplaced value shows
         grads[share] = ({n: p.grad.clone() for n, p in model.named_parameters()}, logp.detach())
-    torch.testing.assert_close(grads[True][1], grads[False][1], rtol=1e-5, atol=1e-5)
-    for name, g in grads[False][0].items():
-        # float rounding relative to the tensor's scale (measured: ~1e-7 of its largest element)
-        torch.testing.assert_close(grads[True][0][name], g, rtol=1e-4, atol=1e-5 * float(g.abs().max()), msg=name)
+    for share in (True, "cache"):
+        torch.testing.assert_close(grads[share][1], grads[False][1], rtol=1e-5, atol=1e-5)
+        for name, g in grads[False][0].items():
+            # float rounding relative to the tensor's scale (measured: ~1e-7 of its largest element)
+            torch.testing.assert_close(grads[share][0][name], g, rtol=1e-4, atol=1e-5 * float(g.abs().max()),
+                                       msg=f"{share} {name}")
