@@ -225,7 +225,10 @@ class TrainingConfig(MemoryOptions):
 class SFTConfig(TrainingConfig):
     """`sft` stage: supervised fine-tuning with loss on assistant tokens only."""
 
-    packing: bool = Field(False, description="Concatenate examples into max_length blocks.")
+    packing: bool = Field(False, description="Concatenate examples into max_length blocks, without padding. "
+                          "Llama/Mistral/Qwen2 models (full attention, sdpa/eager) keep attention inside each example "
+                          "and restart its positions, so a block trains as its examples would alone; other models "
+                          "attend across the examples of a block (a warning says so).")
     gold_think: str = Field(
         "Let me work this out step by step and check the result.",
         description="Only for `prompts` input: the <think> text of targets built from gold answers.",

@@ -59,11 +59,13 @@ def _chunk(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, w
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, chunk_tokens: int = 4096,
                    with_entropy: bool = False, targets: torch.Tensor | None = None,
-                   positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   positions: torch.Tensor | None = None, position_ids: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(input_ids[:, t+1] | input_ids[:, :t+1]) for t < T-1: (B, T-1) fp32; and the entropy
     of the next-token distribution there (no gradient) if asked. `targets` (B, T-1) replaces
     input_ids[:, 1:] as the tokens scored (e.g. SFT labels with masked positions set to any id).
     `positions` (B, T-1) bool: compute only there (0 elsewhere, in the log-probs and the entropy).
+    `attention_mask` may be a 4D mask (packed SFT rows, `sft.block_attention`) with its `position_ids`.
 
     With chunk_tokens > 0 (and a plain output head) the logits exist `chunk_tokens` positions at
     a time; the values and gradients equal the full computation's up to float rounding.
@@ -71,7 +73,8 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if chunk_tokens <= 0 or decoder is None or head is None or not _head_is_plain(model):
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1, :]
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                       use_cache=False).logits[:, :-1, :]
         b, t = logits.shape[:2]
         y = (input_ids[:, 1:] if targets is None else targets).reshape(-1)
         logp, entropy = _chunk(torch.nn.Identity(), logits.reshape(b * t, -1), y, with_entropy)
@@ -81,7 +84,7 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
             entropy = entropy * positions if entropy is not None else None
         return logp, entropy
 
-    hidden = _decoder_hidden(model, decoder, input_ids, attention_mask)
+    hidden = _decoder_hidden(model, decoder, input_ids, attention_mask, position_ids)
     return head_logprobs(head, hidden[:, :-1, :], input_ids[:, 1:] if targets is None else targets, positions,
                          chunk_tokens, with_entropy, fused=not is_sharded(model))  # fsdp: the head as a module
 
@@ -260,10 +263,11 @@ def can_share_prefix(model) -> bool:
     return not checkpointing
 
 
-def _decoder_hidden(model, decoder, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+def _decoder_hidden(model, decoder, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                    position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """The decoder's last hidden state (B, T, H); under FSDP through the root forward (see the module doc)."""
     return inner_output(model, decoder, {"logits_to_keep": 1}, input_ids=input_ids, attention_mask=attention_mask,
-                        use_cache=False).last_hidden_state
+                        position_ids=position_ids, use_cache=False).last_hidden_state
 
 
 def shared_prefix_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,

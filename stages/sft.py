@@ -15,6 +15,7 @@ plain loop of micro-batches → optimizer steps with checkpoints. Departures fro
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 import shutil
@@ -37,6 +38,8 @@ from schemas.errors import ArtifactError, SchemaError
 from stages import distributed, logprobs, models
 from stages.base import Input, Output, StageContext, model_output_dir, seed_everything
 from stages.rewards import gold_completion
+
+log = logging.getLogger(__name__)
 
 VERSION = "1"
 CONFIG = SFTConfig
@@ -108,6 +111,7 @@ class Example:
 
     input_ids: list[int]
     labels: list[int]
+    segments: tuple[int, ...] = ()  # a packed block (`pack`): the lengths of the examples in it, in order
 
     @cached_property
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,27 +137,59 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_length: int) -> E
 def pack(examples: list[Example], max_length: int) -> list[Example]:
     """Greedily concatenate examples into blocks of at most max_length tokens.
 
-    Attention is not blocked between packed examples (as in TRL's classic packing); labels of each
-    example stay masked as before, so only assistant tokens are trained.
+    Each block records its examples' lengths (`segments`): `collate(blocked=True)` then keeps
+    attention inside each example and restarts its positions, so a block trains as its examples
+    would one by one, without the padding. The first token of every example but the first is
+    never a target (alone, nothing predicts it). Labels stay as they were otherwise (only the
+    assistant tokens are trained).
     """
-    blocks, ids, labels = [], [], []
+    blocks, ids, labels, lengths = [], [], [], []
     for ex in examples:
         if ids and len(ids) + len(ex.input_ids) > max_length:
-            blocks.append(Example(ids, labels))
-            ids, labels = [], []
-        ids, labels = ids + ex.input_ids, labels + ex.labels
+            blocks.append(Example(ids, labels, tuple(lengths)))
+            ids, labels, lengths = [], [], []
+        if ids:
+            labels.append(IGNORE)
+            labels += ex.labels[1:]
+        else:
+            labels = list(ex.labels)
+        ids = ids + ex.input_ids
+        lengths.append(len(ex.input_ids))
     if ids:
-        blocks.append(Example(ids, labels))
+        blocks.append(Example(ids, labels, tuple(lengths)))
     return blocks
 
 
-def collate(batch: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad a micro-batch (training needs no left padding)."""
+def block_attention(batch: list[Example], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A (B, 1, width, width) bool attention mask and (B, width) position ids for packed rows: each token
+    sees the tokens of its own example up to itself (causal inside the example, nothing across), and
+    positions count from 0 in each example. Padding columns form one more segment of their own."""
+    seg = torch.full((len(batch), width), -1, dtype=torch.long)
+    pos = torch.zeros((len(batch), width), dtype=torch.long)
+    for r, ex in enumerate(batch):
+        lengths = torch.tensor(ex.segments or (len(ex.input_ids),), dtype=torch.long)
+        starts = torch.cumsum(lengths, 0) - lengths
+        ids = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+        seg[r, : len(ids)] = ids
+        pos[r, : len(ids)] = torch.arange(len(ids)) - starts[ids]
+    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    mask = (seg[:, :, None] == seg[:, None, :]) & causal
+    return mask[:, None], pos
+
+
+def collate(batch: list[Example], pad_id: int, blocked: bool = False) -> dict[str, torch.Tensor]:
+    """Right-pad a micro-batch (training needs no left padding). With `blocked` and a packed block in the
+    batch, also `block_mask` and `position_ids` (`block_attention`), for the decoder in place of the
+    2D `attention_mask` (kept: it counts the real tokens)."""
     ids, labels = zip(*(e.tensors for e in batch), strict=True)
     lengths = torch.tensor([len(t) for t in ids])
-    return {"input_ids": pad_sequence(ids, batch_first=True, padding_value=pad_id),
-            "labels": pad_sequence(labels, batch_first=True, padding_value=IGNORE),
-            "attention_mask": (torch.arange(int(lengths.max()))[None, :] < lengths[:, None]).long()}
+    width = int(lengths.max())
+    out = {"input_ids": pad_sequence(ids, batch_first=True, padding_value=pad_id),
+           "labels": pad_sequence(labels, batch_first=True, padding_value=IGNORE),
+           "attention_mask": (torch.arange(width)[None, :] < lengths[:, None]).long()}
+    if blocked and any(len(e.segments) > 1 for e in batch):
+        out["block_mask"], out["position_ids"] = block_attention(batch, width)
+    return out
 
 
 # ---------------------------------------------------------------------------- data
@@ -286,8 +322,12 @@ def run(cfg: SFTConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[str
     examples = [e for e in examples if any(lab != IGNORE for lab in e.labels[1:])]
     if not examples:
         raise SchemaError(f"{inputs['data'].label}: every example lost its assistant tokens to max_length={cfg.max_length}")
+    blocked = cfg.packing and logprobs.can_pack_prefix(model)  # before sharding: can the model take a 4D mask
     if cfg.packing:
         examples = pack(examples, cfg.max_length)
+        if not blocked:
+            log.warning("sft: %s does not take a block attention mask (logprobs.can_pack_prefix): packed examples "
+                        "attend to the examples before them in their block", type(model).__name__)
     targets = [sum(lab != IGNORE for lab in e.labels[1:]) for e in examples]  # tokens each example trains
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
@@ -315,16 +355,17 @@ def run(cfg: SFTConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[str
         n_tokens = sum(targets[i] for idx in step_indices for i in idx)  # the global step's, on every rank
         # an epoch's last micro-batch may be short: parts, a weight-0 filler where fsdp needs one
         mine = [dist.part_or_filler(idx) for idx in step_indices]
-        micro = [(collate([examples[i] for i in m], pad_id), real) for m, real in mine if m]
+        micro = [(collate([examples[i] for i in m], pad_id, blocked), real) for m, real in mine if m]
         step_loss = 0.0
         for batch, real in micro:
             batch = {k: v.to(ctx.device) for k, v in batch.items()}
             with torch.autocast(device_type=ctx.device.split(":")[0], dtype=autocast_dtype or torch.float32,
                                 enabled=autocast_dtype is not None):
                 labels = batch["labels"][:, 1:]  # the logits exist cfg.logprob_chunk positions at a time
-                logp, _ = logprobs.token_logprobs(model, batch["input_ids"], batch["attention_mask"],
+                logp, _ = logprobs.token_logprobs(model, batch["input_ids"],
+                                                  batch.get("block_mask", batch["attention_mask"]),
                                                   chunk_tokens=cfg.logprob_chunk, targets=labels.clamp(min=0),
-                                                  positions=labels != IGNORE)
+                                                  positions=labels != IGNORE, position_ids=batch.get("position_ids"))
             loss_sum = -(logp * (labels != IGNORE)).sum() * real  # = masked_token_loss on the full logits
             (loss_sum / n_tokens).backward()
             step_loss += loss_sum.item() / n_tokens

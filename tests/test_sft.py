@@ -93,6 +93,87 @@ def test_pack_keeps_labels_aligned():
     blocks = sft.pack(exs, max_length=5)
     assert [b.input_ids for b in blocks] == [[1, 2, 3, 4, 5], [6, 7, 8, 9]]
     assert blocks[0].labels == [IG, 2, 3, IG, 5]
+    assert [b.segments for b in blocks] == [(3, 2), (4,)]
+    # an example whose first token is labelled: in a block nothing may predict it from the example before
+    labelled = sft.pack([sft.Example([1, 2], [1, 2]), sft.Example([3, 4], [3, 4])], max_length=8)
+    assert labelled[0].labels == [1, 2, IG, 4] and labelled[0].segments == (2, 2)
+
+
+def test_block_attention_hand_computed():
+    """Segments (2, 3) in a row of width 6 (one padding column) and an unpacked example of 4: each token sees
+    its own example up to itself; positions restart per example; padding is its own segment."""
+    packed = sft.Example([1, 2, 3, 4, 5], [IG] * 5, (2, 3))
+    alone = sft.Example([6, 7, 8, 9], [IG] * 4)
+    mask, pos = sft.block_attention([packed, alone], 6)
+    assert mask.shape == (2, 1, 6, 6) and mask.dtype == torch.bool
+    assert pos.tolist() == [[0, 1, 0, 1, 2, 0], [0, 1, 2, 3, 0, 0]]
+    assert mask[0, 0].int().tolist() == [[1, 0, 0, 0, 0, 0],
+                                         [1, 1, 0, 0, 0, 0],
+                                         [0, 0, 1, 0, 0, 0],
+                                         [0, 0, 1, 1, 0, 0],
+                                         [0, 0, 1, 1, 1, 0],
+                                         [0, 0, 0, 0, 0, 1]]
+    assert mask[1, 0].int().tolist() == [[1, 0, 0, 0, 0, 0],
+                                         [1, 1, 0, 0, 0, 0],
+                                         [1, 1, 1, 0, 0, 0],
+                                         [1, 1, 1, 1, 0, 0],
+                                         [0, 0, 0, 0, 1, 0],
+                                         [0, 0, 0, 0, 1, 1]]
+    batch = sft.collate([packed, alone], pad_id=0, blocked=True)
+    assert torch.equal(batch["block_mask"], mask[:, :, :5, :5]) and torch.equal(batch["position_ids"], pos[:, :5])
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]]  # counts real tokens
+    assert "block_mask" not in sft.collate([packed, alone], pad_id=0)  # not blocked unless asked
+    assert "block_mask" not in sft.collate([alone], pad_id=0, blocked=True)  # nothing packed: plain rows
+
+
+def test_a_blocked_pack_trains_as_its_examples_alone(tiny_tokenizer):
+    """Three conversations packed in one row with the block mask give each labelled token the log-prob it
+    has in its conversation's own row, and the summed loss the same parameter gradients; without the
+    block mask (attention across examples) the log-probs differ."""
+    from stages import logprobs, models
+
+    model = models.build_tiny_model(tiny_tokenizer, seed=4).train()
+    convs = [[{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+             for q, a in (("hi", "yes"), ("what is 2+2", "4"), ("go", "a longer answer"))]
+    exs = [sft.tokenize_conversation(tiny_tokenizer, c, 128) for c in convs]
+    (block,) = sft.pack(exs, max_length=512)
+
+    def loss_and_grads(batch):
+        model.zero_grad()
+        labels = batch["labels"][:, 1:]
+        logp, _ = logprobs.token_logprobs(model, batch["input_ids"], batch.get("block_mask", batch["attention_mask"]),
+                                          targets=labels.clamp(min=0), positions=labels != IG,
+                                          position_ids=batch.get("position_ids"))
+        (-(logp * (labels != IG)).sum()).backward()
+        return logp[labels != IG].detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    alone = [loss_and_grads(sft.collate([e], pad_id=1)) for e in exs]
+    want_logp = torch.cat([lp for lp, _ in alone])
+    got_logp, got_grads = loss_and_grads(sft.collate([block], pad_id=1, blocked=True))
+    torch.testing.assert_close(got_logp, want_logp, rtol=1e-5, atol=1e-5)
+    for name, g in got_grads.items():
+        want = sum(grads[name] for _, grads in alone)
+        torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-5 * float(want.abs().max()), msg=name)
+    crossed, _ = loss_and_grads(sft.collate([block], pad_id=1))
+    assert not torch.allclose(crossed, want_logp, atol=1e-3)
+
+
+def test_packing_blocks_attention_in_the_stage_or_warns(sft_inputs, tmp_path, monkeypatch, caplog):
+    """The stage packs with the block mask on the tiny Llama (every micro-batch of packed rows carries it);
+    a model that cannot take it trains with attention across examples and says so."""
+    from stages import logprobs
+
+    seen = []
+    real = sft.collate
+    monkeypatch.setattr(sft, "collate", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
+    sft.run(_cfg(max_steps=2, packing=True, max_length=256), sft_inputs, LocalContext(tmp_path / "blocked"))
+    assert seen and all("block_mask" in b for b in seen)
+    seen.clear()
+    monkeypatch.setattr(logprobs, "can_pack_prefix", lambda m: False)
+    with caplog.at_level("WARNING", logger="stages.sft"):
+        sft.run(_cfg(max_steps=2, packing=True, max_length=256), sft_inputs, LocalContext(tmp_path / "crossed"))
+    assert seen and not any("block_mask" in b for b in seen)
+    assert "attend to the examples before them" in caplog.text
 
 
 # ---------------------------------------------------------------------------- the stage on the tiny model
