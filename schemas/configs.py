@@ -378,11 +378,14 @@ class GRPOConfig(MemoryOptions):
                                 "memory only: the mini-batches of an epoch accumulate into one optimizer step). With "
                                 "prefix_sharing, whole groups: max(1, minibatch_size // group_size) prompts.")
     prefix_sharing: bool = Field(
-        True, description="Training passes run each group's prompt through the decoder once and its G completions "
-        "against that KV cache (gradients flow through the cache): the same values and gradients at about "
-        "(P + G*C) / (G*(P+C)) of the decoder's cost for prompt length P and completion length C. Applies with a "
-        "plain output head and without gradient_checkpointing; otherwise rows run whole. What every prompt of a "
-        "mini-batch starts with (system prompt, chat template; at least 32 tokens) runs once for all of them. "
+        True, description="Training passes run each group's prompt through the decoder once: the same values and "
+        "gradients at about (P + G*C) / (G*(P+C)) of the decoder's cost for prompt length P and completion length "
+        "C. Llama/Mistral/Qwen2 models (full attention, sdpa/eager) pack the prompts and their completions in one "
+        "decoder call under a mask that keeps the completions apart, where that costs less than running the G "
+        "completions against the prompt's KV cache (gradients flow through the cache), which other models with a "
+        "plain output head do; with gradient_checkpointing (no KV cache) only packing shares, other models run "
+        "whole rows. What every prompt of a mini-batch starts with (system prompt, chat template; at least 32 "
+        "tokens) runs once for all of them. "
         "(Rollout generation always prefills each prompt once for its G samples, and a batch's common part once.)")
     old_logprobs: Literal["trainer", "sampler"] = Field(
         "trainer", description="trainer: recompute old log-probs with the trainer's forward pass before the update; "

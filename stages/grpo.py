@@ -136,16 +136,16 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
 
 
 def shared_prefix_logprobs(model, prompt_ids: list[list[int]], completion_ids: list[list[int]], group_size: int,
-                           pad_id: int, width: int, device: str, with_entropy: bool = False, chunk: int = 4096
-                           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                           pad_id: int, width: int, device: str, with_entropy: bool = False, chunk: int = 4096,
+                           pack: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`token_logprobs` of whole groups, laid out like `build_batch`'s (N, width-1), each prompt run once.
 
     prompt_ids: one per group (K); completion_ids: K*G rows, group k's at k*G .. k*G+G-1
-    (`logprobs.shared_prefix_rows`).
+    (`logprobs.shared_prefix_rows`: through a KV cache, or packed in one decoder call; `pack`).
     """
     prompt_of_row = [k for k in range(len(prompt_ids)) for _ in range(group_size)]
     return logprobs.shared_prefix_rows(model, prompt_ids, completion_ids, prompt_of_row, pad_id, width, device,
-                                       chunk_tokens=chunk, with_entropy=with_entropy)
+                                       chunk_tokens=chunk, with_entropy=with_entropy, pack=pack)
 
 
 @dataclasses.dataclass
@@ -161,6 +161,7 @@ class RolloutBatch:
     shared: bool
     device: str
     chunk: int
+    pack: bool | None = None  # True: only packing can share (no KV cache under gradient checkpointing)
 
     def logprobs(self, net, idx: torch.Tensor, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(len(idx), L-1) log-probs (and entropy) of rows `idx`; with `shared`, idx is whole groups."""
@@ -168,7 +169,8 @@ class RolloutBatch:
             groups = (idx[:: self.group_size] // self.group_size).tolist()
             return shared_prefix_logprobs(net, [self.prompt_ids[g] for g in groups],
                                           [self.completion_ids[r] for r in idx.tolist()], self.group_size, self.pad_id,
-                                          self.batch["input_ids"].shape[1], self.device, with_entropy, self.chunk)
+                                          self.batch["input_ids"].shape[1], self.device, with_entropy, self.chunk,
+                                          self.pack)
         return token_logprobs(net, self.batch["input_ids"][idx].to(self.device),
                               self.batch["attention_mask"][idx].to(self.device), with_entropy=with_entropy,
                               chunk=self.chunk)
@@ -412,9 +414,12 @@ def run(cfg: GRPOConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[st
                 t_score += time.perf_counter() - t_ps
                 metrics["time/scoring"] = t_score
             model.train()
-            shared = cfg.prefix_sharing and logprobs.can_share_prefix(model)
+            # the prompt runs once per group through a KV cache or packed with its completions (either where both
+            # can, by cost); under gradient checkpointing there is no cache: packed if the model can be
+            cached = logprobs.can_share_prefix(model)
+            shared = cfg.prefix_sharing and (cached or logprobs.can_pack_prefix(model))
             rollout_batch = RolloutBatch(batch, prompt_ids, [list(c.token_ids) for c in flat_comps], cfg.group_size,
-                                         pad_id, shared, ctx.device, cfg.logprob_chunk)
+                                         pad_id, shared, ctx.device, cfg.logprob_chunk, None if cached else True)
 
             sampler_logp = tis_w = None
             # The old policy's log-probs are the first epoch's own forward pass (filled below): the

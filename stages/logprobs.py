@@ -450,7 +450,7 @@ def common_prefix_length(prompts: list[list[int]], min_common: int | None = None
 
 def shared_prefix_rows(model, prompts: list[list[int]], completions: list[list[int]], prompt_of_row: list[int],
                        pad_id: int, width: int, device: str, chunk_tokens: int = 4096, with_entropy: bool = False,
-                       min_common: int | None = None, bucket_overhead: int | None = None
+                       min_common: int | None = None, bucket_overhead: int | None = None, pack: bool | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`shared_prefix_logprobs` from token lists, laid out like whole right-padded rows: (N, width-1).
 
@@ -460,8 +460,22 @@ def shared_prefix_rows(model, prompts: list[list[int]], completions: list[list[i
     When the prompts share at least `min_common` (default `COMMON_PREFIX_MIN`) leading tokens (R1's
     system prompt and chat template), those run once for the whole batch (`common_ids`); below
     that, the saved positions are not worth a third decoder call.
+
+    A model that `can_pack_prefix` runs the same in one decoder call (`packed_prefix_rows`: a row
+    per prompt, or one row with the common part once) where that costs less (`packed_cost` against
+    `cached_cost`, the bucket overhead counted per extra call); `pack` False never packs, True
+    always (the cheaper of the two layouts).
     """
     n_common = common_prefix_length(prompts, min_common)
+    if pack is not False and can_pack_prefix(model):
+        lengths, c_lengths = [len(p) for p in prompts], [len(c) for c in completions]
+        share = attention_share(model)
+        per_prompt = packed_cost(lengths, c_lengths, prompt_of_row, share)
+        one_row = packed_cost(lengths, c_lengths, prompt_of_row, share, n_common, one_row=True)
+        overhead = default_bucket_overhead(device, model) if bucket_overhead is None else bucket_overhead
+        if pack or min(per_prompt, one_row) < cached_cost(lengths, c_lengths, n_common, overhead):
+            return packed_prefix_rows(model, prompts, completions, prompt_of_row, pad_id, width, device, chunk_tokens,
+                                      with_entropy, n_common=n_common, one_row=one_row < per_prompt)
     common = None
     if n_common:
         common = torch.tensor([prompts[0][:n_common]], dtype=torch.long).to(device)
@@ -532,66 +546,107 @@ def attention_share(model) -> float:
     return hidden / per_layer if hidden and per_layer else 0.0
 
 
+def packed_cost(prompt_lengths: list[int], completion_lengths: list[int], prompt_of_row: list[int], share: float,
+                n_common: int = 0, one_row: bool = False) -> float:
+    """What `packed_prefix_rows` runs, in token positions: rows x (T + share T^2), T the padded row length
+    (one row per prompt, or with `one_row` a single row holding the common part once); `share`:
+    `attention_share`, the attention of a packed row spans all of it."""
+    rows = [n for n in prompt_lengths]
+    for n, k in zip(completion_lengths, prompt_of_row, strict=True):
+        rows[k] += n
+    if one_row:
+        rows = [sum(rows) - n_common * (len(rows) - 1)] if rows else []
+    t = max(rows, default=0)
+    return len(rows) * (t + share * t * t)
+
+
 def packing_pays(prompt_lengths: list[int], completion_lengths: list[int], prompt_of_row: list[int],
                  row_lengths: list[int], share: float) -> bool:
     """Whether `packed_prefix_rows` (one row per prompt: the prompt, then its completions) costs less than
     whole rows: rows x (T + share T^2) each way, T the padded row length (`attention_share`: the packed
     rows are longer, so their attention grows faster than the positions they save)."""
-    packed = list(prompt_lengths)
-    for n, k in zip(completion_lengths, prompt_of_row, strict=True):
-        packed[k] += n
-    t, w = max(packed, default=0), max(row_lengths, default=0)
-    return len(packed) * (t + share * t * t) < len(row_lengths) * (w + share * w * w)
+    w = max(row_lengths, default=0)
+    return packed_cost(prompt_lengths, completion_lengths, prompt_of_row, share) < len(row_lengths) * (w + share * w * w)
+
+
+def cached_cost(prompt_lengths: list[int], completion_lengths: list[int], n_common: int, overhead: int) -> int:
+    """What `shared_prefix_logprobs` runs, in token positions: the common part once, the prompts' own parts
+    padded to the longest, the completions in their length buckets, and `overhead` for every decoder
+    call after the first."""
+    own = len(prompt_lengths) * max((n - n_common for n in prompt_lengths), default=0)
+    buckets = length_buckets(completion_lengths, overhead)
+    completions = sum(len(b) * max((completion_lengths[i] for i in b), default=0) for b in buckets)
+    return n_common + own + completions + overhead * (len(buckets) + (n_common > 0))
 
 
 def packed_prefix_rows(model, prompts: list[list[int]], completions: list[list[int]], prompt_of_row: list[int],
-                       pad_id: int, width: int, device: str, chunk_tokens: int = 4096, with_entropy: bool = False
-                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`shared_prefix_rows`' result from one decoder call: each prompt and all its completions in one row.
+                       pad_id: int, width: int, device: str, chunk_tokens: int = 4096, with_entropy: bool = False,
+                       n_common: int = 0, one_row: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`shared_prefix_rows`' result from one decoder call: prompts and their completions packed in rows.
 
     Row k is prompts[k] followed by every completion i with prompt_of_row[i] == k, right padded to
     the longest such row; completion i's tokens take positions len(prompt) .. len(prompt) + n - 1 (as
     in its own whole row) and a 4D attention mask lets each token see its prompt and the tokens of
-    its own completion before it, nothing of the others. So the values and gradients are those of
-    whole prompt+completion rows (up to float rounding), the prompt computed once, like
-    `shared_prefix_rows`, but in one decoder call, with no KV cache to repeat per completion (nor
-    its backward's gathers), and every weight used once per step (with two calls each weight's
-    gradient is the sum of two matmuls: one more weight-sized add each). The cost: the attention
-    of a packed row spans all of it, (P + sum n)^2 scores where separate rows have sum (P + n)^2,
-    the masked blocks included; small beside the linear layers while rows are short. Needs
-    `can_pack_prefix(model)`. Returns (N, width - 1) as `shared_prefix_rows` does.
+    its own completion before it, nothing of the others. With `one_row`, everything is one row
+    instead: the first `n_common` tokens, which every prompt starts with, once, then each prompt's
+    own tokens and its completions; a prompt's tokens see the common part and themselves.
+    So the values and gradients are those of whole prompt+completion rows (up to float
+    rounding), each prompt computed once, like `shared_prefix_rows`, but in one decoder call, with
+    no KV cache to repeat per completion (nor its backward's gathers), and every weight used once
+    per step (with two calls each weight's gradient is the sum of two matmuls: one more
+    weight-sized add each). The cost: the attention of a packed row spans all of it, the masked
+    blocks included (`packed_cost`). Needs `can_pack_prefix(model)`. Returns (N, width - 1) as
+    `shared_prefix_rows` does.
     """
     decoder, head = model.get_decoder(), model.get_output_embeddings()
-    members: list[list[int]] = [[] for _ in prompts]
-    for i, k in enumerate(prompt_of_row):
-        members[k].append(i)
-    lengths = [len(p) + sum(len(completions[i]) for i in rows) for p, rows in zip(prompts, members, strict=True)]
-    t, c_max = max(lengths), max(len(c) for c in completions)
+    c_max = max(len(c) for c in completions)
     if c_max == 0:  # nothing to score
         empty = torch.zeros(len(completions), width - 1, device=device)
         return empty, empty.clone() if with_entropy else None
-    ids = torch.full((len(prompts), t), pad_id, dtype=torch.long)
-    pos = torch.zeros((len(prompts), t), dtype=torch.long)
-    seg = torch.full((len(prompts), t), -1, dtype=torch.long)  # -1 padding, 0 prompt, j + 1 the row's j-th completion
+    members: list[list[int]] = [[] for _ in prompts]
+    for i, k in enumerate(prompt_of_row):
+        members[k].append(i)
+    n_common = n_common if one_row else 0
+    packs = [list(range(len(prompts)))] if one_row else [[k] for k in range(len(prompts))]
+    lengths = [n_common + sum(len(prompts[k]) - n_common + sum(len(completions[i]) for i in members[k]) for k in pack)
+               for pack in packs]
+    t = max(lengths)
+    ids = torch.full((len(packs), t), pad_id, dtype=torch.long)
+    pos = torch.zeros((len(packs), t), dtype=torch.long)
+    # segment of each token: 0 the common part, then per row a segment per prompt and per completion
+    # (padding: one of its own); a token sees the tokens before it in its segment, its parent's and 0's
+    seg = torch.zeros((len(packs), t), dtype=torch.long)
+    parent = [0]
     source = torch.zeros((len(completions), c_max), dtype=torch.long)  # flat hidden position predicting each token
-    for k, (p, rows) in enumerate(zip(prompts, members, strict=True)):
-        ids[k, : len(p)] = torch.tensor(p, dtype=torch.long)
-        pos[k, : len(p)] = torch.arange(len(p))
-        seg[k, : len(p)] = 0
-        at = len(p)
-        for j, i in enumerate(rows):
-            n = len(completions[i])
-            ids[k, at : at + n] = torch.tensor(completions[i], dtype=torch.long)
-            pos[k, at : at + n] = torch.arange(len(p), len(p) + n)
-            seg[k, at : at + n] = j + 1
-            if n:  # token 0 is predicted by the prompt's last position, token m by the completion's position m - 1
-                source[i, :n] = k * t + torch.cat([torch.tensor([len(p) - 1]), torch.arange(at, at + n - 1)])
-            at += n
-    causal = torch.ones(t, t, dtype=torch.bool).tril()
-    sees = (seg[:, None, :] == 0) | (seg[:, None, :] == seg[:, :, None])  # (K, query, key): its prompt or its own segment
-    mask = (causal & sees) | torch.eye(t, dtype=torch.bool)
+    for r, pack in enumerate(packs):
+        if n_common:
+            ids[r, :n_common] = torch.tensor(prompts[pack[0]][:n_common], dtype=torch.long)
+            pos[r, :n_common] = torch.arange(n_common)
+        at = n_common
+        for k in pack:
+            own, prompt_seg = prompts[k][n_common:], len(parent)
+            parent.append(0)
+            ids[r, at : at + len(own)] = torch.tensor(own, dtype=torch.long)
+            pos[r, at : at + len(own)] = torch.arange(n_common, len(prompts[k]))
+            seg[r, at : at + len(own)] = prompt_seg
+            last, at = r * t + at + len(own) - 1, at + len(own)
+            for i in members[k]:
+                n = len(completions[i])
+                ids[r, at : at + n] = torch.tensor(completions[i], dtype=torch.long)
+                pos[r, at : at + n] = torch.arange(len(prompts[k]), len(prompts[k]) + n)
+                seg[r, at : at + n] = len(parent)
+                parent.append(prompt_seg)
+                if n:  # token 0 is predicted by the prompt's last position, token m by the completion's m - 1
+                    source[i, :n] = torch.cat([torch.tensor([last]), r * t + torch.arange(at, at + n - 1)])
+                at += n
+        seg[r, at:] = len(parent)  # padding
+        parent.append(len(parent))
+    parents = torch.tensor(parent)[seg]  # (R, T)
+    q_seg, k_seg = seg[:, :, None], seg[:, None, :]
+    sees = (k_seg == 0) | (k_seg == q_seg) | (k_seg == parents[:, :, None])
+    mask = (torch.ones(t, t, dtype=torch.bool).tril() & sees) | torch.eye(t, dtype=torch.bool)
     hidden = decoder(input_ids=ids.to(device), attention_mask=mask[:, None].to(device), position_ids=pos.to(device),
-                     use_cache=False).last_hidden_state  # (K, T, H)
+                     use_cache=False).last_hidden_state  # (R, T, H)
     source = source.to(device)
     picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, source.reshape(-1)).view(*source.shape, -1)
     cids = torch.full((len(completions), c_max), pad_id, dtype=torch.long)

@@ -254,10 +254,13 @@ def test_minibatch_rows_keep_groups_whole_and_cover_every_row():
     assert [len(m) for m in grpo.minibatch_rows(12, 3, 5, False, g)] == [5, 5, 2]
 
 
-@pytest.mark.parametrize(("beta", "minibatch", "min_common"), [(0.0, 8, None), (0.1, 8, None), (0.0, 16, 1)],
-                         ids=["per-group", "per-group-kl", "batch-wide-common"])
+@pytest.mark.parametrize(("beta", "minibatch", "min_common", "path"),
+                         [(0.0, 8, None, "auto"), (0.1, 8, None, "auto"), (0.0, 16, 1, "auto"),
+                          (0.0, 16, 1, "kv-cache"), (0.0, 8, None, "checkpointing")],
+                         ids=["per-group", "per-group-kl", "batch-wide-common", "batch-wide-common-kv-cache",
+                              "packed-under-checkpointing"])
 def test_prefix_sharing_trains_the_same_model(tmp_path, tiny_model_input, digit_prompts, beta, minibatch, min_common,
-                                              monkeypatch):
+                                              path, monkeypatch):
     """Same rollouts, same updates: the metrics and final weights of a run with prefix sharing equal
     those of a run that computes every row whole, with and without a KL term, and with the prompts'
     common part (10 chat-template tokens here) run once per two-group mini-batch and once per
@@ -267,20 +270,36 @@ def test_prefix_sharing_trains_the_same_model(tmp_path, tiny_model_input, digit_
     (measured: single elements up to 4.2e-5 apart, 1.4% of one step's lr of 3e-3, while every tensor's
     update agrees to 1.1e-4 of its norm; a misplaced prefix or position differs by whole percents).
     For the same reason the KL term, a function of the policy-reference weight difference, is
-    compared through the weights it moves, not as a metric."""
+    compared through the weights it moves, not as a metric. `path`: the tiny Llama packs prompts and
+    completions in one decoder call where that costs less (auto); kv-cache: as a model that cannot be
+    packed, through the KV cache; checkpointing: with gradient checkpointing on (no KV cache), packed."""
     from stages import logprobs, models
 
     if min_common is not None:
         monkeypatch.setattr(logprobs, "COMMON_PREFIX_MIN", min_common)
+    if path == "kv-cache":
+        monkeypatch.setattr(logprobs, "can_pack_prefix", lambda m: False)
+    used = []
+    for name in ("packed_prefix_rows", "shared_prefix_logprobs"):
+        real = getattr(logprobs, name)
+        monkeypatch.setattr(logprobs, name, lambda *a, _r=real, _n=name, **k: used.append(_n) or _r(*a, **k))
     runs = {}
     for sharing in (True, False):
-        cfg = short_is_better(steps=3, beta=beta, prefix_sharing=sharing, minibatch_size=minibatch)
+        used.clear()
+        cfg = short_is_better(steps=3, beta=beta, prefix_sharing=sharing, minibatch_size=minibatch,
+                              gradient_checkpointing=path == "checkpointing")
         ctx = LocalContext(tmp_path / f"run-{sharing}", seed=0)
         out = grpo.run(cfg, {"model": tiny_model_input, "prompts": digit_prompts}, ctx)["model"]
         curve = [(m["reward/mean"], m["train/loss"]) for step, m in ctx.metrics if step is not None and "train/loss" in m]
         if beta:  # step 1's reference is the policy itself: a misplaced shared reference pass would show a KL
             first_kl = next(m["train/kl"] for step, m in ctx.metrics if step == 1 and "train/kl" in m)
             assert abs(first_kl) < 1e-6
+        if not sharing:
+            assert used == []
+        elif path == "kv-cache":
+            assert set(used) == {"shared_prefix_logprobs"}
+        else:
+            assert set(used) == {"packed_prefix_rows"}  # the tiny model's calls cost more than packing
         model, _ = models.load_model(out.path / "model")
         runs[sharing] = (curve, {k: v.clone() for k, v in model.state_dict().items()})
     (curve_s, weights_s), (curve_u, weights_u) = runs[True], runs[False]

@@ -213,7 +213,8 @@ def test_batch_wide_common_prefix_gives_the_same_logprobs_and_gradients(tiny_tok
             model.zero_grad()
             calls.clear()
             got, ent = shared_prefix_rows(model, prompts, comps, prompt_of_row, pad_id=0, width=width, device="cpu",
-                                          with_entropy=True, min_common=min_common, bucket_overhead=overhead)
+                                          with_entropy=True, min_common=min_common, bucket_overhead=overhead,
+                                          pack=False)
             assert len(calls) == n_calls
             assert_matches_whole_rows(model, got, ent, ref, ref_ent, mask, ref_grads)
     finally:
@@ -404,3 +405,75 @@ def test_can_pack_prefix_only_where_a_4d_mask_means_what_it_says(tiny_tokenizer)
     assert not can_pack_prefix(Qwen2ForCausalLM(Qwen2Config(**small, use_sliding_window=True, sliding_window=4,
                                                             max_window_layers=0)))
     assert not can_pack_prefix(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50)))
+
+
+@pytest.mark.parametrize("one_row", [False, True])
+def test_packed_rows_with_a_common_prefix_equal_whole_rows(tiny_tokenizer, one_row):
+    """The batch-wide common prefix case packed: one row per prompt, or one row holding the 6 common tokens
+    once, then each prompt's own tokens and its completions (one prompt has a single own token, one
+    completion is empty). One decoder call; the whole rows' log-probs, entropies and gradients."""
+    from stages import grpo
+    from stages.logprobs import packed_prefix_rows
+
+    model = models.build_tiny_model(tiny_tokenizer, seed=5).train()
+    common = [5, 6, 7, 8, 9, 10]
+    prompts = [common + [11, 12, 13], common + [14], common + [15, 16, 17, 18, 19]]
+    prompt_of_row = [0, 0, 1, 2, 1]
+    comps = [[20, 21, 22], [23], [], [24, 25, 26, 27], [28, 29]]
+    batch = grpo.build_batch([prompts[k] for k in prompt_of_row], comps, pad_id=0, keep=[True] * 5)
+    width, mask = batch["input_ids"].shape[1], batch["loss_mask"]
+    ref, ref_ent = token_logprobs(model, batch["input_ids"], batch["attention_mask"], with_entropy=True)
+    (ref * mask).sum().backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad()
+    calls = []
+    hook = model.get_decoder().register_forward_hook(lambda m, a, k: calls.append(a), with_kwargs=False)
+    try:
+        got, ent = packed_prefix_rows(model, prompts, comps, prompt_of_row, pad_id=0, width=width, device="cpu",
+                                      with_entropy=True, n_common=6, one_row=one_row)
+    finally:
+        hook.remove()
+    assert len(calls) == 1
+    assert_matches_whole_rows(model, got, ent, ref, ref_ent, mask, ref_grads)
+
+
+def test_packed_and_cached_costs_hand_computed():
+    """Prompts of 10 and 12 tokens (8 common), completions [3, 5] of the first and [4] of the second:
+    a row per prompt pads to max(10 + 8, 12 + 4) = 18: 2 x 18 = 36 positions (share 0), 2 x (18 + 0.01 x 324)
+    = 42.48 at share 0.01; one row, the common part once: 8 + 2 + 8 + 4 + 4 = 26, 26 + 6.76 = 32.76.
+    The KV-cache path: 8 common + 2 prompts x 4 own + the completions in length buckets (at overhead 64 one
+    bucket, 3 x 5 = 15; at 0 one per length, 3 + 5 + 4 = 12) + the overhead per call after the first (the
+    common part's and each bucket's): 8 + 8 + 15 + 64 x 2 = 159 at 64, 8 + 8 + 12 = 28 at 0."""
+    from stages.logprobs import cached_cost, packed_cost
+
+    args = ([10, 12], [3, 5, 4], [0, 0, 1])
+    assert packed_cost(*args, 0.0) == 36
+    assert packed_cost(*args, 0.01) == pytest.approx(42.48)
+    assert packed_cost(*args, 0.01, n_common=8, one_row=True) == pytest.approx(32.76)
+    assert packed_cost(*args, 0.0, n_common=8, one_row=True) == 26
+    assert cached_cost([10, 12], [3, 5, 4], 8, 64) == 159
+    assert cached_cost([10, 12], [3, 5, 4], 8, 0) == 28
+    assert cached_cost([10, 12], [3, 5, 4], 0, 0) == 2 * 12 + 12  # no common part: no call for it
+
+
+def test_shared_prefix_rows_packs_where_it_costs_less(tiny_tokenizer, monkeypatch):
+    """The tiny Llama can be packed: shared_prefix_rows packs when the packed cost is below the KV-cache
+    path's (here at the CPU default overhead of 292 a call), in the cheaper layout, and keeps the cache path
+    when forced off or when packing costs more (a free call, overhead 0, and attention counted heavily)."""
+    from stages import logprobs
+
+    model = models.build_tiny_model(tiny_tokenizer, seed=5).train()
+    common = list(range(5, 45))  # 40 common tokens: above COMMON_PREFIX_MIN
+    prompts = [common + [50, 51], common + [52]]
+    comps, prompt_of_row = [[60, 61], [62], [63, 64, 65]], [0, 0, 1]
+    layouts = []
+    real = logprobs.packed_prefix_rows
+    monkeypatch.setattr(logprobs, "packed_prefix_rows",
+                        lambda *a, **k: layouts.append(k["one_row"]) or real(*a, **k))
+    width = 46
+    logprobs.shared_prefix_rows(model, prompts, comps, prompt_of_row, 0, width, "cpu")
+    assert layouts == [True]  # one row of 40 + 2 + 3 + 1 + 3 = 49 against 2 rows of 45
+    logprobs.shared_prefix_rows(model, prompts, comps, prompt_of_row, 0, width, "cpu", pack=False)
+    monkeypatch.setattr(logprobs, "attention_share", lambda m: 1.0)
+    logprobs.shared_prefix_rows(model, prompts, comps, prompt_of_row, 0, width, "cpu", bucket_overhead=0)
+    assert layouts == [True]
