@@ -226,7 +226,7 @@ class SFTConfig(TrainingConfig):
     """`sft` stage: supervised fine-tuning with loss on assistant tokens only."""
 
     packing: bool = Field(False, description="Concatenate examples into max_length blocks, without padding. "
-                          "Llama/Mistral/Qwen2 models (full attention, sdpa/eager) keep attention inside each example "
+                          "Llama/Mistral/Qwen2 models (full attention, sdpa attention) keep attention inside each example "
                           "and restart its positions, so a block trains as its examples would alone; other models "
                           "attend across the examples of a block (a warning says so).")
     gold_think: str = Field(
@@ -380,7 +380,7 @@ class GRPOConfig(MemoryOptions):
     prefix_sharing: bool = Field(
         True, description="Training passes run each group's prompt through the decoder once: the same values and "
         "gradients at about (P + G*C) / (G*(P+C)) of the decoder's cost for prompt length P and completion length "
-        "C. Llama/Mistral/Qwen2 models (full attention, sdpa/eager) pack the prompts and their completions in one "
+        "C. Llama/Mistral/Qwen2 models (full attention, sdpa attention) pack the prompts and their completions in one "
         "decoder call under a mask that keeps the completions apart, where that costs less than running the G "
         "completions against the prompt's KV cache (gradients flow through the cache), which other models with a "
         "plain output head do; with gradient_checkpointing (no KV cache) only packing shares, other models run "

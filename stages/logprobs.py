@@ -522,13 +522,14 @@ PACKABLE_MODELS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 def can_pack_prefix(model) -> bool:
     """Whether `packed_prefix_rows` applies: a plain output head, a Llama / Mistral / Qwen2 decoder with
     full attention in every layer (a 4D mask replaces the causal mask in every layer, so a sliding window
-    would be lost), sdpa or eager attention (they take a 4D mask; flash-attention kernels do not), not
+    would be lost), sdpa attention (it takes a boolean 4D mask as given; eager attention adds the mask to
+    the scores, so a boolean one would be wrong, and flash-attention kernels take none), not
     FSDP-sharded. Gradient checkpointing is fine: no KV cache is involved."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = getattr(base, "config", None)
     if type(base).__name__ not in PACKABLE_MODELS or config is None or not _head_is_plain(base) or is_sharded(model):
         return False
-    if getattr(config, "_attn_implementation", None) not in ("sdpa", "eager"):
+    if getattr(config, "_attn_implementation", None) != "sdpa":
         return False
     layer_types = getattr(config, "layer_types", None)
     if layer_types:

@@ -41,7 +41,7 @@ from stages.rewards import gold_completion
 
 log = logging.getLogger(__name__)
 
-VERSION = "1"
+VERSION = "2"  # 2: packing keeps attention inside each packed example (block mask, positions restarted)
 CONFIG = SFTConfig
 INPUTS = {"model": "model", "data": "sft|prompts"}
 OUTPUTS = {"model": "model"}

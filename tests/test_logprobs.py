@@ -399,6 +399,8 @@ def test_can_pack_prefix_only_where_a_4d_mask_means_what_it_says(tiny_tokenizer)
     flash = models.build_tiny_model(tiny_tokenizer)
     flash.config._attn_implementation = "flash_attention_2"
     assert not can_pack_prefix(flash)
+    flash.config._attn_implementation = "eager"  # adds the mask to the scores: a boolean mask would be wrong
+    assert not can_pack_prefix(flash)
     small = dict(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2)
     assert can_pack_prefix(Qwen2ForCausalLM(Qwen2Config(**small)))
