@@ -38,6 +38,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from stages.distributed import inner_output, is_sharded
+from stages.lean_decode import LEAN_MODELS
 
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
@@ -482,26 +483,41 @@ def shared_prefix_rows(model, prompts: list[list[int]], completions: list[list[i
         prompts_own = [p[n_common:] for p in prompts]
     else:
         prompts_own = prompts
-    p_max, c_max = max(len(p) for p in prompts_own), max(len(c) for c in completions)
+    p_max = max(len(p) for p in prompts_own)
     pids = torch.full((len(prompts), p_max), pad_id, dtype=torch.long)
     pmask = torch.zeros((len(prompts), p_max), dtype=torch.long)
     for i, p in enumerate(prompts_own):  # left padded, as in generation
         pids[i, p_max - len(p) :] = torch.tensor(p, dtype=torch.long)
         pmask[i, p_max - len(p) :] = 1
-    cids = torch.full((len(completions), c_max), pad_id, dtype=torch.long)
-    cmask = torch.zeros((len(completions), c_max), dtype=torch.long)
-    for i, c in enumerate(completions):
-        cids[i, : len(c)] = torch.tensor(c, dtype=torch.long)
-        cmask[i, : len(c)] = 1
+    cids, cmask = _right_padded(completions, pad_id)
     index = torch.tensor(prompt_of_row, dtype=torch.long)
     lp, ent = shared_prefix_logprobs(model, pids.to(device), pmask.to(device), cids.to(device), cmask.to(device),
                                      index.to(device), chunk_tokens=chunk_tokens, with_entropy=with_entropy,
                                      common_ids=common, bucket_overhead=bucket_overhead)  # (N, C)
+    return _as_whole_rows(lp, ent, prompts, prompt_of_row, width)
+
+
+def _right_padded(completions: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, C) ids and 0/1 mask of the completions, right padded to the longest."""
+    c_max = max(len(c) for c in completions)
+    ids = torch.full((len(completions), c_max), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(completions), c_max), dtype=torch.long)
+    for i, c in enumerate(completions):
+        ids[i, : len(c)] = torch.tensor(c, dtype=torch.long)
+        mask[i, : len(c)] = 1
+    return ids, mask
+
+
+def _as_whole_rows(lp: torch.Tensor, ent: torch.Tensor | None, prompts: list[list[int]], prompt_of_row: list[int],
+                   width: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(N, C) values of completion tokens laid out as whole right-padded rows (N, width - 1): completion
+    token j of row i at len(its prompt) - 1 + j, the position that predicts it there; 0 elsewhere."""
+    n, c_max = lp.shape
     offsets = torch.tensor([len(prompts[k]) - 1 for k in prompt_of_row])
     cols = (offsets[:, None] + torch.arange(c_max)[None, :]).to(lp.device)  # distinct per row: scatter is exact
 
     def layout(x: torch.Tensor) -> torch.Tensor:
-        return x.new_zeros(len(completions), width - 1 + c_max).scatter(1, cols, x)[:, : width - 1]
+        return x.new_zeros(n, width - 1 + c_max).scatter(1, cols, x)[:, : width - 1]
 
     return layout(lp), layout(ent) if ent is not None else None
 
@@ -516,7 +532,7 @@ def _scatter(parts: list[torch.Tensor], index: torch.Tensor | None, b: int, t: i
 
 # ---------------------------------------------------------------------------- packed prefix rows
 
-PACKABLE_MODELS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+PACKABLE_MODELS = LEAN_MODELS  # the Llama family, whose forward lean_decode reproduces too
 
 
 def can_pack_prefix(model) -> bool:
@@ -650,16 +666,6 @@ def packed_prefix_rows(model, prompts: list[list[int]], completions: list[list[i
                      use_cache=False).last_hidden_state  # (R, T, H)
     source = source.to(device)
     picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, source.reshape(-1)).view(*source.shape, -1)
-    cids = torch.full((len(completions), c_max), pad_id, dtype=torch.long)
-    cmask = torch.zeros((len(completions), c_max), dtype=torch.bool)
-    for i, c in enumerate(completions):
-        cids[i, : len(c)] = torch.tensor(c, dtype=torch.long)
-        cmask[i, : len(c)] = True
-    lp, ent = head_logprobs(head, picked, cids.to(device), cmask.to(device), chunk_tokens, with_entropy)  # (N, C)
-    offsets = torch.tensor([len(prompts[k]) - 1 for k in prompt_of_row])
-    cols = (offsets[:, None] + torch.arange(c_max)[None, :]).to(lp.device)
-
-    def layout(x: torch.Tensor) -> torch.Tensor:
-        return x.new_zeros(len(completions), width - 1 + c_max).scatter(1, cols, x)[:, : width - 1]
-
-    return layout(lp), layout(ent) if ent is not None else None
+    cids, cmask = _right_padded(completions, pad_id)
+    lp, ent = head_logprobs(head, picked, cids.to(device), cmask.bool().to(device), chunk_tokens, with_entropy)
+    return _as_whole_rows(lp, ent, prompts, prompt_of_row, width)
