@@ -183,6 +183,20 @@ def test_common_prefix_length_leaves_every_prompt_a_token_of_its_own():
     assert common_prefix_length([[1] * 20 + [2], [1] * 20 + [3]]) == 0
 
 
+def _whole_rows(model, prompts: list[list[int]], prompt_of_row: list[int], comps: list[list[int]]):
+    """The reference the shared and packed paths must match: each prompt + completion as its own right-padded
+    row (`grpo.build_batch`), its log-probs and entropies, and the gradients of their masked sum (left in
+    `.grad`: the caller zeroes them before its own pass). Returns (width, mask, ref, ref_ent, ref_grads)."""
+    from stages import grpo
+
+    batch = grpo.build_batch([prompts[k] for k in prompt_of_row], comps, pad_id=0, keep=[True] * len(comps))
+    width, mask = batch["input_ids"].shape[1], batch["loss_mask"]
+    ref, ref_ent = token_logprobs(model, batch["input_ids"], batch["attention_mask"], with_entropy=True)
+    (ref * mask).sum().backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    return width, mask, ref, ref_ent, ref_grads
+
+
 @pytest.mark.parametrize("lora_r", [0, 4])
 def test_batch_wide_common_prefix_gives_the_same_logprobs_and_gradients(tiny_tokenizer, lora_r):
     """Three prompts that start with the same 6 tokens and then differ in length (one is the common part
@@ -190,7 +204,6 @@ def test_batch_wide_common_prefix_gives_the_same_logprobs_and_gradients(tiny_tok
     Running the common part once for the batch (three decoder calls) gives the log-probs, entropies and
     parameter gradients of whole prompt+completion rows, and so does the path without it (two calls)."""
     from schemas.configs import LoraSpec
-    from stages import grpo
     from stages.logprobs import shared_prefix_rows
 
     model = models.apply_lora(models.build_tiny_model(tiny_tokenizer, seed=2), LoraSpec(r=lora_r)).train()
@@ -198,11 +211,7 @@ def test_batch_wide_common_prefix_gives_the_same_logprobs_and_gradients(tiny_tok
     prompts = [common + [11, 12, 13], common + [14], common + [15, 16, 17, 18, 19]]
     prompt_of_row = [0, 0, 1, 2]
     comps = [[20, 21, 22], [23], [], [24, 25, 26, 27]]
-    batch = grpo.build_batch([prompts[k] for k in prompt_of_row], comps, pad_id=0, keep=[True] * 4)
-    width, mask = batch["input_ids"].shape[1], batch["loss_mask"]
-    ref, ref_ent = token_logprobs(model, batch["input_ids"], batch["attention_mask"], with_entropy=True)
-    (ref * mask).sum().backward()
-    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    width, mask, ref, ref_ent, ref_grads = _whole_rows(model, prompts, prompt_of_row, comps)
 
     calls = []
     hook = model.get_decoder().register_forward_hook(lambda m, a, k: calls.append(1), with_kwargs=False)
@@ -339,7 +348,6 @@ def test_packed_prefix_rows_give_the_same_logprobs_and_gradients(tiny_tokenizer,
     parameter gradients of whole prompt+completion rows, with LoRA and under gradient checkpointing
     (no KV cache involved, so it applies there too)."""
     from schemas.configs import LoraSpec
-    from stages import grpo
     from stages.logprobs import can_pack_prefix, packed_prefix_rows
 
     model = models.apply_lora(models.build_tiny_model(tiny_tokenizer, seed=2), LoraSpec(r=lora_r)).train()
@@ -349,11 +357,7 @@ def test_packed_prefix_rows_give_the_same_logprobs_and_gradients(tiny_tokenizer,
     prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18]]
     prompt_of_row = [0, 2, 0, 1, 0, 2]
     comps = [[20, 21, 22], [23, 24], [25], [26, 27, 28, 29], [30, 31], []]
-    batch = grpo.build_batch([prompts[k] for k in prompt_of_row], comps, pad_id=0, keep=[True] * 6)
-    width, mask = batch["input_ids"].shape[1], batch["loss_mask"]
-    ref, ref_ent = token_logprobs(model, batch["input_ids"], batch["attention_mask"], with_entropy=True)
-    (ref * mask).sum().backward()
-    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    width, mask, ref, ref_ent, ref_grads = _whole_rows(model, prompts, prompt_of_row, comps)
     model.zero_grad()
     calls = []
     hook = model.get_decoder().register_forward_hook(lambda m, a, k: calls.append(1), with_kwargs=False)
@@ -414,7 +418,6 @@ def test_packed_rows_with_a_common_prefix_equal_whole_rows(tiny_tokenizer, one_r
     """The batch-wide common prefix case packed: one row per prompt, or one row holding the 6 common tokens
     once, then each prompt's own tokens and its completions (one prompt has a single own token, one
     completion is empty). One decoder call; the whole rows' log-probs, entropies and gradients."""
-    from stages import grpo
     from stages.logprobs import packed_prefix_rows
 
     model = models.build_tiny_model(tiny_tokenizer, seed=5).train()
@@ -422,11 +425,7 @@ def test_packed_rows_with_a_common_prefix_equal_whole_rows(tiny_tokenizer, one_r
     prompts = [common + [11, 12, 13], common + [14], common + [15, 16, 17, 18, 19]]
     prompt_of_row = [0, 0, 1, 2, 1]
     comps = [[20, 21, 22], [23], [], [24, 25, 26, 27], [28, 29]]
-    batch = grpo.build_batch([prompts[k] for k in prompt_of_row], comps, pad_id=0, keep=[True] * 5)
-    width, mask = batch["input_ids"].shape[1], batch["loss_mask"]
-    ref, ref_ent = token_logprobs(model, batch["input_ids"], batch["attention_mask"], with_entropy=True)
-    (ref * mask).sum().backward()
-    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    width, mask, ref, ref_ent, ref_grads = _whole_rows(model, prompts, prompt_of_row, comps)
     model.zero_grad()
     calls = []
     hook = model.get_decoder().register_forward_hook(lambda m, a, k: calls.append(a), with_kwargs=False)
