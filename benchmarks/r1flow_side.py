@@ -1,4 +1,5 @@
-"""The r1flow side of the suite: the stages' pure entry points under a LocalContext (no Prefect, no MLflow).
+"""The r1flow side of the suite: each stage through `run_stage`, as the pipeline runs it, under a LocalContext
+(no Prefect, no MLflow).
 
 Each function runs one stage on the prepared artifacts and returns plain numbers; step times are
 taken from the moments the stage logs each step (`TimedContext`), so they cover the whole step
@@ -12,6 +13,7 @@ from pathlib import Path
 
 from benchmarks.common import PeakMemory, Shape, stage_input
 from stages.base import LocalContext, Output
+from stages.launch import run_stage
 
 
 class TimedContext(LocalContext):
@@ -51,7 +53,7 @@ def run_sft(prep: dict, shape: Shape, device: str, work: Path) -> dict:
     meter = PeakMemory(device)
     ctx = TimedContext(work / "sft", device=device)
     meter.start()
-    sft.run(cfg, {"model": inp["model"], "data": inp["sft"]}, ctx)
+    run_stage(sft, cfg, {"model": inp["model"], "data": inp["sft"]}, ctx)
     mem = meter.result()
     # step 1 warms up; the last step also writes the final checkpoint: time steps 2 .. max_steps - 1
     steps = ctx.intervals(2, cfg.max_steps - 1)
@@ -69,8 +71,8 @@ def run_reference(prep: dict, shape: Shape, device: str, work: Path) -> dict:
     inp = inputs_from(prep, "model", "prefs")
     cfg = ReferenceLogprobsConfig(max_length=shape.max_length, batch_size=2 * shape.dpo_batch)
     t0 = time.perf_counter()
-    out = reference_logprobs.run(cfg, {"model": inp["model"], "preferences": inp["prefs"]},
-                                 LocalContext(work / "reference", device=device))["logprobs"]
+    out = run_stage(reference_logprobs, cfg, {"model": inp["model"], "preferences": inp["prefs"]},
+                    LocalContext(work / "reference", device=device))["logprobs"]
     return {"seconds": time.perf_counter() - t0, "kind": out.kind, "schema": out.schema, "path": str(out.path),
             "rows": out.rows, "metrics": out.metrics,
             "parents": [inp["prefs"].fingerprint, inp["model"].fingerprint]}
@@ -90,7 +92,7 @@ def run_dpo(prep: dict, shape: Shape, device: str, work: Path, reference: dict) 
     meter = PeakMemory(device)
     ctx = TimedContext(work / "dpo", device=device)
     meter.start()
-    po.run(cfg, {"model": inp["model"], "preferences": inp["prefs"], "reference": ref}, ctx)
+    run_stage(po, cfg, {"model": inp["model"], "preferences": inp["prefs"], "reference": ref}, ctx)
     mem = meter.result()
     steps = ctx.intervals(2, cfg.max_steps - 1)
     _, tokenizer = inp["model"].load_model()
@@ -114,7 +116,7 @@ def run_grpo(prep: dict, shape: Shape, device: str, work: Path) -> dict:
     meter = PeakMemory(device)
     ctx = TimedContext(work / "grpo", device=device)
     meter.start()
-    grpo.run(cfg, {"model": inp["model"], "prompts": inp["prompts"]}, ctx)
+    run_stage(grpo, cfg, {"model": inp["model"], "prompts": inp["prompts"]}, ctx)
     mem = meter.result()
     steps = []
     for step, m in sorted((s, m) for s, m in ctx.metrics if s is not None and "time/step" in m):

@@ -1,8 +1,9 @@
 """Run a stage on N processes: `accelerate launch` from the caller's process, this module in every rank.
 
 `run_stage(module, cfg, inputs, ctx)` is what a runner calls instead of `module.run(...)`: with
-`cfg.resources.num_processes` at 1 (the default, and every stage without `resources`) it *is*
-`module.run(cfg, inputs, ctx)` in this process. With N > 1 it
+`cfg.resources.num_processes` at 1 (the default, and every stage without `resources`) it is
+`module.run(cfg, inputs, ctx)` in this process (on CPU with glibc's freed memory kept for reuse
+while it runs: `stages.host_memory`; each rank does the same). With N > 1 it
 
 1. writes a spec (stage module, config, the already-verified local input directories, the
    directories the runner's context gives for outputs, checkpoints and caches);
@@ -43,7 +44,7 @@ from typing import Any
 
 from schemas.artifacts import Manifest
 from schemas.errors import ConfigError, StageError
-from stages import distributed
+from stages import distributed, host_memory
 from stages.base import Input, Output, StageContext
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -60,7 +61,8 @@ def run_stage(module: ModuleType, cfg: Any, inputs: dict[str, Input], ctx: Stage
     """`module.run(cfg, inputs, ctx)`, on `cfg.resources.num_processes` processes when that is > 1."""
     n = num_processes(cfg)
     if n <= 1:
-        return module.run(cfg, inputs, ctx)
+        with host_memory.reuse_freed_memory(ctx.device):  # CPU: freed tensors' memory is reused, not unmapped
+            return module.run(cfg, inputs, ctx)
     return run_distributed(module, cfg, inputs, ctx, n)
 
 
@@ -248,7 +250,8 @@ def main(argv: list[str] | None = None) -> None:
         module = importlib.import_module(spec["module"])
         cfg = module.CONFIG.model_validate(spec["config"])
         inputs = {name: _input_from(s) for name, s in spec["inputs"].items()}
-        outputs = module.run(cfg, inputs, RankContext(spec, dist, device))
+        with host_memory.reuse_freed_memory(device):
+            outputs = module.run(cfg, inputs, RankContext(spec, dist, device))
         if dist.is_main:
             tmp = work / f".{RESULT_FILE}.tmp"
             tmp.write_text(json.dumps({"outputs": {k: _output_spec(v) for k, v in outputs.items()}}))
