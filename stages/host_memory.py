@@ -5,8 +5,9 @@ first, adjusted upward to at most 32 MiB as blocks are freed) with a fresh `mmap
 back with `munmap` when the tensor dies. A training step allocates the same large tensors every
 step (activations, the output head's logits chunk, SmolLM2's 113 MB embedding gradient): each
 comes back as new pages that the kernel faults in and zeroes one at a time. Measured on the
-SmolLM2-135M SFT step of the benchmark suite (4 x 149 tokens, 2 cores): ~180,000 page faults a
-step, 3.57 s a step; with the thresholds below 3.28 s, peak memory within noise (3.0-3.2 GiB).
+SmolLM2-135M SFT step of the benchmark suite (4 x 149 tokens, 2 cores): ~106,000 page faults a
+step, ~1,700 with the thresholds below; the step 3.57 -> 3.28 s and 3.57 -> 3.24 s in alternating
+runs (this machine's noise is +-10%), peak memory within noise (3.0-3.2 GiB).
 PyTorch's CPU performance guide recommends an allocator that keeps memory (jemalloc, tcmalloc
 via LD_PRELOAD) for the same reason; this gets most of that from glibc itself, in-process.
 
