@@ -21,26 +21,25 @@ themselves (theirs win), or with `R1FLOW_MALLOC_TUNING=0`.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
-import logging
+import functools
 import os
 import platform
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-log = logging.getLogger(__name__)
-
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc malloc.h
 GLIBC_DEFAULT = 128 * 1024  # both thresholds' initial values
-KEEP_BYTES = 1 << 30  # blocks up to 1 GiB come from the heap; up to 2 GiB of free top of heap is kept
+KEEP_BYTES = 1 << 30  # blocks up to 1 GiB come from the heap; up to 1 GiB of free memory at its top is kept
 USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
 
 
+@functools.cache
 def _glibc() -> ctypes.CDLL | None:
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = ctypes.CDLL("libc.so.6")  # glibc's soname on every architecture it supports
     except OSError:
         return None
     return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
@@ -53,19 +52,41 @@ def tuning_wanted(device: str, environ: os._Environ | dict = os.environ) -> bool
     return not any(name in environ for name in USER_SETTINGS) and "glibc.malloc" not in environ.get("GLIBC_TUNABLES", "")
 
 
+def _raise_thresholds(libc: ctypes.CDLL) -> bool:
+    # mallopt(3) documents 32 MiB as the maximum on 64-bit; glibc 2.36 takes 1 GiB. Where refused, 32 MiB.
+    kept = any(libc.mallopt(M_MMAP_THRESHOLD, size) for size in (KEEP_BYTES, 32 << 20))
+    return kept and bool(libc.mallopt(M_TRIM_THRESHOLD, KEEP_BYTES))
+
+
+def _restore_defaults(libc: ctypes.CDLL) -> None:
+    libc.mallopt(M_TRIM_THRESHOLD, GLIBC_DEFAULT)
+    libc.mallopt(M_MMAP_THRESHOLD, GLIBC_DEFAULT)
+    libc.malloc_trim(0)  # the freed heap goes back to the system now, not at some later free
+
+
+_lock = threading.Lock()
+_holders = 0  # stages inside the block in this process (Prefect may run tasks in threads)
+_kept = False
+
+
 @contextmanager
 def reuse_freed_memory(device: str) -> Iterator[bool]:
-    """Within the block, glibc keeps freed blocks for reuse; yields whether it does."""
+    """Within the block, glibc keeps freed blocks for reuse; yields whether it does. Blocks may overlap
+    (stages in threads of one process): the defaults come back when the last one ends."""
+    global _holders, _kept
     libc = _glibc() if tuning_wanted(device) else None
     if libc is None:
         yield False
         return
-    # mallopt(3) documents 32 MiB as the maximum on 64-bit; glibc 2.36 takes 1 GiB. Where refused, 32 MiB.
-    kept = any(libc.mallopt(M_MMAP_THRESHOLD, size) for size in (KEEP_BYTES, 32 << 20))
-    kept = kept and bool(libc.mallopt(M_TRIM_THRESHOLD, KEEP_BYTES))
+    with _lock:
+        if _holders == 0:
+            _kept = _raise_thresholds(libc)
+        _holders += 1
+        kept = _kept
     try:
         yield kept
     finally:
-        libc.mallopt(M_TRIM_THRESHOLD, GLIBC_DEFAULT)
-        libc.mallopt(M_MMAP_THRESHOLD, GLIBC_DEFAULT)
-        libc.malloc_trim(0)  # the freed heap goes back to the system now, not at some later free
+        with _lock:
+            _holders -= 1
+            if _holders == 0:
+                _restore_defaults(libc)
