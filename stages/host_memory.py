@@ -13,7 +13,8 @@ via LD_PRELOAD) for the same reason; this gets most of that from glibc itself, i
 
 `reuse_freed_memory(device)` raises both thresholds while a stage runs on CPU, so freed blocks
 stay in the heap for the next step's tensors, then gives the free memory back (`malloc_trim`)
-and sets glibc's initial defaults again. It does nothing off Linux/glibc, on a CUDA device,
+and sets glibc's initial values again (128 KiB each; glibc's upward adjustment of the mmap threshold
+stays off once mallopt has set it, as with any mallopt call). It does nothing off Linux/glibc, on a CUDA device,
 when the user set `MALLOC_MMAP_THRESHOLD_`, `MALLOC_TRIM_THRESHOLD_` or malloc `GLIBC_TUNABLES`
 themselves (theirs win), or with `R1FLOW_MALLOC_TUNING=0`.
 """
