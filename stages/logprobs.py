@@ -489,7 +489,7 @@ def shared_prefix_rows(model, prompts: list[list[int]], completions: list[list[i
     for i, p in enumerate(prompts_own):  # left padded, as in generation
         pids[i, p_max - len(p) :] = torch.tensor(p, dtype=torch.long)
         pmask[i, p_max - len(p) :] = 1
-    cids, cmask = _right_padded(completions, pad_id)
+    cids, cmask = right_padded(completions, pad_id)
     index = torch.tensor(prompt_of_row, dtype=torch.long)
     lp, ent = shared_prefix_logprobs(model, pids.to(device), pmask.to(device), cids.to(device), cmask.to(device),
                                      index.to(device), chunk_tokens=chunk_tokens, with_entropy=with_entropy,
@@ -497,14 +497,14 @@ def shared_prefix_rows(model, prompts: list[list[int]], completions: list[list[i
     return _as_whole_rows(lp, ent, prompts, prompt_of_row, width)
 
 
-def _right_padded(completions: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N, C) ids and 0/1 mask of the completions, right padded to the longest."""
-    c_max = max(len(c) for c in completions)
-    ids = torch.full((len(completions), c_max), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(completions), c_max), dtype=torch.long)
-    for i, c in enumerate(completions):
-        ids[i, : len(c)] = torch.tensor(c, dtype=torch.long)
-        mask[i, : len(c)] = 1
+def right_padded(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, T) ids and 0/1 attention mask of the sequences, right padded to the longest."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, s in enumerate(sequences):
+        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+        mask[i, : len(s)] = 1
     return ids, mask
 
 
@@ -666,6 +666,6 @@ def packed_prefix_rows(model, prompts: list[list[int]], completions: list[list[i
                      use_cache=False).last_hidden_state  # (R, T, H)
     source = source.to(device)
     picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, source.reshape(-1)).view(*source.shape, -1)
-    cids, cmask = _right_padded(completions, pad_id)
+    cids, cmask = right_padded(completions, pad_id)
     lp, ent = head_logprobs(head, picked, cids.to(device), cmask.bool().to(device), chunk_tokens, with_entropy)
     return _as_whole_rows(lp, ent, prompts, prompt_of_row, width)

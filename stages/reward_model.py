@@ -44,7 +44,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreT
 
 from schemas.configs import LoraSpec, RewardModelConfig
 from schemas.errors import ArtifactError, ModelError, SchemaError
-from stages import distributed, models, sft
+from stages import distributed, logprobs, models, sft
 from stages.base import Input, Output, StageContext, model_output_dir, seed_everything
 
 VERSION = "1"
@@ -118,13 +118,7 @@ def format_sequence(tokenizer, messages: list[dict], completion: str, max_length
 
 def collate(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-pad to (input_ids, attention_mask), both (N, T)."""
-    width = max(len(s) for s in sequences)
-    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(sequences), width), dtype=torch.long)
-    for i, s in enumerate(sequences):
-        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
-        mask[i, : len(s)] = 1
-    return ids, mask
+    return logprobs.right_padded(sequences, pad_id)
 
 
 # ---------------------------------------------------------------------------- the model
