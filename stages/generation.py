@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 import time
 import types
 from dataclasses import dataclass
@@ -321,12 +322,13 @@ class BlockRaceSampler(LogitsProcessor):
     token ids (`decode_rows`); as a logits processor it returns scores that are 0 at the drawn token
     and -inf elsewhere, so `generate(do_sample=False)`'s argmax takes it.
 
-    The vocabulary is cut into blocks of `block` tokens. A race over the blocks' masses, argmax of
-    mass / Exp(1), picks block k with probability mass_k; a race inside it picks token j with
-    probability p_j / mass_k: p_j overall, the distribution `do_sample=True` samples from (after
-    the same temperature / top-k / top-p warpers, which run before this in the list). It draws
-    ~V/block + block exponentials per row where `torch.multinomial` draws one per vocabulary
-    entry (27 -> 4 ms a decode step on CPU for 16 rows of SmolLM2's 49,152 tokens). Races, not an
+    The vocabulary is cut into blocks of `block` tokens (default ceil(sqrt(V)), which makes the
+    count below smallest). A race over the blocks' masses, argmax of mass / Exp(1), picks block k
+    with probability mass_k; a race inside it picks token j with probability p_j / mass_k: p_j
+    overall, the distribution `do_sample=True` samples from (after the same temperature / top-k /
+    top-p warpers, which run before this in the list). It draws ~V/block + block exponentials per
+    row where `torch.multinomial` draws one per vocabulary entry (27 -> 4 ms a decode step on CPU
+    for 16 rows of SmolLM2's 49,152 tokens; torch draws exponentials one at a time, ~10 ns each). Races, not an
     inverse CDF: a race's winner changes only when a float-rounding change of the probabilities
     reorders the top two ratios, while an inverse CDF moves every boundary by the rounding summed
     over the tokens before it, so two runs whose weights differ in the last bits (DDP against
@@ -334,7 +336,7 @@ class BlockRaceSampler(LogitsProcessor):
     generator, which the backend seeds per batch.
     """
 
-    def __init__(self, block: int = 256):
+    def __init__(self, block: int | None = None):
         self.block = block
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
@@ -346,14 +348,15 @@ class BlockRaceSampler(LogitsProcessor):
         exponentials are drawn for all `total` rows and row i of `scores` takes those of live[i]: what
         a call with the whole batch would draw for that row (`decode_rows` after finished rows left)."""
         rows, vocab = scores.shape
-        n_blocks = -(-vocab // self.block)
-        probs = torch.nn.functional.pad(torch.softmax(scores.float(), dim=-1), (0, n_blocks * self.block - vocab))
-        blocks = probs.view(rows, n_blocks, self.block)
+        block = self.block or math.isqrt(max(vocab - 1, 0)) + 1  # ceil(sqrt(vocab))
+        n_blocks = -(-vocab // block)
+        probs = torch.nn.functional.pad(torch.softmax(scores.float(), dim=-1), (0, n_blocks * block - vocab))
+        blocks = probs.view(rows, n_blocks, block)
         mass = blocks.sum(-1)
         k = (mass / self._exponentials(mass, live, total)).argmax(-1)
         inner = blocks[torch.arange(rows, device=scores.device), k]
         j = (inner / self._exponentials(inner, live, total)).argmax(-1)
-        return (k * self.block + j).clamp_(max=vocab - 1)
+        return (k * block + j).clamp_(max=vocab - 1)
 
     @staticmethod
     def _exponentials(like: torch.Tensor, live: torch.Tensor | None, total: int | None) -> torch.Tensor:
@@ -413,6 +416,7 @@ def _rows_first_forward(rule: RowsFirstRule):
             y += self.bias
         return y.view(*x.shape[:-1], -1)
 
+    forward.same_as_linear = True  # nn.Linear's function in another layout: lean_decode may fuse such layers
     return forward
 
 

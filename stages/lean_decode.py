@@ -10,6 +10,16 @@ final norm and head), with the attention done as transformers' SDPA integration 
 query token. The modules are the model's own, so LoRA adapters (peft injects them into the
 projections) and weights updated in place take part as they do in `model(...)`.
 
+On a small model the step is a few hundred tiny operations, each costing more in dispatch than in
+arithmetic, so where the copies are small (`FUSE_MAX_BYTES`) a layer's query, key and value
+projections run as one matmul on their weights concatenated, and so do the MLP's gate and up
+projections (the tiny model, 16 rows: 0.78 -> 0.65 ms a step; SmolLM2-135M on CPU: 93 -> 90 ms,
+within noise, for 430 MB of copies, so not there). The copies are taken when `lean_step` is called:
+it is called again after the weights change (`decode_rows` calls it per batch). Only plain
+`nn.Linear`s are fused (not LoRA layers, nor forwards replaced by anything but
+`generation.rows_first_linears`, whose layout choice is for large weights); each output is the same
+dot product either way (bit for bit in the tests).
+
 Only models whose decode step is exactly that are taken (`lean_step` returns None otherwise and
 the caller runs `model(...)`): Llama, Mistral and Qwen2 causal LMs with full attention in every
 layer, the `sdpa` attention implementation, and no accelerate hooks (device maps, offloading).
@@ -26,6 +36,8 @@ from transformers.cache_utils import DynamicLayer
 
 LEAN_MODELS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 LEAN_ATTENTION = ("LlamaAttention", "MistralAttention", "Qwen2Attention")
+LEAN_MLP = ("LlamaMLP", "MistralMLP", "Qwen2MLP")  # down_proj(act_fn(gate_proj(x)) * up_proj(x))
+FUSE_MAX_BYTES = 64 * 2**20  # concatenated projection weights kept for one decode, at most
 
 # (token [rows, 1], attention mask [rows, cache length + 1], position ids [rows, 1], cache, padded) -> logits [rows, vocab]
 Step = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, DynamicCache, bool], torch.Tensor]
@@ -37,7 +49,40 @@ def _full_attention(attn, config) -> bool:
     return window is None
 
 
-def lean_step(model) -> Step | None:
+def _plain(linear) -> bool:
+    """nn.Linear itself, its forward not replaced, or replaced by one marked `same_as_linear`."""
+    if type(linear) is not torch.nn.Linear:
+        return False
+    replaced = vars(linear).get("forward")
+    return replaced is None or getattr(getattr(replaced, "__func__", None), "same_as_linear", False)
+
+
+def _fusable(linears) -> bool:
+    """Plain linears (reading the same input) whose weights can be concatenated: one dtype and device, all
+    biased or none."""
+    return all(_plain(m) for m in linears) and len(
+        {(m.weight.dtype, m.weight.device, m.bias is None) for m in linears}) == 1
+
+
+def _concat(linears) -> tuple[torch.Tensor, torch.Tensor | None]:
+    bias = None if linears[0].bias is None else torch.cat([m.bias.detach() for m in linears])
+    return torch.cat([m.weight.detach() for m in linears]), bias
+
+
+def fused_projections(layers, max_bytes: int = FUSE_MAX_BYTES) -> list[tuple]:
+    """Per layer (q/k/v weight and bias concatenated, or None; gate/up likewise), taken only where they fit in
+    `max_bytes` in all; otherwise None everywhere (nothing copied)."""
+    groups = [([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj],
+               [layer.mlp.gate_proj, layer.mlp.up_proj] if type(layer.mlp).__name__ in LEAN_MLP else None)
+              for layer in layers]
+    groups = [tuple(g if g is not None and _fusable(g) else None for g in pair) for pair in groups]
+    size = sum(p.numel() * p.element_size() for pair in groups for g in pair if g for m in g for p in m.parameters())
+    if size > max_bytes:
+        return [(None, None)] * len(layers)
+    return [tuple(_concat(g) if g else None for g in pair) for pair in groups]
+
+
+def lean_step(model, fuse_max_bytes: int = FUSE_MAX_BYTES) -> Step | None:
     """The decode step for `model` (a causal LM, or a peft model wrapping one), or None where it does not apply."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     inner, config = getattr(base, "model", None), getattr(base, "config", None)
@@ -53,6 +98,8 @@ def lean_step(model) -> Step | None:
         return None
     rotate = sys.modules[type(attns[0]).__module__].apply_rotary_pos_emb
     embed, rotary, norm, head = inner.embed_tokens, inner.rotary_emb, inner.norm, base.lm_head
+    fused = fused_projections(layers, fuse_max_bytes)
+    linear = torch.nn.functional.linear
 
     def step(token: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: DynamicCache,
              padded: bool) -> torch.Tensor:
@@ -61,11 +108,16 @@ def lean_step(model) -> Step | None:
         rows = x.shape[0]
         # One query token attends to every real column: the causal mask is the padding mask, None without padding.
         attn_mask = mask.bool()[:, None, None, :] if padded else None
-        for i, (layer, attn) in enumerate(zip(layers, attns, strict=True)):
+        for i, (layer, attn, (qkv, gate_up)) in enumerate(zip(layers, attns, fused, strict=True)):
             h = layer.input_layernorm(x)
-            q = attn.q_proj(h).view(rows, 1, -1, attn.head_dim).transpose(1, 2)
-            k = attn.k_proj(h).view(rows, 1, -1, attn.head_dim).transpose(1, 2)
-            v = attn.v_proj(h).view(rows, 1, -1, attn.head_dim).transpose(1, 2)
+            if qkv is not None:
+                q, k, v = linear(h, *qkv).split([attn.q_proj.out_features, attn.k_proj.out_features,
+                                                 attn.v_proj.out_features], -1)
+            else:
+                q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+            q = q.view(rows, 1, -1, attn.head_dim).transpose(1, 2)
+            k = k.view(rows, 1, -1, attn.head_dim).transpose(1, 2)
+            v = v.view(rows, 1, -1, attn.head_dim).transpose(1, 2)
             q, k = rotate(q, k, cos, sin)
             k, v = cache.update(k, v, i)
             groups = attn.num_key_value_groups
@@ -76,7 +128,12 @@ def lean_step(model) -> Step | None:
                 o = torch.nn.functional.scaled_dot_product_attention(
                     q, k, v, attn_mask=attn_mask, scale=attn.scaling, enable_gqa=groups > 1)
             x = x + attn.o_proj(o.reshape(rows, 1, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            h = layer.post_attention_layernorm(x)
+            if gate_up is not None:
+                gate, up = linear(h, *gate_up).chunk(2, -1)
+                x = x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
+            else:
+                x = x + layer.mlp(h)
         return head(norm(x))[:, -1]
 
     return step

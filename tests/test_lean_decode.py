@@ -1,6 +1,6 @@
 """lean_decode's step against the model's own forward: the same logits and cache for Llama (with and
-without grouped-query attention, padded or not), Qwen2 (q/k/v biases) and a LoRA-wrapped model;
-None for what it does not take; decode_rows' tokens the same with and without it."""
+without grouped-query attention, padded or not, projections fused or not), Qwen2 (q/k/v biases) and a
+LoRA-wrapped model; None for what it does not take; decode_rows' tokens the same with and without it."""
 
 import copy
 
@@ -50,10 +50,10 @@ def _batch(padded: bool, rows: int = 3, width: int = 9):
     return ids, mask
 
 
-def _compare(model, padded: bool, steps: int = 4):
+def _compare(model, padded: bool, steps: int = 4, fuse_max_bytes: int = lean_decode.FUSE_MAX_BYTES):
     """Runs `steps` decode steps through model(...) and through lean_step from the same prefilled cache,
     feeding both the forward's argmax; returns the largest logit difference and checks the caches."""
-    step = lean_decode.lean_step(model)
+    step = lean_decode.lean_step(model, fuse_max_bytes)
     assert step is not None
     ids, mask = _batch(padded)
     with torch.no_grad():
@@ -78,12 +78,73 @@ def _compare(model, padded: bool, steps: int = 4):
     return worst
 
 
+@pytest.mark.parametrize("fuse_max_bytes", [lean_decode.FUSE_MAX_BYTES, 0], ids=["fused", "unfused"])
 @pytest.mark.parametrize("padded", [True, False])
 @pytest.mark.parametrize("kv_heads", [2, 4])
-def test_lean_step_equals_the_llama_forward(padded, kv_heads):
+def test_lean_step_equals_the_llama_forward(padded, kv_heads, fuse_max_bytes):
     """Grouped (4 query heads on 2 key/value heads) and plain attention, left-padded rows (the packed-group
-    SDPA path transformers takes with a mask) and none (no mask): the forward's logits, bit for bit."""
-    assert _compare(_llama(kv_heads), padded) == 0.0
+    SDPA path transformers takes with a mask) and none (no mask), the projections fused (the small test
+    model's default) or each its own matmul: the forward's logits, bit for bit."""
+    model = _llama(kv_heads)
+    fused = lean_decode.fused_projections(list(model.model.layers), fuse_max_bytes)
+    assert all((qkv is not None and gate_up is not None) == (fuse_max_bytes > 0) for qkv, gate_up in fused)
+    assert _compare(model, padded, fuse_max_bytes=fuse_max_bytes) == 0.0
+
+
+def test_fused_projections_take_plain_linears_within_the_budget():
+    """The concatenated weights are q;k;v and gate;up in that order; LoRA-wrapped projections and forwards
+    replaced by something else stay separate; rows_first_linears' replacement counts as plain; over the
+    budget nothing is copied."""
+    from peft import LoraConfig, get_peft_model
+
+    from stages.generation import RowsFirstRule, rows_first_linears
+
+    model = _llama()
+    layer = model.model.layers[0]
+    (w, b), (gu, gu_b) = lean_decode.fused_projections(list(model.model.layers))[0]
+    assert b is None and gu_b is None
+    assert torch.equal(w, torch.cat([layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight,
+                                     layer.self_attn.v_proj.weight]))
+    assert torch.equal(gu, torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]))
+    size = sum(p.numel() * 4 for lyr in model.model.layers for m in (lyr.self_attn.q_proj, lyr.self_attn.k_proj,
+                                                                     lyr.self_attn.v_proj, lyr.mlp.gate_proj,
+                                                                     lyr.mlp.up_proj) for p in m.parameters())
+    assert lean_decode.fused_projections(list(model.model.layers), size)[0][0] is not None
+    assert lean_decode.fused_projections(list(model.model.layers), size - 1) == [(None, None)] * 2
+
+    with rows_first_linears(model, RowsFirstRule(1, 1000)):
+        assert "forward" in vars(layer.self_attn.q_proj)
+        assert all(q is not None and g is not None for q, g in lean_decode.fused_projections(list(model.model.layers)))
+    layer.mlp.up_proj.forward = lambda x: torch.nn.functional.linear(x, layer.mlp.up_proj.weight)
+    assert lean_decode.fused_projections([layer])[0][1] is None
+
+    lora = get_peft_model(_llama(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    qkv, gate_up = lean_decode.fused_projections(list(lora.get_base_model().model.layers))[0]
+    assert qkv is None and gate_up is not None
+
+
+def test_decode_rows_takes_the_weights_of_each_call():
+    """The fused copies are made per decode_rows call: after an in-place update (a training step) the next
+    call samples from the new weights, as model(...) does."""
+    model = _llama()
+    ids, mask = _batch(True, rows=3, width=6)
+    outs = {}
+    for lean in (True, False):
+        torch.manual_seed(0)
+        m = copy.deepcopy(model)
+        runs = []
+        for _ in range(2):
+            with torch.no_grad():
+                p_ids, p_mask, cache = prefill_prompts(m, ids, mask, 2, 6, pad_id=0)
+                trace = []
+                decode_rows(m, p_ids, p_mask, cache, 6, [49], 0, trace=trace, lean=lean)
+                runs.append(torch.cat([t[1] for t in trace]))
+                for p in m.parameters():
+                    p.add_(0.05 * torch.randn_like(p))
+        outs[lean] = runs
+    assert not torch.equal(outs[True][0], outs[True][1])  # the update changed the logits
+    for a, b in zip(outs[True], outs[False], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_lean_step_equals_the_qwen2_forward_with_biases():
