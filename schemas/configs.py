@@ -45,7 +45,8 @@ class GenerationSpec(Strict):
     batch_size: int = Field(16, ge=1, description="Prompts per generate() call.")
     stop: list[str] = Field(default_factory=list, description="Extra stop strings (EOS always stops).")
     backend: Literal["transformers", "vllm"] = Field(
-        "transformers", description="Generation backend; vllm needs the optional extra and a GPU."
+        "transformers", description="Generation backend; vllm needs the optional extra and a GPU. grpo runs it "
+        "colocated (in the trainer's process, the trained weights pushed into it in place before every rollout)."
     )
     prefill: str = Field(
         "", description="Text the assistant turn starts with, e.g. '<think>\\n' (R1-Zero's template ends the prompt "
@@ -423,10 +424,10 @@ class GRPOConfig(MemoryOptions):
         if self.prompts_per_step % n:
             raise ValueError(f"prompts_per_step={self.prompts_per_step} does not split evenly among "
                              f"resources.num_processes={n}: every process rolls out whole groups for an equal share")
-        if self.generation.backend == "vllm":
-            raise ValueError("generation.backend=vllm is not implemented for grpo (it needs the trainer's weights "
-                             "synced into vLLM after every step): use transformers (rejection_sampling and "
-                             "distill_traces do take vllm)")
+        if self.generation.backend == "vllm" and self.resources.distributed_type == "fsdp":
+            raise ValueError("generation.backend=vllm with resources.distributed_type=fsdp is not built (the engine "
+                             "would need the sharded weights gathered for every sync): use ddp, or the transformers "
+                             "backend")
         return self
 
 

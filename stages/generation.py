@@ -537,17 +537,54 @@ class TransformersBackend:
         return out
 
 
-class VLLMBackend:
-    """vLLM (optional extra, CUDA). Needs a full model directory (merge adapters first)."""
+COLOCATED_GPU_MEMORY = 0.3  # vLLM's share of the GPU beside a trainer (R1FLOW_VLLM_GPU_MEMORY_UTILIZATION overrides)
 
-    def __init__(self, model_dir: Path | str, tokenizer, seed: int = 0, gpu_memory_utilization: float = 0.5):
+
+class VLLMBackend:
+    """vLLM (optional extra, CUDA). Needs a full model directory (merge adapters first).
+
+    Prompts go in as token ids, tokenized as `TransformersBackend` tokenizes them (chat template,
+    no special tokens added), so a trainer's log-probs are of the prompt vLLM continued.
+
+    `colocated`: the engine runs inside this process beside a trainer and shares its GPU (vLLM's
+    `external_launcher` executor, the one `accelerate launch` / torchrun processes can host: each
+    process its own engine, seeded by its rank), taking `COLOCATED_GPU_MEMORY` of the device's
+    memory; `load_weights` then replaces the engine's weights with the trainer's in place (no
+    reload) and drops its prefix cache, whose keys and values came from the old weights.
+    """
+
+    def __init__(self, model_dir: Path | str, tokenizer, seed: int = 0, gpu_memory_utilization: float = 0.5,
+                 colocated: bool = False):
         try:
             from vllm import LLM
         except ImportError:
             raise ModelError("generation backend 'vllm' requested but vllm is not installed "
                              "(pip install 'r1flow[vllm]' on a CUDA machine), or use backend: transformers") from None
         self.tokenizer = tokenizer
-        self.llm = LLM(model=str(model_dir), seed=seed, gpu_memory_utilization=gpu_memory_utilization)
+        kwargs = {}
+        if colocated:
+            import os
+            import socket
+
+            # external_launcher joins the torch.distributed world the environment describes; a lone process is one
+            # of 1 (set where unset, for the process's lifetime, as long as the engine's process group lives)
+            for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+                os.environ.setdefault(key, value)
+            if "MASTER_PORT" not in os.environ:
+                with socket.socket() as sock:  # a free local port for the world of one
+                    sock.bind(("127.0.0.1", 0))
+                    os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
+            seed += int(os.environ["RANK"])
+            gpu_memory_utilization = float(os.environ.get("R1FLOW_VLLM_GPU_MEMORY_UTILIZATION", COLOCATED_GPU_MEMORY))
+            kwargs = {"distributed_executor_backend": "external_launcher"}
+        self.llm = LLM(model=str(model_dir), seed=seed, gpu_memory_utilization=gpu_memory_utilization, **kwargs)
+
+    def load_weights(self, weights) -> None:
+        """Replace the engine's weights by `weights` ((name, tensor) pairs under the model's checkpoint names,
+        `policy_weights`), in place, and drop the prefix cache. Colocated engines only (the model is in this
+        process)."""
+        self.llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights(weights)
+        self.llm.reset_prefix_cache()
 
     def generate(self, conversations: list[list[dict]], spec: GenerationSpec, n: int = 1, seed: int = 0,
                  logprobs: bool = False, desc: str = "generate",
@@ -558,7 +595,9 @@ class VLLMBackend:
                                 max_tokens=spec.max_new_tokens, stop=list(spec.stop) or None, seed=seed,
                                 include_stop_str_in_output=True, logprobs=0 if logprobs else None)
         t0 = time.perf_counter()
-        outs = self.llm.generate(render_prompts(self.tokenizer, conversations, spec.prefill), params, use_tqdm=progress)
+        prompts = [{"prompt_token_ids": self.tokenizer(text, add_special_tokens=False)["input_ids"]}
+                   for text in render_prompts(self.tokenizer, conversations, spec.prefill)]
+        outs = self.llm.generate(prompts, params, use_tqdm=progress)
         stats = GenerationStats(prompts=len(conversations), completions=len(conversations) * n)
         results = []
         for o in outs:
@@ -573,11 +612,46 @@ class VLLMBackend:
         return results, stats
 
 
-def make_backend(spec: GenerationSpec, model, tokenizer, model_dir: Path | None = None) -> GenerationBackend:
+def policy_weights(model):
+    """(name, tensor) for every weight of `model` under its checkpoint's names (what `save_pretrained` writes and
+    vLLM's `load_weights` reads), LoRA adapters folded in out of place: W + the adapters' delta, computed per
+    layer, the trained model untouched (peft's merge_adapter / unmerge_adapter would add and subtract the delta
+    in place, leaving rounding in the weights being trained)."""
+    if not hasattr(model, "get_base_model"):
+        for name, p in model.named_parameters():
+            yield name, p.detach()
+        return
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model()
+    deltas = {}
+    for name, module in base.named_modules():
+        if isinstance(module, LoraLayer):
+            if getattr(module, "merged", False):
+                raise ModelError(f"{name}: a merged LoRA layer (merge_adapter) cannot be read out of place")
+            deltas[f"{name}.base_layer.weight"] = module
+    for name, p in base.named_parameters():
+        if ".lora_" in name or "modules_to_save" in name or "original_module" in name:
+            if "modules_to_save" in name or "original_module" in name:
+                raise ModelError(f"{name}: LoRA modules_to_save are not synced (not used by r1flow's adapters)")
+            continue
+        weight = p.detach()
+        module = deltas.get(name)
+        if module is not None:
+            with torch.no_grad():
+                for adapter in module.active_adapters:
+                    if adapter in module.lora_A:
+                        weight = weight + module.get_delta_weight(adapter).to(weight.dtype)
+        yield name.replace(".base_layer.", "."), weight
+
+
+def make_backend(spec: GenerationSpec, model, tokenizer, model_dir: Path | None = None, seed: int = 0,
+                 colocated: bool = False) -> GenerationBackend:
+    """The backend `spec` names; vllm loads `model_dir` (a full model), `colocated` beside a trainer."""
     if spec.backend == "vllm":
         if model_dir is None or not (Path(model_dir) / "config.json").exists():
             raise ModelError("the vllm backend needs a full model directory; merge the adapter (lora.merge: true)")
-        return VLLMBackend(model_dir, tokenizer)
+        return VLLMBackend(model_dir, tokenizer, seed=seed, colocated=colocated)
     return TransformersBackend(model, tokenizer)
 
 

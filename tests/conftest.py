@@ -107,3 +107,16 @@ def live_servers(session_dir):
         yield info
     finally:
         servers.stop(home)
+
+
+@pytest.fixture()
+def digit_prompts(tmp_path):
+    """20 prompts "Say <digit>." (16 train, 4 eval), answered by the digit (exact match)."""
+    from schemas.datasets import from_rows
+    from stages.base import LocalContext, write_dataset
+
+    rows = [{"id": f"p{i}", "messages": [{"role": "user", "content": f"Say {i % 10}."}], "answer": str(i % 10),
+             "task": "say", "verifier": "exact", "split": "train" if i < 16 else "eval", "metadata": "{}"}
+            for i in range(20)]
+    out = write_dataset(LocalContext(tmp_path / "p"), "p", from_rows(rows, "prompts"), "prompts")
+    return fake_input(out.path, "dataset", "prompts")

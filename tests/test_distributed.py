@@ -448,13 +448,15 @@ def test_fsdp_is_accepted_where_the_trained_model_generates():
     assert DistillConfig(mode="logits", batch_size=4, resources=FSDP2).resources.distributed_type == "fsdp"
 
 
-def test_the_vllm_backend_is_refused_where_the_trained_model_generates():
-    """GRPO and on-policy distillation sample from the weights they are training; the vllm backend has
-    no weight sync here, so asking for it is an error, not a silent fall-back to transformers."""
+def test_the_vllm_backend_is_refused_where_no_weight_sync_is_built():
+    """On-policy distillation samples from the student it trains and has no weight sync into vLLM; GRPO has one
+    (tests/test_vllm_colocated.py) but not from FSDP shards. Asking for either is an error, not a silent
+    fall-back to transformers."""
     from schemas.configs import DistillConfig
 
-    with pytest.raises(ValueError, match="backend=vllm is not implemented for grpo"):
-        GRPOConfig(generation=GenerationSpec(backend="vllm"))
+    with pytest.raises(ValueError, match="vllm with resources.distributed_type=fsdp is not built"):
+        GRPOConfig(prompts_per_step=4, generation=GenerationSpec(backend="vllm"), resources=FSDP2)
+    assert GRPOConfig(generation=GenerationSpec(backend="vllm")).generation.backend == "vllm"
     with pytest.raises(ValueError, match="on_policy samples with the student"):
         DistillConfig(mode="on_policy", generation=GenerationSpec(backend="vllm"))
     assert DistillConfig(mode="traces", generation=GenerationSpec(backend="vllm")).mode == "traces"

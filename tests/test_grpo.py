@@ -5,9 +5,8 @@ import pytest
 import torch
 
 from schemas.configs import GenerationSpec, GRPOConfig, LoraSpec, RewardSpec
-from schemas.datasets import from_rows
 from stages import grpo
-from stages.base import LocalContext, write_dataset
+from stages.base import LocalContext
 from tests.conftest import assert_matches_whole_rows, fake_input
 
 
@@ -26,15 +25,6 @@ def test_token_logprobs_match_a_manual_forward(tiny_model, tiny_tokenizer):
     expected = torch.log_softmax(logits, -1)[torch.arange(3), ids[0, 1:]]
     torch.testing.assert_close(lp[0], expected)
     assert ent.shape == (1, 3) and torch.all(ent > 0)
-
-
-@pytest.fixture()
-def digit_prompts(tmp_path):
-    rows = [{"id": f"p{i}", "messages": [{"role": "user", "content": f"Say {i % 10}."}], "answer": str(i % 10),
-             "task": "say", "verifier": "exact", "split": "train" if i < 16 else "eval", "metadata": "{}"}
-            for i in range(20)]
-    out = write_dataset(LocalContext(tmp_path / "p"), "p", from_rows(rows, "prompts"), "prompts")
-    return fake_input(out.path, "dataset", "prompts")
 
 
 def short_is_better(**kw) -> GRPOConfig:

@@ -1,0 +1,182 @@
+"""GRPO with a colocated vLLM engine, against a stand-in for vLLM (it needs CUDA and is not installed here).
+
+The stand-in is an `LLM` with vLLM's surface that r1flow uses: it holds its own transformers copy of the
+model directory, samples from it, and loads weights by checkpoint name the way vLLM's `load_weights` does
+(an unknown name is an error). So the tests pin r1flow's side of the contract: one engine per process on
+the external_launcher executor, the trainer's weights pushed in before every rollout after the first (the
+engine then samples from the trained weights, not the directory's), the prefix cache dropped with each push,
+LoRA adapters folded in under the base checkpoint's names, prompts handed over as the token ids the
+trainer scores. What they cannot show is that a real vLLM build accepts the calls; that needs a GPU.
+"""
+
+import sys
+import types
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from schemas.configs import GenerationSpec, GRPOConfig, LoraSpec, ResourcesSpec, RewardSpec
+from schemas.errors import ModelError
+from stages import grpo
+from stages.base import LocalContext
+from stages.generation import VLLMBackend, policy_weights, render_prompts
+
+
+class _EngineModel:
+    """vLLM's model inside the engine: load_weights takes (checkpoint name, tensor) pairs."""
+
+    def __init__(self, hf):
+        self.hf = hf
+        self.pushes: list[dict[str, torch.Tensor]] = []
+
+    def load_weights(self, weights):
+        params = dict(self.hf.named_parameters())
+        got = {}
+        for name, tensor in weights:
+            if name not in params:
+                raise KeyError(f"no parameter {name} in the engine's model")
+            with torch.no_grad():
+                params[name].copy_(tensor)
+            got[name] = tensor.detach().clone()
+        self.pushes.append(got)
+
+
+class _LLM:
+    made: list["_LLM"] = []
+
+    def __init__(self, model: str, seed: int = 0, gpu_memory_utilization: float = 0.9, **kwargs):
+        self.seed, self.memory, self.kwargs = seed, gpu_memory_utilization, kwargs
+        self.hf = AutoModelForCausalLM.from_pretrained(model).eval()
+        self.inner = _EngineModel(self.hf)
+        self.llm_engine = SimpleNamespace(model_executor=SimpleNamespace(
+            driver_worker=SimpleNamespace(model_runner=SimpleNamespace(model=self.inner))))
+        self.resets, self.prompts, self.weights_at_generate = 0, [], []
+        _LLM.made.append(self)
+
+    def reset_prefix_cache(self):
+        self.resets += 1
+
+    def generate(self, prompts, params, use_tqdm=False):
+        self.weights_at_generate.append({n: p.detach().clone() for n, p in self.hf.named_parameters()})
+        torch.manual_seed(params.seed)
+        outs = []
+        for p in prompts:
+            self.prompts.append(list(p["prompt_token_ids"]))
+            ids = torch.tensor([p["prompt_token_ids"]])
+            with torch.no_grad():
+                new = self.hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, top_k=0,
+                                       max_new_tokens=params.max_tokens, num_return_sequences=params.n,
+                                       pad_token_id=0)[:, ids.shape[1]:]
+            # each sample stops after 1..max_tokens tokens (as if at an EOS), so lengths, and rewards on length, differ
+            stops = torch.randint(1, params.max_tokens + 1, (len(new),)).tolist()
+            outs.append(SimpleNamespace(outputs=[
+                SimpleNamespace(text="x" * k, token_ids=row[:k].tolist(), finish_reason="stop", logprobs=None)
+                for row, k in zip(new, stops, strict=True)]))
+        return outs
+
+
+class _SamplingParams:
+    def __init__(self, n=1, max_tokens=16, seed=None, **kwargs):
+        self.n, self.max_tokens, self.seed, self.kwargs = n, max_tokens, seed, kwargs
+
+
+@pytest.fixture()
+def fake_vllm(monkeypatch):
+    module = types.ModuleType("vllm")
+    module.LLM, module.SamplingParams = _LLM, _SamplingParams
+    monkeypatch.setitem(sys.modules, "vllm", module)
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)  # restored (unset) after the test
+    _LLM.made.clear()
+    return _LLM
+
+
+def _cfg(**kw) -> GRPOConfig:
+    base = dict(steps=3, prompts_per_step=2, group_size=2, learning_rate=1e-2, lora=LoraSpec(r=0),
+                generation=GenerationSpec(max_new_tokens=4, temperature=1.0, batch_size=2, backend="vllm"),
+                minibatch_size=4, checkpoint_every=100, dynamic_sampling=False,
+                reward=RewardSpec(weights={"overlong": 1.0}, overlong_max_tokens=3, overlong_buffer=2))
+    base.update(kw)
+    return GRPOConfig(**base)
+
+
+def test_the_engine_samples_from_the_trained_weights(fake_vllm, tmp_path, tiny_model_input, digit_prompts,
+                                                     tiny_tokenizer):
+    ctx = LocalContext(tmp_path / "run", seed=0)
+    grpo.run(_cfg(), {"model": tiny_model_input, "prompts": digit_prompts}, ctx)
+    (engine,) = fake_vllm.made
+    assert engine.kwargs == {"distributed_executor_backend": "external_launcher"}
+    assert engine.memory == pytest.approx(0.3)
+    # three rollouts: the directory's weights, then a push before each later one, each dropping the prefix cache
+    assert len(engine.weights_at_generate) == 3 and len(engine.inner.pushes) == 2 and engine.resets == 2
+    names = {n for n, _ in engine.hf.named_parameters()}
+    assert all(set(push) == names for push in engine.inner.pushes)  # every weight, under its checkpoint name
+    first, second, third = engine.weights_at_generate
+    assert any(not torch.equal(first[n], second[n]) for n in names)  # the step changed what the engine samples from
+    assert all(torch.equal(second[n], engine.inner.pushes[0][n]) for n in names)
+    assert any(not torch.equal(second[n], third[n]) for n in names)
+    # the prompts went in as the token ids the trainer scores: chat template, no special tokens added
+    texts = render_prompts(tiny_tokenizer, [[{"role": "user", "content": f"Say {i}."}] for i in range(10)])
+    expected = {tuple(tiny_tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts}
+    assert engine.prompts and {tuple(p) for p in engine.prompts} <= expected
+
+
+def test_lora_weights_reach_the_engine_folded_in_and_the_adapter_is_left_alone(fake_vllm, tmp_path, tiny_model_input,
+                                                                               digit_prompts):
+    ctx = LocalContext(tmp_path / "run", seed=0)
+    grpo.run(_cfg(steps=2, lora=LoraSpec(r=4, alpha=8, merge=False)),
+             {"model": tiny_model_input, "prompts": digit_prompts}, ctx)
+    (engine,) = fake_vllm.made
+    (push,) = engine.inner.pushes
+    assert set(push) == {n for n, _ in engine.hf.named_parameters()}
+
+
+def test_policy_weights_fold_lora_out_of_place(tiny_model):
+    from peft import LoraConfig, get_peft_model
+
+    names = {n for n, _ in tiny_model.named_parameters()}
+    peft_model = get_peft_model(tiny_model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for n, p in peft_model.named_parameters():
+            if "lora_B" in n:
+                p.normal_()  # B starts at 0: without this the fold changes nothing
+    before = {n: p.detach().clone() for n, p in peft_model.named_parameters()}
+    got = dict(policy_weights(peft_model))
+    assert set(got) == names
+    merged = dict(get_peft_model_copy_merged(peft_model).named_parameters())
+    for n in names:
+        torch.testing.assert_close(got[n], merged[n].detach(), rtol=0, atol=1e-6)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(got[q], before["base_model.model." + q.replace("q_proj.", "q_proj.base_layer.")])
+    for n, p in peft_model.named_parameters():  # the trained model untouched, bit for bit
+        assert torch.equal(p, before[n])
+
+
+def get_peft_model_copy_merged(peft_model):
+    import copy
+
+    return copy.deepcopy(peft_model).merge_and_unload()
+
+
+def test_the_colocated_engine_joins_a_world_of_one(fake_vllm, tiny_model_input, tiny_tokenizer):
+    import os
+
+    backend = VLLMBackend(tiny_model_input.model_dir, tiny_tokenizer, seed=5, colocated=True)
+    assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["MASTER_ADDR"]) == ("0", "1", "127.0.0.1")
+    assert 0 < int(os.environ["MASTER_PORT"]) < 65536
+    assert backend.llm.seed == 5  # + rank 0
+
+
+def test_config_and_input_errors_come_before_any_model_is_loaded(fake_vllm, tmp_path, digit_prompts):
+    with pytest.raises(ValueError, match="vllm with resources.distributed_type=fsdp is not built"):
+        _cfg(resources=ResourcesSpec(num_processes=2, distributed_type="fsdp"), prompts_per_step=2)
+    assert _cfg(resources=ResourcesSpec(num_processes=2), prompts_per_step=2).generation.backend == "vllm"
+    adapter_dir = tmp_path / "adapter"
+    adapter_dir.mkdir()
+    (adapter_dir / "adapter_config.json").write_text("{}")
+    adapter = SimpleNamespace(model_dir=adapter_dir, label="sft.model (adapter)", fingerprint="f" * 64)
+    with pytest.raises(ModelError, match="adapter; merge it first"):
+        grpo.run(_cfg(), {"model": adapter, "prompts": digit_prompts}, LocalContext(tmp_path / "run"))
+    assert not fake_vllm.made
