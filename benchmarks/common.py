@@ -176,6 +176,7 @@ class Shape:
     lora_r: int = 0
     learning_rate: float = 1e-6
     cache: str = "dynamic"  # KV cache of GRPO's generate() on both sides: dynamic (both defaults) or static
+    r1flow_backend: str = "transformers"  # r1flow's GRPO generation backend (vllm: colocated, CUDA); TRL's stays transformers
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -200,12 +201,13 @@ SHAPES: dict[tuple[str, str], Shape] = {
 }
 
 
-def shape_for(device: str, model: str, quick: bool = False, lora_r: int = 0, cache: str = "dynamic") -> Shape:
+def shape_for(device: str, model: str, quick: bool = False, lora_r: int = 0, cache: str = "dynamic",
+              r1flow_backend: str = "transformers") -> Shape:
     kind = "cuda" if device.startswith("cuda") else "cpu"
     if (kind, model) not in SHAPES:
         raise SystemExit(f"no benchmark shape for model {model!r} on {kind} (known: "
                          f"{sorted(m for d, m in SHAPES if d == kind)})")
-    shape = replace(SHAPES[(kind, model)], lora_r=lora_r, cache=cache)
+    shape = replace(SHAPES[(kind, model)], lora_r=lora_r, cache=cache, r1flow_backend=r1flow_backend)
     if quick:
         shape = replace(shape, sft_steps=min(shape.sft_steps, 3), dpo_steps=min(shape.dpo_steps, 3),
                         grpo_steps=min(shape.grpo_steps, 2))

@@ -109,7 +109,8 @@ def run_grpo(prep: dict, shape: Shape, device: str, work: Path) -> dict:
     n = shape.grpo_prompts * shape.grpo_group
     cfg = GRPOConfig(steps=shape.grpo_steps + 1, prompts_per_step=shape.grpo_prompts, group_size=shape.grpo_group,
                      generation=GenerationSpec(max_new_tokens=shape.grpo_new_tokens, temperature=1.0, top_p=1.0,
-                                               top_k=0, batch_size=shape.grpo_prompts, cache=shape.cache),
+                                               top_k=0, batch_size=shape.grpo_prompts, cache=shape.cache,
+                                               backend=shape.r1flow_backend),
                      lora=LoraSpec(r=shape.lora_r), minibatch_size=shape.grpo_minibatch, mu=1, beta=0.0,
                      advantage="grpo", aggregation="seq_mean", learning_rate=shape.learning_rate,
                      checkpoint_every=10_000)

@@ -300,7 +300,8 @@ def report(name: str, device: str, shape: Shape, res: dict, command: str, info: 
     print(f"   SFT {shape.sft_batch} seqs/step; DPO {shape.dpo_batch} pairs/step; GRPO {shape.grpo_prompts} prompts x "
           f"{shape.grpo_group} x <= {shape.grpo_new_tokens} tokens, minibatch {shape.grpo_minibatch}; "
           f"{f'LoRA r={shape.lora_r}' if shape.lora_r else 'full fine-tuning'}; "
-          f"{'bf16 autocast' if kind == 'cuda' else 'fp32'}; {shape.cache} KV cache; medians of warm steps")
+          f"{'bf16 autocast' if kind == 'cuda' else 'fp32'}; {shape.cache} KV cache; r1flow generation "
+          f"{shape.r1flow_backend}; medians of warm steps")
     lines: list[str] = []
 
     def contended(task: str) -> str:
@@ -308,8 +309,14 @@ def report(name: str, device: str, shape: Shape, res: dict, command: str, info: 
         busy = [f"{'TRL' if f == 'trl' else f} {100 * v:.0f}%" for f, v in shares.items() if v is not None and v > 0.1]
         return f" (contended: other processes used {', '.join(busy)} of the CPUs)" if busy else ""
 
+    not_run = {f for f in FRAMEWORKS if not any((t, f) in res for t in TASKS)}  # --frameworks left it out
+
     def line(label: str, ours: str, theirs: str, x: float | None, extra: str = "") -> None:
         task = next((t for t in TASKS if label.lower().startswith(t)), "grpo")
+        if "r1flow" in not_run:
+            ours, extra = ours.replace("failed", "not run"), extra.replace("r1flow failed", "r1flow not run")
+        if "trl" in not_run:
+            theirs, extra = theirs.replace("failed", "not run"), extra.replace("TRL failed", "TRL not run")
         extra += contended(task)
         print(f"   {label:34} r1flow {ours:>16}   TRL {theirs:>16}   ratio {fmt_ratio(x)}{extra}")
         lines.append(f"- {kind} {name} {label}: r1flow {ours.strip()}, TRL {theirs.strip()}, ratio {fmt_ratio(x)}"
@@ -413,6 +420,9 @@ def main() -> None:
     ap.add_argument("--lora", type=int, default=0, help="LoRA rank on both sides (0: full fine-tuning)")
     ap.add_argument("--cache", choices=["dynamic", "static"], default="dynamic",
                     help="KV cache of the GRPO rollouts, on both sides (r1flow generation.cache, TRL cache_implementation)")
+    ap.add_argument("--r1flow-backend", choices=["transformers", "vllm"], default="transformers",
+                    help="r1flow's GRPO generation backend (vllm: a colocated engine, CUDA and the vllm extra); TRL's "
+                         "GRPOTrainer keeps transformers generation, the issue's comparison")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     ap.add_argument("--json", help="write every raw measurement here")
     ap.add_argument("--markdown", help="append the RESULTS.md lines here")
@@ -450,7 +460,8 @@ def main() -> None:
           flush=True)
     all_lines, raw = [], {}
     for name in names:
-        shape = shape_for(device, name, quick=args.quick, lora_r=args.lora, cache=args.cache)
+        shape = shape_for(device, name, quick=args.quick, lora_r=args.lora, cache=args.cache,
+                          r1flow_backend=args.r1flow_backend)
         work = root / name
         prep_file = work / "prep.json"
         work.mkdir(parents=True, exist_ok=True)
