@@ -45,8 +45,9 @@ class GenerationSpec(Strict):
     batch_size: int = Field(16, ge=1, description="Prompts per generate() call.")
     stop: list[str] = Field(default_factory=list, description="Extra stop strings (EOS always stops).")
     backend: Literal["transformers", "vllm"] = Field(
-        "transformers", description="Generation backend; vllm needs the optional extra and a GPU. grpo runs it "
-        "colocated (in the trainer's process, the trained weights pushed into it in place before every rollout)."
+        "transformers", description="Generation backend; vllm needs the optional extra and a GPU. grpo and distill "
+        "on_policy run it colocated (in the trainer's process, the trained weights pushed into it in place before "
+        "every rollout)."
     )
     prefill: str = Field(
         "", description="Text the assistant turn starts with, e.g. '<think>\\n' (R1-Zero's template ends the prompt "
@@ -500,9 +501,10 @@ class DistillConfig(TrainingConfig):
 
     @model_validator(mode="after")
     def _on_policy_backend(self) -> DistillConfig:
-        if self.mode == "on_policy" and self.generation.backend == "vllm":
-            raise ValueError("distill.mode=on_policy samples with the student being trained, which the vllm backend "
-                             "does not support: use generation.backend=transformers")
+        if self.mode == "on_policy" and self.generation.backend == "vllm" and self.resources.distributed_type == "fsdp":
+            raise ValueError("distill.mode=on_policy with generation.backend=vllm and resources.distributed_type=fsdp "
+                             "is not built (the engine would need the sharded weights gathered for every sync): use "
+                             "ddp, or the transformers backend")
         return self
 
 

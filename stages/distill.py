@@ -54,7 +54,7 @@ from schemas.errors import ConfigError, ModelError, SchemaError
 from stages import distributed, models
 from stages.base import Input, Output, StageContext, model_output_dir, seed_everything
 from stages.distill_losses import distill_loss
-from stages.generation import generate, render_prompts
+from stages.generation import generate, make_backend, policy_weights, render_prompts
 from stages.reward_model import split_pairs
 from stages.sft import (
     IGNORE,
@@ -248,6 +248,12 @@ def run(cfg: DistillConfig, inputs: dict[str, Input], ctx: StageContext) -> dict
     if conversations and not train_rows and (cfg.mode != "on_policy" or cfg.teacher_fraction > 0):
         raise SchemaError(f"{inputs['traces'].label}: every trace is held out (eval_fraction={cfg.eval_fraction})")
 
+    samples = cfg.mode == "on_policy" and cfg.teacher_fraction < 1
+    engine = samples and cfg.generation.backend == "vllm"  # a colocated vLLM engine samples, the student's weights pushed in
+    if engine and not (inputs["student"].model_dir / "config.json").exists():
+        raise ModelError(f"{inputs['student'].label}: generation.backend=vllm starts its engine from a full model "
+                         f"directory, and this input is an adapter; merge it first (lora.merge: true upstream)")
+
     # ---- models
     dist = distributed.of(ctx)
     seed_everything(ctx.seed)
@@ -276,7 +282,9 @@ def run(cfg: DistillConfig, inputs: dict[str, Input], ctx: StageContext) -> dict
                     "shared_tokenizer": shared})
     ctx.log_metrics(params)
 
-    samples = cfg.mode == "on_policy" and cfg.teacher_fraction < 1
+    backend = make_backend(cfg.generation, student, tokenizer, inputs["student"].model_dir, seed=ctx.seed,
+                           colocated=True) if engine else None
+    engine_holds = [0]  # the step whose weights the engine holds: the input directory's are step 0's
     # fsdp: the student samples through an unsharded copy on every rank, refreshed before each step's sampling
     sampler = copy.deepcopy(student).requires_grad_(False).to(ctx.device) if dist.sharded and samples else None
     student = dist.prepare(student, ctx)  # sharded across the processes under fsdp
@@ -319,8 +327,15 @@ def run(cfg: DistillConfig, inputs: dict[str, Input], ctx: StageContext) -> dict
             convs = dist.part([prompts[i]["messages"] for i in picked])  # N processes: each samples a part
             if sampler is not None:
                 dist.copy_weights(student, sampler)  # a collective: every rank, every step
-            comps, stats = generate(sampler if sampler is not None else student, tokenizer, convs, cfg.generation, n=1,
-                                    seed=ctx.seed * 1_000_003 + step * dist.world + dist.rank, progress=False)
+            seed = ctx.seed * 1_000_003 + step * dist.world + dist.rank
+            if backend is not None:  # the student's current weights into the engine, in place (LoRA folded in)
+                if engine_holds[0] != step:
+                    backend.load_weights(policy_weights(student))
+                    engine_holds[0] = step
+                comps, stats = backend.generate(convs, cfg.generation, n=1, seed=seed, progress=False)
+            else:
+                comps, stats = generate(sampler if sampler is not None else student, tokenizer, convs, cfg.generation,
+                                        n=1, seed=seed, progress=False)
             texts = render_prompts(tokenizer, convs, cfg.generation.prefill)  # a prefill is prompt: not trained
             prompt_ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
             sampled = dist.gather_list([(sampled_example(p, list(c[0].token_ids), cfg.max_length), c[0].num_tokens)

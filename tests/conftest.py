@@ -18,8 +18,10 @@ os.environ.pop("MLFLOW_TRACKING_URI", None)
 os.environ.pop("R1FLOW_STORE", None)
 
 import contextlib  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -120,3 +122,80 @@ def digit_prompts(tmp_path):
             for i in range(20)]
     out = write_dataset(LocalContext(tmp_path / "p"), "p", from_rows(rows, "prompts"), "prompts")
     return fake_input(out.path, "dataset", "prompts")
+
+
+class _FakeEngineModel:
+    """vLLM's model inside the engine: load_weights takes (checkpoint name, tensor) pairs."""
+
+    def __init__(self, hf):
+        self.hf = hf
+        self.pushes: list[dict[str, torch.Tensor]] = []
+
+    def load_weights(self, weights):
+        params = dict(self.hf.named_parameters())
+        got = {}
+        for name, tensor in weights:
+            if name not in params:
+                raise KeyError(f"no parameter {name} in the engine's model")
+            with torch.no_grad():
+                params[name].copy_(tensor)
+            got[name] = tensor.detach().clone()
+        self.pushes.append(got)
+
+
+class _FakeLLM:
+    made: list[_FakeLLM] = []
+
+    def __init__(self, model: str, seed: int = 0, gpu_memory_utilization: float = 0.9, **kwargs):
+        self.seed, self.memory, self.kwargs = seed, gpu_memory_utilization, kwargs
+        from transformers import AutoModelForCausalLM
+
+        self.hf = AutoModelForCausalLM.from_pretrained(model).eval()
+        self.inner = _FakeEngineModel(self.hf)
+        self.llm_engine = SimpleNamespace(model_executor=SimpleNamespace(
+            driver_worker=SimpleNamespace(model_runner=SimpleNamespace(model=self.inner))))
+        self.resets, self.prompts, self.weights_at_generate = 0, [], []
+        _FakeLLM.made.append(self)
+
+    def reset_prefix_cache(self):
+        self.resets += 1
+
+    def generate(self, prompts, params, use_tqdm=False):
+        self.weights_at_generate.append({n: p.detach().clone() for n, p in self.hf.named_parameters()})
+        torch.manual_seed(params.seed)
+        outs = []
+        for p in prompts:
+            self.prompts.append(list(p["prompt_token_ids"]))
+            ids = torch.tensor([p["prompt_token_ids"]])
+            with torch.no_grad():
+                new = self.hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, top_k=0,
+                                       max_new_tokens=params.max_tokens, num_return_sequences=params.n,
+                                       pad_token_id=0)[:, ids.shape[1]:]
+            # each sample stops after 1..max_tokens tokens (as if at an EOS), so lengths, and rewards on length, differ
+            stops = torch.randint(1, params.max_tokens + 1, (len(new),)).tolist()
+            outs.append(SimpleNamespace(outputs=[
+                SimpleNamespace(text="x" * k, token_ids=row[:k].tolist(), finish_reason="stop", logprobs=None)
+                for row, k in zip(new, stops, strict=True)]))
+        return outs
+
+
+class _FakeSamplingParams:
+    def __init__(self, n=1, max_tokens=16, seed=None, **kwargs):
+        self.n, self.max_tokens, self.seed, self.kwargs = n, max_tokens, seed, kwargs
+
+
+@pytest.fixture()
+def fake_vllm(monkeypatch):
+    """A stand-in `vllm` module (LLM, SamplingParams) for the colocated-engine tests (vLLM needs CUDA): the engine
+    samples from its own transformers copy of the model directory, loads weights by checkpoint name (an unknown
+    name is an error), and records what it was given. Returns the LLM class (`.made`: the engines created)."""
+    import sys
+    import types
+
+    module = types.ModuleType("vllm")
+    module.LLM, module.SamplingParams = _FakeLLM, _FakeSamplingParams
+    monkeypatch.setitem(sys.modules, "vllm", module)
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)  # restored (unset) after the test
+    _FakeLLM.made.clear()
+    return _FakeLLM

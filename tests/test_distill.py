@@ -378,3 +378,23 @@ def test_on_policy_sharded_on_two_processes_follows_the_ddp_run(world, lora_r):
     assert w1.keys() == w2.keys() and w1
     for key in w1:
         torch.testing.assert_close(w2[key], w1[key], rtol=1e-3, atol=1e-5)
+
+
+def test_on_policy_samples_through_a_colocated_vllm_engine_holding_the_student(world, fake_vllm):
+    """generation.backend=vllm on-policy (a stand-in engine, see conftest's fake_vllm): one engine, started from
+    the student's directory; before every sampling step after the first the student's current weights are
+    pushed in (every weight, under its checkpoint name) and the prefix cache dropped, so the engine samples
+    from the student being trained."""
+    ctx = LocalContext(world.root / "d-on-policy-vllm")
+    cfg = distill_cfg(mode="on_policy", max_steps=3, batch_size=4, grad_accum=1, teacher_fraction=0.25,
+                      generation=GenerationSpec(max_new_tokens=6, temperature=1.0, batch_size=16, backend="vllm"))
+    distill.run(cfg, inputs(world), ctx)
+    (engine,) = fake_vllm.made
+    assert engine.kwargs == {"distributed_executor_backend": "external_launcher"}
+    assert len(engine.weights_at_generate) == 3 and len(engine.inner.pushes) == 2 and engine.resets == 2
+    names = {n for n, _ in engine.hf.named_parameters()}
+    assert all(set(push) == names for push in engine.inner.pushes)
+    first, second, _ = engine.weights_at_generate
+    assert any(not torch.equal(first[n], second[n]) for n in names)
+    steps = [m for s, m in ctx.metrics if s is not None and "train/loss" in m]
+    assert [(m["train/teacher_sequences"], m["train/student_sequences"]) for m in steps] == [(1, 3)] * 3

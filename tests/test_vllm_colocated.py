@@ -1,96 +1,24 @@
 """GRPO with a colocated vLLM engine, against a stand-in for vLLM (it needs CUDA and is not installed here).
 
-The stand-in is an `LLM` with vLLM's surface that r1flow uses: it holds its own transformers copy of the
-model directory, samples from it, and loads weights by checkpoint name the way vLLM's `load_weights` does
-(an unknown name is an error). So the tests pin r1flow's side of the contract: one engine per process on
+The stand-in (`fake_vllm` in conftest) is an `LLM` with vLLM's surface that r1flow uses: it holds its own
+transformers copy of the model directory, samples from it, and loads weights by checkpoint name the way
+vLLM's `load_weights` does (an unknown name is an error). So the tests pin r1flow's side of the contract: one engine per process on
 the external_launcher executor, the trainer's weights pushed in before every rollout after the first (the
 engine then samples from the trained weights, not the directory's), the prefix cache dropped with each push,
 LoRA adapters folded in under the base checkpoint's names, prompts handed over as the token ids the
 trainer scores. What they cannot show is that a real vLLM build accepts the calls; that needs a GPU.
 """
 
-import sys
-import types
 from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from schemas.configs import GenerationSpec, GRPOConfig, LoraSpec, ResourcesSpec, RewardSpec
 from schemas.errors import ModelError
 from stages import grpo
 from stages.base import LocalContext
 from stages.generation import VLLMBackend, policy_weights, render_prompts
-
-
-class _EngineModel:
-    """vLLM's model inside the engine: load_weights takes (checkpoint name, tensor) pairs."""
-
-    def __init__(self, hf):
-        self.hf = hf
-        self.pushes: list[dict[str, torch.Tensor]] = []
-
-    def load_weights(self, weights):
-        params = dict(self.hf.named_parameters())
-        got = {}
-        for name, tensor in weights:
-            if name not in params:
-                raise KeyError(f"no parameter {name} in the engine's model")
-            with torch.no_grad():
-                params[name].copy_(tensor)
-            got[name] = tensor.detach().clone()
-        self.pushes.append(got)
-
-
-class _LLM:
-    made: list["_LLM"] = []
-
-    def __init__(self, model: str, seed: int = 0, gpu_memory_utilization: float = 0.9, **kwargs):
-        self.seed, self.memory, self.kwargs = seed, gpu_memory_utilization, kwargs
-        self.hf = AutoModelForCausalLM.from_pretrained(model).eval()
-        self.inner = _EngineModel(self.hf)
-        self.llm_engine = SimpleNamespace(model_executor=SimpleNamespace(
-            driver_worker=SimpleNamespace(model_runner=SimpleNamespace(model=self.inner))))
-        self.resets, self.prompts, self.weights_at_generate = 0, [], []
-        _LLM.made.append(self)
-
-    def reset_prefix_cache(self):
-        self.resets += 1
-
-    def generate(self, prompts, params, use_tqdm=False):
-        self.weights_at_generate.append({n: p.detach().clone() for n, p in self.hf.named_parameters()})
-        torch.manual_seed(params.seed)
-        outs = []
-        for p in prompts:
-            self.prompts.append(list(p["prompt_token_ids"]))
-            ids = torch.tensor([p["prompt_token_ids"]])
-            with torch.no_grad():
-                new = self.hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, top_k=0,
-                                       max_new_tokens=params.max_tokens, num_return_sequences=params.n,
-                                       pad_token_id=0)[:, ids.shape[1]:]
-            # each sample stops after 1..max_tokens tokens (as if at an EOS), so lengths, and rewards on length, differ
-            stops = torch.randint(1, params.max_tokens + 1, (len(new),)).tolist()
-            outs.append(SimpleNamespace(outputs=[
-                SimpleNamespace(text="x" * k, token_ids=row[:k].tolist(), finish_reason="stop", logprobs=None)
-                for row, k in zip(new, stops, strict=True)]))
-        return outs
-
-
-class _SamplingParams:
-    def __init__(self, n=1, max_tokens=16, seed=None, **kwargs):
-        self.n, self.max_tokens, self.seed, self.kwargs = n, max_tokens, seed, kwargs
-
-
-@pytest.fixture()
-def fake_vllm(monkeypatch):
-    module = types.ModuleType("vllm")
-    module.LLM, module.SamplingParams = _LLM, _SamplingParams
-    monkeypatch.setitem(sys.modules, "vllm", module)
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(key, raising=False)  # restored (unset) after the test
-    _LLM.made.clear()
-    return _LLM
 
 
 def _cfg(**kw) -> GRPOConfig:
