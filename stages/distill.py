@@ -284,7 +284,7 @@ def run(cfg: DistillConfig, inputs: dict[str, Input], ctx: StageContext) -> dict
 
     backend = make_backend(cfg.generation, student, tokenizer, inputs["student"].model_dir, seed=ctx.seed,
                            colocated=True) if engine else None
-    engine_holds = [0]  # the step whose weights the engine holds: the input directory's are step 0's
+    engine_holds = 0  # the step whose weights the engine holds: the input directory's are step 0's
     # fsdp: the student samples through an unsharded copy on every rank, refreshed before each step's sampling
     sampler = copy.deepcopy(student).requires_grad_(False).to(ctx.device) if dist.sharded and samples else None
     student = dist.prepare(student, ctx)  # sharded across the processes under fsdp
@@ -312,6 +312,7 @@ def run(cfg: DistillConfig, inputs: dict[str, Input], ctx: StageContext) -> dict
 
     # ---- one step's micro-batches: a pure function of (seed, step) and, on-policy, the student
     def step_batches(step: int) -> tuple[list[list[Example]], dict[str, float]]:
+        nonlocal engine_holds
         if cfg.mode != "on_policy":
             return [[train[i] for i in micro_batch_indices(len(train), cfg.batch_size, ctx.seed,
                                                            step * cfg.grad_accum + a)]
@@ -329,9 +330,9 @@ def run(cfg: DistillConfig, inputs: dict[str, Input], ctx: StageContext) -> dict
                 dist.copy_weights(student, sampler)  # a collective: every rank, every step
             seed = ctx.seed * 1_000_003 + step * dist.world + dist.rank
             if backend is not None:  # the student's current weights into the engine, in place (LoRA folded in)
-                if engine_holds[0] != step:
+                if engine_holds != step:
                     backend.load_weights(policy_weights(student))
-                    engine_holds[0] = step
+                    engine_holds = step
                 comps, stats = backend.generate(convs, cfg.generation, n=1, seed=seed, progress=False)
             else:
                 comps, stats = generate(sampler if sampler is not None else student, tokenizer, convs, cfg.generation,

@@ -631,9 +631,9 @@ def policy_weights(model):
                 raise ModelError(f"{name}: a merged LoRA layer (merge_adapter) cannot be read out of place")
             deltas[f"{name}.base_layer.weight"] = module
     for name, p in base.named_parameters():
-        if ".lora_" in name or "modules_to_save" in name or "original_module" in name:
-            if "modules_to_save" in name or "original_module" in name:
-                raise ModelError(f"{name}: LoRA modules_to_save are not synced (not used by r1flow's adapters)")
+        if "modules_to_save" in name or "original_module" in name:
+            raise ModelError(f"{name}: LoRA modules_to_save are not synced (not used by r1flow's adapters)")
+        if ".lora_" in name:  # folded into the base weight below
             continue
         weight = p.detach()
         module = deltas.get(name)

@@ -520,7 +520,6 @@ def run(cfg: GRPOConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[st
             sync_sampler(done)  # every rank (a collective under fsdp); rank 0 evaluates
             if dist.is_main:
                 sync_engine(done)
-            if dist.is_main:
                 metrics.update(held_out_eval(backend, held_out, cfg, ctx.seed))
         history.append(metrics)
         if done % cfg.checkpoint_every == 0 or done == cfg.steps:  # every rank: gathered under fsdp, rank 0 writes
