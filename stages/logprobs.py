@@ -555,12 +555,15 @@ def can_pack_prefix(model) -> bool:
 
 def attention_share(model) -> float:
     """What one attention score costs beside one token position, for `packing_pays`: per layer, a row of T
-    tokens runs ~2p T multiply-adds in its linear layers (p parameters a layer) and ~2d T^2 in attention
-    (scores and their weighted sum, d the hidden size; every score is computed where a mask is given, the
-    masked ones too); so a score costs d / p positions (SmolLM2: 576 / 3.5M; the tiny model 64 / 37K)."""
+    tokens runs p T multiply-adds in its linear layers (each of the layer's p parameters once per token) and
+    2d T^2 in attention (d per score for the scores, d per score for their weighted sum of values, d the
+    hidden size; every score is computed where a mask is given, the masked ones too); so a score costs
+    2d / p positions (SmolLM2: 1152 / 3.5M; the tiny model 128 / 37K). (Until 2026-11-26 this counted the
+    linear layers' FLOPs against attention's multiply-adds, d / p: half; no layout the benchmark suite runs
+    changed with the correction.)"""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     hidden, per_layer = getattr(getattr(base, "config", None), "hidden_size", None), layer_parameters(base)
-    return hidden / per_layer if hidden and per_layer else 0.0
+    return 2 * hidden / per_layer if hidden and per_layer else 0.0
 
 
 def packed_cost(prompt_lengths: list[int], completion_lengths: list[int], prompt_of_row: list[int], share: float,

@@ -373,7 +373,8 @@ def test_packed_prefix_rows_give_the_same_logprobs_and_gradients(tiny_tokenizer,
 def test_packing_pays_hand_computed(tiny_tokenizer):
     """One prompt of 2 tokens with two completions of 20: packed, one row of 42 costs 42 + 1764 s; whole, two
     rows of 22 cost 44 + 968 s; packing pays while 796 s < 2, s < 0.0025126. Prompts of 10 with completions
-    of 5 always pay (20 + 400 s against 30 + 450 s). The tiny model's share: 64 / 36,992 = 0.00173."""
+    of 5 always pay (20 + 400 s against 30 + 450 s). The tiny model's share: 2 x 64 / 36,992 = 0.00346
+    (a layer's 36,992 multiply-adds a token against 2 x 64 a score: 64 for q.k, 64 for the weighted values)."""
     from stages import logprobs
 
     assert logprobs.packing_pays([2], [20, 20], [0, 0], [22, 22], 0.0025)
@@ -389,7 +390,7 @@ def test_packing_pays_hand_computed(tiny_tokenizer):
     assert logprobs.packing_pays([1], [30, 1], [0, 0], [31, 2], 10.0)
     assert logprobs.packing_pays([1], [30, 30], [0, 0], [31, 31], 1 / 1800)
     assert not logprobs.packing_pays([1], [30, 30], [0, 0], [31, 31], 1 / 1798)
-    assert logprobs.attention_share(models.build_tiny_model(tiny_tokenizer)) == pytest.approx(64 / 36_992)
+    assert logprobs.attention_share(models.build_tiny_model(tiny_tokenizer)) == pytest.approx(2 * 64 / 36_992)
 
 
 def test_can_pack_prefix_only_where_a_4d_mask_means_what_it_says(tiny_tokenizer):
