@@ -1,14 +1,16 @@
 """GRPO with a colocated vLLM engine, against a stand-in for vLLM (it needs CUDA and is not installed here).
 
-The stand-in (`fake_vllm` in conftest) is an `LLM` with vLLM's surface that r1flow uses: it holds its own
-transformers copy of the model directory, samples from it, and loads weights by checkpoint name the way
-vLLM's `load_weights` does (an unknown name is an error). So the tests pin r1flow's side of the contract: one engine per process on
-the external_launcher executor, the trainer's weights pushed in before every rollout after the first (the
-engine then samples from the trained weights, not the directory's), the prefix cache dropped with each push,
-LoRA adapters folded in under the base checkpoint's names, prompts handed over as the token ids the
-trainer scores. What they cannot show is that a real vLLM build accepts the calls; that needs a GPU.
+The stand-in (`fake_vllm` in conftest) is an `LLM` with the surface of vLLM that r1flow uses: it holds
+its own transformers copy of the model directory, samples from it, and loads weights by checkpoint name
+the way vLLM's `load_weights` does (an unknown name is an error). So the tests pin r1flow's side of the
+contract: one engine per process on the external_launcher executor, the trainer's weights pushed in
+before every rollout after the first (the engine then samples from the trained weights, not the
+directory's), the prefix cache dropped with each push, LoRA adapters folded in under the base
+checkpoint's names, prompts handed over as the token ids the trainer scores. What they cannot show is
+that a real vLLM build accepts the calls; that needs a GPU.
 """
 
+import copy
 from types import SimpleNamespace
 
 import pytest
@@ -51,8 +53,8 @@ def test_the_engine_samples_from_the_trained_weights(fake_vllm, tmp_path, tiny_m
     assert engine.prompts and {tuple(p) for p in engine.prompts} <= expected
 
 
-def test_lora_weights_reach_the_engine_folded_in_and_the_adapter_is_left_alone(fake_vllm, tmp_path, tiny_model_input,
-                                                                               digit_prompts):
+def test_lora_weights_reach_the_engine_under_the_base_checkpoint_names(fake_vllm, tmp_path, tiny_model_input,
+                                                                     digit_prompts):
     ctx = LocalContext(tmp_path / "run", seed=0)
     grpo.run(_cfg(steps=2, lora=LoraSpec(r=4, alpha=8, merge=False)),
              {"model": tiny_model_input, "prompts": digit_prompts}, ctx)
@@ -73,19 +75,13 @@ def test_policy_weights_fold_lora_out_of_place(tiny_model):
     before = {n: p.detach().clone() for n, p in peft_model.named_parameters()}
     got = dict(policy_weights(peft_model))
     assert set(got) == names
-    merged = dict(get_peft_model_copy_merged(peft_model).named_parameters())
+    merged = dict(copy.deepcopy(peft_model).merge_and_unload().named_parameters())
     for n in names:
         torch.testing.assert_close(got[n], merged[n].detach(), rtol=0, atol=1e-6)
     q = "model.layers.0.self_attn.q_proj.weight"
     assert not torch.equal(got[q], before["base_model.model." + q.replace("q_proj.", "q_proj.base_layer.")])
     for n, p in peft_model.named_parameters():  # the trained model untouched, bit for bit
         assert torch.equal(p, before[n])
-
-
-def get_peft_model_copy_merged(peft_model):
-    import copy
-
-    return copy.deepcopy(peft_model).merge_and_unload()
 
 
 def test_the_colocated_engine_joins_a_world_of_one(fake_vllm, tiny_model_input, tiny_tokenizer):
