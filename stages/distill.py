@@ -73,7 +73,7 @@ from stages.sft import (
     tokenize_conversation,
 )
 
-VERSION = "1"
+VERSION = "2"  # 2: sampler blocks of ceil(sqrt(V)) tokens (generation.BlockRaceSampler): other samples for the same seed
 CONFIG = DistillConfig
 INPUTS = {"teacher": "model", "student": "model", "traces": "sft?", "prompts": "prompts?"}
 OUTPUTS = {"model": "model"}

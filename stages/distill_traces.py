@@ -24,7 +24,7 @@ from stages.base import Input, Output, StageContext, seed_everything, write_data
 from stages.generation import Completion, make_backend
 from stages.rewards import Verdict, score
 
-VERSION = "1"
+VERSION = "2"  # 2: sampler blocks of ceil(sqrt(V)) tokens (generation.BlockRaceSampler): other samples for the same seed
 CONFIG = DistillTracesConfig
 INPUTS = {"model": "model", "prompts": "prompts"}
 OUTPUTS = {"traces": "sft"}

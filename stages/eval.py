@@ -21,7 +21,7 @@ from stages.base import Input, Output, StageContext, seed_everything, write_data
 from stages.generation import generate
 from stages.rewards import pass_at_k, score
 
-VERSION = "2"  # 2: correct_lenient column and accuracy_lenient metric
+VERSION = "3"  # 3: sampler blocks of ceil(sqrt(V)) tokens (generation.BlockRaceSampler): other samples for the same seed; 2: correct_lenient column and accuracy_lenient metric
 CONFIG = EvalConfig
 INPUTS = {"model": "model", "prompts": "prompts"}
 OUTPUTS = {"results": "eval"}

@@ -26,7 +26,7 @@ from stages.base import Input, Output, StageContext, seed_everything, write_data
 from stages.generation import make_backend
 from stages.rewards import Verdict, extract_answer_lenient, reformat_r1, score
 
-VERSION = "1"
+VERSION = "2"  # 2: sampler blocks of ceil(sqrt(V)) tokens (generation.BlockRaceSampler): other samples for the same seed
 CONFIG = RejectionSamplingConfig
 INPUTS = {"model": "model", "prompts": "prompts", "reward_model": "model?"}
 OUTPUTS = {"samples": "samples", "data": "sft"}
