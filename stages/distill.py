@@ -54,7 +54,7 @@ from schemas.errors import ConfigError, ModelError, SchemaError
 from stages import distributed, models
 from stages.base import Input, Output, StageContext, model_output_dir, seed_everything
 from stages.distill_losses import distill_loss
-from stages.generation import generate, make_backend, policy_weights, render_prompts
+from stages.generation import check_vllm_model_dir, generate, make_backend, render_prompts
 from stages.reward_model import split_pairs
 from stages.sft import (
     IGNORE,
@@ -250,9 +250,8 @@ def run(cfg: DistillConfig, inputs: dict[str, Input], ctx: StageContext) -> dict
 
     samples = cfg.mode == "on_policy" and cfg.teacher_fraction < 1
     engine = samples and cfg.generation.backend == "vllm"  # a colocated vLLM engine samples, the student's weights pushed in
-    if engine and not (inputs["student"].model_dir / "config.json").exists():
-        raise ModelError(f"{inputs['student'].label}: generation.backend=vllm starts its engine from a full model "
-                         f"directory, and this input is an adapter; merge it first (lora.merge: true upstream)")
+    if engine:
+        check_vllm_model_dir(inputs["student"].model_dir, inputs["student"].label)
 
     # ---- models
     dist = distributed.of(ctx)
@@ -284,7 +283,6 @@ def run(cfg: DistillConfig, inputs: dict[str, Input], ctx: StageContext) -> dict
 
     backend = make_backend(cfg.generation, student, tokenizer, inputs["student"].model_dir, seed=ctx.seed,
                            colocated=True) if engine else None
-    engine_holds = 0  # the step whose weights the engine holds: the input directory's are step 0's
     # fsdp: the student samples through an unsharded copy on every rank, refreshed before each step's sampling
     sampler = copy.deepcopy(student).requires_grad_(False).to(ctx.device) if dist.sharded and samples else None
     student = dist.prepare(student, ctx)  # sharded across the processes under fsdp
@@ -312,7 +310,6 @@ def run(cfg: DistillConfig, inputs: dict[str, Input], ctx: StageContext) -> dict
 
     # ---- one step's micro-batches: a pure function of (seed, step) and, on-policy, the student
     def step_batches(step: int) -> tuple[list[list[Example]], dict[str, float]]:
-        nonlocal engine_holds
         if cfg.mode != "on_policy":
             return [[train[i] for i in micro_batch_indices(len(train), cfg.batch_size, ctx.seed,
                                                            step * cfg.grad_accum + a)]
@@ -330,9 +327,7 @@ def run(cfg: DistillConfig, inputs: dict[str, Input], ctx: StageContext) -> dict
                 dist.copy_weights(student, sampler)  # a collective: every rank, every step
             seed = ctx.seed * 1_000_003 + step * dist.world + dist.rank
             if backend is not None:  # the student's current weights into the engine, in place (LoRA folded in)
-                if engine_holds != step:
-                    backend.load_weights(policy_weights(student))
-                    engine_holds = step
+                backend.sync(student, step)
                 comps, stats = backend.generate(convs, cfg.generation, n=1, seed=seed, progress=False)
             else:
                 comps, stats = generate(sampler if sampler is not None else student, tokenizer, convs, cfg.generation,

@@ -578,6 +578,14 @@ class VLLMBackend:
             gpu_memory_utilization = float(os.environ.get("R1FLOW_VLLM_GPU_MEMORY_UTILIZATION", COLOCATED_GPU_MEMORY))
             kwargs = {"distributed_executor_backend": "external_launcher"}
         self.llm = LLM(model=str(model_dir), seed=seed, gpu_memory_utilization=gpu_memory_utilization, **kwargs)
+        self.holds = 0  # the training step whose weights the engine holds (`sync`): the directory's are step 0's
+
+    def sync(self, model, step: int) -> None:
+        """Before sampling at `step`: `model`'s weights into the engine (`load_weights(policy_weights(model))`),
+        unless it holds that step's already."""
+        if self.holds != step:
+            self.load_weights(policy_weights(model))
+            self.holds = step
 
     def load_weights(self, weights) -> None:
         """Replace the engine's weights by `weights` ((name, tensor) pairs under the model's checkpoint names,
@@ -645,12 +653,19 @@ def policy_weights(model):
         yield name.replace(".base_layer.", "."), weight
 
 
+def check_vllm_model_dir(model_dir: Path | None, label: str = "the model input") -> None:
+    """The vllm backend starts its engine from a full model directory: anything else (an adapter) is an error
+    naming the input, raised before any weight loads."""
+    if model_dir is None or not (Path(model_dir) / "config.json").exists():
+        raise ModelError(f"{label}: generation.backend=vllm starts its engine from a full model directory, and this "
+                         f"input is an adapter; merge it first (lora.merge: true upstream)")
+
+
 def make_backend(spec: GenerationSpec, model, tokenizer, model_dir: Path | None = None, seed: int = 0,
                  colocated: bool = False) -> GenerationBackend:
     """The backend `spec` names; vllm loads `model_dir` (a full model), `colocated` beside a trainer."""
     if spec.backend == "vllm":
-        if model_dir is None or not (Path(model_dir) / "config.json").exists():
-            raise ModelError("the vllm backend needs a full model directory; merge the adapter (lora.merge: true)")
+        check_vllm_model_dir(model_dir)
         return VLLMBackend(model_dir, tokenizer, seed=seed, colocated=colocated)
     return TransformersBackend(model, tokenizer)
 

@@ -39,10 +39,10 @@ import torch
 from tqdm.auto import tqdm
 
 from schemas.configs import GenerationSpec, GRPOConfig
-from schemas.errors import ConfigError, ModelError, SchemaError
+from schemas.errors import ConfigError, SchemaError
 from stages import distributed, logprobs, models, rl
 from stages.base import Input, Output, StageContext, model_output_dir, seed_everything
-from stages.generation import TransformersBackend, make_backend, policy_weights, render_prompts
+from stages.generation import TransformersBackend, check_vllm_model_dir, make_backend, render_prompts
 from stages.rewards import score
 from stages.sft import (
     clip_grad_norm,
@@ -305,9 +305,8 @@ def run(cfg: GRPOConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[st
     dist = distributed.of(ctx)
     share = cfg.prompts_per_step // dist.world  # whole groups per process and step
     engine = cfg.generation.backend == "vllm"  # a colocated vLLM engine samples; the trainer's weights pushed into it
-    if engine and not (inputs["model"].model_dir / "config.json").exists():
-        raise ModelError(f"{inputs['model'].label}: generation.backend=vllm starts its engine from a full model "
-                         f"directory, and this input is an adapter; merge it first (lora.merge: true upstream)")
+    if engine:
+        check_vllm_model_dir(inputs["model"].model_dir, inputs["model"].label)
     seed_everything(ctx.seed)
     model, tokenizer, merged_input = load_trainable(inputs["model"], cfg, dist.load_device(ctx.device))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -329,20 +328,12 @@ def run(cfg: GRPOConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[st
     else:
         backend = TransformersBackend(sampler if sampler is not None else model, tokenizer)
     synced = None  # the step whose weights the sampler holds (fsdp)
-    engine_holds = 0  # the step whose weights the vLLM engine holds: the input directory's are step 0's
 
     def sync_sampler(done: int) -> None:
         nonlocal synced
         if sampler is not None and synced != done:
             dist.copy_weights(model, sampler)
             synced = done
-
-    def sync_engine(done: int) -> None:
-        """Before sampling: the policy's current weights into the vLLM engine, in place (LoRA folded in)."""
-        nonlocal engine_holds
-        if engine and engine_holds != done:
-            backend.load_weights(policy_weights(model))
-            engine_holds = done
 
     kl_fn = rl.KL_ESTIMATORS[cfg.kl_estimator]
     scorer = None
@@ -364,7 +355,8 @@ def run(cfg: GRPOConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[st
     for step in range(start, cfg.steps):
         t_step = time.perf_counter()
         sync_sampler(step)
-        sync_engine(step)
+        if engine:  # the policy's current weights into the vLLM engine, in place (LoRA folded in)
+            backend.sync(model, step)
         # ---- rollout and scoring of this process's share (dynamic sampling drops all-equal groups and refills)
         batch_rows, comps, verdicts, rewards = [], [], [], []
         t_gen = t_score = 0.0
@@ -519,7 +511,8 @@ def run(cfg: GRPOConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[st
         if cfg.eval_every and held_out and done % cfg.eval_every == 0:
             sync_sampler(done)  # every rank (a collective under fsdp); rank 0 evaluates
             if dist.is_main:
-                sync_engine(done)
+                if engine:
+                    backend.sync(model, done)
                 metrics.update(held_out_eval(backend, held_out, cfg, ctx.seed))
         history.append(metrics)
         if done % cfg.checkpoint_every == 0 or done == cfg.steps:  # every rank: gathered under fsdp, rank 0 writes
