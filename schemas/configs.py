@@ -333,6 +333,11 @@ class PreferenceOptimizationConfig(TrainingConfig):
         "NLL + odds-ratio term, reference-free."
     )
     beta: float = Field(0.1, gt=0, description="beta: KL strength (dpo, cdpo, ipo, kto) or reward scale (simpo).")
+    logprob_reduction: Literal["auto", "sum", "mean"] = Field(
+        "auto", description="A completion's log-prob from its token log-probs. auto: the loss's convention, the "
+        "per-token mean for ipo (as its authors and TRL compute it), simpo and orpo, the sum for dpo, cdpo and kto; "
+        "sum or mean to choose (e.g. sum for IPO on summed log-ratios, where beta means a margin of 1/(2 beta) "
+        "nats over the whole completion). The reference's log-probs are reduced the same way.")
     label_smoothing: float = Field(0.1, ge=0, lt=0.5, description="cdpo: probability that a label is flipped.")
     simpo_gamma: float = Field(0.5, description="simpo: target reward margin gamma.")
     kto_lambda_d: float = Field(1.0, gt=0, description="kto: weight of desirable examples.")
@@ -371,7 +376,9 @@ class GRPOConfig(MemoryOptions):
     aggregation: Literal["seq_mean", "token_mean", "constant"] = Field(
         "seq_mean", description="seq_mean (GRPO), token_mean (DAPO), constant normaliser (Dr. GRPO)."
     )
-    epsilon_low: float = Field(0.2, ge=0, description="Clip range below 1.")
+    epsilon_low: float | None = Field(
+        None, ge=0, description="Clip range below 1. Unset: 0.2 for token and gspo; no lower bound for cispo "
+        "(MiniMax-M1 clips its IS weights from above only; set a number to clip them below at 1 - epsilon_low).")
     epsilon_high: float = Field(0.2, ge=0, description="Clip range above 1 (DAPO clip-higher when > epsilon_low).")
     beta: float = Field(0.0, ge=0, description="KL coefficient; 0 drops the reference model entirely.")
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator (Schulman's k1/k2/k3).")
@@ -418,6 +425,14 @@ class GRPOConfig(MemoryOptions):
     split: Literal["train", "eval"] = Field("train", description="Prompts split to train on.")
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec, description="Processes to train on; each takes "
                                      "prompts_per_step / num_processes whole groups per step.")
+
+    @model_validator(mode="after")
+    def _eps_low_of_the_policy_loss(self) -> GRPOConfig:
+        # filled in (not left None) for token/gspo so their configs, and cache keys, read as before;
+        # the value is stages.rl.DEFAULT_EPS_LOW's (schemas import no stage code)
+        if self.epsilon_low is None and self.policy_loss != "cispo":
+            self.epsilon_low = 0.2
+        return self
 
     @model_validator(mode="after")
     def _prompts_divide_among_processes(self) -> GRPOConfig:

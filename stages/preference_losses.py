@@ -32,10 +32,12 @@ Conventions and departures from the papers, on purpose:
 - KTO is unpaired: its `chosen_rewards` are those of the desirable examples (D,) and its
   `rejected_rewards` those of the undesirable ones (U,), D + U = B, and `paired` is False, so
   `reward_metrics` reports their means and margin but no pairwise accuracy.
-- ORPO's log(1 − exp(x)) is evaluated at min(x, −eps of the dtype) with the gradient passed
-  straight through: an average log-prob of exactly 0 (possible in bf16) would give log odds +inf
-  and a NaN loss, while a plain clamp would silence the gradient of a rejected answer the model
-  is sure of.
+- IPO length-averages the log-probs (as its authors' code and TRL do), not the sums of DPO.
+- ORPO's log odds x − log(1 − eˣ) have the slope 1/(1 − eˣ), unbounded as an average log-prob x
+  nears 0 (a rejected answer the model is sure of: ~1e9 at x = −1e-9, +inf at 0, possible in bf16).
+  Above the probability `ORPO_MAX_PROB` (x > log 0.999) they continue along their tangent, so the
+  slope, and the odds-ratio term's gradient, stay at most 1/(1 − 0.999) = 1000 and the loss stays
+  finite and increasing; below it they are exact.
 """
 
 from __future__ import annotations
@@ -141,10 +143,13 @@ def ipo_loss(policy_chosen: Tensor, policy_rejected: Tensor, ref_chosen: Tensor,
     IPO eq. 17 (https://arxiv.org/abs/2310.12036), where β is the paper's τ. Unlike DPO the loss
     is a regression of Δ onto the target 1/(2β): it is 0 there and pulls Δ back from either side,
     so the margin cannot run away on deterministic preferences.
-    Summed or averaged log-probs? The paper defines Δ on sequence log-probs (sums); some libraries
-    length-average them for IPO, which changes the scale of Δ and hence the meaning of β (β ≈ 0.1
-    on sums is a target of 5 nats). The caller decides through `sequence_logprobs(average=...)`;
-    `LOSSES["ipo"].average` is the paper's choice (sums).
+    Summed or averaged log-probs? The paper writes Δ with sequence log-probs, but its authors'
+    implementation, and TRL's `loss_type="ipo"`, average them over the completion's tokens, which
+    sets the scale of Δ and hence the meaning of β: averaged, β = 0.1 asks for a margin of 5 nats
+    *per token*; summed, 5 nats over the whole completion, which a long answer reaches by a tiny
+    per-token change. `LOSSES["ipo"].average` is True (the averaged form, TRL's numbers); the
+    caller decides through `sequence_logprobs(average=...)` (the stage's `logprob_reduction: sum`
+    gives the summed form). The function itself takes whichever it is given.
     """
     _same_shape(policy_chosen=policy_chosen, policy_rejected=policy_rejected,
                 ref_chosen=ref_chosen, ref_rejected=ref_rejected)
@@ -174,17 +179,23 @@ def simpo_loss(policy_chosen_avg: Tensor, policy_rejected_avg: Tensor, beta: flo
     return PreferenceLoss(losses, chosen_rewards.detach(), rejected_rewards.detach(), {})
 
 
+ORPO_MAX_PROB = 0.999  # above this (geometric-mean token) probability the log odds go on linearly
+
+
 def log_odds(avg_logp: Tensor) -> Tensor:
     """log odds(y) = log P − log(1 − P) with log P = avg_logp ≤ 0, as in ORPO. (B,) → (B,).
 
     log(1 − e^x) is log(−expm1(x)) for x > −ln 2 and log1p(−e^x) below (each accurate on its side;
-    Mächler 2012, "Accurately computing log(1 − exp(−|a|))"). x is capped at −eps of its dtype
-    with the gradient passed straight through, so x = 0 gives a large finite value, not +inf.
+    Mächler 2012, "Accurately computing log(1 − exp(−|a|))"). Exact for P ≤ `ORPO_MAX_PROB`; above
+    it, the tangent at c = log ORPO_MAX_PROB: lo(c) + (x − c) / (1 − ORPO_MAX_PROB), so the
+    slope (the gradient) is at most 1000 and x = 0 gives a finite value (6.91 + 1.0005).
     """
-    cap = -torch.finfo(avg_logp.dtype).eps
-    x = torch.where(avg_logp > cap, avg_logp - (avg_logp - cap).detach(), avg_logp)  # value ≤ cap, gradient 1
+    c = math.log(ORPO_MAX_PROB)
+    x = avg_logp.clamp(max=c)  # the exact branch sees at most c (and passes no gradient above it)
     log1m_exp = torch.where(x > -math.log(2.0), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
-    return x - log1m_exp
+    exact = x - log1m_exp
+    tangent = exact + (avg_logp - c) / (1 - ORPO_MAX_PROB)  # = lo(c) + (x - c) * lo'(c) where avg_logp > c
+    return torch.where(avg_logp > c, tangent, exact)
 
 
 def orpo_loss(policy_chosen_avg: Tensor, policy_rejected_avg: Tensor, nll_chosen: Tensor,
@@ -275,7 +286,7 @@ _PAIR_WITH_REF = ("policy_chosen", "policy_rejected", "ref_chosen", "ref_rejecte
 LOSSES: dict[str, LossSpec] = {
     "dpo": LossSpec(dpo_loss, _PAIR_WITH_REF, ("beta",), average=False),
     "cdpo": LossSpec(cdpo_loss, _PAIR_WITH_REF, ("beta", "label_smoothing"), average=False),
-    "ipo": LossSpec(ipo_loss, _PAIR_WITH_REF, ("beta",), average=False),
+    "ipo": LossSpec(ipo_loss, _PAIR_WITH_REF, ("beta",), average=True),
     "simpo": LossSpec(simpo_loss, ("policy_chosen", "policy_rejected"), ("beta", "gamma"), average=True),
     "kto": LossSpec(kto_loss, ("policy", "ref", "desirable", "kl_ref"), ("beta", "lambda_d", "lambda_u"),
                     average=False),

@@ -54,7 +54,7 @@ from stages.sft import (
     set_lr,
 )
 
-VERSION = "2"  # 2: sampler blocks of ceil(sqrt(V)) tokens (generation.BlockRaceSampler): other samples for the same seed
+VERSION = "3"  # 3: ipo averages token log-probs by default (logprob_reduction); orpo's log odds bounded. 2: sampler blocks of ceil(sqrt(V)) tokens (generation.BlockRaceSampler): other samples for the same seed
 CONFIG = PreferenceOptimizationConfig
 INPUTS = {"model": "model", "preferences": "preferences|unpaired", "reference": "ref_logprobs?"}
 OUTPUTS = {"model": "model"}
@@ -219,6 +219,24 @@ def reference_table(ref: Input, examples: list[Example], tokenized: list[tuple[l
 # ---------------------------------------------------------------------------- loss of one micro-batch
 
 
+def averages_logprobs(cfg: PreferenceOptimizationConfig) -> bool:
+    """Whether sequence log-probs are per-token means (else sums): the loss's convention
+    (`LOSSES[loss].average`: mean for ipo, simpo, orpo) unless `logprob_reduction` names one."""
+    if cfg.logprob_reduction == "auto":
+        return pl.LOSSES[cfg.loss].average
+    return cfg.logprob_reduction == "mean"
+
+
+def reference_of(ref_logps: list[float] | None, rows: list[int], mask: torch.Tensor, average: bool,
+                 device: str) -> torch.Tensor | None:
+    """The reference's sequence log-probs of `rows`, (R,), reduced as the policy's are: the reference
+    stores sums, so a mean divides by the completion's token count (mask (R, T), at least 1)."""
+    if ref_logps is None:
+        return None
+    ref = torch.tensor([ref_logps[r] for r in rows], device=device, dtype=torch.float32)
+    return ref / mask.sum(dim=-1).clamp(min=1).to(ref.dtype) if average else ref
+
+
 def batch_loss(model, cfg: PreferenceOptimizationConfig, batch: list[int], examples: list[Example],
                tokenized: list[tuple[list[int], int]], ref_logps: list[float] | None, pad_id: int, device: str,
                kl_ref: torch.Tensor | None = None) -> pl.PreferenceLoss:
@@ -233,8 +251,9 @@ def batch_loss(model, cfg: PreferenceOptimizationConfig, batch: list[int], examp
     else:
         rows = list(batch)
     logp, mask = completion_logprobs(model, [tokenized[r] for r in rows], pad_id, device, cfg.logprob_chunk)
-    seq = pl.sequence_logprobs(logp, mask, average=spec.average)  # (R,)
-    ref = torch.tensor([ref_logps[r] for r in rows], device=device) if ref_logps is not None else None
+    average = averages_logprobs(cfg)
+    seq = pl.sequence_logprobs(logp, mask, average=average)  # (R,)
+    ref = reference_of(ref_logps, rows, mask, average, device)
     b = len(batch)
     if cfg.loss in pl.PAIRED:
         inputs = {"policy_chosen": seq[:b], "policy_rejected": seq[b:]}
@@ -250,7 +269,7 @@ def batch_loss(model, cfg: PreferenceOptimizationConfig, batch: list[int], examp
     out = pl.preference_loss(cfg.loss, inputs, **{k: params[k] for k in spec.params})
     extras = dict(out.extras)
     if cfg.loss in pl.PAIRED:
-        raw = pl.sequence_logprobs(logp, mask) if spec.average else seq  # summed log-probs, for the logps/* metrics
+        raw = pl.sequence_logprobs(logp, mask) if average else seq  # summed log-probs, for the logps/* metrics
         extras["logps/chosen"] = raw[:b].detach()
         extras["logps/rejected"] = raw[b:].detach()
     return out._replace(extras=extras)
@@ -263,10 +282,11 @@ def kto_reference_point(model, cfg, units: list[int], kl_rows: dict[int, int], t
     `units` is this rank's share; with several processes the mean is over every rank's share.
     """
     rows = [kl_rows[u] for u in units]
+    average = averages_logprobs(cfg)  # z0 is compared with the loss's log-ratios: the same reduction
     with torch.no_grad():
         logp, mask = completion_logprobs(model, [tokenized[r] for r in rows], pad_id, device)
-        seq = pl.sequence_logprobs(logp, mask)
-    ref = torch.tensor([ref_logps[r] for r in rows], device=device)
+        seq = pl.sequence_logprobs(logp, mask, average=average)
+    ref = reference_of(ref_logps, rows, mask, average, device)
     if not dist.active:
         return pl.kto_kl_estimate(seq, ref)
     total, count = dist.sum([float((seq - ref).sum()), seq.numel()])

@@ -297,25 +297,40 @@ def test_orpo_with_lambda_zero_is_the_nll():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, F64])
-def test_log_odds_is_finite_near_zero_and_very_negative(dtype):
-    """log odds(x) = x - log(1 - e^x).
-    x = -1e-8: 1 - e^x ≈ 1e-8, log odds ≈ -log 1e-8 = 18.420681 in float64. float32 cannot tell
-    e^-1e-8 from 1, so x is capped at -eps = -1.19e-7 there: log odds ≈ -log 1.19e-7 = 15.94.
-    x = 0 (a model sure of every token): capped the same way, finite.
-    x = -1000: e^x = 0, log odds = -1000. x = -30: log(1 - e^-30) ≈ -9.4e-14, log odds ≈ -30.
-    Gradients stay finite everywhere, including through the cap."""
-    x = torch.tensor([-1e-8, 0.0, -1000.0, -30.0, -0.5], dtype=dtype, requires_grad=True)
+def test_log_odds_is_exact_below_the_cap_and_linear_above_it(dtype):
+    """log odds(x) = x - log(1 - e^x), slope 1 / (1 - e^x).
+    Below c = log 0.999 = -1.000500334e-3 exact: x = -0.5: -0.5 - log(1 - e^-0.5) = 0.432752;
+    x = -1000: -1000; x = -30: -30 (log(1 - e^-30) ≈ -9.4e-14). The cap itself: lo(c) = c - log 0.001
+    = 6.906754779. Above c the tangent, slope 1 / (1 - 0.999) = 1000: x = -1e-9 (where the exact slope
+    is ~1e9): 6.906754779 + (c + 1e-9 ... ) -> 6.906754779 + 1000 (1.000500334e-3 - 1e-9) = 7.907254113;
+    x = 0: 6.906754779 + 1.000500334 = 7.907255113. Gradients: 1000 above c, 1 / (1 - e^-0.5) =
+    2.541494 at -0.5."""
+    x = torch.tensor([-1e-9, 0.0, -1000.0, -30.0, -0.5], dtype=dtype, requires_grad=True)
     lo = pl.log_odds(x)
-    assert torch.isfinite(lo).all()
-    assert torch.isfinite(_grad(lo, x)[0]).all()
-    eps = torch.finfo(dtype).eps
-    expected_near_zero = 18.420680738952363 if dtype == F64 else -eps - math.log(-math.expm1(-eps))
-    assert_close(lo[0].detach(), torch.tensor(expected_near_zero, dtype=dtype), rtol=1e-5, atol=0)
-    assert_close(lo[1].detach(), torch.tensor(-eps - math.log(-math.expm1(-eps)), dtype=dtype), rtol=1e-5, atol=0)
-    assert_close(lo[2:].detach(), torch.tensor([-1000.0, -30.0, -0.5 - math.log(1 - math.exp(-0.5))], dtype=dtype))
-    out = pl.orpo_loss(x[:3], x[[2, 2, 1]], -x[:3], lam=0.1)
-    assert torch.isfinite(out.losses).all()
-    assert torch.isfinite(_grad(out.losses, x)[0]).all()
+    tol = {"rtol": 1e-6, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-9, "atol": 1e-9}
+    assert_close(lo.detach(), torch.tensor([7.907254113, 7.907255113, -1000.0, -30.0, 0.432752129],
+                                           dtype=dtype), **tol)
+    assert_close(_grad(lo.sum(), x)[0], torch.tensor([1000.0, 1000.0, 1.0, 1.0, 2.541494083], dtype=dtype), **tol)
+
+
+def test_orpo_gradient_is_bounded_when_a_rejected_answer_is_certain():
+    """Chosen average log-prob -0.5 (log odds 0.432752), rejected -1e-9 (log odds 7.907254, on the
+    tangent). λ = 0.1, nll = 1 (a constant here). L_OR = -log σ(0.432752 - 7.907254) = softplus(7.474502)
+    = 7.475069. d loss / d rejected = λ σ(7.474502) · 1000 = 0.1 · 0.999432 · 1000 = 99.9432 (the
+    exact log odds would give ~1e8); d / d chosen = -λ σ(7.474502) · 2.541494 = -0.254005."""
+    pc, pr = _leaf(-0.5), _leaf(-1e-9)
+    out = pl.orpo_loss(pc, pr, _t(1.0), lam=0.1)
+    assert_close(out.extras["or_loss"], _t(7.475069), rtol=0, atol=1e-6)
+    assert_close(out.losses.detach(), _t(1.0 + 0.1 * 7.475069), rtol=0, atol=1e-6)
+    g_pc, g_pr = _grad(out.losses, pc, pr)
+    assert_close(g_pr, _t(99.9432), rtol=0, atol=1e-4)
+    assert_close(g_pc, _t(-0.254005), rtol=0, atol=1e-6)
+    for dtype in (torch.float32, torch.bfloat16):  # finite in low precision too, at x = 0 as well
+        x = torch.tensor([-0.5, -1e-9, 0.0], dtype=dtype, requires_grad=True)
+        o = pl.orpo_loss(x[[0, 0]], x[1:], -x[[0, 0]], lam=0.1)
+        (g,) = _grad(o.losses, x)
+        assert torch.isfinite(o.losses).all() and torch.isfinite(g).all()
+        assert g.abs().max() <= 0.1 * 1000 * 1.01 + 2.6  # the tangent's slope times λ, plus the NLL and chosen terms
 
 
 # ---------------------------------------------------------------------------- shared properties
@@ -376,7 +391,7 @@ def test_registry_reference_needs_and_signatures():
     ("dpo" deliberately leaves out dpo_loss's label_smoothing: smoothing is asked for as "cdpo".)"""
     assert pl.NEEDS_REFERENCE == {"dpo", "cdpo", "ipo", "kto"}
     assert pl.PAIRED == {"dpo", "cdpo", "ipo", "simpo", "orpo"}
-    assert {k for k, s in pl.LOSSES.items() if s.average} == {"simpo", "orpo"}
+    assert {k for k, s in pl.LOSSES.items() if s.average} == {"ipo", "simpo", "orpo"}  # IPO: as its authors' code and TRL
     for kind, spec in pl.LOSSES.items():
         params = list(inspect.signature(spec.fn).parameters.values())
         rest = params[len(spec.inputs):]

@@ -227,3 +227,31 @@ def test_shared_prompts_give_the_same_logprobs_and_gradients_as_whole_rows(tiny_
             # float rounding relative to the tensor's scale (measured: ~1e-7 of its largest element)
             torch.testing.assert_close(grads[share][0][name], g, rtol=1e-4, atol=1e-5 * float(g.abs().max()),
                                        msg=f"{share} {name}")
+
+
+@pytest.mark.parametrize("reduction,loss,grad_chosen,grad_rejected", [
+    ("auto", 16.0, -4.0, 2.0),  # IPO's default: per-token means (its authors' code, TRL)
+    ("mean", 16.0, -4.0, 2.0),
+    ("sum", 4.0, -4.0, 4.0),
+])
+def test_ipo_averages_token_logprobs_by_default_and_sums_on_request(reduction, loss, grad_chosen, grad_rejected,
+                                                                     monkeypatch):
+    """One pair through the stage's own batch_loss, the model's token log-probs given:
+    chosen tokens (-0.5, -1.5): sum -2, mean -1; its reference sum -3 (2 tokens): mean -1.5.
+    rejected tokens (-1, -1, -1, -1): sum -4, mean -1; its reference sum -2 (4 tokens): mean -0.5.
+    beta 0.1: target 1/(2 beta) = 5.
+    mean: Δ = (-1 + 1.5) - (-1 + 0.5) = 1, loss (1 - 5)² = 16; d loss / d chosen token = 2(Δ - 5) / 2 = -4,
+          d / d rejected token = -2(Δ - 5) / 4 = +2.
+    sum:  Δ = (-2 + 3) - (-4 + 2) = 3, loss (3 - 5)² = 4; d / d chosen token = 2(3 - 5) = -4, rejected +4."""
+    token_logps = torch.tensor([[-0.5, -1.5, 0.0, 0.0], [-1.0, -1.0, -1.0, -1.0]], dtype=torch.float32,
+                               requires_grad=True)
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
+    monkeypatch.setattr(po, "completion_logprobs", lambda *a, **k: (token_logps, mask))
+    cfg = _cfg(loss="ipo", beta=0.1, logprob_reduction=reduction)
+    out = po.batch_loss(None, cfg, [0], [], [([0], 2), ([0], 4)], [-3.0, -2.0], 0, "cpu")
+    torch.testing.assert_close(out.losses.detach(), torch.tensor([loss]))
+    (g,) = torch.autograd.grad(out.losses.sum(), token_logps)
+    torch.testing.assert_close(g, torch.tensor([[grad_chosen, grad_chosen, 0.0, 0.0], [grad_rejected] * 4]))
+    # the logged log-probs stay sums whichever reduction the loss uses
+    torch.testing.assert_close(out.extras["logps/chosen"], torch.tensor([-2.0]))
+    torch.testing.assert_close(out.extras["logps/rejected"], torch.tensor([-4.0]))

@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from schemas.configs import GRPOConfig
 from stages import rl
 
 LN2 = math.log(2.0)
@@ -263,7 +264,8 @@ def test_gspo_token_with_seq_mean_matches_sequence_level_gspo_gradient():
 
 
 def test_cispo_gradient_flows_through_clipped_tokens():
-    """old_logp = -1, tokens (ratio, A): (1.5, 1), (.5, -1), (1.1, 2) + one masked; eps .2.
+    """old_logp = -1, tokens (ratio, A): (1.5, 1), (.5, -1), (1.1, 2) + one masked; eps .2 both sides
+    (a lower bound asked for explicitly: CISPO has none by default).
     Clipped IS weights w = (1.2, .8, 1.1); d loss / d logp = -w * A = (-1.2, .8, -2.2), where
     PPO's token loss gives (0, 0, -2.2). loss = -w * A * logp with logp = -1 + ln ratio:
     -1.2 * (-1 + .405465) = .713442;  .8 * (-1 - .693147) = -1.354518;  -2.2 * (-1 + .095310) = 1.990318.
@@ -271,7 +273,7 @@ def test_cispo_gradient_flows_through_clipped_tokens():
     logp, old = _logp([[1.5, 0.5, 1.1, 2.0]], old=-1.0)
     adv = torch.tensor([[1.0, -1.0, 2.0, 1.0]], dtype=torch.float64)
     mask = torch.tensor([[1, 1, 1, 0]])
-    loss, stats = rl.policy_loss(logp, old, adv, mask, kind="cispo")
+    loss, stats = rl.policy_loss(logp, old, adv, mask, kind="cispo", eps_low=0.2)
     assert_close(_grad(loss, logp), torch.tensor([[-1.2, 0.8, -2.2, 0.0]], dtype=torch.float64))
     assert_close(loss.detach(), torch.tensor([[0.713442, -1.354518, 1.990318, 0.0]], dtype=torch.float64),
                  atol=1e-6, rtol=0)
@@ -281,6 +283,30 @@ def test_cispo_gradient_flows_through_clipped_tokens():
     logp2, old2 = _logp([[1.5, 0.5, 1.1, 2.0]], old=-1.0)
     ppo, _ = rl.policy_loss(logp2, old2, adv, mask, kind="token")
     assert_close(_grad(ppo, logp2), torch.tensor([[0.0, 0.0, -2.2, 0.0]], dtype=torch.float64))
+
+
+def test_cispo_default_has_no_lower_bound():
+    """MiniMax-M1 clips CISPO's IS weight from above only. old_logp = -1, tokens (ratio, A): (.5, 1),
+    (.5, -1), (1.5, 1); eps_high .2, eps_low unset. w = (.5, .5, 1.2): the .5 ratios keep their weight
+    (with eps_low .2 they would be lifted to .8). d loss / d logp = -w * A = (-.5, .5, -1.2);
+    loss = -w * A * logp, logp = -1 + ln ratio: -.5 * (-1.693147) = .846574, .5 * (-1.693147) = -.846574,
+    -1.2 * (-1 + .405465) = .713442. clip_low 0 (there is no lower clip), clip_high 1/3.
+    The grpo config's default for cispo is the same: epsilon_low None, while token keeps 0.2."""
+    logp, old = _logp([[0.5, 0.5, 1.5]], old=-1.0)
+    adv = torch.tensor([[1.0, -1.0, 1.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1]])
+    loss, stats = rl.policy_loss(logp, old, adv, mask, kind="cispo", eps_high=0.2)
+    assert_close(_grad(loss, logp), torch.tensor([[-0.5, 0.5, -1.2]], dtype=torch.float64))
+    assert_close(loss.detach(), torch.tensor([[0.846574, -0.846574, 0.713442]], dtype=torch.float64),
+                 atol=1e-6, rtol=0)
+    assert float(stats["clip_low"]) == 0.0
+    assert_close(stats["clip_high"], torch.tensor(1 / 3, dtype=torch.float64))
+    logp2, old2 = _logp([[0.5, 0.5, 1.5]], old=-1.0)
+    bounded, _ = rl.policy_loss(logp2, old2, adv, mask, kind="cispo", eps_low=0.2, eps_high=0.2)
+    assert_close(_grad(bounded, logp2), torch.tensor([[-0.8, 0.8, -1.2]], dtype=torch.float64))
+    assert GRPOConfig(policy_loss="cispo").epsilon_low is None
+    assert GRPOConfig(policy_loss="cispo", epsilon_low=0.2).epsilon_low == 0.2
+    assert GRPOConfig().epsilon_low == 0.2 and GRPOConfig(policy_loss="gspo").epsilon_low == 0.2
 
 
 # ---------------------------------------------------------------------------- aggregation
