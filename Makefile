@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup run test lint clean bench bench-setup
+.PHONY: setup run test lint clean bench bench-setup gpu-wheels
 
 setup: $(VENV)/.installed
 
@@ -48,6 +48,12 @@ $(BENCH_VENV)/.installed: benchmarks/requirements.txt pyproject.toml
 
 bench: bench-setup
 	R1FLOW_BENCH_COMMAND='make bench ARGS="$(ARGS)"' $(BENCH_PY) benchmarks/suite.py $(ARGS)
+
+# What a lent GPU machine lacks (pydantic, datasets, TRL, reasoning-gym, ... as cp312 wheels in .whl/) and SmolLM2's
+# config and tokenizer (.gpu/), both git-ignored and carried there; fails if more than 60 MiB would travel.
+# Then, there: bash benchmarks/gpu_check.sh --device cuda (README, "Running on a GPU").
+gpu-wheels: setup
+	$(PY) benchmarks/gpu_wheels.py download
 
 clean:
 	rm -rf $(VENV) $(BENCH_VENV) .r1flow

@@ -21,6 +21,11 @@ if str(ROOT) not in sys.path:
 
 CACHE_DIR = ROOT / ".r1flow" / "cache-models"
 MODEL_REFS = {"tiny": "tiny-random", "smollm2": "smollm2-135m-instruct", "1b": "llama-1b-random"}
+# SmolLM2-135M's architecture and tokenizer with random weights, for speed on a GPU machine that lacks the
+# GGUF (build_smollm2_random); the ref is the directory it is built in, which import_model takes as it is.
+MODEL_REFS["smollm2-random"] = str(CACHE_DIR / "bench" / "smollm2-random")
+GPU_DIR = ROOT / ".gpu"  # made by `make gpu-wheels` (git-ignored) and carried to a lent GPU machine
+SMOLLM2_CONFIG_DIR = GPU_DIR / "smollm2-config"
 
 
 # ---------------------------------------------------------------------------- stage inputs
@@ -222,6 +227,8 @@ def ensure_model_dir(name: str) -> Path:
     from stages import models
 
     ref = MODEL_REFS[name]
+    if name == "smollm2-random":
+        return build_smollm2_random(Path(ref))
     if ref in models.BUILTIN_MODELS:
         return Path(models.resolve_model_dir(ref, CACHE_DIR))
     return build_llama_1b(CACHE_DIR / "bench" / ref)
@@ -247,6 +254,57 @@ def build_llama_1b(dest: Path) -> Path:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = LlamaForCausalLM(config)
+    tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
+    models.save_model(model, tokenizer, tmp)
+    tmp.rename(dest)
+    return dest
+
+
+# the random-weight SmolLM2 runs SmolLM2's shapes
+SHAPES.update({(kind, "smollm2-random"): SHAPES[(kind, "smollm2")] for kind in ("cpu", "cuda")})
+
+# what a model directory holds besides its weights: enough to rebuild SmolLM2 with random weights
+CONFIG_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                "special_tokens_map.json", "chat_template.jinja")
+
+
+def export_smollm2_config(dest: Path = SMOLLM2_CONFIG_DIR) -> Path:
+    """SmolLM2-135M-Instruct's config and tokenizer files (no weights, ~3.5 MB) copied into `dest`, from the
+    HF directory converted from its GGUF: what `build_smollm2_random` needs where the GGUF is not."""
+    import shutil
+
+    source = ensure_model_dir("smollm2")
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in CONFIG_FILES:
+        if (source / name).is_file():
+            shutil.copy2(source / name, dest / name)
+    return dest
+
+
+def build_smollm2_random(dest: Path, config_dir: Path | None = None) -> Path:
+    """SmolLM2-135M's exact config and real tokenizer with random weights (seed 0), saved as a model directory.
+
+    Speed needs no trained weights (DESIGN.md §6): a GPU machine builds this from the carried config
+    directory (`SMOLLM2_CONFIG_DIR`, made by `make gpu-wheels`); elsewhere the config is exported from the
+    GGUF conversion first. The weights are near-uniform over the vocabulary, so sampled completions stop at
+    an EOS only rarely (about max_new_tokens / vocabulary per row) and run to their maximum length.
+    """
+    if (dest / "config.json").is_file():
+        return dest
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from stages import models
+
+    if config_dir is None:
+        config_dir = SMOLLM2_CONFIG_DIR
+        if not (config_dir / "config.json").is_file():
+            export_smollm2_config(config_dir)
+    config = AutoConfig.from_pretrained(config_dir)
+    tokenizer = AutoTokenizer.from_pretrained(config_dir)  # saved by save_model: pad token and padding side set
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
     models.save_model(model, tokenizer, tmp)
     tmp.rename(dest)
