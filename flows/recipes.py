@@ -2,7 +2,8 @@
 
 Everything here runs before any compute, so a bad recipe, key or value fails in one clear line.
 Config precedence (later wins): stage defaults < recipe node config < profile `stages.<type>` <
-profile `nodes.<name>` < `--set`.
+profile `nodes.<name>` < `--set`. Then every preference_optimization node is wired for what its
+loss reads (`wire_preference_losses`), so `--set dpo.loss=...` works in any recipe with such a node.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pydantic import BaseModel, ValidationError
 from schemas.configs import STAGE_CONFIGS, ProfileConfig, RecipeConfig, RecipeOverlay
 from schemas.errors import ConfigError
 from stages import STAGE_MODULES, get_stage
+from stages import preference_losses as pl
 
 RECIPE_DIR = Path(__file__).parent / "recipes"
 PROFILE_DIR = Path(__file__).parent / "profiles"
@@ -140,11 +142,14 @@ class Plan:
     nodes: list[Node]  # topological order
     overrides: tuple[str, ...] = ()
     options: dict[str, Any] = field(default_factory=dict)  # the recipe's option values in this plan
+    dropped: dict[str, str] = field(default_factory=dict)  # node -> why the plan left it out (wire_preference_losses)
 
     def node(self, name: str) -> Node:
         for n in self.nodes:
             if n.name == name:
                 return n
+        if name in self.dropped:
+            raise ConfigError(f"node {name!r} is not in this run: {self.dropped[name]}")
         raise ConfigError(f"recipe {self.recipe!r} has no stage node {name!r}; nodes: {', '.join(n.name for n in self.nodes)}")
 
     def descendants(self, names: set[str]) -> set[str]:
@@ -220,6 +225,111 @@ def _resolve_sources(spec: str | list[str], enabled: set[str]) -> str | None:
         if src.split(".", 1)[0] in enabled:
             return src
     return None
+
+
+# ---------------------------------------------------------------------------- what each preference loss needs
+
+
+@dataclass(frozen=True)
+class LossNeeds:
+    """What a `preference_optimization` loss reads, so that the plan wires it before any compute.
+
+    data: the dataset kinds it trains on, preferred first (KTO: labelled unpaired rows, else pairs
+    read as chosen = desirable); reference: it reads reference log-probs (SimPO and ORPO do not);
+    kl: its reference also scores mismatched (prompt, completion) pairs, KTO's reference point.
+    """
+
+    data: tuple[str, ...]
+    reference: bool
+    kl: bool
+
+
+# From the loss registry, so a loss added there is wired by the inputs it declares.
+LOSS_NEEDS: dict[str, LossNeeds] = {
+    loss: LossNeeds(data=("preferences",) if loss in pl.PAIRED else ("unpaired", "preferences"),
+                    reference=loss in pl.NEEDS_REFERENCE, kl="kl_ref" in spec.inputs)
+    for loss, spec in pl.LOSSES.items()
+}
+TRAINS, REFERENCE = "preference_optimization", "reference_logprobs"  # the stages the rule wires
+
+
+def _data_source(src: str, kinds: tuple[str, ...], stages: dict[str, str], where: str) -> str:
+    """`src` or a sibling output of its node with the first of `kinds` it has (pairs -> unpaired rows for KTO)."""
+    up, out = src.split(".", 1)
+    outputs = get_stage(stages[up]).OUTPUTS
+    if out not in outputs:
+        return src  # load_plan names the missing output
+    for kind in kinds:
+        if kind in _kinds(outputs[out]):
+            return src
+        sibling = next((o for o, k in outputs.items() if kind in _kinds(k)), None)
+        if sibling is not None:
+            return f"{up}.{sibling}"
+    raise ConfigError(f"{where} trains on {' or '.join(kinds)}, but {src} is {outputs[out]} and node {up!r} has no "
+                      f"{kinds[0]} output; wire one, or choose a loss that trains on {outputs[out]}")
+
+
+def wire_preference_losses(stages: dict[str, str], cfgs: dict[str, BaseModel], wiring: dict[str, dict[str, str]],
+                           user_set: dict[tuple[str, str], str]) -> dict[str, str]:
+    """Wire every preference_optimization node for its loss (`LOSS_NEEDS`); returns the nodes dropped, with why.
+
+    The data input takes the kind the loss trains on from the same upstream node (KTO: preference_data's
+    unpaired rows). A reference-free loss reads no reference, and a reference_logprobs node that nothing
+    else reads is dropped. A reference node scores exactly its consumer's data, at its max_length, with
+    the KL pairs KTO needs. `user_set` ((node, field) -> the `--set` text): a `--set` that contradicts
+    this fails here, before any compute, with the `--set` that fixes it. Mutates `cfgs` and `wiring`.
+    """
+    unread: dict[str, str] = {}  # reference node -> why its reader let it go
+    consumers: dict[str, list[str]] = {}
+    for name, stage in stages.items():
+        if stage != TRAINS:
+            continue
+        loss = cfgs[name].loss
+        needs, w = LOSS_NEEDS[loss], wiring[name]
+        if "preferences" in w:
+            w["preferences"] = _data_source(w["preferences"], needs.data, stages, f"node {name!r} ({name}.loss={loss})")
+        ref = w.get("reference", "").split(".", 1)[0]
+        if not ref:
+            continue
+        if not needs.reference:
+            del w["reference"]
+            unread[ref] = f"{name}.loss={loss} is reference-free, so {name!r} reads no reference log-probs"
+        elif stages[ref] == REFERENCE:
+            consumers.setdefault(ref, []).append(name)
+
+    for ref, names in consumers.items():
+        wanted = {(wiring[n].get("model"), wiring[n].get("preferences"), cfgs[n].max_length) for n in names}
+        if len(wanted) > 1:
+            raise ConfigError(f"node {ref!r} is the reference of {', '.join(map(repr, names))}, which differ in model, "
+                              f"data or max_length; give each its own {REFERENCE} node")
+        ((model, source, length),) = wanted
+        if wiring[ref].get("model") != model:
+            raise ConfigError(f"node {ref!r} input 'model' is {wiring[ref].get('model')}, but {names[0]!r} trains "
+                              f"from {model}: reference log-probs must come from the model being trained")
+        if source is not None:
+            wiring[ref]["preferences"] = source
+        update: dict[str, Any] = {}
+        if cfgs[ref].max_length != length:
+            if (ref, "max_length") in user_set:
+                raise ConfigError(f"--set {user_set[ref, 'max_length']} differs from {names[0]}.max_length={length}: "
+                                  f"node {ref!r} must score at its consumer's max_length; add --set "
+                                  f"{names[0]}.max_length={cfgs[ref].max_length}, or drop that --set")
+            update["max_length"] = length
+        kto = next((n for n in names if LOSS_NEEDS[cfgs[n].loss].kl), None)
+        if kto is not None and not cfgs[ref].include_kl:
+            if (ref, "include_kl") in user_set:
+                raise ConfigError(f"--set {user_set[ref, 'include_kl']} contradicts {kto}.loss={cfgs[kto].loss}: node "
+                                  f"{ref!r} must score KTO's mismatched pairs (field include_kl); use "
+                                  f"--set {ref}.include_kl=true, or drop that --set")
+            update["include_kl"] = True
+        if update:
+            cfgs[ref] = cfgs[ref].model_copy(update=update)
+
+    read = {src.split(".", 1)[0] for w in wiring.values() for src in w.values()}
+    dropped = {ref: why for ref, why in unread.items() if ref not in read and stages[ref] == REFERENCE}
+    for ref in dropped:
+        del wiring[ref], cfgs[ref]
+    return dropped
 
 
 def load_plan(recipe: str = DEFAULT_RECIPE, profile: str = "cpu", overrides: list[str] | tuple[str, ...] = (),
@@ -300,15 +410,20 @@ def load_plan(recipe: str = DEFAULT_RECIPE, profile: str = "cpu", overrides: lis
                 raise ConfigError(f"node {name!r} input {inp!r}: every source ({', '.join([sources] if isinstance(sources, str) else sources)}) "
                                   f"is disabled by its `when`; add an enabled alternative or disable {name!r} too")
 
+    cfgs = {}
+    for name in wiring:
+        try:
+            cfgs[name] = STAGE_CONFIGS[rec.nodes[name].stage].model_validate(_substitute(node_cfgs[name], {"model": model}))
+        except ValidationError as e:
+            raise ConfigError(pydantic_message(e, name)) from None
+    user_set = {(path[0], path[1]): text for path, _, text in parsed if len(path) == 2}
+    dropped = wire_preference_losses({n: rec.nodes[n].stage for n in wiring}, cfgs, wiring, user_set)
+
     nodes = []
     for name in _topological({n: [src.split(".", 1)[0] for src in w.values()] for n, w in wiring.items()}):
         spec = rec.nodes[name]
         module = get_stage(spec.stage)
-        cfg_dict = _substitute(node_cfgs[name], {"model": model})
-        try:
-            cfg = STAGE_CONFIGS[spec.stage].model_validate(cfg_dict)
-        except ValidationError as e:
-            raise ConfigError(pydantic_message(e, name)) from None
+        cfg = cfgs[name]
         declared = module.INPUTS
         given = set(spec.inputs)
         if given - set(declared):
@@ -329,4 +444,4 @@ def load_plan(recipe: str = DEFAULT_RECIPE, profile: str = "cpu", overrides: lis
         if run_checks and hasattr(module, "check"):
             module.check(cfg)
         nodes.append(Node(name, spec.stage, cfg, inputs, node_seeds[name] if node_seeds[name] is not None else seed))
-    return Plan(rec.name, prof.name, rec.description, model, seed, nodes, tuple(overrides), dict(rec.options))
+    return Plan(rec.name, prof.name, rec.description, model, seed, nodes, tuple(overrides), dict(rec.options), dropped)
