@@ -54,7 +54,7 @@ from stages.sft import (
     set_lr,
 )
 
-VERSION = "3"  # 3: ipo averages token log-probs by default (logprob_reduction); orpo's log odds bounded. 2: sampler blocks of ceil(sqrt(V)) tokens (generation.BlockRaceSampler): other samples for the same seed
+VERSION = "4"  # 4: KTO's KL pairs take the next row under another prompt. 3: ipo averages token log-probs by default (logprob_reduction); orpo's log odds bounded. 2: sampler blocks of ceil(sqrt(V)) tokens (generation.BlockRaceSampler): other samples for the same seed
 CONFIG = PreferenceOptimizationConfig
 INPUTS = {"model": "model", "preferences": "preferences|unpaired", "reference": "ref_logprobs?"}
 OUTPUTS = {"model": "model"}
@@ -82,8 +82,10 @@ class Example:
 def examples_from(data: Input, include_kl: bool = False) -> list[Example]:
     """Every completion of a preferences or unpaired dataset, in row order, checked before any model loads.
 
-    include_kl adds, for row i, row i+1's completion under row i's prompt (wrapping around), the
-    mismatched pairs KTO estimates its reference point on.
+    include_kl adds, for row i, the completion of the next row with another prompt (wrapping around)
+    under row i's prompt: the mismatched pairs KTO estimates its reference point on. Not simply row
+    i+1: unpaired rows made from pairs alternate one prompt's chosen and rejected answers, so half of
+    those pairs would be matched ones (so would pairs_per_prompt > 1 pairs).
     """
     kind = data.manifest.schema_name
     if kind not in ("preferences", "unpaired"):
@@ -102,7 +104,21 @@ def examples_from(data: Input, include_kl: bool = False) -> list[Example]:
                for r in rows]
         completions = [r["completion"] for r in rows]
     if include_kl:
-        out += [Example(r["id"], "kl", r["messages"], completions[(i + 1) % len(rows)]) for i, r in enumerate(rows)]
+        other = next_other_prompt([r["messages"] for r in rows])
+        out += [Example(r["id"], "kl", r["messages"], completions[j]) for r, j in zip(rows, other, strict=True)]
+    return out
+
+
+def next_other_prompt(prompts: list) -> list[int]:
+    """For each row, the index of the next row (wrapping around) whose prompt differs; the next row when
+    every row has the same prompt. One backward pass over the rows laid out twice."""
+    n = len(prompts)
+    out, nearest = [0] * n, None
+    for k in range(2 * n - 2, -1, -1):
+        if prompts[(k + 1) % n] != prompts[k % n]:
+            nearest = (k + 1) % n
+        if k < n:
+            out[k] = nearest if nearest is not None else (k + 1) % n
     return out
 
 

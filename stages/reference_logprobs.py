@@ -17,7 +17,7 @@ from stages.base import Input, Output, StageContext, seed_everything, write_data
 from stages.preference_optimization import examples_from, score_examples, tokenize
 from stages.sft import resolve_precision
 
-VERSION = "1"
+VERSION = "2"  # 2: KTO's KL pairs take the next row under another prompt (preference_optimization.examples_from)
 CONFIG = ReferenceLogprobsConfig
 INPUTS = {"model": "model", "preferences": "preferences|unpaired"}
 OUTPUTS = {"logprobs": "ref_logprobs"}

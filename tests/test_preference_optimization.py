@@ -49,6 +49,21 @@ def test_tokenize_keeps_the_completion_and_cuts_the_prompt(tiny_tokenizer):
     assert len(ids) == 40 and n_c == 39  # one prompt token left to predict the first completion token
 
 
+def test_kto_kl_pairs_are_mismatched(tmp_path):
+    """preference_data's unpaired rows alternate one prompt's chosen and rejected answers: each row's KL
+    pair takes the next row under *another* prompt (row i+1 would be the same prompt's other answer)."""
+    q = [[{"role": "user", "content": f"q{i}"}] for i in range(3)]
+    rows = [{"id": f"{p}-{side}", "messages": q[p], "completion": f"{p}{side}", "label": side == "c"}
+            for p in range(3) for side in "cr"]
+    out = write_dataset(LocalContext(tmp_path / "u"), "u", from_rows(rows, "unpaired"), "unpaired")
+    kl = [(e.id, e.messages[0]["content"], e.completion)
+          for e in po.examples_from(fake_input(out.path, "dataset", "unpaired"), include_kl=True) if e.role == "kl"]
+    assert kl == [("0-c", "q0", "1c"), ("0-r", "q0", "1c"), ("1-c", "q1", "2c"), ("1-r", "q1", "2c"),
+                  ("2-c", "q2", "0c"), ("2-r", "q2", "0c")]
+    assert po.next_other_prompt(["a", "a", "a"]) == [1, 2, 0]  # one prompt only: the next row
+    assert po.next_other_prompt(["a", "b", "b", "a"]) == [1, 3, 3, 1]
+
+
 def test_completion_logprobs_mask_matches_a_manual_forward(tiny_model, tiny_tokenizer):
     seqs = [po.tokenize(tiny_tokenizer, [{"role": "user", "content": "hi"}], c, 64) for c in ("12", "345")]
     logp, mask = po.completion_logprobs(tiny_model, seqs, 0, "cpu")
