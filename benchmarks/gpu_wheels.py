@@ -224,8 +224,11 @@ def install(wheel_dir: Path, target: Path) -> None:
                 wheels += found
     pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir",
            "--upgrade", "--target", str(target)]
-    subprocess.run(pip + wheels, check=True)
+    if wheels:
+        subprocess.run(pip + wheels, check=True)
     print(f"  installed {len(wheels)} wheels into {target}")
+    # bytecode once, on all cores: every process of the check imports these (DESIGN.md §6, PYTHONDONTWRITEBYTECODE)
+    subprocess.run([sys.executable, "-m", "compileall", "-q", "-j", "0", str(target)], capture_output=True)
     for sdist in sorted((wheel_dir / "sdist").glob("*.tar.gz")):
         name = sdist.name.rsplit("-", 1)[0]
         probe = subprocess.run([sys.executable, "-c", f"import {name}"], capture_output=True)
