@@ -73,7 +73,7 @@ from stages.sft import (
     tokenize_conversation,
 )
 
-VERSION = "2"  # 2: sampler blocks of ceil(sqrt(V)) tokens (generation.BlockRaceSampler): other samples for the same seed
+VERSION = "3"  # 3: on a GPU, on-policy samples under the training precision (bf16 autocast), not in fp32. 2: sampler blocks of ceil(sqrt(V)) tokens (generation.BlockRaceSampler): other samples for the same seed
 CONFIG = DistillConfig
 INPUTS = {"teacher": "model", "student": "model", "traces": "sft?", "prompts": "prompts?"}
 OUTPUTS = {"model": "model"}
@@ -331,7 +331,7 @@ def run(cfg: DistillConfig, inputs: dict[str, Input], ctx: StageContext) -> dict
                 comps, stats = backend.generate(convs, cfg.generation, n=1, seed=seed, progress=False)
             else:
                 comps, stats = generate(sampler if sampler is not None else student, tokenizer, convs, cfg.generation,
-                                        n=1, seed=seed, progress=False)
+                                        n=1, seed=seed, progress=False, autocast_dtype=autocast_dtype)
             texts = render_prompts(tokenizer, convs, cfg.generation.prefill)  # a prefill is prompt: not trained
             prompt_ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
             sampled = dist.gather_list([(sampled_example(p, list(c[0].token_ids), cfg.max_length), c[0].num_tokens)

@@ -452,9 +452,17 @@ STATIC_BUCKET = 64  # cache: static pads prompts to a multiple of this, so a com
 
 
 class TransformersBackend:
-    def __init__(self, model, tokenizer):
+    """Generation with the model in hand (a trainer's policy, or a loaded model).
+
+    autocast_dtype: sample under `torch.autocast` with this dtype (a trainer's resolved precision,
+    bf16 on a GPU), as the trainer's own passes run; None samples in the weights' dtype (a trainer's
+    fp32 master weights would otherwise decode in fp32). Logits are read in float32 either way.
+    """
+
+    def __init__(self, model, tokenizer, autocast_dtype: torch.dtype | None = None):
         self.model = model
         self.tokenizer = tokenizer
+        self.autocast_dtype = autocast_dtype
 
     @torch.no_grad()
     def generate(self, conversations: list[list[dict]], spec: GenerationSpec, n: int = 1, seed: int = 0,
@@ -479,7 +487,7 @@ class TransformersBackend:
                             **({"padding": True} if spec.cache == "dynamic" else
                                {"padding": True, "pad_to_multiple_of": STATIC_BUCKET})).to(device)
             torch.manual_seed(seed * 1_000_003 + b)
-            with rows_first_linears(model):
+            with rows_first_linears(model), self._precision(device):
                 if spec.cache == "dynamic" and supports_decode_rows(model):
                     p_ids, p_mask, cache = prefill_prompts(model, enc["input_ids"], enc["attention_mask"], n,
                                                            spec.max_new_tokens, pad_id=pad_id)
@@ -504,6 +512,12 @@ class TransformersBackend:
         stats.seconds = time.perf_counter() - t0
         model.train(was_training)
         return results, stats
+
+    def _precision(self, device: torch.device):
+        # None leaves the caller's autocast state alone (an autocast(enabled=False) would switch it off)
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=device.type, dtype=self.autocast_dtype)
 
     def _generate(self, enc, n: int, spec: GenerationSpec, eos_ids: list[int], pad_id: int) -> torch.Tensor:
         """New tokens from transformers' generate(): the static cache (compiled decode on a GPU) and models
@@ -662,17 +676,18 @@ def check_vllm_model_dir(model_dir: Path | None, label: str = "the model input")
 
 
 def make_backend(spec: GenerationSpec, model, tokenizer, model_dir: Path | None = None, seed: int = 0,
-                 colocated: bool = False) -> GenerationBackend:
-    """The backend `spec` names; vllm loads `model_dir` (a full model), `colocated` beside a trainer."""
+                 colocated: bool = False, autocast_dtype: torch.dtype | None = None) -> GenerationBackend:
+    """The backend `spec` names; vllm loads `model_dir` (a full model), `colocated` beside a trainer;
+    transformers samples under `autocast_dtype` (a trainer's precision) when given."""
     if spec.backend == "vllm":
         check_vllm_model_dir(model_dir)
         return VLLMBackend(model_dir, tokenizer, seed=seed, colocated=colocated)
-    return TransformersBackend(model, tokenizer)
+    return TransformersBackend(model, tokenizer, autocast_dtype)
 
 
 def generate(model, tokenizer, conversations: list[list[dict]], spec: GenerationSpec, n: int = 1, seed: int = 0,
-             desc: str = "generate", progress: bool = True,
-             logprobs: bool = False) -> tuple[list[list[Completion]], GenerationStats]:
+             desc: str = "generate", progress: bool = True, logprobs: bool = False,
+             autocast_dtype: torch.dtype | None = None) -> tuple[list[list[Completion]], GenerationStats]:
     """n completions per conversation (in input order) with the transformers backend."""
-    return TransformersBackend(model, tokenizer).generate(conversations, spec, n=n, seed=seed, logprobs=logprobs,
-                                                          desc=desc, progress=progress)
+    return TransformersBackend(model, tokenizer, autocast_dtype).generate(
+        conversations, spec, n=n, seed=seed, logprobs=logprobs, desc=desc, progress=progress)

@@ -55,7 +55,7 @@ from stages.sft import (
     set_lr,
 )
 
-VERSION = "2"  # 2: sampler blocks of ceil(sqrt(V)) tokens (generation.BlockRaceSampler): other samples for the same seed
+VERSION = "3"  # 3: on a GPU, rollouts sample under the training precision (bf16 autocast), not in fp32. 2: sampler blocks of ceil(sqrt(V)) tokens (generation.BlockRaceSampler): other samples for the same seed
 CONFIG = GRPOConfig
 INPUTS = {"model": "model", "prompts": "prompts", "reward_model": "model?"}
 OUTPUTS = {"model": "model"}
@@ -326,7 +326,8 @@ def run(cfg: GRPOConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[st
         backend = make_backend(cfg.generation, model, tokenizer, inputs["model"].model_dir, seed=ctx.seed,
                                colocated=True)
     else:
-        backend = TransformersBackend(sampler if sampler is not None else model, tokenizer)
+        # rollouts in the training passes' precision (bf16 on a GPU), not the fp32 master weights'
+        backend = TransformersBackend(sampler if sampler is not None else model, tokenizer, autocast_dtype)
     synced = None  # the step whose weights the sampler holds (fsdp)
 
     def sync_sampler(done: int) -> None:

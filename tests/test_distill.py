@@ -239,6 +239,21 @@ def test_on_policy_mixes_student_samples_and_teacher_traces(world):
     assert (out.path / "model" / "adapter_config.json").exists()
 
 
+def test_on_policy_samples_in_the_training_precision(world, monkeypatch):
+    """The student samples under the stage's resolved precision (bf16 asked for here), as its training passes run."""
+    asked = []
+
+    def recording(*args, **kw):
+        asked.append(kw.get("autocast_dtype"))
+        return generate(*args, **kw)
+
+    monkeypatch.setattr(distill, "generate", recording)
+    cfg = distill_cfg(mode="on_policy", max_steps=1, batch_size=4, grad_accum=1, teacher_fraction=0.25,
+                      precision="bf16")
+    distill.run(cfg, inputs(world), LocalContext(world.root / "d-on-policy-bf16"))
+    assert asked and all(a == torch.bfloat16 for a in asked), asked
+
+
 def test_sampled_example_labels_only_the_completion():
     ex = distill.sampled_example([5, 6, 7], [8, 9, 3], max_length=5)
     assert ex.input_ids == [5, 6, 7, 8, 9] and ex.labels == [-100, -100, -100, 8, 9]

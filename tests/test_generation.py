@@ -485,3 +485,28 @@ def test_prefill_preallocates_the_cache_on_cpu(backend, tiny_tokenizer, monkeypa
     monkeypatch.setattr(generation, "preallocate_cache", lambda cache, new_tokens: None)
     b, _ = backend.generate(CONVS, spec, n=3, seed=5, progress=False)
     assert [[c.token_ids for c in cs] for cs in a] == [[c.token_ids for c in cs] for cs in b]
+
+
+def test_backend_samples_under_the_trainers_autocast_and_leaves_the_callers_alone(tiny_tokenizer):
+    """A trainer's backend (autocast_dtype = its resolved precision, bf16 on a GPU) runs every decoder
+    call under that autocast, so fp32 master weights do not decode in fp32; without one it leaves the
+    caller's autocast state as it is (on or off) instead of switching it off."""
+    from stages.models import build_tiny_model
+
+    model = build_tiny_model(tiny_tokenizer, seed=0)
+    seen: list[tuple[bool, torch.dtype]] = []
+    model.lm_head.register_forward_pre_hook(  # every prefill and decode step ends in the head, lean or not
+        lambda m, a: seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))))
+    spec = GenerationSpec(max_new_tokens=4, temperature=1.0)
+    for cache in ("dynamic", "static"):  # our decode loop and generate()'s
+        seen.clear()
+        TransformersBackend(model, tiny_tokenizer, torch.bfloat16).generate(
+            CONVS[:2], spec.model_copy(update={"cache": cache}), n=2, progress=False)
+        assert seen and all(s == (True, torch.bfloat16) for s in seen), (cache, seen)
+    seen.clear()
+    TransformersBackend(model, tiny_tokenizer).generate(CONVS[:2], spec, n=2, progress=False)
+    assert seen and not any(on for on, _ in seen)
+    seen.clear()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        TransformersBackend(model, tiny_tokenizer).generate(CONVS[:2], spec, n=2, progress=False)
+    assert seen and all(on for on, _ in seen)

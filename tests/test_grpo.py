@@ -66,6 +66,23 @@ def test_kl_with_lora_reference_and_gspo_cispo_run(tmp_path, tiny_model_input, d
         assert out.schema == "adapter"
 
 
+def test_rollouts_sample_in_the_training_precision(tmp_path, tiny_model_input, digit_prompts, monkeypatch):
+    """The rollout backend gets the stage's resolved precision (bf16 on a GPU with precision auto; bf16 asked for
+    here, on the CPU), so fp32 master weights do not decode in fp32 while the training passes run in bf16."""
+    made = []
+
+    class Recording(grpo.TransformersBackend):
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **kw)
+            made.append(self.autocast_dtype)
+
+    monkeypatch.setattr(grpo, "TransformersBackend", Recording)
+    for precision, dtype in (("bf16", torch.bfloat16), ("auto", None)):  # auto on a CPU: fp32, no autocast
+        grpo.run(short_is_better(steps=1, precision=precision), {"model": tiny_model_input, "prompts": digit_prompts},
+                 LocalContext(tmp_path / precision))
+        assert made[-1] == dtype, (precision, made)
+
+
 def test_resume_after_crash_replays_the_same_steps(tmp_path, tiny_model_input, digit_prompts):
     """Rollouts are seeded by (seed, step) and the checkpoint restores weights, optimizer and RNG,
     so a run killed after step 4 (last checkpoint: 3) and resumed logs the same curve as an
