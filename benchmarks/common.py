@@ -1,4 +1,5 @@
-"""Pieces the benchmarks share: stage inputs without a store, peak-memory meter, synthetic data, shapes.
+"""Pieces the benchmarks share: stage inputs without a store, peak-memory meter, allocator settings,
+synthetic data, shapes.
 
 Kept free of TRL so the r1flow-only benchmarks (dpo.py, grpo_step.py, generation.py) run in the
 project venv; the TRL side lives in trl_side.py and is imported only in the benchmark venv.
@@ -6,6 +7,7 @@ project venv; the TRL side lives in trl_side.py and is imported only in the benc
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import random
@@ -19,8 +21,11 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from stages.host_memory import KEEP_BYTES  # noqa: E402  (ctypes only: no torch)
+
 CACHE_DIR = ROOT / ".r1flow" / "cache-models"
 MODEL_REFS = {"tiny": "tiny-random", "smollm2": "smollm2-135m-instruct", "1b": "llama-1b-random"}
+SEED = 0  # r1flow's context seed in the suite: its GRPO stage picks each step's prompts from it
 # SmolLM2-135M's architecture and tokenizer with random weights, for speed on a GPU machine that lacks the
 # GGUF (build_smollm2_random); the ref is the directory it is built in, which import_model takes as it is.
 MODEL_REFS["smollm2-random"] = str(CACHE_DIR / "bench" / "smollm2-random")
@@ -121,6 +126,139 @@ def warm_imports() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
 
 
+# ---------------------------------------------------------------------------- allocator
+
+
+class UnfairComparison(RuntimeError):
+    """The two sides of a comparison did not run under the same conditions (allocator, prompts)."""
+
+
+# glibc's malloc settings every child of the suite gets, the same for r1flow and TRL. r1flow's own in-process
+# tuning (stages/host_memory.py, mallopt while run_stage runs a CPU stage) is off in both modes: `tuned` gives
+# both sides host_memory's thresholds (1 GiB) through the environment, `glibc` leaves both at glibc's defaults.
+# glibc 2.36 takes 1 GiB from the environment as from mallopt (no 32 MiB cap): 48 and 160 MiB blocks come from the
+# heap and stay there once freed (`heap_probe`); a 160 MiB tensor made again faults 0 pages (40,961 with defaults).
+ALLOCATOR_MODES: dict[str, dict[str, str]] = {
+    "tuned": {"MALLOC_MMAP_THRESHOLD_": str(KEEP_BYTES), "MALLOC_TRIM_THRESHOLD_": str(KEEP_BYTES),
+              "R1FLOW_MALLOC_TUNING": "0"},
+    "glibc": {"R1FLOW_MALLOC_TUNING": "0"},
+}
+REPORTED_VARS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES", "R1FLOW_MALLOC_TUNING",
+                 "LD_PRELOAD")
+PROBE_MIB = (48, 160)  # above glibc's largest dynamic mmap threshold (32 MiB); above SmolLM2's 113 MB gradient
+
+
+def allocator_env(mode: str, environ: dict[str, str]) -> dict[str, str]:
+    """`environ` with the allocator variables of `mode`: what every child of the suite runs with.
+
+    A MALLOC_* variable or a glibc.malloc tunable of the caller's own is refused unless the mode sets
+    the same value: it would be one more setting, and the suite states only the mode's.
+    """
+    wanted = ALLOCATOR_MODES[mode]
+    own = {k: v for k, v in environ.items() if k.startswith("MALLOC_") and wanted.get(k) != v}
+    if "glibc.malloc" in environ.get("GLIBC_TUNABLES", ""):
+        own["GLIBC_TUNABLES"] = environ["GLIBC_TUNABLES"]
+    if own:
+        raise UnfairComparison(f"allocator settings in the environment {own} are not those of --allocator {mode} "
+                               f"({wanted}); unset them, or pick the mode that sets them")
+    return {**{k: v for k, v in environ.items() if k != "R1FLOW_MALLOC_TUNING"}, **wanted}
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def heap_probe() -> dict[str, bool | None]:
+    """Where glibc puts a block of each PROBE_MIB size now: from the heap or a fresh mmap (`mallinfo2`'s
+    mmapped bytes), and whether the heap keeps it once freed (its size from sbrk does not shrink).
+
+    Nothing is written to the blocks, so no page becomes resident. None off glibc (or before 2.33).
+    """
+    from stages.host_memory import _glibc
+
+    libc = _glibc()
+    if libc is None or not hasattr(libc, "mallinfo2"):
+        return {f"heap_serves_{m}MiB": None for m in PROBE_MIB} | {f"heap_keeps_freed_{PROBE_MIB[-1]}MiB": None}
+    libc.mallinfo2.restype = _MallInfo2
+    libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
+    out: dict[str, bool | None] = {}
+    for mib in PROBE_MIB:
+        mapped = libc.mallinfo2().hblkhd
+        block = libc.malloc(mib << 20)
+        from_heap = libc.mallinfo2().hblkhd - mapped < mib << 20
+        arena = libc.mallinfo2().arena
+        libc.free(block)
+        out[f"heap_serves_{mib}MiB"] = from_heap
+        if mib == PROBE_MIB[-1]:
+            out[f"heap_keeps_freed_{mib}MiB"] = libc.mallinfo2().arena >= arena if from_heap else None
+    return out
+
+
+def allocator_report(in_process_tuning: bool) -> dict:
+    """The allocator setting this process runs under: its variables, whether r1flow's host_memory raised
+    glibc's thresholds itself, and what glibc does with large blocks (`heap_probe`)."""
+    return {"env": {k: os.environ.get(k) for k in REPORTED_VARS}, "in_process_tuning": in_process_tuning,
+            **heap_probe()}
+
+
+class AllocatorProbe:
+    """Within the block, every `host_memory.reuse_freed_memory` (the one `run_stage` enters around a CPU
+    stage) also takes an `allocator_report` inside itself, where the stage trains. `report()` is the first
+    of those, or the process's own when no stage ran (TRL's side). It only observes: nothing changes."""
+
+    def __init__(self):
+        self.stage_reports: list[dict] = []
+
+    def __enter__(self):
+        from contextlib import contextmanager
+
+        from stages import host_memory
+
+        original = self._original = host_memory.reuse_freed_memory
+
+        @contextmanager
+        def observed(device):
+            with original(device) as kept:
+                self.stage_reports.append(allocator_report(bool(kept)))
+                yield kept
+
+        host_memory.reuse_freed_memory = observed
+        return self
+
+    def __exit__(self, *exc):
+        from stages import host_memory
+
+        host_memory.reuse_freed_memory = self._original
+
+    def report(self) -> dict:
+        return self.stage_reports[0] if self.stage_reports else allocator_report(False)
+
+
+def check_same_allocator(reports: dict[str, dict | None]) -> dict:
+    """The one allocator setting of several children (label -> its report); UnfairComparison if they differ."""
+    seen = {label: r for label, r in reports.items() if r is not None}
+    if not seen:
+        return {}
+    (first_label, first), *rest = seen.items()
+    for label, r in rest:
+        if r != first:
+            diff = {k: (first.get(k), r.get(k)) for k in sorted(set(first) | set(r)) if first.get(k) != r.get(k)}
+            raise UnfairComparison(f"{first_label} and {label} ran under different allocator settings "
+                                   f"({first_label}, {label}): {diff}; the suite compares only equal settings")
+    return first
+
+
+def describe_allocator(mode: str, report: dict) -> str:
+    """One line: the mode, its variables and what glibc was seen to do with them."""
+    env = " ".join(f"{k}={v}" for k, v in report.get("env", {}).items() if v is not None) or "no allocator variables"
+    probe = ", ".join(f"a {k.split('_', 2)[-1][:-3]} MiB block: {'yes' if v else 'no'}"
+                      for k, v in report.items() if k.startswith("heap_serves") and v is not None)
+    seen = f"; glibc's heap serves {probe}" if probe else ""
+    own = "; r1flow tuned in-process" if report.get("in_process_tuning") else ""
+    return f"allocator {mode}, the same for r1flow and TRL: {env}{seen}{own}"
+
+
 # ---------------------------------------------------------------------------- synthetic text
 
 WORDS = ("the of and to in is that for it as with was on be by this are from at or an which one two three "
@@ -204,6 +342,26 @@ SHAPES: dict[tuple[str, str], Shape] = {
                           dpo_prompt_tokens=64, dpo_completion_tokens=192, grpo_prompts=16, grpo_group=8,
                           grpo_new_tokens=128, grpo_minibatch=16, sft_steps=5, dpo_steps=5, grpo_steps=3),
 }
+
+
+# The second GRPO shape (issue 25), closer to real use: 8 sampled completions of up to 128 tokens a prompt, where
+# a run of the shared prompt saves less than at 4 x 32. Few steps: a TRL step of SmolLM2 takes minutes on 2 cores.
+# None on CUDA, whose GRPO shape is already 16 x 8 x 128.
+LONG_GRPO: dict[tuple[str, str], dict[str, int]] = {
+    ("cpu", "tiny"): {"grpo_prompts": 4, "grpo_group": 8, "grpo_new_tokens": 128, "grpo_minibatch": 16, "grpo_steps": 2},
+    ("cpu", "smollm2"): {"grpo_prompts": 4, "grpo_group": 8, "grpo_new_tokens": 128, "grpo_minibatch": 16,
+                         "grpo_steps": 2},
+}
+
+
+def grpo_long_shape(shape: Shape, device: str, model: str, quick: bool = False) -> Shape | None:
+    """`shape` with LONG_GRPO's GRPO fields (None where the model has no long shape on this device);
+    quick: one timed step."""
+    long = LONG_GRPO.get(("cuda" if device.startswith("cuda") else "cpu", model))
+    if long is None:
+        return None
+    shape = replace(shape, **long)
+    return replace(shape, grpo_steps=1) if quick else shape
 
 
 def shape_for(device: str, model: str, quick: bool = False, lora_r: int = 0, cache: str = "dynamic",

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from benchmarks.common import PeakMemory, Shape, stage_input
+from benchmarks.common import SEED, PeakMemory, Shape, stage_input
 from stages.base import LocalContext, Output
 from stages.launch import run_stage
 
@@ -102,6 +102,8 @@ def run_dpo(prep: dict, shape: Shape, device: str, work: Path, reference: dict) 
 
 
 def run_grpo(prep: dict, shape: Shape, device: str, work: Path) -> dict:
+    """The stage picks each step's prompts itself (`grpo.pick_prompts`, context seed SEED: the list the suite gives
+    TRL); the ids it samples for are recorded (`step_prompts`) for the suite to compare with that list."""
     from schemas.configs import GenerationSpec, GRPOConfig, LoraSpec
     from stages import grpo
 
@@ -115,13 +117,24 @@ def run_grpo(prep: dict, shape: Shape, device: str, work: Path) -> dict:
                      advantage="grpo", aggregation="seq_mean", learning_rate=shape.learning_rate,
                      checkpoint_every=10_000)
     meter = PeakMemory(device)
-    ctx = TimedContext(work / "grpo", device=device)
+    ctx = TimedContext(work / "grpo", seed=SEED, device=device)
+    sampled: list[list[str]] = []  # each rollout's prompt ids, in order (one rollout a step: no dynamic sampling)
+    rollout = grpo.rollout
+
+    def recorded_rollout(backend, tokenizer, rows, *args, **kwargs):
+        sampled.append([r["id"] for r in rows])
+        return rollout(backend, tokenizer, rows, *args, **kwargs)
+
+    grpo.rollout = recorded_rollout  # observes the stage's own calls; changes nothing
     meter.start()
-    run_stage(grpo, cfg, {"model": inp["model"], "prompts": inp["prompts"]}, ctx)
+    try:
+        run_stage(grpo, cfg, {"model": inp["model"], "prompts": inp["prompts"]}, ctx)
+    finally:
+        grpo.rollout = rollout
     mem = meter.result()
     steps = []
     for step, m in sorted((s, m) for s, m in ctx.metrics if s is not None and "time/step" in m):
         steps.append({"step": step, "generation": m["time/generation"], "scoring": m["time/scoring"],
                       "training": m["time/training"], "total": m["time/step"],
                       "completion_tokens": m["completion/mean_length"] * n})
-    return {"steps": steps[1:], "completions": n, **mem}
+    return {"steps": steps[1:], "completions": n, "step_prompts": sampled, **mem}

@@ -1,19 +1,34 @@
-"""r1flow against TRL on the same configuration: SFT, DPO, GRPO (and generation inside GRPO), side by side.
+"""r1flow against TRL on the same configuration: SFT, DPO, GRPO (two shapes; generation inside GRPO), side by side.
 
     make bench-setup                      # once: .bench-venv with TRL (not an r1flow dependency) and r1flow -e
-    make bench                            # tiny and SmolLM2-135M on this machine's device
+    make bench                            # tiny (a smoke run) and SmolLM2-135M on this machine's device
+    make bench ARGS="--models smollm2 --repeats 2"                    # the targets' run (issue 25)
     make bench ARGS="--models tiny --quick"
     make bench ARGS="--models smollm2 --tasks sft,dpo --repeats 3"   # alternating runs, pooled medians
+    make bench ARGS="--allocator glibc"                               # glibc's defaults on both sides
     .bench-venv/bin/python benchmarks/suite.py --models smollm2 --tasks grpo --json out.json
 
 Printed per model: SFT tokens/s, DPO pairs/s, GRPO step time split into generation / scoring /
 training, generation tokens/s (the GRPO rollouts), peak memory; each as r1flow, TRL and a `ratio`
 (speed: how many times faster r1flow is; memory: TRL's peak / r1flow's, above 1 means r1flow
-uses less). Every (framework, task) runs in its own subprocess, so imports, allocator state and
-peak memory are its own; both sides run in the same interpreter with the same torch,
-transformers, peft and accelerate.
+uses less), then the run as a RESULTS.md section (heading, command, environment, one table per model
+`| measurement | r1flow | TRL | ratio | target |`). Every (framework, task) runs in its own subprocess,
+so imports, allocator state and peak memory are its own; both sides run in the same interpreter with the
+same torch, transformers, peft and accelerate.
 
-What is equal on both sides (benchmarks/common.py SHAPES holds the numbers):
+Targets (SmolLM2 only; `tiny` is a smoke run of every code path, without targets): on CPU SFT and DPO
+>= 1.5x, both GRPO shapes >= 3x; on CUDA GRPO >= 10x.
+
+What is equal on both sides (benchmarks/common.py SHAPES and LONG_GRPO hold the numbers):
+- the environment: every child (r1flow, TRL, r1flow's DPO reference pass) gets the environment
+  built by one function (`child_env`), so the same variables. The allocator: `--allocator tuned`
+  (default) gives both sides r1flow's glibc tuning (stages/host_memory.py: freed blocks up to 1 GiB kept
+  in the heap) as MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_; `--allocator glibc` gives both glibc's
+  defaults. r1flow's in-process tuning is off in both (R1FLOW_MALLOC_TUNING=0). Each child reports the
+  setting it ran under (the variables, whether r1flow tuned anything itself, and where glibc put a 48 and
+  a 160 MiB block); the suite stops if two children's reports differ, and states the one setting in the
+  header. MALLOC_* variables or malloc GLIBC_TUNABLES of the caller's own are refused unless the mode
+  sets the same. The data preparation runs in the parent, before any measured process.
 - the model artifact (the same directory, fp32 weights), tokenizer and chat template; the same
   synthetic SFT / preference data (random words, fixed token counts) and the same reasoning-gym
   basic_arithmetic prompts; sequences fit max_length, so nothing is truncated on either side;
@@ -29,7 +44,13 @@ What is equal on both sides (benchmarks/common.py SHAPES holds the numbers):
   `reference_logprobs` stage in its own process (the cached artifact the issue asks about; its
   time is printed, not counted in pairs/s), TRL's `precompute_ref_log_probs=True` with the same
   batch (2 * dpo_batch sequences), inside the trainer, so its memory window includes it;
-- GRPO: `grpo_prompts` prompts x `grpo_group` completions x at most `grpo_new_tokens` new tokens,
+- GRPO, two shapes: `grpo` (CPU: 4 prompts x 4 completions x <= 32 tokens; CUDA: 16 x 8 x 128) and
+  `grpo_long` (CPU: 4 x 8 x <= 128 tokens, closer to real use: prefix sharing saves less there; one
+  warm-up and two timed steps a run). The same prompts, in the same order, each step: the parent lists
+  every step's prompt ids (r1flow's own seeded pick, `stages.grpo.pick_prompts`), TRL's trainer reads
+  exactly that list, unshuffled, and both sides record the ids they sampled for; the suite stops if
+  either differs from the list. So completion lengths differ by sampling only (both printed).
+  `grpo_prompts` prompts x `grpo_group` completions x at most `grpo_new_tokens` new tokens,
   temperature 1, top-p 1, no top-k, beta 0 (no reference model), one optimisation epoch
   (mu = num_iterations = 1), clip 0.2, per-group std-scaled advantages, per-sequence mean loss
   (TRL `loss_type="grpo"`), `grpo_minibatch` sequences per forward/backward and one optimizer
@@ -37,8 +58,7 @@ What is equal on both sides (benchmarks/common.py SHAPES holds the numbers):
   prompts * group / minibatch); transformers generation on both (TRL `use_vllm=False`), all
   prompts of a step in one generate() call; the reward on both is r1flow's scorer
   (`stages.rewards.score`, accuracy + 0.2 format). Neither side runs a separate old-log-prob pass
-  at mu = 1 (r1flow takes them from the epoch's own forward, TRL skips them). Completion lengths
-  are sampled and so differ; both are printed.
+  at mu = 1 (r1flow takes them from the epoch's own forward, TRL skips them).
 - timing: the first step is warm-up and not timed; the median of the remaining steps is reported.
   SFT/DPO step = interval between two consecutive step ends (r1flow: its per-step metric log; TRL:
   on_step_end), GRPO split = r1flow's own time/* metrics, and for TRL clocks around
@@ -47,8 +67,8 @@ What is equal on both sides (benchmarks/common.py SHAPES holds the numbers):
   read and the model loaded to the end of training (r1flow: the whole stage run, final save included), minus RSS at its start (VmHWM reset via /proc/self/clear_refs);
   CUDA, torch.cuda.max_memory_allocated over the same window.
 
-Shapes: on CPU a small batch (GRPO 4 prompts x 4 x 32 tokens) for `tiny` and `smollm2`; on CUDA
-the issue's shape, GRPO 16 prompts x 8 x 128 tokens, and a random ~1B Llama (`1b`).
+Shapes: on CPU a small batch (SFT 4-8 sequences, DPO 2-4 pairs, the two GRPO shapes above) for `tiny`
+and `smollm2`; on CUDA the issue's shape, GRPO 16 prompts x 8 x 128 tokens, and a random ~1B Llama (`1b`).
 """
 
 from __future__ import annotations
@@ -64,28 +84,62 @@ import subprocess
 import sys
 import tempfile
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import CACHE_DIR, MODEL_REFS, Shape, ensure_model_dir, median, shape_for  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    ALLOCATOR_MODES,
+    CACHE_DIR,
+    MODEL_REFS,
+    SEED,
+    AllocatorProbe,
+    Shape,
+    UnfairComparison,
+    allocator_env,
+    check_same_allocator,
+    describe_allocator,
+    ensure_model_dir,
+    grpo_long_shape,
+    median,
+    shape_for,
+)
 
-TASKS = ("sft", "dpo", "grpo")
+TASKS = ("sft", "dpo", "grpo", "grpo_long")
+GRPO_TASKS = ("grpo", "grpo_long")
 FRAMEWORKS = ("r1flow", "trl")
 RESULT_MARK = "BENCH-RESULT "
 CHILD_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
              "TOKENIZERS_PARALLELISM": "false", "WANDB_DISABLED": "true", "PYTHONWARNINGS": "ignore"}
-# acceptance targets of issue 9: (device kind, metric) -> minimum ratio
-TARGETS = {("cpu", "sft"): 1.5, ("cpu", "dpo"): 1.5, ("cpu", "grpo"): 3.0, ("cuda", "grpo"): 10.0}
+# acceptance targets (issues 9 and 25), SmolLM2 only: (model, device kind, task) -> minimum speed ratio
+TARGETS = {("smollm2", "cpu", "sft"): 1.5, ("smollm2", "cpu", "dpo"): 1.5, ("smollm2", "cpu", "grpo"): 3.0,
+           ("smollm2", "cpu", "grpo_long"): 3.0, ("smollm2", "cuda", "grpo"): 10.0}
+MEMORY_TARGETS = {("smollm2", "dpo")}  # r1flow's peak below TRL's (the cached reference), any device
+SMOKE_MODELS = {"tiny"}  # a random model of 4 tiny layers: steps of milliseconds, run to test the suite, no target
+# rough wall seconds of one repeat of a task, both sides and model loads together, on 2 quiet AVX-512 cores (runs of
+# 66df32b; grpo_long from a contended run and r1flow's quiet step, ~26 s): for the printed estimate only
+EXPECTED_S = {("cpu", "smollm2"): {"sft": 105, "dpo": 130, "grpo": 210, "grpo_long": 300},
+              ("cpu", "tiny"): {"sft": 40, "dpo": 45, "grpo": 35, "grpo_long": 40}}
+
+
+def child_env(allocator: str, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of every child, r1flow's and TRL's alike: the caller's, CHILD_ENV and the allocator
+    variables of `allocator` (ALLOCATOR_MODES); UnfairComparison for the caller's own malloc settings."""
+    return allocator_env(allocator, {**(os.environ if environ is None else environ), **CHILD_ENV})
 
 
 # ---------------------------------------------------------------------------- preparation (parent)
 
 
-def prepare(name: str, shape: Shape, work: Path) -> dict:
-    """Model artifact and datasets both sides read: written once, before any measured process starts."""
+def prepare(name: str, shape: Shape, work: Path, grpo_shapes: dict[str, Shape] | None = None) -> dict:
+    """Model artifact and datasets both sides read: written once, before any measured process starts.
+
+    grpo_shapes: GRPO task -> its shape; for each, `grpo_step_prompts[task]` lists the prompt ids of every
+    step (warm-up included), the list both sides sample for.
+    """
     from transformers import AutoTokenizer
 
     from benchmarks.common import path_fingerprint, preference_rows, sft_rows
@@ -107,12 +161,31 @@ def prepare(name: str, shape: Shape, work: Path) -> dict:
     prefs = write_dataset(ctx, "prefs", from_rows(preference_rows(tokenizer, n_dpo, shape.dpo_prompt_tokens,
                                                                   shape.dpo_completion_tokens), "preferences"),
                           "preferences")
-    prm = prompts.run(PromptsConfig(size=max(64, 4 * shape.grpo_prompts * (shape.grpo_steps + 1))), {}, ctx)["prompts"]
+    grpo_shapes = grpo_shapes or {"grpo": shape}
+    size = max([64] + [4 * s.grpo_prompts * (s.grpo_steps + 1) for s in grpo_shapes.values()])
+    prm = prompts.run(PromptsConfig(size=size), {}, ctx)["prompts"]
     out = {}
     for key, o in (("model", model), ("sft", sft), ("prefs", prefs), ("prompts", prm)):
         out[key] = {"kind": o.kind, "schema": o.schema, "path": str(o.path), "rows": o.rows,
                     "fingerprint": path_fingerprint(o.path)}
+    out["grpo_step_prompts"] = {task: grpo_step_prompts(prm.path, s) for task, s in grpo_shapes.items()}
     return out
+
+
+def grpo_step_prompts(prompts_dir: Path, shape: Shape) -> list[list[str]]:
+    """The prompt ids of each GRPO step (warm-up first): the rows r1flow's grpo stage trains on (split
+    train, with an answer) as its seeded pick chooses them (`pick_prompts`, context seed SEED)."""
+    import pyarrow.parquet as pq
+
+    from schemas.artifacts import DATA_FILE
+    from schemas.configs import GRPOConfig
+    from stages.grpo import pick_prompts
+
+    split = GRPOConfig.model_fields["split"].default
+    rows = [r for r in pq.read_table(Path(prompts_dir) / DATA_FILE, columns=["id", "split", "answer"]).to_pylist()
+            if r["split"] == split and r["answer"] is not None]
+    return [[rows[i]["id"] for i in pick_prompts(len(rows), shape.grpo_prompts, SEED, step, 0)]
+            for step in range(shape.grpo_steps + 1)]
 
 
 # ---------------------------------------------------------------------------- children
@@ -126,23 +199,48 @@ def child_main(args: argparse.Namespace) -> None:
     framework, task = args.child.split(":")
     # a fresh directory per run: a stage finding an earlier run's checkpoints would resume instead of training
     work = Path(tempfile.mkdtemp(prefix=f"{framework}-{task}-", dir=args.work))
+    with AllocatorProbe() as probe:  # r1flow: the setting inside its stage; TRL: the process's
+        try:
+            result = run_task(framework, task, prep, shape, args.device, work, args.reference)
+        finally:
+            # checkpoints and saved models: ~2 GB a SmolLM2 run, ~13 GB a whole suite; the DPO runs read the reference
+            if task != "reference" and not args.keep_artifacts:
+                shutil.rmtree(work, ignore_errors=True)
+    result["threads"] = torch.get_num_threads()
+    result["allocator"] = probe.report()
+    print(RESULT_MARK + json.dumps(result), flush=True)
+
+
+def run_task(framework: str, task: str, prep: dict, shape: Shape, device: str, work: Path,
+             reference: str | None) -> dict:
+    if task == "allocator":  # the allocator report alone (tests): r1flow's through run_stage, as a stage's
+        if framework == "r1flow":
+            from stages.base import LocalContext
+            from stages.launch import run_stage
+
+            run_stage(_NoStage, None, {}, LocalContext(work, device=device))
+        return {}
     if framework == "r1flow":
         from benchmarks import r1flow_side as side
     else:
         from benchmarks import trl_side as side
-    try:
-        if task == "reference":
-            result = side.run_reference(prep, shape, args.device, work)
-        elif task == "dpo" and framework == "r1flow":
-            result = side.run_dpo(prep, shape, args.device, work, json.loads(Path(args.reference).read_text()))
-        else:
-            result = getattr(side, f"run_{task}")(prep, shape, args.device, work)
-    finally:
-        # checkpoints and saved models: ~2 GB a SmolLM2 run, ~13 GB a whole suite; the DPO runs read the reference
-        if task != "reference" and not args.keep_artifacts:
-            shutil.rmtree(work, ignore_errors=True)
-    result["threads"] = torch.get_num_threads()
-    print(RESULT_MARK + json.dumps(result), flush=True)
+    if task == "reference":
+        return side.run_reference(prep, shape, device, work)
+    if task == "dpo" and framework == "r1flow":
+        return side.run_dpo(prep, shape, device, work, json.loads(Path(reference).read_text()))
+    if task in GRPO_TASKS and framework == "trl":  # r1flow's stage picks the listed prompts itself (seed SEED)
+        return side.run_grpo(prep, shape, device, work, prep["grpo_step_prompts"][task])
+    if task in GRPO_TASKS:
+        return side.run_grpo(prep, shape, device, work)
+    return getattr(side, f"run_{task}")(prep, shape, device, work)
+
+
+class _NoStage:
+    """A stage that does nothing: `run_stage` enters its allocator block around it as around any stage."""
+
+    @staticmethod
+    def run(cfg, inputs, ctx) -> dict:
+        return {}
 
 
 def cpu_busy_seconds() -> float | None:
@@ -176,7 +274,8 @@ def wait_until_quiet(max_wait: float, threshold: float = 0.2) -> float:
 
 def run_child(what: str, device: str, prep_file: Path, shape: Shape, work: Path, log: Path,
               reference: Path | None = None, timeout: float = 3600, quiet_wait: float = 0.0,
-              keep_artifacts: bool = False) -> dict | None:
+              keep_artifacts: bool = False, allocator: str = "tuned") -> dict | None:
+    """One (framework, task) in a fresh process under `child_env(allocator)`; its result, or None if it failed."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", what, "--prep", str(prep_file),
            "--shape", json.dumps(shape.to_dict()), "--device", device, "--work", str(work)]
     if keep_artifacts:
@@ -189,7 +288,7 @@ def run_child(what: str, device: str, prep_file: Path, shape: Shape, work: Path,
     t0 = time.perf_counter()
     with log.open("w") as fh:
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=fh, text=True, cwd=ROOT,
-                              env={**os.environ, **CHILD_ENV}, timeout=timeout)
+                              env=child_env(allocator), timeout=timeout)
     wall = time.perf_counter() - t0
     busy1, own1 = cpu_busy_seconds(), _children_cpu()
     # CPU used by other processes while this run was measured, as a share of the machine's cores
@@ -282,27 +381,40 @@ def fmt_ratio(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.2f}x"
 
 
-def verdict(kind: str, task: str, x: float | None) -> str:
-    target = TARGETS.get((kind, task))
-    if target is None or x is None:
-        return ""
-    return f" (target >= {target:g}x: {'met' if x >= target else 'MISSED'})"
+def verdict(name: str, kind: str, task: str, x: float | None) -> str:
+    """The target cell of a speed row: 'smoke run' for a smoke model, '-' without a target."""
+    if name in SMOKE_MODELS:
+        return "smoke run"
+    target = TARGETS.get((name, kind, task))
+    if target is None:
+        return "-"
+    return f">= {target:g}x: {'n/a' if x is None else 'met' if x >= target else 'MISSED'}"
 
 
-def report(name: str, device: str, shape: Shape, res: dict, command: str, info: dict) -> list[str]:
-    """Print the table of one model; return RESULTS.md lines (one per measurement, `ratio` before each ratio)."""
+def grpo_label(shape: Shape) -> str:
+    return f"GRPO {shape.grpo_prompts}x{shape.grpo_group}x{shape.grpo_new_tokens}"
+
+
+def shape_line(name: str, device: str, shapes: dict[str, Shape]) -> str:
+    """What one model's rows measure, in a line."""
     kind = "cuda" if device.startswith("cuda") else "cpu"
-    where = info.get("device_name", kind)
+    base = shapes.get("sft") or next(iter(shapes.values()))
+    grpo = "; ".join(f"{grpo_label(sh)} = {sh.grpo_prompts} prompts x {sh.grpo_group} x <= {sh.grpo_new_tokens} "
+                     f"tokens, minibatch {sh.grpo_minibatch}, {sh.grpo_steps} timed step{'s' * (sh.grpo_steps != 1)} a run"
+                     for t, sh in shapes.items() if t in GRPO_TASKS)
+    smoke = ", a smoke run: no targets" if name in SMOKE_MODELS else ""
+    return (f"{name} ({MODEL_REFS[name]}{smoke}): SFT {base.sft_batch} seqs/step; DPO {base.dpo_batch} pairs/step; "
+            f"{grpo}; {f'LoRA r={base.lora_r}' if base.lora_r else 'full fine-tuning'}; "
+            f"{'bf16 autocast' if kind == 'cuda' else 'fp32'}; {base.cache} KV cache; r1flow generation "
+            f"{base.r1flow_backend}; medians of warm steps")
+
+
+def report(name: str, device: str, shapes: dict[str, Shape], res: dict) -> list[tuple[str, str, str, str, str]]:
+    """Print the table of one model; return its rows (measurement, r1flow, TRL, ratio, target), each ratio cell
+    starting with the word `ratio`."""
+    kind = "cuda" if device.startswith("cuda") else "cpu"
     s = {(t, f): summarize(t, res.get((t, f))) for t in TASKS for f in FRAMEWORKS}
-    print(f"\n== {name} ({MODEL_REFS[name]}) on {where}: torch {info.get('torch')}, transformers "
-          f"{info.get('transformers')}, trl {info.get('trl', '-')}, {info.get('threads')} threads, r1flow "
-          f"{info.get('code')} ==")
-    print(f"   SFT {shape.sft_batch} seqs/step; DPO {shape.dpo_batch} pairs/step; GRPO {shape.grpo_prompts} prompts x "
-          f"{shape.grpo_group} x <= {shape.grpo_new_tokens} tokens, minibatch {shape.grpo_minibatch}; "
-          f"{f'LoRA r={shape.lora_r}' if shape.lora_r else 'full fine-tuning'}; "
-          f"{'bf16 autocast' if kind == 'cuda' else 'fp32'}; {shape.cache} KV cache; r1flow generation "
-          f"{shape.r1flow_backend}; medians of warm steps")
-    lines: list[str] = []
+    rows: list[tuple[str, str, str, str, str]] = []
 
     def contended(task: str) -> str:
         shares = {f: (res.get((task, f)) or {}).get("foreign_cpu") for f in FRAMEWORKS}
@@ -311,16 +423,16 @@ def report(name: str, device: str, shape: Shape, res: dict, command: str, info: 
 
     not_run = {f for f in FRAMEWORKS if not any((t, f) in res for t in TASKS)}  # --frameworks left it out
 
-    def line(label: str, ours: str, theirs: str, x: float | None, extra: str = "") -> None:
-        task = next((t for t in TASKS if label.lower().startswith(t)), "grpo")
+    def line(task: str, label: str, ours: str, theirs: str, x: float | None, target: str = "-",
+             spread: str = "", headline: bool = False) -> None:
         if "r1flow" in not_run:
-            ours, extra = ours.replace("failed", "not run"), extra.replace("r1flow failed", "r1flow not run")
+            ours = ours.replace("failed", "not run")
         if "trl" in not_run:
-            theirs, extra = theirs.replace("failed", "not run"), extra.replace("TRL failed", "TRL not run")
-        extra += contended(task)
-        print(f"   {label:34} r1flow {ours:>16}   TRL {theirs:>16}   ratio {fmt_ratio(x)}{extra}")
-        lines.append(f"- {kind} {name} {label}: r1flow {ours.strip()}, TRL {theirs.strip()}, ratio {fmt_ratio(x)}"
-                     f"{extra} (device: {where}; r1flow {info.get('code')}; command: {command})")
+            theirs = theirs.replace("failed", "not run")
+        if headline:  # a task's speed: with the other processes' share of the CPUs while it ran
+            target += contended(task)
+        print(f"   {label:40} r1flow {ours:>22}   TRL {theirs:>22}   ratio {fmt_ratio(x)}{spread}   [{target}]")
+        rows.append((label, ours.strip(), theirs.strip(), f"ratio {fmt_ratio(x)}{spread}", target))
 
     def num(v, f=None):  # rates: three decimals below 10 (SmolLM2 DPO on CPU is ~0.3 pairs/s)
         return "failed" if v is None else (f or ("{:.3f}" if abs(v) < 10 else "{:.1f}")).format(v)
@@ -334,28 +446,36 @@ def report(name: str, device: str, shape: Shape, res: dict, command: str, info: 
         if a is None and b is None:
             continue
         x = speed_ratio(task, a, b)
-        line(label, num(a and a["rate"]), num(b and b["rate"]), x, verdict(kind, task, x) + spread(task))
-    a, b = s[("grpo", "r1flow")], s[("grpo", "trl")]
-    if a is not None or b is not None:
-        x = speed_ratio("grpo", a, b)
-        line("GRPO step", num(a and a["total"], "{:.2f} s"), num(b and b["total"], "{:.2f} s"), x,
-             verdict(kind, "grpo", x) + spread("grpo"))
+        line(task, label, num(a and a["rate"]), num(b and b["rate"]), x, verdict(name, kind, task, x), spread(task),
+             headline=True)
+    for task in GRPO_TASKS:
+        a, b = s[(task, "r1flow")], s[(task, "trl")]
+        if a is None and b is None:
+            continue
+        g = grpo_label(shapes[task])
+        x = speed_ratio(task, a, b)
+        line(task, f"{g} step", num(a and a["total"], "{:.2f} s"), num(b and b["total"], "{:.2f} s"), x,
+             verdict(name, kind, task, x), spread(task), headline=True)
         for part in ("generation", "scoring", "training"):
-            line(f"GRPO {part}", num(a and a[part], "{:.3f} s"), num(b and b[part], "{:.3f} s"),
+            line(task, f"{g} {part}", num(a and a[part], "{:.3f} s"), num(b and b[part], "{:.3f} s"),
                  ratio(a and a[part], b and b[part], False))
-        line("generation tokens/s (GRPO rollouts)", num(a and a["gen_tokens_per_s"]),
-             num(b and b["gen_tokens_per_s"]), ratio(a and a["gen_tokens_per_s"], b and b["gen_tokens_per_s"], True),
-             f" (mean completion tokens: r1flow {num(a and a['mean_length'])}, TRL {num(b and b['mean_length'])})")
-    for task, label in (("sft", "SFT"), ("dpo", "DPO"), ("grpo", "GRPO")):
+        line(task, f"{g} generation tokens/s", num(a and a["gen_tokens_per_s"]), num(b and b["gen_tokens_per_s"]),
+             ratio(a and a["gen_tokens_per_s"], b and b["gen_tokens_per_s"], True))
+        line(task, f"{g} mean completion tokens", num(a and a["mean_length"]), num(b and b["mean_length"]),
+             ratio(a and a["mean_length"], b and b["mean_length"], True), "- (sampled; ratio r1flow / TRL)")
+    for task in TASKS:
         a, b = s[(task, "r1flow")], s[(task, "trl")]
         if a is None and b is None:
             continue
         x = ratio(a and a["peak_delta_mib"], b and b["peak_delta_mib"], False)
-        extra = ""
-        if task == "dpo" and x is not None:
-            extra = f" (target: r1flow below TRL: {'met' if x > 1 else 'MISSED'})"
-        line(f"{label} peak memory (MiB over start)", num(a and a["peak_delta_mib"], "{:.0f} MiB"),
-             num(b and b["peak_delta_mib"], "{:.0f} MiB"), x, extra)
+        target = "-"
+        if name in SMOKE_MODELS:
+            target = "smoke run"
+        elif (name, task) in MEMORY_TARGETS:
+            target = f"r1flow below TRL: {'n/a' if x is None else 'met' if x > 1 else 'MISSED'}"
+        label = grpo_label(shapes[task]) if task in GRPO_TASKS else task.upper()
+        line(task, f"{label} peak memory (MiB over start)", num(a and a["peak_delta_mib"], "{:.0f} MiB"),
+             num(b and b["peak_delta_mib"], "{:.0f} MiB"), x, target)
     a, b = s[("dpo", "r1flow")], s[("dpo", "trl")]
     if a is not None and b is not None:
         print(f"   (DPO reference pass, not in pairs/s: r1flow reference_logprobs stage {a['reference_s']:.1f} s "
@@ -364,7 +484,25 @@ def report(name: str, device: str, shape: Shape, res: dict, command: str, info: 
         for f in FRAMEWORKS:
             if s[(t, f)] is not None and "seq_len" in s[(t, f)]:
                 print(f"   ({t} {f}: mean sequence {s[(t, f)]['seq_len']:.1f} tokens, {s[(t, f)]['n_steps']} timed steps)")
-    return lines
+    return rows
+
+
+def environment_line(allocator: str, alloc: dict, info: dict) -> str:
+    """The environment every child of a run shared, in a line (stated once per section)."""
+    return (f"{describe_allocator(allocator, alloc) if alloc else f'allocator {allocator}: no child reported'}; "
+            f"torch {info.get('torch')}, transformers {info.get('transformers')}, trl {info.get('trl', '-')}, "
+            f"{info.get('threads')} threads; each (framework, task) in its own process, HF offline")
+
+
+def markdown_section(command: str, device_name: str, code: str, environment: str,
+                     tables: list[tuple[str, list[tuple[str, str, str, str, str]]]], when: str | None = None) -> str:
+    """One run as a RESULTS.md section: heading, command and environment once, then a table per model."""
+    when = when or datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    out = [f"## {when}, {device_name}, r1flow {code}", "", f"Command: `{command}`", "", f"Environment: {environment}"]
+    for model_line, rows in tables:
+        out += ["", model_line, "", "| measurement | r1flow | TRL | ratio | target |", "|---|---|---|---|---|"]
+        out += ["| " + " | ".join(cell.replace("|", "/") for cell in row) + " |" for row in rows]
+    return "\n".join(out) + "\n"
 
 
 def code_version() -> str:
@@ -417,6 +555,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1,
                     help="run each (task, framework) this many times, alternating which side goes first; the "
                     "medians are over all repeats' warm steps and each repeat's ratio is printed beside them")
+    ap.add_argument("--allocator", choices=sorted(ALLOCATOR_MODES), default="tuned",
+                    help="glibc malloc settings of every child, the same on both sides: tuned = r1flow's (freed "
+                    "blocks up to 1 GiB kept for reuse) through MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_, "
+                    "glibc = glibc's defaults; r1flow's in-process tuning is off in both")
     ap.add_argument("--lora", type=int, default=0, help="LoRA rank on both sides (0: full fine-tuning)")
     ap.add_argument("--cache", choices=["dynamic", "static"], default="dynamic",
                     help="KV cache of the GRPO rollouts, on both sides (r1flow generation.cache, TRL cache_implementation)")
@@ -425,7 +567,7 @@ def main() -> None:
                          "GRPOTrainer keeps transformers generation, the issue's comparison")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     ap.add_argument("--json", help="write every raw measurement here")
-    ap.add_argument("--markdown", help="append the RESULTS.md lines here")
+    ap.add_argument("--markdown", help="append the run's RESULTS.md section here")
     ap.add_argument("--work-dir", help="logs, prepared data and the DPO reference go here (default: a temp dir)")
     ap.add_argument("--keep-artifacts", action="store_true",
                     help="keep each run's checkpoints and saved model in the work dir (default: removed once measured)")
@@ -438,6 +580,10 @@ def main() -> None:
         ap.error("--repeats must be at least 1")
     if args.child:
         return child_main(args)
+    try:
+        child_env(args.allocator)
+    except UnfairComparison as e:
+        ap.error(str(e))
 
     import torch
 
@@ -456,24 +602,62 @@ def main() -> None:
     info = device_info(device)
     root = Path(args.work_dir or tempfile.mkdtemp(prefix="r1flow-bench-"))
     root.mkdir(parents=True, exist_ok=True)
-    print(f"r1flow vs TRL benchmark: models {names}, tasks {tasks}, device {info['device_name']}; work dir {root}",
-          flush=True)
-    all_lines, raw = [], {}
+    print(f"r1flow vs TRL benchmark: models {names}, tasks {tasks}, device {info['device_name']}, allocator "
+          f"{args.allocator} ({' '.join(f'{k}={v}' for k, v in ALLOCATOR_MODES[args.allocator].items())}) on both "
+          f"sides; work dir {root}", flush=True)
+    kind = "cuda" if device.startswith("cuda") else "cpu"
+    known = [EXPECTED_S[(kind, m)] for m in names if (kind, m) in EXPECTED_S]
+    if len(known) == len(names) and not args.quick:
+        minutes = sum(e.get(t, 0) for e in known for t in tasks) * args.repeats * len(frameworks) / len(FRAMEWORKS) / 60
+        print(f"expected: about {minutes:.0f} min on 2 quiet cores, more while other processes use the CPUs (each run "
+              f"first waits up to {args.quiet_wait:.0f} s for them)", flush=True)
+    try:
+        tables, raw, alloc = run_models(args, device, names, tasks, frameworks, root, info)
+    except UnfairComparison as e:
+        sys.exit(f"benchmark stopped, the two sides did not run under the same conditions: {e}")
+    environment = environment_line(args.allocator, alloc, info)
+    section = markdown_section(command, info["device_name"], info.get("code", "unknown"), environment, tables)
+    if args.json:
+        for entry in raw.values():
+            entry.update(allocator=alloc, environment=environment)
+        Path(args.json).write_text(json.dumps(raw, indent=1))
+    if args.markdown:
+        with open(args.markdown, "a") as fh:
+            fh.write(section)
+    print("\nRESULTS.md section:\n\n" + section)
+
+
+def run_models(args: argparse.Namespace, device: str, names: list[str], tasks: list[str], frameworks: list[str],
+               root: Path, info: dict) -> tuple[list, dict, dict]:
+    """Every (model, task, framework, repeat) run; the tables, the raw results and the one allocator setting of
+    every child. UnfairComparison as soon as two children's allocator settings, or a side's GRPO prompts, differ."""
+    tables, raw = [], {}
+    fair = SameConditions()
     for name in names:
         shape = shape_for(device, name, quick=args.quick, lora_r=args.lora, cache=args.cache,
                           r1flow_backend=args.r1flow_backend)
+        shapes = {t: shape for t in TASKS}
+        shapes["grpo_long"] = grpo_long_shape(shape, device, name, quick=args.quick)
+        model_tasks = [t for t in tasks if shapes[t] is not None]
+        if "grpo_long" in tasks and shapes["grpo_long"] is None:
+            print(f"[{name}] grpo_long: no second GRPO shape for {name} on {device} (on CUDA the GRPO shape is "
+                  f"already 16 x 8 x 128)", flush=True)
+        shapes = {t: shapes[t] for t in model_tasks}
         work = root / name
         prep_file = work / "prep.json"
         work.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
-        prep_file.write_text(json.dumps(prepare(name, shape, work)))
+        prep = prepare(name, shape, work, {t: shapes[t] for t in model_tasks if t in GRPO_TASKS})
+        prep_file.write_text(json.dumps(prep))
         print(f"[{name}] prepared model and data in {time.perf_counter() - t0:.1f} s", flush=True)
+
         res: dict = {}
-        for task in tasks:
+        for task in model_tasks:
             reference = None
             if task == "dpo" and "r1flow" in frameworks:
-                ref = run_child("r1flow:reference", device, prep_file, shape, work, work / "r1flow-reference.log",
-                                quiet_wait=args.quiet_wait, keep_artifacts=args.keep_artifacts)
+                ref = fair.check(f"{name} r1flow:reference", run_child(
+                    "r1flow:reference", device, prep_file, shape, work, work / "r1flow-reference.log",
+                    quiet_wait=args.quiet_wait, keep_artifacts=args.keep_artifacts, allocator=args.allocator))
                 if ref is not None:
                     reference = work / "reference.json"
                     reference.write_text(json.dumps(ref))
@@ -486,24 +670,47 @@ def main() -> None:
                     tag = f" (repeat {rep + 1}/{args.repeats})" if args.repeats > 1 else ""
                     print(f"[{name}] {task} / {fw}{tag} ...", flush=True)
                     suffix = f"-{rep + 1}" if args.repeats > 1 else ""
-                    out = run_child(f"{fw}:{task}", device, prep_file, shape, work, work / f"{fw}-{task}{suffix}.log",
-                                    reference=reference if fw == "r1flow" else None,
-                                    quiet_wait=args.quiet_wait if not device.startswith("cuda") else 0.0,
-                                    keep_artifacts=args.keep_artifacts)
+                    out = fair.check(f"{name} {fw}:{task}{suffix}", run_child(
+                        f"{fw}:{task}", device, prep_file, shapes[task], work, work / f"{fw}-{task}{suffix}.log",
+                        reference=reference if fw == "r1flow" else None,
+                        quiet_wait=args.quiet_wait if not device.startswith("cuda") else 0.0,
+                        keep_artifacts=args.keep_artifacts, allocator=args.allocator),
+                        prep["grpo_step_prompts"].get(task))
                     runs[fw].append(out)
                     if out is not None:
                         info["threads"] = out.get("threads", info["threads"])
+                        print(f"[{name}] {task} / {fw}{tag}: {out['wall_s']:.0f} s", flush=True)
             for fw in frameworks:
                 res[(task, fw)] = pool(runs[fw])
-        all_lines += report(name, device, shape, res, command, info)
-        raw[name] = {"shape": shape.to_dict(), "info": info,
+        line = shape_line(name, device, shapes)
+        print(f"\n== {line} ==\n   device: {info['device_name']}; r1flow {info.get('code')}\n"
+              f"   environment: {environment_line(args.allocator, fair.allocator, info)}")
+        tables.append((line, report(name, device, shapes, res)))
+        raw[name] = {"shape": shape.to_dict(), "shapes": {t: sh.to_dict() for t, sh in shapes.items()}, "info": info,
+                     "grpo_step_prompts": prep["grpo_step_prompts"],
                      "results": {f"{t}/{f}": r for (t, f), r in res.items()}}
-    if args.json:
-        Path(args.json).write_text(json.dumps(raw, indent=1))
-    if args.markdown:
-        with open(args.markdown, "a") as fh:
-            fh.write("\n".join(all_lines) + "\n")
-    print("\nRESULTS.md lines:\n" + "\n".join(all_lines))
+    return tables, raw, fair.allocator
+
+
+class SameConditions:
+    """Checks each child's result as it comes: every child of a run under one allocator setting, and each GRPO
+    run sampling for the prompts of the list both sides read. UnfairComparison otherwise."""
+
+    def __init__(self):
+        self.reports: dict[str, dict | None] = {}  # child -> its allocator report
+        self.allocator: dict = {}  # the one setting they share
+
+    def check(self, what: str, result: dict | None, step_prompts: list[list[str]] | None = None) -> dict | None:
+        if result is None:  # a failed run: nothing measured, nothing to compare
+            return None
+        if result.get("allocator") is None:
+            raise UnfairComparison(f"{what} reported no allocator setting")
+        self.reports[what] = result["allocator"]
+        self.allocator = check_same_allocator(self.reports)
+        if step_prompts is not None and result.get("step_prompts") != step_prompts:
+            raise UnfairComparison(f"{what} sampled for the prompts {result.get('step_prompts')}, not the list "
+                                   f"both sides read: {step_prompts}")
+        return result
 
 
 if __name__ == "__main__":

@@ -161,14 +161,24 @@ def r1_reward(prompts, completions, completion_ids, **columns):
     return out
 
 
-def run_grpo(prep: dict, shape: Shape, device: str, work: Path) -> dict:
+def run_grpo(prep: dict, shape: Shape, device: str, work: Path, step_prompts: list[list[str]]) -> dict:
+    """step_prompts: the prompt ids of each step, warm-up first (the ones r1flow's stage picks): the trainer's
+    dataset is exactly those rows in that order, read unshuffled, so step k samples for list k; the ids
+    each generation call did get are recorded (`step_prompts`) for the suite to compare."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
+    sampled: list[list[str]] = []
+
     class TimedGRPO(GRPOTrainer):
-        """Clocks around TRL's generation (`_generate`: templating, generate, decode) and reward calls."""
+        """Clocks around TRL's generation (`_generate`: templating, generate, decode) and reward calls; records
+        the prompt ids of each generation batch."""
 
         bench = {"generation": 0.0, "scoring": 0.0, "completion_tokens": 0.0}
+
+        def _generate_and_score_completions(self, inputs):
+            sampled.append([x["id"] for x in inputs[:: self.num_generations]])
+            return super()._generate_and_score_completions(inputs)
 
         def _generate(self, prompts):
             t0 = time.perf_counter()
@@ -192,11 +202,13 @@ def run_grpo(prep: dict, shape: Shape, device: str, work: Path) -> dict:
                       num_generations=shape.grpo_group, max_completion_length=shape.grpo_new_tokens,
                       temperature=1.0, top_p=1.0, top_k=0, beta=0.0, num_iterations=1, epsilon=0.2,
                       loss_type="grpo", scale_rewards="group", use_vllm=False, log_completions=False,
-                      cache_implementation=None if shape.cache == "dynamic" else shape.cache)
+                      cache_implementation=None if shape.cache == "dynamic" else shape.cache,
+                      shuffle_dataset=False)
     clock = StepClock()
     meter = PeakMemory(device)
     meter.start()
-    rows = [r for r in table_rows(prep, "prompts") if r["split"] == "train" and r["answer"] is not None]
+    by_id = {r["id"]: r for r in table_rows(prep, "prompts")}
+    rows = [by_id[i] for step in step_prompts for i in step]  # one generation batch a step, in this order
     data = Dataset.from_list([{"prompt": r["messages"], **{k: r[k] for k in ("id", "answer", "task", "verifier",
                                                                               "split", "metadata")}} for r in rows])
     model, tokenizer = load(prep)
@@ -213,7 +225,7 @@ def run_grpo(prep: dict, shape: Shape, device: str, work: Path) -> dict:
         steps.append({"step": k + 1, "generation": b["generation"], "scoring": b["scoring"],
                       "training": total - b["generation"] - b["scoring"], "total": total,
                       "completion_tokens": b["completion_tokens"]})
-    return {"steps": steps, "completions": n, **mem}
+    return {"steps": steps, "completions": n, "step_prompts": sampled, **mem}
 
 
 def versions() -> dict[str, str]:

@@ -1,12 +1,17 @@
-"""The benchmark suite's own logic (benchmarks/suite.py): medians, ratios, targets, RESULTS.md lines,
-fixed-length synthetic data and the memory window. No TRL and no training here: that is `make bench`."""
+"""The benchmark suite's own logic (benchmarks/suite.py): medians, ratios, targets, the RESULTS.md section,
+the same allocator and prompts on both sides, fixed-length synthetic data and the memory window. No TRL and no
+training here: that is `make bench`."""
 
+import json
 import random
 
 import pytest
 
 from benchmarks import common, suite
+from stages import host_memory
 from stages.models import build_tiny_tokenizer
+
+glibc_only = pytest.mark.skipif(host_memory._glibc() is None, reason="malloc thresholds are glibc's (Linux)")
 
 
 def test_exact_text_has_the_asked_token_count():
@@ -61,25 +66,62 @@ def test_ratios_say_how_many_times_better_r1flow_is():
     assert suite.ratio(300.0, 100.0, higher_is_better=True) == 3.0  # throughput
     assert suite.ratio(0.5, 2.0, higher_is_better=False) == 4.0  # seconds or MiB
     assert suite.ratio(None, 2.0, True) is None
-    assert suite.verdict("cpu", "grpo", 3.2).endswith("met)")
-    assert "MISSED" in suite.verdict("cpu", "sft", 1.2)
-    assert suite.verdict("cpu", "generation", 9.0) == ""
 
 
-def test_report_lines_carry_ratio_device_and_command(capsys):
-    shape = common.shape_for("cpu", "tiny", quick=True)
+def test_targets_are_smollm2s_and_the_tiny_model_is_a_smoke_run():
+    assert suite.verdict("smollm2", "cpu", "grpo", 3.2) == ">= 3x: met"
+    assert suite.verdict("smollm2", "cpu", "grpo_long", 2.9) == ">= 3x: MISSED"  # both GRPO shapes carry 3x
+    assert suite.verdict("smollm2", "cpu", "sft", 1.2) == ">= 1.5x: MISSED"
+    assert suite.verdict("smollm2", "cpu", "dpo", None) == ">= 1.5x: n/a"
+    assert suite.verdict("tiny", "cpu", "grpo", 1.0) == "smoke run"
+    assert suite.verdict("1b", "cuda", "sft", 9.0) == "-"
+    assert {model for model, _, _ in suite.TARGETS} == {"smollm2"}
+
+
+def _results():
     sft = {"step_s": [1.0, 1.0], "batch": 8, "seq_len": 100.0, "peak_delta_mib": 100.0, "peak_mib": 500.0}
     steps = [{"generation": 1.0, "scoring": 0.1, "training": 0.5, "total": 1.6, "completion_tokens": 64.0}]
-    res = {("sft", "r1flow"): sft, ("sft", "trl"): {**sft, "step_s": [2.0, 2.0], "peak_delta_mib": 200.0},
-           ("grpo", "r1flow"): {"steps": steps, "completions": 16, "peak_delta_mib": 1.0, "peak_mib": 1.0},
-           ("grpo", "trl"): None}
-    lines = suite.report("tiny", "cpu", shape, res, "make bench", {"device_name": "cpu (2 cores)"})
-    assert lines and all(" ratio " in ln and "command: make bench" in ln for ln in lines)
-    sft_line = next(ln for ln in lines if "SFT tokens/s" in ln)
-    assert "ratio 2.00x" in sft_line and "target >= 1.5x: met" in sft_line
-    assert any("GRPO step" in ln and "TRL failed" in ln and "ratio n/a" in ln for ln in lines)
-    assert "ratio 2.00x" in next(ln for ln in lines if "SFT peak memory" in ln)
-    assert "tiny" in capsys.readouterr().out
+    return {("sft", "r1flow"): sft, ("sft", "trl"): {**sft, "step_s": [2.0, 2.0], "peak_delta_mib": 200.0},
+            ("grpo", "r1flow"): {"steps": steps, "completions": 16, "peak_delta_mib": 1.0, "peak_mib": 1.0},
+            ("grpo", "trl"): None,
+            ("grpo_long", "r1flow"): {"steps": steps, "completions": 32, "peak_delta_mib": 1.0, "peak_mib": 1.0},
+            ("grpo_long", "trl"): {"steps": [{**steps[0], "total": 6.4}], "completions": 32, "peak_delta_mib": 2.0,
+                                   "peak_mib": 2.0}}
+
+
+def test_report_rows_carry_a_ratio_and_the_target(capsys):
+    shape = common.shape_for("cpu", "smollm2", quick=True)
+    shapes = {"sft": shape, "grpo": shape, "grpo_long": common.grpo_long_shape(shape, "cpu", "smollm2", quick=True)}
+    rows = suite.report("smollm2", "cpu", shapes, _results())
+    assert rows and all(r[3].startswith("ratio ") for r in rows)
+    by_label = {r[0]: r for r in rows}
+    assert by_label["SFT tokens/s"][3] == "ratio 2.00x" and by_label["SFT tokens/s"][4] == ">= 1.5x: met"
+    assert by_label["GRPO 4x4x32 step"][2] == "failed" and by_label["GRPO 4x4x32 step"][3] == "ratio n/a"
+    assert by_label["GRPO 4x8x128 step"][3] == "ratio 4.00x" and by_label["GRPO 4x8x128 step"][4] == ">= 3x: met"
+    assert by_label["SFT peak memory (MiB over start)"][3] == "ratio 2.00x"
+    assert "GRPO 4x8x128 mean completion tokens" in by_label
+    assert "GRPO 4x8x128 step" in capsys.readouterr().out
+    tiny = suite.report("tiny", "cpu", shapes, _results())
+    assert {r[4] for r in tiny if r[0] in ("SFT tokens/s", "GRPO 4x8x128 step")} == {"smoke run"}
+
+
+def test_results_section_states_command_and_environment_once_then_a_table_per_model():
+    shape = common.shape_for("cpu", "smollm2")
+    shapes = {"sft": shape, "grpo": shape, "grpo_long": common.grpo_long_shape(shape, "cpu", "smollm2")}
+    rows = suite.report("smollm2", "cpu", shapes, _results())
+    report = {"env": {"MALLOC_MMAP_THRESHOLD_": "1073741824", "R1FLOW_MALLOC_TUNING": "0"},
+              "in_process_tuning": False, "heap_serves_48MiB": True, "heap_serves_160MiB": True}
+    env = suite.environment_line("tuned", report, {"torch": "2.13", "threads": 2})
+    text = suite.markdown_section('make bench ARGS="--models smollm2"', "cpu (2 cores)", "abc1234", env,
+                                  [(suite.shape_line("smollm2", "cpu", shapes), rows)], when="2026-11-26 08:00 UTC")
+    lines = text.splitlines()
+    assert lines[0] == "## 2026-11-26 08:00 UTC, cpu (2 cores), r1flow abc1234"
+    assert sum("Command: `make bench" in ln for ln in lines) == 1
+    assert sum(ln.startswith("Environment: allocator tuned, the same for r1flow and TRL") for ln in lines) == 1
+    assert "MALLOC_MMAP_THRESHOLD_=1073741824" in text and "4x8x128" in text
+    assert "| measurement | r1flow | TRL | ratio | target |" in lines
+    table = [ln for ln in lines if ln.startswith("| ") and "measurement" not in ln]
+    assert len(table) == len(rows) and all(ln.split(" | ")[3].startswith("ratio ") for ln in table)
 
 
 def test_quick_shapes_shorten_runs_and_keep_grpo_batches_whole():
@@ -89,6 +131,111 @@ def test_quick_shapes_shorten_runs_and_keep_grpo_batches_whole():
         assert (shape.grpo_prompts * shape.grpo_group) % shape.grpo_minibatch == 0
     with pytest.raises(SystemExit):
         common.shape_for("cpu", "1b")
+
+
+def test_the_second_grpo_shape_samples_longer_and_is_cpus_only():
+    base = common.shape_for("cpu", "smollm2")
+    long = common.grpo_long_shape(base, "cpu", "smollm2")
+    assert (long.grpo_prompts, long.grpo_group, long.grpo_new_tokens) == (4, 8, 128)
+    assert (long.grpo_prompts * long.grpo_group) % long.grpo_minibatch == 0 and long.sft_batch == base.sft_batch
+    assert common.grpo_long_shape(base, "cpu", "smollm2", quick=True).grpo_steps == 1
+    assert common.grpo_long_shape(common.shape_for("cuda", "smollm2"), "cuda", "smollm2") is None  # already 16x8x128
+
+
+# ---------------------------------------------------------------------------- the same conditions on both sides
+
+
+def test_every_child_gets_the_same_allocator_variables(monkeypatch, tmp_path):
+    """run_child gives r1flow's and TRL's processes one environment: the mode's variables, r1flow's own
+    in-process tuning off (host_memory then leaves glibc alone), the caller's other variables kept."""
+    import subprocess
+
+    seen = {}
+
+    def fake_run(cmd, env, **kwargs):
+        seen[cmd[cmd.index("--child") + 1]] = env
+        return subprocess.CompletedProcess(cmd, 0, stdout=suite.RESULT_MARK + "{}\n")
+
+    monkeypatch.setattr(suite.subprocess, "run", fake_run)
+    monkeypatch.setenv("SOME_SETTING", "kept")
+    shape = common.shape_for("cpu", "tiny")
+    for mode in ("tuned", "glibc"):
+        for what in ("r1flow:sft", "trl:sft", "r1flow:reference"):
+            suite.run_child(what, "cpu", tmp_path / "prep.json", shape, tmp_path, tmp_path / "log", allocator=mode)
+        assert seen["r1flow:sft"] == seen["trl:sft"] == seen["r1flow:reference"]
+        env = seen["trl:sft"]
+        assert env["SOME_SETTING"] == "kept" and env["R1FLOW_MALLOC_TUNING"] == "0"
+        assert not host_memory.tuning_wanted("cpu", env)
+        malloc = {k: v for k, v in env.items() if k.startswith("MALLOC_")}
+        if mode == "tuned":
+            assert malloc == {"MALLOC_MMAP_THRESHOLD_": str(host_memory.KEEP_BYTES),
+                              "MALLOC_TRIM_THRESHOLD_": str(host_memory.KEEP_BYTES)}
+        else:
+            assert malloc == {}
+
+
+def test_the_callers_own_malloc_settings_are_refused_unless_the_mode_sets_them():
+    tuned = common.ALLOCATOR_MODES["tuned"]
+    assert common.allocator_env("tuned", {"MALLOC_MMAP_THRESHOLD_": tuned["MALLOC_MMAP_THRESHOLD_"]})
+    assert common.allocator_env("glibc", {"GLIBC_TUNABLES": "glibc.cpu.hwcaps=-AVX512F"})["GLIBC_TUNABLES"]
+    assert common.allocator_env("glibc", {"R1FLOW_MALLOC_TUNING": "1"})["R1FLOW_MALLOC_TUNING"] == "0"
+    for mode, environ in (("glibc", {"MALLOC_MMAP_THRESHOLD_": "1073741824"}), ("tuned", {"MALLOC_ARENA_MAX": "2"}),
+                          ("tuned", {"MALLOC_TRIM_THRESHOLD_": "131072"}),
+                          ("glibc", {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=1073741824"})):
+        with pytest.raises(common.UnfairComparison, match="allocator settings in the environment"):
+            common.allocator_env(mode, environ)
+
+
+@glibc_only
+def test_a_mixed_pair_is_refused(monkeypatch):
+    """r1flow tuning glibc in-process (its default outside the suite) against TRL at glibc's defaults: the
+    reports differ, and the suite stops instead of printing a ratio."""
+    for name in ("R1FLOW_MALLOC_TUNING", *host_memory.USER_SETTINGS, "GLIBC_TUNABLES"):
+        monkeypatch.delenv(name, raising=False)
+    with common.AllocatorProbe() as probe, host_memory.reuse_freed_memory("cpu") as kept:
+        pass
+    assert kept and probe.report()["in_process_tuning"] and probe.report()["heap_serves_160MiB"]
+    r1flow = {"allocator": probe.report()}
+    trl = {"allocator": common.allocator_report(False)}
+    assert trl["allocator"]["heap_serves_160MiB"] is False
+    fair = suite.SameConditions()
+    fair.check("smollm2 r1flow:sft", r1flow)
+    with pytest.raises(common.UnfairComparison, match="different allocator settings"):
+        fair.check("smollm2 trl:sft", trl)
+    with pytest.raises(common.UnfairComparison, match="no allocator setting"):
+        suite.SameConditions().check("smollm2 trl:sft", {"step_s": [1.0]})
+
+
+@glibc_only
+@pytest.mark.parametrize("mode", ["tuned", "glibc"])
+def test_child_processes_report_the_same_allocator_on_both_sides(tmp_path, mode):
+    """Real children started as the suite starts them (no training: the report alone; r1flow's through
+    run_stage, where its in-process tuning would act): the same setting, and glibc doing what the mode says
+    with a 160 MiB block (heap and kept once freed when tuned, a fresh mapping at glibc's defaults)."""
+    prep = tmp_path / "prep.json"
+    prep.write_text("{}")
+    shape = common.shape_for("cpu", "tiny")
+    fair = suite.SameConditions()
+    for fw in suite.FRAMEWORKS:
+        out = suite.run_child(f"{fw}:allocator", "cpu", prep, shape, tmp_path, tmp_path / f"{fw}.log",
+                              timeout=300, allocator=mode)
+        assert out is not None, (tmp_path / f"{fw}.log").read_text()
+        fair.check(f"tiny {fw}:allocator", out)
+    alloc = fair.allocator
+    assert alloc["in_process_tuning"] is False and alloc["env"]["R1FLOW_MALLOC_TUNING"] == "0"
+    assert alloc["heap_serves_160MiB"] is (mode == "tuned") and alloc["heap_serves_48MiB"] is (mode == "tuned")
+    assert alloc["heap_keeps_freed_160MiB"] is (True if mode == "tuned" else None)
+    assert json.dumps(alloc)  # goes into the result JSON as it is
+
+
+def test_a_grpo_run_on_other_prompts_than_the_list_is_refused():
+    alloc = {"env": {}, "in_process_tuning": False}
+    listed = [["p1", "p2"], ["p3", "p4"]]
+    fair = suite.SameConditions()
+    assert fair.check("tiny r1flow:grpo", {"allocator": alloc, "step_prompts": listed}, listed)
+    with pytest.raises(common.UnfairComparison, match="not the list both sides read"):
+        fair.check("tiny trl:grpo", {"allocator": alloc, "step_prompts": [["p2", "p1"], ["p3", "p4"]]}, listed)
+    assert fair.check("tiny trl:grpo", None, listed) is None  # a failed run: nothing to compare
 
 
 def test_peak_memory_window_sees_an_allocation():
