@@ -37,6 +37,7 @@ GEN_MARK = "GEN-RESULT "
 LIMITS = {"env": (60, 120), "tests": (90, 180), "grpo/r1flow": (150, 300), "grpo/trl": (180, 300),
           "generation": (150, 180), "sft_dpo/r1flow": (100, 300), "sft_dpo/trl": (100, 300),
           "generation_fp32": (90, 120), "learning": (90, 300)}
+PARTS = ("tests", "grpo", "generation", "sft_dpo", "generation_fp32", "learning")  # in the order they run, after env
 MIN_START_S = 20  # a part is not started with less time than this left
 
 ENV_PROBE = r"""
@@ -327,7 +328,12 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=None,
                     help="seconds after which no part starts (default: 390 on cuda, 900 on cpu)")
     ap.add_argument("--model", default=None, help="benchmark model (default: smollm2-random on cuda, tiny on cpu)")
+    ap.add_argument("--skip", default="", help=f"comma list of parts not to run, e.g. on a second run with little GPU "
+                    f"time left (env always runs): {', '.join(PARTS)}")
     args = ap.parse_args()
+    skip = {p for p in args.skip.split(",") if p}
+    if skip - set(PARTS):
+        ap.error(f"unknown part(s) {sorted(skip - set(PARTS))}; parts: {', '.join(PARTS)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cuda = args.device == "cuda"
@@ -338,13 +344,17 @@ def main() -> None:
     try:
         trl_ok = check.part_env()
         trl_reason = check.summary["parts"]["env"]["numbers"]["trl_side"]
-        check.part_tests()
-        check.part_suite("grpo", ["grpo"], trl_ok, trl_reason, quick=args.quick)
-        check.part_generation("generation", "bf16" if cuda else "fp32")
-        check.part_suite("sft_dpo", ["sft", "dpo"], trl_ok, trl_reason, quick=True)
-        if cuda:
-            check.part_generation("generation_fp32", "fp32")
-        check.part_learning()
+        parts = {"tests": check.part_tests,
+                 "grpo": lambda: check.part_suite("grpo", ["grpo"], trl_ok, trl_reason, quick=args.quick),
+                 "generation": lambda: check.part_generation("generation", "bf16" if cuda else "fp32"),
+                 "sft_dpo": lambda: check.part_suite("sft_dpo", ["sft", "dpo"], trl_ok, trl_reason, quick=True),
+                 "generation_fp32": lambda: check.part_generation("generation_fp32", "fp32") if cuda else None,
+                 "learning": check.part_learning}
+        for name in PARTS:
+            if name in skip:
+                check.record(name, {"status": "skipped", "reason": "--skip"})
+            else:
+                parts[name]()
     finally:
         check.say(f"\ngpu_check done in {time.monotonic() - check.start:.0f} s; summary {out / 'summary.md'}")
         check.say((out / "summary.md").read_text() if (out / "summary.md").is_file() else "(no summary)")
