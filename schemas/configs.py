@@ -355,6 +355,11 @@ class PreferenceOptimizationConfig(TrainingConfig):
     kl_max_new_tokens: int = Field(64, ge=1, description="Tokens sampled per prompt for the KL estimate.")
 
 
+# The clip range below 1 each policy loss uses when epsilon_low is unset: PPO's 0.2 for the ratio-clipping
+# kinds; none for CISPO, whose paper (MiniMax-M1) bounds the importance weight from above only.
+DEFAULT_EPSILON_LOW: dict[str, float | None] = {"token": 0.2, "gspo": 0.2, "cispo": None}
+
+
 class GRPOConfig(MemoryOptions):
     """`grpo` stage: group-relative policy optimisation with verifiable rewards (and variants)."""
 
@@ -428,10 +433,10 @@ class GRPOConfig(MemoryOptions):
 
     @model_validator(mode="after")
     def _eps_low_of_the_policy_loss(self) -> GRPOConfig:
-        # filled in (not left None) for token/gspo so their configs, and cache keys, read as before;
-        # the value is stages.rl.DEFAULT_EPS_LOW's (schemas import no stage code)
-        if self.epsilon_low is None and self.policy_loss != "cispo":
-            self.epsilon_low = 0.2
+        # filled in (not left None) for token/gspo so their configs, and cache keys, read as before
+        default = DEFAULT_EPSILON_LOW[self.policy_loss]
+        if self.epsilon_low is None and default is not None:  # (assigning re-runs this validator)
+            self.epsilon_low = default
         return self
 
     @model_validator(mode="after")

@@ -39,6 +39,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from schemas.configs import DEFAULT_EPSILON_LOW
+
 # ---------------------------------------------------------------------------- advantages
 
 
@@ -209,7 +211,7 @@ def cispo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
     Unlike PPO no token is dropped from the gradient: d loss / d logp = -clip(ratio) * A. The
     weight is clipped whatever the sign of A, so the clip stats count every out-of-range token.
     MiniMax-M1 (https://arxiv.org/abs/2506.13585, eq. 4-5) clips the IS weight from above only:
-    eps_low=None (CISPO's default, `DEFAULT_EPS_LOW`) sets no lower bound; a number restores one.
+    eps_low=None (CISPO's default, `DEFAULT_EPSILON_LOW`) sets no lower bound; a number restores one.
     """
     log_ratio = torch.where(mask, logp - old_logp, torch.zeros_like(logp))
     ratio = torch.exp(log_ratio).detach()
@@ -223,9 +225,6 @@ def cispo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
 
 PolicyLossFn = Callable[[Tensor, Tensor, Tensor, Tensor, float | None, float], Surrogate]
 POLICY_LOSSES: dict[str, PolicyLossFn] = {"token": token_loss, "gspo": gspo_loss, "cispo": cispo_loss}
-# The clip range below 1 each kind uses when none is given: PPO's 0.2 for the ratio-clipping kinds;
-# none for CISPO, whose paper bounds the IS weight from above only.
-DEFAULT_EPS_LOW: dict[str, float | None] = {"token": 0.2, "gspo": 0.2, "cispo": None}
 
 
 def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, kind: str = "token",
@@ -233,7 +232,7 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
     """Per-token clipped policy-gradient loss and clipping stats.
 
     logp, old_logp, mask: (B, T); advantages: (B,) per sequence (broadcast over tokens) or (B, T).
-    eps_low None is the kind's `DEFAULT_EPS_LOW` (0.2 for token and gspo; no lower bound for
+    eps_low None is the kind's `DEFAULT_EPSILON_LOW` (0.2 for token and gspo; no lower bound for
     cispo, which alone accepts None).
     Returns loss (B, T), 0 where mask is 0 (reduce it with `aggregate`), and detached scalar stats:
     clip_low / clip_high, the fraction of masked tokens where the lower / upper clip changed the
@@ -242,7 +241,7 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
     if kind not in POLICY_LOSSES:
         raise ValueError(f"unknown policy loss kind {kind!r}; expected one of {sorted(POLICY_LOSSES)}")
     if eps_low is None:
-        eps_low = DEFAULT_EPS_LOW[kind]
+        eps_low = DEFAULT_EPSILON_LOW[kind]
     if advantages.dim() == 1:
         advantages = advantages[:, None]
     advantages = advantages.detach().to(logp.dtype).expand_as(logp)
