@@ -428,6 +428,11 @@ class GRPOConfig(MemoryOptions):
     eval_every: int = Field(0, ge=0, description="Greedy held-out eval every N steps (0: off).")
     eval_prompts: int = Field(32, ge=1, description="Held-out prompts for the periodic eval.")
     split: Literal["train", "eval"] = Field("train", description="Prompts split to train on.")
+    max_minutes: float = Field(
+        0.0, ge=0, allow_inf_nan=False, description="Wall-clock budget of the training loop in minutes (0: none): "
+        "once a step ends past it, no further step starts; that step is checkpointed and the model saved, so "
+        "`steps` becomes a maximum. Counted from the first step of this attempt (a resumed run gets the budget "
+        "afresh); the number of steps done, and so the output, then depends on the machine's speed.")
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec, description="Processes to train on; each takes "
                                      "prompts_per_step / num_processes whole groups per step.")
 

@@ -55,7 +55,7 @@ from stages.sft import (
     set_lr,
 )
 
-VERSION = "3"  # 3: on a GPU, rollouts sample under the training precision (bf16 autocast), not in fp32. 2: sampler blocks of ceil(sqrt(V)) tokens (generation.BlockRaceSampler): other samples for the same seed
+VERSION = "3"  # (max_minutes, default 0, changes nothing else.) 3: on a GPU, rollouts sample under the training precision (bf16 autocast), not in fp32. 2: sampler blocks of ceil(sqrt(V)) tokens (generation.BlockRaceSampler): other samples for the same seed
 CONFIG = GRPOConfig
 INPUTS = {"model": "model", "prompts": "prompts", "reward_model": "model?"}
 OUTPUTS = {"model": "model"}
@@ -353,6 +353,14 @@ def run(cfg: GRPOConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[st
         ctx.log_metrics(m, step=i + 1)
 
     bar = tqdm(total=cfg.steps, initial=start, desc="grpo", unit="step", disable=not dist.is_main)
+    t_loop, done = time.perf_counter(), start
+
+    def budget_spent(done: int) -> bool:
+        """max_minutes: whether no further step may start; every process stops after the same step."""
+        if not cfg.max_minutes or done >= cfg.steps:
+            return False
+        return dist.sum([float(time.perf_counter() - t_loop >= 60.0 * cfg.max_minutes)])[0] > 0
+
     for step in range(start, cfg.steps):
         t_step = time.perf_counter()
         sync_sampler(step)
@@ -401,6 +409,12 @@ def run(cfg: GRPOConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[st
             history.append(metrics)
             ctx.log_metrics(metrics, step=step + 1)
             bar.update(1)
+            done = step + 1
+            if budget_spent(done):
+                save_checkpoint(ctx.checkpoint_dir, done, model, optimizer,
+                                {"step": done, "history": history, "ref_is_policy": bool(
+                                    cfg.ref_refresh_every and done >= cfg.ref_refresh_every)}, cfg.keep_checkpoints, dist)
+                break
             continue
 
         # ---- advantages and training tensors (a process left without groups still joins every gradient sum)
@@ -509,6 +523,7 @@ def run(cfg: GRPOConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[st
                 ("logprob_gap", "gap"), ("mismatch_kl", "mismatch_kl"), ("tis_weight_mean", "weight_mean"),
                 ("tis_clipped", "clipped"))})
         done = step + 1
+        out_of_time = budget_spent(done)
         if cfg.eval_every and held_out and done % cfg.eval_every == 0:
             sync_sampler(done)  # every rank (a collective under fsdp); rank 0 evaluates
             if dist.is_main:
@@ -516,7 +531,7 @@ def run(cfg: GRPOConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[st
                     backend.sync(model, done)
                 metrics.update(held_out_eval(backend, held_out, cfg, ctx.seed))
         history.append(metrics)
-        if done % cfg.checkpoint_every == 0 or done == cfg.steps:  # every rank: gathered under fsdp, rank 0 writes
+        if done % cfg.checkpoint_every == 0 or done == cfg.steps or out_of_time:  # every rank: gathered under fsdp
             save_checkpoint(ctx.checkpoint_dir, done, model, optimizer,
                             {"step": done, "history": history,
                              "ref_is_policy": bool(cfg.ref_refresh_every and done >= cfg.ref_refresh_every)},
@@ -524,11 +539,15 @@ def run(cfg: GRPOConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[st
         ctx.log_metrics(metrics, step=done)
         bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
         bar.update(1)
+        if out_of_time:
+            ctx.log.info("grpo: the %.4g-minute budget is spent after step %d of %d; saving the model as it is",
+                         cfg.max_minutes, done, cfg.steps)
+            break
     bar.close()
 
     out, model_dir = model_output_dir(ctx, "model")
     merge = cfg.lora.merge or merged_input
-    sync_sampler(cfg.steps)  # fsdp: the final weights, whole, in the sampling copy (a collective)
+    sync_sampler(done)  # fsdp: the final weights, whole, in the sampling copy (a collective)
     if dist.is_main:
         models.save_model(sampler if sampler is not None else model, tokenizer, model_dir, merge=merge)
     is_adapter = is_lora and not merge

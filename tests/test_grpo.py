@@ -106,6 +106,23 @@ def test_resume_after_crash_replays_the_same_steps(tmp_path, tiny_model_input, d
     assert out.metrics["steps"] == 6
 
 
+def test_time_budget_stops_after_the_step_that_spends_it(tmp_path, tiny_model_input, digit_prompts, monkeypatch):
+    """max_minutes: the loop's clock (stubbed: 7.5 s a call) passes 1.5 minutes within the first few steps, the
+    last of them is checkpointed and the model is saved with their history, far short of steps=50."""
+    clock = iter(range(10_000))
+    monkeypatch.setattr(grpo.time, "perf_counter", lambda: 60.0 * next(clock) / 8)  # 7.5 s a call
+    ctx = LocalContext(tmp_path / "budget")
+    cfg = short_is_better(steps=50, max_minutes=1.5)
+    out = grpo.run(cfg, {"model": tiny_model_input, "prompts": digit_prompts}, ctx)["model"]
+    steps = sorted({s for s, m in ctx.metrics if s is not None and "reward/mean" in m})
+    assert 1 <= len(steps) <= 3 and steps == list(range(1, len(steps) + 1))  # a step calls the clock ~10 times
+    assert out.metrics["steps"] == len(steps)
+    assert (ctx.checkpoint_dir / f"step-{len(steps):06d}").is_dir()
+    assert (out.path / "model" / "model.safetensors").exists()
+    with pytest.raises(ValueError, match="max_minutes"):
+        GRPOConfig(max_minutes=float("inf"))
+
+
 # ---------------------------------------------------------------------------- sampler log-probs, process supervision
 
 
