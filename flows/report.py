@@ -21,9 +21,13 @@ MLflow errors propagate; a failed Prefect artifact only logs a warning.
 
 **Model comparison.** Every eval node of a recipe scores its model on the same held-out prompts, so
 `comparison_rows` (pure) makes one row per eval node that ran or was cached and logged `accuracy`:
-eval node, model node, model and eval-output fingerprints, status, accuracy, lenient accuracy,
-pass@k (the k that was logged), format rate, mean length, tokens/s and `<task>/accuracy` for every
-task seen. The report shows them under "Model comparison"; `publish_report` logs them (full
+eval node, model node, model and eval-output fingerprints, status, accuracy and its 95% bootstrap
+interval (`accuracy_ci_low`, `accuracy_ci_high`; `stages.eval` logs them), lenient accuracy, pass@k
+(the k that was logged), format rate, mean length, tokens/s, the eval size (`prompts`) and
+`<task>/accuracy` with its interval for every task seen. Wherever the report shows an eval's
+accuracy (stage table, comparison table, `eval.png`) its interval is next to it, `0.500 [0.363,
+0.637]`; evals logged before r1flow had intervals show the accuracy alone. The report shows the rows
+under "Model comparison"; `publish_report` logs them (full
 fingerprints, with recipe, profile and parent run id) as `report/comparison.json` and
 `report/comparison.csv`, only when there are rows, so a run without evals never hides an earlier
 comparison. Old vs new, by lineage: `previous_comparison` loads `report/comparison.json` of the
@@ -99,8 +103,10 @@ GRPO_CURVES = (("reward/mean", "reward mean"), ("completion/mean_length", "compl
 COMPARISON_JSON = "comparison.json"  # under REPORT_DIR; written by publish_report, read by previous_comparison
 COMPARISON_CSV = "comparison.csv"
 MAX_PREVIOUS_RUNS = 5  # earlier parent runs tried for a comparison.json before giving up
-COMPARISON_COLUMNS = (("accuracy", "accuracy"), ("accuracy_lenient", "lenient acc"), ("pass_at_k", "pass@k"),
-                      ("format_rate", "format rate"), ("mean_length", "mean length"), ("tokens_per_s", "tokens/s"))
+COMPARISON_COLUMNS = (("accuracy", "accuracy [95% CI]"), ("accuracy_lenient", "lenient acc"), ("pass_at_k", "pass@k"),
+                      ("format_rate", "format rate"), ("mean_length", "mean length"), ("tokens_per_s", "tokens/s"),
+                      ("prompts", "prompts"))
+CI_LOW, CI_HIGH = "_ci_low", "_ci_high"  # `<accuracy key><suffix>`: the eval stage's 95% bootstrap interval
 PASS_AT_K = re.compile(r"pass_at_(\d+)")  # full match: `pass_at_1_sampled` and `<task>/pass_at_k` are not it
 TASK_ACCURACY = re.compile(r"(.+)/accuracy")  # full match: not `<task>/accuracy_lenient`
 
@@ -217,15 +223,24 @@ def plot_grpo(curves: dict[str, dict[str, tuple[list[int], list[float]]]]) -> by
 
 
 def plot_eval(rows: list[tuple[str, dict[str, float]]]) -> bytes:
-    """rows: (label, metrics) per eval node; bars of accuracy and, where logged, format rate."""
+    """rows: (label, metrics) per eval node; bars of accuracy (with its 95% interval as an error bar
+    where the metrics have `accuracy_ci_low`/`_high`) and, where logged, format rate."""
     fig, (ax,) = _figure(1, width=max(4.6, 1.4 * len(rows) + 2), height=3.6)
     keys = [k for k in ("accuracy", "format_rate") if any(k in m for _, m in rows)]
     width = 0.8 / len(keys)
     for i, key in enumerate(keys):
         xs = [j + (i - (len(keys) - 1) / 2) * width for j in range(len(rows))]
         values = [m.get(key, 0.0) for _, m in rows]
-        bars = ax.bar(xs, values, width, label=key.replace("_", " "))
-        ax.bar_label(bars, fmt="%.2f", fontsize="small")
+        nan = float("nan")  # no error bar drawn: an eval logged before intervals
+        pairs = list(zip(values, (m for _, m in rows), strict=True))
+        below = [max(0.0, v - m[key + CI_LOW]) if key + CI_LOW in m else nan for v, m in pairs]
+        above = [max(0.0, m[key + CI_HIGH] - v) if key + CI_HIGH in m else nan for v, m in pairs]
+        with_ci = key == "accuracy" and any(math.isfinite(e) for e in above)
+        ax.bar(xs, values, width, yerr=[below, above] if with_ci else None, capsize=4,
+               label=key.replace("_", " ") + (" (95% CI)" if with_ci else ""))
+        for x, v, up in zip(xs, values, above, strict=True):  # above the error bar, not across it
+            ax.annotate(f"{v:.2f}", (x, v + (up if with_ci and math.isfinite(up) else 0.0)), xytext=(0, 2),
+                        textcoords="offset points", ha="center", va="bottom", fontsize="small")
     ax.set_xticks(range(len(rows)), [label for label, _ in rows], fontsize="small")
     ax.set_ylim(0, 1.25)
     ax.set_ylabel("fraction of held-out prompts")
@@ -240,13 +255,34 @@ def _finite(value: float | None) -> float | None:
     return float(value) if value is not None and math.isfinite(value) else None
 
 
+def _is_finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def with_interval(metrics: dict[str, Any], key: str) -> dict[str, float | None]:
+    """`key` and, beside it, `key_ci_low` and `key_ci_high` from metrics (None where missing or not finite)."""
+    return {k: _finite(metrics.get(k)) for k in (key, key + CI_LOW, key + CI_HIGH)}
+
+
+def fmt_interval(metrics: dict[str, Any], key: str) -> str:
+    """`0.500 [0.363, 0.637]`: the value of `key` and its interval; the value alone when the
+    metrics have no (finite) interval, as in evals logged before intervals; "—" when no value."""
+    value, low, high = (metrics.get(k) for k in (key, key + CI_LOW, key + CI_HIGH))
+    if not _is_finite(value):
+        return "—"
+    text = fmt_metric(value)
+    return text + f" [{low:.3f}, {high:.3f}]" if _is_finite(low) and _is_finite(high) else text
+
+
 def comparison_rows(plan: Plan, results: list[StageResult]) -> list[dict[str, Any]]:
     """One row per eval node that ran or was cached and logged `accuracy`, in plan order (pure).
 
     Keys: eval, model, model_output, model_fingerprint, eval_fingerprint, status, mlflow_run_id,
-    accuracy, accuracy_lenient, pass_k and pass_at_k (the largest k logged as `pass_at_<k>`),
-    format_rate, mean_length, tokens_per_s, and `<task>/accuracy` for every task any row has;
-    every row has every key, None where a value is missing or not finite.
+    accuracy, accuracy_ci_low, accuracy_ci_high (its 95% bootstrap interval), accuracy_lenient,
+    pass_k and pass_at_k (the largest k logged as `pass_at_<k>`), format_rate, mean_length,
+    tokens_per_s, prompts (the eval size), and `<task>/accuracy`, `<task>/accuracy_ci_low`,
+    `<task>/accuracy_ci_high` for every task any row has; every row has every key, None where a
+    value is missing or not finite.
     """
     outputs = {r.node: r.outputs for r in results}
     evals = [r for r in results if r.stage == "eval" and r.status != "skipped" and "accuracy" in r.metrics]
@@ -261,8 +297,13 @@ def comparison_rows(plan: Plan, results: list[StageResult]) -> list[dict[str, An
             "model_fingerprint": outputs.get(model, {}).get(output), "eval_fingerprint": next(iter(r.outputs.values()), None),
             "status": r.status, "mlflow_run_id": r.mlflow_run_id, "pass_k": k,
             "pass_at_k": _finite(r.metrics.get(f"pass_at_{k}")) if k else None}
-        row.update({key: _finite(r.metrics.get(key)) for key, _ in COMPARISON_COLUMNS if key != "pass_at_k"})
-        row.update({f"{t}/accuracy": _finite(r.metrics.get(f"{t}/accuracy")) for t in tasks})
+        for key, _ in COMPARISON_COLUMNS:
+            if key == "accuracy":
+                row.update(with_interval(r.metrics, key))
+            elif key != "pass_at_k":
+                row[key] = _finite(r.metrics.get(key))
+        for t in tasks:
+            row.update(with_interval(r.metrics, f"{t}/accuracy"))
         rows.append(row)
     return rows
 
@@ -350,7 +391,7 @@ def comparison_csv(payload: dict[str, Any]) -> str:
 
 
 def _cell(value: Any) -> str:
-    return fmt_metric(value) if isinstance(value, (int, float)) and math.isfinite(value) else "—"
+    return fmt_metric(value) if _is_finite(value) else "—"
 
 
 def comparison_markdown(payload: dict[str, Any], tracker: Tracker) -> list[str]:
@@ -369,11 +410,11 @@ def comparison_markdown(payload: dict[str, Any], tracker: Tracker) -> list[str]:
     def line(label: str, row: dict[str, Any]) -> str:
         cells = []
         for key, _ in COMPARISON_COLUMNS:
-            cell = _cell(row.get(key))
+            cell = fmt_interval(row, key) if key == "accuracy" else _cell(row.get(key))
             if key == "pass_at_k" and not one_k and row.get(key) is not None:
                 cell += f" (k={row.get('pass_k')})"
             cells.append(cell)
-        cells += [_cell(row.get(f"{t}/accuracy")) for t in tasks]
+        cells += [fmt_interval(row, f"{t}/accuracy") for t in tasks]
         fp = row.get("model_fingerprint")
         return f"| {label} | {row.get('model') or '?'} | {fp[:8] if fp else '—'} | " + " | ".join(cells) + " |"
 
@@ -381,7 +422,11 @@ def comparison_markdown(payload: dict[str, Any], tracker: Tracker) -> list[str]:
         md.append(line(row["eval"], row))
         if row["eval"] in before:
             md.append(line(f"↳ previous (run {prev['parent_run_id'][:8]})", before[row["eval"]]))
-    md.append("")
+    md += ["", "Accuracy `a [low, high]`: the 95% percentile bootstrap interval of the accuracy over the eval's "
+           "scored greedy prompts (`prompts` is the eval size); no interval: an eval logged without one. "
+           "Overlapping intervals of two models do not by themselves show that they are equal: both were "
+           "scored on the same prompts, and the gain of one over the other has its own interval, usually "
+           "narrower (paired by prompt: `stages.stats.paired_bootstrap_diff`).", ""]
     if prev is not None:
         link = _link(tracker, prev["parent_run_id"], tracker.experiment_id)
         md.append(f"Rows marked previous: the same eval node in run {link}, whose model had another fingerprint "
@@ -422,7 +467,8 @@ def build_report(plan: Plan, results: list[StageResult], tracker: Tracker, paren
           "| stage | kind | status | seconds | key metrics | MLflow run | outputs |",
           "|---|---|---|---|---|---|---|"]
     for r in results:
-        metrics = ", ".join(f"{k}={fmt_metric(v)}" for k, v in key_metrics(r.stage, r.metrics).items())
+        metrics = ", ".join(f"{k}={fmt_interval(r.metrics, k) if k == 'accuracy' else fmt_metric(v)}"
+                            for k, v in key_metrics(r.stage, r.metrics).items())
         outs = ", ".join(f"{k}:{v[:12]}" for k, v in r.outputs.items())
         sr = runs[r.node]
         link = "—"
@@ -476,10 +522,11 @@ def _plots(results: list[StageResult], runs: dict[str, StageRuns | None], tracke
     if grpo:
         grpo = {k: grpo[k] for k, _ in GRPO_CURVES if k in grpo}
         images.append(("grpo.png", "GRPO reward mean and completion length over steps", plot_grpo(grpo)))
-    bars = [(f"{r['eval']}\n({r['model']})", {k: r[k] for k in ("accuracy", "format_rate") if r[k] is not None})
-            for r in comparison]
+    shown = ("accuracy", "accuracy" + CI_LOW, "accuracy" + CI_HIGH, "format_rate")
+    bars = [(f"{r['eval']}\n({r['model']}, {r['prompts']:.0f} prompts)" if r.get("prompts") else
+             f"{r['eval']}\n({r['model']})", {k: r[k] for k in shown if r.get(k) is not None}) for r in comparison]
     if any(m for _, m in bars):
-        images.append(("eval.png", "eval accuracy and format rate per model", plot_eval(bars)))
+        images.append(("eval.png", "eval accuracy (95% CI) and format rate per model", plot_eval(bars)))
     return images
 
 
@@ -645,7 +692,7 @@ def register_models(plan: Plan, results: list[StageResult], tracker: Tracker,
         version = reg.versions.get(f"{node}.{output}")
         if r is None or version is None or "accuracy" not in r.metrics:
             continue
-        for key in ("accuracy", "format_rate"):
+        for key in ("accuracy", "accuracy" + CI_LOW, "accuracy" + CI_HIGH, "format_rate"):
             if key in r.metrics:
                 client.set_model_version_tag(name, version, f"r1flow.eval.{eval_node}.{key}", str(r.metrics[key]))
         candidates.append((r.metrics["accuracy"], r.metrics.get("format_rate", 0.0), order[node], version))

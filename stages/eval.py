@@ -4,7 +4,9 @@ Writes one `eval` dataset (a row per completion) and summary metrics: accuracy (
 must be in the <answer> block or a \\boxed{}), accuracy_lenient (else the last number counts, so a
 base model that has not learnt the format is measured fairly), pass@k
 (unbiased estimator over the sampled completions), format rate, mean completion length,
-generation throughput, and the same per task.
+generation throughput, and the same per task. Each accuracy comes with a 95% percentile bootstrap
+interval over the scored greedy prompts (`accuracy_ci_low`, `accuracy_ci_high`, and per task;
+`stages.stats.bootstrap_ci`, seed `CI_SEED`), so a reader can tell a gain from eval noise.
 """
 
 from __future__ import annotations
@@ -20,11 +22,15 @@ from schemas.errors import SchemaError
 from stages.base import Input, Output, StageContext, seed_everything, write_dataset
 from stages.generation import generate
 from stages.rewards import pass_at_k, score
+from stages.stats import bootstrap_ci
 
-VERSION = "3"  # 3: sampler blocks of ceil(sqrt(V)) tokens (generation.BlockRaceSampler): other samples for the same seed; 2: correct_lenient column and accuracy_lenient metric
+VERSION = "4"  # 4: accuracy_ci_low/accuracy_ci_high metrics (95% bootstrap), overall and per task; 3: sampler blocks of ceil(sqrt(V)) tokens (generation.BlockRaceSampler): other samples for the same seed; 2: correct_lenient column and accuracy_lenient metric
 CONFIG = EvalConfig
 INPUTS = {"model": "model", "prompts": "prompts"}
 OUTPUTS = {"results": "eval"}
+CI_CONFIDENCE = 0.95
+CI_SEED = 0  # fixed, not the run's seed: the same rows always give the same interval
+PER_TASK = ("accuracy", "accuracy_ci_low", "accuracy_ci_high", "accuracy_lenient", "format_rate", "mean_length")
 
 
 def select_prompts(table: pa.Table, split: str, max_prompts: int) -> list[dict]:
@@ -48,6 +54,8 @@ def summarize(rows: list[dict], k: int) -> dict[str, float]:
     out: dict[str, float] = {}
     if greedy:
         out["accuracy"] = float(np.mean([r["correct"] for r in scored])) if scored else float("nan")
+        out["accuracy_ci_low"], out["accuracy_ci_high"] = bootstrap_ci(  # (nan, nan) when nothing was scored
+            [float(r["correct"]) for r in scored], confidence=CI_CONFIDENCE, seed=CI_SEED)
         out["accuracy_lenient"] = float(np.mean([r["correct_lenient"] for r in scored])) if scored else float("nan")
         out["format_rate"] = float(np.mean([r["format_ok"] for r in greedy]))
         out["mean_length"] = float(np.mean([r["num_tokens"] for r in greedy]))
@@ -101,7 +109,7 @@ def run(cfg: EvalConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[st
     metrics = summarize(rows, cfg.pass_k)
     for task in sorted({r["task"] for r in rows}):
         for name, value in summarize([r for r in rows if r["task"] == task], cfg.pass_k).items():
-            if name in ("accuracy", "accuracy_lenient", "format_rate", "mean_length") or name.startswith("pass_at_"):
+            if name in PER_TASK or name.startswith("pass_at_"):
                 metrics[f"{task}/{name}"] = value
     metrics["tokens_per_s"] = new_tokens / seconds if seconds else 0.0
     metrics["prompts"] = float(len(prompts))

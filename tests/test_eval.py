@@ -1,6 +1,7 @@
 """eval: summary metrics on literal rows (hand-computed), prompt selection, and the stage on the tiny model."""
 
 import json
+import math
 
 import pytest
 
@@ -8,6 +9,7 @@ from schemas.configs import EvalConfig
 from schemas.datasets import from_rows
 from stages import eval as eval_stage
 from stages.base import LocalContext, write_dataset
+from stages.stats import bootstrap_ci
 from tests.conftest import fake_input
 
 
@@ -19,7 +21,8 @@ def row(pid, mode, correct, fmt=True, n=10, finish="stop", task="t", i=0, lenien
 
 def test_summarize_hand_computed():
     """greedy: 3 rows, correct [T, F, None] → accuracy 1/2 over the 2 scored, 1 unscored (lenient
-    [T, T] → 1); format
+    [T, T] → 1); its bootstrap interval over [1, 0]: a resample's mean is 0, 1/2 or 1 with
+    probability 1/4, 1/2, 1/4, so the 2.5% and 97.5% quantiles are 0 and 1; format
     [T, T, F] → 2/3; lengths 10, 20, 30 → 20; one truncated → 1/3.
     sampled, k=2: prompt a has 1 of 2 correct → pass@2 = 1, pass@1 = 0.5; prompt b 0 of 2 → 0, 0.
     means: pass@2 = 0.5, pass@1 = 0.25."""
@@ -29,6 +32,7 @@ def test_summarize_hand_computed():
             row("b", "sampled", False, i=0), row("b", "sampled", False, i=1)]
     m = eval_stage.summarize(rows, k=2)
     assert m["accuracy"] == pytest.approx(0.5)
+    assert (m["accuracy_ci_low"], m["accuracy_ci_high"]) == (0.0, 1.0)
     assert m["accuracy_lenient"] == pytest.approx(1.0)  # b's answer was right, outside the answer block
     assert m["unscored"] == 1
     assert m["format_rate"] == pytest.approx(2 / 3)
@@ -36,6 +40,27 @@ def test_summarize_hand_computed():
     assert m["truncated_rate"] == pytest.approx(1 / 3)
     assert m["pass_at_2"] == pytest.approx(0.5)
     assert m["pass_at_1_sampled"] == pytest.approx(0.25)
+
+
+def test_summarize_interval_is_over_the_scored_greedy_rows_only():
+    """40 greedy rows: 30 correct, 6 wrong, 4 unscored; sampled rows (all wrong) do not count. The
+    interval is the bootstrap of the 36 scored values with the fixed seed: the same for the same
+    rows, around 30/36 = 0.833 with half-width about 1.96 * sqrt(0.833 * 0.167 / 36) = 0.12."""
+    rows = ([row(f"c{i}", "greedy", True) for i in range(30)] + [row(f"w{i}", "greedy", False) for i in range(6)]
+            + [row(f"u{i}", "greedy", None) for i in range(4)] + [row("c0", "sampled", False, i=i) for i in range(4)])
+    m = eval_stage.summarize(rows, k=2)
+    assert m["accuracy"] == pytest.approx(30 / 36)
+    low, high = m["accuracy_ci_low"], m["accuracy_ci_high"]
+    assert (low, high) == bootstrap_ci([1.0] * 30 + [0.0] * 6, confidence=0.95, seed=eval_stage.CI_SEED)
+    assert low < 30 / 36 < high
+    assert (high - low) / 2 == pytest.approx(1.96 * math.sqrt(30 / 36 * 6 / 36 / 36), abs=0.02)
+    assert eval_stage.summarize(rows, k=2) == m  # pure: the same rows, the same interval
+    only_scored = eval_stage.summarize(rows[:36], k=0)
+    assert (only_scored["accuracy_ci_low"], only_scored["accuracy_ci_high"]) == (low, high)  # unscored rows count for nothing
+
+    none_scored = eval_stage.summarize([row("u", "greedy", None)], k=0)
+    assert math.isnan(none_scored["accuracy_ci_low"]) and math.isnan(none_scored["accuracy_ci_high"])
+    assert eval_stage.summarize([row("a", "greedy", True)] * 5, k=0)["accuracy_ci_low"] == 1.0
 
 
 def test_select_prompts_round_robin_over_tasks():
@@ -57,8 +82,12 @@ def test_eval_stage_on_tiny_model(tmp_path, tiny_model_input):
     out = eval_stage.run(cfg, {"model": tiny_model_input, "prompts": fake_input(data.path, "dataset", "prompts")},
                          ctx)["results"]
     assert out.rows == 6 + 2 * 3
-    for key in ("accuracy", "format_rate", "mean_length", "pass_at_3", "tokens_per_s", "math/accuracy", "other/accuracy"):
+    for key in ("accuracy", "accuracy_ci_low", "accuracy_ci_high", "format_rate", "mean_length", "pass_at_3",
+                "tokens_per_s", "math/accuracy", "other/accuracy", "math/accuracy_ci_low", "other/accuracy_ci_high"):
         assert key in out.metrics, key
+    for prefix in ("", "math/", "other/"):
+        m = out.metrics
+        assert m[f"{prefix}accuracy_ci_low"] <= m[f"{prefix}accuracy"] <= m[f"{prefix}accuracy_ci_high"], prefix
     assert 1 <= out.metrics["mean_length"] <= 8
     again = eval_stage.run(cfg, {"model": tiny_model_input, "prompts": fake_input(data.path, "dataset", "prompts")},
                            LocalContext(tmp_path / "run2"))["results"]

@@ -70,8 +70,12 @@ def fp(name: str) -> str:
 
 def sft_eval_results(tracker: Tracker, parent: str, *, sft_fp: str = "sft-1", acc_base: float = 0.25,
                      acc_sft: float = 0.5, loss: list[float] | None = (2.0, 1.5, 1.2, 1.0)) -> list[StageResult]:
-    """A first run of sft-eval: every stage ran; sft logged a loss curve (unless loss is None)."""
-    ev = {"eval_base": {"accuracy": acc_base, "format_rate": 0.1}, "eval_sft": {"accuracy": acc_sft, "format_rate": 0.9}}
+    """A first run of sft-eval: every stage ran; sft logged a loss curve (unless loss is None).
+    eval_sft logged its accuracy's interval (acc_sft ± 0.1) and eval size; eval_base did not, as an
+    eval from before intervals."""
+    ev = {"eval_base": {"accuracy": acc_base, "format_rate": 0.1},
+          "eval_sft": {"accuracy": acc_sft, "accuracy_ci_low": acc_sft - 0.1, "accuracy_ci_high": acc_sft + 0.1,
+                       "format_rate": 0.9, "prompts": 64.0}}
     out = []
     for node, stage, outputs in [("base", "import_model", {"model": fp("base")}),
                                  ("prompts", "prompts", {"prompts": fp("prompts")}),
@@ -111,10 +115,17 @@ def test_report_has_one_row_per_stage_with_status_and_link_and_plots_with_data(t
     for r in results:
         assert rows[r.node][2] == "run"
         assert f"(#/experiments/{tracker.experiment_id}/runs/{r.mlflow_run_id})" in rows[r.node][5]
-    assert "final_loss=1" in rows["sft"][4] and "accuracy=0.500" in rows["eval_sft"][4]
+    assert "final_loss=1" in rows["sft"][4] and "accuracy=0.500 [0.400, 0.600], format_rate" in rows["eval_sft"][4]
+    assert "accuracy=0.250, format_rate" in rows["eval_base"][4]  # no interval logged: the accuracy alone
     assert "mlflow ui --backend-store-uri" in report.markdown  # local store: how to open the links
-    # the comparison table names the model and its fingerprint; unlogged metrics are dashes
-    assert f"| eval_sft | sft | {fp('sft-1')[:8]} | 0.500 | — | — | 0.900 | — | — |" in report.markdown
+    # the comparison table names the model and its fingerprint, the accuracy with its interval and the
+    # eval size; unlogged metrics are dashes
+    assert "| eval | model | model fp | accuracy [95% CI] | lenient acc | pass@k | format rate | mean length | " \
+           "tokens/s | prompts |" in report.markdown
+    assert f"| eval_sft | sft | {fp('sft-1')[:8]} | 0.500 [0.400, 0.600] | — | — | 0.900 | — | — | 64 |\n" \
+        in report.markdown
+    assert f"| eval_base | base | {fp('base')[:8]} | 0.250 | — | — | 0.100 | — | — | — |\n" in report.markdown
+    assert "95% percentile bootstrap interval" in report.markdown and "eval size" in report.markdown
     assert "↳ previous" not in report.markdown and "Compared with run" not in report.markdown  # no earlier run
     names = [n for n, _ in report.images]
     assert names == ["training_loss.png", "eval.png"]  # no GRPO stage: no GRPO plot
@@ -174,13 +185,15 @@ def test_publish_logs_report_and_pngs_to_mlflow_outside_prefect(tracker, tmp_pat
     data = json.loads(open(tracker.client.download_artifacts(parent, "report/comparison.json", str(tmp_path))).read())
     assert (data["recipe"], data["profile"], data["parent_run_id"]) == ("sft-eval", "tiny", parent)
     assert data["previous"] is None
-    assert [(r["eval"], r["model"], r["model_fingerprint"], r["accuracy"]) for r in data["rows"]] == [
-        ("eval_base", "base", fp("base"), 0.25), ("eval_sft", "sft", fp("sft-1"), 0.5)]
+    assert [(r["eval"], r["model"], r["model_fingerprint"], r["accuracy"], r["accuracy_ci_low"], r["accuracy_ci_high"],
+             r["prompts"]) for r in data["rows"]] == [
+        ("eval_base", "base", fp("base"), 0.25, None, None, None), ("eval_sft", "sft", fp("sft-1"), 0.5, 0.4, 0.6, 64.0)]
     with open(tracker.client.download_artifacts(parent, "report/comparison.csv", str(tmp_path))) as f:
         lines = list(csv.DictReader(f))
-    assert [(r["parent_run_id"], r["eval"], r["model_fingerprint"], r["accuracy"], r["format_rate"], r["pass_at_k"])
-            for r in lines] == [(parent, "eval_base", fp("base"), "0.25", "0.1", ""),
-                                (parent, "eval_sft", fp("sft-1"), "0.5", "0.9", "")]
+    assert [(r["parent_run_id"], r["eval"], r["model_fingerprint"], r["accuracy"], r["accuracy_ci_low"],
+             r["accuracy_ci_high"], r["format_rate"], r["pass_at_k"], r["prompts"]) for r in lines] == [
+        (parent, "eval_base", fp("base"), "0.25", "", "", "0.1", "", ""),
+        (parent, "eval_sft", fp("sft-1"), "0.5", "0.4", "0.6", "0.9", "", "64.0")]
 
 
 def test_comparison_rows_on_literal_results():
@@ -189,9 +202,11 @@ def test_comparison_rows_on_literal_results():
     plan = load_plan("sft-eval", "tiny")
     base = {"accuracy": 0.25, "accuracy_lenient": float("nan"), "format_rate": 0.5, "mean_length": 40.0,
             "tokens_per_s": 120.0, "arith/accuracy": 0.2, "arith/accuracy_lenient": 0.3, "arith/pass_at_4": 0.9}
-    sft = {"accuracy": 0.5, "accuracy_lenient": 0.6, "pass_at_4": 0.75, "pass_at_1_sampled": 0.3,
-           "format_rate": 1.0, "mean_length": 30.0, "tokens_per_s": 100.0, "arith/accuracy": 0.4,
-           "count/accuracy": 0.8, "prompts": 10.0}
+    sft = {"accuracy": 0.5, "accuracy_ci_low": 0.2, "accuracy_ci_high": 0.8, "accuracy_lenient": 0.6,
+           "pass_at_4": 0.75, "pass_at_1_sampled": 0.3, "format_rate": 1.0, "mean_length": 30.0, "tokens_per_s": 100.0,
+           "arith/accuracy": 0.4, "arith/accuracy_ci_low": 0.0, "arith/accuracy_ci_high": 0.8,
+           "count/accuracy": 0.8, "count/accuracy_ci_low": float("nan"), "count/accuracy_ci_high": float("nan"),
+           "prompts": 10.0}
     results = [StageResult("base", "import_model", "cached", 0.0, "", {"model": fp("base")}, {}, "r0"),
                StageResult("prompts", "prompts", "cached", 0.0, "", {"prompts": fp("prompts")}, {}, "r1"),
                StageResult("sft", "sft", "run", 1.0, "", {"model": fp("sft")}, {}, "r2"),
@@ -208,6 +223,12 @@ def test_comparison_rows_on_literal_results():
     assert (b["accuracy"], b["accuracy_lenient"], b["format_rate"], b["mean_length"], b["tokens_per_s"]) == (
         0.25, None, 0.5, 40.0, 120.0)
     assert (b["arith/accuracy"], b["count/accuracy"], s["arith/accuracy"], s["count/accuracy"]) == (0.2, None, 0.4, 0.8)
+    # intervals: beside their accuracy; an eval logged without them (base) or with NaN ones (count) has None
+    assert (s["accuracy_ci_low"], s["accuracy_ci_high"], b["accuracy_ci_low"], b["accuracy_ci_high"]) == (
+        0.2, 0.8, None, None)
+    assert (s["arith/accuracy_ci_low"], s["arith/accuracy_ci_high"], s["count/accuracy_ci_low"]) == (0.0, 0.8, None)
+    assert (s["prompts"], b["prompts"]) == (10.0, None)
+    assert list(s)[list(s).index("accuracy"):][:3] == ["accuracy", "accuracy_ci_low", "accuracy_ci_high"]
     assert set(b) == set(s) and not any(k.endswith(("accuracy_lenient", "pass_at_4")) and "/" in k for k in b)
 
     skipped = [dataclasses.replace(r, status="skipped") if r.node == "eval_base" else r for r in results]
@@ -257,8 +278,8 @@ def test_rerun_with_changed_model_shows_the_previous_row_for_that_eval_only(trac
     table = comparison_table(report.markdown)
     assert [row[:4] for row in table] == [
         ["eval_base", "base", fp("base")[:8], "0.250"],
-        ["eval_sft", "sft", fp("v2-sft")[:8], "0.100"],
-        [f"↳ previous (run {p1[:8]})", "sft", fp("sft-1")[:8], "0.500"]]  # the old numbers, right below
+        ["eval_sft", "sft", fp("v2-sft")[:8], "0.100 [0.000, 0.200]"],
+        [f"↳ previous (run {p1[:8]})", "sft", fp("sft-1")[:8], "0.500 [0.400, 0.600]"]]  # the old numbers, right below
     assert table[2][6] == "0.900"  # format rate of the old sft
     assert f"the same eval node in run [{p1[:8]}](" in report.markdown and "changed upstream config" in report.markdown
     prev = report.comparison["previous"]
@@ -290,6 +311,31 @@ def test_rerun_with_changed_model_shows_the_previous_row_for_that_eval_only(trac
     p4 = parent_run(tracker, plan, "run-4")
     tracker.end(p4)  # finished without evals: the one try is spent on it
     assert previous_comparison(tracker, plan, parent_run(tracker, plan, "run-5")) is None
+
+
+def test_previous_rows_from_before_intervals_show_the_accuracy_alone(tracker):
+    """A previous run's comparison.json written before intervals and the eval size existed has no
+    accuracy_ci_*, <task>/accuracy_ci_* or prompts keys: its row renders with the accuracy alone,
+    and the CSV leaves those cells empty."""
+    now = {"eval": "eval_sft", "model": "sft", "model_fingerprint": fp("new"), "accuracy": 0.5,
+           "accuracy_ci_low": 0.375, "accuracy_ci_high": 0.625, "accuracy_lenient": None, "pass_k": 4,
+           "pass_at_k": 0.75, "format_rate": 0.9, "mean_length": 30.0, "tokens_per_s": 100.0, "prompts": 64.0,
+           "arith/accuracy": 0.25, "arith/accuracy_ci_low": 0.125, "arith/accuracy_ci_high": 0.375}
+    old = {"eval": "eval_sft", "model": "sft", "model_fingerprint": fp("old"), "accuracy": 0.375,
+           "accuracy_lenient": 0.5, "pass_k": 4, "pass_at_k": 0.5, "format_rate": 0.8, "mean_length": 40.0,
+           "tokens_per_s": 90.0, "arith/accuracy": 0.125}
+    payload = {"recipe": "sft-eval", "profile": "tiny", "parent_run_id": "p2" * 16, "rows": [now],
+               "previous": {"parent_run_id": "p1" * 16, "rows": [old]}}
+    from flows.report import comparison_csv, comparison_markdown
+
+    md = "\n".join(comparison_markdown(payload, tracker))
+    assert "| accuracy [95% CI] | lenient acc | pass@4 | format rate | mean length | tokens/s | prompts | acc: arith |" in md
+    assert (f"| eval_sft | sft | {fp('new')[:8]} | 0.500 [0.375, 0.625] | — | 0.750 | 0.900 | 30 | 100 | 64 "
+            "| 0.250 [0.125, 0.375] |") in md
+    assert f"| ↳ previous (run p1p1p1p1) | sft | {fp('old')[:8]} | 0.375 | 0.500 | 0.500 | 0.800 | 40 | 90 | — | 0.125 |" in md
+    lines = list(csv.DictReader(comparison_csv(payload).splitlines()))
+    assert [(r["accuracy"], r["accuracy_ci_low"], r["accuracy_ci_high"], r["prompts"], r["arith/accuracy_ci_low"])
+            for r in lines] == [("0.5", "0.375", "0.625", "64.0", "0.125"), ("0.375", "", "", "", "")]
 
 
 def test_prefect_artifact_failure_only_warns(tracker, monkeypatch, caplog):
@@ -338,6 +384,8 @@ def test_registry_versions_aliases_and_cached_rerun(tracker, tmp_path):
     assert final.source == str((tmp_path / "store" / "artifacts" / fp("sft-1")).resolve())
     assert final.run_id == next(r.mlflow_run_id for r in first if r.node == "sft")
     assert final.tags["r1flow.eval.eval_sft.accuracy"] == "0.5"
+    assert (final.tags["r1flow.eval.eval_sft.accuracy_ci_low"], final.tags["r1flow.eval.eval_sft.accuracy_ci_high"]) == (
+        "0.4", "0.6")
     assert str(client.get_model_version_by_alias(name, CHAMPION_ALIAS).version) == "2"
 
     # a fully cached re-run: same fingerprints, no new versions
