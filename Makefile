@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup run test lint clean bench bench-setup gpu-wheels
+.PHONY: setup run test lint clean bench bench-setup gpu-wheels learn
 
 setup: $(VENV)/.installed
 
@@ -48,6 +48,11 @@ $(BENCH_VENV)/.installed: benchmarks/requirements.txt pyproject.toml
 
 bench: bench-setup
 	R1FLOW_BENCH_COMMAND='make bench ARGS="$(ARGS)"' $(BENCH_PY) benchmarks/suite.py $(ARGS)
+
+# Learning efficacy against TRL (benchmarks/learning.py): GRPO from one start model for the same steps and the same
+# wall-clock (20 minutes a side on a CPU), every model evaluated by r1flow's eval stage; a table and a plot.
+learn: bench-setup
+	R1FLOW_BENCH_COMMAND='make learn ARGS="$(ARGS)"' $(BENCH_PY) benchmarks/learning.py $(ARGS)
 
 # What a lent GPU machine lacks (pydantic, datasets, TRL, reasoning-gym, ... as cp312 wheels in .whl/) and SmolLM2's
 # config and tokenizer (.gpu/), both git-ignored and carried there; fails if more than 60 MiB would travel.

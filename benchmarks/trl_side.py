@@ -233,3 +233,85 @@ def versions() -> dict[str, str]:
     import trl
 
     return {"trl": trl.__version__, "transformers": transformers.__version__, "torch": torch.__version__}
+
+
+# ---------------------------------------------------------------------------- GRPO learning (benchmarks/learning.py)
+
+
+def run_grpo_learning(plan, prep: dict, work: Path) -> dict:
+    """TRL's GRPOTrainer on `learning.py`'s plan: the same start model, prompts (in r1flow's order, read
+    unshuffled), reward (r1flow's scorer with the plan's RewardSpec), LoRA, group size, prompts per step,
+    max tokens, temperature, learning rate and beta; the same budget rule (no step starts once `plan.minutes`
+    of training are spent, counted from the trainer's first step) and the same snapshots."""
+    import pyarrow.parquet as pq
+    from datasets import Dataset
+    from peft import LoraConfig
+    from trl import GRPOConfig, GRPOTrainer
+
+    from benchmarks.learning import Snapshots
+    from schemas.artifacts import DATA_FILE
+    from schemas.configs import LoraSpec
+
+    spec = RewardSpec(**plan.reward)
+    pending: list[tuple[float, float]] = []  # (mean reward, accuracy) of each scored generation batch
+
+    def reward(prompts, completions, completion_ids, **columns):
+        out, correct = [], []
+        for i, completion in enumerate(completions):
+            text = completion[-1]["content"] if isinstance(completion, list) else completion
+            row = {k: columns[k][i] for k in ("id", "answer", "task", "verifier", "split", "metadata")}
+            row["messages"] = prompts[i]
+            v = score(row, text, spec, num_tokens=len(completion_ids[i]))
+            out.append(v.reward if v.reward is not None else 0.0)  # r1flow's stage: an unscored completion gets 0
+            correct.append(float(bool(v.correct)))
+        pending.append((sum(out) / len(out), sum(correct) / len(correct)))
+        return out
+
+    snaps = Snapshots(plan, work / "snapshots", None)
+    curve: list[dict] = []
+
+    class Budget(TrainerCallback):
+        t0 = 0.0
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            elapsed = time.perf_counter() - self.t0
+            r, acc = pending[-1] if pending else (float("nan"), float("nan"))
+            pending.clear()
+            curve.append({"step": state.global_step, "elapsed_s": elapsed, "reward": r, "accuracy": acc})
+            snaps.after_step(model, state.global_step, elapsed)
+            if elapsed >= 60.0 * plan.minutes:
+                control.should_training_stop = True
+
+    n = plan.prompts_per_step * plan.group_size
+    mb = min(plan.minibatch_size, n)
+    if n % mb:
+        raise SystemExit(f"learning: prompts x group ({n}) must be a multiple of the minibatch ({mb})")
+    cuda = plan.device.startswith("cuda")
+    args = GRPOConfig(output_dir=str(work / "trl-grpo"), max_steps=plan.max_steps, learning_rate=plan.learning_rate,
+                      lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
+                      gradient_checkpointing=False, bf16=cuda, fp16=False, use_cpu=not cuda, report_to=[],
+                      save_strategy="no", logging_strategy="no", disable_tqdm=True, push_to_hub=False, seed=0,
+                      dataloader_num_workers=0, per_device_train_batch_size=mb, gradient_accumulation_steps=n // mb,
+                      num_generations=plan.group_size, max_completion_length=plan.max_new_tokens,
+                      temperature=plan.temperature, top_p=1.0, top_k=0, beta=plan.beta, num_iterations=1,
+                      epsilon=0.2, loss_type="grpo", scale_rewards="group", use_vllm=False, log_completions=False,
+                      shuffle_dataset=False)
+    by_id = {r["id"]: r for r in pq.read_table(Path(prep["prompts"]["path"]) / DATA_FILE).to_pylist()}
+    rows = [by_id[i] for step in prep["step_prompts"] for i in step]
+    data = Dataset.from_list([{"prompt": r["messages"], **{k: r[k] for k in ("id", "answer", "task", "verifier",
+                                                                              "split", "metadata")}} for r in rows])
+    model, tokenizer = models.load_model(prep["start_dir"])
+    lora = LoraSpec(r=plan.lora_r, alpha=2 * plan.lora_r)  # as learning.grpo_config gives r1flow's side
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data, processing_class=tokenizer,
+                          callbacks=[Budget()],
+                          peft_config=LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                                                 target_modules=lora.target_modules, task_type="CAUSAL_LM"))
+    trainer.train()
+    final = work / "final"
+    trainer.model.save_pretrained(str(final))
+    return {"curve": curve, "snapshots": snaps.saved, "steps": len(curve),
+            "train_s": curve[-1]["elapsed_s"] if curve else 0.0, "final": str(final), "final_kind": "adapter",
+            "versions": versions()}

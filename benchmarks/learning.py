@@ -1,0 +1,720 @@
+"""Learning efficacy, r1flow vs TRL: how much better GRPO makes one model, at equal steps and at equal wall-clock.
+
+    make learn                                   # SmolLM2-135M, 20 minutes a side on the CPU
+    make learn ARGS="--minutes 5 --device cuda"  # a lent GPU
+    .venv/bin/python benchmarks/learning.py --model tiny --quick --sides r1flow   # the CI smoke run
+
+What it does, each part in its own process under one environment (`suite.child_env`: the same threads,
+allocator variables and offline flags for every child):
+
+1. **Start model** (`prep`, cached in the work dir by its settings): SmolLM2-135M-Instruct after a short
+   R1-format cold start made by r1flow's own stages: `rejection_sampling` (read leniently, rewritten into
+   <think>/<answer>) and a LoRA `sft`, merged. Both sides start from this HF directory.
+2. **Task**: reasoning-gym `basic_arithmetic` (train and held-out prompts) at `--task` difficulty, and
+   `chain_sum` as a transfer task nothing trains on.
+3. **GRPO on both sides** with the same hyper-parameters (`Plan`: reward, group size, prompts per step,
+   max tokens, temperature, learning rate, LoRA, beta, the same prompts in the same order) for
+   `--minutes` of training each (model loading excluded on both: the clock starts when the trainer
+   starts its first step; a side stops after the first step that ends past the budget). TRL runs first;
+   r1flow saves its policy after as many steps as TRL did (equal steps) and runs on to the budget
+   (equal wall-clock). Both save snapshots at fixed fractions of the budget for the learning curve.
+4. **One evaluator** for every model, r1flow's `eval` stage: greedy, strict accuracy (the answer in the
+   <answer> block) and format rate, on `--eval-prompts` held-out basic_arithmetic prompts and
+   `--transfer-prompts` chain_sum prompts; snapshots on the first `--curve-prompts` of them. Each
+   accuracy gets a 95% bootstrap interval, and each gain over the start a paired one (the same prompts).
+5. A table (stdout and `--markdown`), the raw numbers (`--json`, default in the work dir) and a plot of
+   held-out accuracy and training reward against wall-clock minutes for both sides (`--plot`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import importlib.util
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import CACHE_DIR, MODEL_REFS, SEED, ensure_model_dir  # noqa: E402
+
+RESULT_MARK = "LEARN-RESULT "
+SIDES = ("trl", "r1flow")
+TASK = "basic_arithmetic"
+TRANSFER = "chain_sum"
+GAIN_TARGET = 2.0  # r1flow's held-out gain at equal wall-clock over TRL's (issue 26)
+
+
+@dataclass
+class Plan:
+    """Everything both sides share, and what the start model and the prompts are made of."""
+
+    model: str = "smollm2"
+    device: str = "cpu"
+    minutes: float = 20.0
+    max_steps: int = 2000  # a cap; the budget ends a run first
+    # the task: reasoning-gym options of basic_arithmetic (train + held out) and chain_sum (held out only)
+    task: dict = field(default_factory=lambda: {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2})
+    transfer: dict = field(default_factory=lambda: {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2})
+    train_prompts: int = 1024
+    eval_prompts: int = 256
+    transfer_prompts: int = 256
+    curve_prompts: int = 128
+    curve_points: int = 3  # snapshots at 1/(n+1) .. n/(n+1) of the budget
+    # the cold start (0 steps: the imported model is the start, e.g. the tiny random model)
+    cold_prompts: int = 256
+    cold_samples: int = 4
+    cold_steps: int = 40
+    cold_learning_rate: float = 1e-3
+    # GRPO hyper-parameters, both sides
+    prompts_per_step: int = 4
+    group_size: int = 8
+    minibatch_size: int = 16
+    max_new_tokens: int = 96
+    temperature: float = 1.0
+    learning_rate: float = 2e-4
+    lora_r: int = 16
+    beta: float = 0.0
+    reward: dict = field(default_factory=lambda: {"weights": {"accuracy": 1.0, "format": 0.5}})
+    eval_batch: int = 64
+    # r1flow-only settings beyond the shared ones (GRPOConfig fields), reported with the results
+    r1flow_extra: dict = field(default_factory=dict)
+
+    def prep_key(self) -> str:
+        keys = ("model", "task", "transfer", "train_prompts", "eval_prompts", "transfer_prompts", "curve_prompts",
+                "cold_prompts", "cold_samples", "cold_steps", "cold_learning_rate", "max_new_tokens")
+        blob = json.dumps({k: getattr(self, k) for k in keys}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+    def budget_s(self) -> float:
+        return 60.0 * self.minutes
+
+    def curve_times(self) -> list[float]:
+        return [self.budget_s() * (i + 1) / (self.curve_points + 1) for i in range(self.curve_points)]
+
+
+QUICK = {"minutes": 0.1, "max_steps": 200, "train_prompts": 32, "eval_prompts": 8, "transfer_prompts": 8,
+         "curve_prompts": 4, "curve_points": 1, "cold_steps": 0, "prompts_per_step": 2, "group_size": 2,
+         "minibatch_size": 4, "max_new_tokens": 8, "eval_batch": 8}
+
+
+# ---------------------------------------------------------------------------- children: preparation
+
+
+def stage_input_of(entry: dict):
+    from benchmarks.common import stage_input
+    from stages.base import Output
+
+    return stage_input(Output(entry["kind"], entry["schema"], Path(entry["path"]), rows=entry.get("rows")),
+                       parents=entry.get("parents"))
+
+
+def entry_of(output) -> dict:
+    return {"kind": output.kind, "schema": output.schema, "path": str(output.path), "rows": output.rows}
+
+
+def prepare(plan: Plan, work: Path) -> dict:
+    """The prompts, the held-out sets and the start model (cold start by r1flow's stages, LoRA merged)."""
+    import pyarrow.parquet as pq
+
+    from schemas.artifacts import DATA_FILE, MODEL_DIR
+    from schemas.configs import (
+        GenerationSpec,
+        LoraSpec,
+        ModelConfig,
+        PromptsConfig,
+        RejectionSamplingConfig,
+        SFTConfig,
+    )
+    from schemas.datasets import from_rows
+    from stages import import_model, prompts, rejection_sampling, sft
+    from stages.base import LocalContext, write_dataset
+    from stages.launch import run_stage
+
+    ensure_model_dir(plan.model)
+    ctx = LocalContext(work, seed=SEED, device=plan.device, cache_dir=CACHE_DIR)
+    t0 = time.perf_counter()
+    base = import_model.run(ModelConfig(ref=MODEL_REFS[plan.model]), {}, ctx)["model"]
+    # 30% more than asked: the generators repeat easy items and the prompts stage keeps one of each; the eval stage
+    # reads the first eval_prompts + transfer_prompts, round-robin over the two tasks
+    total = plan.train_prompts + plan.eval_prompts
+    prm = prompts.run(PromptsConfig(tasks={TASK: plan.task}, size=int(1.3 * total), eval_fraction=plan.eval_prompts / total,
+                                    eval_tasks={TRANSFER: plan.transfer}, eval_size=int(1.3 * plan.transfer_prompts)), {},
+                      ctx)["prompts"]
+    rows = pq.read_table(prm.path / DATA_FILE).to_pylist()
+    held = [r for r in rows if r["split"] == "eval" and r["task"] == TASK]
+    for task, have, want in ((TASK, len(held), plan.eval_prompts),
+                             (TRANSFER, sum(r["task"] == TRANSFER for r in rows), plan.transfer_prompts)):
+        if have < want:
+            raise SystemExit(f"prompts: only {have} distinct held-out {task} prompts at these options, fewer than the "
+                             f"{want} asked for: widen the task's difficulty range or ask for fewer")
+    curve = write_dataset(ctx, "curve_prompts", from_rows(held[: plan.curve_prompts], "prompts"), "prompts")
+    start, cold_info = base, {}
+    if plan.cold_steps:
+        rs_cfg = RejectionSamplingConfig(correctness="lenient", require_format=False, reformat=True,
+                                         num_samples=plan.cold_samples, max_prompts=plan.cold_prompts,
+                                         generation=GenerationSpec(max_new_tokens=plan.max_new_tokens, temperature=0.8,
+                                                                   top_p=0.95, batch_size=32))
+        cold = run_stage(rejection_sampling, rs_cfg, {"model": stage_input_of(entry_of(base)),
+                                                      "prompts": stage_input_of(entry_of(prm))}, ctx)["data"]
+        sft_cfg = SFTConfig(max_steps=plan.cold_steps, batch_size=8, learning_rate=plan.cold_learning_rate,
+                            max_length=256, checkpoint_every=10_000, lora=LoraSpec(r=16, alpha=32, merge=True))
+        start = run_stage(sft, sft_cfg, {"model": stage_input_of(entry_of(base)),
+                                         "data": stage_input_of(entry_of(cold))}, ctx)["model"]
+        cold_info = {"cold_examples": cold.rows, "rejection_sampling": rs_cfg.model_dump(mode="json"),
+                     "sft": sft_cfg.model_dump(mode="json")}
+    return {"prompts": entry_of(prm), "curve_prompts": entry_of(curve), "start": entry_of(start),
+            "start_dir": str(Path(start.path) / MODEL_DIR), "step_prompts": step_prompts(prm.path, plan),
+            "seconds": time.perf_counter() - t0, **cold_info}
+
+
+def step_prompts(prompts_dir: Path, plan: Plan) -> list[list[str]]:
+    """The prompt ids of every GRPO step as r1flow's stage picks them (context seed SEED): TRL reads this list."""
+    import pyarrow.parquet as pq
+
+    from schemas.artifacts import DATA_FILE
+    from stages.grpo import pick_prompts
+
+    rows = [r for r in pq.read_table(Path(prompts_dir) / DATA_FILE, columns=["id", "split", "answer"]).to_pylist()
+            if r["split"] == "train" and r["answer"] is not None]
+    return [[rows[i]["id"] for i in pick_prompts(len(rows), plan.prompts_per_step, SEED, step, 0)]
+            for step in range(plan.max_steps)]
+
+
+# ---------------------------------------------------------------------------- children: training
+
+
+def grpo_config(plan: Plan, steps: int, max_minutes: float):
+    from schemas.configs import GenerationSpec, GRPOConfig, LoraSpec, RewardSpec
+
+    shared = dict(steps=steps, prompts_per_step=plan.prompts_per_step, group_size=plan.group_size,
+                  generation=GenerationSpec(max_new_tokens=plan.max_new_tokens, temperature=plan.temperature, top_p=1.0,
+                                            top_k=0, batch_size=plan.prompts_per_step),
+                  reward=RewardSpec(**plan.reward), lora=LoraSpec(r=plan.lora_r, alpha=2 * plan.lora_r),
+                  minibatch_size=plan.minibatch_size, mu=1, beta=plan.beta, advantage="grpo", std="population",
+                  aggregation="seq_mean", learning_rate=plan.learning_rate, checkpoint_every=100_000,
+                  max_minutes=max_minutes)
+    return GRPOConfig(**{**shared, **plan.r1flow_extra})
+
+
+class Snapshots:
+    """Saves the policy's adapter after the steps that cross each curve time, and after step `at_step`."""
+
+    def __init__(self, plan: Plan, out: Path, at_step: int | None):
+        self.times, self.out, self.at_step = list(plan.curve_times()), out, at_step
+        self.saved: list[dict] = []
+        self.crossed = 0
+
+    def after_step(self, model, step: int, elapsed: float) -> None:
+        names = []
+        while self.times and elapsed >= self.times[0]:
+            self.times.pop(0)
+            self.crossed += 1
+            names.append(f"t{self.crossed}")
+        if self.at_step is not None and step == self.at_step:
+            names.append("equal_steps")
+        for name in names:
+            path = self.out / name
+            t0 = time.perf_counter()
+            model.save_pretrained(str(path))
+            self.saved.append({"name": name, "step": step, "elapsed_s": elapsed, "adapter": str(path),
+                               "save_s": time.perf_counter() - t0})
+
+
+def train_r1flow(plan: Plan, prep: dict, work: Path, at_step: int | None) -> dict:
+    """r1flow's grpo stage through `run_stage`, as the pipeline runs it, with `max_minutes` as the budget."""
+    from stages import grpo
+    from stages.base import LocalContext
+    from stages.launch import run_stage
+
+    cfg = grpo_config(plan, plan.max_steps, plan.minutes)
+    if cfg.lora.r == 0:
+        raise SystemExit("learning.py: LoRA only (snapshots are adapters); pass --lora-r > 0")
+    snaps = Snapshots(plan, work / "snapshots", at_step)
+    held: dict = {}
+    load_trainable = grpo.load_trainable
+
+    def observed_load(*args, **kwargs):  # the policy the stage trains, for the snapshots; changes nothing
+        out = load_trainable(*args, **kwargs)
+        held["model"], held["t0"] = out[0], time.perf_counter()
+        return out
+
+    class Clocked(LocalContext):
+        def log_metrics(self, metrics, step=None):
+            super().log_metrics(metrics, step)
+            if step is not None and "reward/mean" in metrics:
+                elapsed = time.perf_counter() - held["t0"]
+                curve.append({"step": step, "elapsed_s": elapsed, "reward": metrics["reward/mean"],
+                              "accuracy": metrics.get("reward/accuracy"), "step_s": metrics.get("time/step")})
+                snaps.after_step(held["model"], step, elapsed)
+
+    curve: list[dict] = []
+    grpo.load_trainable = observed_load
+    try:
+        out = run_stage(grpo, cfg, {"model": stage_input_of(prep["start"]), "prompts": stage_input_of(prep["prompts"])},
+                        Clocked(work / "run", seed=SEED, device=plan.device))["model"]
+    finally:
+        grpo.load_trainable = load_trainable
+    from schemas.artifacts import MODEL_DIR
+
+    return {"curve": curve, "snapshots": snaps.saved, "steps": len(curve),
+            "train_s": curve[-1]["elapsed_s"] if curve else 0.0, "final": str(Path(out.path) / MODEL_DIR),
+            "final_kind": out.schema, "config": cfg.model_dump(mode="json")}
+
+
+# ---------------------------------------------------------------------------- children: evaluation
+
+
+def materialize(start_dir: str, adapter: str | None, dest: Path) -> Path:
+    """An HF directory of the start model with `adapter` folded in (or the start model itself)."""
+    if adapter is None:
+        return Path(start_dir)
+    if (dest / "config.json").exists():
+        return dest
+    from peft import PeftModel
+
+    from stages import models
+
+    model, tokenizer = models.load_model(start_dir)
+    merged = PeftModel.from_pretrained(model, adapter).merge_and_unload()
+    tmp = dest.with_name(dest.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    models.save_model(merged, tokenizer, tmp)
+    tmp.rename(dest)
+    return dest
+
+
+def evaluate(plan: Plan, prep: dict, jobs: list[dict], work: Path) -> dict:
+    """r1flow's eval stage for every job {name, dir | adapter, prompts: "prompts" | "curve_prompts"}: per-prompt
+    correctness and format, in a fixed prompt order."""
+    import pyarrow.parquet as pq
+
+    from benchmarks.common import stage_input
+    from schemas.artifacts import DATA_FILE, MODEL_DIR
+    from schemas.configs import EvalConfig
+    from stages import eval as eval_stage
+    from stages.base import LocalContext, Output
+    from stages.launch import run_stage
+
+    out = {}
+    for job in jobs:
+        model_dir = Path(job["dir"]) if job.get("dir") else materialize(prep["start_dir"], job["adapter"],
+                                                                          work / "models" / job["name"] / MODEL_DIR)
+        n = plan.eval_prompts + plan.transfer_prompts if job["prompts"] == "prompts" else plan.curve_prompts
+        cfg = EvalConfig(max_prompts=n, max_new_tokens=plan.max_new_tokens, batch_size=plan.eval_batch, pass_k=0)
+        t0 = time.perf_counter()
+        ctx = LocalContext(work / "evals" / job["name"], seed=SEED, device=plan.device)
+        model = stage_input(Output("model", "model", model_dir.parent))
+        res = run_stage(eval_stage, cfg, {"model": model, "prompts": stage_input_of(prep[job["prompts"]])}, ctx)["results"]
+        rows = pq.read_table(Path(res.path) / DATA_FILE, columns=["prompt_id", "task", "correct", "format_ok",
+                                                                 "num_tokens"]).to_pylist()
+        rows.sort(key=lambda r: r["prompt_id"])
+        out[job["name"]] = {"rows": rows, "seconds": time.perf_counter() - t0}
+        print(f"  eval {job['name']}: {sum(bool(r['correct']) for r in rows)}/{len(rows)} correct", file=sys.stderr,
+              flush=True)
+    return out
+
+
+# ---------------------------------------------------------------------------- child entry
+
+
+def child_main(args: argparse.Namespace) -> None:
+    import torch
+
+    plan = Plan(**json.loads(Path(args.plan).read_text()))
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    prep = json.loads(Path(args.prep).read_text()) if args.prep else None
+    if args.child == "prep":
+        result = prepare(plan, work)
+    elif args.child == "r1flow":
+        result = train_r1flow(plan, prep, work, args.at_step)
+    elif args.child == "trl":
+        from benchmarks import trl_side
+
+        result = trl_side.run_grpo_learning(plan, prep, work)
+    elif args.child == "eval":
+        result = evaluate(plan, prep, json.loads(Path(args.jobs).read_text()), work)
+    else:
+        raise SystemExit(f"unknown child {args.child}")
+    result["threads"] = torch.get_num_threads()
+    Path(args.result).write_text(json.dumps(result))
+    print(RESULT_MARK + args.result, flush=True)
+
+
+def run_child(what: str, plan_file: Path, work: Path, log: Path, allocator: str, quiet_wait: float = 0.0,
+              **extra) -> dict:
+    from benchmarks.suite import _children_cpu, child_env, cpu_busy_seconds, wait_until_quiet
+
+    result_file = work / f"{what}-result.json"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", what, "--plan", str(plan_file), "--work", str(work),
+           "--result", str(result_file)]
+    for key, value in extra.items():
+        if value is not None:
+            cmd += [f"--{key.replace('_', '-')}", str(value)]
+    if quiet_wait > 0:
+        wait_until_quiet(quiet_wait)
+    busy0, own0 = cpu_busy_seconds(), _children_cpu()
+    t0 = time.perf_counter()
+    with log.open("w") as fh:
+        proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT, env=child_env(allocator))
+    wall = time.perf_counter() - t0
+    busy1, own1 = cpu_busy_seconds(), _children_cpu()
+    if proc.returncode or not result_file.exists():
+        raise SystemExit(f"learning.py: the {what} process failed (exit {proc.returncode}); its log, {log}:\n"
+                         + log.read_text()[-3000:])
+    result = json.loads(result_file.read_text())
+    result["wall_s"] = wall
+    result["foreign_cpu"] = None if busy0 is None or busy1 is None else max(
+        0.0, (busy1 - busy0) - (own1 - own0)) / (wall * (os.cpu_count() or 1))
+    return result
+
+
+# ---------------------------------------------------------------------------- statistics and the table (pure)
+
+
+def correct_vector(rows: list[dict], task: str) -> list[float]:
+    return [float(bool(r["correct"])) for r in rows if r["task"] == task]
+
+
+def accuracy_entry(rows: list[dict], task: str) -> dict:
+    from stages.stats import bootstrap_ci
+
+    v = correct_vector(rows, task)
+    lo, hi = bootstrap_ci(v)
+    fmt = [float(bool(r["format_ok"])) for r in rows if r["task"] == task]
+    return {"accuracy": sum(v) / len(v) if v else float("nan"), "ci": [lo, hi], "n": len(v),
+            "format_rate": sum(fmt) / len(fmt) if fmt else float("nan")}
+
+
+def gain_entry(start_rows: list[dict], rows: list[dict], task: str) -> dict:
+    """Gain over the start on the same prompts, with a paired bootstrap interval."""
+    from stages.stats import paired_bootstrap_diff
+
+    ids_a = [r["prompt_id"] for r in start_rows if r["task"] == task]
+    ids_b = [r["prompt_id"] for r in rows if r["task"] == task]
+    if ids_a != ids_b:
+        raise ValueError(f"{task}: the two evaluations scored different prompts")
+    diff, lo, hi = paired_bootstrap_diff(correct_vector(start_rows, task), correct_vector(rows, task))
+    return {"gain": diff, "ci": [lo, hi]}
+
+
+def pct(x: float) -> str:
+    return "n/a" if x != x else f"{100 * x:.1f}%"
+
+
+def with_ci(value: float, ci: list[float], signed: bool = False) -> str:
+    head = f"{100 * value:+.1f}" if signed else f"{100 * value:.1f}%"
+    return f"{head} [{100 * ci[0]:+.1f}, {100 * ci[1]:+.1f}]" if signed else f"{head} [{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]"
+
+
+def summarize(plan: Plan, evals: dict, runs: dict) -> dict:
+    """The rows of the table and the verdicts: every accuracy and gain with its interval."""
+    start = evals["start"]["rows"]
+    rows = []
+    order = [("start", "start model", 0, 0.0)]
+    if "trl" in runs:
+        order.append(("trl_end", "TRL, budget", runs["trl"]["steps"], runs["trl"]["train_s"]))
+    if "r1flow" in runs:
+        eq = next((s for s in runs["r1flow"]["snapshots"] if s["name"] == "equal_steps"), None)
+        if eq is not None:
+            order.append(("r1flow_equal_steps", "r1flow, TRL's steps", eq["step"], eq["elapsed_s"]))
+        order.append(("r1flow_end", "r1flow, budget", runs["r1flow"]["steps"], runs["r1flow"]["train_s"]))
+    for name, label, steps, seconds in order:
+        r = evals[name]["rows"]
+        rows.append({"name": name, "label": label, "steps": steps, "minutes": seconds / 60,
+                     "task": accuracy_entry(r, TASK), "transfer": accuracy_entry(r, TRANSFER),
+                     "gain": gain_entry(start, r, TASK) if name != "start" else None,
+                     "transfer_gain": gain_entry(start, r, TRANSFER) if name != "start" else None})
+    out = {"rows": rows}
+    by = {r["name"]: r for r in rows}
+    if "trl_end" in by and "r1flow_end" in by:
+        g_r1, g_trl = by["r1flow_end"]["gain"]["gain"], by["trl_end"]["gain"]["gain"]
+        out["gain_ratio_equal_time"] = g_r1 / g_trl if g_trl > 0 else None
+        out["equal_time_met"] = bool(by["r1flow_end"]["gain"]["ci"][0] > 0 and (
+            g_trl <= 0 or g_r1 >= GAIN_TARGET * g_trl))
+    if "trl_end" in by and "r1flow_equal_steps" in by:
+        from stages.stats import paired_bootstrap_diff
+
+        diff, lo, hi = paired_bootstrap_diff(correct_vector(evals["trl_end"]["rows"], TASK),
+                                             correct_vector(evals["r1flow_equal_steps"]["rows"], TASK))
+        out["equal_steps_diff"] = {"diff": diff, "ci": [lo, hi], "not_worse": hi >= 0}
+    return out
+
+
+def table(summary: dict) -> list[str]:
+    lines = ["| model | GRPO steps | training min | basic_arithmetic (held out) | gain over start | format rate "
+             "| chain_sum (transfer) | transfer gain |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in summary["rows"]:
+        gain = with_ci(r["gain"]["gain"], r["gain"]["ci"], signed=True) if r["gain"] else "-"
+        tgain = with_ci(r["transfer_gain"]["gain"], r["transfer_gain"]["ci"], signed=True) if r["transfer_gain"] else "-"
+        lines.append(f"| {r['label']} | {r['steps']} | {r['minutes']:.1f} | {with_ci(r['task']['accuracy'], r['task']['ci'])} "
+                     f"| {gain} | {pct(r['task']['format_rate'])} | "
+                     f"{with_ci(r['transfer']['accuracy'], r['transfer']['ci'])} | {tgain} |")
+    return lines
+
+
+def verdict_lines(summary: dict) -> list[str]:
+    out = []
+    eq = summary.get("equal_steps_diff")
+    if eq:
+        out.append(f"- equal steps: r1flow minus TRL {100 * eq['diff']:+.1f} points [{100 * eq['ci'][0]:+.1f}, "
+                   f"{100 * eq['ci'][1]:+.1f}] (paired): "
+                   + ("not worse beyond the noise" if eq["not_worse"] else "WORSE beyond the noise"))
+    if "gain_ratio_equal_time" in summary:
+        ratio = summary["gain_ratio_equal_time"]
+        text = "TRL gained nothing" if ratio is None else f"{ratio:.2f}x TRL's gain"
+        out.append(f"- equal wall-clock: r1flow's held-out gain is {text} (target: >= {GAIN_TARGET:g}x with an "
+                   f"interval above 0): {'met' if summary['equal_time_met'] else 'MISSED'}")
+    return out
+
+
+# ---------------------------------------------------------------------------- the plot
+
+
+def plot(path: Path, plan: Plan, evals: dict, runs: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from stages.stats import bootstrap_ci
+
+    fig, (ax_acc, ax_rew) = plt.subplots(1, 2, figsize=(11, 4.2))
+    colors = {"r1flow": "tab:blue", "trl": "tab:orange"}
+    start = evals["start_curve"]["rows"]
+    for side, run in runs.items():
+        points = [(0.0, correct_vector(start, TASK))]
+        for snap in run["snapshots"]:
+            if snap["name"].startswith("t"):
+                points.append((snap["elapsed_s"] / 60, correct_vector(evals[f"{side}_{snap['name']}"]["rows"], TASK)))
+        points.append((run["train_s"] / 60, correct_vector(evals[f"{side}_end_curve"]["rows"], TASK)))
+        xs = [x for x, _ in points]
+        ys = [100 * sum(v) / len(v) for _, v in points]
+        cis = [bootstrap_ci(v) for _, v in points]
+        err = [[y - 100 * lo for y, (lo, _) in zip(ys, cis, strict=True)],
+               [100 * hi - y for y, (_, hi) in zip(ys, cis, strict=True)]]
+        ax_acc.errorbar(xs, ys, yerr=err, marker="o", capsize=3, color=colors[side], label=side)
+        ts = [c["elapsed_s"] / 60 for c in run["curve"]]
+        rs = [c["reward"] for c in run["curve"]]
+        k = max(1, len(rs) // 15)  # a running mean over ~1/15 of the run
+        smooth = [sum(rs[max(0, i - k + 1): i + 1]) / len(rs[max(0, i - k + 1): i + 1]) for i in range(len(rs))]
+        ax_rew.plot(ts, rs, ".", alpha=0.25, color=colors[side])
+        ax_rew.plot(ts, smooth, "-", color=colors[side], label=f"{side} ({len(rs)} steps)")
+    ax_acc.set(xlabel="training wall-clock (min)", ylabel=f"held-out {TASK} accuracy (%)",
+               title=f"greedy, first {plan.curve_prompts} held-out prompts, 95% CI")
+    ax_rew.set(xlabel="training wall-clock (min)", ylabel="mean training reward",
+               title=f"GRPO reward, {plan.prompts_per_step} prompts x {plan.group_size} a step")
+    for ax in (ax_acc, ax_rew):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------- the parent
+
+
+def parse_set(items: list[str]) -> dict:
+    import yaml
+
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--r1flow-set {item!r}: expected KEY=VALUE")
+        out[key] = yaml.safe_load(value)
+    return out
+
+
+def build_plan(args: argparse.Namespace) -> Plan:
+    plan = Plan(model=args.model, device=args.device)
+    if args.device.startswith("cuda"):
+        plan.minutes = 5.0
+    if args.quick:
+        plan = dataclasses.replace(plan, **QUICK)
+    for name in ("minutes", "max_steps", "eval_prompts", "transfer_prompts", "curve_prompts", "curve_points",
+                 "cold_steps", "prompts_per_step", "group_size", "max_new_tokens", "temperature", "learning_rate",
+                 "lora_r", "beta"):
+        value = getattr(args, name)
+        if value is not None:
+            setattr(plan, name, value)
+    if args.task:
+        plan.task = json.loads(args.task)
+    if args.reward:
+        plan.reward = json.loads(args.reward)
+    plan.r1flow_extra = parse_set(args.r1flow_set)
+    grpo_config(plan, plan.max_steps, plan.minutes)  # bad settings fail here, before any compute
+    return plan
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2", choices=sorted(MODEL_REFS))
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (cuda: 5 minutes a side by default)")
+    ap.add_argument("--sides", default=",".join(SIDES), help="comma list of trl,r1flow")
+    ap.add_argument("--quick", action="store_true", help="a smoke run: seconds of training, a few prompts")
+    ap.add_argument("--minutes", type=float, help="training budget of each side (default 20 on a CPU, 5 on CUDA)")
+    ap.add_argument("--max-steps", type=int, help="cap on each side's steps (default 2000)")
+    ap.add_argument("--task", help=f"{TASK}'s reasoning-gym options as JSON (default: {Plan().task})")
+    ap.add_argument("--reward", help=f"RewardSpec as JSON, both sides (default: {Plan().reward})")
+    for name, kind in (("eval_prompts", int), ("transfer_prompts", int), ("curve_prompts", int), ("curve_points", int),
+                       ("cold_steps", int), ("prompts_per_step", int), ("group_size", int), ("max_new_tokens", int),
+                       ("temperature", float), ("learning_rate", float), ("lora_r", int), ("beta", float)):
+        ap.add_argument("--" + name.replace("_", "-"), type=kind, help=f"default {getattr(Plan(), name)}")
+    ap.add_argument("--start-only", action="store_true",
+                    help="make (or reuse) the start model, print its held-out accuracy and stop: to choose --task")
+    ap.add_argument("--r1flow-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a GRPOConfig field for r1flow's side only (e.g. dynamic_sampling=true), reported as such")
+    ap.add_argument("--allocator", default="tuned", help="malloc settings of every child (as suite.py)")
+    ap.add_argument("--work-dir", default=str(ROOT / ".r1flow" / "learning"),
+                    help="start models (cached by their settings), runs, evaluations and logs")
+    ap.add_argument("--plot", help="PNG path (default: <work-dir>/<run>/learning.png)")
+    ap.add_argument("--json", help="raw results (default: <work-dir>/<run>/learning.json)")
+    ap.add_argument("--markdown", help="append the RESULTS.md section here")
+    ap.add_argument("--quiet-wait", type=float, default=120.0,
+                    help="before each timed run, wait up to this many seconds for other processes to leave the CPUs")
+    for hidden in ("--child", "--plan", "--work", "--result", "--prep", "--jobs"):
+        ap.add_argument(hidden, help=argparse.SUPPRESS)
+    ap.add_argument("--at-step", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        return child_main(args)
+    sides = [s for s in args.sides.split(",") if s]
+    if unknown := [s for s in sides if s not in SIDES]:
+        ap.error(f"unknown side(s) {unknown}; known: {list(SIDES)}")
+    if "trl" in sides and importlib.util.find_spec("trl") is None:
+        sys.exit("TRL is not installed in this interpreter; it lives only in the benchmark venv: run `make learn` "
+                 "(or .bench-venv/bin/python benchmarks/learning.py), or pass --sides r1flow")
+    try:
+        plan = build_plan(args)
+    except ValueError as e:  # pydantic's ValidationError names the field
+        ap.error(f"bad settings: {e}")
+    run_learning(plan, sides, args)
+
+
+def run_learning(plan: Plan, sides: list[str], args: argparse.Namespace) -> dict:
+    from benchmarks.suite import code_version, device_info
+
+    root = Path(args.work_dir)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    run_dir = root / f"run-{stamp}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    plan_file = run_dir / "plan.json"
+    plan_file.write_text(json.dumps(dataclasses.asdict(plan), indent=1))
+    command = os.environ.get("R1FLOW_BENCH_COMMAND") or "python benchmarks/learning.py " + shlex.join(sys.argv[1:])
+    info = device_info(plan.device)
+    print(f"learning efficacy: {plan.model} on {info['device_name']}, {plan.minutes:g} min of GRPO a side "
+          f"({', '.join(sides)}); work dir {run_dir}", flush=True)
+
+    # 1. the start model and the prompts, cached by their settings
+    prep_dir = root / f"start-{plan.model}-{plan.prep_key()}"
+    prep_file = prep_dir / "prep.json"
+    if not prep_file.exists():
+        print(f"[1/4] start model: cold start by r1flow's stages ({plan.cold_steps} SFT steps) into {prep_dir}",
+              flush=True)
+        tmp = prep_dir.with_name(prep_dir.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        result = run_child("prep", plan_file, tmp, run_dir / "prep.log", args.allocator)
+        if tmp.exists():
+            shutil.rmtree(prep_dir, ignore_errors=True)
+            tmp.rename(prep_dir)
+        prep = json.loads(json.dumps(result).replace(str(tmp), str(prep_dir)))
+        prep_file.write_text(json.dumps(prep))
+    else:
+        print(f"[1/4] start model: cached, {prep_dir}", flush=True)
+    prep = json.loads(prep_file.read_text())
+
+    # 2. the start model's accuracy first: it says at once whether the task's difficulty suits this model
+    evals: dict = {}
+    jobs = [{"name": "start", "dir": prep["start_dir"], "prompts": "prompts"},
+            {"name": "start_curve", "dir": prep["start_dir"], "prompts": "curve_prompts"}]
+    (run_dir / "jobs-start.json").write_text(json.dumps(jobs))
+    evals.update({k: v for k, v in run_child("eval", plan_file, run_dir / "eval", run_dir / "eval-start.log",
+                                             args.allocator, prep=prep_file, jobs=run_dir / "jobs-start.json").items()
+                  if isinstance(v, dict) and "rows" in v})
+    start_acc = accuracy_entry(evals["start"]["rows"], TASK)
+    print(f"[2/4] start model: {TASK} {with_ci(start_acc['accuracy'], start_acc['ci'])} on {start_acc['n']} held-out "
+          f"prompts, format rate {pct(start_acc['format_rate'])}", flush=True)
+    if not plan.model == "tiny" and not 0.2 <= start_acc["accuracy"] <= 0.6:
+        print(f"  note: outside 20-60%; set --task (now {json.dumps(plan.task)}) so RL has room and a signal",
+              flush=True)
+
+    if args.start_only:
+        return {"prep": prep, "start": start_acc}
+
+    # 3. training: TRL first (its step count is r1flow's equal-steps point), each after a quiet moment
+    runs: dict = {}
+    for side in [s for s in SIDES if s in sides]:
+        print(f"[3/4] {side}: GRPO for {plan.minutes:g} min", flush=True)
+        at_step = runs["trl"]["steps"] if side == "r1flow" and "trl" in runs else None
+        runs[side] = run_child(side, plan_file, run_dir / side, run_dir / f"{side}.log", args.allocator,
+                               quiet_wait=args.quiet_wait, prep=prep_file, at_step=at_step)
+        r = runs[side]
+        print(f"  {side}: {r['steps']} steps in {r['train_s'] / 60:.1f} min ({r['train_s'] / max(1, r['steps']):.1f} s a "
+              f"step), other processes used {100 * (r['foreign_cpu'] or 0):.0f}% of the CPUs", flush=True)
+
+    # 4. every end model and snapshot, by the same evaluator
+    jobs = []
+    for side, r in runs.items():
+        end = {"adapter": r["final"]} if r["final_kind"] == "adapter" else {"dir": r["final"]}
+        jobs.append({"name": f"{side}_end", **end, "prompts": "prompts"})
+        jobs.append({"name": f"{side}_end_curve", **end, "prompts": "curve_prompts"})
+        for snap in r["snapshots"]:
+            full = snap["name"] == "equal_steps"
+            jobs.append({"name": f"{side}_{snap['name']}" if not full else f"{side}_equal_steps",
+                         "adapter": snap["adapter"], "prompts": "prompts" if full else "curve_prompts"})
+    print(f"[4/4] evaluating {len(jobs)} models", flush=True)
+    (run_dir / "jobs.json").write_text(json.dumps(jobs))
+    evals.update({k: v for k, v in run_child("eval", plan_file, run_dir / "eval", run_dir / "eval.log", args.allocator,
+                                             prep=prep_file, jobs=run_dir / "jobs.json").items()
+                  if isinstance(v, dict) and "rows" in v})
+
+    summary = summarize(plan, evals, runs)
+    plot_path = Path(args.plot or run_dir / "learning.png")
+    plot(plot_path, plan, evals, runs)
+    raw = {"plan": dataclasses.asdict(plan), "summary": summary, "runs": runs, "prep": prep, "device": info,
+           "evals": {k: {"seconds": v["seconds"], "rows": v["rows"]} for k, v in evals.items()}}
+    Path(args.json or run_dir / "learning.json").write_text(json.dumps(raw, indent=1))
+    section = markdown_section(plan, command, info, code_version(), summary, runs, prep, plot_path)
+    if args.markdown:
+        with open(args.markdown, "a") as fh:
+            fh.write(section)
+    print("\n" + section, flush=True)
+    return raw
+
+
+def markdown_section(plan: Plan, command: str, info: dict, code: str, summary: dict, runs: dict, prep: dict,
+                     plot_path: Path) -> str:
+    threads = {side: r.get("threads") for side, r in runs.items()}
+    extra = f"; r1flow only: {json.dumps(plan.r1flow_extra)}" if plan.r1flow_extra else ""
+    lines = [f"### Learning efficacy, {plan.model}, {plan.minutes:g} min a side ({info['device_name']}, code {code})",
+             "",
+             f"`{command}`",
+             "",
+             f"Task: {TASK} {json.dumps(plan.task)}, {plan.train_prompts} train prompts, {plan.eval_prompts} held out; "
+             f"transfer: {TRANSFER} {json.dumps(plan.transfer)}, {plan.transfer_prompts} prompts. Start model: "
+             f"{plan.model} after a cold start of {plan.cold_steps} LoRA SFT steps on {prep.get('cold_examples', 0)} "
+             f"R1-format examples from r1flow's rejection sampling. GRPO, both sides: {plan.prompts_per_step} prompts x "
+             f"{plan.group_size} completions a step, {plan.max_new_tokens} new tokens, temperature {plan.temperature:g}, "
+             f"LoRA r={plan.lora_r}, lr {plan.learning_rate:g}, beta {plan.beta:g}, reward {json.dumps(plan.reward)}, "
+             f"the same prompts in the same order{extra}. One environment for both (threads {threads}). "
+             f"Evaluation: r1flow's eval stage, greedy, strict accuracy; 95% bootstrap intervals, gains paired.",
+             "", *table(summary), "", *verdict_lines(summary), "", f"Plot: `{plot_path}`", ""]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
