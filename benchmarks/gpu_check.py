@@ -36,7 +36,7 @@ GEN_MARK = "GEN-RESULT "
 # seconds each part may take at most (cuda, cpu --quick); the check's own --budget caps them all
 LIMITS = {"env": (60, 120), "tests": (90, 180), "grpo/r1flow": (150, 300), "grpo/trl": (180, 300),
           "generation": (150, 180), "sft_dpo/r1flow": (100, 300), "sft_dpo/trl": (100, 300),
-          "generation_fp32": (90, 120), "learning": (90, 300)}
+          "generation_fp32": (90, 120), "learning": (150, 300)}
 PARTS = ("tests", "grpo", "generation", "sft_dpo", "generation_fp32", "learning")  # in the order they run, after env
 MIN_START_S = 20  # a part is not started with less time than this left
 
@@ -221,13 +221,32 @@ class Check:
         modes = [json.loads(ln[len(GEN_MARK):]) for ln in res["output"].splitlines() if ln.startswith(GEN_MARK)]
         self.record(part, res, {"modes": modes})
 
-    def part_learning(self) -> None:
+    def part_learning(self, trl_ok: bool) -> None:
+        """benchmarks/learning.py, short: on CUDA half a minute of GRPO a side from the check's model with no cold
+        start (the lent machine has no SmolLM2 weights: steps a minute and the CUDA path, not a gain); --quick the
+        tiny model's smoke run, r1flow's side alone."""
         script = ROOT / "benchmarks" / "learning.py"
         if not script.is_file():
             self.record("learning", {"status": "skipped", "reason": "benchmarks/learning.py does not exist"})
             return
-        res = self.run("learning", [PY, str(script), "--device", self.device])
-        self.record("learning", res)
+        if self.cuda and not self.quick:
+            args = ["--model", self.model, "--minutes", "0.5", "--cold-steps", "0", "--eval-prompts", "64",
+                    "--transfer-prompts", "32", "--curve-prompts", "32", "--curve-points", "1"]
+        else:
+            args = ["--model", "tiny", "--quick"]
+        raw = self.out / "learning.json"
+        sides = "trl,r1flow" if trl_ok and self.cuda and not self.quick else "r1flow"
+        res = self.run("learning", [PY, str(script), *args, "--device", self.device, "--sides", sides, "--quiet-wait",
+                                    "0", "--work-dir", str(self.work / "learning"), "--json", str(raw),
+                                    "--plot", str(self.out / "learning.png")])
+        numbers = {}
+        if raw.is_file():
+            data = json.loads(raw.read_text())
+            numbers = {side: {"steps": r["steps"], "train_s": r["train_s"],
+                              "step_s": r["train_s"] / max(1, r["steps"])} for side, r in data["runs"].items()}
+            numbers["table"] = [{"model": r["label"], "steps": r["steps"], "accuracy": r["task"]["accuracy"],
+                                 "ci": r["task"]["ci"]} for r in data["summary"]["rows"]]
+        self.record("learning", res, numbers)
 
 
 def suite_numbers(raw: dict, tasks: list[str], model: str) -> dict:
@@ -317,6 +336,14 @@ def markdown(summary: dict) -> str:
         for m in modes:
             lines.append(f"| {m['mode']} | {m['seconds']:.3f} | {m['tokens_per_s']:.0f} | {m['warmup_s']:.1f} | "
                          f"{m['rows_equal_to_generate_dynamic']}/{m['rows']} | {_fmt(m.get('peak_gpu_mib'), '{:.0f}')} |")
+    learning = parts.get("learning", {}).get("numbers")
+    if learning:
+        lines += ["", "## learning (benchmarks/learning.py)", "", "| side | GRPO steps | training s | s a step |",
+                  "|---|---|---|---|"]
+        lines += [f"| {side} | {n['steps']} | {n['train_s']:.1f} | {n['step_s']:.2f} |" for side, n in learning.items()
+                  if side != "table"]
+        lines += [f"- {r['model']}: {r['steps']} steps, held-out accuracy {r['accuracy']:.3f} "
+                  f"[{r['ci'][0]:.3f}, {r['ci'][1]:.3f}]" for r in learning.get("table", [])]
     return "\n".join(lines) + "\n"
 
 
@@ -349,7 +376,7 @@ def main() -> None:
                  "generation": lambda: check.part_generation("generation", "bf16" if cuda else "fp32"),
                  "sft_dpo": lambda: check.part_suite("sft_dpo", ["sft", "dpo"], trl_ok, trl_reason, quick=True),
                  "generation_fp32": lambda: check.part_generation("generation_fp32", "fp32") if cuda else None,
-                 "learning": check.part_learning}
+                 "learning": lambda: check.part_learning(trl_ok)}
         for name in PARTS:
             if name in skip:
                 check.record(name, {"status": "skipped", "reason": "--skip"})

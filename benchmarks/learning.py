@@ -587,6 +587,9 @@ def main() -> None:
                        ("cold_steps", int), ("prompts_per_step", int), ("group_size", int), ("max_new_tokens", int),
                        ("temperature", float), ("learning_rate", float), ("lora_r", int), ("beta", float)):
         ap.add_argument("--" + name.replace("_", "-"), type=kind, help=f"default {getattr(Plan(), name)}")
+    ap.add_argument("--trl-from", metavar="RUN",
+                    help="reuse an earlier run's TRL side (its run directory or learning.json) when the plan is the "
+                    "same but for --r1flow-set: one r1flow change at a time, measured against the same TRL run")
     ap.add_argument("--start-only", action="store_true",
                     help="make (or reuse) the start model, print its held-out accuracy and stop: to choose --task")
     ap.add_argument("--r1flow-set", action="append", default=[], metavar="KEY=VALUE",
@@ -608,7 +611,7 @@ def main() -> None:
     sides = [s for s in args.sides.split(",") if s]
     if unknown := [s for s in sides if s not in SIDES]:
         ap.error(f"unknown side(s) {unknown}; known: {list(SIDES)}")
-    if "trl" in sides and importlib.util.find_spec("trl") is None:
+    if "trl" in sides and not args.trl_from and importlib.util.find_spec("trl") is None:
         sys.exit("TRL is not installed in this interpreter; it lives only in the benchmark venv: run `make learn` "
                  "(or .bench-venv/bin/python benchmarks/learning.py), or pass --sides r1flow")
     try:
@@ -669,7 +672,13 @@ def run_learning(plan: Plan, sides: list[str], args: argparse.Namespace) -> dict
 
     # 3. training: TRL first (its step count is r1flow's equal-steps point), each after a quiet moment
     runs: dict = {}
-    for side in [s for s in SIDES if s in sides]:
+    if args.trl_from:  # an earlier run's TRL side, trained and evaluated on this very plan
+        earlier = reuse_trl(Path(args.trl_from), plan)
+        runs["trl"] = earlier["runs"]["trl"]
+        evals.update({k: v for k, v in earlier["evals"].items() if k.startswith("trl_")})
+        print(f"[3/4] trl: reused from {args.trl_from} ({runs['trl']['steps']} steps in "
+              f"{runs['trl']['train_s'] / 60:.1f} min)", flush=True)
+    for side in [s for s in SIDES if s in sides and s not in runs]:
         print(f"[3/4] {side}: GRPO for {plan.minutes:g} min", flush=True)
         at_step = runs["trl"]["steps"] if side == "r1flow" and "trl" in runs else None
         runs[side] = run_child(side, plan_file, run_dir / side, run_dir / f"{side}.log", args.allocator,
@@ -681,6 +690,8 @@ def run_learning(plan: Plan, sides: list[str], args: argparse.Namespace) -> dict
     # 4. every end model and snapshot, by the same evaluator
     jobs = []
     for side, r in runs.items():
+        if side == "trl" and args.trl_from:
+            continue
         end = {"adapter": r["final"]} if r["final_kind"] == "adapter" else {"dir": r["final"]}
         jobs.append({"name": f"{side}_end", **end, "prompts": "prompts"})
         for snap in r["snapshots"]:
@@ -704,6 +715,22 @@ def run_learning(plan: Plan, sides: list[str], args: argparse.Namespace) -> dict
         with open(args.markdown, "a") as fh:
             fh.write(section)
     print("\n" + section, flush=True)
+    return raw
+
+
+def reuse_trl(path: Path, plan: Plan) -> dict:
+    """An earlier run's raw results (its learning.json, or the run directory holding it), if that run trained TRL on
+    the same plan, r1flow-only settings aside: SystemExit naming the first difference otherwise."""
+    raw_file = path / "learning.json" if path.is_dir() else path
+    if not raw_file.is_file():
+        raise SystemExit(f"--trl-from {path}: no learning.json there")
+    raw = json.loads(raw_file.read_text())
+    if "trl" not in raw.get("runs", {}):
+        raise SystemExit(f"--trl-from {path}: that run has no TRL side")
+    ours = {k: v for k, v in dataclasses.asdict(plan).items() if k != "r1flow_extra"}
+    for key, value in ours.items():
+        if raw["plan"].get(key) != value:
+            raise SystemExit(f"--trl-from {path}: its {key} was {raw['plan'].get(key)!r}, this run's is {value!r}")
     return raw
 
 

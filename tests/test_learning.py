@@ -99,3 +99,15 @@ def test_smoke_run_on_the_tiny_model(tmp_path):
     assert len(raw["evals"]["start"]["rows"]) == learning.QUICK["eval_prompts"] + learning.QUICK["transfer_prompts"]
     assert {r["task"] for r in raw["evals"]["r1flow_end"]["rows"]} == {learning.TASK, learning.TRANSFER}
     assert [s["name"] for s in run["snapshots"]] and all(s["name"].startswith("t") for s in run["snapshots"])
+
+
+def test_a_reused_trl_run_must_have_trained_on_the_same_plan(tmp_path):
+    plan = learning.Plan()
+    raw = {"plan": learning.dataclasses.asdict(plan), "runs": {"trl": {"steps": 3}}, "evals": {}}
+    (tmp_path / "learning.json").write_text(json.dumps(raw))
+    tried = learning.Plan(r1flow_extra={"dynamic_sampling": True})  # r1flow-only settings may differ
+    assert learning.reuse_trl(tmp_path, tried)["runs"]["trl"]["steps"] == 3
+    with pytest.raises(SystemExit, match="learning_rate was 0.0002, this run's is 0.001"):
+        learning.reuse_trl(tmp_path, learning.Plan(learning_rate=1e-3))
+    with pytest.raises(SystemExit, match="no learning.json"):
+        learning.reuse_trl(tmp_path / "nowhere", plan)
