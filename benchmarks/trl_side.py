@@ -42,23 +42,24 @@ class StepClock(TrainerCallback):
         return [b - a for a, b in zip(self.ends, self.ends[1:], strict=False)]
 
 
-def common_args(shape: Shape, device: str, out: Path, steps: int) -> dict:
+def common_args(device: str, out: Path, steps: int, learning_rate: float) -> dict:
     cuda = device.startswith("cuda")
-    return {"output_dir": str(out), "max_steps": steps, "learning_rate": shape.learning_rate,
+    return {"output_dir": str(out), "max_steps": steps, "learning_rate": learning_rate,
             "lr_scheduler_type": "constant", "warmup_steps": 0, "weight_decay": 0.0, "max_grad_norm": 1.0,
             "gradient_checkpointing": False, "bf16": cuda, "fp16": False, "use_cpu": not cuda,
             "report_to": [], "save_strategy": "no", "logging_strategy": "no", "disable_tqdm": True,
             "push_to_hub": False, "seed": 0, "dataloader_num_workers": 0}
 
 
-def peft_config(shape: Shape):
-    if shape.lora_r == 0:
+def peft_config(lora_r: int, alpha: float | None = None):
+    if lora_r == 0:
         return None
     from peft import LoraConfig
 
     from schemas.configs import LoraSpec
 
-    spec = LoraSpec(r=shape.lora_r)  # r1flow's defaults for alpha, dropout and target modules
+    # r1flow's defaults for dropout and target modules (and alpha, unless given)
+    spec = LoraSpec(r=lora_r) if alpha is None else LoraSpec(r=lora_r, alpha=alpha)
     return LoraConfig(r=spec.r, lora_alpha=spec.alpha, lora_dropout=spec.dropout, target_modules=spec.target_modules,
                       task_type="CAUSAL_LM")
 
@@ -87,7 +88,7 @@ def run_sft(prep: dict, shape: Shape, device: str, work: Path) -> dict:
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
-    args = SFTConfig(**common_args(shape, device, work / "trl-sft", shape.sft_steps + 1),
+    args = SFTConfig(**common_args(device, work / "trl-sft", shape.sft_steps + 1, shape.learning_rate),
                      per_device_train_batch_size=shape.sft_batch, gradient_accumulation_steps=1,
                      max_length=shape.max_length, packing=False, completion_only_loss=True)
     clock = StepClock()
@@ -97,7 +98,7 @@ def run_sft(prep: dict, shape: Shape, device: str, work: Path) -> dict:
     data = Dataset.from_list([{"prompt": r["messages"][:-1], "completion": r["messages"][-1:]} for r in rows])
     model, tokenizer = load(prep)
     trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer,
-                         callbacks=[clock], peft_config=peft_config(shape))
+                         callbacks=[clock], peft_config=peft_config(shape.lora_r))
     trainer.train()
     mem = meter.result()
     lengths = [len(ids) for ids in trainer.train_dataset["input_ids"]]
@@ -120,7 +121,7 @@ def run_dpo(prep: dict, shape: Shape, device: str, work: Path) -> dict:
             TimedDPO.bench_ref_s += time.perf_counter() - t0
             return out
 
-    args = DPOConfig(**common_args(shape, device, work / "trl-dpo", shape.dpo_steps + 1),
+    args = DPOConfig(**common_args(device, work / "trl-dpo", shape.dpo_steps + 1, shape.learning_rate),
                      per_device_train_batch_size=shape.dpo_batch, gradient_accumulation_steps=1,
                      max_length=shape.max_length, beta=0.1, loss_type=["sigmoid"], precompute_ref_log_probs=True,
                      precompute_ref_batch_size=shape.dpo_batch)
@@ -135,7 +136,7 @@ def run_dpo(prep: dict, shape: Shape, device: str, work: Path) -> dict:
                                                                        add_generation_prompt=True),
                                "chosen": r["chosen"], "rejected": r["rejected"]} for r in rows])
     trainer = TimedDPO(model=model, args=args, train_dataset=data, processing_class=tokenizer, callbacks=[clock],
-                       peft_config=peft_config(shape))
+                       peft_config=peft_config(shape.lora_r))
     trainer.train()
     mem = meter.result()
     ds = trainer.train_dataset
@@ -148,24 +149,37 @@ def run_dpo(prep: dict, shape: Shape, device: str, work: Path) -> dict:
 # ---------------------------------------------------------------------------- GRPO
 
 
-def r1_reward(prompts, completions, completion_ids, **columns):
-    """r1flow's own scorer (`stages.rewards.score`, default RewardSpec: accuracy + 0.2 format), so
-    scoring costs the same on both sides."""
-    spec = RewardSpec()
+PROMPT_COLUMNS = ("id", "answer", "task", "verifier", "split", "metadata")  # what the scorer reads besides messages
+
+
+def grpo_dataset(rows: list[dict]):
+    """TRL's GRPO dataset of prompt rows: the conversation as `prompt`, the columns the scorer needs beside it."""
+    from datasets import Dataset
+
+    return Dataset.from_list([{"prompt": r["messages"], **{k: r[k] for k in PROMPT_COLUMNS}} for r in rows])
+
+
+def verdicts(spec: RewardSpec, prompts, completions, completion_ids, columns: dict) -> list:
+    """r1flow's scorer (`stages.rewards.score`) on a TRL reward call's completions, one Verdict each."""
     out = []
     for i, completion in enumerate(completions):
         text = completion[-1]["content"] if isinstance(completion, list) else completion
-        row = {k: columns[k][i] for k in ("id", "answer", "task", "verifier", "split", "metadata")}
+        row = {k: columns[k][i] for k in PROMPT_COLUMNS}
         row["messages"] = prompts[i]
-        out.append(score(row, text, spec, num_tokens=len(completion_ids[i])).reward)
+        out.append(score(row, text, spec, num_tokens=len(completion_ids[i])))
     return out
+
+
+def r1_reward(prompts, completions, completion_ids, **columns):
+    """r1flow's own scorer (`stages.rewards.score`, default RewardSpec: accuracy + 0.2 format), so
+    scoring costs the same on both sides."""
+    return [v.reward for v in verdicts(RewardSpec(), prompts, completions, completion_ids, columns)]
 
 
 def run_grpo(prep: dict, shape: Shape, device: str, work: Path, step_prompts: list[list[str]]) -> dict:
     """step_prompts: the prompt ids of each step, warm-up first (the ones r1flow's stage picks): the trainer's
     dataset is exactly those rows in that order, read unshuffled, so step k samples for list k; the ids
     each generation call did get are recorded (`step_prompts`) for the suite to compare."""
-    from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
     sampled: list[list[str]] = []
@@ -196,7 +210,7 @@ def run_grpo(prep: dict, shape: Shape, device: str, work: Path, step_prompts: li
     n = shape.grpo_prompts * shape.grpo_group
     if n % shape.grpo_minibatch:
         raise SystemExit(f"grpo: prompts x group ({n}) must be a multiple of the minibatch ({shape.grpo_minibatch})")
-    args = GRPOConfig(**common_args(shape, device, work / "trl-grpo", shape.grpo_steps + 1),
+    args = GRPOConfig(**common_args(device, work / "trl-grpo", shape.grpo_steps + 1, shape.learning_rate),
                       per_device_train_batch_size=shape.grpo_minibatch,
                       gradient_accumulation_steps=n // shape.grpo_minibatch,
                       num_generations=shape.grpo_group, max_completion_length=shape.grpo_new_tokens,
@@ -209,11 +223,10 @@ def run_grpo(prep: dict, shape: Shape, device: str, work: Path, step_prompts: li
     meter.start()
     by_id = {r["id"]: r for r in table_rows(prep, "prompts")}
     rows = [by_id[i] for step in step_prompts for i in step]  # one generation batch a step, in this order
-    data = Dataset.from_list([{"prompt": r["messages"], **{k: r[k] for k in ("id", "answer", "task", "verifier",
-                                                                              "split", "metadata")}} for r in rows])
+    data = grpo_dataset(rows)
     model, tokenizer = load(prep)
     trainer = TimedGRPO(model=model, reward_funcs=r1_reward, args=args, train_dataset=data,
-                        processing_class=tokenizer, callbacks=[clock], peft_config=peft_config(shape))
+                        processing_class=tokenizer, callbacks=[clock], peft_config=peft_config(shape.lora_r))
     trainer.bench = dict(TimedGRPO.bench)
     clock.trainer = trainer
     trainer.train()
@@ -244,26 +257,18 @@ def run_grpo_learning(plan, prep: dict, work: Path) -> dict:
     max tokens, temperature, learning rate and beta; the same budget rule (no step starts once `plan.minutes`
     of training are spent, counted from the trainer's first step) and the same snapshots."""
     import pyarrow.parquet as pq
-    from datasets import Dataset
-    from peft import LoraConfig
     from trl import GRPOConfig, GRPOTrainer
 
     from benchmarks.learning import Snapshots
     from schemas.artifacts import DATA_FILE
-    from schemas.configs import LoraSpec
 
     spec = RewardSpec(**plan.reward)
     pending: list[tuple[float, float]] = []  # (mean reward, accuracy) of each scored generation batch
 
     def reward(prompts, completions, completion_ids, **columns):
-        out, correct = [], []
-        for i, completion in enumerate(completions):
-            text = completion[-1]["content"] if isinstance(completion, list) else completion
-            row = {k: columns[k][i] for k in ("id", "answer", "task", "verifier", "split", "metadata")}
-            row["messages"] = prompts[i]
-            v = score(row, text, spec, num_tokens=len(completion_ids[i]))
-            out.append(v.reward if v.reward is not None else 0.0)  # r1flow's stage: an unscored completion gets 0
-            correct.append(float(bool(v.correct)))
+        vs = verdicts(spec, prompts, completions, completion_ids, columns)
+        out = [v.reward if v.reward is not None else 0.0 for v in vs]  # r1flow's stage: an unscored completion gets 0
+        correct = [float(bool(v.correct)) for v in vs]
         pending.append((sum(out) / len(out), sum(correct) / len(correct)))
         return out
 
@@ -289,26 +294,19 @@ def run_grpo_learning(plan, prep: dict, work: Path) -> dict:
     mb = min(plan.minibatch_size, n)
     if n % mb:
         raise SystemExit(f"learning: prompts x group ({n}) must be a multiple of the minibatch ({mb})")
-    cuda = plan.device.startswith("cuda")
-    args = GRPOConfig(output_dir=str(work / "trl-grpo"), max_steps=plan.max_steps, learning_rate=plan.learning_rate,
-                      lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
-                      gradient_checkpointing=False, bf16=cuda, fp16=False, use_cpu=not cuda, report_to=[],
-                      save_strategy="no", logging_strategy="no", disable_tqdm=True, push_to_hub=False, seed=0,
-                      dataloader_num_workers=0, per_device_train_batch_size=mb, gradient_accumulation_steps=n // mb,
+    args = GRPOConfig(**common_args(plan.device, work / "trl-grpo", plan.max_steps, plan.learning_rate),
+                      per_device_train_batch_size=mb, gradient_accumulation_steps=n // mb,
                       num_generations=plan.group_size, max_completion_length=plan.max_new_tokens,
                       temperature=plan.temperature, top_p=1.0, top_k=0, beta=plan.beta, num_iterations=1,
                       epsilon=0.2, loss_type="grpo", scale_rewards="group", use_vllm=False, log_completions=False,
                       shuffle_dataset=False)
     by_id = {r["id"]: r for r in pq.read_table(Path(prep["prompts"]["path"]) / DATA_FILE).to_pylist()}
     rows = [by_id[i] for step in prep["step_prompts"] for i in step]
-    data = Dataset.from_list([{"prompt": r["messages"], **{k: r[k] for k in ("id", "answer", "task", "verifier",
-                                                                              "split", "metadata")}} for r in rows])
+    data = grpo_dataset(rows)
     model, tokenizer = models.load_model(prep["start_dir"])
-    lora = LoraSpec(r=plan.lora_r, alpha=2 * plan.lora_r)  # as learning.grpo_config gives r1flow's side
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data, processing_class=tokenizer,
                           callbacks=[Budget()],
-                          peft_config=LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                                                 target_modules=lora.target_modules, task_type="CAUSAL_LM"))
+                          peft_config=peft_config(plan.lora_r, alpha=2 * plan.lora_r))  # as learning.grpo_config's LoRA
     trainer.train()
     final = work / "final"
     trainer.model.save_pretrained(str(final))
