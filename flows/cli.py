@@ -22,19 +22,26 @@ def _default_profile() -> str:
         return "cpu"
 
 
+def _print_servers_used(args: argparse.Namespace) -> None:
+    import os
+
+    print(f"servers ({args.servers_source}): Prefect {os.environ.get('PREFECT_API_URL') or 'temporary'}, "
+          f"MLflow {os.environ.get('MLFLOW_TRACKING_URI') or 'sqlite under the home'}", flush=True)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from flows.recipes import DEFAULT_RECIPE, load_plan
-    from flows.settings import Settings, prepare_environment
+    from flows.settings import Settings
 
     recipe = args.recipe or DEFAULT_RECIPE
     profile = args.profile or _default_profile()
     plan = load_plan(recipe, profile, args.set)  # every config error surfaces here, before any compute
     for name in (args.only or []) + (args.force or []):
         plan.node(name)
-    prepare_environment()
     settings = Settings.from_env()
     print(f"r1flow: recipe {plan.recipe!r}, profile {plan.profile!r}, model {plan.model!r}, "
           f"{len(plan.nodes)} stages; home {settings.home}", flush=True)
+    _print_servers_used(args)
     from flows.pipeline import pipeline
 
     t_flow = time.perf_counter()
@@ -154,7 +161,8 @@ def _print_servers(info) -> None:
     for s, what in ((info.prefect, "Prefect UI"), (info.mlflow, "MLflow UI ")):
         took = f", up in {s.startup_s:.1f} s" if s.startup_s is not None else ""
         print(f"{what}  {s.url}   (pid {s.pid}{took}; log {s.log})")
-    print("point r1flow, runners and notebooks at them (in each shell):")
+    print(f"r1flow commands with R1FLOW_HOME={info.home} use them without exports; for notebooks and the plain "
+          "prefect/mlflow CLIs:")
     print("export " + " ".join(f"{k}={v}" for k, v in env_for(info).items()), flush=True)
 
 
@@ -257,14 +265,13 @@ def _input_refs(pairs: list[str]) -> dict[str, str]:
 
 
 def cmd_stage(args: argparse.Namespace) -> int:
-    from flows.deploy import stage_config
-    from flows.settings import Settings, prepare_environment
+    from flows.deploy import stage_config, stage_flow
+    from flows.settings import Settings
 
     overrides = _overrides_dict(args.set)
     stage_config(args.name, args.recipe, args.profile, args.node, overrides)  # config errors before Prefect starts
     refs = _input_refs(args.input)
-    prepare_environment()
-    from flows.deploy import stage_flow
+    _print_servers_used(args)
 
     result = stage_flow(stage=args.name, inputs=refs, overrides=overrides, node=args.node, seed=args.seed,
                         recipe=args.recipe, profile=args.profile, settings=Settings.from_env().to_dict(),
@@ -281,7 +288,7 @@ def cmd_stage(args: argparse.Namespace) -> int:
     return 0
 
 
-def _specs(args: argparse.Namespace):
+def _specs(args: argparse.Namespace, served: bool):
     from flows.deploy import deployment_specs
     from flows.recipes import DEFAULT_RECIPE
     from stages import STAGE_MODULES
@@ -289,43 +296,76 @@ def _specs(args: argparse.Namespace):
     recipes = args.recipe or ([] if args.stage else [DEFAULT_RECIPE])
     stages = list(STAGE_MODULES) if args.all_stages else (args.stage or [])
     return deployment_specs(recipes, stages, args.profile or _default_profile(), args.set, args.cron, args.interval,
-                            args.tag or [])
+                            args.tag or [], served=served)
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    """`prefect worker start` with r1flow's environment, registered with `r1flow up` so `r1flow down` stops it."""
+    import os
+    import signal
+    import subprocess
+
+    from flows import servers
+    from flows.settings import Settings, require_prefect_server
+
+    url = require_prefect_server("worker", "polls a work pool")
+    home = Settings.from_env().home
+    cmd = [*servers.console_script("prefect"), "worker", "start", "--pool", args.pool, "--type", args.type]
+    if args.limit:
+        cmd += ["--limit", str(args.limit)]
+    print(f"r1flow: worker for work pool {args.pool!r} on {url}; Prefect state and results under "
+          f"{os.environ['PREFECT_HOME']}, artifacts under {home}", flush=True)
+    child = subprocess.Popen(cmd, start_new_session=True)  # its own group: `r1flow down` ends it and its flow runs
+
+    def _forward(signum, frame):
+        try:
+            os.killpg(child.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _forward)
+    registered = servers.register_runner(home, pid=child.pid, name=f"worker {args.pool}")
+    try:
+        while True:
+            try:
+                code = child.wait()
+                break
+            except KeyboardInterrupt:
+                _forward(signal.SIGINT, None)
+    finally:
+        if registered:
+            servers.unregister_runner(home, pid=child.pid)
+    return 0 if code in (0, -signal.SIGTERM, 128 + signal.SIGTERM) else code
 
 
 def cmd_deploy(args: argparse.Namespace) -> int:
-    from flows.settings import prepare_environment
+    from flows.settings import require_prefect_server
 
-    specs = _specs(args)
-    prepare_environment()
-    import os
-
-    if not os.environ.get("PREFECT_API_URL"):
-        from schemas.errors import ConfigError
-
-        raise ConfigError("r1flow deploy registers deployments with a Prefect server: start one with `r1flow up` "
-                          "(or set PREFECT_API_URL); for this machine alone `r1flow serve` needs no work pool")
+    url = require_prefect_server("deploy", "registers deployments and their schedules")
+    specs = _specs(args, served=False)
     from flows.deploy import deploy, full_name
 
-    deploy(specs, args.pool, image=args.image)
+    deploy(specs, args.pool, image=args.image, replace=args.replace)
     for spec in specs:
         sched = f" (cron {spec['cron']})" if "cron" in spec else (f" (every {spec['interval']} s)" if "interval" in spec else "")
-        print(f"deployed {full_name(spec)} -> work pool {args.pool}{sched}")
-    print(f"start a worker: prefect worker start --pool {args.pool}")
+        print(f"deployed {full_name(spec)} -> work pool {args.pool}{sched} on {url}")
+    print(f"start a worker for it: r1flow worker --pool {args.pool}")
     return 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from flows.settings import Settings, prepare_environment
+    from flows.settings import Settings, require_prefect_server
 
-    specs = _specs(args)
-    prepare_environment()
+    url = require_prefect_server("serve", "registers deployments and serves their runs")
+    specs = _specs(args, served=True)
     from flows import servers
     from flows.deploy import full_name, serve
 
     home = Settings.from_env().home
     registered = servers.register_runner(home, name="serve")
     for spec in specs:
-        print(f"serving {full_name(spec)}", flush=True)
+        print(f"serving {full_name(spec)} on {url}", flush=True)
     try:
         serve(specs, limit=args.limit)
     finally:
@@ -395,17 +435,34 @@ def build_parser() -> argparse.ArgumentParser:
     _add_deploy_args(dep)
     dep.add_argument("--pool", default="r1flow-process", help="work pool (created as a process pool if missing)")
     dep.add_argument("--image", help="container image with the project (kubernetes/docker pools)")
+    dep.add_argument("--replace", action="store_true", help="replace a deployment of the same name that another "
+                     "work pool (or `r1flow serve`) registered")
     dep.set_defaults(func=cmd_deploy)
     srv = sub.add_parser("serve", help="serve recipe and stage deployments from this machine (no work pool)")
     _add_deploy_args(srv)
     srv.add_argument("--limit", type=int, help="at most this many concurrent flow runs")
     srv.set_defaults(func=cmd_serve)
+    wk = sub.add_parser("worker", help="start a Prefect worker for a work pool with r1flow's environment "
+                        "(state under R1FLOW_HOME; `r1flow down` stops it)")
+    wk.add_argument("--pool", default="r1flow-process", help="work pool (default r1flow-process, as deploy's)")
+    wk.add_argument("--type", default="process", help="pool type if the worker creates it (default process)")
+    wk.add_argument("--limit", type=int, help="at most this many concurrent flow runs")
+    wk.set_defaults(func=cmd_worker)
     return p
+
+
+# Commands that reach Prefect, MLflow or the store: their servers and Prefect's home are decided before any of
+# them imports Prefect or MLflow (flows/settings.prepare_environment).
+ENV_COMMANDS = frozenset({"run", "stage", "serve", "deploy", "worker", "artifacts", "models"})
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.command in ENV_COMMANDS:
+            from flows.settings import prepare_environment
+
+            args.servers_source = prepare_environment()
         return args.func(args)
     except R1FlowError as e:
         print(f"r1flow: error: {e}", file=sys.stderr)

@@ -1,10 +1,14 @@
 """Deployments and single-stage re-runs.
 
-Two kinds of deployment, both typed so the Prefect UI renders a form with defaults and
+Two kinds of deployment, both typed so the Prefect UI renders a form with defaults, choices and
 descriptions:
-- one per recipe: the `r1flow-pipeline` flow with the recipe's name as deployment name;
-- one per stage: a flow `r1flow-<stage>` (deployment `rerun`) whose `config` parameter *is* the
-  stage's pydantic config and whose `inputs` parameter has one field per stage input.
+- one per recipe: the `r1flow-pipeline` flow (`recipe_pipeline`: recipe and profile are choices,
+  no internal parameters) with the recipe's name as deployment name;
+- one per stage: a flow `r1flow-<stage>` with the stage's name as deployment name, whose `config`
+  parameter *is* the stage's pydantic config, shown with the values that will run (the deployment's
+  recipe node and profile applied), and whose `inputs` parameter has one field per stage input.
+`r1flow serve` registers the same flows under `<name>-served`, so serving a recipe on one machine
+never replaces the work-pool deployment `r1flow deploy` registered for it, nor the other way round.
 
 A single-stage run resolves each input reference to an artifact fingerprint, validates it (the
 artifact exists, verifies, and is of the kind the stage takes), builds the config (stage defaults <
@@ -22,26 +26,40 @@ Input references:
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from prefect import flow
 from pydantic import BaseModel, Field, ValidationError, create_model
 
 from flows.cache import cache_key
-from flows.recipes import PROFILE_DIR, _load_yaml, deep_merge, load_plan, pydantic_message
+from flows.recipes import (
+    PROFILE_DIR,
+    RECIPE_DIR,
+    _load_yaml,
+    available,
+    deep_merge,
+    load_plan,
+    pydantic_message,
+)
 from flows.settings import Settings
 from flows.store import ArtifactStore
+from flows.tracking import run_name
 from schemas.configs import STAGE_CONFIGS, ProfileConfig
 from schemas.errors import ArtifactError, ConfigError
 from stages import STAGE_MODULES, STAGE_SUMMARIES, get_stage
 
 ROOT = Path(__file__).resolve().parent.parent
+log = logging.getLogger(__name__)
 PIPELINE_ENTRYPOINT = "flows/pipeline.py:pipeline"
-STAGE_DEPLOYMENT = "rerun"
-REF_HELP = "fingerprint (or unique prefix), mlflow:<run id>[:<output>], or latest:<node>[@<recipe>][:<output>]"
+SERVED_SUFFIX = "-served"
+# No <...> placeholders: the Prefect UI renders descriptions as HTML and drops them.
+REF_HELP = "fingerprint (or unique prefix), mlflow:RUN_ID[:OUTPUT], or latest:NODE[@RECIPE][:OUTPUT]"
+RecipeName = Literal[tuple(available(RECIPE_DIR))]  # choices in the UI's run form
+ProfileName = Literal[tuple(available(PROFILE_DIR))]
 
 
 # ---------------------------------------------------------------------------- input references
@@ -208,7 +226,7 @@ def run_stage(stage: str, inputs: dict[str, str], overrides: dict[str, Any] | No
     experiment = experiment_name(recipe or "stages")
     tracker = Tracker(s.tracking_uri, experiment, s.mlflow_artifact_location)
     flow_run_id = _flow_run_id()
-    parent = tracker.start_run(f"stage:{name}", {"r1flow.single_stage": "true", "r1flow.recipe": recipe or "",
+    parent = tracker.start_run(run_name(f"stage {name}", flow_run_id), {"r1flow.single_stage": "true", "r1flow.recipe": recipe or "",
                                                  "r1flow.profile": profile or "", "r1flow.flow_run_id": flow_run_id or "",
                                                  **{f"r1flow.input.{k}": v for k, v in resolved.items()}})
     ok = False
@@ -226,10 +244,48 @@ def run_stage(stage: str, inputs: dict[str, str], overrides: dict[str, Any] | No
         ok = True
     finally:
         tracker.end(parent, ok)
-    return {"stage": stage, "node": name, "status": "cached" if cached else "run", "seconds": time.perf_counter() - t0,
-            "inputs": resolved, "outputs": out["outputs"], "metrics": out["metrics"], "config": config, "seed": seed,
-            "cache_key": key, "mlflow_run_id": out.get("mlflow_run_id"), "parent_run_id": parent,
-            "link": tracker.run_link(parent), "flow_run_id": flow_run_id}
+    result = {"stage": stage, "node": name, "status": "cached" if cached else "run", "seconds": time.perf_counter() - t0,
+              "inputs": resolved, "outputs": out["outputs"], "metrics": out["metrics"], "config": config, "seed": seed,
+              "cache_key": key, "mlflow_run_id": out.get("mlflow_run_id"), "parent_run_id": parent,
+              "link": tracker.run_link(parent), "flow_run_id": flow_run_id}
+    if flow_run_id:
+        result["prefect_artifact_id"] = publish_stage_result(result, recipe, profile)
+    return result
+
+
+def stage_result_markdown(result: dict[str, Any], recipe: str | None, profile: str | None) -> str:
+    """What a single-stage re-run shows on its Prefect flow run: inputs, outputs, key metrics, MLflow link."""
+    from flows.pipeline import fmt_metric, key_metrics
+
+    where = ", ".join(f"{k} `{v}`" for k, v in (("recipe", recipe), ("profile", profile)) if v) or "stage defaults"
+    lines = [f"# Stage re-run: {result['node']} ({result['stage']})", "",
+             f"**{result['status']}** in {result['seconds']:.1f} s; config from {where}, seed {result['seed']}.", "",
+             "| | name | fingerprint |", "|---|---|---|"]
+    lines += [f"| input | {k} | `{v}` |" for k, v in result["inputs"].items()]
+    lines += [f"| output | {k} | `{v}` |" for k, v in result["outputs"].items()]
+    metrics = key_metrics(result["stage"], result["metrics"] or {})
+    if metrics:
+        lines += ["", "Key metrics: " + ", ".join(f"{k} = {fmt_metric(v)}" for k, v in metrics.items())]
+    link = result["link"]
+    lines += ["", f"MLflow: [{result['parent_run_id']}]({link})" if link.startswith("http") else f"MLflow: {link}"]
+    return "\n".join(lines) + "\n"
+
+
+def publish_stage_result(result: dict[str, Any], recipe: str | None, profile: str | None) -> str | None:
+    """A markdown artifact on the current flow run (key `stage-<node>`); a failure only warns, the result stands."""
+    import re
+
+    from prefect import get_run_logger
+    from prefect.artifacts import create_markdown_artifact
+
+    key = "stage-" + re.sub(r"[^a-z0-9-]+", "-", result["node"].lower()).strip("-")
+    try:
+        return str(create_markdown_artifact(markdown=stage_result_markdown(result, recipe, profile), key=key,
+                                            description=f"r1flow stage re-run {result['node']}: outputs and MLflow run"))
+    except Exception as e:  # the stage's outputs are published and tracked already
+        get_run_logger().warning(f"could not create the Prefect artifact {key!r}: {type(e).__name__}: {e}")
+        return None
+
 
 
 @flow(name="r1flow-stage", persist_result=True, log_prints=True)
@@ -240,8 +296,8 @@ def stage_flow(stage: str, inputs: dict[str, str], overrides: dict[str, Any] | N
 
     Args:
         stage: Stage name (r1flow stages lists them).
-        inputs: Input name -> artifact reference: a fingerprint (or unique prefix), mlflow:<run id>[:<output>],
-            or latest:<node>[@<recipe>][:<output>].
+        inputs: Input name -> artifact reference: a fingerprint (or unique prefix), mlflow:RUN_ID[:OUTPUT],
+            or latest:NODE[@RECIPE][:OUTPUT].
         overrides: Config values over the base config (nested mapping).
         node: Node name (default: the recipe's node of this stage, else the stage name).
         seed: Seed (default: the recipe node's, else 0).
@@ -268,17 +324,21 @@ def _make_stage_flow(stage: str):
     default = cfg_cls().model_dump(mode="json")
 
     def rerun(inputs, config=None, recipe=None, profile=None, node=None, seed=None, force=False):
+        # The fields the caller gave (the UI's form gives all of them; an API call may give a few): Prefect has
+        # validated `config` into the model already, whose fields_set still tells given from defaulted.
         cfg = config if isinstance(config, cfg_cls) else cfg_cls.model_validate(config or {})
+        given_cfg = cfg.model_dump(mode="json", exclude_unset=True)
         given = inputs.model_dump() if isinstance(inputs, BaseModel) else dict(inputs)
-        return run_stage(stage, {k: v for k, v in given.items() if v}, changed_fields(cfg.model_dump(mode="json"), default),
+        shown = _shown_config(default)  # what the form showed: the deployment's config (recipe and profile applied)
+        return run_stage(stage, {k: v for k, v in given.items() if v}, changed_fields(given_cfg, shown),
                          node, seed, recipe, profile, force=force)
 
     P = inspect.Parameter
     rerun.__signature__ = inspect.Signature([
         P("inputs", P.POSITIONAL_OR_KEYWORD, annotation=inputs_cls),
         P("config", P.POSITIONAL_OR_KEYWORD, default=cfg_cls(), annotation=cfg_cls),
-        P("recipe", P.POSITIONAL_OR_KEYWORD, default=None, annotation=str | None),
-        P("profile", P.POSITIONAL_OR_KEYWORD, default=None, annotation=str | None),
+        P("recipe", P.POSITIONAL_OR_KEYWORD, default=None, annotation=RecipeName | None),
+        P("profile", P.POSITIONAL_OR_KEYWORD, default=None, annotation=ProfileName | None),
         P("node", P.POSITIONAL_OR_KEYWORD, default=None, annotation=str | None),
         P("seed", P.POSITIONAL_OR_KEYWORD, default=None, annotation=int | None),
         P("force", P.POSITIONAL_OR_KEYWORD, default=False, annotation=bool),
@@ -289,9 +349,11 @@ def _make_stage_flow(stage: str):
 
     Args:
         inputs: One artifact reference per input: {REF_HELP}.
-        config: The {stage} config. With a recipe, fields left at the stage default keep the recipe's value.
-        recipe: Take the base config and seed from this recipe's {stage} node.
-        profile: Profile over the base config (tiny, cpu, gpu).
+        config: The {stage} config as it will run: the deployment's recipe node and profile applied. What you
+            change here is applied over the recipe and profile chosen below (change those and every field you
+            leave as shown takes their value).
+        recipe: Take the base config and seed from this recipe's {stage} node (blank: the stage defaults).
+        profile: Profile over the base config (blank: none).
         node: Node name for lineage and tracking (default: the recipe's {stage} node or {stage!r}).
         seed: Seed (default: the recipe node's, else 0).
         force: Re-run even when a valid cached result exists.
@@ -322,25 +384,61 @@ def schedule_kwargs(cron: str | None, interval: float | None) -> dict[str, Any]:
     return {"interval": interval} if interval else {}
 
 
+@flow(name="r1flow-pipeline", persist_result=True, log_prints=True)
+def recipe_pipeline(recipe: RecipeName, profile: ProfileName, overrides: list[str] | None = None,
+                    only: list[str] | None = None, force: list[str] | None = None) -> dict[str, Any]:
+    """Run a recipe: every stage node in dependency order, reusing cached outputs where valid.
+
+    Args:
+        recipe: Recipe (r1flow recipes describes each).
+        profile: Profile sizing the stages: tiny (seconds, tests), cpu, gpu.
+        overrides: Config overrides KEY=VALUE, e.g. sft.learning_rate=1e-4, dpo.beta=0.2, model=PATH, seed=1.
+        only: Run only these nodes; their upstream nodes must be cached.
+        force: Re-run these nodes even when cached.
+    """
+    from flows.pipeline import run_plan
+
+    plan = load_plan(recipe, profile, overrides or [])
+    return run_plan(plan, Settings.from_env(), only=set(only or []), force=set(force or []))
+
+
+def _stage_base(stage: str, recipes: list[str], profile: str) -> dict[str, Any]:
+    """A stage deployment's default parameters: the one recipe given, if it has a node of that stage, and the
+    config that will run with it and the profile (so the UI form shows what runs)."""
+    recipe = None
+    if len(recipes) == 1 and any(n.stage == stage for n in load_plan(recipes[0], profile, run_checks=False).nodes):
+        recipe = recipes[0]
+    config, _, _ = stage_config(stage, recipe, profile, None, {})
+    return {"config": config, "profile": profile, **({"recipe": recipe} if recipe else {})}
+
+
 def deployment_specs(recipes: list[str], stages: list[str], profile: str, overrides: list[str],
                      cron: str | None = None, interval: float | None = None,
-                     tags: list[str] = ()) -> list[dict[str, Any]]:
+                     tags: list[str] = (), served: bool = False) -> list[dict[str, Any]]:
     """What to register: flow, entrypoint, name, parameters, schedule, tags, description. Validates
-    every recipe with its overrides first, so a bad one fails before anything is registered."""
-    from flows.pipeline import pipeline
-
+    every recipe with its overrides first, so a bad one fails before anything is registered.
+    Recipe deployments are named after the recipe, stage deployments after the stage; `served`
+    (`r1flow serve`) adds SERVED_SUFFIX so they never replace work-pool deployments."""
+    suffix = SERVED_SUFFIX if served else ""
     specs = []
     sched = schedule_kwargs(cron, interval)
     for recipe in recipes:
         plan = load_plan(recipe, profile, overrides)
-        specs.append({"flow": pipeline, "entrypoint": PIPELINE_ENTRYPOINT, "name": plan.recipe,
+        if recipe in available(RECIPE_DIR):  # the form offers the project's recipes and profiles as choices
+            flow_, entrypoint = recipe_pipeline, "flows/deploy.py:recipe_pipeline"
+        else:  # a recipe file elsewhere: the pipeline flow itself, whose recipe is any name or path
+            from flows.pipeline import pipeline
+
+            flow_, entrypoint = pipeline, PIPELINE_ENTRYPOINT
+        specs.append({"flow": flow_, "entrypoint": entrypoint, "name": plan.recipe + suffix,
                       "parameters": {"recipe": recipe, "profile": profile, "overrides": list(overrides)},
                       "tags": ["r1flow", "recipe", plan.recipe, *tags], "description": plan.description, **sched})
     for stage in stages:
         if stage not in STAGE_FLOWS:
             raise ConfigError(f"unknown stage {stage!r}; known: {', '.join(STAGE_FLOWS)}")
         specs.append({"flow": STAGE_FLOWS[stage], "entrypoint": f"flows/deploy.py:{stage}_stage",
-                      "name": STAGE_DEPLOYMENT, "parameters": {"profile": profile}, "tags": ["r1flow", "stage", stage, *tags],
+                      "name": stage + suffix, "parameters": _stage_base(stage, recipes, profile),
+                      "tags": ["r1flow", "stage", stage, *tags],
                       "description": f"Re-run the {stage} stage from cached artifacts: {STAGE_SUMMARIES[stage]}"})
     return specs
 
@@ -368,9 +466,31 @@ def ensure_work_pool(name: str, kind: str = "process") -> None:
             pass
 
 
-def deploy(specs: list[dict[str, Any]], pool: str, image: str | None = None) -> list[str]:
+def existing_elsewhere(specs: list[dict[str, Any]], pool: str | None) -> list[str]:
+    """The deployments among `specs` that already exist with another work pool (None: served by a runner)."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    clashes = []
+    with get_client(sync_client=True) as client:
+        for s in specs:
+            try:
+                dep = client.read_deployment_by_name(full_name(s))
+            except ObjectNotFound:
+                continue
+            if dep.work_pool_name != pool:
+                clashes.append(f"{full_name(s)} (work pool {dep.work_pool_name or 'none: served by r1flow serve'})")
+    return clashes
+
+
+def deploy(specs: list[dict[str, Any]], pool: str, image: str | None = None, replace: bool = False) -> list[str]:
     """Register the deployments with a work pool (created as a process pool if missing). Without an
-    image the code is loaded from this checkout (process workers on this machine or a shared disk)."""
+    image the code is loaded from this checkout (process workers on this machine or a shared disk).
+    A deployment of the same name on another pool is an error unless `replace` (nothing is registered)."""
+    clashes = [] if replace else existing_elsewhere(specs, pool)
+    if clashes:
+        raise ConfigError(f"already deployed elsewhere: {'; '.join(clashes)}; deploying to work pool {pool!r} would "
+                          "replace them: pass --replace to do that")
     if image is None:
         ensure_work_pool(pool)
     ids = []
@@ -382,6 +502,22 @@ def deploy(specs: list[dict[str, Any]], pool: str, image: str | None = None) -> 
                                    description=s["description"], **kwargs)
         ids.append(str(dep.apply(image=image) if image else dep.apply()))
     return ids
+
+
+def _shown_config(default: dict[str, Any]) -> dict[str, Any]:
+    """The config a deployment's form showed (its `config` parameter), else the stage defaults."""
+    shown = None
+    try:
+        from prefect.client.orchestration import get_client
+        from prefect.runtime import deployment
+
+        if deployment.id:  # (runtime.deployment.parameters are the flow run's, not the deployment's defaults)
+            with get_client(sync_client=True) as client:
+                shown = (client.read_deployment(deployment.id).parameters or {}).get("config")
+    except Exception as e:  # no deployment or no API: the stage defaults were what a form showed
+        log.warning("could not read the deployment's parameters (%s: %s); the stage defaults are the base",
+                    type(e).__name__, e)
+    return deep_merge(default, shown) if isinstance(shown, dict) else default
 
 
 def full_name(spec: dict[str, Any]) -> str:

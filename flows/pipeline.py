@@ -27,7 +27,7 @@ from flows.context import FlowContext
 from flows.recipes import Plan, load_plan
 from flows.settings import Settings
 from flows.store import ArtifactStore, CacheRecord
-from flows.tracking import Tracker
+from flows.tracking import Tracker, run_name
 from schemas.artifacts import DATA_FILE, Producer
 from schemas.errors import ArtifactError, ConfigError, R1FlowError
 from stages import get_stage
@@ -264,7 +264,7 @@ def run_plan(plan: Plan, s: Settings, only: set[str] = frozenset(), force: set[s
     experiment = experiment_name(plan.recipe)
     tracker = Tracker(s.tracking_uri, experiment, s.mlflow_artifact_location)
     flow_run_id = _flow_run_id()
-    parent = tracker.start_run(f"{plan.recipe}-{plan.profile}", {"r1flow.recipe": plan.recipe, "r1flow.profile": plan.profile,
+    parent = tracker.start_run(run_name(f"{plan.recipe} {plan.profile}", flow_run_id), {"r1flow.recipe": plan.recipe, "r1flow.profile": plan.profile,
                                                                  "r1flow.flow_run_id": flow_run_id or ""})
     tracker.log_params(parent, {"recipe": plan.recipe, "profile": plan.profile, "model": plan.model, "seed": plan.seed,
                                 "overrides": " ".join(plan.overrides), "only": ",".join(sorted(only)),

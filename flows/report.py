@@ -464,19 +464,21 @@ def build_report(plan: Plan, results: list[StageResult], tracker: Tracker, paren
     md = [f"# r1flow run: recipe `{plan.recipe}`, profile `{plan.profile}`", "",
           f"MLflow parent run: {_link(tracker, parent_run_id, tracker.experiment_id)}; this report and its "
           f"plots are artifacts of that run under `{REPORT_DIR}/`.", "",
-          "| stage | kind | status | seconds | key metrics | MLflow run | outputs |",
-          "|---|---|---|---|---|---|---|"]
+          "| stage (kind) | status | s | key metrics | MLflow run |",
+          "|---|---|---|---|---|"]
+    outputs = ["", "## Outputs", "", "Artifact fingerprints (`r1flow artifacts PREFIX` shows one).", "",
+               "| stage | output | fingerprint |", "|---|---|---|"]
     for r in results:
         metrics = ", ".join(f"{k}={fmt_interval(r.metrics, k) if k == 'accuracy' else fmt_metric(v)}"
                             for k, v in key_metrics(r.stage, r.metrics).items())
-        outs = ", ".join(f"{k}:{v[:12]}" for k, v in r.outputs.items())
+        outputs += [f"| {r.node} | {k} | `{v[:16]}` |" for k, v in r.outputs.items()]
         sr = runs[r.node]
         link = "—"
         if sr is not None:
             link = _link(tracker, sr.run_id, sr.experiment_id)
             if sr.source_run_id and sr.source_run_id != sr.run_id:
                 link += f" (produced by {_link(tracker, sr.source_run_id, sr.source_experiment_id)})"
-        md.append(f"| {r.node} | {r.stage} | {r.status} | {r.seconds:.1f} | {metrics} | {link} | {outs} |")
+        md.append(f"| {r.node} ({r.stage}) | {r.status} | {r.seconds:.1f} | {metrics} | {link} |")
 
     rows = comparison_rows(plan, results)
     comparison = None
@@ -486,6 +488,7 @@ def build_report(plan: Plan, results: list[StageResult], tracker: Tracker, paren
 
     if registration is not None:
         md += ["", "## Model registry", "", registration.markdown(tracker)]
+    md += outputs
 
     images = _plots(results, runs, tracker, rows)
     md += ["", "## Plots", ""]

@@ -219,7 +219,7 @@ def _check_port_free(port: int, what: str) -> None:
                               f"pick another with --{what}-port or leave it out for a free one") from None
 
 
-def _executable(name: str) -> list[str]:
+def console_script(name: str) -> list[str]:
     """The venv's console script next to this interpreter, else `python -m name`."""
     exe = Path(sys.executable).parent / name
     return [str(exe)] if exe.exists() else [sys.executable, "-m", name]
@@ -247,7 +247,7 @@ def _healthy(url: str) -> bool:
 
 
 def _prefect_command(port: int) -> list[str]:
-    return _executable("prefect") + ["server", "start", "--host", HOST, "--port", str(port)]
+    return console_script("prefect") + ["server", "start", "--host", HOST, "--port", str(port)]
 
 
 def _prefect_env(home: Path, port: int) -> dict[str, str]:
@@ -267,7 +267,7 @@ def _prefect_env(home: Path, port: int) -> dict[str, str]:
 
 def _mlflow_command(home: Path, port: int) -> list[str]:
     d = servers_dir(home)
-    return _executable("mlflow") + [
+    return console_script("mlflow") + [
         "server", "--host", HOST, "--port", str(port), "--workers", "1",
         "--backend-store-uri", f"sqlite:///{d / 'mlflow.db'}",
         "--artifacts-destination", str(d / "mlartifacts"), "--serve-artifacts",

@@ -29,10 +29,19 @@ class Settings:
         return None if self.tracking_uri.startswith(("http://", "https://")) else f"{Path(self.home) / 'mlartifacts'}"
 
 
-def prepare_environment(home: str | None = None) -> None:
-    """Environment for Prefect, set before it is imported: its state lives under R1FLOW_HOME."""
-    home_path = Path(home or os.environ.get("R1FLOW_HOME", ".r1flow")).expanduser().resolve()
-    home_path.mkdir(parents=True, exist_ok=True)
+def prepare_environment(home: str | None = None) -> str:
+    """Decide the servers and Prefect's home, before Prefect or MLflow is imported. Returns where the
+    servers came from (for messages).
+
+    The one place every command goes through (flows/cli.py calls it before dispatching): Prefect fixes
+    its settings when it is imported, so a command that imported it first would talk to a temporary
+    server of its own. PREFECT_API_URL and MLFLOW_TRACKING_URI, each when not exported, are taken from
+    the servers `r1flow up` started for this R1FLOW_HOME; Prefect's state and results go under
+    R1FLOW_HOME (PREFECT_HOME), and R1FLOW_HOME itself is exported as an absolute path so that workers,
+    runners and their flow-run subprocesses share it whatever their working directory.
+    """
+    home_path = Path(home or os.environ.get("R1FLOW_HOME", ".r1flow")).expanduser().resolve()  # not created here:
+    os.environ["R1FLOW_HOME"] = str(home_path)  # a command that fails validation writes nothing
     os.environ.setdefault("PREFECT_HOME", str(home_path / "prefect"))
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     # Prefect waits 20 s for its ephemeral server; on a busy 2-core machine it has taken longer (seen in the
@@ -40,9 +49,50 @@ def prepare_environment(home: str | None = None) -> None:
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if not os.environ.get("PREFECT_API_URL") and not os.environ.get("MLFLOW_TRACKING_URI"):
+    source = "environment"
+    if not (os.environ.get("PREFECT_API_URL") and os.environ.get("MLFLOW_TRACKING_URI")):
         from flows import servers
 
         info = servers.status(home_path)  # `r1flow up` servers for this home: use them
         if info is not None:
-            os.environ.update(servers.env_for(info))
+            for key, value in servers.env_for(info).items():
+                if not os.environ.get(key):
+                    os.environ[key] = value
+                    source = f"r1flow up servers of {home_path}"
+            _check_prefect_not_fixed()
+    if not os.environ.get("PREFECT_API_URL"):
+        source = "none: a temporary Prefect server for this command"
+    return source
+
+
+def _check_prefect_not_fixed() -> None:
+    """An internal error if Prefect was imported before the servers were decided with other settings."""
+    import sys
+
+    if "prefect.settings" not in sys.modules:
+        return
+    from prefect.settings import get_current_settings
+
+    current = get_current_settings().api.url
+    if current and current != os.environ["PREFECT_API_URL"]:
+        raise RuntimeError(f"internal error: Prefect was imported before r1flow chose its servers (it uses "
+                           f"{current}, r1flow up's is {os.environ['PREFECT_API_URL']})")
+
+
+def require_prefect_server(command: str, what: str) -> str:
+    """The Prefect API URL a command that registers or schedules something will use; a ConfigError
+    (before anything is registered) when it would go to a temporary server that exits with the command."""
+    from schemas.errors import ConfigError
+
+    url = os.environ.get("PREFECT_API_URL")
+    if not url:
+        home = os.environ.get("R1FLOW_HOME", ".r1flow")
+        raise ConfigError(f"r1flow {command} {what} with a Prefect server, and none is running for R1FLOW_HOME={home}: "
+                          "start one with `r1flow up` (same R1FLOW_HOME), or set PREFECT_API_URL to a team server. "
+                          "Without one it would go to a temporary server that exits with this command.")
+    from prefect.settings import get_current_settings
+
+    current = get_current_settings().api.url
+    if current != url:
+        raise RuntimeError(f"internal error: Prefect would use {current!r}, not PREFECT_API_URL={url}")
+    return url

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 import time
+import uuid
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
@@ -16,6 +18,8 @@ from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 
 PARAM_MAX = 6000
+# MLflow 3 opens an experiment without this tag on its GenAI (traces) view; ours are training runs.
+EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
 
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -29,14 +33,23 @@ def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def run_name(what: str, flow_run_id: str | None) -> str:
+    """An MLflow parent run name that tells runs apart: what ran, when (UTC, to the minute) and a short id."""
+    short = (flow_run_id or uuid.uuid4().hex)[:6]
+    return f"{what} {datetime.now(UTC):%Y-%m-%d %H:%M} {short}"
+
+
 class Tracker:
     def __init__(self, tracking_uri: str, experiment: str, artifact_location: str | None = None):
         self.uri = tracking_uri
         self.client = MlflowClient(tracking_uri)
         exp = self.client.get_experiment_by_name(experiment)
         self.experiment_id = exp.experiment_id if exp else self.client.create_experiment(
-            experiment, artifact_location=artifact_location
+            experiment, artifact_location=artifact_location, tags=EXPERIMENT_KIND
         )
+        if exp is not None and not EXPERIMENT_KIND.items() <= exp.tags.items():  # made before r1flow set the kind
+            for key, value in EXPERIMENT_KIND.items():
+                self.client.set_experiment_tag(self.experiment_id, key, value)
 
     def start_run(self, name: str, tags: dict[str, str], parent_run_id: str | None = None) -> str:
         tags = {k: str(v) for k, v in tags.items()}

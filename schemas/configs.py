@@ -50,7 +50,7 @@ class GenerationSpec(Strict):
         "every rollout)."
     )
     prefill: str = Field(
-        "", description="Text the assistant turn starts with, e.g. '<think>\\n' (R1-Zero's template ends the prompt "
+        "", description="Text the assistant turn starts with, e.g. `<think>\\n` (R1-Zero's template ends the prompt "
         "there). Part of the prompt, never trained; completions are returned and scored as prefill + generated text."
     )
     cache: Literal["dynamic", "static"] = Field(
@@ -117,7 +117,7 @@ class RewardSpec(Strict):
     strict_answer: bool = Field(
         False,
         description="Reward-hacking guard for answer verifiers (all but code): accuracy counts only an answer given "
-        "in exactly one <answer>…</answer> block outside the thinking; no \\boxed{} fallback, and several answer "
+        "in exactly one `<answer>…</answer>` block outside the thinking; no \\boxed{} fallback, and several answer "
         "blocks (hedging) score as no answer. Lenient (evaluation) correctness is unaffected.",
     )
     # The scripts of stages.rewards.LANGUAGE_SCRIPTS (tests check the two agree).
@@ -178,7 +178,7 @@ class PromptsConfig(Strict):
         "optionally 'answer', 'task', 'verifier', 'split'.",
     )
     system_prompt: str | None = Field(
-        None, description="System prompt; default: the R1 format instruction (<think>…</think><answer>…</answer>)."
+        None, description="System prompt; default: the R1 format instruction (`<think>…</think><answer>…</answer>`)."
     )
 
 
@@ -233,7 +233,7 @@ class SFTConfig(TrainingConfig):
                           "attend across the examples of a block (a warning says so).")
     gold_think: str = Field(
         "Let me work this out step by step and check the result.",
-        description="Only for `prompts` input: the <think> text of targets built from gold answers.",
+        description="Only for `prompts` input: the `<think>` text of targets built from gold answers.",
     )
 
 
@@ -268,7 +268,7 @@ class RejectionSamplingConfig(Strict):
     reformat: bool = Field(
         False,
         description="R1 cold start's post-processing into a readable format: rewrite every accepted completion that "
-        "is not well formed as <think>reasoning</think><answer>answer</answer> (stages.rewards.reformat_r1). "
+        "is not well formed as `<think>reasoning</think><answer>answer</answer>` (stages.rewards.reformat_r1). "
         "Needs require_format=false (otherwise every accepted completion is already well formed).",
     )
     min_reward: float | None = Field(None, description="Also require reward >= this (None: no reward threshold).")
@@ -464,7 +464,7 @@ class DistillTracesConfig(Strict):
     num_samples: int = Field(4, ge=1, description="n: traces sampled per prompt (all that pass the filter are kept).")
     filter: Literal["verified", "lenient", "format", "none"] = Field(
         "verified", description="Keep traces whose answer the prompt's verifier accepts (verified: answer in "
-        "<answer>/\\boxed{}, as rewards read it; lenient: else the last number, as eval's accuracy_lenient), that "
+        "`<answer>`/`\\boxed{}`, as rewards read it; lenient: else the last number, as eval's accuracy_lenient), that "
         "are well-formed R1 format (format), or every trace (none)."
     )
     drop_truncated: bool = Field(False, description="Also drop traces cut at generation.max_new_tokens.")

@@ -25,9 +25,51 @@ def test_stage_flow_parameters_are_typed_with_defaults_and_descriptions():
     assert "completions per prompt" in grpo_cfg["properties"]["group_size"]["description"]
     inputs = defs[props["inputs"]["$ref"].split("/")[-1]]
     assert set(inputs["required"]) == {"model", "prompts"}  # reward_model is optional
-    assert "latest:<node>" in inputs["properties"]["model"]["description"]
+    assert "latest:NODE[@RECIPE]" in inputs["properties"]["model"]["description"]
     pipe = parameter_schema(pipeline.pipeline.fn).model_dump()["properties"]
     assert "tiny (tests), cpu, gpu" in pipe["profile"]["description"]
+
+
+def _enum(prop: dict, defs: dict) -> list | None:
+    """The choices of a (possibly optional) parameter in Prefect's schema, as the UI reads them."""
+    for option in [prop, *prop.get("anyOf", [])]:
+        option = defs.get(option.get("$ref", "").split("/")[-1], option)
+        if "enum" in option:
+            return option["enum"]
+    return None
+
+
+def test_the_run_forms_offer_recipes_and_profiles_as_choices_and_hide_internals():
+    from prefect.utilities.callables import parameter_schema
+
+    from flows.recipes import PROFILE_DIR, RECIPE_DIR, available
+
+    schema = parameter_schema(deploy.recipe_pipeline.fn).model_dump()
+    props, defs = schema["properties"], schema.get("definitions", {})
+    assert _enum(props["recipe"], defs) == available(RECIPE_DIR) and "r1" in available(RECIPE_DIR)
+    assert _enum(props["profile"], defs) == available(PROFILE_DIR) == ["cpu", "gpu", "tiny"]
+    assert "settings" not in props and set(schema["required"]) == {"recipe", "profile"}
+    stage = parameter_schema(deploy.STAGE_FLOWS["sft"].fn).model_dump()
+    assert _enum(stage["properties"]["recipe"], stage["definitions"]) == available(RECIPE_DIR)
+    assert _enum(stage["properties"]["profile"], stage["definitions"]) == available(PROFILE_DIR)
+    assert "settings" not in stage["properties"]
+    import re
+
+    schemas = [schema] + [parameter_schema(f.fn).model_dump() for f in deploy.STAGE_FLOWS.values()]
+    for described in schemas:  # the UI renders descriptions as markdown: a bare <placeholder> would vanish
+        for text in re.findall(r'"description": "((?:[^"\\]|\\.)*)"', json.dumps(described)):
+            bare = re.sub(r"`[^`]*`", "", text)  # tags inside code spans are shown as written
+            assert not re.findall(r"</?[a-zA-Z][^>]*>", bare), text
+
+
+def test_stage_deployments_show_the_config_that_will_run():
+    specs = deploy.deployment_specs(["sft-eval"], ["sft", "grpo"], "tiny", [])
+    sft, grpo = specs[1]["parameters"], specs[2]["parameters"]
+    recipe_sft, _, _ = deploy.stage_config("sft", "sft-eval", "tiny", None, {})
+    assert sft == {"config": recipe_sft, "profile": "tiny", "recipe": "sft-eval"}
+    assert sft["config"]["max_steps"] == 120  # the tiny profile's value, not the stage default
+    assert grpo["config"] == deploy.stage_config("grpo", None, "tiny", None, {})[0]  # sft-eval has no grpo node
+    assert "recipe" not in grpo
 
 
 def test_stage_config_layers_recipe_profile_and_overrides():
@@ -62,7 +104,9 @@ def test_bad_schedules_and_unknown_names_fail_before_registering():
         deploy.deployment_specs([], ["nope"], "tiny", [])
     specs = deploy.deployment_specs(["sft-eval"], ["sft", "eval"], "tiny", ["sft.max_steps=5"], cron="0 2 * * *",
                                     tags=["nightly"])
-    assert [deploy.full_name(s) for s in specs] == ["r1flow-pipeline/sft-eval", "r1flow-sft/rerun", "r1flow-eval/rerun"]
+    assert [deploy.full_name(s) for s in specs] == ["r1flow-pipeline/sft-eval", "r1flow-sft/sft", "r1flow-eval/eval"]
+    served = deploy.deployment_specs(["sft-eval"], ["sft"], "tiny", [], served=True)
+    assert [deploy.full_name(s) for s in served] == ["r1flow-pipeline/sft-eval-served", "r1flow-sft/sft-served"]
     assert specs[0]["parameters"] == {"recipe": "sft-eval", "profile": "tiny", "overrides": ["sft.max_steps=5"]}
     assert specs[0]["cron"] == "0 2 * * *" and "nightly" in specs[0]["tags"]
 
@@ -227,6 +271,7 @@ def test_entrypoints_resolve_to_the_flows():
     f = load_flow_from_entrypoint(str(root / "flows/deploy.py:grpo_stage"))
     assert f.name == "r1flow-grpo"
     assert load_flow_from_entrypoint(str(root / deploy.PIPELINE_ENTRYPOINT)).name == "r1flow-pipeline"
+    assert load_flow_from_entrypoint(str(root / "flows/deploy.py:recipe_pipeline")).name == "r1flow-pipeline"
 
 
 def test_nightly_recipe_new_prompts_leave_the_sft_model_cached(tmp_path):

@@ -96,12 +96,13 @@ def cached_rerun(tracker: Tracker, parent: str, first: list[StageResult]) -> lis
 
 
 def table_rows(markdown: str) -> dict[str, list[str]]:
-    """The stage table (the first table) by node."""
+    """The stage table (the first table) by node: node, stage, status, seconds, key metrics, MLflow run."""
     rows = {}
     for line in markdown.split("\n## ")[0].splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if line.startswith("| ") and cells[0] not in ("stage", "---"):
-            rows[cells[0]] = cells
+        if line.startswith("| ") and cells[0] not in ("stage (kind)", "---"):
+            node, _, stage = cells[0].partition(" (")
+            rows[node] = [node, stage.rstrip(")"), *cells[1:]]
     return rows
 
 
@@ -117,6 +118,11 @@ def test_report_has_one_row_per_stage_with_status_and_link_and_plots_with_data(t
         assert f"(#/experiments/{tracker.experiment_id}/runs/{r.mlflow_run_id})" in rows[r.node][5]
     assert "final_loss=1" in rows["sft"][4] and "accuracy=0.500 [0.400, 0.600], format_rate" in rows["eval_sft"][4]
     assert "accuracy=0.250, format_rate" in rows["eval_base"][4]  # no interval logged: the accuracy alone
+    assert len(rows["sft"]) == 6  # five columns: fits the page; the fingerprints have their own table
+    outputs = report.markdown.split("## Outputs")[1].split("\n## ")[0]
+    for r in results:
+        for name, fingerprint in r.outputs.items():
+            assert f"| {r.node} | {name} | `{fingerprint[:16]}` |" in outputs
     assert "mlflow ui --backend-store-uri" in report.markdown  # local store: how to open the links
     # the comparison table names the model and its fingerprint, the accuracy with its interval and the
     # eval size; unlogged metrics are dashes

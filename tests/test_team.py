@@ -5,6 +5,7 @@ through its deployment, and two pipelines started at the same moment on one R1FL
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -45,8 +46,8 @@ def team(live_servers, tmp_path_factory):
         with get_client(sync_client=True) as client:
             while True:
                 try:
-                    client.read_deployment_by_name("r1flow-pipeline/eval")
-                    client.read_deployment_by_name("r1flow-eval/rerun")
+                    client.read_deployment_by_name("r1flow-pipeline/eval-served")
+                    client.read_deployment_by_name("r1flow-eval/eval-served")
                     break
                 except Exception:
                     if runner.poll() is not None or time.time() > deadline:
@@ -75,7 +76,7 @@ def test_recipe_deployment_triggered_through_the_api(team):
     from mlflow.tracking import MlflowClient
 
     info = team["info"]
-    run, state = _run_deployment(info, "r1flow-pipeline/eval", {"recipe": "eval", "profile": "tiny"})
+    run, state = _run_deployment(info, "r1flow-pipeline/eval-served", {"recipe": "eval", "profile": "tiny"})
     assert state.is_completed(), f"{state.name}: {state.message}\n" + (team["home"] / "serve.log").read_text()[-3000:]
     client = MlflowClient(info.mlflow_tracking_uri)
     exp = client.get_experiment_by_name("r1flow/eval")
@@ -105,7 +106,7 @@ def test_single_stage_rerun_through_its_deployment_joins_the_lineage(team):
     children = team["eval_children"]
     model_fp = children["base"].data.tags["r1flow.output.model"]
     prompts_fp = children["prompts"].data.tags["r1flow.output.prompts"]
-    run, state = _run_deployment(team["info"], "r1flow-eval/rerun", {
+    run, state = _run_deployment(team["info"], "r1flow-eval/eval-served", {
         "inputs": {"model": model_fp, "prompts": prompts_fp[:16]},
         "config": {"max_prompts": 5}, "recipe": "eval", "profile": "tiny"})
     assert state.is_completed(), f"{state.name}: {state.message}"
@@ -113,7 +114,8 @@ def test_single_stage_rerun_through_its_deployment_joins_the_lineage(team):
     exp = client.get_experiment_by_name("r1flow/eval")
     stage_runs = client.search_runs([exp.experiment_id], f"tags.`r1flow.flow_run_id` = '{run.id}' and "
                                     "tags.`r1flow.node` = 'eval_base'")
-    assert len(stage_runs) == 1
+    assert len(stage_runs) == 1, [(r.data.tags.get("r1flow.node"), r.data.tags.get("r1flow.flow_run_id"), r.data.tags.get("r1flow.cache_hit"), r.data.tags.get("mlflow.parentRunId"), r.info.run_id)
+                                  for r in client.search_runs([exp.experiment_id], "")][:8] + [str(run.id)]
     tags = stage_runs[0].data.tags
     assert tags["r1flow.input.model"] == model_fp and tags["r1flow.input.prompts"] == prompts_fp
     assert stage_runs[0].data.metrics["prompts"] == 5
@@ -122,6 +124,26 @@ def test_single_stage_rerun_through_its_deployment_joins_the_lineage(team):
     assert manifest.parents == sorted([model_fp, prompts_fp])
     assert manifest.producer.mlflow_run_id == stage_runs[0].info.run_id
     assert tags["r1flow.output.results"] != children["eval_base"].data.tags["r1flow.output.results"]  # new config
+
+    # as the UI's form submits it: every field as shown (the recipe's eval_base config on the tiny profile), one
+    # changed; what runs is the shown config with that change
+    with _prefect_client(team["info"]) as prefect:
+        shown = prefect.read_deployment_by_name("r1flow-eval/eval-served").parameters
+    assert shown["recipe"] == "eval" and shown["profile"] == "tiny"
+    from flows.deploy import stage_config
+
+    expected, _, _ = stage_config("eval", "eval", "tiny", None, {"max_prompts": 6})
+    assert shown["config"] == {**expected, "max_prompts": shown["config"]["max_prompts"]}
+    run, state = _run_deployment(team["info"], "r1flow-eval/eval-served", {
+        **shown, "inputs": {"model": model_fp, "prompts": prompts_fp}, "config": {**shown["config"], "max_prompts": 6}})
+    assert state.is_completed(), f"{state.name}: {state.message}"
+    form_run = client.search_runs([exp.experiment_id], f"tags.`r1flow.flow_run_id` = '{run.id}' and "
+                                  "tags.`r1flow.node` = 'eval_base'")
+    assert len(form_run) == 1 and form_run[0].data.metrics["prompts"] == 6
+    from flows.tracking import flatten
+
+    logged = {k: v for k, v in form_run[0].data.params.items() if k.startswith("config.")}
+    assert logged and logged == {k: str(v) for k, v in flatten({"config": expected}).items()}
 
 
 def test_cron_deployment_lists_scheduled_runs(team, tmp_path):
@@ -180,3 +202,172 @@ def test_two_runs_started_together_share_stages_safely(live_servers, tmp_path):
         executed = client.search_runs(exps, f"tags.`r1flow.node` = '{node}' and tags.`r1flow.cache_hit` = 'false'")
         executed = [r for r in executed if r.data.tags.get("mlflow.parentRunId") in parents]
         assert len(executed) == 1, (node, len(executed))
+
+
+# ---------------------------------------------------------------------------- no exports: `r1flow up`'s servers
+
+
+def _bare_env(home: Path) -> dict[str, str]:
+    """A shell where the user exported nothing but R1FLOW_HOME (the README's promise)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "PREFECT_HOME", "R1FLOW_STORE")}
+    return {**env, "R1FLOW_HOME": str(home)}
+
+
+def _r1flow(args: list[str], env: dict[str, str], timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([*R1FLOW, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@contextlib.contextmanager
+def _prefect_client(info):
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: info.prefect_api_url}), get_client(sync_client=True) as client:
+        yield client
+
+
+def _wait_for(what: str, probe, timeout: float, proc=None, log: Path | None = None):
+    deadline = time.time() + timeout
+    while True:
+        try:
+            got = probe()
+            if got:
+                return got
+        except Exception:
+            pass
+        if time.time() > deadline or (proc is not None and proc.poll() is not None):
+            raise AssertionError(f"{what}: not seen in {timeout:.0f} s" + (f"\n{log.read_text()[-3000:]}" if log else ""))
+        time.sleep(1)
+
+
+def test_every_command_uses_the_up_servers_without_exports(live_servers, session_dir, tmp_path):
+    """`r1flow up`'s servers for a home, and a shell with nothing exported: run, stage, deploy and serve reach
+    those servers (seen through their APIs), status shows them, artifacts and models list what the run made."""
+    from mlflow.tracking import MlflowClient
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    info, home = live_servers, session_dir / "servers-home"  # the home `servers.start` recorded them for
+    env = _bare_env(home)
+    mlflow = MlflowClient(info.mlflow_tracking_uri)
+
+    out = _r1flow(["status"], env)
+    assert out.returncode == 0 and info.prefect.url in out.stdout and info.mlflow.url in out.stdout
+
+    out = _r1flow(["run", "--recipe", "eval", "--profile", "tiny", "--json", str(tmp_path / "run.json")], env)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert f"Prefect {info.prefect_api_url}" in out.stdout and "r1flow up servers" in out.stdout
+    run = json.loads((tmp_path / "run.json").read_text())
+    with _prefect_client(info) as client:
+        assert client.read_flow_run(run["flow_run_id"]).state.is_completed()
+    parent = mlflow.get_run(run["parent_run_id"])  # on the server, not in a sqlite file under the home
+    assert parent.data.tags["r1flow.recipe"] == "eval" and parent.info.run_name.startswith("eval tiny 20")
+    exp = mlflow.get_experiment(parent.info.experiment_id)
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"  # MLflow 3 opens the runs table
+    assert not (home / "mlflow.db").exists()
+    outputs = {s["node"]: s["outputs"] for s in run["stages"]}
+
+    out = _r1flow(["stage", "eval", "--profile", "tiny", "--input", f"model={outputs['base']['model'][:12]}",
+                   "--input", "prompts=latest:prompts", "--set", "max_prompts=3", "--json", str(tmp_path / "st.json")],
+                  env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    stage = json.loads((tmp_path / "st.json").read_text())
+    assert mlflow.get_run(stage["parent_run_id"]).data.tags["r1flow.output.results"] == stage["outputs"]["results"]
+    with _prefect_client(info) as client:
+        assert client.read_flow_run(stage["flow_run_id"]).state.is_completed()
+        arts = client.read_artifacts(artifact_filter=ArtifactFilter(
+            flow_run_id=ArtifactFilterFlowRunId(any_=[stage["flow_run_id"]])))
+    keyed = [a for a in arts if a.key]  # (Prefect adds unkeyed ones of its own, e.g. for persisted results)
+    assert [a.key for a in keyed] == ["stage-eval"] and keyed[0].type == "markdown", [(a.key, a.type) for a in arts]
+    assert stage["outputs"]["results"] in keyed[0].data and info.mlflow.url in keyed[0].data
+
+    out = _r1flow(["deploy", "--recipe", "rejection-rounds", "--profile", "tiny", "--cron", "0 3 * * *", "--pool", "up-pool"],
+                  env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    with _prefect_client(info) as client:
+        dep = client.read_deployment_by_name("r1flow-pipeline/rejection-rounds")
+        assert dep.work_pool_name == "up-pool" and [s.schedule.cron for s in dep.schedules] == ["0 3 * * *"]
+        assert client.read_work_pool("up-pool").type == "process"
+
+    log = tmp_path / "serve.log"
+    with open(log, "w") as f:
+        runner = subprocess.Popen([*R1FLOW, "serve", "--recipe", "rejection-rounds", "--stage", "sft", "--profile", "tiny"],
+                                  cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        with _prefect_client(info) as client:
+            _wait_for("r1flow serve's deployments", lambda: client.read_deployment_by_name("r1flow-sft/sft-served"),
+                      180, runner, log)
+            served = client.read_deployment_by_name("r1flow-pipeline/rejection-rounds-served")
+            assert served.work_pool_name is None
+            assert client.read_deployment_by_name("r1flow-pipeline/rejection-rounds").work_pool_name == "up-pool"  # kept
+        assert any(r["pid"] == runner.pid for r in servers.status(home).runners)  # `r1flow down` would stop it
+        t0 = time.time()
+        runner.send_signal(signal.SIGTERM)
+        runner.wait(30)
+        assert time.time() - t0 < 10, f"r1flow serve took {time.time() - t0:.1f} s to stop on SIGTERM"
+        assert not any(r["pid"] == runner.pid for r in servers.status(home).runners)
+    finally:
+        if runner.poll() is None:
+            os.killpg(runner.pid, signal.SIGKILL)
+
+    out = _r1flow(["deploy", "--recipe", "rejection-rounds", "--profile", "tiny", "--pool", "other-pool"], env)
+    assert out.returncode == 2 and "--replace" in out.stderr and "up-pool" in out.stderr
+    out = _r1flow(["artifacts"], env)
+    assert out.returncode == 0 and outputs["eval_base"]["results"][:12] in out.stdout
+    out = _r1flow(["models"], env)
+    assert out.returncode == 0 and outputs["base"]["model"][:12] in out.stdout
+
+
+def test_registering_without_a_server_fails_before_anything_is_registered(tmp_path):
+    env = _bare_env(tmp_path)  # no `r1flow up` for this home, nothing exported
+    for args in (["deploy", "--recipe", "eval"], ["serve", "--recipe", "eval"], ["worker", "--pool", "p"]):
+        out = _r1flow([*args, "--profile", "tiny"] if args[0] != "worker" else args, env, timeout=120)
+        assert out.returncode == 2, (args, out.stderr[-2000:])
+        assert "r1flow up" in out.stderr and "temporary server" in out.stderr, out.stderr
+
+
+def test_a_scheduled_deployment_runs_on_r1flow_worker_and_its_second_run_is_cached(live_servers, session_dir,
+                                                                                      tmp_path):
+    """`deploy --interval` on `r1flow up`'s servers; `r1flow worker` (one run at a time) picks the scheduled runs up;
+    the second run's stage tasks are Cached; Prefect's results live under R1FLOW_HOME."""
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+
+    info, home = live_servers, session_dir / "servers-home"
+    env = _bare_env(home)
+    out = _r1flow(["deploy", "--recipe", "eval", "--profile", "tiny", "--interval", "20", "--pool", "sched-pool",
+                   "--set", "eval_base.max_prompts=5"], env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    log = tmp_path / "worker.log"
+    with open(log, "w") as f:
+        worker = subprocess.Popen([*R1FLOW, "worker", "--pool", "sched-pool", "--limit", "1"], cwd=ROOT, env=env,
+                                  stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        _wait_for("the worker's registration", lambda: [r for r in servers.status(home).runners
+                                                        if r.get("name") == "worker sched-pool"], 60, worker, log)
+        with _prefect_client(info) as client:
+            dep = client.read_deployment_by_name("r1flow-pipeline/eval")
+
+            def two_done():
+                runs = client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[dep.id])))
+                done = sorted((r for r in runs if r.state and r.state.is_final()), key=lambda r: r.start_time)
+                return done if len(done) >= 2 else None
+
+            done = _wait_for("two scheduled runs finished", two_done, 600, worker, log)
+            client.pause_deployment(dep.id)
+            assert all(r.state.is_completed() for r in done), [(r.name, r.state.message) for r in done]
+            assert all(r.auto_scheduled for r in done[:2])  # fired by the schedule, not by hand
+            from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterFlowRunId
+
+            first, second = ({t.name: t.state.name for t in client.read_task_runs(task_run_filter=TaskRunFilter(
+                flow_run_id=TaskRunFilterFlowRunId(any_=[r.id])))} for r in done[:2])
+            assert first["eval_base"] == "Completed", first  # a config no other run had: computed
+            assert set(second) == {"base", "prompts", "eval_base"} and set(second.values()) == {"Cached"}, second
+        storage = home / "prefect" / "storage"  # PREFECT_HOME under R1FLOW_HOME, results included
+        assert storage.is_dir() and any(storage.iterdir())
+    finally:
+        os.killpg(worker.pid, signal.SIGTERM)
+        try:
+            worker.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(worker.pid, signal.SIGKILL)
+    assert not [r for r in servers.status(home).runners if r.get("name") == "worker sched-pool"]
