@@ -79,8 +79,10 @@ class Plan:
     cold_samples: int = 4
     cold_steps: int = 40
     cold_learning_rate: float = 1e-3
-    # GRPO hyper-parameters, both sides
-    prompts_per_step: int = 4
+    # GRPO hyper-parameters, both sides. 8 prompts a step: at 4, 20 minutes left r1flow (114 steps) and TRL (35)
+    # on the same plateau, +8.2 and +7.4 points (1.11x); at 8 both take the larger batch, r1flow 56 steps and
+    # TRL 12, +12.9 and +3.9 points (benchmarks/RESULTS.md, 2026-11-26)
+    prompts_per_step: int = 8
     group_size: int = 8
     minibatch_size: int = 16
     max_new_tokens: int = 96
@@ -452,6 +454,13 @@ def summarize(plan: Plan, evals: dict, runs: dict) -> dict:
         diff, lo, hi = paired_bootstrap_diff(correct_vector(evals["trl_end"]["rows"], TASK),
                                              correct_vector(evals["r1flow_equal_steps"]["rows"], TASK))
         out["equal_steps_diff"] = {"diff": diff, "ci": [lo, hi], "not_worse": hi >= 0}
+    if "trl_end" in by and "r1flow_end" in by:
+        from stages.stats import paired_bootstrap_diff
+
+        diff, lo, hi = paired_bootstrap_diff(correct_vector(evals["trl_end"]["rows"], TASK),
+                                             correct_vector(evals["r1flow_end"]["rows"], TASK))
+        out["equal_time_diff"] = {"diff": diff, "ci": [lo, hi]}
+    out["r1flow_only"] = dict(plan.r1flow_extra)
     return out
 
 
@@ -475,6 +484,13 @@ def verdict_lines(summary: dict) -> list[str]:
         out.append(f"- equal steps: r1flow minus TRL {100 * eq['diff']:+.1f} points [{100 * eq['ci'][0]:+.1f}, "
                    f"{100 * eq['ci'][1]:+.1f}] (paired): "
                    + ("not worse beyond the noise" if eq["not_worse"] else "WORSE beyond the noise"))
+        if summary.get("r1flow_only"):
+            out.append(f"  (r1flow ran with {json.dumps(summary['r1flow_only'])} and TRL without: equal steps are not "
+                       "equal work here, so this is not the correctness check; a run without --r1flow-set is)")
+    td = summary.get("equal_time_diff")
+    if td:
+        out.append(f"- equal wall-clock: r1flow minus TRL {100 * td['diff']:+.1f} points [{100 * td['ci'][0]:+.1f}, "
+                   f"{100 * td['ci'][1]:+.1f}] (paired)")
     if "gain_ratio_equal_time" in summary:
         ratio = summary["gain_ratio_equal_time"]
         text = "TRL gained nothing" if ratio is None else f"{ratio:.2f}x TRL's gain"

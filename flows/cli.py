@@ -156,11 +156,11 @@ def _servers_home() -> str:
 
 
 def _print_servers(info) -> None:
-    from flows.servers import env_for
+    from flows.servers import MLFLOW_UI_QUERY, env_for
 
-    for s, what in ((info.prefect, "Prefect UI"), (info.mlflow, "MLflow UI ")):
+    for s, what, page in ((info.prefect, "Prefect UI", ""), (info.mlflow, "MLflow UI ", f"/#/experiments{MLFLOW_UI_QUERY}")):
         took = f", up in {s.startup_s:.1f} s" if s.startup_s is not None else ""
-        print(f"{what}  {s.url}   (pid {s.pid}{took}; log {s.log})")
+        print(f"{what}  {s.url}{page}   (pid {s.pid}{took}; log {s.log})")
     print(f"r1flow commands with R1FLOW_HOME={info.home} use them without exports; for notebooks and the plain "
           "prefect/mlflow CLIs:")
     print("export " + " ".join(f"{k}={v}" for k, v in env_for(info).items()), flush=True)

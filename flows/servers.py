@@ -29,6 +29,7 @@ from pathlib import Path
 from schemas.errors import R1FlowError
 
 HOST = "127.0.0.1"
+MLFLOW_UI_QUERY = "?workflowType=machine_learning"  # MLflow 3's UI: open experiments on the runs table (tracking.py)
 STOP_GRACE_S = 10.0
 LOG_TAIL_LINES = 25
 

@@ -74,9 +74,9 @@ def _check_prefect_not_fixed() -> None:
     from prefect.settings import get_current_settings
 
     current = get_current_settings().api.url
-    if current and current != os.environ["PREFECT_API_URL"]:
+    if current != os.environ["PREFECT_API_URL"]:
         raise RuntimeError(f"internal error: Prefect was imported before r1flow chose its servers (it uses "
-                           f"{current}, r1flow up's is {os.environ['PREFECT_API_URL']})")
+                           f"{current or 'a temporary server'}, r1flow up's is {os.environ['PREFECT_API_URL']})")
 
 
 def require_prefect_server(command: str, what: str) -> str:

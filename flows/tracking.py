@@ -17,9 +17,14 @@ from urllib.parse import urlencode
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 
+from flows.servers import MLFLOW_UI_QUERY
+
 PARAM_MAX = 6000
-# MLflow 3 opens an experiment without this tag on its GenAI (traces) view; ours are training runs.
+# MLflow 3 opens an experiment on its GenAI (traces) view. Ours are training runs: the experiment says so (the UI
+# reads the tag when its workflow selector is off), and every link r1flow prints asks for the runs table (the
+# selector, on in 3.17, reads the link's workflowType before the browser's stored choice, which defaults to GenAI).
 EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
+UI_QUERY = MLFLOW_UI_QUERY
 
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -36,7 +41,7 @@ def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 def run_name(what: str, flow_run_id: str | None) -> str:
     """An MLflow parent run name that tells runs apart: what ran, when (UTC, to the minute) and a short id."""
     short = (flow_run_id or uuid.uuid4().hex)[:6]
-    return f"{what} {datetime.now(UTC):%Y-%m-%d %H:%M} {short}"
+    return f"{what} {datetime.now(UTC):%m-%d %H:%M} {short}"  # short: the UI's name column shows ~25 characters
 
 
 class Tracker:
@@ -90,7 +95,7 @@ class Tracker:
 
     def run_path(self, run_id: str, experiment_id: str | None = None) -> str:
         """The MLflow UI's route to a run, relative to the UI's root."""
-        return f"#/experiments/{experiment_id or self.experiment_id}/runs/{run_id}"
+        return f"#/experiments/{experiment_id or self.experiment_id}/runs/{run_id}{UI_QUERY}"
 
     def run_url(self, run_id: str, experiment_id: str | None = None) -> str | None:
         """A clickable URL for a run when tracking goes to a server; None for a local store."""
@@ -104,7 +109,7 @@ class Tracker:
 
     def ui_hint(self) -> str:
         """How to open the UI for a local store (the run paths are relative to its root)."""
-        return f"mlflow ui --backend-store-uri {self.uri} --host 127.0.0.1  then open http://127.0.0.1:5000/"
+        return f"mlflow ui --backend-store-uri {self.uri} --host 127.0.0.1  then open http://127.0.0.1:5000/{UI_QUERY}"
 
     def run_link(self, run_id: str) -> str:
         """Where to look at a run: a URL for a server, else the `mlflow ui` command to start one."""

@@ -115,7 +115,8 @@ def test_report_has_one_row_per_stage_with_status_and_link_and_plots_with_data(t
     assert set(rows) == {"base", "prompts", "sft", "eval_base", "eval_sft"}
     for r in results:
         assert rows[r.node][2] == "run"
-        assert f"(#/experiments/{tracker.experiment_id}/runs/{r.mlflow_run_id})" in rows[r.node][5]
+        assert f"(#/experiments/{tracker.experiment_id}/runs/{r.mlflow_run_id}?workflowType=machine_learning)" \
+            in rows[r.node][5]
     assert "final_loss=1" in rows["sft"][4] and "accuracy=0.500 [0.400, 0.600], format_rate" in rows["eval_sft"][4]
     assert "accuracy=0.250, format_rate" in rows["eval_base"][4]  # no interval logged: the accuracy alone
     assert len(rows["sft"]) == 6  # five columns: fits the page; the fingerprints have their own table

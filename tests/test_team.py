@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -261,7 +262,7 @@ def test_every_command_uses_the_up_servers_without_exports(live_servers, session
     with _prefect_client(info) as client:
         assert client.read_flow_run(run["flow_run_id"]).state.is_completed()
     parent = mlflow.get_run(run["parent_run_id"])  # on the server, not in a sqlite file under the home
-    assert parent.data.tags["r1flow.recipe"] == "eval" and parent.info.run_name.startswith("eval tiny 20")
+    assert parent.data.tags["r1flow.recipe"] == "eval" and re.fullmatch(r"eval tiny \d\d-\d\d \d\d:\d\d [0-9a-f]{6}", parent.info.run_name)
     exp = mlflow.get_experiment(parent.info.experiment_id)
     assert exp.tags["mlflow.experimentKind"] == "custom_model_development"  # MLflow 3 opens the runs table
     assert not (home / "mlflow.db").exists()
@@ -365,9 +366,33 @@ def test_a_scheduled_deployment_runs_on_r1flow_worker_and_its_second_run_is_cach
         storage = home / "prefect" / "storage"  # PREFECT_HOME under R1FLOW_HOME, results included
         assert storage.is_dir() and any(storage.iterdir())
     finally:
+        t0 = time.time()
         os.killpg(worker.pid, signal.SIGTERM)
         try:
             worker.wait(30)
         except subprocess.TimeoutExpired:
             os.killpg(worker.pid, signal.SIGKILL)
+    assert time.time() - t0 < 10, f"r1flow worker took {time.time() - t0:.1f} s to stop on SIGTERM"
     assert not [r for r in servers.status(home).runners if r.get("name") == "worker sched-pool"]
+
+
+def test_prefect_imported_before_the_servers_are_chosen_is_an_error_not_a_temporary_server(live_servers, session_dir):
+    """The guard behind "one place decides": a process that imported Prefect (its settings fixed, no API URL)
+    before prepare_environment chose `r1flow up`'s servers gets an error instead of a temporary server; in the
+    right order Prefect uses those servers."""
+    env = _bare_env(session_dir / "servers-home")
+    late = ("import prefect.flows\n"
+            "from flows.settings import prepare_environment\n"
+            "prepare_environment()\n")
+    out = subprocess.run([sys.executable, "-c", late], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert ("RuntimeError: internal error: Prefect was imported before r1flow chose its servers (it uses a temporary "
+            f"server, r1flow up's is {live_servers.prefect_api_url})") in out.stderr, out.stderr[-2000:]
+    right = ("from flows.settings import prepare_environment\n"
+             "print(prepare_environment())\n"
+             "from prefect.settings import get_current_settings\n"
+             "print(get_current_settings().api.url)\n")
+    out = subprocess.run([sys.executable, "-c", right], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[:2] == [f"r1flow up servers of {session_dir / 'servers-home'}",
+                                          live_servers.prefect_api_url]
