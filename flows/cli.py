@@ -122,7 +122,16 @@ def cmd_artifacts(args: argparse.Namespace) -> int:
         print(manifest.to_json())
         print(f"path: {store.artifact_path(fp)}" + ("\nverified: all files match" if args.verify else ""))
         return 0
+    if args.verify:  # every artifact, re-hashed; exit 1 if any is damaged
+        results = store.verify_all()
+        damaged = [(name, why) for name, why in results if why]
+        for name, why in damaged:
+            print(f"DAMAGED {name[:12]}: {why}")
+        print(f"{len(results) - len(damaged)} of {len(results)} artifact(s) in {store.uri} verified"
+              + (f"; {len(damaged)} damaged (a run that needs one recomputes it)" if damaged else ""))
+        return 1 if damaged else 0
     rows = store.list()
+    unreadable = store.unreadable()
     if args.kind:
         rows = [m for m in rows if m.kind == args.kind]
     print(f"{'fingerprint':14} {'kind':8} {'schema':12} {'rows':>7} {'node':16} {'created':20}")
@@ -130,6 +139,9 @@ def cmd_artifacts(args: argparse.Namespace) -> int:
         print(f"{m.fingerprint[:12]:14} {m.kind:8} {m.schema_name:12} {m.rows if m.rows is not None else '-':>7} "
               f"{m.producer.node:16} {m.created_at:20}")
     print(f"{len(rows)} artifact(s) in {store.uri}")
+    if unreadable:
+        print(f"{len(unreadable)} more without a readable manifest (incomplete or damaged): "
+              f"{', '.join(n[:12] for n in unreadable)}; `r1flow artifacts --verify` checks every artifact")
     return 0
 
 
@@ -406,7 +418,8 @@ def build_parser() -> argparse.ArgumentParser:
     art = sub.add_parser("artifacts", help="list artifacts, or show one by fingerprint prefix")
     art.add_argument("fingerprint", nargs="?")
     art.add_argument("--kind", choices=["dataset", "model"])
-    art.add_argument("--verify", action="store_true", help="re-hash every file against the manifest")
+    art.add_argument("--verify", action="store_true", help="re-hash every file against its manifest: the one "
+                     "artifact given, or every artifact (exit code 1 if any is damaged)")
     art.set_defaults(func=cmd_artifacts)
     sub.add_parser("models", help="list builtin models and model artifacts").set_defaults(func=cmd_models)
     up = sub.add_parser("up", help="start local Prefect and MLflow servers (127.0.0.1) for this R1FLOW_HOME")

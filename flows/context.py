@@ -8,6 +8,7 @@ from typing import Any
 
 from flows.store import ArtifactStore
 from flows.tracking import Tracker
+from stages.base import check_finite_losses
 
 
 class FlowContext:
@@ -33,6 +34,7 @@ class FlowContext:
         self.tracker.log_params(self.run_id, params)
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        check_finite_losses(metrics, step)
         self.last_metrics.update(metrics)
         self.tracker.log_metrics(self.run_id, metrics, step)
 

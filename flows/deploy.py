@@ -89,10 +89,11 @@ def resolve_ref(ref: str, input_name: str, store: ArtifactStore, tracking_uri: s
     if ref.startswith("mlflow:"):
         run_id, _, out = ref.removeprefix("mlflow:").partition(":")
         from mlflow.exceptions import MlflowException
-        from mlflow.tracking import MlflowClient
+
+        from flows.tracking import mlflow_client
 
         try:
-            outputs = _run_outputs(MlflowClient(tracking_uri), run_id)
+            outputs = _run_outputs(mlflow_client(tracking_uri), run_id)
         except MlflowException as e:
             raise ArtifactError(f"input {input_name!r}: MLflow run {run_id!r} not found at {tracking_uri}: {e}") from None
         return store.resolve_prefix(_pick_output(outputs, out or None, input_name, f"mlflow:{run_id}"))
@@ -117,11 +118,10 @@ def _latest(node: str, recipe: str | None, out: str | None, input_name: str, sto
             if record is not None:
                 return _pick_output(record.outputs, out, input_name, where)
         raise ArtifactError(f"input {input_name!r}: {where}: no complete, valid outputs of node {node!r} in {store.uri}")
-    from mlflow.tracking import MlflowClient
-
     from flows.pipeline import experiment_name
+    from flows.tracking import mlflow_client
 
-    client = MlflowClient(tracking_uri)
+    client = mlflow_client(tracking_uri)
     exp = client.get_experiment_by_name(experiment_name(recipe))
     if exp is None:
         raise ArtifactError(f"input {input_name!r}: {where}: no MLflow experiment {experiment_name(recipe)!r} "

@@ -76,6 +76,7 @@ import logging
 import math
 import re
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -84,7 +85,7 @@ from mlflow.exceptions import MlflowException
 
 from flows.pipeline import fmt_metric, key_metrics
 from flows.recipes import Plan
-from flows.tracking import Tracker
+from flows.tracking import Tracker, sqlite_lock
 from stages import get_stage
 
 if TYPE_CHECKING:
@@ -652,7 +653,29 @@ def _ensure_registered_model(tracker: Tracker, name: str, recipe: str) -> None:
 def register_models(plan: Plan, results: list[StageResult], tracker: Tracker,
                     store: ArtifactStore | None = None, parent_run_id: str | None = None) -> Registration | None:
     """Register the run's final and evaluated models under `r1flow-<recipe>` and move the aliases
-    (scheme in the module docstring). Nodes skipped in this run are left out; None when none remain."""
+    (scheme in the module docstring). Nodes skipped in this run are left out; None when none remain.
+
+    Runs that finish together on one local sqlite store register one at a time (`sqlite_lock`: else both
+    add a version of the same fingerprint, or one fails on `UNIQUE constraint failed:
+    registered_model_aliases`); against a server, moving an alias is retried on that race."""
+    with sqlite_lock(tracker.uri):
+        return _register_models(plan, results, tracker, store, parent_run_id)
+
+
+def _set_alias(client, name: str, alias: str, version: str, attempts: int = 5) -> None:
+    """set_registered_model_alias, retried when a concurrent run moved the same alias at the same moment."""
+    for attempt in range(attempts):
+        try:
+            client.set_registered_model_alias(name, alias, version)
+            return
+        except MlflowException as e:
+            if "UNIQUE constraint" not in str(e) or attempt == attempts - 1:
+                raise
+            time.sleep(0.2 * (attempt + 1))
+
+
+def _register_models(plan: Plan, results: list[StageResult], tracker: Tracker, store: ArtifactStore | None,
+                     parent_run_id: str | None) -> Registration | None:
     done = {r.node: r for r in results if r.status != "skipped" and r.outputs}
     finals = [n for n in final_model_nodes(plan) if n in done]
     all_evals = evaluated_models(plan)
@@ -701,10 +724,10 @@ def register_models(plan: Plan, results: list[StageResult], tracker: Tracker,
         candidates.append((r.metrics["accuracy"], r.metrics.get("format_rate", 0.0), order[node], version))
     final_versions = [v for ref, v in reg.versions.items() if finals and ref.split(".", 1)[0] == finals[-1]]
     if final_versions:
-        client.set_registered_model_alias(name, FINAL_ALIAS, final_versions[0])
+        _set_alias(client, name, FINAL_ALIAS, final_versions[0])
         reg.aliases[FINAL_ALIAS] = final_versions[0]
     if candidates and len(candidates) == len(all_evals):  # a partial run (--only) leaves @champion alone
         version = max(candidates)[3]
-        client.set_registered_model_alias(name, CHAMPION_ALIAS, version)
+        _set_alias(client, name, CHAMPION_ALIAS, version)
         reg.aliases[CHAMPION_ALIAS] = version
     return reg

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import uuid
@@ -110,13 +111,21 @@ class ArtifactStore:
         """Move a staged directory into the store; return its manifest. Idempotent on content."""
         staged = Path(staged)
         (staged / MANIFEST_FILE).unlink(missing_ok=True)
+        # JSON has no NaN/inf (pydantic writes null, which a float field cannot read back: the manifest, and the
+        # artifact with it, would be unreadable). A metric that is undefined (an eval with nothing scored) is left
+        # out and named in extra; a diverged loss never gets here (stages.base.check_finite_losses stops the stage).
+        metrics = {k: float(v) for k, v in (metrics or {}).items()}
+        undefined = {k: str(v) for k, v in metrics.items() if not math.isfinite(v)}
+        if undefined:
+            metrics = {k: v for k, v in metrics.items() if k not in undefined}
+            extra = {**(extra or {}), "non_finite_metrics": undefined}
         files = hash_files(staged)
         if not files:
             raise ArtifactError(f"{staged}: refusing to publish an empty artifact")
         fp = fingerprint_of(files)
         manifest = Manifest(
             kind=kind, schema=schema, fingerprint=fp, files=files, rows=rows, producer=producer,
-            parents=list(parents), metrics={k: float(v) for k, v in (metrics or {}).items()},
+            parents=list(parents), metrics=metrics,
             extra=dict(extra or {}),
         )
         try:
@@ -214,6 +223,33 @@ class ArtifactStore:
         if len(matches) > 1:
             raise ArtifactError(f"fingerprint prefix {prefix!r} is ambiguous ({len(matches)} artifacts)")
         return matches[0]
+
+    def verify_all(self) -> list[tuple[str, str | None]]:
+        """(name, None if it verifies else why not) for every artifact directory, those without a manifest
+        included (incomplete or damaged); incoming and set-aside directories (names starting with '.') are
+        not artifacts."""
+        out = []
+        for p in sorted(self.fs.ls(f"{self.base}/artifacts", detail=False)):
+            name = Path(p).name
+            if name.startswith("."):
+                continue
+            try:
+                self.verify(name)
+                out.append((name, None))
+            except ArtifactError as e:
+                out.append((name, str(e)))
+        return out
+
+    def unreadable(self) -> list[str]:
+        """Artifact directories without a readable manifest (incomplete or damaged); `list` leaves them out."""
+        out = []
+        for p in self.fs.ls(f"{self.base}/artifacts", detail=False):
+            if not Path(p).name.startswith("."):
+                try:
+                    self.read_manifest(Path(p).name)
+                except ArtifactError:
+                    out.append(Path(p).name)
+        return sorted(out)
 
     def list(self) -> list[Manifest]:
         out = []

@@ -6,15 +6,19 @@ MLflow's fluent "active run" is thread-local and Prefect runs tasks in worker th
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import math
 import time
 import uuid
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
 
 from mlflow.entities import Metric, Param, RunTag
+from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from flows.servers import MLFLOW_UI_QUERY
@@ -44,14 +48,56 @@ def run_name(what: str, flow_run_id: str | None) -> str:
     return f"{what} {datetime.now(UTC):%m-%d %H:%M} {short}"  # short: the UI's name column shows ~25 characters
 
 
+@contextlib.contextmanager
+def sqlite_lock(uri: str) -> Iterator[None]:
+    """Hold an exclusive lock beside a local sqlite tracking database (`<db>.lock`) across r1flow processes;
+    nothing for a tracking server (it serialises its own writes).
+
+    Runs started together on a fresh home each found no tables and ran MLflow's schema migration at once:
+    `table _alembic_tmp_experiments already exists`, and a database left unusable (issue 28).
+    """
+    if not uri.startswith("sqlite:///"):
+        yield
+        return
+    db = Path(uri.removeprefix("sqlite:///"))
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{db}.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+_READY: set[str] = set()
+
+
+def mlflow_client(uri: str) -> MlflowClient:
+    """An MlflowClient whose store is created (tables made or migrated) by one process at a time."""
+    if uri in _READY:
+        return MlflowClient(uri)
+    with sqlite_lock(uri):  # the client's store (built in the constructor or at the first call) runs the migration
+        client = MlflowClient(uri)
+        client.search_experiments(max_results=1)
+    _READY.add(uri)
+    return client
+
+
 class Tracker:
     def __init__(self, tracking_uri: str, experiment: str, artifact_location: str | None = None):
         self.uri = tracking_uri
-        self.client = MlflowClient(tracking_uri)
+        self.client = mlflow_client(tracking_uri)
         exp = self.client.get_experiment_by_name(experiment)
-        self.experiment_id = exp.experiment_id if exp else self.client.create_experiment(
-            experiment, artifact_location=artifact_location, tags=EXPERIMENT_KIND
-        )
+        if exp is None:
+            try:
+                self.experiment_id = self.client.create_experiment(experiment, artifact_location=artifact_location,
+                                                                   tags=EXPERIMENT_KIND)
+            except MlflowException as e:  # another run created it between the two calls
+                if e.error_code != "RESOURCE_ALREADY_EXISTS":
+                    raise
+                exp = self.client.get_experiment_by_name(experiment)
+        if exp is not None:
+            self.experiment_id = exp.experiment_id
         if exp is not None and not EXPERIMENT_KIND.items() <= exp.tags.items():  # made before r1flow set the kind
             for key, value in EXPERIMENT_KIND.items():
                 self.client.set_experiment_tag(self.experiment_id, key, value)

@@ -10,6 +10,7 @@ unit test, by hand, or under a Prefect task.
 from __future__ import annotations
 
 import logging
+import math
 import random
 import tempfile
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ import pyarrow.parquet as pq
 
 from schemas.artifacts import DATA_FILE, MANIFEST_FILE, MODEL_DIR, Manifest
 from schemas.datasets import validate
-from schemas.errors import ArtifactError
+from schemas.errors import ArtifactError, StageError
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,17 @@ class StageContext(Protocol):
     def log_file(self, path: Path, subdir: str = "") -> None: ...
 
 
+def check_finite_losses(metrics: dict[str, float], step: int | None) -> None:
+    """A NaN or infinite loss means training diverged: stop the stage (nothing is published) with the step and
+    the metric, instead of training on and publishing a broken model. Every context's log_metrics calls it."""
+    bad = {k: v for k, v in metrics.items()
+           if "loss" in k and isinstance(v, int | float) and not math.isfinite(float(v))}
+    if bad:
+        where = f"step {step}" if step is not None else "the last step"
+        raise StageError(f"training diverged at {where}: " + ", ".join(f"{k} = {float(v)}" for k, v in bad.items())
+                         + "; nothing was published (a lower learning_rate or max_grad_norm usually helps)")
+
+
 def write_dataset(ctx: StageContext, name: str, table: pa.Table, kind: str, metrics: dict | None = None) -> Output:
     """Validate `table` as `kind` and stage it as output `name`."""
     table = validate(table, kind, where=f"output {name!r}")
@@ -146,6 +158,7 @@ class LocalContext:
         self.params.update(params)
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        check_finite_losses(metrics, step)
         self.metrics.append((step, dict(metrics)))
 
     def log_file(self, path: Path, subdir: str = "") -> None:

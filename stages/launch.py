@@ -45,7 +45,7 @@ from typing import Any
 from schemas.artifacts import Manifest
 from schemas.errors import ConfigError, StageError
 from stages import distributed, host_memory
-from stages.base import Input, Output, StageContext
+from stages.base import Input, Output, StageContext, check_finite_losses
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SPEC_FILE, EVENTS_FILE, RESULT_FILE, OUTPUT_LOG = "spec.json", "events.jsonl", "result.json", "output.log"
@@ -219,6 +219,7 @@ class RankContext:
         self._emit({"op": "params", "params": params})
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        check_finite_losses(metrics, step)
         self._emit({"op": "metrics", "metrics": {k: float(v) for k, v in metrics.items()}, "step": step})
 
     def log_file(self, path: Path, subdir: str = "") -> None:

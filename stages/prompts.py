@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -111,8 +112,29 @@ def read_user_file(path: Path) -> pa.Table:
         if path.suffix == ".parquet":
             return pq.read_table(path)
         return pajson.read_json(path)
-    except (pa.ArrowInvalid, OSError) as e:
-        raise SchemaError(f"{path}: cannot read ({e})") from None
+    except (pa.ArrowException, OSError, UnicodeDecodeError) as e:  # not JSON lines / parquet, bad UTF-8, ...
+        raise SchemaError(f"{path}: cannot read ({type(e).__name__}: {e})") from None
+
+
+ROLES = ("system", "user", "assistant")
+
+
+def _file_messages(path: Path, i: int, value: Any) -> list[dict[str, str]]:
+    """A row's `messages` as the chat template takes them, or a SchemaError naming file, row and column."""
+    where = f"{path}: row {i}: column 'messages'"
+    if not isinstance(value, list):
+        raise SchemaError(f"{where} must be a list of {{role, content}} objects, got a {type(value).__name__}: "
+                          f"{str(value)[:60]!r}")
+    out = []
+    for j, m in enumerate(value):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise SchemaError(f"{where}[{j}] must be an object with string 'role' and 'content', got {str(m)[:60]!r}")
+        if m["role"] not in ROLES:
+            raise SchemaError(f"{where}[{j}]: role {m['role']!r} unknown; known: {', '.join(ROLES)}")
+        out.append({"role": m["role"], "content": m["content"]})
+    if not any(m["role"] == "user" for m in out):
+        raise SchemaError(f"{where} has no user message")
+    return out
 
 
 def file_rows(path: Path, system: str) -> list[dict]:
@@ -120,15 +142,21 @@ def file_rows(path: Path, system: str) -> list[dict]:
     cols = set(table.column_names)
     if not {"question", "messages"} & cols:
         raise SchemaError(f"{path}: needs a 'question' or 'messages' column (has: {', '.join(sorted(cols))})")
+    try:
+        records = table.to_pylist()
+    except UnicodeDecodeError as e:  # pyarrow reads the bytes as given and decodes them here
+        raise SchemaError(f"{path}: cannot read (not UTF-8 text: {e})") from None
     rows = []
-    for i, rec in enumerate(table.to_pylist()):
+    for i, rec in enumerate(records):
         if rec.get("messages"):
-            messages = [{"role": m["role"], "content": m["content"]} for m in rec["messages"]]
+            messages = _file_messages(path, i, rec["messages"])
         elif isinstance(rec.get("question"), str) and rec["question"].strip():
             messages = _messages(system, rec["question"])
         else:
             raise SchemaError(f"{path}: row {i}: column 'question' is empty")
         answer = rec.get("answer")
+        if isinstance(answer, float) and not math.isfinite(answer):  # else it would become the target "nan"
+            raise SchemaError(f"{path}: row {i}: column 'answer' is {answer}; leave it empty (null) for no answer")
         verifier = rec.get("verifier") or ("math" if answer is not None else "none")
         if verifier not in VERIFIERS:
             raise SchemaError(f"{path}: row {i}: column 'verifier' value {verifier!r} unknown; known: {sorted(VERIFIERS)}")

@@ -121,6 +121,8 @@ def test_only_and_force(home):
         (["--recipe", "nope"], "unknown recipe 'nope'"),
         (["--set", "sft.nope=1"], "sft.nope: unknown key"),
         (["--set", "sft.max_steps=zero"], "sft.max_steps: Input should be a valid integer"),
+        (["--set", "sft.learning_rate=.inf"], "sft.learning_rate: Input should be a finite number"),
+        (["--set", "sft.lora.alpha=.nan"], "sft.lora.alpha: Input should be a finite number"),
         (["--only", "dpo"], "has no stage node 'dpo'"),
         (["--profile", "huge"], "unknown profile 'huge'"),
     ],
@@ -141,6 +143,40 @@ def test_bad_user_prompt_file_names_file_and_column(capsys, tmp_path, monkeypatc
     assert main(["run", "--recipe", "sft-eval", "--profile", "tiny", "--set", f"prompts.files=[{bad}]"]) == 2
     err = capsys.readouterr().err.strip()
     assert f"{bad}: needs a 'question' or 'messages' column" in err and "\n" not in err
+
+
+def _write_nan_answer_parquet(path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"question": ["2+2?", "3+3?"], "answer": [4.0, float("nan")]}), path)
+
+
+@pytest.mark.parametrize(
+    "name, content, message",
+    [
+        ("str.jsonl", json.dumps({"messages": "What is 2+2?", "answer": "4"}) + "\n",
+         "row 0: column 'messages' must be a list of {role, content} objects, got a str"),
+        ("role.jsonl", json.dumps({"messages": [{"role": "human", "content": "2+2?"}], "answer": "4"}) + "\n",
+         "row 0: column 'messages'[0]: role 'human' unknown"),
+        ("latin1.jsonl", b'{"question": "caf\xe9?", "answer": "4"}\n', "cannot read"),
+        ("nan.parquet", None, "row 1: column 'answer' is nan"),
+    ],
+)
+def test_malformed_user_prompts_are_one_error_line_naming_file_and_row(name, content, message, capsys, tmp_path,
+                                                                      monkeypatch):
+    bad = tmp_path / name
+    if content is None:
+        _write_nan_answer_parquet(bad)
+    elif isinstance(content, bytes):
+        bad.write_bytes(content)
+    else:
+        bad.write_text(content)
+    monkeypatch.setenv("R1FLOW_HOME", str(tmp_path / "untouched"))
+    assert main(["run", "--recipe", "sft-eval", "--profile", "tiny", "--set", f"prompts.files=[{bad}]"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"r1flow: error: {bad}") and message in err and "\n" not in err, err
+    assert not (tmp_path / "untouched").exists()
 
 
 def test_only_without_cached_upstream_is_a_clear_error(home, capsys, tmp_path, monkeypatch):

@@ -208,6 +208,16 @@ def test_loss_curve_decreases(sft_inputs, tmp_path):
     assert (out.path / "model" / "model.safetensors").exists()
 
 
+def test_a_diverged_loss_stops_the_stage_naming_the_step_and_metric(sft_inputs, tmp_path):
+    from schemas.errors import StageError
+
+    ctx = LocalContext(tmp_path / "run")
+    with pytest.raises(StageError, match=r"training diverged at step (\d+): train/loss = (nan|inf)") as err:
+        sft.run(_cfg(max_steps=8, learning_rate=1e30), sft_inputs, ctx)  # finite, so valid; Adam steps of ~1e30
+    step = int(err.value.args[0].split("step ")[1].split(":")[0])
+    assert 1 < step <= 8 and len([m for s, m in ctx.metrics if "train/loss" in m]) == step - 1  # the finite ones
+
+
 class SimulatedCrash(RuntimeError):
     pass
 

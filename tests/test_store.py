@@ -120,3 +120,48 @@ def test_publish_across_filesystem_boundaries_and_hidden_incoming(tmp_path):
     half.mkdir()
     (half / MANIFEST_FILE).write_text(m.to_json())
     assert [x.fingerprint for x in store.list()] == [m.fingerprint]
+
+
+def test_undefined_metrics_leave_the_manifest_readable(tmp_path):
+    """JSON has no NaN: written as null, a float metric made the manifest (and the artifact) unreadable. An undefined
+    metric (an eval with nothing scored) is left out of `metrics` and named in `extra`."""
+    store = ArtifactStore(tmp_path)
+    m = store.publish(stage(store, {"f": "1"}), kind="dataset", schema="eval", producer=PRODUCER, parents=[],
+                      metrics={"accuracy": float("nan"), "tokens_per_s": float("inf"), "format_rate": 0.5})
+    again = store.verify(m.fingerprint)  # reads back
+    assert again.metrics == {"format_rate": 0.5}
+    assert again.extra["non_finite_metrics"] == {"accuracy": "nan", "tokens_per_s": "inf"}
+    assert [x.fingerprint for x in store.list()] == [m.fingerprint]
+
+
+def test_verify_all_and_the_cli_report_every_damaged_artifact(tmp_path, monkeypatch, capsys):
+    from flows.cli import main
+
+    store = ArtifactStore(tmp_path)
+    good = store.publish(stage(store, {"f": "1"}), kind="dataset", schema="sft", producer=PRODUCER, parents=[])
+    edited = store.publish(stage(store, {"f": "2"}), kind="dataset", schema="sft", producer=PRODUCER, parents=[])
+    gone = store.publish(stage(store, {"f": "3"}), kind="dataset", schema="sft", producer=PRODUCER, parents=[])
+    (tmp_path / "artifacts" / edited.fingerprint / "f").write_text("tampered")
+    (tmp_path / "artifacts" / gone.fingerprint / MANIFEST_FILE).unlink()
+    (tmp_path / "artifacts" / ".incoming-x").mkdir()  # not an artifact
+    results = dict(store.verify_all())
+    assert set(results) == {good.fingerprint, edited.fingerprint, gone.fingerprint}
+    assert results[good.fingerprint] is None
+    assert "does not match its hash" in results[edited.fingerprint]
+    assert "no manifest.json" in results[gone.fingerprint]
+    assert store.unreadable() == [gone.fingerprint]
+
+    monkeypatch.setenv("R1FLOW_HOME", str(tmp_path))
+    assert main(["artifacts", "--verify"]) == 1
+    out = capsys.readouterr().out
+    assert f"DAMAGED {edited.fingerprint[:12]}" in out and f"DAMAGED {gone.fingerprint[:12]}" in out
+    assert "1 of 3 artifact(s)" in out and f"DAMAGED {good.fingerprint[:12]}" not in out
+    assert main(["artifacts"]) == 0
+    out = capsys.readouterr().out
+    assert "1 more without a readable manifest" in out and gone.fingerprint[:12] in out
+    (tmp_path / "artifacts" / edited.fingerprint / "f").write_text("2")
+    import shutil
+
+    shutil.rmtree(tmp_path / "artifacts" / gone.fingerprint)
+    assert main(["artifacts", "--verify"]) == 0
+    assert "2 of 2 artifact(s)" in capsys.readouterr().out
