@@ -25,9 +25,29 @@ OUTPUTS = {"model": "model"}
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
+def _looks_local(ref: str) -> bool:
+    """A path, not a hub name (`org/name`): it starts like one, exists, its first folder exists here, or it is
+    deeper than org/name. (A relative path once passed for a hub name and failed only after the run started.)"""
+    p = Path(ref).expanduser()
+    return (ref.startswith((".", "/", "~")) or p.exists() or len(p.parts) > 2
+            or (len(p.parts) == 2 and Path(p.parts[0]).is_dir()))
+
+
 def check(cfg: ModelConfig) -> None:
-    if cfg.ref.startswith((".", "/", "~")) and not Path(cfg.ref).expanduser().is_dir():
-        raise ConfigError(f"import_model.ref: {cfg.ref} is not a directory")
+    """A local model directory is checked before the pipeline starts: it exists, it is a Hugging Face model or
+    adapter folder, and it holds weights. Hub names are resolved (offline: from the cache) when the stage runs."""
+    ref = cfg.ref
+    if ref in models.BUILTIN_MODELS or not _looks_local(ref):
+        return
+    p = Path(ref).expanduser()
+    where = "" if p.is_absolute() else f" (relative to {Path.cwd()})"
+    if not p.is_dir():
+        raise ConfigError(f"import_model.ref: {ref} is not a directory{where}")
+    if not ((p / "config.json").is_file() or (p / "adapter_config.json").is_file()):
+        raise ConfigError(f"import_model.ref: {ref}{where} holds neither config.json nor adapter_config.json: "
+                          "not a Hugging Face model or adapter folder")
+    if not any(p.glob("*.safetensors")) and not any(p.glob("*.bin")):
+        raise ConfigError(f"import_model.ref: {ref}{where} holds no weights (*.safetensors or *.bin)")
 
 
 def cache_salt(cfg: ModelConfig) -> str:

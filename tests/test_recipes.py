@@ -35,6 +35,8 @@ def test_precedence_defaults_recipe_profile_override():
 
 
 def test_model_and_seed_overrides(tmp_path):
+    (tmp_path / "config.json").write_text("{}")  # a model folder as the plan checks it: config and weights
+    (tmp_path / "model.safetensors").write_bytes(b"")
     plan = load_plan("sft-eval", "tiny", [f"model={tmp_path}", "seed=7", "sft.seed=3"])
     assert plan.node("base").config.ref == str(tmp_path)
     assert plan.node("sft").seed == 3 and plan.node("eval_sft").seed == 7
@@ -56,6 +58,26 @@ def test_model_and_seed_overrides(tmp_path):
 def test_bad_overrides_fail_before_compute(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         load_plan("sft-eval", "tiny", overrides)
+
+
+def test_local_models_are_checked_when_the_plan_is_made(tmp_path, monkeypatch):
+    """Before: a folder without weights, or a relative path that does not exist (taken for a hub name), failed
+    only after the pipeline had started, naming an internal staging folder."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models" / "empty").mkdir(parents=True)
+    (tmp_path / "models" / "empty" / "config.json").write_text("{}")
+    (tmp_path / "models" / "bare").mkdir()
+    import re
+
+    for ref, start, end in (("models/missing", "import_model.ref: models/missing is not a directory (relative to ", ""),
+                            ("./mine", "import_model.ref: ./mine is not a directory", ""),
+                            ("models/empty", "import_model.ref: models/empty (relative to ", ") holds no weights"),
+                            ("models/bare", "import_model.ref: models/bare (relative to ", ") holds neither config.json")):
+        with pytest.raises(ConfigError, match=re.escape(start) + ".*" + re.escape(end)):
+            load_plan("sft-eval", "tiny", [f"model={ref}"])
+    (tmp_path / "models" / "empty" / "model.safetensors").write_bytes(b"x")
+    load_plan("sft-eval", "tiny", ["model=models/empty"])  # weights present: checked no further here
+    load_plan("sft-eval", "tiny", ["model=HuggingFaceTB/SmolLM2-135M-Instruct"])  # a hub name: at run time
 
 
 def test_unknown_recipe_and_profile():
