@@ -31,13 +31,14 @@ def _print_servers_used(args: argparse.Namespace) -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from flows.recipes import DEFAULT_RECIPE, load_plan
-    from flows.settings import Settings
+    from flows.settings import Settings, make_home
 
     recipe = args.recipe or DEFAULT_RECIPE
     profile = args.profile or _default_profile()
     plan = load_plan(recipe, profile, args.set)  # every config error surfaces here, before any compute
     for name in (args.only or []) + (args.force or []):
         plan.node(name)
+    make_home()
     settings = Settings.from_env()
     print(f"r1flow: recipe {plan.recipe!r}, profile {plan.profile!r}, model {plan.model!r}, "
           f"{len(plan.nodes)} stages; home {settings.home}", flush=True)
@@ -278,11 +279,12 @@ def _input_refs(pairs: list[str]) -> dict[str, str]:
 
 def cmd_stage(args: argparse.Namespace) -> int:
     from flows.deploy import stage_config, stage_flow
-    from flows.settings import Settings
+    from flows.settings import Settings, make_home
 
     overrides = _overrides_dict(args.set)
     stage_config(args.name, args.recipe, args.profile, args.node, overrides)  # config errors before Prefect starts
     refs = _input_refs(args.input)
+    make_home()
     _print_servers_used(args)
 
     result = stage_flow(stage=args.name, inputs=refs, overrides=overrides, node=args.node, seed=args.seed,
@@ -318,9 +320,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
     import subprocess
 
     from flows import servers
-    from flows.settings import Settings, require_prefect_server
+    from flows.settings import Settings, make_home, require_prefect_server
 
     url = require_prefect_server("worker", "polls a work pool")
+    make_home()
     home = Settings.from_env().home
     cmd = [*servers.console_script("prefect"), "worker", "start", "--pool", args.pool, "--type", args.type]
     if args.limit:
@@ -367,9 +370,10 @@ def cmd_deploy(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from flows.settings import Settings, require_prefect_server
+    from flows.settings import Settings, make_home, require_prefect_server
 
     url = require_prefect_server("serve", "registers deployments and serves their runs")
+    make_home()
     specs = _specs(args, served=True)
     from flows import servers
     from flows.deploy import full_name, serve

@@ -65,6 +65,14 @@ def prepare_environment(home: str | None = None) -> str:
     return source
 
 
+def make_home() -> None:
+    """Create R1FLOW_HOME and PREFECT_HOME (Prefect's temporary server cannot create its database's folder).
+    Commands call it once their input is validated: a command that fails validation writes nothing."""
+    for key in ("R1FLOW_HOME", "PREFECT_HOME"):
+        if os.environ.get(key):
+            Path(os.environ[key]).mkdir(parents=True, exist_ok=True)
+
+
 def _check_prefect_not_fixed() -> None:
     """An internal error if Prefect was imported before the servers were decided with other settings."""
     import sys
