@@ -313,8 +313,12 @@ def _specs(args: argparse.Namespace, served: bool):
                             args.tag or [], served=served)
 
 
+WORKER_STOP_GRACE_S = 8.0  # SIGTERM, then SIGKILL of the worker's process group (its flow runs included)
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
     """`prefect worker start` with r1flow's environment, registered with `r1flow up` so `r1flow down` stops it."""
+    import contextlib
     import os
     import signal
     import subprocess
@@ -331,12 +335,12 @@ def cmd_worker(args: argparse.Namespace) -> int:
     print(f"r1flow: worker for work pool {args.pool!r} on {url}; Prefect state and results under "
           f"{os.environ['PREFECT_HOME']}, artifacts under {home}", flush=True)
     child = subprocess.Popen(cmd, start_new_session=True)  # its own group: `r1flow down` ends it and its flow runs
+    stopping: list[float] = []
 
     def _forward(signum, frame):
-        try:
+        stopping.append(time.monotonic())
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(child.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
 
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _forward)
@@ -344,14 +348,19 @@ def cmd_worker(args: argparse.Namespace) -> int:
     try:
         while True:
             try:
-                code = child.wait()
+                code = child.wait(timeout=0.5)
                 break
+            except subprocess.TimeoutExpired:
+                # a worker with a flow run in progress can take minutes to stop: its group is killed after a grace
+                if stopping and time.monotonic() - stopping[0] > WORKER_STOP_GRACE_S:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(child.pid, signal.SIGKILL)
             except KeyboardInterrupt:
                 _forward(signal.SIGINT, None)
     finally:
         if registered:
             servers.unregister_runner(home, pid=child.pid)
-    return 0 if code in (0, -signal.SIGTERM, 128 + signal.SIGTERM) else code
+    return 0 if code in (0, -signal.SIGTERM, 128 + signal.SIGTERM, -signal.SIGKILL) and stopping or code == 0 else code
 
 
 def cmd_deploy(args: argparse.Namespace) -> int:

@@ -372,7 +372,8 @@ def test_a_scheduled_deployment_runs_on_r1flow_worker_and_its_second_run_is_cach
             worker.wait(30)
         except subprocess.TimeoutExpired:
             os.killpg(worker.pid, signal.SIGKILL)
-    assert time.time() - t0 < 10, f"r1flow worker took {time.time() - t0:.1f} s to stop on SIGTERM"
+    # a worker with a flow run in progress (the schedule may have fired a third) is killed after its grace period
+    assert time.time() - t0 < 15, f"r1flow worker took {time.time() - t0:.1f} s to stop on SIGTERM"
     assert not [r for r in servers.status(home).runners if r.get("name") == "worker sched-pool"]
 
 
