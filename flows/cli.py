@@ -131,8 +131,7 @@ def cmd_artifacts(args: argparse.Namespace) -> int:
         print(f"{len(results) - len(damaged)} of {len(results)} artifact(s) in {store.uri} verified"
               + (f"; {len(damaged)} damaged (a run that needs one recomputes it)" if damaged else ""))
         return 1 if damaged else 0
-    rows = store.list()
-    unreadable = store.unreadable()
+    rows, unreadable = store.scan()  # one read of every manifest
     if args.kind:
         rows = [m for m in rows if m.kind == args.kind]
     print(f"{'fingerprint':14} {'kind':8} {'schema':12} {'rows':>7} {'node':16} {'created':20}")
@@ -360,7 +359,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     finally:
         if registered:
             servers.unregister_runner(home, pid=child.pid)
-    return 0 if code in (0, -signal.SIGTERM, 128 + signal.SIGTERM, -signal.SIGKILL) and stopping or code == 0 else code
+    stopped_by_us = bool(stopping) and code in (-signal.SIGTERM, 128 + signal.SIGTERM, -signal.SIGKILL)
+    return 0 if code == 0 or stopped_by_us else code
 
 
 def cmd_deploy(args: argparse.Namespace) -> int:

@@ -98,9 +98,7 @@ def require_prefect_server(command: str, what: str) -> str:
         raise ConfigError(f"r1flow {command} {what} with a Prefect server, and none is running for R1FLOW_HOME={home}: "
                           "start one with `r1flow up` (same R1FLOW_HOME), or set PREFECT_API_URL to a team server. "
                           "Without one it would go to a temporary server that exits with this command.")
-    from prefect.settings import get_current_settings
+    import prefect.settings  # noqa: F401  (now: the check below compares what it fixed at import)
 
-    current = get_current_settings().api.url
-    if current != url:
-        raise RuntimeError(f"internal error: Prefect would use {current!r}, not PREFECT_API_URL={url}")
+    _check_prefect_not_fixed()
     return url

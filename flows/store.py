@@ -224,15 +224,17 @@ class ArtifactStore:
             raise ArtifactError(f"fingerprint prefix {prefix!r} is ambiguous ({len(matches)} artifacts)")
         return matches[0]
 
+    def _artifact_names(self) -> list[str]:
+        """Every artifact directory's name; incoming and set-aside directories (names starting with '.') are not
+        artifacts."""
+        names = (Path(p).name for p in self.fs.ls(f"{self.base}/artifacts", detail=False))
+        return sorted(n for n in names if not n.startswith("."))
+
     def verify_all(self) -> list[tuple[str, str | None]]:
         """(name, None if it verifies else why not) for every artifact directory, those without a manifest
-        included (incomplete or damaged); incoming and set-aside directories (names starting with '.') are
-        not artifacts."""
+        included (incomplete or damaged)."""
         out = []
-        for p in sorted(self.fs.ls(f"{self.base}/artifacts", detail=False)):
-            name = Path(p).name
-            if name.startswith("."):
-                continue
+        for name in self._artifact_names():
             try:
                 self.verify(name)
                 out.append((name, None))
@@ -240,27 +242,22 @@ class ArtifactStore:
                 out.append((name, str(e)))
         return out
 
+    def scan(self) -> tuple[list[Manifest], list[str]]:
+        """(the manifests, oldest first; the directories without a readable manifest: incomplete or damaged)."""
+        manifests, unreadable = [], []
+        for name in self._artifact_names():
+            try:
+                manifests.append(self.read_manifest(name))
+            except ArtifactError:
+                unreadable.append(name)
+        return sorted(manifests, key=lambda m: m.created_at), unreadable
+
     def unreadable(self) -> list[str]:
         """Artifact directories without a readable manifest (incomplete or damaged); `list` leaves them out."""
-        out = []
-        for p in self.fs.ls(f"{self.base}/artifacts", detail=False):
-            if not Path(p).name.startswith("."):
-                try:
-                    self.read_manifest(Path(p).name)
-                except ArtifactError:
-                    out.append(Path(p).name)
-        return sorted(out)
+        return self.scan()[1]
 
     def list(self) -> list[Manifest]:
-        out = []
-        for p in self.fs.ls(f"{self.base}/artifacts", detail=False):
-            if Path(p).name.startswith("."):  # incoming or set-aside directories
-                continue
-            try:
-                out.append(self.read_manifest(Path(p).name))
-            except ArtifactError:
-                continue  # incomplete: no manifest yet
-        return sorted(out, key=lambda m: m.created_at)
+        return self.scan()[0]
 
     # ------------------------------------------------------------------ stage cache
     def _cache_path(self, key: str) -> str:
