@@ -342,3 +342,45 @@ def test_adapter_artifact_finds_its_base_by_fingerprint_not_by_path(sft_inputs, 
         adapter.load_model()
     model, _ = Input(adapter.path, adapter.manifest, base=sft_inputs["model"]).load_model()
     assert hasattr(model, "peft_config")
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage_optimizer"])
+def test_a_damaged_checkpoint_is_set_aside_and_the_previous_one_resumes(sft_inputs, tmp_path, caplog, damage):
+    """Issue 28 item 6: a truncated checkpoint used to fail every re-run with a raw SafetensorError."""
+    cfg = _cfg(keep_checkpoints=3)
+    ref_ctx = LocalContext(tmp_path / "ref")
+    sft.run(cfg, sft_inputs, ref_ctx)
+    root = tmp_path / "crash"
+    with pytest.raises(SimulatedCrash):
+        sft.run(cfg, sft_inputs, CrashingContext(root, 10))
+    ckpts = root / "checkpoints"
+    assert [p.name for p in sft.complete_checkpoints(ckpts)] == ["step-000008", "step-000004"]
+    if damage == "truncate":
+        f = ckpts / "step-000008" / "trainable.safetensors"
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    else:  # same size, unreadable content
+        f = ckpts / "step-000008" / "optimizer.pt"
+        f.write_bytes(b"\0" * f.stat().st_size)
+
+    resumed_ctx = LocalContext(root)
+    with caplog.at_level("WARNING"):
+        out = sft.run(cfg, sft_inputs, resumed_ctx)["model"]
+    assert out.metrics["resumed_from_step"] == 4  # fell back to the previous good checkpoint
+    assert "step-000008" in caplog.text and "set aside" in caplog.text
+    trained, ref_losses = _losses(resumed_ctx), _losses(ref_ctx)
+    for step in range(5, cfg.max_steps + 1):
+        assert trained[step] == pytest.approx(ref_losses[step], rel=1e-4, abs=1e-5), step
+    assert len(list(ckpts.glob(".corrupt-step-000008-*"))) == 1  # kept for a post-mortem, never resumed again
+
+
+def test_every_checkpoint_damaged_starts_fresh_and_set_aside_copies_are_capped(sft_inputs, tmp_path):
+    cfg = _cfg(max_steps=4, checkpoint_every=1, keep_checkpoints=4)
+    root = tmp_path / "run"
+    with pytest.raises(SimulatedCrash):
+        sft.run(cfg, sft_inputs, CrashingContext(root, 4))
+    ckpts = root / "checkpoints"
+    for p in sft.complete_checkpoints(ckpts):
+        (p / "trainable.safetensors").write_bytes(b"x")
+    out = sft.run(cfg, sft_inputs, LocalContext(root))["model"]
+    assert out.metrics["resumed_from_step"] == 0
+    assert len(list(ckpts.glob(".corrupt-*"))) == sft.KEEP_CORRUPT  # 4 set aside, the newest 2 kept
