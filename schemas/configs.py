@@ -181,6 +181,12 @@ class PromptsConfig(Strict):
     system_prompt: str | None = Field(
         None, description="System prompt; default: the R1 format instruction (`<think>…</think><answer>…</answer>`)."
     )
+    max_prompt_chars: int = Field(
+        65536, ge=1, description="Longest prompt accepted, in characters of the whole prompt (every message's "
+        "content, the system prompt included). A longer row of a user file is rejected when the config is checked, "
+        "before any compute, naming its file and line; a longer generated prompt fails the stage. The longest "
+        "built-in reasoning-gym prompts (arc_agi, codeio at default options) are under 18,000.",
+    )
 
 
 class MemoryOptions(Strict):

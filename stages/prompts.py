@@ -36,8 +36,11 @@ def prompt_id(task: str, question: str) -> str:
     return hashlib.sha256(f"{task}\0{question}".encode()).hexdigest()[:16]
 
 
-def check(cfg: PromptsConfig) -> None:
-    """Fail before any compute on unknown tasks, bad options or missing files."""
+def check(cfg: PromptsConfig, node: str = "prompts") -> None:
+    """Fail before any compute on unknown tasks, bad options, missing files or over-long prompts in them.
+
+    `node`: the recipe node's name, for the `--set NODE.max_prompt_chars=N` an over-long prompt's error names.
+    """
     import reasoning_gym
     from reasoning_gym.factory import DATASETS
 
@@ -59,7 +62,8 @@ def check(cfg: PromptsConfig) -> None:
             raise ConfigError(f"prompts.files: {f} does not exist")
         if p.suffix not in (".parquet", ".jsonl", ".json"):
             raise ConfigError(f"prompts.files: {f}: expected .parquet or .jsonl")
-        file_rows(p, cfg.system_prompt or R1_SYSTEM_PROMPT)  # schema errors name the file, row and column now
+        # schema errors name the file, row and column now; an over-long prompt its line, length and the limit
+        file_rows(p, cfg.system_prompt or R1_SYSTEM_PROMPT, cfg.max_prompt_chars, node)
 
 
 def cache_salt(cfg: PromptsConfig) -> str:
@@ -74,6 +78,18 @@ def _messages(system: str, question: str) -> list[dict[str, str]]:
     return [{"role": "system", "content": system}, {"role": "user", "content": question}]
 
 
+def prompt_chars(messages: list[dict[str, str]]) -> int:
+    """A prompt's length as `max_prompt_chars` counts it: every message's content (system prompt included)."""
+    return sum(len(m["content"]) for m in messages)
+
+
+def _too_long(where: str, chars: int, limit: int, node: str, more: int = 0) -> str:
+    return (f"{where}: the prompt is {chars:,} characters, over the limit of {limit:,} ({node}.max_prompt_chars, "
+            f"counting every message's content, the system prompt included)"
+            + (f"; {more} more row(s) of this file are over it too" if more else "")
+            + f". Shorten or drop it, or raise the limit with --set {node}.max_prompt_chars={chars}")
+
+
 def _split(n: int, eval_fraction: float, seed: int) -> np.ndarray:
     """Boolean mask: True = eval. A seeded permutation, exactly round(n * fraction) eval rows."""
     n_eval = int(round(n * eval_fraction))
@@ -82,20 +98,26 @@ def _split(n: int, eval_fraction: float, seed: int) -> np.ndarray:
     return mask
 
 
-def reasoning_gym_rows(task: str, opts: dict, size: int, seed: int, system: str) -> list[dict]:
+def reasoning_gym_rows(task: str, opts: dict, size: int, seed: int, system: str,
+                       max_chars: int | None = None, where: str = "", node: str = "prompts") -> list[dict]:
+    """`where` (e.g. "prompts.tasks.chain_sum") names the task in the error of a prompt over `max_chars`."""
     import reasoning_gym
 
     ds = reasoning_gym.create_dataset(task, size=size, seed=stable_seed(seed, task), **opts)
     rows, seen = [], set()
-    for entry in ds:
+    for item, entry in enumerate(ds):
         pid = prompt_id(task, entry["question"])
         if pid in seen:  # procedural generators repeat easy items; keep ids unique
             continue
         seen.add(pid)
+        messages = _messages(system, entry["question"])
+        if max_chars is not None and prompt_chars(messages) > max_chars:  # never at the built-in tasks' defaults
+            raise ConfigError(_too_long(f"{where or task}: generated item {item}", prompt_chars(messages), max_chars,
+                                        node))
         meta = dict(entry.get("metadata") or {}, question=entry["question"])
         rows.append({
             "id": pid,
-            "messages": _messages(system, entry["question"]),
+            "messages": messages,
             "answer": None if entry.get("answer") is None else str(entry["answer"]),
             "task": task,
             "verifier": "reasoning_gym",
@@ -137,7 +159,38 @@ def _file_messages(path: Path, i: int, value: Any) -> list[dict[str, str]]:
     return out
 
 
-def file_rows(path: Path, system: str) -> list[dict]:
+def _raw_chars(rec: dict, system: str) -> int:
+    """`prompt_chars` of a record before it is validated (what is not text counts 0): the length check runs
+    first, so that a file with one huge row fails at once, before its other rows are looked at."""
+    if rec.get("messages"):
+        value = rec["messages"]
+        return sum(len(m["content"]) for m in value if isinstance(m, dict) and isinstance(m.get("content"), str)) \
+            if isinstance(value, list) else 0
+    question = rec.get("question")
+    return len(system) + len(question) if isinstance(question, str) else 0
+
+
+def _row_where(path: Path, i: int, n_records: int) -> str:
+    """'FILE: line N' for a JSON-lines file (pyarrow skips blank lines; N counts them), else 'FILE: row i'."""
+    if path.suffix != ".parquet":
+        try:
+            lines = [n for n, text in enumerate(path.read_bytes().split(b"\n"), 1) if text.strip()]
+        except OSError:
+            lines = []
+        if len(lines) == n_records:  # one object per line (an object over several lines: rows only)
+            return f"{path}: line {lines[i]}"
+    return f"{path}: row {i}"
+
+
+def check_lengths(path: Path, records: list[dict], system: str, max_chars: int, node: str = "prompts") -> None:
+    """SchemaError naming the first record whose prompt is over `max_chars`: file, line, length, the key to raise."""
+    over = [(i, n) for i, n in enumerate(_raw_chars(r, system) for r in records) if n > max_chars]
+    if over:
+        i, n = over[0]
+        raise SchemaError(_too_long(_row_where(path, i, len(records)), n, max_chars, node, more=len(over) - 1))
+
+
+def file_rows(path: Path, system: str, max_chars: int | None = None, node: str = "prompts") -> list[dict]:
     table = read_user_file(path)
     cols = set(table.column_names)
     if not {"question", "messages"} & cols:
@@ -146,6 +199,8 @@ def file_rows(path: Path, system: str) -> list[dict]:
         records = table.to_pylist()
     except UnicodeDecodeError as e:  # pyarrow reads the bytes as given and decodes them here
         raise SchemaError(f"{path}: cannot read (not UTF-8 text: {e})") from None
+    if max_chars is not None:
+        check_lengths(path, records, system, max_chars, node)
     rows = []
     for i, rec in enumerate(records):
         if rec.get("messages"):
@@ -181,16 +236,17 @@ def build_prompts(cfg: PromptsConfig, seed: int) -> list[dict]:
     system = cfg.system_prompt or R1_SYSTEM_PROMPT
     rows: list[dict] = []
     for task, opts in cfg.tasks.items():
-        task_rows = reasoning_gym_rows(task, opts, cfg.size, seed, system)
+        task_rows = reasoning_gym_rows(task, opts, cfg.size, seed, system, cfg.max_prompt_chars, f"prompts.tasks.{task}")
         for row, is_eval in zip(task_rows, _split(len(task_rows), cfg.eval_fraction, stable_seed(seed, task, "split")), strict=True):
             row["split"] = "eval" if is_eval else "train"
         rows += task_rows
     for task, opts in cfg.eval_tasks.items():
         if task in cfg.tasks:
             raise ConfigError(f"prompts.eval_tasks: {task!r} is also a training task")
-        rows += [dict(r, split="eval") for r in reasoning_gym_rows(task, opts, cfg.eval_size, seed, system)]
+        rows += [dict(r, split="eval") for r in reasoning_gym_rows(task, opts, cfg.eval_size, seed, system,
+                                                                   cfg.max_prompt_chars, f"prompts.eval_tasks.{task}")]
     for f in cfg.files:
-        frows = file_rows(Path(f), system)
+        frows = file_rows(Path(f), system, cfg.max_prompt_chars)
         unsplit = [r for r in frows if r["split"] is None]
         for row, is_eval in zip(unsplit, _split(len(unsplit), cfg.eval_fraction, stable_seed(seed, f, "split")), strict=True):
             row["split"] = "eval" if is_eval else "train"

@@ -75,3 +75,78 @@ def test_unknown_task_suggests_names():
         prompts.check(PromptsConfig(tasks={"chain_summ": {}}))
     with pytest.raises(ConfigError, match="prompts.tasks.chain_sum: invalid options"):
         prompts.check(PromptsConfig(tasks={"chain_sum": {"no_such_option": 3}}))
+
+
+# ---------------------------------------------------------------------------- max_prompt_chars (issue 28 item 11)
+
+
+def test_over_long_prompt_in_a_user_file_is_rejected_before_compute_naming_file_line_length_and_key(tmp_path):
+    f = tmp_path / "mine.jsonl"
+    long_q = "x" * 70_000  # over the default limit (65,536) with the system prompt or without it
+    # a blank line: pyarrow skips it, the error still names the file's own line number
+    f.write_text(json.dumps({"question": "short"}) + "\n\n" + json.dumps({"question": long_q}) + "\n"
+                 + json.dumps({"question": "y" * 66_000}) + "\n")
+    cfg = PromptsConfig(tasks={}, files=[str(f)])
+    n = len(R1_SYSTEM_PROMPT) + len(long_q)
+    message = (rf"{f}: line 3: the prompt is {n:,} characters, over the limit of 65,536 \(prompts.max_prompt_chars"
+               rf".*1 more row\(s\) of this file are over it too.*--set prompts.max_prompt_chars={n}$")
+    with pytest.raises(SchemaError, match=message):
+        prompts.check(cfg)  # what a run's plan calls before any stage runs
+    with pytest.raises(SchemaError, match=message):
+        run(cfg, tmp=tmp_path / "out")
+    # a node of another name names its own key
+    with pytest.raises(SchemaError, match=rf"--set new_prompts.max_prompt_chars={n}$"):
+        prompts.check(cfg, node="new_prompts")
+    # and the key it names raises the limit
+    assert len(run(cfg.model_copy(update={"max_prompt_chars": n}), tmp=tmp_path / "raised")) == 3
+
+
+def test_a_prompt_exactly_at_the_limit_passes_one_over_fails(tmp_path):
+    f = tmp_path / "q.jsonl"
+    f.write_text(json.dumps({"question": "q" * 90}) + "\n")
+    system = "s" * 10  # a question's prompt is the system prompt + the question: 100 characters
+    rows = run(PromptsConfig(tasks={}, files=[str(f)], system_prompt=system, max_prompt_chars=100), tmp=tmp_path / "a")
+    assert len(rows) == 1 and prompts.prompt_chars(rows[0]["messages"]) == 100
+    with pytest.raises(SchemaError, match=rf"{f}: line 1: the prompt is 100 characters, over the limit of 99 "):
+        prompts.check(PromptsConfig(tasks={}, files=[str(f)], system_prompt=system, max_prompt_chars=99))
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_messages_prompts_count_every_message(tmp_path, suffix):
+    messages = [{"role": "system", "content": "s" * 100}, {"role": "user", "content": "u" * 100},
+                {"role": "assistant", "content": "a" * 100}, {"role": "user", "content": "v" * 100}]
+    records = [{"messages": messages[1:2]}, {"messages": messages}]  # 100 and 400 characters
+    f = tmp_path / f"chat{suffix}"
+    if suffix == ".jsonl":
+        f.write_text("".join(json.dumps(r) + "\n" for r in records))
+    else:
+        pq.write_table(pa.Table.from_pylist(records), f)
+    prompts.check(PromptsConfig(tasks={}, files=[str(f)], max_prompt_chars=400))
+    where = "line 2" if suffix == ".jsonl" else "row 1"  # parquet has no lines: the 0-based row, as other errors
+    with pytest.raises(SchemaError, match=rf"{f}: {where}: the prompt is 400 characters, over the limit of 399 "):
+        prompts.check(PromptsConfig(tasks={}, files=[str(f)], max_prompt_chars=399))
+
+
+def test_generated_prompts_obey_the_limit_too(tmp_path):
+    rows = run(PromptsConfig(size=16), tmp=tmp_path / "a")  # the default never triggers
+    assert max(prompts.prompt_chars(r["messages"]) for r in rows) < PromptsConfig().max_prompt_chars // 100
+    with pytest.raises(ConfigError, match=r"prompts.tasks.basic_arithmetic: generated item 0: the prompt is .* "
+                                          r"over the limit of 50 .*--set prompts.max_prompt_chars="):
+        run(PromptsConfig(size=16, max_prompt_chars=50), tmp=tmp_path / "b")
+    with pytest.raises(ValueError, match="max_prompt_chars"):
+        PromptsConfig(max_prompt_chars=0)
+
+
+def test_a_run_fails_at_planning_on_an_over_long_prompt_and_the_named_set_raises_the_limit(tmp_path):
+    """The issue: a 1 MB prompt was accepted and an eval ran 16 minutes on it. Now the plan (made before any
+    stage runs) stops with the file, line, length and the `--set` that raises the limit; that `--set` works."""
+    from flows.recipes import load_plan
+
+    f = tmp_path / "big.jsonl"
+    f.write_text(json.dumps({"question": "What is 2+2?", "answer": "4"}) + "\n"
+                 + json.dumps({"question": "x" * 1_000_000, "answer": "1"}) + "\n")
+    n = len(R1_SYSTEM_PROMPT) + 1_000_000
+    with pytest.raises(SchemaError, match=rf"{f}: line 2: the prompt is {n:,} characters.*"
+                                          rf"--set prompts.max_prompt_chars={n}$"):
+        load_plan("sft-eval", "tiny", [f"prompts.files=[{f}]"])
+    load_plan("sft-eval", "tiny", [f"prompts.files=[{f}]", f"prompts.max_prompt_chars={n}"])
