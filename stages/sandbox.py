@@ -16,11 +16,40 @@ reward workers are threads. Two isolation modes; `isolation()` picks one per pro
     its own processes. When the program exits, init reports and exits, and the kernel kills
     whatever is left in the namespace, setsid() escapees and daemons included. No process
     outlives a run;
-  - mount namespace: the file tree is made read-only and nosuid recursively (mount_setattr,
-    Linux >= 5.12; without it only the uid's own permissions apply, see `isolation()`). The
-    working directory is a private tmpfs (32 MiB, 4096 inodes). The interpreter's prefix is
-    bind-mounted read-only into the run directory, because it may live under a 0700 home (pyenv
-    in /root) that the sandbox uid cannot enter;
+  - mount namespace with a root of its own: the launcher builds a minimal tree on a fresh tmpfs
+    and pivot_roots into it, then detaches the host's tree, so the rest of the machine is not
+    merely read-only but absent (pivot_root's syscall number is known for x86_64, aarch64,
+    riscv64, ppc64 and s390x; elsewhere the probe fails and the fallback applies). The program
+    sees exactly (`_root_plan`):
+      /usr, read-only bind (nosuid, nodev); /bin, /sbin, /lib, /lib64 (/lib32, /libx32) as the
+        symlinks into /usr that a merged-/usr host has, or read-only binds where they are real
+        directories. Binds are not recursive: a host mount below /usr stays out;
+      /dev with null, zero, random and urandom (read-only binds of the host's nodes) and the
+        fd, stdin, stdout, stderr links into /proc/self/fd; /proc, the pid namespace's own;
+      /tmp, read-only and empty (but for the path to the run's directory when $TMPDIR is /tmp);
+      the run's directory at its host path (RUN = $TMPDIR/r1flow-sandbox-*): RUN/prog.py
+        (read-only), RUN/python (the interpreter's prefix, read-only: it may live under a 0700
+        home such as pyenv in /root, which is why it is bound and found through
+        LD_LIBRARY_PATH), RUN/work (the working directory, a private tmpfs of 32 MiB and 4096
+        inodes owned by the run's uid; HOME and TMPDIR point to it).
+    Should R1FLOW_HOME, PREFECT_HOME, the checkout, the working directory, the user's home or the
+    virtual environment lie inside one of these binds (a checkout in /usr/src/app), an empty
+    read-only tmpfs masks it (`_hidden_paths`; only two or more levels down, and never a folder
+    that holds the interpreter, so a cwd of /usr/lib cannot take the C library away). Nothing
+    else: no /etc (Python `-S` needs none of it: UTC time, no passwd entries, the
+    dynamic linker's default paths), no /home, /root, /sys, /var, R1FLOW_HOME or checkout, so
+    neither stored prompts with their expected outputs nor any other host file can be read.
+    Host unix sockets (/dev/log, X11, docker, world-writable sockets in /tmp) have no path in
+    this tree, and abstract unix sockets belong to the network namespace. The root tmpfs is
+    remounted read-only; only RUN/work is writable. Same paths inside and out keep tracebacks and
+    /proc/PID/cmdline as they were. We build this ourselves rather than with bubblewrap: as
+    root, bwrap uses the same kernel primitives (namespaces, bind mounts, pivot_root), so it
+    would add a system dependency without adding strength, and its own pid 1 and uid handling
+    would replace the launcher's init, uid slots and RLIMIT_NPROC accounting below. Cost,
+    measured on a loaded 2-core machine: the launcher's namespace and mount setup takes 1.5 ms
+    instead of 0.7 ms (median of 100) for the read-only host tree it replaced; a whole run of
+    print(1) stays at ~40 ms at best (50 runs took 2.3 to 5.5 s before, 2.5 to 4.9 s after:
+    the spread is the machine's load, not the sandbox);
   - ipc and uts namespaces;
   - credentials: setgroups([]), then setresgid/setresuid to a uid of the run's own (UID_BASE +
     slot), then no_new_privs. Slots are flock'ed (files in $TMPDIR/r1flow-sandbox-uids), so
@@ -31,8 +60,13 @@ reward workers are threads. Two isolation modes; `isolation()` picks one per pro
   - same rlimits, kill and reaping; no uid change, no RLIMIT_NPROC;
   - an audit hook (sys.addaudithook), installed before the program runs, refuses sockets, DNS,
     ctypes, fork/exec/spawn/subprocess/os.system and os.kill. Audit hooks are not a security
-    boundary (PEP 578): they stop accidents and model slop, not a determined adversary. The
-    file system is protected only by the caller's own permissions.
+    boundary (PEP 578): they stop accidents and model slop, not a determined adversary (a
+    direct `_posixsubprocess.fork_exec` raises no audit event: it reaches the network and leaves
+    a process behind). The file system is protected only by the caller's own permissions;
+  - so it runs programs only where the host opted in with the environment variable
+    R1FLOW_SANDBOX_ALLOW_WEAK=1 (a property of the host, deliberately not a config field, so no
+    cache key depends on it), and logs a warning once per process. Without it every run raises
+    SandboxSetupError, saying why and how to opt in.
 
 Both modes apply RLIMIT_CPU (SIGXCPU, then SIGKILL one second later), RLIMIT_AS (memory_mb),
 RLIMIT_FSIZE (MAX_FILE_BYTES), RLIMIT_CORE=0 and RLIMIT_NOFILE, and start from a fresh
@@ -40,7 +74,8 @@ environment (PATH, LANG, HOME, PYTHONHASHSEED=0). The program runs as `python -S
 no user site, no script directory on sys.path, so only the stdlib can be imported (no numpy).
 We depart from `-I` because its `-E` would ignore PYTHONHASHSEED. A fixed seed keeps set order,
 and so the output, reproducible, and since the environment is ours, `-E` would add nothing.
-`exit`/`quit`, which `site` would define, are provided. Stdin comes from an unlinked temp file.
+`exit`/`quit`, which `site` would define, are provided. Stdin comes from an unlinked temp file
+(mode 0444, so that the program may reopen it as /dev/stdin).
 Stdout and stderr are read incrementally, and the run is killed as soon as together they exceed
 max_output_bytes. On a wall timeout or output overflow, the parent asks the launcher (SIGUSR1) to
 SIGKILL its child (init, or the program in audit-hook mode) through a pidfd, so pid reuse cannot
@@ -83,6 +118,14 @@ MAX_OPEN_FILES = 256
 UID_BASE = 2_000_000_000  # sandbox uids are UID_BASE + slot (namespaces mode)
 UID_SLOTS = 64  # concurrent runs per machine; more wait for a free slot
 KILL_GRACE_S = 2.0  # how long the launcher gets to kill the program before its group is SIGKILLed
+# The sandbox's own root (namespaces mode): read-only binds of these host directories, or
+# symlinks where the host has symlinks; these devices; nothing of /etc, /home, /root, /tmp.
+SYSTEM_DIRS = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32")
+DEVICES = ("null", "zero", "random", "urandom")
+ROOT_TMPFS_OPTIONS = "size=1m,nr_inodes=1024,mode=0755"
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
+PIVOT_ROOT_SYSCALLS = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "ppc64": 203, "s390x": 217}
+WEAK_ENV = "R1FLOW_SANDBOX_ALLOW_WEAK"  # =1: the host accepts the audit-hook mode for code rewards
 _MEMORY_ERROR = re.compile(r"^MemoryError\b|Cannot allocate memory", re.MULTILINE)
 
 
@@ -142,8 +185,7 @@ CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
 CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
-SYS_MOUNT_SETATTR, AT_FDCWD, AT_RECURSIVE = 442, -100, 0x8000
-MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID = 1, 2
+MNT_DETACH = 2
 
 
 def check(ret, what):
@@ -159,16 +201,38 @@ def mount(source, target, fstype, flags, data=None):
 
 
 def setup_namespaces():
+    # Build the sandbox's whole file tree on a fresh tmpfs (cfg["root_plan"], see _root_plan) and
+    # pivot_root into it: the host's tree is detached from the namespace, not just read-only.
     check(libc.unshare(CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS), "unshare")
     mount(None, "/", None, MS_REC | MS_PRIVATE)
-    attr = (ctypes.c_uint64 * 4)(MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID, 0, 0, 0)
-    ro_root = libc.syscall(ctypes.c_long(SYS_MOUNT_SETATTR), ctypes.c_int(AT_FDCWD), b"/",
-                           ctypes.c_uint(AT_RECURSIVE), ctypes.byref(attr), ctypes.c_size_t(32)) == 0
-    if cfg["python_prefix"]:
-        mount(cfg["python_prefix"], cfg["python_mount"], None, MS_BIND | MS_REC)
-        mount(None, cfg["python_mount"], None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
-    mount("tmpfs", cfg["workdir"], "tmpfs", MS_NOSUID | MS_NODEV, cfg["tmpfs_options"])
-    return ro_root
+    os.umask(0o022)
+    root = cfg["root_mount"]
+    mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, cfg["root_options"])
+    for kind, path, *args in cfg["root_plan"]:
+        target = root + path
+        if kind == "dir":
+            os.makedirs(target, 0o755, exist_ok=True)
+        elif kind == "symlink":
+            os.symlink(args[0], target)
+        elif kind == "tmpfs":
+            os.makedirs(target, 0o755, exist_ok=True)
+            mount("tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV, args[0])
+        elif kind == "mask":  # an empty read-only folder over a host folder inside a bind
+            mount("tmpfs", target, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,nr_inodes=16,mode=0555")
+        else:  # "bind": source onto path, not recursive, then remounted with flags (read-only)
+            source, flags = args
+            if os.path.isdir(source):
+                os.makedirs(target, 0o755, exist_ok=True)
+            else:
+                os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+            mount(source, target, None, MS_BIND)
+            mount(None, target, None, MS_REMOUNT | MS_BIND | flags)
+    os.chdir(root)
+    check(libc.syscall(ctypes.c_long(cfg["sys_pivot_root"]), b".", b"."), "pivot_root")
+    check(libc.umount2(b".", MNT_DETACH), "umount2 of the old root")
+    os.chdir("/")
+    mount(None, "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+    return True
 
 
 def forked(main):  # the child runs main() and never returns
@@ -275,7 +339,8 @@ _ISOLATION_LOCK = threading.Lock()
 
 def isolation() -> dict[str, Any]:
     """The isolation mode of this process, probed once: {"mode": "namespaces" | "audit-hook",
-    "read_only_root": bool, "reason": str}."""
+    "read_only_root": bool (True in namespaces mode: the program's own root is read-only apart
+    from its working directory), "reason": str}."""
     global _ISOLATION
     with _ISOLATION_LOCK:
         if _ISOLATION is None:
@@ -299,8 +364,36 @@ def _probe() -> dict[str, Any]:
     return {"mode": "namespaces", "read_only_root": bool(report.get("ro_root")), "reason": "root"}
 
 
+_WEAK_WARNED = False
+_WEAK_LOCK = threading.Lock()
+
+
+def _require_weak_opt_in() -> None:
+    """The audit-hook mode runs only where the host opted in (R1FLOW_SANDBOX_ALLOW_WEAK=1).
+
+    A host property, not a config field: it must not change any cache key. Warns once per process.
+    """
+    global _WEAK_WARNED
+    reason = (_ISOLATION or {}).get("reason", "namespaces not used")
+    if os.environ.get(WEAK_ENV) != "1":
+        raise SandboxSetupError(
+            f"refusing to run a program: the sandbox has only its audit-hook mode here ({reason}), "
+            "which a program can bypass (a direct _posixsubprocess.fork_exec reaches the network and "
+            "leaves processes behind; every file this user can read is readable). Run as root with "
+            f"CAP_SYS_ADMIN for the namespaces sandbox, or set {WEAK_ENV}=1 to accept the weaker mode "
+            "on this host")
+    with _WEAK_LOCK:
+        if not _WEAK_WARNED:
+            _WEAK_WARNED = True
+            log.warning("%s=1: running model-written programs in the sandbox's audit-hook mode (%s), "
+                        "which a determined program can escape (network, processes, readable files)",
+                        WEAK_ENV, reason)
+
+
 def run_program(code: str, stdin: str = "", limits: SandboxLimits = SandboxLimits()) -> SandboxResult:
-    """Run `code` as a Python program in the sandbox, feeding it `stdin`."""
+    """Run `code` as a Python program in the sandbox, feeding it `stdin`.
+
+    Raises SandboxSetupError in audit-hook mode unless R1FLOW_SANDBOX_ALLOW_WEAK=1."""
     namespaces = isolation()["mode"] == "namespaces"
     return _run(code, stdin, limits, namespaces=namespaces)[0]
 
@@ -338,6 +431,8 @@ def normalise_output(text: str) -> str:
 
 
 def _run(code: str, stdin: str, limits: SandboxLimits, *, namespaces: bool) -> tuple[SandboxResult, dict]:
+    if not namespaces:
+        _require_weak_opt_in()
     base = tempfile.mkdtemp(prefix="r1flow-sandbox-")
     try:
         with _uid_slot() if namespaces else contextlib.nullcontext(None) as uid:
@@ -360,13 +455,14 @@ def _remove_tree(path: str) -> None:
 
 def _run_in(base: str, code: str, stdin: str, limits: SandboxLimits, *, namespaces: bool,
             uid: int | None) -> tuple[SandboxResult, dict]:
-    os.chmod(base, 0o755)  # the sandbox uid must reach prog.py, python/ and work/
+    # base stays 0700 on the host. In namespaces mode the program sees base/prog.py, base/python
+    # and base/work at the same paths in its own root (_root_plan); base/root is that root's mount
+    # point. In audit-hook mode it runs in base/work on the host.
     program = os.path.join(base, "prog.py")
     with open(program, "w", encoding="utf-8") as f:
         f.write(code)
     os.chmod(program, 0o644)
     workdir = os.path.join(base, "work")
-    os.mkdir(workdir, 0o700)
     exe, prefix, env = _interpreter(base, workdir, namespaces)
     cpu = limits.cpu_time_s
     cfg = {
@@ -375,9 +471,6 @@ def _run_in(base: str, code: str, stdin: str, limits: SandboxLimits, *, namespac
         "parent_pid": os.getpid(),
         "backstop_s": int(limits.wall_timeout_s) + 5,
         "workdir": workdir,
-        "python_prefix": prefix,
-        "python_mount": os.path.join(base, "python"),
-        "tmpfs_options": f"size={WORKDIR_BYTES},nr_inodes={WORKDIR_INODES},mode=0700,uid={uid},gid={uid}",
         "rlimits": {
             "RLIMIT_CPU": [cpu, cpu + 1],  # SIGXCPU, then SIGKILL if the program ignores it
             "RLIMIT_AS": [limits.memory_mb * 2**20] * 2,
@@ -390,14 +483,21 @@ def _run_in(base: str, code: str, stdin: str, limits: SandboxLimits, *, namespac
         "argv": [exe, "-S", "-s", "-P", "-c", _BOOTSTRAP, "0" if namespaces else "1", program],
         "env": env,
     }
-    if prefix:
-        os.mkdir(cfg["python_mount"], 0o755)
+    if namespaces:
+        os.mkdir(os.path.join(base, "root"), 0o700)
+        cfg["root_mount"] = os.path.join(base, "root")
+        cfg["root_options"] = ROOT_TMPFS_OPTIONS
+        cfg["root_plan"] = _root_plan(base, program, workdir, prefix, uid)
+        cfg["sys_pivot_root"] = _pivot_root_syscall()
+    else:
+        os.mkdir(workdir, 0o700)
 
     status_r, status_w = os.pipe()
     try:
         with tempfile.TemporaryFile() as stdin_file:
             stdin_file.write(stdin.encode("utf-8"))
             stdin_file.seek(0)
+            os.fchmod(stdin_file.fileno(), 0o444)  # the program may reopen it as /dev/stdin
             cfg["status_fd"] = status_w
             start = time.monotonic()
             proc = subprocess.Popen(
@@ -427,7 +527,7 @@ def _run_in(base: str, code: str, stdin: str, limits: SandboxLimits, *, namespac
 
 
 def _interpreter(base: str, workdir: str, namespaces: bool) -> tuple[str, str | None, dict[str, str]]:
-    """(program interpreter path, prefix to bind-mount or None, environment)."""
+    """(program interpreter path, prefix to bind-mount at base/python or None, environment)."""
     env = {
         "PATH": "/usr/local/bin:/usr/bin:/bin",
         "LANG": "C.UTF-8",
@@ -441,13 +541,78 @@ def _interpreter(base: str, workdir: str, namespaces: bool) -> tuple[str, str | 
     exe = os.path.realpath(sys.executable)
     prefix = os.path.realpath(sys.base_prefix)
     rel = os.path.relpath(exe, prefix)
-    if not namespaces or rel.startswith(os.pardir):
+    if not namespaces:
         return exe, None, env
+    if rel.startswith(os.pardir):
+        raise SandboxSetupError(f"the interpreter {exe} lies outside its prefix {prefix}: cannot mount it in the sandbox")
     mounted = os.path.join(base, "python")
     if os.path.isdir(os.path.join(prefix, "lib")):
         # A shared libpython is found through an absolute RUNPATH under the original prefix.
         env["LD_LIBRARY_PATH"] = os.path.join(mounted, "lib")
     return os.path.join(mounted, rel), prefix, env
+
+
+def _root_plan(base: str, program: str, workdir: str, prefix: str | None, uid: int | None) -> list[list]:
+    """The sandbox's file tree, built by the launcher on an empty tmpfs, in order:
+    ["dir", path] | ["symlink", path, target] | ["bind", path, source, remount flags] |
+    ["tmpfs", path, options] | ["mask", path]. Everything is read-only except the working
+    directory, and `_hidden_paths` that lie inside a bound folder are masked by empty ones."""
+    ro = MS_RDONLY | MS_NOSUID | MS_NODEV
+    plan: list[list] = []
+    binds: list[tuple[str, str]] = []  # (host folder, path in the sandbox)
+    for name in SYSTEM_DIRS:  # on merged-/usr systems all but /usr are symlinks into it
+        path = "/" + name
+        if os.path.islink(path):
+            plan.append(["symlink", path, os.readlink(path)])
+        elif os.path.isdir(path):
+            plan.append(["bind", path, path, ro])
+            binds.append((os.path.realpath(path), path))
+    plan += [["dir", "/proc"], ["dir", "/tmp"], ["dir", "/dev"]]
+    for name in DEVICES:
+        plan.append(["bind", f"/dev/{name}", f"/dev/{name}", MS_RDONLY | MS_NOSUID | MS_NOEXEC])
+    plan.append(["symlink", "/dev/fd", "/proc/self/fd"])
+    for fd, name in enumerate(("stdin", "stdout", "stderr")):
+        plan.append(["symlink", f"/dev/{name}", f"/proc/self/fd/{fd}"])
+    plan += [["dir", base], ["bind", program, program, ro | MS_NOEXEC]]
+    if prefix:
+        plan.append(["bind", os.path.join(base, "python"), prefix, ro])
+        binds.append((prefix, os.path.join(base, "python")))
+    options = f"size={WORKDIR_BYTES},nr_inodes={WORKDIR_INODES},mode=0700,uid={uid},gid={uid}"
+    plan.append(["tmpfs", workdir, options])
+    exe = os.path.realpath(sys.executable)
+    masked: list[str] = []
+    for hidden in sorted(_hidden_paths()):  # e.g. a checkout in /usr/src/app; parents first
+        if any(not os.path.relpath(hidden, m).startswith(os.pardir) for m in masked):
+            continue  # inside a folder masked already (a venv in the checkout)
+        for source, inside in binds:
+            rel = os.path.relpath(hidden, source)
+            # Two levels down at least: never /usr/lib or /usr/bin, nor what holds the interpreter.
+            if (os.sep in rel and not rel.startswith(os.pardir) and os.path.isdir(hidden)
+                    and os.path.relpath(exe, hidden).startswith(os.pardir)):
+                plan.append(["mask", os.path.join(inside, rel)])
+                masked.append(hidden)
+    return plan
+
+
+def _hidden_paths() -> list[str]:
+    """Host folders the program must not see even where they lie inside a folder the sandbox
+    binds (/usr, the interpreter's prefix): R1FLOW_HOME, PREFECT_HOME, the checkout, the working
+    directory, the user's home and the virtual environment."""
+    paths = [os.environ.get("R1FLOW_HOME", ".r1flow"), os.environ.get("PREFECT_HOME"),
+             os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.expanduser("~"), sys.prefix]
+    with contextlib.suppress(OSError):
+        paths.append(os.getcwd())
+    return sorted({os.path.realpath(p) for p in paths if p})
+
+
+def _pivot_root_syscall() -> int:
+    """pivot_root has no libc wrapper; its number depends on the architecture."""
+    import platform
+
+    machine = platform.machine()
+    if machine not in PIVOT_ROOT_SYSCALLS:
+        raise SandboxSetupError(f"pivot_root's syscall number on {machine} is not known to the sandbox")
+    return PIVOT_ROOT_SYSCALLS[machine]
 
 
 def _supervise(proc: subprocess.Popen, deadline: float, max_output: int) -> tuple[bytes, bytes, str | None]:

@@ -1,18 +1,25 @@
 """The code sandbox: scoring, and containment of hostile programs (loops, fork bombs, memory,
-output floods, network, big files, secrets in the environment), sequentially and in threads.
+output floods, network, host unix sockets, host files, big files, secrets in the environment),
+sequentially and in threads.
 
 Limits are small (wall 2 s, CPU 1 s, 256 MiB) so that the whole file runs in well under a minute.
 Tests of a namespace-only guarantee skip when `isolation()` fell back to audit hooks; the
-audit-hook mode has tests of its own that run everywhere.
+audit-hook mode has tests of its own that run everywhere. The audit-hook mode refuses to run
+without R1FLOW_SANDBOX_ALLOW_WEAK=1: where it is the mode of this machine, every test opts in
+(the `weak_opt_in` fixture), and the tests that force it opt in themselves.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -22,7 +29,14 @@ import pytest
 
 from schemas.configs import SandboxLimits
 from stages import sandbox
-from stages.sandbox import SandboxResult, isolation, normalise_output, run_program, run_tests
+from stages.sandbox import (
+    SandboxResult,
+    SandboxSetupError,
+    isolation,
+    normalise_output,
+    run_program,
+    run_tests,
+)
 
 LIMITS = SandboxLimits(wall_timeout_s=2.0, cpu_time_s=1, memory_mb=256, max_output_bytes=4096, max_processes=1)
 # Wall time a killed run may take beyond its limit: kill, namespace teardown, reaping, rmtree.
@@ -30,6 +44,13 @@ SLACK_S = 1.5
 
 NAMESPACES = isolation()["mode"] == "namespaces"
 needs_namespaces = pytest.mark.skipif(not NAMESPACES, reason="sandbox fell back to audit hooks here")
+
+
+@pytest.fixture(autouse=True)
+def weak_opt_in(monkeypatch):
+    """Where this machine only has the audit-hook mode, opt in to it (explicitly, per test)."""
+    if not NAMESPACES:
+        monkeypatch.setenv(sandbox.WEAK_ENV, "1")
 
 
 def run(code: str, stdin: str = "", limits: SandboxLimits = LIMITS) -> SandboxResult:
@@ -270,6 +291,164 @@ def test_rest_of_the_file_system_is_read_only_and_hidden():
     assert not os.path.exists(marker)
 
 
+# ---------------------------------------------------------------------------- host files and sockets
+
+
+@pytest.fixture()
+def open_host_dir():
+    """A world-writable directory outside the sandbox (not pytest's 0700 tmp_path)."""
+    path = tempfile.mkdtemp(prefix="r1flow-test-sockets-")
+    os.chmod(path, 0o777)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture()
+def fake_home():
+    """An R1FLOW_HOME stand-in that every uid may read: 0755 folders, a 0644 prompts file that
+    holds a code task's expected output."""
+    path = tempfile.mkdtemp(prefix="r1flow-test-home-")
+    os.chmod(path, 0o755)
+    folder = os.path.join(path, "home", "prompts")
+    os.makedirs(folder)
+    for d in (os.path.join(path, "home"), folder):
+        os.chmod(d, 0o755)
+    prompts = os.path.join(folder, "prompts.jsonl")
+    with open(prompts, "w") as f:
+        f.write(json.dumps({"tests": [{"input": "1 2\n", "output": "secret-answer-42\n"}]}) + "\n")
+    os.chmod(prompts, 0o644)
+    yield prompts
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@needs_namespaces
+def test_host_unix_sockets_are_unreachable(open_host_dir):
+    path = os.path.join(open_host_dir, "x.sock")
+    abstract = f"\0r1flow-sandbox-test-{os.getpid()}"
+    servers = []
+    for address in (path, abstract):
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        server.bind(address)
+        server.listen()
+        server.settimeout(0.1)
+        servers.append(server)
+    os.chmod(path, 0o777)
+    received = []
+    stop = threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            for server in servers:
+                try:
+                    conn, _ = server.accept()
+                except TimeoutError:
+                    continue
+                with conn:
+                    conn.settimeout(1)
+                    received.append(conn.recv(100) or b"(connected)")
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        result = run(f"""
+            import socket
+            for address in ({path!r}, {abstract!r}):
+                try:
+                    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                    s.settimeout(1)
+                    s.connect(address)
+                    s.sendall(b"hello from the sandbox")
+                    print("sent")
+                except OSError as e:
+                    print("refused", type(e).__name__)
+        """)
+        assert result.status == "ok", result.stderr
+        assert [line.split()[0] for line in result.stdout.splitlines()] == ["refused"] * 2, result.stdout
+        time.sleep(0.3)
+    finally:
+        stop.set()
+        thread.join()
+        for server in servers:
+            server.close()
+    assert received == []
+
+
+@needs_namespaces
+def test_host_files_are_invisible_and_the_root_is_minimal(fake_home):
+    here = os.path.abspath(__file__)
+    assert os.stat(here).st_mode & 0o004  # world-readable on the host: only the sandbox hides it
+    result = run(f"""
+        import os
+        for path in ({fake_home!r}, {os.path.dirname(fake_home)!r}, {here!r}, {os.path.dirname(here)!r},
+                     "/root", "/home", "/etc/passwd", "/sys", "/var"):
+            try:
+                print(path, "absent" if not os.path.exists(path) else
+                      "listed" if os.path.isdir(path) and os.listdir(path) else "read" if open(path).read() else "empty")
+            except OSError as e:
+                print(path, "refused", type(e).__name__)
+        print(sorted(os.listdir("/")))
+        print(sorted(os.listdir("/tmp"))[:5])
+    """)
+    assert result.status == "ok", result.stderr
+    *lines, root, tmp = result.stdout.splitlines()
+    assert [line.rsplit(None, 1)[-1] for line in lines] == ["absent"] * 9, lines
+    top = tempfile.gettempdir().strip("/").split("/")[0]  # the run's own directory lies under it
+    allowed = {"bin", "dev", "lib", "lib32", "lib64", "libx32", "proc", "sbin", "tmp", "usr", top}
+    assert set(eval(root)) <= allowed, root
+    assert len(eval(tmp)) <= 1 and all(name.startswith("r1flow-sandbox-") for name in eval(tmp)), tmp
+
+
+@needs_namespaces
+def test_run_tests_cannot_read_the_expected_output_from_the_prompts_file(fake_home):
+    cheat = textwrap.dedent(f"""
+        import json
+        try:
+            with open({fake_home!r}) as f:
+                print(json.loads(f.readline())["tests"][0]["output"].strip())
+        except OSError:
+            print("no access")
+    """)
+    tests = [{"input": "1 2\n", "output": "secret-answer-42\n"}]
+    # The cheat works wherever the file is in view (here, on the host).
+    assert subprocess.run([sys.executable, "-c", cheat], capture_output=True, text=True).stdout == "secret-answer-42\n"
+    assert run_tests(cheat, tests, LIMITS) == 0.0
+    assert run_tests("input()\nprint('secret-answer-42')\n", tests, LIMITS) == 1.0
+
+
+@needs_namespaces
+def test_host_folders_inside_a_bound_folder_are_masked(monkeypatch, fake_home):
+    # A checkout in /usr/src/app would be in view through the /usr bind: it is masked, and so are
+    # folders inside it (a venv). Stand-in: a folder two levels below /usr that holds a folder;
+    # /usr/lib and /usr themselves are never masked.
+    def subfolders(path):
+        return [os.path.join(path, p) for p in sorted(os.listdir(path))
+                if os.path.isdir(os.path.join(path, p)) and not os.path.islink(os.path.join(path, p))]
+
+    hidden = next(p for p in subfolders("/usr/share") if subfolders(p))
+    monkeypatch.setattr(sandbox, "_hidden_paths", lambda: [subfolders(hidden)[0], hidden, "/usr/lib", "/usr"])
+    result = run(f"import os\nprint(os.listdir({hidden!r}), len(os.listdir('/usr/lib')) > 0)")
+    assert (result.status, result.stdout) == ("ok", "[] True\n"), result.stderr
+    monkeypatch.undo()
+    monkeypatch.setenv("R1FLOW_HOME", os.path.dirname(fake_home))
+    checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    assert {os.path.realpath(checkout), os.path.realpath(os.path.dirname(fake_home))} <= set(sandbox._hidden_paths())
+
+
+@needs_namespaces
+def test_minimal_root_still_runs_ordinary_programs():
+    result = run("""
+        import os, sys, json, re, decimal, datetime, hashlib, zlib, bz2, lzma, sqlite3, ctypes, ssl
+        import subprocess, fractions, heapq, itertools, collections, math, random, time
+        with open("/dev/null", "w") as f:
+            f.write("x")
+        assert len(os.urandom(8)) == 8 and len(open("/dev/urandom", "rb").read(8)) == 8
+        print(open("/dev/stdin").read().strip(), time.strftime("%Z"))
+        print(subprocess.run(["echo", "child"], capture_output=True, text=True).stdout.strip())
+        print(sqlite3.connect(":memory:").execute("select 6 * 7").fetchone()[0])
+    """, stdin="from stdin")
+    assert result.status == "ok", result.stderr
+    assert result.stdout.splitlines() == ["from stdin UTC", "child", "42"]
+
 # ---------------------------------------------------------------------------- network, environment
 
 
@@ -358,7 +537,8 @@ def test_concurrent_runs_from_threads():
         assert all("subprocess.Popen is blocked" in r.stderr for r in results)
 
 
-def test_audit_hook_fallback_blocks_network_and_processes(local_server):
+def test_audit_hook_fallback_blocks_network_and_processes(local_server, monkeypatch):
+    monkeypatch.setenv(sandbox.WEAK_ENV, "1")
     port, accepted = local_server
     result, _ = sandbox._run(textwrap.dedent(NETWORK_PROBE.format(port=port)), "", LIMITS, namespaces=False)
     assert [line.split()[0] for line in result.stdout.splitlines()] == ["blocked"] * 3
@@ -369,6 +549,28 @@ def test_audit_hook_fallback_blocks_network_and_processes(local_server):
         assert result.status == "error" and f"{event} is blocked" in result.stderr, result.stderr
     result, _ = sandbox._run("while True:\n    pass\n", "", LIMITS, namespaces=False)
     assert result.status == "timeout"
+
+
+def test_audit_hook_mode_needs_the_explicit_opt_in(monkeypatch, caplog):
+    monkeypatch.delenv(sandbox.WEAK_ENV, raising=False)
+    with pytest.raises(SandboxSetupError, match="R1FLOW_SANDBOX_ALLOW_WEAK=1"):
+        sandbox._run("print(1)", "", LIMITS, namespaces=False)
+    monkeypatch.setattr(sandbox, "_ISOLATION", {"mode": "audit-hook", "read_only_root": False, "reason": "test"})
+    with pytest.raises(SandboxSetupError, match="R1FLOW_SANDBOX_ALLOW_WEAK"):
+        run_program("print(1)", "", LIMITS)
+    with pytest.raises(SandboxSetupError):
+        run_tests(ADD, CASES, LIMITS)
+    monkeypatch.setenv(sandbox.WEAK_ENV, "0")
+    with pytest.raises(SandboxSetupError):
+        run_program("print(1)", "", LIMITS)
+
+    monkeypatch.setenv(sandbox.WEAK_ENV, "1")
+    monkeypatch.setattr(sandbox, "_WEAK_WARNED", False)
+    with caplog.at_level(logging.WARNING, logger=sandbox.__name__):
+        assert run_program("print(1)", "", LIMITS).stdout == "1\n"
+        assert run_tests(ADD, CASES, LIMITS) == 1.0
+    warnings = [r for r in caplog.records if sandbox.WEAK_ENV in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING  # once per process
 
 
 def test_isolation_report():
