@@ -482,9 +482,24 @@ def build_parser() -> argparse.ArgumentParser:
 ENV_COMMANDS = frozenset({"run", "stage", "serve", "deploy", "worker", "artifacts", "models"})
 
 
+# Commands that start processes (Prefect's temporary server, launchers, ranks) that must end with them.
+RUN_COMMANDS = frozenset({"run", "stage"})
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The `r1flow` command. Called with argv=None (the console script) a run or stage command also
+    gets its lifetime guards (stages/lifetime.py): a sentinel that ends every process the run started
+    when it ends, kill -9 included, and SIGTERM/SIGHUP that stop it within seconds. In-process calls
+    (tests, notebooks) pass argv and get neither: they must not tie the caller's children to a sentinel."""
     args = build_parser().parse_args(argv)
+    supervised = argv is None and args.command in RUN_COMMANDS
     try:
+        if supervised:
+            from stages import lifetime
+
+            lifetime.adopt()
+            lifetime.terminate_on_signals("r1flow: stopping ({name}); completed stages are cached and training "
+                                          "resumes from its last checkpoint")
         if args.command in ENV_COMMANDS:
             from flows.settings import prepare_environment
 
@@ -496,6 +511,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("r1flow: interrupted; completed stages are cached and training resumes from its last checkpoint",
               file=sys.stderr)
+        if supervised:  # a worker thread must not keep the process alive
+            from stages import lifetime
+
+            lifetime.exit_soon(130)
         return 130
 
 

@@ -41,6 +41,7 @@ from flows.recipes import (
     RECIPE_DIR,
     _load_yaml,
     available,
+    check_node,
     deep_merge,
     load_plan,
     pydantic_message,
@@ -169,9 +170,7 @@ def stage_config(stage: str, recipe: str | None, profile: str | None, node: str 
         cfg = STAGE_CONFIGS[stage].model_validate(deep_merge(base, overrides))
     except ValidationError as e:
         raise ConfigError(pydantic_message(e, name)) from None
-    module = get_stage(stage)
-    if hasattr(module, "check"):
-        module.check(cfg)
+    check_node(get_stage(stage), cfg, name)
     return cfg.model_dump(mode="json"), name, seed
 
 

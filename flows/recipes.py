@@ -9,6 +9,7 @@ loss reads (`wire_preference_losses`), so `--set dpo.loss=...` works in any reci
 from __future__ import annotations
 
 import copy
+import inspect
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -441,7 +442,19 @@ def load_plan(recipe: str = DEFAULT_RECIPE, profile: str = "cpu", overrides: lis
             if not _kinds(up_outputs[out]) & _kinds(declared[inp]):
                 raise ConfigError(f"node {name!r} input {inp!r}: expects {declared[inp]}, but {src} is {up_outputs[out]}")
             inputs[inp] = (up, out)
-        if run_checks and hasattr(module, "check"):
-            module.check(cfg)
+        if run_checks:
+            check_node(module, cfg, name)
         nodes.append(Node(name, spec.stage, cfg, inputs, node_seeds[name] if node_seeds[name] is not None else seed))
     return Plan(rec.name, prof.name, rec.description, model, seed, nodes, tuple(overrides), dict(rec.options), dropped)
+
+
+def check_node(module, cfg, node: str) -> None:
+    """The stage's plan-time `check(cfg)`, told the node's name where it names config keys in its errors
+    (`--set new_prompts.files=...`, not `prompts.files`)."""
+    check = getattr(module, "check", None)
+    if check is None:
+        return
+    if "node" in inspect.signature(check).parameters:
+        check(cfg, node=node)
+    else:
+        check(cfg)

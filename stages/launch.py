@@ -27,6 +27,7 @@ without them can launch a stage with a LocalContext.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import importlib
 import json
 import logging
@@ -44,12 +45,61 @@ from typing import Any
 
 from schemas.artifacts import Manifest
 from schemas.errors import ConfigError, StageError
-from stages import distributed, host_memory
+from stages import distributed, host_memory, lifetime
 from stages.base import Input, Output, StageContext, check_finite_losses
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SPEC_FILE, EVENTS_FILE, RESULT_FILE, OUTPUT_LOG = "spec.json", "events.jsonl", "result.json", "output.log"
 TAIL_LINES = 40
+RANKS_WAIT_S = 60.0  # how long a launch waits for the ranks of an earlier, killed run of the same stage to exit
+WORK_PREFIX = "r1flow-launch-"
+
+
+def ranks_lock_path(checkpoint_dir: Path) -> Path:
+    """Every rank holds this file shared-locked while it lives; a launch takes it exclusively first."""
+    return checkpoint_dir.parent / f"{checkpoint_dir.name}.ranks.lock"
+
+
+def wait_for_earlier_ranks(checkpoint_dir: Path, stage: str, log: logging.Logger, timeout: float = RANKS_WAIT_S) -> None:
+    """Return once no rank of an earlier run of this stage (same checkpoint directory) is alive.
+
+    The runner's stage lock serialises runners, but ranks outlive a runner killed with -9 by up to
+    a second or two (stages.lifetime ends them): a re-run must not train into the same checkpoint
+    folder meanwhile. StageError if they are still there after `timeout` seconds."""
+    path = ranks_lock_path(checkpoint_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        deadline = time.monotonic() + timeout
+        said = False
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise StageError(f"{stage}: processes of an earlier run still hold {path} after {timeout:.0f} s "
+                                     f"(`fuser {path}` names them); stop them and re-run") from None
+                if not said:
+                    log.warning("%s: waiting for the processes of an earlier run of this stage to exit", stage)
+                    said = True
+                time.sleep(0.2)
+        fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def sweep_work_dirs(root: Path | None = None) -> int:
+    """Remove launch work directories whose runner process is gone (named WORK_PREFIX<stage>-<pid>-<ticks>-*)."""
+    root = Path(root or tempfile.gettempdir())
+    removed = 0
+    for path in root.glob(f"{WORK_PREFIX}*"):
+        parts = path.name.removeprefix(WORK_PREFIX).split("-")
+        try:
+            pid, ticks = int(parts[-3]), int(parts[-2])
+        except (IndexError, ValueError):
+            continue  # not ours, or from before pids were in the name
+        if not lifetime.alive(pid, ticks):
+            shutil.rmtree(path, ignore_errors=True)
+            removed += 1
+    return removed
 
 
 def num_processes(cfg: Any) -> int:
@@ -95,13 +145,16 @@ def run_distributed(module: ModuleType, cfg: Any, inputs: dict[str, Input], ctx:
         if torch.cuda.device_count() < n:
             raise ConfigError(f"{stage}.resources.num_processes={n}: only {torch.cuda.device_count()} CUDA device(s) "
                               f"here (one process per GPU)")
-    work = Path(tempfile.mkdtemp(prefix=f"r1flow-launch-{stage}-"))
+    wait_for_earlier_ranks(ctx.checkpoint_dir, stage, ctx.log)
+    sweep_work_dirs()
+    work = Path(tempfile.mkdtemp(prefix=f"{WORK_PREFIX}{stage}-{os.getpid()}-{lifetime.start_ticks(os.getpid())}-"))
     spec = {
         "module": module.__name__, "config": cfg.model_dump(mode="json"), "seed": ctx.seed,
         "device": "cpu" if ctx.device == "cpu" else "cuda", "backend": backend,
         "inputs": {name: _input_spec(inp) for name, inp in inputs.items()},
         "outputs": {name: str(ctx.output_dir(name)) for name in module.OUTPUTS},
         "checkpoint_dir": str(ctx.checkpoint_dir), "cache_dir": str(ctx.cache_dir), "work": str(work),
+        "ranks_lock": str(ranks_lock_path(ctx.checkpoint_dir)),
     }
     (work / SPEC_FILE).write_text(json.dumps(spec))
     env = dict(os.environ)
@@ -242,6 +295,9 @@ def main(argv: list[str] | None = None) -> None:
     spec_path = Path((argv or sys.argv[1:])[0])
     spec = json.loads(spec_path.read_text())
     work = Path(spec["work"])
+    lifetime.watch_parent()  # the runner killed (even with -9): this rank dies at once, it writes checkpoints
+    ranks_lock = open(spec["ranks_lock"], "a")  # held shared until this process exits: see wait_for_earlier_ranks
+    fcntl.flock(ranks_lock, fcntl.LOCK_SH)
     dist, device = distributed.init_from_env(spec["backend"], cuda=spec["device"] == "cuda")
     resources = spec["config"].get("resources") or {}
     dist = dataclasses.replace(dist, fsdp=resources.get("distributed_type") == "fsdp")

@@ -150,3 +150,13 @@ def test_a_run_fails_at_planning_on_an_over_long_prompt_and_the_named_set_raises
                                           rf"--set prompts.max_prompt_chars={n}$"):
         load_plan("sft-eval", "tiny", [f"prompts.files=[{f}]"])
     load_plan("sft-eval", "tiny", [f"prompts.files=[{f}]", f"prompts.max_prompt_chars={n}"])
+
+
+def test_the_plan_names_the_node_that_holds_the_file(tmp_path):
+    """In nightly-preferences the user file is on `new_prompts`: the `--set` in the message must say so."""
+    from flows.recipes import load_plan
+
+    f = tmp_path / "big.jsonl"
+    f.write_text(json.dumps({"question": "x" * 70_000, "answer": "1"}) + "\n")
+    with pytest.raises(SchemaError, match=r"--set new_prompts\.max_prompt_chars="):
+        load_plan("nightly-preferences", "tiny", [f"new_prompts.files=[{f}]"])

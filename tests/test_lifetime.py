@@ -1,0 +1,204 @@
+"""Nothing a run starts outlives it (issue 28 items 5 and 7): the sentinel, SIGTERM, the ranks lock,
+launch work directories; end to end, kill -9 and SIGTERM of `r1flow run` with SFT on two processes,
+and after kill -9 the same command at once resumes from the last checkpoint and trains exactly the
+remaining steps (the in-process tests in test_sft.py check the loss at every crash position)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from schemas.errors import StageError
+from stages import launch, lifetime
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _python(code: str, **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, text=True,
+                            env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE, **kw)
+
+
+def _wait_gone(pids: list[int], timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        left = [p for p in pids if lifetime.alive(p, None)]
+        if not left:
+            return []
+        time.sleep(0.1)
+    return left
+
+
+def test_the_sentinel_ends_every_process_of_a_run_killed_with_sigkill():
+    """Grandchildren in their own session, one ignoring SIGTERM, one re-parented to init: all end."""
+    run = _python("""
+        import subprocess, sys, time
+        from stages import lifetime
+        lifetime.adopt()
+        sleeper = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
+        a = subprocess.Popen([sys.executable, "-c", sleeper], start_new_session=True)
+        b = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        c = subprocess.Popen([sys.executable, "-c",  # double fork: its child is re-parented to init at once
+                              "import subprocess, sys; print(subprocess.Popen([sys.executable, '-c', "
+                              "'import time; time.sleep(600)'], start_new_session=True).pid)"],
+                             stdout=subprocess.PIPE, text=True)
+        orphan = int(c.stdout.readline())
+        print(a.pid, b.pid, orphan, flush=True)
+        time.sleep(600)
+    """, start_new_session=True)
+    pids = [int(p) for p in run.stdout.readline().split()]
+    assert all(lifetime.alive(p, None) for p in pids)
+    run.kill()
+    run.wait()
+    try:
+        assert _wait_gone(pids, lifetime.SENTINEL_GRACE_S + 5) == []
+    finally:
+        for p in pids:
+            if lifetime.alive(p, None):
+                os.kill(p, signal.SIGKILL)
+
+
+def test_sigterm_stops_a_process_whose_worker_thread_never_returns():
+    """A generation in a task thread kept the interpreter alive for 11 minutes after SIGTERM."""
+    run = _python("""
+        import threading, time
+        from stages import lifetime
+        lifetime.EXIT_GRACE_S = 1.0
+        lifetime.terminate_on_signals("stopping ({name})")
+        worker = threading.Thread(target=lambda: time.sleep(600))  # not a daemon: blocks interpreter exit
+        worker.start()
+        print("ready", flush=True)
+        worker.join()
+    """, stderr=subprocess.PIPE)
+    assert run.stdout.readline().strip() == "ready"
+    t0 = time.monotonic()
+    run.send_signal(signal.SIGTERM)
+    try:
+        code = run.wait(timeout=15)
+    finally:
+        run.kill()
+    assert code == 128 + signal.SIGTERM
+    assert time.monotonic() - t0 < 5
+    assert "stopping (SIGTERM)" in run.stderr.read()
+
+
+def test_a_launch_waits_for_the_ranks_of_an_earlier_run(tmp_path):
+    ckpt = tmp_path / "checkpoints" / "key"
+    lock = launch.ranks_lock_path(ckpt)
+    lock.parent.mkdir(parents=True)
+    rank = _python(f"""
+        import fcntl, time
+        f = open({str(lock)!r}, "a")
+        fcntl.flock(f, fcntl.LOCK_SH)
+        print("holding", flush=True)
+        time.sleep(600)
+    """)
+    assert rank.stdout.readline().strip() == "holding"
+    log = logging.getLogger("test")
+    try:
+        with pytest.raises(StageError, match="earlier run still hold"):
+            launch.wait_for_earlier_ranks(ckpt, "sft", log, timeout=0.5)
+        threading_kill = subprocess.Popen(["sh", "-c", f"sleep 1; kill -9 {rank.pid}"])
+        t0 = time.monotonic()
+        launch.wait_for_earlier_ranks(ckpt, "sft", log, timeout=30)  # returns once the rank is gone
+        assert 0.5 < time.monotonic() - t0 < 10
+        threading_kill.wait()
+    finally:
+        rank.kill()
+        rank.wait()
+
+
+def test_launch_work_directories_of_dead_runners_are_swept(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)
+    me = os.getpid()
+    (tmp_path / f"{launch.WORK_PREFIX}sft-{dead_pid}-123-abc").mkdir()
+    (tmp_path / f"{launch.WORK_PREFIX}sft-{me}-{lifetime.start_ticks(me)}-abc").mkdir()
+    (tmp_path / f"{launch.WORK_PREFIX}sft-oldstyle").mkdir()  # not ours to judge: kept
+    assert launch.sweep_work_dirs(tmp_path) == 1
+    assert {p.name.split("-")[3] for p in tmp_path.iterdir()} == {"oldstyle", str(me)}
+
+
+# ---------------------------------------------------------------------------- end to end
+
+MAX_STEPS, EVERY = 300, 20
+ARGS = ["-m", "flows.cli", "run", "--recipe", "sft-eval", "--profile", "tiny",
+        "--set", f"sft.max_steps={MAX_STEPS}", "--set", f"sft.checkpoint_every={EVERY}",
+        "--set", "sft.resources.num_processes=2"]
+
+
+def _env(home: Path) -> dict[str, str]:
+    env = dict(os.environ, R1FLOW_HOME=str(home), PREFECT_HOME=str(home / "prefect"), PYTHONPATH=str(ROOT))
+    for key in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", lifetime.TOKEN_VAR, lifetime.PARENT_VAR):
+        env.pop(key, None)
+    return env
+
+
+def _run_processes(cli_pid: int) -> list[int]:
+    """Processes started by the run of cli_pid (they carry R1FLOW_RUN_PROCESS=<cli_pid>:...)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                env = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if any(e.startswith(f"{lifetime.PARENT_VAR}={cli_pid}:".encode()) for e in env):
+                found.append(int(entry))
+    return found
+
+
+def _start_and_wait_for_ranks(home: Path, tmp_path: Path) -> tuple[subprocess.Popen, list[int]]:
+    # The CLI in a session of its own, signalled alone (not its group): as `kill PID` or `timeout` would.
+    cli = subprocess.Popen([sys.executable, *ARGS], cwd=tmp_path, env=_env(home), start_new_session=True,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not list(home.glob("checkpoints/*/step-*/state.json")):
+        assert cli.poll() is None, cli.stderr.read()[-3000:]
+        assert time.monotonic() < deadline, "no checkpoint in time"
+        time.sleep(0.1)
+    return cli, _run_processes(cli.pid)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_a_killed_run_leaves_no_process_and_a_rerun_resumes(tmp_path, sig):
+    home = tmp_path / "home"
+    cli, procs = _start_and_wait_for_ranks(home, tmp_path)
+    try:
+        assert len(procs) >= 4  # Prefect's temporary server, accelerate's launcher, two ranks
+        t0 = time.monotonic()
+        cli.send_signal(sig)
+        code = cli.wait(timeout=30)
+        stopped_s = time.monotonic() - t0
+        left = _wait_gone(procs, lifetime.SENTINEL_GRACE_S + 10)
+    finally:
+        for p in _run_processes(cli.pid):
+            os.kill(p, signal.SIGKILL)
+    assert left == [], f"still running after the run ended: {left}"
+    assert not any(json.loads(p.read_text())["node"] == "sft" for p in home.glob("cache/*.json"))  # never published
+    assert code == -sig if sig == signal.SIGKILL else code == 128 + sig
+    if sig == signal.SIGTERM:
+        assert stopped_s < lifetime.EXIT_GRACE_S + 2
+        assert "stopping (SIGTERM)" in cli.stderr.read()
+        return
+    # At once, the same command: it resumes in the same checkpoint folder, never beside a live rank.
+    out = tmp_path / "result.json"
+    done = subprocess.run([sys.executable, *ARGS, "--only", "sft", "--json", str(out)], cwd=tmp_path,
+                          env=_env(home), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    sft = next(s for s in json.loads(out.read_text())["stages"] if s["node"] == "sft")
+    resumed = int(sft["metrics"]["resumed_from_step"])
+    assert sft["status"] == "run" and resumed >= EVERY and resumed % EVERY == 0  # the last complete checkpoint
+    assert int(sft["metrics"]["trained_steps"]) == MAX_STEPS - resumed
+    assert not any(home.glob("checkpoints/*/step-*"))  # spent checkpoints are removed once the model is published
+    assert not list(Path(os.environ.get("TMPDIR", "/tmp")).glob(f"{launch.WORK_PREFIX}sft-{cli.pid}-*"))
