@@ -13,7 +13,9 @@ import contextlib
 import fcntl
 import fnmatch
 import logging
+import os
 import shutil
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +28,7 @@ from flows.cache import cache_key, config_hash
 from flows.context import FlowContext
 from flows.recipes import Plan, load_plan
 from flows.settings import Settings
-from flows.store import ArtifactStore, CacheRecord
+from flows.store import ArtifactStore, CacheRecord, host_id, owner_gone, process_owner
 from flows.tracking import Tracker, run_name
 from schemas.artifacts import DATA_FILE, Producer
 from schemas.errors import ArtifactError, ConfigError, R1FlowError
@@ -257,6 +259,81 @@ def pipeline(recipe: str, profile: str, overrides: list[str] | None = None, only
     return run_plan(plan, s, only=set(only or []), force=set(force or []))
 
 
+PREFECT_HOST_TAG = "r1flow.host:"  # + flows.store.host_id(): a flow run an r1flow process on this host runs
+PREFECT_PROCESS_TAG = "r1flow.process:"  # + "<pid>:<start ticks>" of that process
+ABANDONED_FLOW_STATES = ("PENDING", "RUNNING", "CANCELLING")
+ABANDONED_TASK_STATES = ("SCHEDULED", "PENDING", "RUNNING", "CANCELLING", "PAUSED")
+
+
+def _owner_tags() -> list[str]:
+    pid, ticks, host = process_owner().split("-")
+    return [f"{PREFECT_HOST_TAG}{host}", f"{PREFECT_PROCESS_TAG}{pid}:{ticks}"]
+
+
+def mark_abandoned_flow_runs(flow_run_id: str | None = None) -> tuple[int, int]:
+    """Tag this flow run with the process that runs it; set Crashed the flow runs (and their unfinished task runs)
+    that another r1flow process on this host left unfinished and that is provably gone (kill -9 leaves them
+    RUNNING for ever). Flow runs of live processes, of other hosts, or without the tags are left alone. Returns
+    (flow runs, task runs) marked."""
+    from prefect import get_client
+    from prefect.client.schemas import filters as f
+    from prefect.client.schemas.objects import StateType
+    from prefect.states import Crashed
+
+    mine = _owner_tags()
+    with get_client(sync_client=True) as client:
+        if flow_run_id:
+            current = client.read_flow_run(flow_run_id)
+            client.update_flow_run(current.id, tags=sorted(set(current.tags) | set(mine)))
+        found = client.read_flow_runs(flow_run_filter=f.FlowRunFilter(
+            tags=f.FlowRunFilterTags(all_=[mine[0]]),
+            state=f.FlowRunFilterState(type=f.FlowRunFilterStateType(any_=[StateType(t) for t in ABANDONED_FLOW_STATES]))),
+            limit=200)
+        dead: dict[Any, str] = {}
+        for run in found:
+            owner = next((t.removeprefix(PREFECT_PROCESS_TAG) for t in run.tags if t.startswith(PREFECT_PROCESS_TAG)), "")
+            pid, _, ticks = owner.partition(":")
+            if str(run.id) != flow_run_id and pid.isdigit() and ticks.isdigit() and owner_gone(int(pid), int(ticks),
+                                                                                                 host_id()):
+                dead[run.id] = f"abandoned: process {pid} on {socket.gethostname()} is gone (found by {os.getpid()})"
+        if not dead:
+            return 0, 0
+        tasks = client.read_task_runs(task_run_filter=f.TaskRunFilter(
+            flow_run_id=f.TaskRunFilterFlowRunId(any_=list(dead)),
+            state=f.TaskRunFilterState(type=f.TaskRunFilterStateType(any_=[StateType(t) for t in ABANDONED_TASK_STATES]))))
+        for t in tasks:
+            client.set_task_run_state(t.id, Crashed(message=dead[t.flow_run_id]), force=True)
+        for run_id, message in dead.items():
+            client.set_flow_run_state(run_id, Crashed(message=message), force=True)
+        return len(dead), len(tasks)
+
+
+def reclaim_abandoned(store: ArtifactStore, tracker: Tracker, flow_run_id: str | None,
+                      log: Any = print) -> dict[str, Any]:
+    """What runs killed earlier (kill -9) left, cleaned once as a run starts: their staging and incoming folders,
+    set-aside copies beyond the cap, their Prefect flow and task runs (Crashed) and MLflow runs (KILLED). Only what
+    a provably dead process owned; a failure here is a warning, never the run's failure. One line if anything was
+    done; the counts and the seconds it took are returned."""
+    t0 = time.perf_counter()
+    counts: dict[str, Any] = {}
+    for what, fn in (("folders", store.sweep),
+                     ("prefect", lambda: mark_abandoned_flow_runs(flow_run_id) if flow_run_id else (0, 0)),
+                     ("mlflow", tracker.mark_abandoned)):
+        try:
+            counts[what] = fn()
+        except Exception as e:  # noqa: BLE001 - housekeeping must not stop the run
+            log(f"r1flow: could not clean up after killed runs ({what}): {type(e).__name__}: {e}")
+    counts["seconds"] = time.perf_counter() - t0
+    folders = counts.get("folders") or {}
+    n_flows, n_tasks = counts.get("prefect") or (0, 0)
+    if any(folders.values()) or n_flows or n_tasks or counts.get("mlflow"):
+        log(f"r1flow: cleaned after killed runs: {folders.get('staging', 0)} staging and {folders.get('incoming', 0)} "
+            f"incoming folders of dead processes, {folders.get('corrupt', 0)} set-aside copies over the cap; marked "
+            f"{n_flows} Prefect flow runs and {n_tasks} task runs Crashed, {counts.get('mlflow', 0)} MLflow runs KILLED "
+            f"({counts['seconds']:.2f} s)")
+    return counts
+
+
 def run_plan(plan: Plan, s: Settings, only: set[str] = frozenset(), force: set[str] = frozenset()) -> dict[str, Any]:
     for name in only | force:
         plan.node(name)  # raises a clear error for unknown names
@@ -264,6 +341,7 @@ def run_plan(plan: Plan, s: Settings, only: set[str] = frozenset(), force: set[s
     experiment = experiment_name(plan.recipe)
     tracker = Tracker(s.tracking_uri, experiment, s.mlflow_artifact_location)
     flow_run_id = _flow_run_id()
+    reclaim_abandoned(store, tracker, flow_run_id)
     parent = tracker.start_run(run_name(f"{plan.recipe} {plan.profile}", flow_run_id), {"r1flow.recipe": plan.recipe, "r1flow.profile": plan.profile,
                                                                  "r1flow.flow_run_id": flow_run_id or ""})
     tracker.log_params(parent, {"recipe": plan.recipe, "profile": plan.profile, "model": plan.model, "seed": plan.seed,

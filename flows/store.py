@@ -3,6 +3,13 @@
 Layout under the store root:
     artifacts/<fingerprint>/manifest.json   + the artifact's files
     cache/<cache_key>.json                  which outputs a stage run with that key produced
+    artifacts/.incoming-<owner>-<uuid>      an artifact being moved into place (local stores)
+    artifacts/.corrupt-<fp>-<ns>-<uuid>     a damaged leftover that a publish moved aside (the newest few kept)
+and under the home: tmp/<owner>-<uuid>      a stage's staging folder
+
+<owner> is `<pid>-<start ticks>-<host id>` of the process that made the folder: `sweep()` removes those
+whose process is provably gone (another pid, or the same pid with another start time, on this host), so a
+run killed with kill -9 leaves nothing behind for good, and a live run's folders are never touched.
 
 Publishing is atomic: files are staged in a temp directory on the same filesystem, the manifest
 is written last, and the directory is renamed into place. On object stores (no atomic rename)
@@ -11,11 +18,15 @@ the manifest is uploaded last, so an artifact without a manifest is treated as a
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import os
+import re
 import shutil
+import socket
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +40,83 @@ from schemas.errors import ArtifactError
 from stages.base import Input
 
 CHUNK = 1 << 20
+KEEP_CORRUPT = 3  # set-aside damaged artifacts kept for inspection (the newest); older ones are removed
+
+
+# ---------------------------------------------------------------------------------------------- process owners
+# A folder, a Prefect flow run or an MLflow run names the process that made it; a later run removes or closes it
+# only when that process is provably gone. Linux: the pid and its start time (field 22 of /proc/<pid>/stat), so a
+# reused pid is not mistaken for the owner. The host id keeps a home shared between machines (or containers with
+# their own pid namespace) safe: an owner on another host is never judged.
+_OWNER_RE = re.compile(r"^(\d+)-(\d+)-([0-9a-f]{8})-")
+
+
+def _proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state, start ticks) of a process, or None if there is none."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    fields = raw[raw.rindex(b")") + 2:].split()  # the command name may contain spaces and parens
+    return fields[0].decode(), int(fields[19])
+
+
+def _have_proc() -> bool:
+    return os.path.exists("/proc/self/stat")
+
+
+_HOST_ID: str | None = None
+
+
+def host_id() -> str:
+    """8 hex characters naming this host and pid namespace (pids mean nothing elsewhere)."""
+    global _HOST_ID
+    if _HOST_ID is None:
+        try:
+            ns = os.readlink("/proc/self/ns/pid")
+        except OSError:
+            ns = ""
+        _HOST_ID = hashlib.sha256(f"{socket.gethostname()}\0{ns}".encode()).hexdigest()[:8]
+    return _HOST_ID
+
+
+_OWNER: tuple[int, str] | None = None
+
+
+def process_owner() -> str:
+    """`<pid>-<start ticks>-<host id>` of this process (ticks 0 where there is no /proc)."""
+    global _OWNER
+    pid = os.getpid()
+    if _OWNER is None or _OWNER[0] != pid:  # recomputed in a forked child
+        st = _proc_stat(pid)
+        _OWNER = (pid, f"{pid}-{st[1] if st else 0}-{host_id()}")
+    return _OWNER[1]
+
+
+def parse_owner(name: str) -> tuple[int, int, str] | None:
+    """(pid, start ticks, host id) from a name that starts with an owner, else None (made before owners)."""
+    m = _OWNER_RE.match(name)
+    return (int(m[1]), int(m[2]), m[3]) if m else None
+
+
+def owner_gone(pid: int, ticks: int, host: str) -> bool:
+    """True only when the owner is provably gone: on this host, and no process has that pid, or it is a zombie,
+    or it started at another time (the pid was reused). Anything uncertain counts as alive."""
+    if host != host_id() or pid <= 0:
+        return False
+    if _have_proc():
+        st = _proc_stat(pid)
+        if st is None or st[0] in ("Z", "X"):
+            return True
+        return ticks != 0 and st[1] != ticks
+    try:  # no /proc (macOS): only a pid that does not exist at all is gone
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
 
 
 def sha256_file(path: Path) -> str:
@@ -88,7 +176,7 @@ class ArtifactStore:
         return f"{self.base}/artifacts/{fingerprint}"
 
     def new_staging_dir(self) -> Path:
-        path = self.home / "tmp" / uuid.uuid4().hex
+        path = self.home / "tmp" / f"{process_owner()}-{uuid.uuid4().hex}"
         path.mkdir(parents=True)
         return path
 
@@ -138,12 +226,19 @@ class ArtifactStore:
         final = self.artifact_path(fp)
         if self.is_local:
             # Move next to the final place first (may cross filesystems), manifest last, then one rename.
-            incoming = f"{self.base}/artifacts/.incoming-{uuid.uuid4().hex}"
-            shutil.move(str(staged), incoming)
-            Path(incoming, MANIFEST_FILE).write_text(manifest.to_json())
-            if os.path.exists(final):  # an incomplete or corrupt leftover: move it aside, never overwrite in place
-                os.replace(final, f"{self.base}/artifacts/.corrupt-{fp[:12]}-{uuid.uuid4().hex[:6]}")
-            os.replace(incoming, final)
+            incoming = f"{self.base}/artifacts/.incoming-{process_owner()}-{uuid.uuid4().hex}"
+            try:
+                shutil.move(str(staged), incoming)
+                Path(incoming, MANIFEST_FILE).write_text(manifest.to_json())
+                set_aside = os.path.exists(final)
+                if set_aside:  # an incomplete or corrupt leftover: move it aside, never overwrite in place
+                    os.replace(final, f"{self.base}/artifacts/.corrupt-{fp[:12]}-{time.time_ns()}-{uuid.uuid4().hex[:6]}")
+                os.replace(incoming, final)
+            except BaseException:
+                shutil.rmtree(incoming, ignore_errors=True)
+                raise
+            if set_aside:
+                self._cap_corrupt()
         else:
             if self.fs.exists(final):
                 self.fs.rm(final, recursive=True)
@@ -153,6 +248,65 @@ class ArtifactStore:
                 f.write(manifest.to_json())
             shutil.rmtree(staged, ignore_errors=True)
         return manifest
+
+    # ------------------------------------------------------------------ litter
+    def sweep(self, keep_corrupt: int = KEEP_CORRUPT) -> dict[str, int]:
+        """Remove what killed runs left: staging folders and `.incoming-*` folders whose owner process is provably
+        gone (a live run's are never touched: see owner_gone), and set-aside `.corrupt-*` copies beyond the newest
+        `keep_corrupt`. One listing of the home's tmp/ and one of the store's artifacts/. Returns counts."""
+        counts = {"staging": 0, "incoming": 0, "corrupt": 0}
+        verdicts: dict[tuple[int, int, str], bool] = {}
+
+        def gone(name: str) -> bool:
+            owner = parse_owner(name)
+            if owner is None:  # made before folders named their owner: nothing proves it is abandoned
+                return False
+            if owner not in verdicts:
+                verdicts[owner] = owner_gone(*owner)
+            return verdicts[owner]
+
+        try:
+            staging = list(os.scandir(self.home / "tmp"))
+        except FileNotFoundError:
+            staging = []
+        for entry in staging:
+            if gone(entry.name):
+                shutil.rmtree(entry.path, ignore_errors=True)
+                counts["staging"] += 1
+        if self.is_local:
+            for entry in self._hidden_entries(".incoming-"):
+                if gone(entry.name.removeprefix(".incoming-")):
+                    shutil.rmtree(entry.path, ignore_errors=True)
+                    counts["incoming"] += 1
+            counts["corrupt"] = self._cap_corrupt(keep_corrupt)
+        return counts
+
+    def _hidden_entries(self, prefix: str) -> list[os.DirEntry]:
+        try:
+            return [e for e in os.scandir(f"{self.base}/artifacts") if e.name.startswith(prefix)]
+        except FileNotFoundError:
+            return []
+
+    def _cap_corrupt(self, keep: int = KEEP_CORRUPT) -> int:
+        """Keep the newest `keep` set-aside copies (by the time in their name; older names: when set aside)."""
+
+        def when(entry: os.DirEntry) -> int:
+            parts = entry.name.split("-")
+            if len(parts) == 4 and parts[2].isdigit():
+                return int(parts[2])
+            try:
+                return entry.stat(follow_symlinks=False).st_ctime_ns  # a rename sets ctime
+            except OSError:
+                return 0
+
+        copies = sorted(self._hidden_entries(".corrupt-"), key=when, reverse=True)
+        for entry in copies[keep:]:
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.path)
+        return len(copies[keep:])
 
     # ------------------------------------------------------------------ read
     def read_manifest(self, fingerprint: str) -> Manifest:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import math
+import socket
 import time
 import uuid
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from flows.servers import MLFLOW_UI_QUERY
+from flows.store import host_id, owner_gone, process_owner
 
 PARAM_MAX = 6000
 # MLflow 3 opens an experiment on its GenAI (traces) view. Ours are training runs: the experiment says so (the UI
@@ -29,6 +31,8 @@ PARAM_MAX = 6000
 # selector, on in 3.17, reads the link's workflowType before the browser's stored choice, which defaults to GenAI).
 EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
 UI_QUERY = MLFLOW_UI_QUERY
+OWNER_HOST_TAG = "r1flow.host"  # flows.store.host_id() of the process that created the run
+OWNER_PROCESS_TAG = "r1flow.process"  # its "<pid>:<start ticks>"
 
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -104,9 +108,31 @@ class Tracker:
 
     def start_run(self, name: str, tags: dict[str, str], parent_run_id: str | None = None) -> str:
         tags = {k: str(v) for k, v in tags.items()}
+        pid, ticks, host = process_owner().split("-")  # which process owns the run (mark_abandoned)
+        tags.update({OWNER_HOST_TAG: host, OWNER_PROCESS_TAG: f"{pid}:{ticks}"})
         if parent_run_id:
             tags["mlflow.parentRunId"] = parent_run_id
         return self.client.create_run(self.experiment_id, run_name=name, tags=tags).info.run_id
+
+    def mark_abandoned(self, max_runs: int = 1000) -> int:
+        """End as KILLED the r1flow runs still RUNNING whose process (on this host) is provably gone: a run killed
+        with kill -9 closes none of its MLflow runs. Runs of live processes (concurrent runs on this home) are left
+        alone. Returns how many were ended."""
+        experiments = [e.experiment_id for e in self.client.search_experiments(filter_string="name LIKE 'r1flow/%'")]
+        if not experiments:
+            return 0
+        runs = self.client.search_runs(
+            experiments, f"attributes.status = 'RUNNING' and tags.`{OWNER_HOST_TAG}` = '{host_id()}'",
+            max_results=max_runs)
+        ended = 0
+        for run in runs:
+            pid, _, ticks = run.data.tags.get(OWNER_PROCESS_TAG, "").partition(":")
+            if not (pid.isdigit() and ticks.isdigit() and owner_gone(int(pid), int(ticks), host_id())):
+                continue
+            self.client.set_tag(run.info.run_id, "r1flow.abandoned", f"process {pid} on {socket.gethostname()} is gone")
+            self.client.set_terminated(run.info.run_id, "KILLED")
+            ended += 1
+        return ended
 
     def log_params(self, run_id: str, params: dict[str, Any]) -> None:
         flat = [Param(k, str(v)[:PARAM_MAX]) for k, v in flatten(params).items()]

@@ -1,0 +1,195 @@
+"""What a run killed with kill -9 leaves behind (issue 28): its staging and incoming folders, set-aside copies of
+damaged artifacts, and its Prefect flow/task runs and MLflow runs left RUNNING. The next run cleans what a provably
+dead process owned, keeps the newest few set-aside copies, and never touches what a live run on the same home uses."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from flows.store import ArtifactStore, host_id, parse_owner, process_owner
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _dead_process() -> tuple[int, int]:
+    """(pid, start ticks) of a process that was killed with kill -9 (and reaped)."""
+    from flows.store import _proc_stat
+
+    proc = subprocess.Popen([sys.executable, "-S", "-c", "import time; time.sleep(60)"])
+    ticks = _proc_stat(proc.pid)[1]
+    proc.kill()
+    proc.wait()
+    return proc.pid, ticks
+
+
+@pytest.fixture()
+def live_process():
+    """(pid, start ticks) of another process that is running (a concurrent run on the same home)."""
+    from flows.store import _proc_stat
+
+    proc = subprocess.Popen([sys.executable, "-S", "-c", "import time; time.sleep(120)"])
+    try:
+        yield proc.pid, _proc_stat(proc.pid)[1]
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _folder(parent: Path, name: str) -> Path:
+    path = parent / name
+    path.mkdir(parents=True)
+    (path / "data.bin").write_bytes(b"x" * 10)
+    return path
+
+
+def test_sweep_removes_only_the_folders_of_dead_owners(tmp_path, live_process):
+    store = ArtifactStore(tmp_path / "store", home=tmp_path / "home")
+    tmp, artifacts = tmp_path / "home" / "tmp", tmp_path / "store" / "artifacts"
+    mine = store.new_staging_dir()  # this (live) process's own staging folder
+    assert parse_owner(mine.name) == (os.getpid(), int(process_owner().split("-")[1]), host_id())
+    (mine / "x").write_text("in use")
+    dead_pid, dead_ticks = _dead_process()
+    live_pid, live_ticks = live_process
+    dead = f"{dead_pid}-{dead_ticks}-{host_id()}"
+    dead_staging = _folder(tmp, f"{dead}-{uuid.uuid4().hex}")
+    dead_incoming = _folder(artifacts, f".incoming-{dead}-{uuid.uuid4().hex}")
+    reused = _folder(tmp, f"{os.getpid()}-{int(process_owner().split('-')[1]) + 1}-{host_id()}-{uuid.uuid4().hex}")
+    live = f"{live_pid}-{live_ticks}-{host_id()}"
+    kept = [mine,
+            _folder(tmp, f"{live}-{uuid.uuid4().hex}"),  # a concurrent run's
+            _folder(artifacts, f".incoming-{live}-{uuid.uuid4().hex}"),
+            _folder(tmp, f"{dead_pid}-{dead_ticks}-{'0' * 8 if host_id() != '0' * 8 else '1' * 8}-{uuid.uuid4().hex}"),
+            _folder(tmp, uuid.uuid4().hex),  # named before folders named their owner: not provably abandoned
+            _folder(artifacts, f".incoming-{uuid.uuid4().hex}")]
+
+    assert store.sweep() == {"staging": 2, "incoming": 1, "corrupt": 0}
+    assert not dead_staging.exists() and not dead_incoming.exists()
+    assert not reused.exists()  # this pid, another start time: the pid was reused, its owner is gone
+    assert all(p.exists() for p in kept)
+    assert (mine / "x").read_text() == "in use"
+
+
+def test_a_failed_publish_leaves_no_incoming_folder(tmp_path, monkeypatch):
+    from schemas.artifacts import Producer
+
+    store = ArtifactStore(tmp_path / "store", home=tmp_path / "home")
+    staged = _folder(store.new_staging_dir(), "data")
+
+    def no_space(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", no_space)
+    with pytest.raises(OSError, match="No space"):
+        store.publish(staged, kind="dataset", schema="prompts", producer=Producer(stage="t", stage_version="1",
+                                                                                config_hash=""), parents=[])
+    assert not [p for p in (tmp_path / "store" / "artifacts").iterdir() if p.name.startswith(".incoming-")]
+
+
+def test_set_aside_copies_beyond_the_cap_are_removed_newest_kept(tmp_path):
+    from flows.store import KEEP_CORRUPT
+    from schemas.artifacts import Producer
+
+    store = ArtifactStore(tmp_path / "store", home=tmp_path / "home")
+    artifacts = tmp_path / "store" / "artifacts"
+    older = _folder(artifacts, ".corrupt-aaaaaaaaaaaa-0123ab")  # set aside before names carried a time
+
+    def publish():
+        staged = store.new_staging_dir()
+        (staged / "data.txt").write_text("the same bytes")
+        return store.publish(staged, kind="dataset", schema="prompts", parents=[],
+                             producer=Producer(stage="t", stage_version="1", config_hash=""))
+
+    final = artifacts / publish().fingerprint / "data.txt"
+    order = []  # set-aside copies, oldest first
+    for i in range(KEEP_CORRUPT + 2):
+        final.write_text(f"damaged {i}")  # the next publish of the same bytes sets it aside
+        before = {p.name for p in artifacts.glob(".corrupt-*")}
+        publish()
+        order += sorted({p.name for p in artifacts.glob(".corrupt-*")} - before)
+        assert len(list(artifacts.glob(".corrupt-*"))) <= KEEP_CORRUPT
+    assert len(order) == KEEP_CORRUPT + 2 and final.read_text() == "the same bytes"
+    left = {p.name for p in artifacts.glob(".corrupt-*")}
+    assert left == set(order[-KEEP_CORRUPT:]) and not older.exists()
+    assert sorted((artifacts / n / "data.txt").read_text() for n in left) == [
+        f"damaged {i}" for i in range(2, KEEP_CORRUPT + 2)]
+    assert store.sweep(keep_corrupt=1) == {"staging": 0, "incoming": 0, "corrupt": KEEP_CORRUPT - 1}
+    assert [p.name for p in artifacts.glob(".corrupt-*")] == order[-1:]
+
+
+def test_the_next_run_closes_a_killed_runs_prefect_and_mlflow_runs_and_folders(tmp_path, live_process):
+    """A process that owned a RUNNING Prefect flow run (with a RUNNING task run), RUNNING MLflow runs and a staging
+    folder is killed with kill -9; the next pipeline run marks them Crashed / KILLED and removes the folder, and
+    leaves alone a live process's runs, another host's, and runs that name no owner."""
+    from mlflow.tracking import MlflowClient
+    from prefect import flow, get_client, task
+    from prefect.client.schemas import filters as f
+    from prefect.states import Running
+
+    from flows.pipeline import PREFECT_HOST_TAG, PREFECT_PROCESS_TAG, pipeline
+    from flows.settings import Settings
+    from flows.store import _proc_stat
+    from flows.tracking import Tracker
+    from schemas.errors import ConfigError
+    from tests.conftest import harness_home
+
+    home = tmp_path / "home"
+    s = Settings(str(home), str(home), f"sqlite:///{home}/mlflow.db")
+    dead_pid, dead_ticks = _dead_process()
+    live_pid, live_ticks = live_process
+    other_host = "0" * 8 if host_id() != "0" * 8 else "1" * 8
+    dead_staging = _folder(home / "tmp", f"{dead_pid}-{dead_ticks}-{host_id()}-{uuid.uuid4().hex}")
+    live_staging = _folder(home / "tmp", f"{live_pid}-{live_ticks}-{host_id()}-{uuid.uuid4().hex}")
+
+    def owner(pid: int, ticks: int, host: str = host_id()) -> list[str]:
+        return [f"{PREFECT_HOST_TAG}{host}", f"{PREFECT_PROCESS_TAG}{pid}:{ticks}"]
+
+    tracker = Tracker(s.tracking_uri, "r1flow/sft-eval")
+    assert tracker.client.get_run(tracker.start_run("mine", {})).data.tags["r1flow.process"] == \
+        f"{os.getpid()}:{_proc_stat(os.getpid())[1]}"  # runs name the process that made them
+
+    def mlflow_run(pid: int, ticks: int, host: str = host_id()) -> str:
+        tags = {"r1flow.host": host, "r1flow.process": f"{pid}:{ticks}"}
+        return tracker.client.create_run(tracker.experiment_id, run_name="r", tags=tags).info.run_id
+
+    dead_mlflow = [mlflow_run(dead_pid, dead_ticks), mlflow_run(dead_pid, dead_ticks)]
+    live_mlflow = [mlflow_run(live_pid, live_ticks), mlflow_run(dead_pid, dead_ticks, other_host)]
+
+    @flow(name="fabricated")
+    def fabricated():  # pragma: no cover - never run: it names the runs created below
+        pass
+
+    @task(name="stage")
+    def stage():  # pragma: no cover
+        pass
+
+    with harness_home(home), get_client(sync_client=True) as client:
+        killed = client.create_flow_run(fabricated, state=Running(), tags=owner(dead_pid, dead_ticks))
+        killed_task = client.create_task_run(stage, killed.id, "0", state=Running())
+        untouched = [client.create_flow_run(fabricated, state=Running(), tags=tags) for tags in (
+            owner(live_pid, live_ticks),  # a concurrent run on this home
+            owner(dead_pid, dead_ticks, other_host),  # another machine's: its pids mean nothing here
+            [])]  # made before runs named their owner
+        untouched_task = client.create_task_run(stage, untouched[0].id, "0", state=Running())
+
+        # The next run (its only stage's upstream is not cached: it stops with a ConfigError once started).
+        with pytest.raises(ConfigError, match="no valid cached outputs"):
+            pipeline(recipe="sft-eval", profile="tiny", only=["eval_sft"], settings=s.to_dict())
+
+        crashed = client.read_flow_run(killed.id).state
+        assert crashed.type.value == "CRASHED" and f"abandoned: process {dead_pid} on" in crashed.message
+        assert client.read_task_run(killed_task.id).state.type.value == "CRASHED"
+        assert [client.read_flow_run(r.id).state.type.value for r in untouched] == ["RUNNING"] * 3
+        assert client.read_task_run(untouched_task.id).state.type.value == "RUNNING"
+        me = client.read_flow_runs(flow_run_filter=f.FlowRunFilter(
+            tags=f.FlowRunFilterTags(all_=owner(os.getpid(), _proc_stat(os.getpid())[1]))))
+        assert [r.state.type.value for r in me] == ["FAILED"]  # the next run named its own process
+    mlflow = MlflowClient(s.tracking_uri)
+    assert [mlflow.get_run(r).info.status for r in dead_mlflow] == ["KILLED", "KILLED"]
+    assert [mlflow.get_run(r).info.status for r in live_mlflow] == ["RUNNING", "RUNNING"]
+    assert not dead_staging.exists() and live_staging.exists()
