@@ -195,7 +195,7 @@ def run_stage(stage: str, inputs: dict[str, str], overrides: dict[str, Any] | No
               seed: int | None = None, recipe: str | None = None, profile: str | None = None,
               settings: dict[str, str] | None = None, force: bool = False) -> dict[str, Any]:
     """Run one stage on referenced artifacts (inside a flow: the stage runs as the cached task)."""
-    from flows.pipeline import _flow_run_id, experiment_name, stage_task
+    from flows.pipeline import _flow_run_id, experiment_name, reclaim_abandoned, stage_task
     from flows.tracking import Tracker
 
     s = Settings(**settings) if settings else Settings.from_env()
@@ -225,6 +225,7 @@ def run_stage(stage: str, inputs: dict[str, str], overrides: dict[str, Any] | No
     experiment = experiment_name(recipe or "stages")
     tracker = Tracker(s.tracking_uri, experiment, s.mlflow_artifact_location)
     flow_run_id = _flow_run_id()
+    reclaim_abandoned(store, tracker, flow_run_id)  # and tags this flow run with its process, as a pipeline run does
     parent = tracker.start_run(run_name(f"stage {name}", flow_run_id), {"r1flow.single_stage": "true", "r1flow.recipe": recipe or "",
                                                  "r1flow.profile": profile or "", "r1flow.flow_run_id": flow_run_id or "",
                                                  **{f"r1flow.input.{k}": v for k, v in resolved.items()}})
