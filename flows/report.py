@@ -2,14 +2,26 @@
 
 **Report.** `build_report` turns the stage results of one pipeline run into markdown (one table
 row per stage node: status run/cached/skipped, seconds, key metrics, a link to the stage's MLflow
-run; the model comparison table; the registry entry) and PNG plots, one per kind and only where
-there is data:
+run; the model comparison table; the registry entry) and PNG plots, only where there is data:
 
-- `training_loss.png`: `train/loss` over steps, one panel per stage node that logged it (sft,
-  reward_model, grpo, ...; their scales differ too much for one axis);
-- `grpo.png`: `reward/mean`, `completion/mean_length` (and `eval/accuracy` when the stage
-  evaluated during training) over steps, one line per node;
-- `eval.png`: accuracy and format rate of every eval node, labelled with the model it evaluated.
+- `training_loss.png`: `train/loss` over steps, one panel per node of a loss-trained stage (sft,
+  distill, reward_model, preference_optimization; their scales differ too much for one axis). Not
+  GRPO: its loss is ~0 by construction (group-centred advantages) and says nothing to a reader;
+- `grpo.png`: the GRPO nodes side by side, one line per node: mean reward, held-out accuracy (when
+  the stage evaluated during training), KL to the reference, mean completion length;
+- `eval.png`: accuracy and format rate of every eval node, labelled with the model it evaluated;
+- `train_<node>.png`, one per trained node: the metrics that stage's users watch, one panel each
+  (`TRAINING_PANELS`; `training_panels` picks those the node logged, so no panel is empty): SFT
+  loss, learning rate, gradient norm; distill loss and NLL; reward-model loss and pairwise
+  accuracy; preference-optimisation loss, reward accuracy, margins and implicit rewards (train and
+  held-out) and KL; GRPO mean reward, reward components, accuracy, format rate, KL, entropy,
+  completion length, truncation, clip fraction, flat groups, gradient norm.
+
+Every curve is over optimizer steps, with whole-number ticks; each panel's title names the node,
+stage and metric, and each figure the MLflow run the curves were read from. Numbers that need
+context say it: pass@k names the prompts it was computed on (`pass@4 (8 prompts)`), and throughput
+(tokens/s, `*_per_s`, `time_per_step`, seconds) carries † and a note that it depends on the
+machine's load.
 
 Curves are read back from MLflow (`get_metric_history`). A cached stage's run in this pipeline run
 is a fresh "cache hit" run with summary metrics only; its tag `r1flow.source_run_id` names the run
@@ -99,17 +111,23 @@ FINAL_ALIAS = "final"
 CHAMPION_ALIAS = "champion"
 FINGERPRINT_TAG = "r1flow.fingerprint"
 TRAIN_LOSS = "train/loss"
-GRPO_CURVES = (("reward/mean", "reward mean"), ("completion/mean_length", "completion length (tokens)"),
-               ("eval/accuracy", "held-out accuracy during training"))
+GRPO_CURVES = (("reward/mean", "mean reward"), ("eval/accuracy", "held-out accuracy (greedy)"),
+               ("train/kl", "KL to the reference per token (nats)"),
+               ("completion/mean_length", "mean completion length (tokens)"))  # grpo.png: GRPO nodes side by side
 COMPARISON_JSON = "comparison.json"  # under REPORT_DIR; written by publish_report, read by previous_comparison
 COMPARISON_CSV = "comparison.csv"
 MAX_PREVIOUS_RUNS = 5  # earlier parent runs tried for a comparison.json before giving up
 COMPARISON_COLUMNS = (("accuracy", "accuracy [95% CI]"), ("accuracy_lenient", "lenient acc"), ("pass_at_k", "pass@k"),
-                      ("format_rate", "format rate"), ("mean_length", "mean length"), ("tokens_per_s", "tokens/s"),
+                      ("format_rate", "format rate"), ("mean_length", "mean length"), ("tokens_per_s", "tokens/s †"),
                       ("prompts", "prompts"))
 CI_LOW, CI_HIGH = "_ci_low", "_ci_high"  # `<accuracy key><suffix>`: the eval stage's 95% bootstrap interval
 PASS_AT_K = re.compile(r"pass_at_(\d+)")  # full match: `pass_at_1_sampled` and `<task>/pass_at_k` are not it
 TASK_ACCURACY = re.compile(r"(.+)/accuracy")  # full match: not `<task>/accuracy_lenient`
+LOAD_DEPENDENT = re.compile(r".+_per_s|time_per_step")  # full match: wall-clock rates, marked † in the report
+LOAD_NOTE = ("† Wall-clock throughput (tokens/s, `*_per_s`, `time_per_step`; also the `s` column): it depends on the "
+             "machine and on its load while the stage ran (other processes, concurrent runs, CPU threads), so compare "
+             "it only between runs on the same, equally idle machine. A cached stage shows the numbers of the run "
+             "that produced its outputs.")
 
 
 def slug(text: str) -> str:
@@ -174,6 +192,90 @@ def metric_curve(tracker: Tracker, run_id: str, key: str) -> tuple[list[int], li
 
 
 # ---------------------------------------------------------------------------------------- plots
+@dataclass(frozen=True)
+class Panel:
+    """One panel of a stage's training plot: the metrics its users watch that share a y axis.
+
+    lines: (metric key, legend label); a key ending in `/*` stands for every logged key under that
+    prefix except `exclude`, each labelled by the rest of its name (GRPO's reward components)."""
+
+    title: str
+    ylabel: str
+    lines: tuple[tuple[str, str], ...]
+    exclude: frozenset[str] = frozenset()
+
+
+_LR = Panel("learning rate", "learning rate", (("train/lr", "learning rate"),))
+_GRAD = Panel("gradient norm before clipping", "global L2 norm", (("train/grad_norm", "grad norm"),))
+# what each stage's users watch, from the keys the stages log per step (ctx.log_metrics(..., step=));
+# the first panel of a loss-trained stage (train/loss) is its panel in the overview training_loss.png
+TRAINING_PANELS: dict[str, tuple[Panel, ...]] = {
+    "sft": (Panel("train loss", "NLL per target token (nats)", (("train/loss", "train batch"),)), _LR, _GRAD),
+    "distill": (
+        Panel("distillation loss", "loss per target token", (("train/loss", "train batch"),)),
+        Panel("student NLL of the training tokens", "NLL per target token (nats)", (("train/nll", "train batch"),)),
+        Panel("student sample length (on-policy)", "tokens", (("train/sample_length", "mean"),)),
+        _LR, _GRAD),
+    "reward_model": (
+        Panel("Bradley-Terry loss", "loss per pair", (("train/loss", "train batch"),)),
+        Panel("pairwise accuracy", "fraction of pairs, chosen > rejected", (("train/accuracy", "train batch"),)),
+        _LR, _GRAD),
+    "preference_optimization": (
+        Panel("preference loss", "loss per pair (or example)", (("train/loss", "train batch"), ("eval/loss", "held-out"))),
+        Panel("reward accuracy", "fraction of pairs, chosen > rejected",
+              (("train/rewards/accuracy", "train batch"), ("eval/accuracy", "held-out"))),
+        Panel("implicit reward margin", "chosen - rejected", (("train/rewards/margin", "train batch"),
+                                                              ("eval/margin", "held-out"))),
+        Panel("implicit rewards", "beta * log-ratio to the reference",
+              (("train/rewards/chosen", "chosen, train"), ("train/rewards/rejected", "rejected, train"),
+               ("eval/chosen", "chosen, held-out"), ("eval/rejected", "rejected, held-out"))),
+        Panel("KL to the reference (held-out prompts)", "nats per completion", (("eval/kl", "KL(policy || ref)"),)),
+        _LR, _GRAD),
+    "grpo": (
+        Panel("mean reward", "reward (weighted sum)", (("reward/mean", "rollouts"),)),
+        Panel("reward components", "mean per completion (unweighted)", (("reward/*", ""),),
+              frozenset({"reward/mean", "reward/std", "reward/zero_std_groups", "reward/unscored", "reward/accuracy",
+                         "reward/format_rate", "reward/process_mean", "reward/steps_per_completion"})),
+        Panel("accuracy", "fraction correct", (("reward/accuracy", "rollouts (sampled)"),
+                                               ("eval/accuracy", "held-out (greedy)"))),
+        Panel("format rate", "fraction well-formed", (("reward/format_rate", "rollouts (sampled)"),
+                                                      ("eval/format_rate", "held-out (greedy)"))),
+        Panel("KL to the reference", "KL estimate per token (nats)", (("train/kl", "KL(policy || ref)"),)),
+        Panel("policy entropy", "nats per token", (("train/entropy", "entropy"),)),
+        Panel("completion length", "tokens", (("completion/mean_length", "mean"), ("completion/max_length", "max"))),
+        Panel("completions cut at max_new_tokens", "fraction of completions", (("completion/truncated_frac", "cut"),)),
+        Panel("clip fraction", "fraction of tokens clipped", (("train/clip_low", "ratio below 1 - eps_low"),
+                                                              ("train/clip_high", "ratio above 1 + eps_high"))),
+        Panel("groups with equal rewards (no signal)", "fraction of groups", (("reward/zero_std_groups", "groups"),)),
+        Panel("process reward", "mean step score", (("reward/process_mean", "process reward"),)),
+        Panel("sampler / trainer mismatch", "KL per token (nats)", (("train/mismatch_kl", "mismatch KL"),)),
+        _GRAD),
+}
+
+
+def training_panels(stage: str, logged: set[str] | dict[str, Any]) -> list[tuple[Panel, list[tuple[str, str]]]]:
+    """The panels of `stage` that have a logged metric, each with its (key, label) lines that were
+    logged, in the table's order (pure). Unknown stages and stages without logged keys: []."""
+    out = []
+    for panel in TRAINING_PANELS.get(stage, ()):
+        lines = []
+        for key, label in panel.lines:
+            if key.endswith("/*"):
+                prefix = key[:-1]
+                lines += [(k, k[len(prefix):]) for k in sorted(logged)
+                          if k.startswith(prefix) and "/" not in k[len(prefix):] and k not in panel.exclude]
+            elif key in logged:
+                lines.append((key, label))
+        if lines:
+            out.append((panel, lines))
+    return out
+
+
+Curve = tuple[list[int], list[float]]
+# (panel title, y label, [(legend label, (steps, values))]); a panel without lines is never drawn
+PlotPanel = tuple[str, str, list[tuple[str, Curve]]]
+
+
 def _figure(panels: int, width: float = 4.6, height: float = 3.2):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -194,33 +296,32 @@ def _png(fig) -> bytes:
     return buf.getvalue()
 
 
-def plot_training_loss(curves: dict[str, tuple[list[int], list[float]]]) -> bytes:
-    fig, axes = _figure(len(curves))
-    for ax, (label, (steps, values)) in zip(axes, curves.items(), strict=True):
-        ax.plot(steps, values, marker="." if len(steps) < 30 else None)
-        ax.set_title(label)
-        ax.set_xlabel("step")
-        ax.set_ylabel(TRAIN_LOSS)
-        ax.grid(alpha=0.3)
-    fig.suptitle("training loss")
-    return _png(fig)
+def panel_figure(panels: list[PlotPanel], title: str):
+    """A figure of curves over optimizer steps, one panel each (empty panels dropped), integer step ticks."""
+    from matplotlib.ticker import MaxNLocator
 
-
-def plot_grpo(curves: dict[str, dict[str, tuple[list[int], list[float]]]]) -> bytes:
-    """curves: metric key -> node label -> (steps, values); one panel per metric with data."""
-    titles = dict(GRPO_CURVES)
-    fig, axes = _figure(len(curves))
-    for ax, (key, by_node) in zip(axes, curves.items(), strict=True):
-        for label, (steps, values) in by_node.items():
-            ax.plot(steps, values, marker="." if len(steps) < 30 else None, label=label)
-        ax.set_title(titles.get(key, key))
-        ax.set_xlabel("step")
-        ax.set_ylabel(key)
+    panels = [p for p in panels if any(steps for _, (steps, _) in p[2])]
+    if not panels:
+        raise ValueError(f"{title}: no curve has a point")
+    fig, axes = _figure(len(panels), width=5.0)
+    for ax, (panel_title, ylabel, lines) in zip(axes, panels, strict=True):
+        for label, (steps, values) in lines:
+            if steps:  # a single point (a metric logged at the last step only) needs a visible marker
+                ax.plot(steps, values, marker="o" if len(steps) == 1 else "." if len(steps) < 30 else None,
+                        label=label or None)
+        ax.set_title(panel_title, fontsize="medium")
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel(ylabel)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))  # whole steps only, one point too
         ax.grid(alpha=0.3)
-        if len(by_node) > 1:
+        if sum(1 for label, (steps, _) in lines if steps and label) > 1:
             ax.legend(fontsize="small")
-    fig.suptitle("GRPO")
-    return _png(fig)
+    fig.suptitle(title)
+    return fig
+
+
+def plot_panels(panels: list[PlotPanel], title: str) -> bytes:
+    return _png(panel_figure(panels, title))
 
 
 def plot_eval(rows: list[tuple[str, dict[str, float]]]) -> bytes:
@@ -275,12 +376,32 @@ def fmt_interval(metrics: dict[str, Any], key: str) -> str:
     return text + f" [{low:.3f}, {high:.3f}]" if _is_finite(low) and _is_finite(high) else text
 
 
+def pass_k_prompts(config: Any, metrics: dict[str, Any]) -> int | None:
+    """How many prompts an eval's pass@k was computed on (pure): the `pass_k_prompts` metric where
+    the eval logged one, else the first `config.pass_k_prompts` of its `prompts` (the eval size),
+    whichever is smaller; None when neither is known."""
+    logged = metrics.get("pass_k_prompts")
+    if _is_finite(logged):
+        return int(logged)
+    first = getattr(config, "pass_k_prompts", None)
+    size = metrics.get("prompts")
+    if first is None:
+        return None
+    return min(int(first), int(size)) if _is_finite(size) else int(first)
+
+
+def fmt_pass_k(k: Any, prompts: Any) -> str:
+    """`pass@4 (8 prompts)`: what a pass@k value was computed on."""
+    return f"pass@{k}" + (f" ({prompts} prompt{'s' if prompts != 1 else ''})" if prompts else "")
+
+
 def comparison_rows(plan: Plan, results: list[StageResult]) -> list[dict[str, Any]]:
     """One row per eval node that ran or was cached and logged `accuracy`, in plan order (pure).
 
     Keys: eval, model, model_output, model_fingerprint, eval_fingerprint, status, mlflow_run_id,
     accuracy, accuracy_ci_low, accuracy_ci_high (its 95% bootstrap interval), accuracy_lenient,
-    pass_k and pass_at_k (the largest k logged as `pass_at_<k>`), format_rate, mean_length,
+    pass_k and pass_at_k (the largest k logged as `pass_at_<k>`), pass_k_prompts (how many prompts
+    pass@k was computed on, `pass_k_prompts`), format_rate, mean_length,
     tokens_per_s, prompts (the eval size), and `<task>/accuracy`, `<task>/accuracy_ci_low`,
     `<task>/accuracy_ci_high` for every task any row has; every row has every key, None where a
     value is missing or not finite.
@@ -298,6 +419,7 @@ def comparison_rows(plan: Plan, results: list[StageResult]) -> list[dict[str, An
             "model_fingerprint": outputs.get(model, {}).get(output), "eval_fingerprint": next(iter(r.outputs.values()), None),
             "status": r.status, "mlflow_run_id": r.mlflow_run_id, "pass_k": k,
             "pass_at_k": _finite(r.metrics.get(f"pass_at_{k}")) if k else None}
+        row["pass_k_prompts"] = pass_k_prompts(plan.node(r.node).config, r.metrics) if k else None
         for key, _ in COMPARISON_COLUMNS:
             if key == "accuracy":
                 row.update(with_interval(r.metrics, key))
@@ -401,9 +523,9 @@ def comparison_markdown(payload: dict[str, Any], tracker: Tracker) -> list[str]:
     before = {p.get("eval"): p for p in prev["rows"]} if prev else {}
     shown = rows + list(before.values())
     tasks = list(dict.fromkeys(m.group(1) for r in shown for k in r if (m := TASK_ACCURACY.fullmatch(k))))
-    ks = {r.get("pass_k") for r in shown if r.get("pass_at_k") is not None}
-    one_k = len(ks) == 1
-    titles = [f"pass@{next(iter(ks))}" if key == "pass_at_k" and one_k else title for key, title in COMPARISON_COLUMNS]
+    ks = {(r.get("pass_k"), r.get("pass_k_prompts")) for r in shown if r.get("pass_at_k") is not None}
+    one_k = len(ks) == 1  # one k on one number of prompts: said once, in the header
+    titles = [fmt_pass_k(*next(iter(ks))) if key == "pass_at_k" and one_k else title for key, title in COMPARISON_COLUMNS]
     md = ["", "## Model comparison", "",
           "| eval | model | model fp | " + " | ".join(titles + [f"acc: {t}" for t in tasks]) + " |",
           "|---|---|---|" + "---|" * (len(titles) + len(tasks))]
@@ -413,7 +535,8 @@ def comparison_markdown(payload: dict[str, Any], tracker: Tracker) -> list[str]:
         for key, _ in COMPARISON_COLUMNS:
             cell = fmt_interval(row, key) if key == "accuracy" else _cell(row.get(key))
             if key == "pass_at_k" and not one_k and row.get(key) is not None:
-                cell += f" (k={row.get('pass_k')})"
+                n = row.get("pass_k_prompts")
+                cell += f" (k={row.get('pass_k')}" + (f", {n} prompts)" if n else ")")
             cells.append(cell)
         cells += [fmt_interval(row, f"{t}/accuracy") for t in tasks]
         fp = row.get("model_fingerprint")
@@ -427,7 +550,12 @@ def comparison_markdown(payload: dict[str, Any], tracker: Tracker) -> list[str]:
            "scored greedy prompts (`prompts` is the eval size); no interval: an eval logged without one. "
            "Overlapping intervals of two models do not by themselves show that they are equal: both were "
            "scored on the same prompts, and the gain of one over the other has its own interval, usually "
-           "narrower (paired by prompt: `stages.stats.paired_bootstrap_diff`).", ""]
+           "narrower (paired by prompt: `stages.stats.paired_bootstrap_diff`).", "",
+           "pass@k: the chance that at least one of k sampled completions is correct (unbiased estimator), "
+           "averaged over the first N eval prompts only (header or cell: `N prompts`), so it is noisier than "
+           "the greedy accuracy on all `prompts`.", "",
+           "† tokens/s: wall-clock generation throughput of the eval; it depends on the machine and its load while "
+           "the eval ran, so compare it only between runs on the same, equally idle machine.", ""]
     if prev is not None:
         link = _link(tracker, prev["parent_run_id"], tracker.experiment_id)
         md.append(f"Rows marked previous: the same eval node in run {link}, whose model had another fingerprint "
@@ -457,6 +585,17 @@ def _link(tracker: Tracker, run_id: str, experiment_id: str) -> str:
     return f"[{run_id[:8]}]({target})"
 
 
+def _key_metric(plan: Plan, r: StageResult, key: str, value: float) -> str:
+    """`key=value` for the stage table, with what the number needs to be read: the accuracy's
+    interval, the prompts pass@k was computed on, † on wall-clock throughput."""
+    if key == "accuracy":
+        return f"{key}={fmt_interval(r.metrics, key)}"
+    text = f"{key}={fmt_metric(value)}"
+    if PASS_AT_K.fullmatch(key) and (n := pass_k_prompts(plan.node(r.node).config, r.metrics)):
+        return f"{text} ({n} prompt{'s' if n != 1 else ''})"
+    return f"{text} †" if LOAD_DEPENDENT.fullmatch(key) else text
+
+
 def build_report(plan: Plan, results: list[StageResult], tracker: Tracker, parent_run_id: str,
                  registration: Registration | None = None) -> Report:
     """The run's report: markdown (stage table, model comparison beside the previous run's where a
@@ -470,8 +609,7 @@ def build_report(plan: Plan, results: list[StageResult], tracker: Tracker, paren
     outputs = ["", "## Outputs", "", "Artifact fingerprints (`r1flow artifacts PREFIX` shows one).", "",
                "| stage | output | fingerprint |", "|---|---|---|"]
     for r in results:
-        metrics = ", ".join(f"{k}={fmt_interval(r.metrics, k) if k == 'accuracy' else fmt_metric(v)}"
-                            for k, v in key_metrics(r.stage, r.metrics).items())
+        metrics = ", ".join(_key_metric(plan, r, k, v) for k, v in key_metrics(r.stage, r.metrics).items())
         outputs += [f"| {r.node} | {k} | `{v[:16]}` |" for k, v in r.outputs.items()]
         sr = runs[r.node]
         link = "—"
@@ -480,6 +618,8 @@ def build_report(plan: Plan, results: list[StageResult], tracker: Tracker, paren
             if sr.source_run_id and sr.source_run_id != sr.run_id:
                 link += f" (produced by {_link(tracker, sr.source_run_id, sr.source_experiment_id)})"
         md.append(f"| {r.node} ({r.stage}) | {r.status} | {r.seconds:.1f} | {metrics} | {link} |")
+
+    md += ["", LOAD_NOTE]
 
     rows = comparison_rows(plan, results)
     comparison = None
@@ -506,32 +646,54 @@ def build_report(plan: Plan, results: list[StageResult], tracker: Tracker, paren
 
 def _plots(results: list[StageResult], runs: dict[str, StageRuns | None], tracker: Tracker,
            comparison: list[dict[str, Any]]) -> list[tuple[str, str, bytes]]:
-    """(file name, title, PNG) for each kind of plot that has data."""
-    images = []
-    loss: dict[str, tuple[list[int], list[float]]] = {}
-    grpo: dict[str, dict[str, tuple[list[int], list[float]]]] = {}
+    """(file name, title, PNG) for each plot that has data: the overviews (training_loss.png of the
+    loss-trained nodes, grpo.png, eval.png), then `train_<node>.png` per trained node in plan order."""
+    images, per_node = [], []
+    loss: list[PlotPanel] = []
+    grpo: dict[str, list[tuple[str, Curve]]] = {}
     for r in results:
         sr = runs[r.node]
         if sr is None or sr.source_run_id is None:
             continue
         label = f"{r.node} ({r.stage})" if r.node != r.stage else r.node
-        if TRAIN_LOSS in sr.source_metrics and (curve := metric_curve(tracker, sr.source_run_id, TRAIN_LOSS))[0]:
-            loss[label] = curve
-        if r.stage == "grpo":
+        chosen = training_panels(r.stage, sr.source_metrics)
+        wanted = {k for _, lines in chosen for k, _ in lines} | {k for k, _ in GRPO_CURVES} | {TRAIN_LOSS}
+        curves = {k: metric_curve(tracker, sr.source_run_id, k) for k in wanted & set(sr.source_metrics)}
+
+        def curve(key: str, curves: dict[str, Curve] = curves) -> Curve:
+            return curves.get(key, ([], []))
+
+        panels = [(f"{label}: {p.title} per step", p.ylabel, [(text, curve(k)) for k, text in lines])
+                  for p, lines in chosen]
+        panels = [p for p in panels if any(steps for _, (steps, _) in p[2])]  # never an empty panel
+        if panels:
+            cached = " (cached: the run that produced it)" if sr.source_run_id != sr.run_id else ""
+            title = f"{label}: training curves from MLflow run {sr.source_run_id[:8]}{cached}"
+            per_node.append((f"train_{re.sub(r'[^A-Za-z0-9_.-]', '-', r.node)}.png", title, plot_panels(panels, title)))
+        if r.stage == "grpo":  # a GRPO loss is ~0 by construction (advantages are centred): its overview is grpo.png
             for key, _ in GRPO_CURVES:
-                if key in sr.source_metrics and (curve := metric_curve(tracker, sr.source_run_id, key))[0]:
-                    grpo.setdefault(key, {})[r.node] = curve
+                if curve(key)[0]:
+                    grpo.setdefault(key, []).append((r.node, curve(key)))
+        elif curve(TRAIN_LOSS)[0]:
+            first = TRAINING_PANELS.get(r.stage, ())
+            ylabel = first[0].ylabel if first and first[0].lines[0][0] == TRAIN_LOSS else TRAIN_LOSS
+            loss.append((f"{label}: train loss per step", ylabel, [("", curve(TRAIN_LOSS))]))
     if loss:
-        images.append(("training_loss.png", "training loss over steps: " + ", ".join(loss), plot_training_loss(loss)))
+        title = "train loss per optimizer step" + (" (GRPO nodes: grpo.png)" if grpo else "")
+        images.append(("training_loss.png", "train loss over steps: " + ", ".join(p[0].split(":")[0] for p in loss),
+                       plot_panels(loss, title)))
     if grpo:
-        grpo = {k: grpo[k] for k, _ in GRPO_CURVES if k in grpo}
-        images.append(("grpo.png", "GRPO reward mean and completion length over steps", plot_grpo(grpo)))
+        titles = dict(GRPO_CURVES)
+        panels = [(f"GRPO: {titles[k]} per step", titles[k], grpo[k]) for k, _ in GRPO_CURVES if k in grpo]
+        nodes = ", ".join(dict.fromkeys(n for lines in grpo.values() for n, _ in lines))
+        images.append(("grpo.png", f"GRPO nodes side by side ({nodes}): " + ", ".join(titles[k] for k in grpo)
+                       + " over steps", plot_panels(panels, f"GRPO nodes side by side: {nodes}")))
     shown = ("accuracy", "accuracy" + CI_LOW, "accuracy" + CI_HIGH, "format_rate")
     bars = [(f"{r['eval']}\n({r['model']}, {r['prompts']:.0f} prompts)" if r.get("prompts") else
              f"{r['eval']}\n({r['model']})", {k: r[k] for k in shown if r.get(k) is not None}) for r in comparison]
     if any(m for _, m in bars):
         images.append(("eval.png", "eval accuracy (95% CI) and format rate per model", plot_eval(bars)))
-    return images
+    return images + per_node
 
 
 def _in_prefect_run() -> bool:

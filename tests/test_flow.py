@@ -61,8 +61,8 @@ def test_first_run_runs_every_stage_and_tracks_it(home):
     assert "accuracy" in manifest["metrics"] and manifest["parents"]
     # the run report (MLflow and Prefect) and the model registry (flows/report.py)
     report = {a.path for a in client.list_artifacts(result["parent_run_id"], "report")}
-    assert report == {"report/report.md", "report/training_loss.png", "report/eval.png", "report/comparison.json",
-                      "report/comparison.csv"}
+    assert report == {"report/report.md", "report/training_loss.png", "report/eval.png", "report/train_sft.png",
+                      "report/comparison.json", "report/comparison.csv"}
     from prefect.client.orchestration import get_client
 
     with get_client(sync_client=True) as prefect_client:

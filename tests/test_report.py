@@ -19,10 +19,12 @@ from flows.report import (
     comparison_rows,
     evaluated_models,
     final_model_nodes,
+    panel_figure,
     previous_comparison,
     publish_report,
     register_models,
     registered_model_name,
+    training_panels,
 )
 from flows.store import ArtifactStore
 from flows.tracking import Tracker
@@ -128,14 +130,14 @@ def test_report_has_one_row_per_stage_with_status_and_link_and_plots_with_data(t
     # the comparison table names the model and its fingerprint, the accuracy with its interval and the
     # eval size; unlogged metrics are dashes
     assert "| eval | model | model fp | accuracy [95% CI] | lenient acc | pass@k | format rate | mean length | " \
-           "tokens/s | prompts |" in report.markdown
+           "tokens/s † | prompts |" in report.markdown
     assert f"| eval_sft | sft | {fp('sft-1')[:8]} | 0.500 [0.400, 0.600] | — | — | 0.900 | — | — | 64 |\n" \
         in report.markdown
     assert f"| eval_base | base | {fp('base')[:8]} | 0.250 | — | — | 0.100 | — | — | — |\n" in report.markdown
     assert "95% percentile bootstrap interval" in report.markdown and "eval size" in report.markdown
     assert "↳ previous" not in report.markdown and "Compared with run" not in report.markdown  # no earlier run
     names = [n for n, _ in report.images]
-    assert names == ["training_loss.png", "eval.png"]  # no GRPO stage: no GRPO plot
+    assert names == ["training_loss.png", "eval.png", "train_sft.png"]  # no GRPO stage: no GRPO plot
     assert all(png.startswith(PNG_MAGIC) and len(png) > 1000 for _, png in report.images)
     assert report.key == "r1flow-report-sft-eval"
 
@@ -149,7 +151,8 @@ def test_cached_stage_links_its_source_run_and_plots_its_curves(tracker):
     assert {cells[2] for cells in rows.values()} == {"cached"}
     sft_source = next(r.mlflow_run_id for r in first if r.node == "sft")
     assert f"produced by [{sft_source[:8]}]" in rows["sft"][5]
-    assert [n for n, _ in report.images] == ["training_loss.png", "eval.png"]  # curves read from the source run
+    # curves read from the source run
+    assert [n for n, _ in report.images] == ["training_loss.png", "eval.png", "train_sft.png"]
 
 
 def test_plots_only_when_there_is_data(tracker):
@@ -165,15 +168,132 @@ def test_plots_only_when_there_is_data(tracker):
     assert table_rows(report.markdown)["sft"][2:6:3] == ["skipped", "—"]
 
 
-def test_grpo_plot_has_reward_and_length(tracker):
+# one GRPO node's per-step history as stages/grpo.py logs it: its loss is ~1e-7 (group-centred advantages)
+GRPO_HISTORY = {"train/loss": [1e-7, -2e-7, 5e-8], "reward/mean": [0.1, 0.3, 0.4], "reward/std": [0.4, 0.4, 0.3],
+                "reward/zero_std_groups": [0.5, 0.0, 0.0], "reward/accuracy": [0.0, 0.25, 0.5],
+                "reward/format": [0.5, 0.75, 1.0], "reward/math": [0.0, 0.25, 0.5], "train/kl": [0.0, 0.01, 0.02],
+                "train/entropy": [1.2, 1.1, 1.0], "completion/mean_length": [50, 40, 30],
+                "train/clip_low": [0.0, 0.0, 0.01], "train/clip_high": [0.0, 0.02, 0.01]}
+
+
+def test_training_panels_pick_what_each_stage_watches_among_the_logged_keys():
+    """GRPO: reward, its components (not the summary keys under reward/), accuracy, KL, entropy,
+    length, clipping, flat groups, in that order, never train/loss; a panel appears only when one
+    of its metrics was logged, and only the logged lines are in it."""
+    logged = set(GRPO_HISTORY) | {"eval/accuracy", "time/step", "reward_first"}
+    panels = training_panels("grpo", logged)
+    assert [[k for k, _ in lines] for _, lines in panels] == [
+        ["reward/mean"], ["reward/format", "reward/math"], ["reward/accuracy", "eval/accuracy"], ["train/kl"],
+        ["train/entropy"], ["completion/mean_length"], ["train/clip_low", "train/clip_high"],
+        ["reward/zero_std_groups"]]
+    assert [label for _, label in panels[1][1]] == ["format", "math"]  # components by name
+    assert [p.title for p, _ in panels][:5] == ["mean reward", "reward components", "accuracy", "KL to the reference",
+                                                "policy entropy"]
+    assert [(p.title, lines) for p, lines in training_panels("sft", {"train/loss", "final_loss"})] == [
+        ("train loss", [("train/loss", "train batch")])]
+    assert [p.title for p, _ in training_panels("reward_model", {"train/loss", "train/accuracy", "train/lr"})] == [
+        "Bradley-Terry loss", "pairwise accuracy", "learning rate"]
+    po = training_panels("preference_optimization", {"train/loss", "train/rewards/accuracy", "train/rewards/margin",
+                                                     "eval/accuracy", "eval/kl"})
+    assert [[k for k, _ in lines] for _, lines in po] == [
+        ["train/loss"], ["train/rewards/accuracy", "eval/accuracy"], ["train/rewards/margin"], ["eval/kl"]]
+    assert training_panels("grpo", {"reward_first", "time_per_step"}) == []  # summary metrics only: no plot
+    assert training_panels("eval", {"accuracy"}) == []
+
+
+def test_grpo_plots_reward_kl_entropy_and_length_not_its_loss(tracker, monkeypatch):
+    """A GRPO node gets train_grpo.png with the curves of its history (reward, components, accuracy
+    on rollouts and held-out, KL, entropy, length, clipping) and a column in grpo.png; its ~1e-7
+    loss is in no plot, and no training_loss.png is drawn for it."""
+    from flows import report as report_module
+
+    drawn: dict[str, list] = {}
+    real = report_module.plot_panels
+
+    def recording(panels, title):  # the real plot, with what it was asked to draw kept for the asserts
+        drawn[title] = panels
+        return real(panels, title)
+
+    monkeypatch.setattr(report_module, "plot_panels", recording)
     plan = load_plan("r1-zero", "tiny")
     parent = tracker.start_run("parent", {})
-    grpo = stage_run(tracker, parent, "grpo", {"reward/mean": [0.1, 0.3, 0.4], "completion/mean_length": [50, 40, 30],
-                                               "train/loss": [0.01, -0.02, 0.0]}, {"reward_first": 0.1})
+    grpo = stage_run(tracker, parent, "grpo", GRPO_HISTORY, {"reward_first": 0.1})
+    tracker.log_metrics(grpo, {"eval/accuracy": 0.5}, step=2)  # evaluated during training at step 2 only
     results = [StageResult("grpo", "grpo", "run", 3.0, "Completed", {"model": fp("g")}, {"reward_first": 0.1}, grpo)]
     report = build_report(plan, results, tracker, parent)
-    assert [n for n, _ in report.images] == ["training_loss.png", "grpo.png"]
-    assert "grpo.png" in report.markdown
+
+    assert [n for n, _ in report.images] == ["grpo.png", "train_grpo.png"]
+    assert all(png.startswith(PNG_MAGIC) for _, png in report.images)
+    assert "train_grpo.png" in report.markdown and "training_loss.png" not in report.markdown
+    (title, panels), = [(t, p) for t, p in drawn.items() if t.startswith("grpo: training curves")]
+    assert f"MLflow run {grpo[:8]}" in title
+    by_title = {t: (ylabel, lines) for t, ylabel, lines in panels}
+    assert list(by_title) == ["grpo: mean reward per step", "grpo: reward components per step",
+                              "grpo: accuracy per step", "grpo: KL to the reference per step",
+                              "grpo: policy entropy per step", "grpo: completion length per step",
+                              "grpo: clip fraction per step", "grpo: groups with equal rewards (no signal) per step"]
+    assert by_title["grpo: mean reward per step"][1] == [("rollouts", ([1, 2, 3], [0.1, 0.3, 0.4]))]
+    assert by_title["grpo: accuracy per step"][1] == [("rollouts (sampled)", ([1, 2, 3], [0.0, 0.25, 0.5])),
+                                                      ("held-out (greedy)", ([2], [0.5]))]
+    assert by_title["grpo: KL to the reference per step"] == ("KL estimate per token (nats)",
+                                                              [("KL(policy || ref)", ([1, 2, 3], [0.0, 0.01, 0.02]))])
+    assert by_title["grpo: policy entropy per step"][1] == [("entropy", ([1, 2, 3], [1.2, 1.1, 1.0]))]
+    plotted = [v for _, _, lines in (p for ps in drawn.values() for p in ps) for _, (_, vs) in lines for v in vs]
+    assert 1e-7 not in plotted and -2e-7 not in plotted  # the loss is nowhere
+    assert not any("loss" in t for ps in drawn.values() for t, _, _ in ps)
+    (overview,) = [p for t, p in drawn.items() if t.startswith("GRPO nodes")]
+    assert [t for t, _, _ in overview] == ["GRPO: mean reward per step", "GRPO: held-out accuracy (greedy) per step",
+                                           "GRPO: KL to the reference per token (nats) per step",
+                                           "GRPO: mean completion length (tokens) per step"]
+
+
+def test_step_axes_tick_whole_steps_only_and_empty_panels_are_dropped():
+    """Three steps (a default locator ticks 1.0, 1.25, ...) and a metric logged once, at step 6 (even
+    a plain integer locator falls back to 5.8, 5.9, ... there): every tick in view is a whole step.
+    A panel whose metric has no point is not drawn."""
+    fig = panel_figure([("a: three steps", "y", [("", ([1, 2, 3], [0.1, 0.2, 0.3]))]),
+                        ("b: nothing logged", "y", [("", ([], []))]),
+                        ("c: one point", "nats", [("kl", ([6], [1.7]))])], "figure")
+    fig.canvas.draw()
+    axes = [ax for ax in fig.axes if ax.get_visible()]
+    assert [ax.get_title() for ax in axes] == ["a: three steps", "c: one point"]
+    for ax in axes:
+        lo, hi = ax.get_xlim()
+        ticks = [t for t in ax.get_xticks() if lo <= t <= hi]
+        assert ticks and all(float(t).is_integer() for t in ticks), (ax.get_title(), ticks)
+        assert ax.get_xlabel() == "optimizer step"
+    assert axes[1].get_ylabel() == "nats"
+    with pytest.raises(ValueError, match="no curve"):
+        panel_figure([("b: nothing logged", "y", [("", ([], []))])], "figure")
+
+
+def test_pass_at_k_names_its_prompts_and_throughput_its_machine_load(tracker):
+    """sft-eval's evals sample pass@2 on their first 4 prompts (tiny profile): the comparison header
+    says `pass@2 (4 prompts)` and the stage table `pass_at_2=... (4 prompts)`; tokens/s carries †
+    and report.md says what it depends on. Evals on different prompt counts (an eval smaller than
+    pass_k_prompts; one that logged its count) say theirs per cell."""
+    plan = load_plan("sft-eval", "tiny")
+    assert {(plan.node(n).config.pass_k, plan.node(n).config.pass_k_prompts) for n in ("eval_base", "eval_sft")} == {
+        (2, 4)}
+    parent = tracker.start_run("parent", {})
+    ev = {"eval_base": {"accuracy": 0.25, "pass_at_2": 0.5, "prompts": 16.0, "tokens_per_s": 80.0},
+          "eval_sft": {"accuracy": 0.5, "pass_at_2": 0.75, "prompts": 16.0, "tokens_per_s": 90.0}}
+    results = [StageResult(node, "eval", "run", 1.0, "Completed", {"results": fp(node)}, m,
+                           stage_run(tracker, parent, node, None, m)) for node, m in ev.items()]
+    report = build_report(plan, results, tracker, parent)
+    header = next(line for line in report.markdown.splitlines() if line.startswith("| eval | model |"))
+    assert "| pass@2 (4 prompts) |" in header and "| tokens/s † |" in header
+    assert "pass_at_2=0.750 (4 prompts)" in table_rows(report.markdown)["eval_sft"][4]
+    assert report.markdown.count("depends on the machine") == 2  # under the stage table and the comparison
+
+    ev["eval_base"]["prompts"] = 3.0  # fewer prompts than pass_k_prompts: pass@k saw those 3
+    ev["eval_sft"]["pass_k_prompts"] = 2.0  # a count the eval logged wins over the config's
+    rows = comparison_rows(plan, [dataclasses.replace(r, metrics=ev[r.node]) for r in results])
+    assert [r["pass_k_prompts"] for r in rows] == [3, 2]
+    from flows.report import comparison_markdown, comparison_payload
+
+    md = "\n".join(comparison_markdown(comparison_payload(plan, parent, rows, None), tracker))
+    assert "| pass@k |" in md and "| 0.500 (k=2, 3 prompts) |" in md and "| 0.750 (k=2, 2 prompts) |" in md
 
 
 def test_publish_logs_report_and_pngs_to_mlflow_outside_prefect(tracker, tmp_path):
@@ -183,7 +303,7 @@ def test_publish_logs_report_and_pngs_to_mlflow_outside_prefect(tracker, tmp_pat
     out = publish_report(report, tracker, parent)
     assert out["prefect_artifact_id"] is None  # not inside a flow run
     logged = {a.path for a in tracker.client.list_artifacts(parent, "report")}
-    assert logged == {"report/report.md", "report/training_loss.png", "report/eval.png",
+    assert logged == {"report/report.md", "report/training_loss.png", "report/eval.png", "report/train_sft.png",
                       "report/comparison.json", "report/comparison.csv"}
     assert sorted(out["mlflow_artifacts"]) == sorted(logged)
     path = tracker.client.download_artifacts(parent, "report/eval.png", str(tmp_path))
@@ -336,7 +456,8 @@ def test_previous_rows_from_before_intervals_show_the_accuracy_alone(tracker):
     from flows.report import comparison_csv, comparison_markdown
 
     md = "\n".join(comparison_markdown(payload, tracker))
-    assert "| accuracy [95% CI] | lenient acc | pass@4 | format rate | mean length | tokens/s | prompts | acc: arith |" in md
+    assert "| accuracy [95% CI] | lenient acc | pass@4 | format rate | mean length | tokens/s † | prompts | acc: arith |" \
+        in md  # neither row says on how many prompts: the header cannot either
     assert (f"| eval_sft | sft | {fp('new')[:8]} | 0.500 [0.375, 0.625] | — | 0.750 | 0.900 | 30 | 100 | 64 "
             "| 0.250 [0.125, 0.375] |") in md
     assert f"| ↳ previous (run p1p1p1p1) | sft | {fp('old')[:8]} | 0.375 | 0.500 | 0.500 | 0.800 | 40 | 90 | — | 0.125 |" in md
