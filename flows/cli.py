@@ -9,6 +9,7 @@ _T_START = time.perf_counter()
 import argparse  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
 
 from schemas.errors import R1FlowError  # noqa: E402
 
@@ -49,34 +50,248 @@ def cmd_run(args: argparse.Namespace) -> int:
     result = pipeline(recipe=recipe, profile=profile, overrides=list(args.set), only=args.only, force=args.force,
                       settings=settings.to_dict())
     total = time.perf_counter() - _T_START
-    print_summary(result, total=total, before_flow=t_flow - _T_START)
-    if args.json:
+    if args.json:  # first: a reader of the summary that goes away (`| head`) must not lose it
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2, default=str)
+    print_summary(result, total=total, before_flow=t_flow - _T_START)
     return 0
 
 
-def print_summary(result: dict, total: float, before_flow: float) -> None:
+SUMMARY_WIDTH = 100  # columns of the end-of-run summary when stdout is not a terminal and COLUMNS is not set
+MLFLOW_UI_PORT = 5000  # `r1flow ui` takes MLflow's usual port when it is free (else a free one, which it prints)
+
+
+def _console(width: int | None = None):
+    """A rich Console as wide as the terminal (or COLUMNS); SUMMARY_WIDTH when writing to a file or pipe."""
+    import os
+
     from rich.console import Console
+
+    if width is None and not sys.stdout.isatty() and not os.environ.get("COLUMNS", "").isdigit():
+        width = SUMMARY_WIDTH
+    return Console(width=width, highlight=False)
+
+
+@dataclass
+class Column:
+    """A column of a terminal table. `drop`: 0 is always shown; the others go, highest first, while
+    the table is wider than the console. `wrap`: the cells may wrap inside the column (a list of
+    metrics, wrapped between items); the others are never wrapped or cut."""
+
+    header: str
+    cells: list[str]
+    drop: int = 0
+    justify: str = "left"
+    wrap: bool = False
+    styles: list[str] | None = None  # one per cell (the status column's colour)
+
+
+WRAP_MIN = 40  # a wrap column narrower than this is a mess of short lines: optional columns go first
+
+
+def fit_table(console, columns: list[Column], row_styles: list[str] | None = None, **table_kw):
+    """A rich Table of the columns that fit the console's width: optional ones are dropped, highest
+    `drop` first, until the table fits with its wrap columns at least WRAP_MIN wide (or as wide as
+    their widest cell); only wrap columns then wrap. Returns (table, the headers of the dropped columns)."""
+    from rich import box
+    from rich.cells import cell_len
+    from rich.measure import Measurement
     from rich.table import Table
+    from rich.text import Text
 
+    shown, dropped = list(columns), []
+
+    def build() -> Table:
+        table = Table(box=box.SIMPLE_HEAD, pad_edge=False, **table_kw)
+        for c in shown:
+            table.add_column(c.header, justify=c.justify, no_wrap=not c.wrap, overflow="fold")
+        for i in range(len(columns[0].cells) if columns else 0):
+            table.add_row(*(Text(c.cells[i], style=c.styles[i] if c.styles else "") for c in shown),  # not markup
+                          style=row_styles[i] if row_styles else None)
+        return table
+
+    def needed(table: Table) -> int:  # its natural width, less what its wrap columns may give up
+        natural = Measurement.get(console, console.options.update_width(10_000), table).maximum
+        slack = sum(max(0, max(map(cell_len, [c.header, *c.cells])) - WRAP_MIN) for c in shown if c.wrap)
+        return natural - slack
+
+    table = build()
+    while needed(table) > console.width and any(c.drop for c in shown):
+        worst = max((c for c in shown if c.drop), key=lambda c: (c.drop, shown.index(c)))
+        shown.remove(worst)
+        dropped.append(worst)
+        table = build()
+    for c in sorted(dropped, key=lambda c: (c.drop, columns.index(c))):  # the most wanted that fit again
+        shown = sorted([*shown, c], key=columns.index)
+        if needed(build()) > console.width:
+            shown.remove(c)
+        else:
+            dropped.remove(c)
+    return build(), [c.header for c in dropped]
+
+
+def stage_columns(result: dict) -> list[Column]:
+    """The per-stage table of a run: node, kind, status, seconds, key metrics, outputs (the
+    outputs' fingerprints go first when narrow: the report and `r1flow artifacts` have them)."""
     from flows.pipeline import fmt_metric, key_metrics
+    from flows.report import fmt_interval
 
-    table = Table(title=f"r1flow run — recipe {result['recipe']}, profile {result['profile']}")
-    for col in ("stage", "kind", "status", "seconds", "key metrics", "outputs"):
-        table.add_column(col)
-    stage_work = 0.0
-    for r in result["stages"]:
-        stage_work += r["seconds"]
-        metrics = ", ".join(f"{k}={fmt_metric(v)}" for k, v in key_metrics(r["stage"], r["metrics"]).items())
-        outs = ", ".join(f"{k}:{v[:12]}" for k, v in r["outputs"].items())
-        style = {"run": "green", "cached": "cyan", "skipped": "dim"}[r["status"]]
-        table.add_row(r["node"], r["stage"], f"[{style}]{r['status']}[/]", f"{r['seconds']:.1f}", metrics, outs)
-    console = Console(width=None if sys.stdout.isatty() else 160)
+    rows = result["stages"]
+    metrics = [", ".join(f"{k}={fmt_interval(r['metrics'], k) if k == 'accuracy' else fmt_metric(v)}"
+                         for k, v in key_metrics(r["stage"], r["metrics"]).items()) for r in rows]
+    columns = [
+        Column("stage", [r["node"] for r in rows]),
+        Column("kind", [r["stage"] if r["stage"] != r["node"] else "" for r in rows], drop=2),
+        Column("status", [r["status"] for r in rows],
+               styles=[{"run": "green", "cached": "cyan", "skipped": "dim"}.get(r["status"], "") for r in rows]),
+        Column("s", [f"{r['seconds']:.1f}" for r in rows], justify="right"),
+        Column("key metrics", metrics, wrap=True),
+        Column("outputs", [", ".join(f"{k}:{v[:12]}" for k, v in r["outputs"].items()) for r in rows], drop=3,
+               wrap=True),
+    ]
+    return columns
+
+
+def comparison_columns(payload: dict) -> tuple[list[Column], list[str]]:
+    """The report's model comparison (flows/report.comparison_payload) for a terminal: each eval's
+    model, accuracy with its 95% bootstrap interval and the eval size n; then, as width allows,
+    pass@k, format rate, per-task accuracies and the model's fingerprint. A previous run's row
+    (its model had another fingerprint) sits under the row of its eval node, as in the report."""
+    from flows.pipeline import fmt_metric
+    from flows.report import TASK_ACCURACY, fmt_interval
+
+    prev = payload.get("previous") or {}
+    before = {p.get("eval"): p for p in prev.get("rows", [])}
+    lines: list[tuple[str, dict]] = []
+    for row in payload["rows"]:
+        lines.append((row["eval"], row))
+        if row["eval"] in before:
+            lines.append((f"↳ previous (run {prev['parent_run_id'][:8]})", before[row["eval"]]))
+    rows = [r for _, r in lines]
+    tasks = list(dict.fromkeys(m.group(1) for r in rows for k in r if (m := TASK_ACCURACY.fullmatch(k))))
+    ks = sorted({r.get("pass_k") for r in rows if r.get("pass_at_k") is not None})
+
+    def num(value) -> str:
+        return "—" if value is None else fmt_metric(value)
+
+    def pass_cell(r: dict) -> str:
+        cell = num(r.get("pass_at_k"))
+        return cell + (f" (k={r['pass_k']})" if len(ks) > 1 and r.get("pass_at_k") is not None else "")
+
+    columns = [
+        Column("eval", [label for label, _ in lines]),
+        Column("model", [r.get("model") or "?" for r in rows]),
+        Column("accuracy [95% CI]", [fmt_interval(r, "accuracy") for r in rows]),
+        Column("n", [f"{r['prompts']:.0f}" if r.get("prompts") is not None else "—" for r in rows], justify="right"),
+        Column(f"pass@{ks[0]}" if len(ks) == 1 else "pass@k", [pass_cell(r) for r in rows], drop=2, justify="right"),
+        Column("format", [num(r.get("format_rate")) for r in rows], drop=1, justify="right"),
+    ]
+    columns += [Column(f"acc: {t}", [fmt_interval(r, f"{t}/accuracy") for r in rows], drop=4) for t in tasks]
+    columns.append(Column("model fp", [(r.get("model_fingerprint") or "—")[:8] for r in rows], drop=5))
+    styles = ["dim" if label.startswith("↳") else "" for label, _ in lines]
+    return columns, styles
+
+
+def _r1flow_command() -> str:
+    """How to call r1flow from this shell: `r1flow` when that is on PATH and is this installation,
+    else the venv's script (relative to the working directory when under it), else `python -m flows.cli`."""
+    import shutil
+    from pathlib import Path
+
+    script = Path(sys.executable).parent / "r1flow"
+    found = shutil.which("r1flow")
+    if found and (not script.exists() or Path(found).resolve() == script.resolve()):
+        return "r1flow"
+    if not script.exists():
+        return f"{sys.executable} -m flows.cli"
+    try:
+        return str(script.absolute().relative_to(Path.cwd()))
+    except ValueError:  # not under the working directory
+        return str(script.absolute())
+
+
+def ui_command(home: str) -> str:
+    """A shell command that opens the MLflow UI on this home's tracking store (`r1flow ui`), with
+    the environment it needs when this shell may not have it (a home other than ./.r1flow)."""
+    import os
+    import shlex
+    from pathlib import Path
+
+    env = ""
+    if Path(home).resolve() != Path(".r1flow").resolve():
+        env = f"R1FLOW_HOME={shlex.quote(str(home))} "
+    uri = os.environ.get("MLFLOW_TRACKING_URI", "")
+    if uri and uri != f"sqlite:///{home}/mlflow.db":
+        env += f"MLFLOW_TRACKING_URI={shlex.quote(uri)} "
+    return f"{env}{_r1flow_command()} ui"
+
+
+def print_summary(result: dict, total: float, before_flow: float, console=None) -> None:
+    """The end of `r1flow run`: the per-stage table and timings, then the model comparison, where
+    the report is, how to open the UIs and the URL of the MLflow parent run (each URL and path on
+    a line of its own, never wrapped: they are copied)."""
+    import os
+
+    from rich.text import Text
+
+    from flows.servers import MLFLOW_UI_QUERY
+    from flows.settings import Settings
+
+    console = console or _console()
+    table, _ = fit_table(console, stage_columns(result),
+                         title=Text(f"r1flow run — recipe {result['recipe']}, profile {result['profile']}"))
     console.print(table)
+    stage_work = sum(r["seconds"] for r in result["stages"])
     console.print(f"stage work {stage_work:.1f} s; fixed start-up overhead {total - stage_work:.1f} s "
                   f"(imports and validation {before_flow:.1f} s, the rest Prefect/MLflow); total {total:.1f} s")
-    console.print(f"MLflow parent run {result['parent_run_id']}: {result['link']}")
+
+    def line(text: str) -> None:  # a path or URL: not wrapped, so it can be copied whole
+        console.print(text, soft_wrap=True, markup=False)
+
+    payload = result.get("comparison")
+    console.print()
+    if payload:
+        columns, styles = comparison_columns(payload)
+        table, dropped = fit_table(console, columns, styles, title="model comparison (held-out prompts)",
+                                   title_justify="left")
+        console.print(table)
+        notes = ["accuracy [95% bootstrap interval] on n held-out prompts"]
+        if payload.get("previous") and payload["previous"].get("rows"):
+            notes.append("↳ previous: that eval in the last run of this recipe and profile (its model differed)")
+        if dropped:
+            notes.append(f"also in the report: {', '.join(dropped)}")
+        console.print("; ".join(notes), markup=False)
+    else:
+        console.print("model comparison: none (no eval node of this run logged an accuracy)")
+
+    report = result.get("report") or {}
+    if report.get("path"):
+        console.print("report (with its comparison CSV/JSON and plots in the same folder):")
+        line(report["path"])
+    elif report.get("uri"):
+        console.print("report (an artifact of the MLflow parent run; the UI shows it under Artifacts):")
+        line(report["uri"])
+    files = [f.rsplit("/", 1)[-1] for f in report.get("files", [])]
+    plots = [f for f in files if f.endswith(".png")]
+    others = [f for f in files if f not in plots] + ([f"{len(plots)} PNG plots"] if plots else [])
+    if others:
+        console.print("  beside it: " + ", ".join(others), markup=False)
+
+    home = Settings.from_env().home
+    link = result.get("link") or ""
+    if link.startswith(("http://", "https://")):  # an MLflow server: its UI is already up
+        console.print("MLflow UI: the tracking server; parent run:")
+        line(link)
+    else:
+        console.print(f"MLflow UI (on 127.0.0.1:{MLFLOW_UI_PORT}, or a free port it prints; Ctrl-C stops it):")
+        line(ui_command(home))
+        console.print("then the parent run:")
+        line(f"http://127.0.0.1:{MLFLOW_UI_PORT}/#/experiments/{result['experiment_id']}/runs/"
+             f"{result['parent_run_id']}{MLFLOW_UI_QUERY}")
+    prefect = os.environ.get("PREFECT_API_URL", "")
+    if prefect and result.get("flow_run_id"):
+        console.print("Prefect flow run:")
+        line(f"{prefect.rstrip('/').removesuffix('/api')}/runs/flow-run/{result['flow_run_id']}")
 
 
 def cmd_stages(args: argparse.Namespace) -> int:
@@ -115,6 +330,19 @@ def _store():
     return ArtifactStore(s.store, home=s.home)
 
 
+def text_table(headers: list[str], rows: list[list[str]], right: frozenset[int] | set[int] = frozenset()) -> list[str]:
+    """Plain aligned columns, each as wide as its longest cell (a long node name widens its column
+    instead of pushing the others out of line); columns in `right` are right-aligned; the last
+    column is not padded."""
+    widths = [max(len(c) for c in col) for col in zip(headers, *rows, strict=True)]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.rjust(w) if i in right else c.ljust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths, strict=True))).rstrip()
+
+    return [line(headers)] + [line(r) for r in rows]
+
+
 def cmd_artifacts(args: argparse.Namespace) -> int:
     store = _store()
     if args.fingerprint:
@@ -134,10 +362,10 @@ def cmd_artifacts(args: argparse.Namespace) -> int:
     rows, unreadable = store.scan()  # one read of every manifest
     if args.kind:
         rows = [m for m in rows if m.kind == args.kind]
-    print(f"{'fingerprint':14} {'kind':8} {'schema':12} {'rows':>7} {'node':16} {'created':20}")
-    for m in rows:
-        print(f"{m.fingerprint[:12]:14} {m.kind:8} {m.schema_name:12} {m.rows if m.rows is not None else '-':>7} "
-              f"{m.producer.node:16} {m.created_at:20}")
+    table = [[m.fingerprint[:12], m.kind, m.schema_name, "-" if m.rows is None else str(m.rows), m.created_at,
+              m.producer.node or m.producer.stage] for m in rows]
+    for line in text_table(["fingerprint", "kind", "schema", "rows", "created", "node"], table, right={3}):
+        print(line)
     print(f"{len(rows)} artifact(s) in {store.uri}")
     if unreadable:
         print(f"{len(unreadable)} more without a readable manifest (incomplete or damaged): "
@@ -155,7 +383,7 @@ def cmd_models(args: argparse.Namespace) -> int:
     models = [m for m in store.list() if m.kind == "model"]
     print(f"model artifacts ({len(models)}):")
     for m in models:
-        base = f" adapter on {m.extra['base_fingerprint'][:12]}" if "base_fingerprint" in m.extra else ""
+        base = f" on base model {m.extra['base_fingerprint'][:12]}" if "base_fingerprint" in m.extra else ""
         print(f"  {m.fingerprint[:12]} {m.schema_name}{base} from node {m.producer.node or m.producer.stage} "
               f"({m.created_at})")
     return 0
@@ -252,6 +480,100 @@ def cmd_status(args: argparse.Namespace) -> int:
     for r in info.runners:
         print(f"runner pid {r['pid']} ({r.get('name', 'runner')}, registered {r.get('registered_at', '?')})")
     return 0
+
+
+def _port_free(port: int) -> bool:
+    import socket
+
+    from flows.servers import HOST
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((HOST, port))
+        except OSError:
+            return False
+    return True
+
+
+def cmd_ui(args: argparse.Namespace) -> int:
+    """MLflow's UI on 127.0.0.1 for this home's tracking store, in the foreground until Ctrl-C; or,
+    when tracking goes to a server (MLFLOW_TRACKING_URI, `r1flow up`), that server's URL."""
+    import os
+    import signal
+    import subprocess
+    from pathlib import Path
+    from urllib.parse import urlparse
+
+    from flows import servers
+    from flows.servers import HOST, MLFLOW_UI_QUERY
+    from flows.settings import Settings
+    from schemas.errors import ConfigError
+
+    settings = Settings.from_env()
+    uri, home = settings.tracking_uri, Path(settings.home)
+    prefect = os.environ.get("PREFECT_API_URL", "")
+    if uri.startswith(("http://", "https://")):
+        up = servers.status(home)
+        source = (f"the `r1flow up` server of {home}" if up is not None and up.mlflow.url.rstrip("/") == uri.rstrip("/")
+                  else "MLFLOW_TRACKING_URI")
+        print(f"r1flow: MLflow tracking goes to {source}; its UI:")
+        print(f"{uri.rstrip('/')}/#/experiments{MLFLOW_UI_QUERY}")
+        if prefect:
+            print("Prefect UI:")
+            print(prefect.rstrip("/").removesuffix("/api"))
+        return 0
+    parsed = urlparse(uri)
+    if parsed.scheme == "sqlite" and not Path(parsed.path).exists():
+        raise ConfigError(f"no MLflow store at {parsed.path} yet: nothing has run with R1FLOW_HOME={home} "
+                          "(run `r1flow run` first, or set R1FLOW_HOME to the home of your runs)")
+    if args.port is not None and not _port_free(args.port):
+        raise ConfigError(f"port {HOST}:{args.port} is in use; pick another with --port or leave it out")
+    port = args.port or (MLFLOW_UI_PORT if _port_free(MLFLOW_UI_PORT) else servers._free_ports(1)[0])
+    log = home / "logs" / f"mlflow-ui-{port}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [*servers.console_script("mlflow"), "server", "--host", HOST, "--port", str(port), "--workers", "1",
+           "--backend-store-uri", uri, "--artifacts-destination", str(home / "mlartifacts")]
+    url = f"http://{HOST}:{port}"
+
+    def _interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # like Ctrl-C: the server is stopped, not left behind
+        signal.signal(sig, _interrupt)
+    print(f"r1flow: starting MLflow's UI on {HOST}:{port} for {uri} (log {log}) ...", flush=True)
+    with open(log, "wb") as out:  # its own session: we stop its whole group (uvicorn's worker included)
+        proc = subprocess.Popen(cmd, env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
+                                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    code = 0
+    try:
+        t0 = time.monotonic()
+        while not servers._healthy(f"{url}/health"):
+            if proc.poll() is not None or time.monotonic() - t0 > args.timeout:
+                why = "exited" if proc.poll() is not None else f"did not answer in {args.timeout:.0f} s"
+                print(f"r1flow: error: MLflow's UI {why}; the end of {log}:\n{servers._log_tail(log)}",
+                      file=sys.stderr)
+                return 1
+            time.sleep(0.3)
+        print(f"MLflow UI for {home} (up in {time.monotonic() - t0:.1f} s), open:")
+        print(f"{url}/#/experiments{MLFLOW_UI_QUERY}")
+        if prefect:
+            print("Prefect UI:")
+            print(prefect.rstrip("/").removesuffix("/api"))
+        print("serving in the foreground; Ctrl-C stops it", flush=True)
+        while proc.poll() is None:
+            time.sleep(0.5)
+        print(f"r1flow: error: MLflow's UI exited ({proc.returncode}); the end of {log}:\n{servers._log_tail(log)}",
+              file=sys.stderr)
+        code = 1
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)  # a second Ctrl-C must not leave the server running
+        if proc.poll() is None or servers._group_alive(proc.pid):
+            servers._terminate(proc.pid, proc.pid)
+            print("r1flow: MLflow UI stopped", flush=True)
+    return code
 
 
 def _overrides_dict(pairs: list[str]) -> dict:
@@ -441,6 +763,11 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--detach", action="store_true", help="return once both answer; stop them with `r1flow down`")
     up.add_argument("--timeout", type=float, default=120, help="seconds to wait for both to answer (default 120)")
     up.set_defaults(func=cmd_up)
+    ui = sub.add_parser("ui", help="MLflow's UI on 127.0.0.1 for this R1FLOW_HOME's runs (foreground, Ctrl-C "
+                        "stops it); with a tracking server, its URL")
+    ui.add_argument("--port", type=int, help=f"default: {MLFLOW_UI_PORT} when free, else a free port")
+    ui.add_argument("--timeout", type=float, default=120, help="seconds to wait for it to answer (default 120)")
+    ui.set_defaults(func=cmd_ui)
     sub.add_parser("down", help="stop registered runners, then the servers started by `r1flow up`"
                    ).set_defaults(func=cmd_down)
     sub.add_parser("status", help="show the servers started by `r1flow up` (exit code 1 if none)"
@@ -479,32 +806,65 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Commands that reach Prefect, MLflow or the store: their servers and Prefect's home are decided before any of
 # them imports Prefect or MLflow (flows/settings.prepare_environment).
-ENV_COMMANDS = frozenset({"run", "stage", "serve", "deploy", "worker", "artifacts", "models"})
+ENV_COMMANDS = frozenset({"run", "stage", "serve", "deploy", "worker", "artifacts", "models", "ui"})
 
 
 # Commands that start processes (Prefect's temporary server, launchers, ranks) that must end with them.
 RUN_COMMANDS = frozenset({"run", "stage"})
 
 
+def _stdout_gone() -> bool:
+    """Has the reader of stdout gone (`r1flow stages -v | head -1`)? A pipe whose read end is closed
+    polls as POLLERR on its write end; a BrokenPipeError from anything else is a real error."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no real file descriptor (a test's captured stdout)
+        return False
+
+
+def _quiet_exit_on_closed_stdout() -> int:
+    """What the shell's own tools do when the reader goes: stop without a word. stdout is pointed at
+    /dev/null so that the interpreter's last flush of it does not print a BrokenPipeError either."""
+    import os
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + 13  # as if killed by SIGPIPE, like `yes | head -1`
+
+
 def main(argv: list[str] | None = None) -> int:
     """The `r1flow` command. Called with argv=None (the console script) a run or stage command also
     gets its lifetime guards (stages/lifetime.py): a sentinel that ends every process the run started
-    when it ends, kill -9 included, and SIGTERM/SIGHUP that stop it within seconds. In-process calls
-    (tests, notebooks) pass argv and get neither: they must not tie the caller's children to a sentinel."""
+    when it ends, kill -9 included, and SIGTERM/SIGHUP that stop it within seconds (`r1flow ui` gets
+    the sentinel: its MLflow server ends with it). In-process calls (tests, notebooks) pass argv and
+    get neither: they must not tie the caller's children to a sentinel. Every command ends quietly
+    (exit code 141) when the reader of its output goes away (`r1flow stages -v | head -1`)."""
     args = build_parser().parse_args(argv)
     supervised = argv is None and args.command in RUN_COMMANDS
     try:
-        if supervised:
+        if supervised or (argv is None and args.command == "ui"):
             from stages import lifetime
 
             lifetime.adopt()
+        if supervised:
             lifetime.terminate_on_signals("r1flow: stopping ({name}); completed stages are cached and training "
                                           "resumes from its last checkpoint")
         if args.command in ENV_COMMANDS:
             from flows.settings import prepare_environment
 
             args.servers_source = prepare_environment()
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # here, not at exit: a closed pipe is then a BrokenPipeError we handle
+        return code
+    except BrokenPipeError:
+        if not _stdout_gone():
+            raise
+        return _quiet_exit_on_closed_stdout()
     except R1FlowError as e:
         print(f"r1flow: error: {e}", file=sys.stderr)
         return 2

@@ -169,7 +169,7 @@ def stage_config(stage: str, recipe: str | None, profile: str | None, node: str 
     try:
         cfg = STAGE_CONFIGS[stage].model_validate(deep_merge(base, overrides))
     except ValidationError as e:
-        raise ConfigError(pydantic_message(e, name)) from None
+        raise ConfigError(pydantic_message(e, name, STAGE_CONFIGS[stage])) from None
     check_node(get_stage(stage), cfg, name)
     return cfg.model_dump(mode="json"), name, seed
 

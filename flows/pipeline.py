@@ -398,16 +398,24 @@ def run_plan(plan: Plan, s: Settings, only: set[str] = frozenset(), force: set[s
         summary = {f"{r.node}/{k}": v for r in results for k, v in r.key_metrics().items()}
         summary.update({f"{r.node}/seconds": r.seconds for r in results if r.status != "skipped"})
         tracker.log_metrics(parent, summary)
-        from flows.report import build_report, publish_report, register_models  # imports flows.pipeline
+        from flows.report import (  # imports flows.pipeline
+            build_report,
+            publish_report,
+            register_models,
+            report_location,
+        )
 
         registration = register_models(plan, results, tracker, store=store, parent_run_id=parent)
-        publish_report(build_report(plan, results, tracker, parent, registration), tracker, parent)
+        report = build_report(plan, results, tracker, parent, registration)
+        published = publish_report(report, tracker, parent)
         ok = True
     finally:
         tracker.end(parent, ok)
     return {"recipe": plan.recipe, "profile": plan.profile, "parent_run_id": parent,
             "experiment_id": tracker.experiment_id, "link": tracker.run_link(parent), "flow_run_id": flow_run_id,
-            "stages": [r.__dict__ for r in results]}
+            "stages": [r.__dict__ for r in results],
+            # the end of `r1flow run` prints these: the comparison table (None: no eval rows) and where the report is
+            "comparison": report.comparison, "report": report_location(tracker, parent, published["mlflow_artifacts"])}
 
 
 def fmt_metric(v: float) -> str:

@@ -9,8 +9,11 @@ loss reads (`wire_preference_losses`), so `--set dpo.loss=...` works in any reci
 from __future__ import annotations
 
 import copy
+import difflib
 import inspect
 import re
+import typing
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,12 +52,45 @@ def _load_yaml(name_or_path: str, directory: Path, what: str) -> tuple[dict, str
     return data, str(path)
 
 
-def pydantic_message(e: ValidationError, prefix: str) -> str:
+def _model_at(model: type[BaseModel] | None, loc: tuple) -> type[BaseModel] | None:
+    """The pydantic model that holds the field at `loc` inside `model` (through nested models and
+    `X | None`), or None where the path leaves models (a dict's keys are the user's: no hint)."""
+    for part in loc:
+        if model is None:
+            return None
+        info = model.model_fields.get(str(part))
+        if info is None:
+            return None
+        model = _model_in(info.annotation)
+    return model
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):  # `LoraSpec | None`; dict values are keyed by the user: not followed
+        if isinstance(arg, type) and issubclass(arg, BaseModel):
+            return arg
+    return None
+
+
+def did_you_mean(key: str, known: Iterable[str]) -> str:
+    """` (did you mean learning_rate?)` for a close match among `known`, else ""."""
+    close = difflib.get_close_matches(key, list(known), n=2, cutoff=0.6)
+    return f" (did you mean {' or '.join(close)}?)" if close else ""
+
+
+def pydantic_message(e: ValidationError, prefix: str, model: type[BaseModel] | None = None) -> str:
+    """One line for a validation error; with the `model` that was validated, an unknown key gets
+    the closest field names of the model it sits in (`sft.learnin_rate: unknown key (did you mean
+    learning_rate?)`)."""
     parts = []
     for err in e.errors():
         loc = ".".join(str(x) for x in err["loc"])
         where = f"{prefix}.{loc}" if prefix and loc else (prefix or loc)
         msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
+        if err["type"] == "extra_forbidden" and err["loc"] and (holder := _model_at(model, err["loc"][:-1])):
+            msg += did_you_mean(str(err["loc"][-1]), holder.model_fields)
         value = f" (got {err['input']!r})" if err["type"] != "extra_forbidden" and "input" in err and not isinstance(err["input"], dict) else ""
         parts.append(f"{where}: {msg}{value}")
     return "; ".join(parts)
@@ -340,7 +376,7 @@ def load_plan(recipe: str = DEFAULT_RECIPE, profile: str = "cpu", overrides: lis
     try:
         prof = ProfileConfig.model_validate(raw_profile)
     except ValidationError as e:
-        raise ConfigError(f"profile {profile}: {pydantic_message(e, '')}") from None
+        raise ConfigError(f"profile {profile}: {pydantic_message(e, '', ProfileConfig)}") from None
     parsed = [(*parse_override(text), text) for text in overrides]
     recipe_name = str(raw.get("name", recipe))
     overlay = prof.recipes.get(recipe_name)
@@ -350,7 +386,7 @@ def load_plan(recipe: str = DEFAULT_RECIPE, profile: str = "cpu", overrides: lis
     try:
         rec = RecipeConfig.model_validate(raw)
     except ValidationError as e:
-        raise ConfigError(f"recipe {recipe_path}: {pydantic_message(e, '')}") from None
+        raise ConfigError(f"recipe {recipe_path}: {pydantic_message(e, '', RecipeConfig)}") from None
 
     enabled = {name for name, n in rec.nodes.items() if n.when}
     model, seed = prof.model or rec.model, rec.seed
@@ -416,7 +452,7 @@ def load_plan(recipe: str = DEFAULT_RECIPE, profile: str = "cpu", overrides: lis
         try:
             cfgs[name] = STAGE_CONFIGS[rec.nodes[name].stage].model_validate(_substitute(node_cfgs[name], {"model": model}))
         except ValidationError as e:
-            raise ConfigError(pydantic_message(e, name)) from None
+            raise ConfigError(pydantic_message(e, name, STAGE_CONFIGS[rec.nodes[name].stage])) from None
     user_set = {(path[0], path[1]): text for path, _, text in parsed if len(path) == 2}
     dropped = wire_preference_losses({n: rec.nodes[n].stage for n in wiring}, cfgs, wiring, user_set)
 

@@ -742,6 +742,23 @@ def _warn(message: str) -> None:
         log.warning(message)
 
 
+def report_location(tracker: Tracker, parent_run_id: str, files: list[str]) -> dict[str, Any]:
+    """Where `publish_report` put the report: `uri`, the artifact URI of `report/report.md`; `path`,
+    its local file when the parent run's artifacts are on this machine and it exists (a local
+    tracking store keeps them under `<home>/mlartifacts/<run>/artifacts/`), else None; `files`,
+    the other files logged beside it (`report/...`, as `publish_report` returns them)."""
+    from urllib.parse import unquote, urlparse
+
+    base = tracker.client.get_run(parent_run_id).info.artifact_uri.rstrip("/")
+    uri = f"{base}/{REPORT_DIR}/report.md"
+    parsed = urlparse(uri)
+    path = None
+    if parsed.scheme in ("", "file"):
+        local = Path(unquote(parsed.path) if parsed.scheme else uri)
+        path = str(local) if local.is_file() else None
+    return {"uri": uri, "path": path, "files": [f for f in files if f != f"{REPORT_DIR}/report.md"]}
+
+
 # ---------------------------------------------------------------------------------------- registry
 def model_outputs(stage: str) -> list[str]:
     """Output names of a stage whose declared kind is `model`."""
