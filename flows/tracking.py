@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import math
+import os
 import socket
 import time
 import uuid
@@ -181,7 +182,9 @@ class Tracker:
 
     def ui_hint(self) -> str:
         """How to open the UI for a local store (the run paths are relative to its root)."""
-        return f"mlflow ui --backend-store-uri {self.uri} --host 127.0.0.1  then open http://127.0.0.1:5000/{UI_QUERY}"
+        home = os.environ.get("R1FLOW_HOME")
+        prefix = f"R1FLOW_HOME={home} " if home and Path(home).resolve() != Path(".r1flow").resolve() else ""
+        return f"{prefix}r1flow ui  (it prints its address; on port 5000:) http://127.0.0.1:5000/{UI_QUERY}"
 
     def run_link(self, run_id: str) -> str:
         """Where to look at a run: a URL for a server, else the `mlflow ui` command to start one."""

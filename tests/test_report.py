@@ -126,7 +126,7 @@ def test_report_has_one_row_per_stage_with_status_and_link_and_plots_with_data(t
     for r in results:
         for name, fingerprint in r.outputs.items():
             assert f"| {r.node} | {name} | `{fingerprint[:16]}` |" in outputs
-    assert "mlflow ui --backend-store-uri" in report.markdown  # local store: how to open the links
+    assert "r1flow ui" in report.markdown and "mlflow ui" not in report.markdown  # local store: how to open the links (a command that works)
     # the comparison table names the model and its fingerprint, the accuracy with its interval and the
     # eval size; unlogged metrics are dashes
     assert "| eval | model | model fp | accuracy [95% CI] | lenient acc | pass@k | format rate | mean length | " \
