@@ -225,6 +225,40 @@ class StageResult:
         return key_metrics(self.stage, self.metrics)
 
 
+class NodeProgress:
+    """One line per node as a run goes: `[5/23] grpo_reasoning (grpo) ...` when it starts computing, and
+    `[5/23] grpo_reasoning (grpo) run in 12.3 s` (or `cached in 0.2 s`) when it ends, each with the run's
+    elapsed time and its run/cached counts so far. Through the flow run's logger (Prefect prints it once
+    on the terminal and keeps it with the flow run; outside a flow run the `r1flow` logger), or `log`."""
+
+    def __init__(self, total: int, log: logging.Logger | logging.LoggerAdapter | None = None):
+        self.total, self.index, self.counts = total, 0, {"run": 0, "cached": 0}
+        self.t0 = time.perf_counter()
+        self.log = log or _run_logger()
+
+    def _so_far(self) -> str:
+        elapsed = int(time.perf_counter() - self.t0)
+        return f"elapsed {elapsed // 60}:{elapsed % 60:02d}; {self.counts['run']} run, {self.counts['cached']} cached"
+
+    def start(self, node: str, stage: str) -> None:
+        self.log.info("[%d/%d] %s (%s) ... (%s)", self.index + 1, self.total, node, stage, self._so_far())
+
+    def end(self, node: str, stage: str, status: str, seconds: float) -> None:
+        self.index += 1
+        self.counts[status] += 1
+        self.log.info("[%d/%d] %s (%s) %s in %.1f s (%s)", self.index, self.total, node, stage, status, seconds,
+                      self._so_far())
+
+
+def _run_logger() -> logging.Logger | logging.LoggerAdapter:
+    from prefect.exceptions import MissingContextError
+
+    try:
+        return get_run_logger()
+    except MissingContextError:  # outside a flow run
+        return logging.getLogger("r1flow")
+
+
 def key_metrics(stage: str, metrics: dict[str, float]) -> dict[str, float]:
     """The few metrics the summary table shows for a stage (patterns allow e.g. pass_at_4)."""
     return {k: v for pattern in KEY_METRICS.get(stage, ()) for k, v in metrics.items() if fnmatch.fnmatchcase(k, pattern)}
@@ -352,6 +386,7 @@ def run_plan(plan: Plan, s: Settings, only: set[str] = frozenset(), force: set[s
     forced = set(force)
     upstream: dict[str, dict[str, str]] = {}
     results: list[StageResult] = []
+    progress = NodeProgress(sum(n.name in needed for n in plan.nodes))
     ok = False
     try:
         for node in plan.nodes:
@@ -368,8 +403,11 @@ def run_plan(plan: Plan, s: Settings, only: set[str] = frozenset(), force: set[s
                 upstream[node.name] = rec.outputs
                 results.append(StageResult(node.name, node.stage, "cached", time.perf_counter() - t0, "",
                                            rec.outputs, rec.metrics, rec.mlflow_run_id))
+                progress.end(node.name, node.stage, "cached", results[-1].seconds)
                 continue
             record = None if node.name in forced else store.lookup(key)  # verified: every output file re-hashed
+            if record is None:  # it computes (a cached node gets its end line only)
+                progress.start(node.name, node.stage)
             state = stage_task.with_options(refresh_cache=record is None)(
                 node=node.name, stage=node.stage, config=node.config_dict, inputs=inputs, seed=node.seed, key=key,
                 parent_run_id=parent, settings=s.to_dict(), experiment=experiment, refresh=node.name in forced,
@@ -395,6 +433,7 @@ def run_plan(plan: Plan, s: Settings, only: set[str] = frozenset(), force: set[s
             upstream[node.name] = out["outputs"]
             results.append(StageResult(node.name, node.stage, "cached" if cached else "run", seconds, state.name,
                                        out["outputs"], out["metrics"], run_id))
+            progress.end(node.name, node.stage, results[-1].status, seconds)
         summary = {f"{r.node}/{k}": v for r in results for k, v in r.key_metrics().items()}
         summary.update({f"{r.node}/seconds": r.seconds for r in results if r.status != "skipped"})
         tracker.log_metrics(parent, summary)

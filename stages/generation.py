@@ -13,6 +13,8 @@ GPU it compiles the decode step; prompts are padded to a bucket of 64 tokens so 
 Sampling is transformers' temperature / top-k / top-p warpers then a two-level exponential race
 (`BlockRaceSampler`); on CPU, fp32 linears over few rows run as W @ xᵀ where that CPU is faster
 for it (`rows_first_linears`), and the decode writes into a preallocated KV cache (`PreallocatedLayer`).
+Its progress bar (`GenerationProgress`) counts tokens as each decode step adds them and completions as they
+end, not batches (a batch can take minutes); vLLM shows its own bar.
 
 Per-token log-probs, when asked, come from a teacher-forced forward pass over prompt + completion
 with the same position ids generation used: log-probs of the sampled tokens under the model's own
@@ -36,11 +38,15 @@ from tqdm.auto import tqdm
 from transformers import LogitsProcessor, LogitsProcessorList
 from transformers.cache_utils import DynamicLayer
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
-from transformers.generation.stopping_criteria import StopStringCriteria
+from transformers.generation.stopping_criteria import (
+    StoppingCriteria,
+    StoppingCriteriaList,
+    StopStringCriteria,
+)
 
 from schemas.configs import GenerationSpec
 from schemas.errors import ModelError
-from stages import lean_decode, logprobs
+from stages import lean_decode, logprobs, models
 
 
 @dataclass(frozen=True)
@@ -62,6 +68,64 @@ class GenerationStats:
     @property
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.seconds if self.seconds else 0.0
+
+
+class GenerationProgress:
+    """The progress bar of one generate call, moving with the decode rather than per batch.
+
+    It counts new tokens out of a budget of completions x max_new_tokens; a completion that ends before
+    its budget gives the rest back (the total shrinks), so the bar ends at 100%, its rate is tokens/s and
+    its ETA an upper bound. The postfix counts finished completions. A decode reports each step
+    (`step`: integer additions; tqdm redraws at most every `mininterval` s); `batch_done` then sets the
+    exact counts of the batch, so a backend that reports steps approximately (`_StepCounter`) is exact at
+    every batch's end.
+    """
+
+    def __init__(self, completions: int, max_new_tokens: int, desc: str, enabled: bool = True):
+        self.completions, self.max_new_tokens = completions, max_new_tokens
+        self.ended = self.exact_tokens = self.exact_ended = 0
+        self.bar = tqdm(total=completions * max_new_tokens, desc=desc, unit="tok", leave=False, disable=not enabled,
+                        mininterval=0.5, postfix=f"0/{completions} done")
+
+    def step(self, tokens: int, ended: int, steps_left: int) -> None:
+        """A decode step added `tokens` and ended `ended` rows, each leaving `steps_left` tokens of budget unused."""
+        if ended:
+            self.ended += ended
+            self.bar.total -= ended * steps_left
+            self.bar.set_postfix_str(f"{self.ended}/{self.completions} done", refresh=False)
+        self.bar.update(tokens)
+
+    def batch_done(self, lengths: list[int]) -> None:
+        """A batch's completions are in, of these lengths (in tokens)."""
+        self.exact_tokens += sum(lengths)
+        self.exact_ended += len(lengths)
+        self.ended = self.exact_ended
+        self.bar.total = self.exact_tokens + (self.completions - self.exact_ended) * self.max_new_tokens
+        self.bar.n = self.exact_tokens
+        self.bar.set_postfix_str(f"{self.ended}/{self.completions} done", refresh=False)
+        self.bar.refresh()
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+class _StepCounter(StoppingCriteria):
+    """For transformers' generate(): reports each step to a `GenerationProgress`, stops nothing. Rows count as
+    ended at an EOS (a stop string's end is only known at the batch's end: `batch_done` corrects it)."""
+
+    def __init__(self, progress: GenerationProgress, rows: int, max_new_tokens: int, eos_ids: list[int],
+                 device: torch.device):
+        self.progress, self.max_new_tokens = progress, max_new_tokens
+        self.eos = torch.tensor(eos_ids, device=device)
+        self.done = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.steps = self.n_done = 0
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
+        self.steps += 1
+        self.done |= torch.isin(input_ids[:, -1], self.eos)
+        ran, self.n_done = len(self.done) - self.n_done, int(self.done.sum())  # generate() syncs every step anyway
+        self.progress.step(ran, self.n_done - (len(self.done) - ran), self.max_new_tokens - self.steps)
+        return torch.zeros_like(self.done)
 
 
 class GenerationBackend(Protocol):
@@ -130,6 +194,7 @@ def prefill_prompts(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     """
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     prefill = decoder if decoder is not None else model
+    cache_arg = models.cache_name(prefill)
     cache, start = None, 0
     if decoder is not None and input_ids.shape[0] > 1:
         rows = [ids[m.bool()].tolist() for ids, m in zip(input_ids, attention_mask, strict=True)]
@@ -137,15 +202,15 @@ def prefill_prompts(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
         if n_common:
             input_ids, attention_mask = _common_first(input_ids, attention_mask, n_common, pad_id)
             common = input_ids[:1, :n_common]
-            cache = prefill(input_ids=common, attention_mask=torch.ones_like(common),
-                            position_ids=torch.arange(n_common, device=common.device)[None, :], use_cache=True
-                            ).past_key_values
+            cache = getattr(prefill(input_ids=common, attention_mask=torch.ones_like(common),
+                                    position_ids=torch.arange(n_common, device=common.device)[None, :], use_cache=True),
+                            cache_arg)
             cache.batch_repeat_interleave(input_ids.shape[0])
             start = n_common
     positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     if input_ids.shape[1] - 1 > start:
-        cache = prefill(input_ids=input_ids[:, start:-1], attention_mask=attention_mask[:, :-1],
-                        position_ids=positions[:, start:-1], past_key_values=cache, use_cache=True).past_key_values
+        cache = getattr(prefill(input_ids=input_ids[:, start:-1], attention_mask=attention_mask[:, :-1],
+                                position_ids=positions[:, start:-1], use_cache=True, **{cache_arg: cache}), cache_arg)
     if cache is not None:
         cache.batch_repeat_interleave(n)
         if input_ids.device.type == "cpu":
@@ -173,7 +238,7 @@ COMPACT_SHARE = 0.5  # decode_rows drops finished rows once they are half the ro
 def decode_rows(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache, max_new_tokens: int,
                 eos_ids: list[int], pad_id: int, warpers=(), sampler: BlockRaceSampler | None = None,
                 stop=None, compact_share: float = COMPACT_SHARE, trace: list | None = None,
-                lean: bool = True) -> torch.Tensor:
+                lean: bool = True, progress: GenerationProgress | None = None) -> torch.Tensor:
     """New tokens [rows, steps] continuing left-padded prompts from a cache of all but their last column.
 
     The loop `generate(do_sample=False, logits_processor=[*warpers, sampler])` runs, without its
@@ -192,6 +257,8 @@ def decode_rows(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, ca
     `trace`: when a list, gets (live row indices, float logits) per step (tests).
     `lean`: run each step through `lean_decode.lean_step` where the model and cache allow it (the same
     modules and arithmetic as `model(...)` without its per-call machinery), else `model(...)`.
+    `progress`: told after every step the tokens it added and the rows it ended (integers the loop counts
+    anyway: no extra device sync).
     """
     rows, width, device = input_ids.shape[0], input_ids.shape[1], input_ids.device
     out = torch.full((rows, max_new_tokens), pad_id, dtype=torch.long, device=device)
@@ -205,16 +272,17 @@ def decode_rows(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, ca
     fast = lean_decode.lean_step(model) if lean else None
     padded = not bool(attention_mask.all())  # as transformers decides each step whether the mask can be skipped
     checked, fast_cache = None, False
-    steps = 0
+    cache_arg = models.cache_name(model)
+    steps = n_done = 0
     for step in range(max_new_tokens):
         if fast is not None and cache is not checked:
             checked, fast_cache = cache, lean_decode.takes_cache(cache, LEAN_CACHE_LAYERS)
         if fast_cache:
             scores = fast(token, mask, pos, cache, padded).float()
         else:
-            res = model(input_ids=token, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                        use_cache=True, logits_to_keep=1)
-            cache = res.past_key_values
+            res = model(input_ids=token, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
+                        **{cache_arg: cache})
+            cache = getattr(res, cache_arg)
             scores = res.logits[:, -1, :].float()
         if trace is not None:
             trace.append((live.clone(), scores.clone()))
@@ -228,14 +296,16 @@ def decode_rows(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, ca
         if seq is not None:
             seq[live, width + step] = nxt
             done = done | stop(seq[live, : width + step + 1], None)
-        n_done = int(done.sum())
+        ran, n_done = len(live) - n_done, int(done.sum())  # ran: rows not done before this step, one token each
+        if progress is not None:
+            progress.step(ran, n_done - (len(live) - ran), max_new_tokens - steps)
         if n_done == len(live):
             break
         if n_done and n_done >= compact_share * len(live) and _rows_selectable(cache):
             keep = (~done).nonzero().squeeze(1)
             cache.batch_select_indices(keep)
             live, mask, pos, nxt, done = live[keep], mask[keep], pos[keep], nxt[keep], done[keep]
-            padded = not bool(mask.all())
+            padded, n_done = not bool(mask.all()), 0
         mask = torch.cat([mask, mask.new_ones(len(live), 1)], 1)
         pos = pos + 1
         token = nxt[:, None]
@@ -482,7 +552,9 @@ class TransformersBackend:
         do_sample = spec.temperature > 0
         t0 = time.perf_counter()
         batches = [order[i : i + spec.batch_size] for i in range(0, len(order), spec.batch_size)]
-        for b, idx in enumerate(tqdm(batches, desc=desc, unit="batch", disable=not progress, leave=False)):
+        bar = GenerationProgress(len(texts) * n, spec.max_new_tokens, desc, enabled=progress)
+        steps = bar if progress else None  # no per-step calls at all without a bar (GRPO's rollouts)
+        for b, idx in enumerate(batches):
             enc = tokenizer([texts[i] for i in idx], return_tensors="pt", add_special_tokens=False,
                             **({"padding": True} if spec.cache == "dynamic" else
                                {"padding": True, "pad_to_multiple_of": STATIC_BUCKET})).to(device)
@@ -494,10 +566,12 @@ class TransformersBackend:
                     procs = list(sampling_processors(spec.temperature, spec.top_k, spec.top_p)) if do_sample else []
                     stop = StopStringCriteria(tokenizer, list(spec.stop)) if spec.stop else None
                     new = decode_rows(model, p_ids, p_mask, cache, spec.max_new_tokens, eos_ids, pad_id,
-                                      warpers=procs[:-1], sampler=procs[-1] if procs else None, stop=stop)
+                                      warpers=procs[:-1], sampler=procs[-1] if procs else None, stop=stop,
+                                      progress=steps)
                 else:
-                    new = self._generate(enc, n, spec, eos_ids, pad_id)
+                    new = self._generate(enc, n, spec, eos_ids, pad_id, steps)
             rows = self._rows(new.tolist(), eos_ids, spec.stop)
+            bar.batch_done([len(ids) for ids, _, _ in rows])
             lps = None
             if logprobs:
                 lens = torch.tensor([len(r[0]) for r in rows], device=device)
@@ -508,6 +582,7 @@ class TransformersBackend:
                 stats.new_tokens += len(ids)
                 lp = tuple(lps[j][: len(ids)]) if lps is not None else None
                 results[idx[j // n]].append(Completion(spec.prefill + text, len(ids), finish, tuple(ids), lp))
+        bar.close()
         stats.completions = len(texts) * n
         stats.seconds = time.perf_counter() - t0
         model.train(was_training)
@@ -519,7 +594,8 @@ class TransformersBackend:
             return contextlib.nullcontext()
         return torch.autocast(device_type=device.type, dtype=self.autocast_dtype)
 
-    def _generate(self, enc, n: int, spec: GenerationSpec, eos_ids: list[int], pad_id: int) -> torch.Tensor:
+    def _generate(self, enc, n: int, spec: GenerationSpec, eos_ids: list[int], pad_id: int,
+                  progress: GenerationProgress | None = None) -> torch.Tensor:
         """New tokens from transformers' generate(): the static cache (compiled decode on a GPU) and models
         `decode_rows` does not take. Sampling is the draw of `sampling_processors` under generate's greedy
         argmax; generate() refuses num_return_sequences > 1 without do_sample, so rows are repeated here."""
@@ -532,6 +608,10 @@ class TransformersBackend:
             kwargs.update(logits_processor=sampling_processors(spec.temperature, spec.top_k, spec.top_p))
         if spec.stop:
             kwargs.update(stop_strings=list(spec.stop), tokenizer=self.tokenizer)
+        if progress is not None:
+            rows = enc["input_ids"].shape[0] * n
+            kwargs.update(stopping_criteria=StoppingCriteriaList([_StepCounter(
+                progress, rows, spec.max_new_tokens, eos_ids, enc["input_ids"].device)]))
         out = self.model.generate(**{k: v.repeat_interleave(n, 0) for k, v in enc.items()}, **kwargs)
         return out[:, enc["input_ids"].shape[1] :]
 

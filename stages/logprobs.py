@@ -37,6 +37,7 @@ import copy
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from stages import models
 from stages.distributed import inner_output, is_sharded
 from stages.lean_decode import LEAN_MODELS
 
@@ -257,11 +258,7 @@ def can_share_prefix(model) -> bool:
         return False  # (FSDP: two forwards per batch; kept simple, one forward)
     if not model.training:
         return True
-    # the property walks every module: read it once (older transformers: is_gradient_checkpointing)
-    checkpointing = getattr(model, "is_activation_checkpointing", None)
-    if checkpointing is None:
-        checkpointing = getattr(model, "is_gradient_checkpointing", False)
-    return not checkpointing
+    return not models.is_activation_checkpointing(model)
 
 
 def _decoder_hidden(model, decoder, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -298,24 +295,25 @@ def shared_prefix_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.T
     on real completion tokens either way.
     """
     decoder, head = model.get_decoder(), model.get_output_embeddings()
+    cache_arg = models.cache_name(decoder)  # "cache", or "past_key_values" before transformers renamed it
     has_common = common_ids is not None and common_ids.shape[1] > 0
     embeds = _embed_once(decoder, ([common_ids] if has_common else []) + [prompt_ids, completion_ids])
     cache, lead = None, prompt_mask[:, :0]
     if has_common:
         n_common = common_ids.shape[1]
         positions = torch.arange(n_common, device=common_ids.device)[None, :]
-        cache = decoder(inputs_embeds=embeds.pop(0), attention_mask=torch.ones_like(common_ids), position_ids=positions,
-                        use_cache=True).past_key_values
+        cache = getattr(decoder(inputs_embeds=embeds.pop(0), attention_mask=torch.ones_like(common_ids),
+                                position_ids=positions, use_cache=True), cache_arg)
         cache.batch_repeat_interleave(prompt_ids.shape[0])  # for autograd: the common part's gradient sums over prompts
         lead = prompt_mask.new_ones(prompt_ids.shape[0], n_common)
     out = decoder(inputs_embeds=embeds[0], attention_mask=torch.cat([lead, prompt_mask], dim=1),
-                  position_ids=lead.shape[1] + (prompt_mask.cumsum(-1) - 1).clamp(min=0), past_key_values=cache,
-                  use_cache=True)
+                  position_ids=lead.shape[1] + (prompt_mask.cumsum(-1) - 1).clamp(min=0), use_cache=True,
+                  **{cache_arg: cache})
     last = out.last_hidden_state[:, -1, :].index_select(0, prompt_of_row)  # (N, H): predicts completion token 0
     if completion_ids.shape[1] == 0:
         empty = last.new_zeros(completion_ids.shape, dtype=torch.float32)
         return empty, empty if with_entropy else None
-    cache = out.past_key_values
+    cache = getattr(out, cache_arg)
     row_mask = torch.cat([lead, prompt_mask], dim=1).index_select(0, prompt_of_row)
     positions = row_mask.sum(-1, keepdim=True) + torch.arange(completion_ids.shape[1], device=completion_ids.device)[None, :]
     lengths = completion_mask.sum(-1).tolist()
@@ -329,7 +327,7 @@ def shared_prefix_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.T
         index = _bucket_index(rows, buckets, completion_ids.device)
         bucket_cache = cache if index is None else _cache_rows_copy(cache)  # one bucket: the cache as it is
         bucket_cache.batch_select_indices(_take(prompt_of_row, index))  # for autograd: a prompt's gradient sums over its rows
-        h = decoder(inputs_embeds=_take(embeds[1], index)[:, :width], past_key_values=bucket_cache, use_cache=True,
+        h = decoder(inputs_embeds=_take(embeds[1], index)[:, :width], **{cache_arg: bucket_cache}, use_cache=True,
                     attention_mask=torch.cat([_take(row_mask, index), _take(completion_mask, index)[:, :width]], dim=1),
                     position_ids=_take(positions, index)[:, :width]).last_hidden_state  # (n, width, H)
         hidden = torch.cat([_take(last, index)[:, None, :], h[:, :-1, :]], dim=1)  # position j predicts completion token j

@@ -14,7 +14,9 @@ Pure transformers / peft / torch: no Prefect, no MLflow.
 from __future__ import annotations
 
 import copy
+import functools
 import importlib.util
+import inspect
 import logging
 import os
 import re
@@ -23,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 import zipfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -333,7 +336,8 @@ def load_model(
         raise ModelError(f"adapter {ref!r} does not record base_model_name_or_path")
     base, tokenizer = _load_plain(base_ref, dtype, trust_remote_code, revision)
     try:
-        model = PeftModel.from_pretrained(base, adapter_dir, is_trainable=is_trainable)
+        with peft_reading_checkpointing():
+            model = PeftModel.from_pretrained(base, adapter_dir, is_trainable=is_trainable)
         if (adapter_dir / "tokenizer_config.json").is_file():
             tokenizer = _finish_tokenizer(AutoTokenizer.from_pretrained(adapter_dir))
     except (OSError, ValueError, RuntimeError, KeyError) as err:
@@ -373,7 +377,59 @@ def apply_lora(model: PreTrainedModel, spec: LoraSpec) -> Model:
         target_modules=spec.target_modules,
         task_type="CAUSAL_LM",
     )
-    return get_peft_model(model, config)
+    with peft_reading_checkpointing():
+        return get_peft_model(model, config)
+
+
+# ---------------------------------------------------------------------------- transformers API across versions
+# transformers 5.2x renamed the KV-cache argument and output field `past_key_values` -> `cache`, and activation
+# ("gradient") checkpointing's methods; the old names warn (FutureWarning, or a logged warning). The GPU
+# machine's transformers (5.17, issue 30) may predate the renames: the names are read off the installed
+# version, once per model class, never assumed.
+
+
+@functools.cache
+def _cache_name(cls: type) -> str:
+    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
+
+
+def cache_name(model: torch.nn.Module) -> str:
+    """The keyword `model`'s forward takes its KV cache by, and the field its output returns it in:
+    "cache" (transformers >= 5.2x) or "past_key_values". A peft model answers for the model it wraps."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return _cache_name(type(base))
+
+
+def enable_activation_checkpointing(model: PreTrainedModel, use_reentrant: bool = False) -> None:
+    """transformers' activation checkpointing on every decoder layer: `activation_checkpointing_enable` where the
+    installed version has it, else its older name `gradient_checkpointing_enable`."""
+    kwargs = {"use_reentrant": use_reentrant}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def is_activation_checkpointing(model: torch.nn.Module) -> bool:
+    """Whether activation checkpointing is on (`is_activation_checkpointing`, older `is_gradient_checkpointing`).
+    The property walks every module: read it once per use."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if hasattr(type(base), "is_activation_checkpointing"):
+        return bool(base.is_activation_checkpointing)
+    return bool(getattr(base, "is_gradient_checkpointing", False))
+
+
+PEFT_DEPRECATED_READ = r"`is_gradient_checkpointing` is deprecated"
+
+
+@contextmanager
+def peft_reading_checkpointing() -> Iterator[None]:
+    """peft (0.21) reads transformers' deprecated `is_gradient_checkpointing` in `PeftModel.__init__`: that
+    FutureWarning is peft's call, not ours, so it is not shown around the calls that build a PeftModel. This
+    one message only; our own code reads `is_activation_checkpointing` (tests/test_progress.py checks)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=PEFT_DEPRECATED_READ, category=FutureWarning)
+        yield
 
 
 def save_model(model: Model, tokenizer: PreTrainedTokenizerBase, out_dir: Path, merge: bool = False) -> Path:

@@ -178,7 +178,8 @@ def apply_reward_lora(model: PreTrainedModel, spec: LoraSpec):
         return model.requires_grad_(True)
     config = LoraConfig(r=spec.r, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
                         target_modules=spec.target_modules, task_type="SEQ_CLS", modules_to_save=["score"])
-    return get_peft_model(model, config)
+    with models.peft_reading_checkpointing():
+        return get_peft_model(model, config)
 
 
 @torch.no_grad()

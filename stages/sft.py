@@ -379,7 +379,7 @@ def load_trainable(source: Input, cfg: SFTConfig, device: str):
     if merged_input:  # an adapter artifact: fold it in, then train a fresh adapter (or all weights)
         model = model.merge_and_unload()
     if getattr(cfg, "gradient_checkpointing", False):  # non-reentrant: no input grads needed under LoRA
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        models.enable_activation_checkpointing(model, use_reentrant=False)
     model = models.apply_lora(model.to(device), cfg.lora)
     if cfg.lora.r > 0 and not merged_input:
         for pc in model.peft_config.values():

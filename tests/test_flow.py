@@ -4,6 +4,7 @@ module), MLflow (sqlite), caching, selective re-runs, artifact loss, one-line er
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -16,8 +17,16 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def home(tmp_path_factory):
+    import flows.pipeline  # noqa: F401  (Prefect configures logging once, on import: before caplog sets a level)
+
     with harness_home(tmp_path_factory.mktemp("flow-home")) as path:
         yield path
+
+
+def node_lines(caplog) -> list[str]:
+    """The per-node lines of the run (pipeline.NodeProgress, INFO on the flow run's logger; the tests run Prefect at
+    WARNING, so each test that reads them sets INFO there)."""
+    return [r.getMessage() for r in caplog.records if r.name == "prefect.flow_runs" and r.getMessage().startswith("[")]
 
 
 def run(home: Path, *args: str) -> dict:
@@ -31,11 +40,22 @@ def statuses(result: dict) -> dict[str, str]:
     return {s["node"]: s["status"] for s in result["stages"]}
 
 
-def test_first_run_runs_every_stage_and_tracks_it(home):
+def test_first_run_runs_every_stage_and_tracks_it(home, caplog, recwarn):
     from mlflow.tracking import MlflowClient
 
+    caplog.set_level(logging.INFO, logger="prefect.flow_runs")
     result = run(home)
     assert statuses(result) == dict.fromkeys(["base", "prompts", "sft", "eval_base", "eval_sft"], "run")
+    # none of our calls into transformers is deprecated (the stages one by one: tests/test_progress.py)
+    assert [str(w.message) for w in recwarn if issubclass(w.category, FutureWarning)] == []
+    lines = node_lines(caplog)  # each node's start and end line, once each
+    nodes = [("base", "import_model"), ("prompts", "prompts"), ("sft", "sft"), ("eval_base", "eval"),
+             ("eval_sft", "eval")]
+    assert len(lines) == 2 * len(nodes), lines
+    for i, (node, stage) in enumerate(nodes):
+        assert lines[2 * i].startswith(f"[{i + 1}/5] {node} ({stage}) ... (elapsed ")
+        assert lines[2 * i + 1].startswith(f"[{i + 1}/5] {node} ({stage}) run in ")
+    assert lines[-1].endswith("; 5 run, 0 cached)")
     client = MlflowClient(f"sqlite:///{home}/mlflow.db")
     parent = client.get_run(result["parent_run_id"])
     assert parent.info.status == "FINISHED"
@@ -77,11 +97,16 @@ def test_first_run_runs_every_stage_and_tracks_it(home):
     assert client.get_model_version_by_alias("r1flow-sft-eval", "champion").tags["r1flow.node"] in ("base", "sft")
 
 
-def test_second_run_is_fully_cached(home):
+def test_second_run_is_fully_cached(home, caplog):
     from mlflow.tracking import MlflowClient
 
+    caplog.set_level(logging.INFO, logger="prefect.flow_runs")
     result = run(home)
     assert set(statuses(result).values()) == {"cached"}
+    lines = node_lines(caplog)  # an end line per node, no start lines
+    assert [line.split(" in ")[0] for line in lines] == [f"[{i}/5] {n} cached" for i, n in enumerate(
+        ["base (import_model)", "prompts (prompts)", "sft (sft)", "eval_base (eval)", "eval_sft (eval)"], 1)]
+    assert lines[-1].endswith("; 0 run, 5 cached)")
     assert {s["prefect_state"] for s in result["stages"]} == {"Cached"}
     assert sum(s["seconds"] for s in result["stages"]) < 15
     client = MlflowClient(f"sqlite:///{home}/mlflow.db")

@@ -10,6 +10,7 @@ from transformers import DynamicCache
 
 from stages import lean_decode
 from stages.generation import LEAN_CACHE_LAYERS, decode_rows, prefill_prompts, sampling_processors
+from stages.models import cache_name
 
 
 def _distinct_norms(model):
@@ -64,8 +65,8 @@ def _compare(model, padded: bool, steps: int = 4, fuse_max_bytes: int = lean_dec
         pos = (mask2.cumsum(-1) - 1).clamp(min=0)[:, -1:]
         worst = 0.0
         for _ in range(steps):
-            ref = model(input_ids=token, attention_mask=mask2, position_ids=pos, past_key_values=ref_cache,
-                        use_cache=True, logits_to_keep=1).logits[:, -1]
+            ref = model(input_ids=token, attention_mask=mask2, position_ids=pos, use_cache=True, logits_to_keep=1,
+                        **{cache_name(model): ref_cache}).logits[:, -1]
             got = step(token, mask2, pos, lean_cache, not bool(mask2.all()))
             assert got.shape == ref.shape
             worst = max(worst, (got - ref).abs().max().item())

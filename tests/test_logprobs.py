@@ -352,7 +352,7 @@ def test_packed_prefix_rows_give_the_same_logprobs_and_gradients(tiny_tokenizer,
 
     model = models.apply_lora(models.build_tiny_model(tiny_tokenizer, seed=2), LoraSpec(r=lora_r)).train()
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        models.enable_activation_checkpointing(model)
     assert can_pack_prefix(model)
     prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18]]
     prompt_of_row = [0, 2, 0, 1, 0, 2]
