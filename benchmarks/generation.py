@@ -89,7 +89,8 @@ def compare(args: argparse.Namespace) -> None:
           f"greedy; torch {torch.__version__}", flush=True)
     reference = None
     for label, fn, cache in (("generate() dynamic", plain, "dynamic"), ("r1flow decode_rows", ours, "dynamic"),
-                             ("generate() static", plain, "static"), ("r1flow static", ours, "static")):
+                             ("generate() static", plain, "static"), ("r1flow static", ours, "static"),
+                             ("r1flow graph", ours, "graph")):
         warm_s, _ = timed(fn, cache)
         if cuda:
             torch.cuda.reset_peak_memory_stats()

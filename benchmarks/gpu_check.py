@@ -189,11 +189,13 @@ class Check:
         self.record("tests", res, counts)
 
     def suite(self, part: str, tasks: str, framework: str, quick: bool) -> dict | None:
-        """One framework's run of the suite; its raw result (also kept for suite.json) or None."""
+        """One framework's run of the suite; its raw result (also kept for suite.json) or None. GRPO on CUDA decodes
+        with r1flow's CUDA graphs (`cache: graph`, r1flow's own decode; TRL keeps its default dynamic cache)."""
         raw = self.work / f"{part.replace('/', '-')}.json"
+        cache = ["--cache", "graph"] if self.cuda and not quick and "grpo" in tasks else []
         cmd = [PY, "benchmarks/suite.py", "--device", self.device, "--models", self.model, "--tasks", tasks,
                "--frameworks", framework, "--json", str(raw), "--work-dir", str(self.work / part.replace("/", "-")),
-               "--quiet-wait", "0"] + (["--quick"] if quick else [])
+               "--quiet-wait", "0", *cache] + (["--quick"] if quick else [])
         res = self.run(part, cmd)
         data = json.loads(raw.read_text()) if raw.is_file() else None
         if data is not None:

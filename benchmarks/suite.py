@@ -560,8 +560,9 @@ def main() -> None:
                     "blocks up to 1 GiB kept for reuse) through MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_, "
                     "glibc = glibc's defaults; r1flow's in-process tuning is off in both")
     ap.add_argument("--lora", type=int, default=0, help="LoRA rank on both sides (0: full fine-tuning)")
-    ap.add_argument("--cache", choices=["dynamic", "static"], default="dynamic",
-                    help="KV cache of the GRPO rollouts, on both sides (r1flow generation.cache, TRL cache_implementation)")
+    ap.add_argument("--cache", choices=["dynamic", "static", "graph"], default="dynamic",
+                    help="KV cache of the GRPO rollouts, on both sides (r1flow generation.cache, TRL cache_implementation; "
+                    "graph: r1flow's CUDA-graph decode, an implementation TRL does not have: TRL keeps its default dynamic cache)")
     ap.add_argument("--r1flow-backend", choices=["transformers", "vllm"], default="transformers",
                     help="r1flow's GRPO generation backend (vllm: a colocated engine, CUDA and the vllm extra); TRL's "
                          "GRPOTrainer keeps transformers generation, the issue's comparison")

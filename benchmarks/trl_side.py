@@ -216,7 +216,9 @@ def run_grpo(prep: dict, shape: Shape, device: str, work: Path, step_prompts: li
                       num_generations=shape.grpo_group, max_completion_length=shape.grpo_new_tokens,
                       temperature=1.0, top_p=1.0, top_k=0, beta=0.0, num_iterations=1, epsilon=0.2,
                       loss_type="grpo", scale_rewards="group", use_vllm=False, log_completions=False,
-                      cache_implementation=None if shape.cache == "dynamic" else shape.cache,
+                      # graph is r1flow's own decode implementation, not a cache TRL has: TRL keeps its default
+                      # (transformers' dynamic cache, the baseline issue 30 measures against)
+                      cache_implementation={"dynamic": None, "static": "static", "graph": None}[shape.cache],
                       shuffle_dataset=False)
     clock = StepClock()
     meter = PeakMemory(device)

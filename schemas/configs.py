@@ -54,10 +54,13 @@ class GenerationSpec(Strict):
         "", description="Text the assistant turn starts with, e.g. `<think>\\n` (R1-Zero's template ends the prompt "
         "there). Part of the prompt, never trained; completions are returned and scored as prefill + generated text."
     )
-    cache: Literal["dynamic", "static"] = Field(
-        "dynamic", description="transformers KV cache. static: preallocated, and on a GPU transformers compiles the "
-        "decode step (CUDA graphs); prompts are then left-padded to a multiple of 64 tokens so few shapes compile. "
-        "On CPU static is correct but not faster.",
+    cache: Literal["dynamic", "static", "graph"] = Field(
+        "dynamic", description="KV cache and decode loop. dynamic: r1flow's decode loop (finished rows dropped). "
+        "static: transformers' generate() with its static cache; on a GPU transformers compiles the decode step; "
+        "prompts are then left-padded to a multiple of 64 tokens so few shapes compile. graph: r1flow's decode step "
+        "over preallocated KV buffers with fixed shapes, captured once per batch as a CUDA graph and replayed for "
+        "every token (Llama, Mistral, Qwen2 with sdpa; other models use dynamic; on CPU it runs eagerly, correct but "
+        "not faster). Same tokens either way, up to float rounding.",
     )
 
 

@@ -312,6 +312,59 @@ def decode_rows(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, ca
     return out[:, :steps]
 
 
+@torch.no_grad()
+def decode_static(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache, max_new_tokens: int,
+                  eos_ids: list[int], pad_id: int, warpers=(), sampler: BlockRaceSampler | None = None,
+                  stop=None, progress: GenerationProgress | None = None, graphs: bool | None = None,
+                  check_every: int = 8) -> torch.Tensor:
+    """`decode_rows` over `lean_decode.StaticDecode`: fixed shapes, on CUDA one graph replay a token.
+
+    Same inputs and tokens as `decode_rows` (up to float rounding: attention runs over every column
+    of the buffer, the unwritten ones masked), with two differences that keep the step's shapes
+    fixed: finished rows are not dropped (their tokens become `pad_id`, as in generate()), and
+    whether every row is done is read from the device every `check_every` steps only (each read is
+    a synchronisation), so up to check_every - 1 steps may run after the last row ends; those steps'
+    tokens are padding. With a progress bar the counts are read every step (one small sync each).
+    """
+    rows, width, device = input_ids.shape[0], input_ids.shape[1], input_ids.device
+    dec = lean_decode.StaticDecode(model, cache, attention_mask, max_new_tokens, graphs=graphs)
+    out = torch.full((rows, max_new_tokens), pad_id, dtype=torch.long, device=device)
+    seq = torch.cat([input_ids, out], 1) if stop is not None else None
+    live = torch.arange(rows, device=device)
+    eos = torch.tensor(eos_ids, device=device)
+    pos = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, -1:]
+    token = input_ids[:, -1:]
+    done = torch.zeros(rows, dtype=torch.bool, device=device)
+    finished_at = torch.full((rows,), max_new_tokens - 1, dtype=torch.long, device=device)
+    steps = n_done = 0
+    for step in range(max_new_tokens):
+        scores = dec.step(token, pos).float()
+        for warp in warpers:
+            scores = warp(None, scores)
+        nxt = sampler.draw(scores, live, rows) if sampler is not None else scores.argmax(-1)
+        nxt = nxt.masked_fill(done, pad_id)
+        out[:, step] = nxt
+        steps = step + 1
+        was_done = done
+        done = done | torch.isin(nxt, eos)
+        if seq is not None:
+            seq[:, width + step] = nxt
+            done = done | stop(seq[:, : width + step + 1], None)
+        finished_at = torch.where(done & ~was_done, step, finished_at)
+        if progress is not None:
+            before, n_done = n_done, int(done.sum())
+            progress.step(rows - before, n_done - before, max_new_tokens - steps)
+            if n_done == rows:
+                break
+        elif steps % check_every == 0 and bool(done.all()):
+            break
+        pos = pos + 1
+        token = nxt[:, None]
+    if bool(done.all()):  # as decode_rows: up to the step the last row ended (later steps were padding)
+        steps = int(finished_at.max()) + 1
+    return out[:, :steps]
+
+
 class PreallocatedLayer(DynamicLayer):
     """A `DynamicLayer` whose keys and values are views into buffers with room for more positions:
     `update` writes the new positions in place, where DynamicLayer concatenates the whole cache
@@ -556,18 +609,21 @@ class TransformersBackend:
         steps = bar if progress else None  # no per-step calls at all without a bar (GRPO's rollouts)
         for b, idx in enumerate(batches):
             enc = tokenizer([texts[i] for i in idx], return_tensors="pt", add_special_tokens=False,
-                            **({"padding": True} if spec.cache == "dynamic" else
+                            **({"padding": True} if spec.cache != "static" else
                                {"padding": True, "pad_to_multiple_of": STATIC_BUCKET})).to(device)
             torch.manual_seed(seed * 1_000_003 + b)
             with rows_first_linears(model), self._precision(device):
-                if spec.cache == "dynamic" and supports_decode_rows(model):
+                if spec.cache in ("dynamic", "graph") and supports_decode_rows(model):
                     p_ids, p_mask, cache = prefill_prompts(model, enc["input_ids"], enc["attention_mask"], n,
                                                            spec.max_new_tokens, pad_id=pad_id)
                     procs = list(sampling_processors(spec.temperature, spec.top_k, spec.top_p)) if do_sample else []
                     stop = StopStringCriteria(tokenizer, list(spec.stop)) if spec.stop else None
-                    new = decode_rows(model, p_ids, p_mask, cache, spec.max_new_tokens, eos_ids, pad_id,
-                                      warpers=procs[:-1], sampler=procs[-1] if procs else None, stop=stop,
-                                      progress=steps)
+                    static = (spec.cache == "graph" and lean_decode.applies(model)
+                              and lean_decode.takes_cache(cache, LEAN_CACHE_LAYERS))
+                    decode = decode_static if static else decode_rows  # graph on other models: decode_rows
+                    new = decode(model, p_ids, p_mask, cache, spec.max_new_tokens, eos_ids, pad_id,
+                                 warpers=procs[:-1], sampler=procs[-1] if procs else None, stop=stop,
+                                 progress=steps)
                 else:
                     new = self._generate(enc, n, spec, eos_ids, pad_id, steps)
             rows = self._rows(new.tolist(), eos_ids, spec.stop)

@@ -27,8 +27,10 @@ layer, the `sdpa` attention implementation, and no accelerate hooks (device maps
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
@@ -82,8 +84,22 @@ def fused_projections(layers, max_bytes: int = FUSE_MAX_BYTES) -> list[tuple]:
     return [tuple(_concat(g) if g else None for g in pair) for pair in groups]
 
 
-def lean_step(model, fuse_max_bytes: int = FUSE_MAX_BYTES) -> Step | None:
-    """The decode step for `model` (a causal LM, or a peft model wrapping one), or None where it does not apply."""
+@dataclass(frozen=True)
+class _Parts:
+    """The modules one decode step calls, in the order the model's forward calls them."""
+
+    embed: torch.nn.Module
+    rotary: torch.nn.Module
+    norm: torch.nn.Module
+    head: torch.nn.Module
+    layers: list
+    attns: list
+    fused: list
+    rotate: Callable
+
+
+def _parts(model, fuse_max_bytes: int = FUSE_MAX_BYTES) -> _Parts | None:
+    """The step's modules for `model` (a causal LM, or a peft model wrapping one), or None where it does not apply."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     inner, config = getattr(base, "model", None), getattr(base, "config", None)
     if type(base).__name__ not in LEAN_MODELS or inner is None or config is None:
@@ -97,46 +113,161 @@ def lean_step(model, fuse_max_bytes: int = FUSE_MAX_BYTES) -> Step | None:
     if any(type(a).__name__ not in LEAN_ATTENTION or not _full_attention(a, config) for a in attns):
         return None
     rotate = sys.modules[type(attns[0]).__module__].apply_rotary_pos_emb
-    embed, rotary, norm, head = inner.embed_tokens, inner.rotary_emb, inner.norm, base.lm_head
-    fused = fused_projections(layers, fuse_max_bytes)
+    return _Parts(inner.embed_tokens, inner.rotary_emb, inner.norm, base.lm_head, layers, attns,
+                  fused_projections(layers, fuse_max_bytes), rotate)
+
+
+def _forward(p: _Parts, token: torch.Tensor, pos: torch.Tensor, attn_mask: torch.Tensor | None,
+             kv: Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Logits [rows, vocab] of one new token per row. `kv(layer, k, v)` stores the token's keys and values and
+    returns the layer's whole keys and values; `attn_mask` [rows, 1, 1, columns] (True: attend) or None."""
     linear = torch.nn.functional.linear
+    x = p.embed(token)
+    cos, sin = p.rotary(x, pos)
+    rows = x.shape[0]
+    for i, (layer, attn, (qkv, gate_up)) in enumerate(zip(p.layers, p.attns, p.fused, strict=True)):
+        h = layer.input_layernorm(x)
+        if qkv is not None:
+            q, k, v = linear(h, *qkv).split([attn.q_proj.out_features, attn.k_proj.out_features,
+                                             attn.v_proj.out_features], -1)
+        else:
+            q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+        q = q.view(rows, 1, -1, attn.head_dim).transpose(1, 2)
+        k = k.view(rows, 1, -1, attn.head_dim).transpose(1, 2)
+        v = v.view(rows, 1, -1, attn.head_dim).transpose(1, 2)
+        q, k = p.rotate(q, k, cos, sin)
+        k, v = kv(i, k, v)
+        groups = attn.num_key_value_groups
+        if groups > 1 and attn_mask is not None:  # transformers' pack_gqa: a group's heads as query positions
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q.reshape(rows, -1, groups, attn.head_dim), k, v, attn_mask=attn_mask, scale=attn.scaling)
+        else:
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=attn_mask, scale=attn.scaling, enable_gqa=groups > 1)
+        x = x + attn.o_proj(o.reshape(rows, 1, -1))
+        h = layer.post_attention_layernorm(x)
+        if gate_up is not None:
+            gate, up = linear(h, *gate_up).chunk(2, -1)
+            x = x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
+        else:
+            x = x + layer.mlp(h)
+    return p.head(p.norm(x))[:, -1]
+
+
+def applies(model) -> bool:
+    """Whether `lean_step` and `StaticDecode` take this model (checks only; copies no weights)."""
+    return _parts(model, fuse_max_bytes=0) is not None
+
+
+def lean_step(model, fuse_max_bytes: int = FUSE_MAX_BYTES) -> Step | None:
+    """The decode step for `model` (a causal LM, or a peft model wrapping one), or None where it does not apply."""
+    parts = _parts(model, fuse_max_bytes)
+    if parts is None:
+        return None
 
     def step(token: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: DynamicCache,
              padded: bool) -> torch.Tensor:
-        x = embed(token)
-        cos, sin = rotary(x, pos)
-        rows = x.shape[0]
         # One query token attends to every real column: the causal mask is the padding mask, None without padding.
         attn_mask = mask.bool()[:, None, None, :] if padded else None
-        for i, (layer, attn, (qkv, gate_up)) in enumerate(zip(layers, attns, fused, strict=True)):
-            h = layer.input_layernorm(x)
-            if qkv is not None:
-                q, k, v = linear(h, *qkv).split([attn.q_proj.out_features, attn.k_proj.out_features,
-                                                 attn.v_proj.out_features], -1)
-            else:
-                q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
-            q = q.view(rows, 1, -1, attn.head_dim).transpose(1, 2)
-            k = k.view(rows, 1, -1, attn.head_dim).transpose(1, 2)
-            v = v.view(rows, 1, -1, attn.head_dim).transpose(1, 2)
-            q, k = rotate(q, k, cos, sin)
-            k, v = cache.update(k, v, i)
-            groups = attn.num_key_value_groups
-            if groups > 1 and attn_mask is not None:  # transformers' pack_gqa: a group's heads as query positions
-                o = torch.nn.functional.scaled_dot_product_attention(
-                    q.reshape(rows, -1, groups, attn.head_dim), k, v, attn_mask=attn_mask, scale=attn.scaling)
-            else:
-                o = torch.nn.functional.scaled_dot_product_attention(
-                    q, k, v, attn_mask=attn_mask, scale=attn.scaling, enable_gqa=groups > 1)
-            x = x + attn.o_proj(o.reshape(rows, 1, -1))
-            h = layer.post_attention_layernorm(x)
-            if gate_up is not None:
-                gate, up = linear(h, *gate_up).chunk(2, -1)
-                x = x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
-            else:
-                x = x + layer.mlp(h)
-        return head(norm(x))[:, -1]
+        return _forward(parts, token, pos, attn_mask, lambda i, k, v: cache.update(k, v, i))
 
     return step
+
+
+class StaticDecode:
+    """Decode steps with fixed shapes, for CUDA graphs: `lean_step`'s arithmetic over preallocated buffers.
+
+    transformers' dynamic cache grows every step, so every step's tensors have new shapes and each of
+    a small model's few hundred kernels is launched from Python (on an H100, SmolLM2-135M: launch
+    bound, ~20x off the arithmetic). Here every layer's keys and values live in buffers with room
+    for the whole completion ([rows, kv heads, past + new tokens, head dim]), the step writes the new
+    token's keys and values at a column index held in a device tensor (`index_copy_`), marks that
+    column valid in a [rows, columns] mask and attends over all columns (the ones not yet written
+    are masked), then advances the index in place. Nothing in a step depends on a Python value that
+    changes, so on CUDA the step is captured once as a CUDA graph (`torch.cuda.CUDAGraph`) and
+    replayed for every token: one launch a token instead of hundreds. Elsewhere (`graphs=False`) the
+    same step runs eagerly (the CPU tests check it against `model(...)` token for token).
+
+    Rows are fixed: finished rows keep decoding (their tokens are replaced by padding), as
+    generate() does, where `decode_rows` drops them; use this where launches dominate (small models
+    on a GPU), `decode_rows` where arithmetic does (CPU, large batches of uneven lengths).
+    Each batch gets its own StaticDecode (its buffers, its graph), made after the weights last changed:
+    fused projection copies (`fused_projections`, small models only) are taken when it is made. Graph capture runs on a side stream after two eager
+    warm-up steps; under autocast the capture disables autocast's weight cache (a cast copy made
+    during capture would be freed and reused by the graph's pool).
+    """
+
+    WARMUP_STEPS = 2
+
+    def __init__(self, model, cache: DynamicCache, attention_mask: torch.Tensor, new_tokens: int,
+                 graphs: bool | None = None, fuse_max_bytes: int = FUSE_MAX_BYTES):
+        parts = _parts(model, fuse_max_bytes)
+        if parts is None:
+            raise ValueError("StaticDecode needs a Llama, Mistral or Qwen2 model with sdpa attention (see lean_step)")
+        self.parts = parts
+        rows, width = attention_mask.shape
+        past = width - 1  # the cache holds every prompt column but the last, which the first step feeds
+        device = attention_mask.device
+        self.graphs = device.type == "cuda" if graphs is None else graphs
+        capacity = past + new_tokens
+        self.keys, self.values = [], []
+        for layer in cache.layers:
+            k, v = layer.keys, layer.values
+            if k.shape[2] != past:
+                raise ValueError(f"StaticDecode: the cache holds {k.shape[2]} columns, the mask says {past}")
+            kb = k.new_zeros(k.shape[0], k.shape[1], capacity, k.shape[3])
+            vb = v.new_zeros(v.shape[0], v.shape[1], capacity, v.shape[3])
+            kb[:, :, :past] = k
+            vb[:, :, :past] = v
+            self.keys.append(kb)
+            self.values.append(vb)
+        self.valid = torch.zeros(rows, capacity, dtype=torch.bool, device=device)
+        self.valid[:, :past] = attention_mask[:, :-1].bool()
+        self.column = torch.full((1,), past, dtype=torch.long, device=device)
+        self.token = torch.zeros(rows, 1, dtype=torch.long, device=device)
+        self.pos = torch.zeros(rows, 1, dtype=torch.long, device=device)
+        self.new_tokens, self.steps = new_tokens, 0
+        self.graph, self.logits = None, None
+
+    def _kv(self, i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.keys[i].index_copy_(2, self.column, k.to(self.keys[i].dtype))
+        self.values[i].index_copy_(2, self.column, v.to(self.values[i].dtype))
+        return self.keys[i], self.values[i]
+
+    def _step(self) -> torch.Tensor:
+        self.valid.index_fill_(1, self.column, True)
+        logits = _forward(self.parts, self.token, self.pos, self.valid[:, None, None, :], self._kv)
+        self.column.add_(1)
+        return logits
+
+    def step(self, token: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Logits [rows, vocab] after `token` [rows, 1] at positions `pos` [rows, 1]. The returned tensor is
+        overwritten by the next step under graphs: read (or copy) it before."""
+        if self.steps >= self.new_tokens:
+            raise RuntimeError(f"StaticDecode: more than the {self.new_tokens} steps it was made for")
+        self.token.copy_(token)
+        self.pos.copy_(pos)
+        self.steps += 1
+        if not self.graphs:
+            return self._step()
+        if self.graph is None and self.steps <= self.WARMUP_STEPS:
+            return self._step()
+        if self.graph is None:
+            self._capture()
+        self.graph.replay()
+        return self.logits
+
+    def _capture(self) -> None:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        autocast = torch.is_autocast_enabled("cuda")
+        dtype = torch.get_autocast_dtype("cuda") if autocast else None
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(stream):
+            ctx = torch.autocast("cuda", dtype=dtype, cache_enabled=False) if autocast else contextlib.nullcontext()
+            with ctx, torch.cuda.graph(self.graph, stream=stream):
+                self.logits = self._step()
+        torch.cuda.current_stream().wait_stream(stream)
 
 
 def takes_cache(cache, layer_types: tuple[type, ...] = (DynamicLayer,)) -> bool:

@@ -173,3 +173,25 @@ def test_grpo_stage_runs_on_cuda_in_bf16(tmp_path, tiny_model_input, digit_promp
     assert ctx.params["precision"] == "torch.bfloat16"
     for m in steps:
         assert all(math.isfinite(v) for v in m.values() if isinstance(v, float)), m
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_graph_decode_replays_what_the_eager_steps_compute_on_cuda(tiny_tokenizer, autocast):
+    """StaticDecode captured as a CUDA graph (two eager warm-up steps, then replays) gives the eager steps'
+    tokens, greedy, in fp32 and under bf16 autocast (capture with autocast's weight cache off)."""
+    from stages.generation import decode_static, prefill_prompts, stop_token_ids
+    from stages.models import build_tiny_model
+
+    model = build_tiny_model(tiny_tokenizer, seed=3).to(DEVICE).eval()
+    tiny_tokenizer.padding_side = "left"
+    enc = tiny_tokenizer(_prompts(tiny_tokenizer), return_tensors="pt", padding=True,
+                         add_special_tokens=False).to(DEVICE)
+    eos, pad, new = stop_token_ids(tiny_tokenizer), tiny_tokenizer.pad_token_id, 24
+    outs = []
+    ctx = torch.autocast("cuda", dtype=torch.bfloat16) if autocast else torch.autocast("cuda", enabled=False)
+    for graphs in (False, True):
+        with torch.no_grad(), ctx:
+            p_ids, p_mask, cache = prefill_prompts(model, enc["input_ids"], enc["attention_mask"], 1, new, pad_id=pad)
+            outs.append(decode_static(model, p_ids, p_mask, cache, new, eos, pad, graphs=graphs))
+    assert outs[0].shape[1] > 4
+    assert outs[1].tolist() == outs[0].tolist()

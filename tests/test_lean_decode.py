@@ -220,3 +220,72 @@ def test_decode_rows_samples_the_same_with_and_without_the_lean_step(padded):
     for (live_a, a), (live_b, b) in zip(*traces, strict=True):
         assert live_a.tolist() == live_b.tolist()
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------- StaticDecode (CUDA graphs' step)
+
+
+@pytest.mark.parametrize("model_fn", [lambda: _llama(2), lambda: _llama(4), lambda: _qwen2()],
+                         ids=["llama-gqa", "llama", "qwen2-biases"])
+@pytest.mark.parametrize("padded", [True, False])
+def test_static_decode_gives_the_model_forwards_logits_step_by_step(model_fn, padded):
+    """Teacher-forced through the same tokens: StaticDecode's step (fixed buffers, every column attended with
+    the unwritten ones masked) gives model(...)'s logits with a growing DynamicCache."""
+    model = model_fn()
+    ids, mask = _batch(padded, rows=3, width=9)
+    steps = 6
+    with torch.no_grad():
+        p_ids, p_mask, cache = prefill_prompts(model, ids, mask, 1, steps, pad_id=0)
+        ref_cache = copy.deepcopy(cache)
+        dec = lean_decode.StaticDecode(model, cache, p_mask, steps, graphs=False)
+        token, m = p_ids[:, -1:], p_mask
+        pos = (p_mask.cumsum(-1) - 1).clamp(min=0)[:, -1:]
+        for _ in range(steps):
+            ref = model(input_ids=token, attention_mask=m, position_ids=pos, use_cache=True, logits_to_keep=1,
+                        **{cache_name(model): ref_cache})
+            ref_cache = getattr(ref, cache_name(model))
+            got = dec.step(token, pos)
+            torch.testing.assert_close(got, ref.logits[:, -1], rtol=1e-5, atol=1e-5)
+            token = ref.logits[:, -1].argmax(-1, keepdim=True)
+            m = torch.cat([m, m.new_ones(len(m), 1)], 1)
+            pos = pos + 1
+        with pytest.raises(RuntimeError, match="more than the 6 steps"):
+            dec.step(token, pos)
+
+
+@pytest.mark.parametrize("check_every", [1, 8])
+def test_decode_static_samples_what_decode_rows_samples(check_every):
+    """Sampling, rows ending early (many EOS ids): the same tokens and the same width as decode_rows (which
+    drops finished rows; decode_static keeps them and checks for the end every `check_every` steps)."""
+    from stages.generation import decode_static
+
+    model = _llama()
+    ids, mask = _batch(True, rows=4, width=7)
+    outs = []
+    for fn in (decode_rows, lambda *a, **k: decode_static(*a, **k, graphs=False, check_every=check_every)):
+        with torch.no_grad():
+            p_ids, p_mask, cache = prefill_prompts(model, ids, mask, 3, 12, pad_id=0)
+            procs = list(sampling_processors(1.0, 0, 1.0))
+            torch.manual_seed(7)
+            outs.append(fn(model, p_ids, p_mask, cache, 12, list(range(3, 13)), 0, warpers=procs[:-1],
+                           sampler=procs[-1]))
+    assert outs[0].shape[1] < 12  # every row ended before the budget: the width is the longest row's
+    assert outs[1].tolist() == outs[0].tolist()
+
+
+def test_the_graph_cache_generates_what_the_dynamic_cache_generates(tiny_tokenizer):
+    """The backend with `cache: graph` (StaticDecode, eager on CPU) against `cache: dynamic` (decode_rows),
+    sampling n=3 per prompt from the same seed; a model StaticDecode does not take falls back to decode_rows."""
+    from schemas.configs import GenerationSpec
+    from stages.generation import TransformersBackend
+    from stages.models import build_tiny_model
+
+    model = build_tiny_model(tiny_tokenizer, seed=3).eval()
+    assert lean_decode.applies(model)
+    convs = [[{"role": "user", "content": "What is " + "2*" * i + "3?"}] for i in range(5)]
+    got = {}
+    for cache in ("dynamic", "graph"):
+        spec = GenerationSpec(max_new_tokens=16, temperature=1.0, batch_size=3, cache=cache)
+        results, _ = TransformersBackend(model, tiny_tokenizer).generate(convs, spec, n=3, seed=5, progress=False)
+        got[cache] = [[c.token_ids for c in r] for r in results]
+    assert got["graph"] == got["dynamic"]
