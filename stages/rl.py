@@ -1,7 +1,8 @@
 """Pure math of RL post-training: advantages, clipped policy losses, loss aggregation, KL, entropy.
 
 Small functions, tensors in and out, no trainer state; `stages/grpo.py` composes them as
-rollout → score → `group_advantages` → `policy_loss` (+ beta * KL) → `aggregate` → step.
+rollout → score → `group_advantages` → `policy_loss` (+ beta * KL) → `aggregate` → step. PPO with
+a critic: `kl_penalized_rewards` → `gae` → `whiten` → the same `policy_loss`, plus `value_loss`.
 Every variant lives in a registry (`ADVANTAGES`, `POLICY_LOSSES`, `AGGREGATIONS`,
 `KL_ESTIMATORS`) picked by name from the config.
 
@@ -15,6 +16,8 @@ Papers:
 - RLOO (leave-one-out baseline), Ahmadian et al. 2024: https://arxiv.org/abs/2402.14740
 - REINFORCE++ (batch-level scaling): https://arxiv.org/abs/2501.03262
 - PPO clipped objective: https://arxiv.org/abs/1707.06347
+- GAE: https://arxiv.org/abs/1506.02438; per-token KL-penalised rewards (InstructGPT):
+  https://arxiv.org/abs/2203.02155
 - DAPO (clip-higher, token-mean aggregation): https://arxiv.org/abs/2503.14476
 - GSPO (sequence-level ratio, GSPO-token): https://arxiv.org/abs/2507.18071
 - CISPO / MiniMax-M1 (clipped, stop-gradient IS weights): https://arxiv.org/abs/2506.13585
@@ -363,6 +366,97 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
     p = logp.exp()
     logp = torch.where(p > 0, logp, torch.zeros_like(logp))
     return -(p * logp).sum(dim=-1)
+
+
+# ---------------------------------------------------------------------------- PPO with a critic
+
+
+def last_token_index(mask: Tensor) -> Tensor:
+    """(B,) index of each row's last masked-in token (0 for an empty row). mask (B, T)."""
+    t = mask.shape[-1]
+    return (t - 1 - mask.bool().flip(-1).to(torch.long).argmax(-1)).clamp(min=0)
+
+
+def kl_penalized_rewards(scores: Tensor, logp: Tensor, ref_logp: Tensor, mask: Tensor, beta: float,
+                         kl: str = "k1") -> tuple[Tensor, Tensor]:
+    """InstructGPT's per-token rewards: -beta * KL_t on every completion token, plus the completion's score
+    (reward model or verifier) on its last token. scores (B,); logp, ref_logp, mask (B, T).
+
+    Returns (rewards, kl) both (B, T), 0 at padding; a row with no token gets nothing.
+    """
+    m = mask.bool()
+    kl_t = torch.where(m, KL_ESTIMATORS[kl](logp.detach(), ref_logp.detach()), torch.zeros_like(logp))
+    rewards = -beta * kl_t
+    rows = torch.arange(mask.shape[0], device=mask.device)
+    has = m.any(-1)
+    score = scores.to(rewards.dtype)
+    rewards[rows, last_token_index(m)] += torch.where(has, score, torch.zeros_like(score))
+    return rewards, kl_t
+
+
+def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float = 1.0, lam: float = 0.95) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation (Schulman et al. 2016, https://arxiv.org/abs/1506.02438).
+
+    delta_t = r_t + gamma * V_{t+1} - V_t, with V_{t+1} = 0 after a completion's last token (the episode
+    ends) and at padding; A_t = delta_t + gamma * lam * A_{t+1}; returns R_t = A_t + V_t (the value
+    targets). rewards, values, mask (B, T), the mask contiguous from the first completion token
+    (right padding). Returns (advantages, returns), 0 at padding, no gradient.
+    """
+    m = mask.to(values.dtype)
+    r, v = rewards.detach() * m, values.detach() * m
+    adv = torch.zeros_like(v)
+    next_value = torch.zeros_like(v[:, 0])
+    next_adv = torch.zeros_like(v[:, 0])
+    for t in reversed(range(v.shape[1])):
+        delta = r[:, t] + gamma * next_value - v[:, t]
+        adv[:, t] = (delta + gamma * lam * next_adv) * m[:, t]
+        next_value, next_adv = v[:, t], adv[:, t]  # 0 at padding: a padded position ends the episode
+    return adv, (adv + v) * m
+
+
+def masked_mean_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> tuple[Tensor, Tensor]:
+    """Mean and variance of x over the masked-in entries (Bessel's correction when unbiased and n > 1)."""
+    m = mask.to(x.dtype)
+    n = m.sum()
+    mean = (x * m).sum() / n.clamp(min=1)
+    var = (((x - mean) * m) ** 2).sum() / (n - 1 if unbiased else n).clamp(min=1)
+    return mean, var
+
+
+def whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
+    """(x - mean) / std over the masked-in tokens of the whole batch (PPO's advantage whitening; unbiased
+    variance, as TRL and OpenRLHF); shift_mean=False only rescales. 0 at padding."""
+    mean, var = masked_mean_var(x, mask)
+    out = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return torch.where(mask.bool(), out, torch.zeros_like(out))
+
+
+def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor,
+               clip_eps: float | None = 0.2) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO's clipped value loss per token: max((V - R)^2, (clip(V, V_old +- eps) - R)^2) / 2 (B, T), 0 at
+    padding; clip_eps None is the plain squared error / 2. Stats: value_clipfrac, the share of tokens where the
+    clipped term is the larger (the clip took the gradient away)."""
+    returns, old_values = returns.detach(), old_values.detach()
+    unclipped = (values - returns) ** 2
+    if clip_eps is None:
+        loss, clipped_more = unclipped, torch.zeros_like(unclipped, dtype=torch.bool)
+    else:
+        clipped_v = old_values + (values - old_values).clamp(-clip_eps, clip_eps)
+        clipped = (clipped_v - returns) ** 2
+        loss, clipped_more = torch.maximum(unclipped, clipped), clipped.detach() > unclipped.detach()
+    m = mask.bool()
+    n = m.sum().clamp(min=1)
+    stats = {"value_clipfrac": (clipped_more & m).sum() / n}
+    return torch.where(m, 0.5 * loss, torch.zeros_like(loss)), {k: v.detach() for k, v in stats.items()}
+
+
+def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
+    """1 - Var(R - V) / Var(R) over masked-in tokens: 1 a perfect critic, 0 no better than a constant, < 0 worse."""
+    _, var_r = masked_mean_var(returns.detach(), mask)
+    _, var_d = masked_mean_var((returns - values).detach(), mask)
+    return 1 - var_d / var_r.clamp(min=1e-12)
 
 
 # ---------------------------------------------------------------------------- groups spread over processes

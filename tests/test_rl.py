@@ -469,3 +469,92 @@ def test_tis_weights_truncate_at_the_cap_and_carry_no_gradient():
     assert not w.requires_grad
     with pytest.raises(ValueError, match="cap"):
         rl.tis_weights(trainer, sampler, torch.ones(1, 2), cap=0.0)
+
+
+# ---------------------------------------------------------------------------- PPO with a critic (issue 32)
+
+
+def test_gae_hand_worked_three_token_completion():
+    """rewards [0, 0, 1], values [0.5, 0.6, 0.7], gamma 1, lambda 0.95:
+    delta_2 = 1 + 0 - 0.7 = 0.3                       A_2 = 0.3
+    delta_1 = 0 + 0.7 - 0.6 = 0.1                     A_1 = 0.1 + 0.95 * 0.3   = 0.385
+    delta_0 = 0 + 0.6 - 0.5 = 0.1                     A_0 = 0.1 + 0.95 * 0.385 = 0.46575
+    returns R = A + V = [0.96575, 0.985, 1.0]; a padded 4th position gets 0 and does not leak into A_2."""
+    rewards = torch.tensor([[0.0, 0.0, 1.0, 5.0]])
+    values = torch.tensor([[0.5, 0.6, 0.7, 9.0]])
+    mask = torch.tensor([[1, 1, 1, 0]])
+    adv, ret = rl.gae(rewards, values, mask, gamma=1.0, lam=0.95)
+    assert_close(adv, torch.tensor([[0.46575, 0.385, 0.3, 0.0]]))
+    assert_close(ret, torch.tensor([[0.96575, 0.985, 1.0, 0.0]]))
+
+
+def test_gae_with_discount_and_rows_of_different_lengths():
+    """gamma 0.9, lambda 0.5. Row 0 (2 tokens): r [1, 2], V [1, 1]: delta_1 = 2 - 1 = 1, A_1 = 1;
+    delta_0 = 1 + 0.9 * 1 - 1 = 0.9, A_0 = 0.9 + 0.45 * 1 = 1.35. Row 1 (1 token): r [3], V [2]: A = 1.
+    lambda 1 gives the discounted return minus V (Monte Carlo); lambda 0 the one-step TD error."""
+    rewards = torch.tensor([[1.0, 2.0], [3.0, 0.0]])
+    values = torch.tensor([[1.0, 1.0], [2.0, 7.0]])
+    mask = torch.tensor([[1, 1], [1, 0]])
+    adv, _ = rl.gae(rewards, values, mask, gamma=0.9, lam=0.5)
+    assert_close(adv, torch.tensor([[1.35, 1.0], [1.0, 0.0]]))
+    mc, _ = rl.gae(rewards, values, mask, gamma=0.9, lam=1.0)
+    assert_close(mc[0, 0], torch.tensor(1 + 0.9 * 2 - 1.0))
+    td, _ = rl.gae(rewards, values, mask, gamma=0.9, lam=0.0)
+    assert_close(td[0, 0], torch.tensor(0.9))
+
+
+def test_kl_penalized_rewards_hand_worked():
+    """score 1.0 on the last token, -beta * (logp - ref_logp) on every token (k1): logp [-1, -2, -0.5],
+    ref [-1.5, -2, -1], beta 0.1: KL [0.5, 0, 0.5] -> rewards [-0.05, 0, -0.05 + 1] = [-0.05, 0, 0.95];
+    the padded 4th token gets nothing, an empty row gets nothing."""
+    logp = torch.tensor([[-1.0, -2.0, -0.5, -3.0], [-1.0, -1.0, -1.0, -1.0]])
+    ref = torch.tensor([[-1.5, -2.0, -1.0, -0.1], [-2.0, -2.0, -2.0, -2.0]])
+    mask = torch.tensor([[1, 1, 1, 0], [0, 0, 0, 0]])
+    rewards, kl = rl.kl_penalized_rewards(torch.tensor([1.0, 4.0]), logp, ref, mask, beta=0.1)
+    assert_close(rewards, torch.tensor([[-0.05, 0.0, 0.95, 0.0], [0.0, 0.0, 0.0, 0.0]]))
+    assert_close(kl, torch.tensor([[0.5, 0.0, 0.5, 0.0], [0.0, 0.0, 0.0, 0.0]]))
+
+
+def test_whiten_over_valid_tokens_hand_worked():
+    """Valid [2, 4, 6] (the padded 100 is ignored): mean 4, unbiased variance ((-2)^2 + 0 + 2^2) / 2 = 4, std 2
+    -> [-1, 0, 1]; without the mean shift the mean is added back: [3, 4, 5]."""
+    x = torch.tensor([[2.0, 4.0], [6.0, 100.0]])
+    mask = torch.tensor([[1, 1], [1, 0]])
+    assert_close(rl.whiten(x, mask, eps=0.0), torch.tensor([[-1.0, 0.0], [1.0, 0.0]]))
+    assert_close(rl.whiten(x, mask, shift_mean=False, eps=0.0), torch.tensor([[3.0, 4.0], [5.0, 0.0]]))
+
+
+def test_clipped_value_loss_hand_worked():
+    """eps 0.2, R = 2. Token 0: V 1.5, V_old 1.0: (1.5 - 2)^2 = 0.25, clip(V) = 1.2, (1.2 - 2)^2 = 0.64:
+    max 0.64 -> loss 0.32, clipped. Token 1: V 0.9, V_old 1.0 (inside the clip): 1.21 -> 0.605, not clipped.
+    The gradient at token 0 is zero (the clipped term is constant in V there)."""
+    values = torch.tensor([[1.5, 0.9, 4.0]], requires_grad=True)
+    old = torch.tensor([[1.0, 1.0, 0.0]])
+    returns = torch.tensor([[2.0, 2.0, 0.0]])
+    mask = torch.tensor([[1, 1, 0]])
+    loss, stats = rl.value_loss(values, old, returns, mask, clip_eps=0.2)
+    assert_close(loss, torch.tensor([[0.32, 0.605, 0.0]]), rtol=0, atol=1e-6)
+    assert_close(stats["value_clipfrac"], torch.tensor(0.5))
+    loss.sum().backward()
+    assert_close(values.grad, torch.tensor([[0.0, 0.9 - 2.0, 0.0]]))
+    plain, _ = rl.value_loss(values, old, returns, mask, clip_eps=None)
+    assert_close(plain, torch.tensor([[0.125, 0.605, 0.0]]), rtol=0, atol=1e-6)
+
+
+def test_explained_variance():
+    returns = torch.tensor([[1.0, 2.0, 3.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1, 0]])
+    assert_close(rl.explained_variance(returns, returns, mask), torch.tensor(1.0))  # a perfect critic
+    assert_close(rl.explained_variance(torch.full_like(returns, 2.0), returns, mask), torch.tensor(0.0))  # a constant
+    # V = [3, 2, 1]: R - V = [-2, 0, 2], unbiased variance 4 against Var(R) = 1 -> 1 - 4 = -3
+    assert_close(rl.explained_variance(torch.tensor([[3.0, 2.0, 1.0, 9.0]]), returns, mask), torch.tensor(-3.0))
+
+
+def test_ppo_uses_grpos_clipped_surrogate_with_per_token_advantages():
+    """One policy loss for both: per-token GAE advantages (B, T) go through the same `policy_loss`."""
+    logp = torch.tensor([[-1.0, -1.0]])
+    old = torch.tensor([[-1.0, -1.5]])  # ratios 1 and e^0.5 = 1.65 (clipped at 1.2 with A > 0)
+    adv = torch.tensor([[0.5, 2.0]])
+    loss, stats = rl.policy_loss(logp, old, adv, torch.tensor([[1, 1]]), kind="token", eps_high=0.2)
+    assert_close(loss, torch.tensor([[-0.5, -1.2 * 2.0]]))
+    assert_close(stats["clip_high"], torch.tensor(0.5))
