@@ -468,6 +468,79 @@ class GRPOConfig(MemoryOptions):
 
 
 
+class PPOConfig(MemoryOptions):
+    """`ppo` stage: PPO with a learned critic and GAE (InstructGPT-style RLHF; GRPO is PPO without the critic)."""
+
+    steps: int = Field(50, ge=1, description="Rollout steps (each: sample, score, values, advantages, ppo_epochs "
+                       "epochs of mini-batch updates).")
+    prompts_per_step: int = Field(8, ge=1, description="Prompts per rollout batch (global).")
+    samples_per_prompt: int = Field(1, ge=1, description="Completions sampled per prompt. PPO needs no groups (the "
+                                    "critic is the baseline); more samples per prompt only widen the batch.")
+    generation: GenerationSpec = Field(
+        default_factory=lambda: GenerationSpec(temperature=1.0, max_new_tokens=128), description="Rollout sampling."
+    )
+    reward: RewardSpec = Field(default_factory=RewardSpec, description="How completions are scored (the score lands "
+                               "on a completion's last token; routed per prompt by its verifier, as in grpo).")
+    critic: Literal["policy_copy", "reward_model"] = Field(
+        "policy_copy", description="What the value head sits on. policy_copy: a copy of the input model's decoder "
+        "with a fresh Linear(hidden, 1) head; reward_model: the reward_model input (its trained head as the value "
+        "head's start, InstructGPT's choice). The head reads the last hidden state at every token.")
+    critic_lora: LoraSpec = Field(default_factory=LoraSpec, description="LoRA settings of the critic (the value head "
+                                  "always trains in full); critic_lora.r=0 trains every critic weight.")
+    gamma: float = Field(1.0, ge=0, le=1, description="Discount gamma of GAE (1: undiscounted, as in LM RLHF).")
+    lam: float = Field(0.95, ge=0, le=1, description="GAE lambda: 1 is the Monte-Carlo return minus V, 0 the one-step "
+                       "TD error.")
+    epsilon: float = Field(0.2, gt=0, description="Policy clip range: the ratio is clipped to [1-epsilon, 1+epsilon] "
+                           "(the same clipped surrogate grpo uses, `rl.policy_loss` kind token).")
+    value_clip: float | None = Field(0.2, gt=0, description="Value clip range around the rollout's values (PPO's "
+                                     "clipped value loss); null: plain squared error.")
+    vf_coef: float = Field(0.1, ge=0, description="Weight of the value loss beside the policy loss (one backward over "
+                           "both). The critic shares no weights with the policy, so this only scales the critic's "
+                           "gradient: under AdamW that matters little (through max_grad_norm and Adam's epsilon); "
+                           "critic_learning_rate is the knob of the critic's pace.")
+    beta: float = Field(0.05, ge=0, description="KL penalty coefficient in the per-token rewards (-beta * KL_t on "
+                        "every completion token, InstructGPT); 0 drops the reference model.")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k1", description="Per-token KL estimator in the rewards "
+                                                     "(k1 = log pi/pi_ref, as InstructGPT and TRL).")
+    whiten_advantages: bool = Field(True, description="Whiten the advantages over the step's valid tokens.")
+    ppo_epochs: int = Field(2, ge=1, description="Epochs over each rollout batch (mu).")
+    minibatch_size: int = Field(8, ge=1, description="Sequences per mini-batch (global); every mini-batch is one "
+                                "optimizer step, as in PPO (Schulman et al. 2017), so clipping matters from the "
+                                "second mini-batch on.")
+    learning_rate: float = Field(1e-5, gt=0, description="Peak learning rate of the policy.")
+    critic_learning_rate: float | None = Field(None, gt=0, description="Peak learning rate of the critic (null: "
+                                               "learning_rate).")
+    warmup_ratio: float = Field(0.0, ge=0, lt=1, description="Share of steps with linear warmup.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm, applied to the policy and the critic "
+                                 "separately.")
+    lora: LoraSpec = Field(default_factory=LoraSpec, description="LoRA settings of the policy; lora.r=0 is full "
+                           "fine-tuning (the reference is then a frozen copy, else the adapter disabled).")
+    precision: Precision = Field("auto", description="auto: bf16 on GPUs that support it, else fp32.")
+    checkpoint_every: int = Field(10, ge=1, description="Save a resumable checkpoint (policy, critic, optimizer) "
+                                  "every N steps.")
+    keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept on disk.")
+    eval_every: int = Field(0, ge=0, description="Greedy held-out eval every N steps (0: off).")
+    eval_prompts: int = Field(32, ge=1, description="Held-out prompts for the periodic eval.")
+    split: Literal["train", "eval"] = Field("train", description="Prompts split to train on.")
+    max_minutes: float = Field(
+        0.0, ge=0, allow_inf_nan=False, description="Wall-clock budget of the training loop in minutes (0: none), "
+        "as in grpo: once a step ends past it no further step starts; that step is checkpointed and the model saved.")
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec, description="Processes to train on (ddp); each "
+                                     "takes prompts_per_step / num_processes prompts per step.")
+
+    @model_validator(mode="after")
+    def _batches_divide_among_processes(self) -> PPOConfig:
+        n = self.resources.num_processes
+        if self.prompts_per_step % n or self.minibatch_size % n:
+            raise ValueError(f"prompts_per_step={self.prompts_per_step} and minibatch_size={self.minibatch_size} must "
+                             f"split evenly among resources.num_processes={n}")
+        if self.resources.distributed_type == "fsdp" and n > 1:
+            raise ValueError("ppo with resources.distributed_type=fsdp is not built (policy and critic would both need "
+                             "sharding and an unsharded sampling copy): use ddp")
+        return self
+
+
 class DistillTracesConfig(Strict):
     """`distill_traces` stage: the teacher's reasoning traces on prompts, as a re-usable sft dataset."""
 
@@ -552,6 +625,7 @@ STAGE_CONFIGS: dict[str, type[Strict]] = {
     "preference_data": PreferenceDataConfig,
     "reward_model": RewardModelConfig,
     "grpo": GRPOConfig,
+    "ppo": PPOConfig,
     "reference_logprobs": ReferenceLogprobsConfig,
     "preference_optimization": PreferenceOptimizationConfig,
     "distill_traces": DistillTracesConfig,

@@ -1,0 +1,522 @@
+"""`ppo` stage: PPO with a learned critic, KL-penalised per-token rewards and GAE, the classic RLHF stage.
+
+One step reads like InstructGPT (Ouyang et al. 2022, https://arxiv.org/abs/2203.02155) on PPO (Schulman
+et al. 2017, https://arxiv.org/abs/1707.06347): sample completions for B prompts from the current policy,
+score each (verifiers, the learned reward model, shaping: routed per prompt as in grpo), compute the old
+policy's and the reference's log-probs and the critic's values, spread the score over the tokens with a
+KL penalty (`rl.kl_penalized_rewards`), estimate advantages by GAE (`rl.gae`, Schulman et al. 2016),
+whiten them (`rl.whiten`), then run `ppo_epochs` epochs over shuffled mini-batches, each one optimizer
+step on the clipped surrogate (`rl.policy_loss`, the one grpo uses, with per-token advantages) plus
+`vf_coef` times the clipped value loss (`rl.value_loss`). GRPO is this with the critic replaced by the
+group mean. The math lives in `stages/rl.py`; this module only orders it.
+
+The critic is a `*ForSequenceClassification` model (`stages.reward_model`): the decoder with a
+Linear(hidden, 1) `score` head, read at every token instead of pooled at the last one. `critic:
+policy_copy` builds it from the input model with a fresh head; `critic: reward_model` starts from the
+reward model input, head included (InstructGPT initialises the value function from the reward model).
+LoRA or full fine-tuning for each (`lora`, `critic_lora`).
+
+Choices and departures, on purpose:
+- one AdamW over both models with two parameter groups (`learning_rate`, `critic_learning_rate`) and one
+  backward of policy loss + vf_coef * value loss per mini-batch; the models share no weights, so this is
+  two optimizers' update in one checkpoint; gradient norms are clipped per model;
+- old log-probs and old values come from no-grad passes of the trainer after generation (the loss's
+  numerics), so the first mini-batch's ratio is exactly 1 and clipping acts from the second on;
+- V(s_t) of the state before completion token t is read at the position that predicts token t (the
+  last prompt token for the first), so values, log-probs and the loss mask share one (N, L-1) layout;
+- both losses are token means over the mini-batch's completion tokens, on every process together;
+- a completion that cannot be scored gets score 0 and is counted in `reward/unscored`;
+- on N processes (ddp) each rolls out prompts_per_step / N prompts and takes minibatch_size / N rows of
+  every mini-batch; advantages are whitened over every process's tokens, the loss normaliser is the
+  mini-batch's global token count and gradients are summed (`stages.distributed`), so the update is the
+  single-process one. FSDP is not built for ppo (its config refuses it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import time
+
+import numpy as np
+import torch
+from peft import PeftModel
+from tqdm.auto import tqdm
+
+from schemas.configs import GenerationSpec, PPOConfig
+from schemas.errors import ConfigError, ModelError, SchemaError
+from stages import distributed, logprobs, models, rl
+from stages.base import Input, Output, StageContext, model_output_dir, seed_everything
+from stages.generation import Completion, check_vllm_model_dir, make_backend, render_prompts
+from stages.reward_model import (
+    RewardScorer,
+    apply_reward_lora,
+    load_reward_model,
+    reward_model_from_causal_lm,
+)
+from stages.rewards import Verdict, score
+from stages.sft import (
+    clip_grad_norm,
+    load_trainable,
+    lr_factor,
+    make_optimizer,
+    resolve_precision,
+    resume,
+    save_checkpoint,
+)
+
+VERSION = "1"
+CONFIG = PPOConfig
+INPUTS = {"model": "model", "prompts": "prompts", "reward_model": "model?"}
+OUTPUTS = {"model": "model"}
+
+
+def check(cfg: PPOConfig) -> None:
+    if cfg.generation.temperature == 0:
+        raise ConfigError("ppo.generation.temperature: must be > 0 (greedy rollouts explore nothing, and the ratio "
+                          "and KL are computed for the policy's own distribution)")
+
+
+# ---------------------------------------------------------------------------- tensors
+
+
+def build_batch(prompt_ids: list[list[int]], completion_ids: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded prompt+completion rows, input_ids/attention_mask (N, L), and loss_mask (N, L-1): 1 at the
+    positions that predict a completion token (position t predicts token t+1), the layout of
+    `logprobs.bucketed_token_logprobs` and `token_values`."""
+    ids, attn = logprobs.right_padded([p + c for p, c in zip(prompt_ids, completion_ids, strict=True)], pad_id)
+    mask = torch.zeros((ids.shape[0], ids.shape[1] - 1), dtype=torch.float32)
+    for i, (p, c) in enumerate(zip(prompt_ids, completion_ids, strict=True)):
+        mask[i, len(p) - 1 : len(p) + len(c) - 1] = 1.0
+    return {"input_ids": ids, "attention_mask": attn, "loss_mask": mask}
+
+
+def _critic_inner(critic):
+    """The sequence-classification model under a PeftModel (LoRA layers stay injected in it)."""
+    return critic.get_base_model() if isinstance(critic, PeftModel) else critic
+
+
+def token_values(critic, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """(N, L-1) float values: the critic's `score` head on the last hidden state at positions 0 .. L-2, i.e.
+    V of the state before the token each position predicts. input_ids, attention_mask: (N, L), right padded."""
+    inner = _critic_inner(critic)
+    hidden = distributed.inner_output(critic, inner.base_model, input_ids=input_ids, attention_mask=attention_mask,
+                                      use_cache=False).last_hidden_state  # (N, L, H)
+    return inner.score(hidden[:, :-1]).squeeze(-1).float()
+
+
+def everyones(x: torch.Tensor, mask: torch.Tensor, dist: distributed.Dist) -> tuple[torch.Tensor, int]:
+    """x at every process's masked-in positions, 1-D in rank order, and where this process's part starts."""
+    parts = dist.gather(x[mask.bool()].detach().cpu())
+    return torch.cat(parts), sum(p.numel() for p in parts[: dist.rank])
+
+
+def whiten_everywhere(x: torch.Tensor, mask: torch.Tensor, dist: distributed.Dist) -> torch.Tensor:
+    """`rl.whiten` over the valid tokens of every process (on one process: rl.whiten itself)."""
+    if not dist.active:
+        return rl.whiten(x, mask)
+    flat, start = everyones(x, mask, dist)
+    white = rl.whiten(flat, torch.ones_like(flat))
+    out = torch.zeros_like(x)
+    m = mask.bool()
+    out[m] = white[start : start + int(m.sum())].to(x.dtype)
+    return out
+
+
+# ---------------------------------------------------------------------------- models and session
+
+
+@dataclasses.dataclass
+class Models:
+    """The policy, its critic, the frozen reference (None: LoRA's disabled adapter, or beta = 0), and both trained
+    models as one module, so `sft.save_checkpoint` / `sft.resume` and one optimizer hold them together."""
+
+    policy: torch.nn.Module
+    critic: torch.nn.Module
+    ref: torch.nn.Module | None
+    is_lora: bool
+
+    def __post_init__(self) -> None:
+        self.trained = torch.nn.ModuleDict({"policy": self.policy, "critic": self.critic})
+        self.policy_params = [p for p in self.policy.parameters() if p.requires_grad]
+        self.critic_params = [p for p in self.critic.parameters() if p.requires_grad]
+
+    def reference(self) -> tuple[torch.nn.Module, contextlib.AbstractContextManager]:
+        """(model, a fresh context to run it in) that computes the reference log-probs."""
+        if self.is_lora:
+            return self.policy, self.policy.disable_adapter()
+        return self.ref, contextlib.nullcontext()
+
+
+def load_critic(cfg: PPOConfig, inputs: dict[str, Input], tokenizer, device: str):
+    """The value model: a sequence-classification copy of the policy's input model (fresh head) or the reward model."""
+    if cfg.critic == "reward_model":
+        model, rm_tokenizer, _ = load_reward_model(inputs["reward_model"], device)
+        if rm_tokenizer.get_vocab() != tokenizer.get_vocab():
+            raise ModelError(f"ppo: critic=reward_model: {inputs['reward_model'].label} has another tokenizer than "
+                             f"the policy {inputs['model'].label}; the critic reads the policy's tokens")
+    else:
+        lm, _ = inputs["model"].load_model()
+        if isinstance(lm, PeftModel):
+            lm = lm.merge_and_unload()
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        model = reward_model_from_causal_lm(lm, pad_id).to(device)
+        del lm
+    if cfg.gradient_checkpointing:
+        models.enable_activation_checkpointing(model, use_reentrant=False)
+    return apply_reward_lora(model, cfg.critic_lora).train()
+
+
+@dataclasses.dataclass
+class Session:
+    """What every phase of a step reads: config, models, optimizer, sampler, scorer, data, process group."""
+
+    cfg: PPOConfig
+    ctx: StageContext
+    dist: distributed.Dist
+    models: Models
+    optimizer: torch.optim.Optimizer
+    backend: object
+    tokenizer: object
+    pad_id: int
+    scorer: RewardScorer | None
+    rows: list[dict]
+    held_out: list[dict]
+    autocast_dtype: torch.dtype | None
+    engine: bool  # a colocated vLLM engine samples; the policy's weights are pushed into it before each rollout
+
+    def autocast(self):
+        return torch.autocast(device_type=self.ctx.device.split(":")[0], dtype=self.autocast_dtype or torch.float32,
+                              enabled=self.autocast_dtype is not None)
+
+
+def load_prompts(cfg: PPOConfig, inputs: dict[str, Input]) -> tuple[list[dict], list[dict]]:
+    """(training rows with an answer to reward, held-out rows), checked before any model loads."""
+    table = inputs["prompts"].table("prompts").to_pylist()
+    rows = [r for r in table if r["split"] == cfg.split and r["answer"] is not None]
+    if not rows:
+        raise SchemaError(f"{inputs['prompts'].label}: no split={cfg.split!r} prompts with an answer to reward")
+    return rows, [r for r in table if r["split"] == "eval"][: cfg.eval_prompts]
+
+
+def open_session(cfg: PPOConfig, inputs: dict[str, Input], ctx: StageContext) -> tuple[Session, bool]:
+    """Load prompts, policy, reference, critic, scorer and sampler; (session, whether the input was an adapter)."""
+    rows, held_out = load_prompts(cfg, inputs)
+    wants_rm = [w for w, on in (("critic=reward_model", cfg.critic == "reward_model"),
+                                ("reward.weights.reward_model", cfg.reward.weights.get("reward_model", 0) != 0)) if on]
+    if wants_rm and inputs.get("reward_model") is None:
+        raise ConfigError(f"ppo: {' and '.join(wants_rm)} need a reward model; wire one to the node's "
+                          f"`reward_model` input (inputs: {{reward_model: <node>.model}})")
+    dist = distributed.of(ctx)
+    engine = cfg.generation.backend == "vllm"
+    if engine:
+        check_vllm_model_dir(inputs["model"].model_dir, inputs["model"].label)
+    seed_everything(ctx.seed)
+    policy, tokenizer, merged_input = load_trainable(inputs["model"], cfg, ctx.device)
+    is_lora = cfg.lora.r > 0
+    ref = copy.deepcopy(policy).eval().requires_grad_(False) if cfg.beta > 0 and not is_lora else None
+    critic = load_critic(cfg, inputs, tokenizer, ctx.device)
+    m = Models(policy.train(), critic, ref, is_lora)
+    optimizer = make_optimizer(m.policy_params, cfg.learning_rate, cfg.weight_decay)
+    optimizer.add_param_group({"params": m.critic_params, "lr": cfg.critic_learning_rate or cfg.learning_rate})
+    autocast_dtype = resolve_precision(cfg.precision, ctx.device)
+    backend = make_backend(cfg.generation, policy, tokenizer, inputs["model"].model_dir, seed=ctx.seed,
+                           colocated=True, autocast_dtype=autocast_dtype)  # rollouts in the training precision
+    scorer = None
+    if cfg.reward.weights.get("reward_model", 0) != 0:
+        scorer = RewardScorer.from_input(inputs["reward_model"], device=ctx.device)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    counts = models.count_parameters(m.trained)
+    ctx.log_params({"train_prompts": len(rows), "trainable_parameters": counts["trainable"],
+                    "critic_trainable_parameters": sum(p.numel() for p in m.critic_params),
+                    "total_parameters": counts["total"], "precision": str(autocast_dtype or "fp32")})
+    return Session(cfg, ctx, dist, m, optimizer, backend, tokenizer, pad_id, scorer, rows, held_out,
+                   autocast_dtype, engine), merged_input
+
+
+# ---------------------------------------------------------------------------- rollout and scoring
+
+
+@dataclasses.dataclass
+class Rollout:
+    """One process's rollouts of a step: N = prompts x samples_per_prompt sequences, as training tensors."""
+
+    rows: list[dict]  # the prompts row of each sequence
+    comps: list[Completion]
+    batch: dict[str, torch.Tensor]
+    seconds: float
+    verdicts: list[Verdict] = dataclasses.field(default_factory=list)
+    scores: torch.Tensor | None = None  # (N,)
+    score_seconds: float = 0.0
+
+
+def pick_prompts(n_prompts: int, k: int, seed: int, step: int) -> list[int]:
+    """The step's k prompt indices: a pure function of (seed, step), so a resumed run draws the same."""
+    return np.random.default_rng([seed, step]).choice(n_prompts, size=k, replace=n_prompts < k).tolist()
+
+
+def rollout(s: Session, step: int) -> Rollout:
+    """Sample this process's share of the step's prompts from the current policy."""
+    cfg, dist = s.cfg, s.dist
+    if s.engine:
+        s.backend.sync(s.models.policy, step)
+    picked = [s.rows[i] for i in dist.shard(pick_prompts(len(s.rows), cfg.prompts_per_step, s.ctx.seed, step))]
+    seed = s.ctx.seed * 1_000_003 + step * 101 + dist.rank * 1_000_000_007
+    comps, stats = s.backend.generate([r["messages"] for r in picked], cfg.generation, n=cfg.samples_per_prompt,
+                                      seed=seed, progress=False)
+    texts = render_prompts(s.tokenizer, [r["messages"] for r in picked], cfg.generation.prefill)
+    prompt_ids = [s.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    k = cfg.samples_per_prompt
+    flat = [c for cs in comps for c in cs]
+    batch = build_batch([p for p in prompt_ids for _ in range(k)], [list(c.token_ids) for c in flat], s.pad_id)
+    return Rollout([r for r in picked for _ in range(k)], flat, batch, stats.seconds)
+
+
+def score_rollout(s: Session, ro: Rollout) -> None:
+    """Each completion's score (the reward's weighted components; unscorable: 0) into `ro.scores`."""
+    t0 = time.perf_counter()
+    rm = s.scorer.score([r["messages"] for r in ro.rows], [c.text for c in ro.comps]) if s.scorer else None
+    ro.verdicts = [score(r, c.text, s.cfg.reward, num_tokens=c.num_tokens, rm_score=rm[i] if rm else None)
+                   for i, (r, c) in enumerate(zip(ro.rows, ro.comps, strict=True))]
+    ro.scores = torch.tensor([v.reward if v.reward is not None else 0.0 for v in ro.verdicts])
+    ro.score_seconds = time.perf_counter() - t0
+
+
+# ---------------------------------------------------------------------------- values and advantages
+
+
+def chunks(n: int, size: int) -> list[torch.Tensor]:
+    return [torch.arange(i, min(n, i + size)) for i in range(0, n, size)]
+
+
+@torch.no_grad()
+def old_passes(s: Session, ro: Rollout) -> dict[str, torch.Tensor]:
+    """old_logp, ref_logp (= old_logp when beta = 0) and old_values of the rollout, each (N, L-1) on the CPU."""
+    cfg, m = s.cfg, s.models
+    mask = ro.batch["loss_mask"]
+    out = {k: torch.zeros_like(mask) for k in ("old_logp", "ref_logp", "old_values")}
+    for idx in chunks(mask.shape[0], cfg.minibatch_size // s.dist.world):
+        ids, attn = ro.batch["input_ids"][idx].to(s.ctx.device), ro.batch["attention_mask"][idx].to(s.ctx.device)
+        with s.autocast():
+            out["old_logp"][idx] = logprobs.bucketed_token_logprobs(m.policy, ids, attn, cfg.logprob_chunk)[0].float().cpu()
+            out["old_values"][idx] = token_values(m.critic, ids, attn).cpu()
+            if cfg.beta > 0:
+                ref_model, ref_ctx = m.reference()
+                with ref_ctx:
+                    out["ref_logp"][idx] = logprobs.bucketed_token_logprobs(ref_model, ids, attn,
+                                                                            cfg.logprob_chunk)[0].float().cpu()
+    if cfg.beta == 0:
+        out["ref_logp"] = out["old_logp"].clone()
+    return out
+
+
+def advantages(s: Session, ro: Rollout, old: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-token rewards (score on the last token, -beta * KL_t on each), GAE advantages (whitened over every
+    process's tokens) and returns, all (N, L-1)."""
+    cfg, mask = s.cfg, ro.batch["loss_mask"]
+    rewards, kl = rl.kl_penalized_rewards(ro.scores, old["old_logp"], old["ref_logp"], mask, cfg.beta,
+                                          cfg.kl_estimator)
+    adv, returns = rl.gae(rewards, old["old_values"], mask, cfg.gamma, cfg.lam)
+    white = whiten_everywhere(adv, mask, s.dist) if cfg.whiten_advantages else adv
+    return {"advantages": white, "raw_advantages": adv, "returns": returns, "rewards": rewards, "kl": kl}
+
+
+# ---------------------------------------------------------------------------- the update
+
+
+def set_lrs(s: Session, step: int) -> float:
+    """The step's learning rates (warmup, then constant) into both parameter groups; the policy's back."""
+    factor = lr_factor(step, s.cfg.steps, int(s.cfg.warmup_ratio * s.cfg.steps), "constant")
+    policy_group, critic_group = s.optimizer.param_groups
+    policy_group["lr"] = s.cfg.learning_rate * factor
+    critic_group["lr"] = (s.cfg.critic_learning_rate or s.cfg.learning_rate) * factor
+    return policy_group["lr"]
+
+
+def minibatch_step(s: Session, ro: Rollout, old: dict, adv: dict, idx: torch.Tensor) -> dict[str, tuple[float, float]]:
+    """One optimizer step on rows `idx`: clipped policy loss + vf_coef * clipped value loss, token means over the
+    mini-batch's tokens on every process. Returns stat name -> (value, weight) for token-weighted means."""
+    cfg, m, dev = s.cfg, s.models, s.ctx.device
+    ids, attn = ro.batch["input_ids"][idx].to(dev), ro.batch["attention_mask"][idx].to(dev)
+    mask = ro.batch["loss_mask"][idx].to(dev)
+    tokens = float(mask.sum())
+    total = max(1.0, s.dist.sum([tokens])[0])
+    with s.autocast():
+        logp, entropy = logprobs.bucketed_token_logprobs(m.policy, ids, attn, cfg.logprob_chunk, with_entropy=True)
+        values = token_values(m.critic, ids, attn)  # (B, T)
+    old_logp = old["old_logp"][idx].to(dev)
+    pg, pg_stats = rl.policy_loss(logp.float(), old_logp, adv["advantages"][idx].to(dev), mask, "token",
+                                  cfg.epsilon, cfg.epsilon)
+    vf, vf_stats = rl.value_loss(values, old["old_values"][idx].to(dev), adv["returns"][idx].to(dev), mask,
+                                 cfg.value_clip)
+    ((pg.sum() + cfg.vf_coef * vf.sum()) / total).backward()
+    s.dist.sync_gradients(m.policy_params + m.critic_params)
+    grad_norm = clip_grad_norm(m.policy_params, cfg.max_grad_norm)
+    critic_grad_norm = clip_grad_norm(m.critic_params, cfg.max_grad_norm)
+    s.optimizer.step()
+    s.optimizer.zero_grad(set_to_none=True)
+    mf, n = mask.float(), mask.sum().clamp(min=1)
+
+    def token_mean(x: torch.Tensor) -> float:
+        return float((x.detach().float() * mf).sum() / n)
+
+    return {"policy_loss": (token_mean(pg), tokens), "value_loss": (token_mean(vf), tokens),
+            "clip_low": (float(pg_stats["clip_low"]), tokens), "clip_high": (float(pg_stats["clip_high"]), tokens),
+            "value_clipfrac": (float(vf_stats["value_clipfrac"]), tokens),
+            "approx_kl": (token_mean(rl.kl_k3(old_logp, logp.detach().float())), tokens),
+            "entropy": (token_mean(entropy), tokens), "grad_norm": (grad_norm, 1.0),
+            "critic_grad_norm": (critic_grad_norm, 1.0)}
+
+
+def update(s: Session, ro: Rollout, old: dict, adv: dict, step: int) -> dict[str, float]:
+    """`ppo_epochs` epochs over the rollout in shuffled mini-batches (one optimizer step each; the order a pure
+    function of seed, step and epoch). Token-weighted means of the mini-batch statistics over every process."""
+    cfg, n = s.cfg, len(ro.comps)
+    sums: dict[str, list[float]] = {}
+    for epoch in range(cfg.ppo_epochs):
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(s.ctx.seed * 1_000_003 + step * 31 + epoch))
+        for idx in chunks(n, cfg.minibatch_size // s.dist.world):
+            for k, (value, weight) in minibatch_step(s, ro, old, adv, order[idx]).items():
+                acc = sums.setdefault(k, [0.0, 0.0])
+                acc[0], acc[1] = acc[0] + value * weight, acc[1] + weight
+    keys = sorted(sums)
+    flat = s.dist.sum([x for k in keys for x in sums[k]])
+    out = {f"train/{k}": flat[2 * i] / max(flat[2 * i + 1], 1e-12) for i, k in enumerate(keys)}
+    out["train/loss"] = out["train/policy_loss"] + cfg.vf_coef * out["train/value_loss"]
+    out["train/clipfrac"] = out["train/clip_low"] + out["train/clip_high"]
+    return out
+
+
+# ---------------------------------------------------------------------------- metrics
+
+
+def rollout_metrics(s: Session, ro: Rollout) -> dict[str, float]:
+    """Score, accuracy, format, components and lengths over every process's completions."""
+    lite = [dataclasses.replace(c, text="", token_ids=(), logprobs=None) for c in ro.comps]
+    gathered = s.dist.gather((ro.verdicts, lite, ro.scores))
+    verdicts = [v for g in gathered for v in g[0]]
+    comps = [c for g in gathered for c in g[1]]
+    scores = torch.cat([g[2] for g in gathered])
+    m = {"reward/mean": float(scores.mean()), "reward/std": float(scores.std(unbiased=False)),
+         "reward/unscored": float(sum(v.reward is None for v in verdicts))}
+    scored = [v.correct for v in verdicts if v.correct is not None]
+    m["reward/accuracy"] = float(np.mean(scored)) if scored else 0.0
+    m["reward/format_rate"] = float(np.mean([v.format_ok for v in verdicts]))
+    for name in sorted({k for v in verdicts for k in v.components}):
+        m[f"reward/{name}"] = float(np.mean([v.components.get(name, 0.0) for v in verdicts]))
+    lengths = [c.num_tokens for c in comps]
+    m.update({"completion/mean_length": float(np.mean(lengths)), "completion/max_length": float(np.max(lengths)),
+              "completion/truncated_frac": float(np.mean([c.finish_reason == "length" for c in comps]))})
+    return m
+
+
+def critic_metrics(s: Session, ro: Rollout, old: dict, adv: dict) -> dict[str, float]:
+    """KL to the reference, the KL-penalised return, and how well the old values explain the returns (every process)."""
+    mask = ro.batch["loss_mask"]
+    values, _ = everyones(old["old_values"], mask, s.dist)
+    returns, _ = everyones(adv["returns"], mask, s.dist)
+    kl, _ = everyones(adv["kl"], mask, s.dist)
+    raw, _ = everyones(adv["raw_advantages"], mask, s.dist)
+    seq_rewards = torch.cat(s.dist.gather(adv["rewards"].sum(-1)))
+    ones = torch.ones_like(values)
+    return {"train/kl": float(kl.mean()) if kl.numel() else 0.0,
+            "reward/kl_penalized": float(seq_rewards.mean()),
+            "train/explained_variance": float(rl.explained_variance(values, returns, ones)) if values.numel() > 1 else 0.0,
+            "train/values_mean": float(values.mean()) if values.numel() else 0.0,
+            "train/returns_mean": float(returns.mean()) if returns.numel() else 0.0,
+            "train/advantages_std": float(raw.std()) if raw.numel() > 1 else 0.0}
+
+
+def held_out_eval(s: Session) -> dict[str, float]:
+    """Greedy accuracy and format rate on held-out prompts, scored as the eval stage scores."""
+    cfg = s.cfg
+    spec = GenerationSpec(max_new_tokens=cfg.generation.max_new_tokens, temperature=0.0,
+                          prefill=cfg.generation.prefill, batch_size=cfg.generation.batch_size)
+    comps, _ = s.backend.generate([r["messages"] for r in s.held_out], spec, seed=s.ctx.seed, progress=False)
+    verdicts = [score(r, cs[0].text) for r, cs in zip(s.held_out, comps, strict=True)]
+    scored = [v.correct for v in verdicts if v.correct is not None]
+    return {"eval/accuracy": float(np.mean(scored)) if scored else 0.0,
+            "eval/format_rate": float(np.mean([v.format_ok for v in verdicts]))}
+
+
+def summarize(history: list[dict]) -> dict[str, float]:
+    """First/last-tenth means of the reward and the critic's fit, so a run's progress is a few numbers."""
+    k = max(1, len(history) // 10)
+
+    def ends(key: str) -> tuple[float, float]:
+        xs = [h[key] for h in history if key in h]
+        return (float(np.mean(xs[:k])), float(np.mean(xs[-k:]))) if xs else (0.0, 0.0)
+
+    out = {"steps": float(len(history))}
+    out["reward_first"], out["reward_last"] = ends("reward/mean")
+    out["value_loss_first"], out["value_loss_last"] = ends("train/value_loss")
+    out["explained_variance_first"], out["explained_variance_last"] = ends("train/explained_variance")
+    evals = [h for h in history if "eval/accuracy" in h]
+    if evals:
+        out["eval_accuracy_last"] = evals[-1]["eval/accuracy"]
+        out["eval_format_rate_last"] = evals[-1]["eval/format_rate"]
+    out["time_per_step"] = float(np.mean([h.get("time/step", 0.0) for h in history])) if history else 0.0
+    return out
+
+
+# ---------------------------------------------------------------------------- the stage
+
+
+def train_step(s: Session, step: int) -> dict[str, float]:
+    """One PPO step: rollout, score, old log-probs / reference / values, advantages, update epochs; its metrics."""
+    t_step = time.perf_counter()
+    ro = rollout(s, step)
+    score_rollout(s, ro)
+    t_train = time.perf_counter()
+    old = old_passes(s, ro)
+    adv = advantages(s, ro, old)
+    lr = set_lrs(s, step)
+    metrics = {**rollout_metrics(s, ro), **critic_metrics(s, ro, old, adv), **update(s, ro, old, adv, step),
+               "train/lr": lr}
+    now = time.perf_counter()
+    metrics.update({"time/generation": ro.seconds, "time/scoring": ro.score_seconds,
+                    "time/training": now - t_train, "time/step": now - t_step})
+    return metrics
+
+
+def run(cfg: PPOConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[str, Output]:
+    s, merged_input = open_session(cfg, inputs, ctx)
+    dist = s.dist
+    state = resume(ctx, s.models.trained, s.optimizer, "ppo", cfg.steps)
+    start, history = state["step"], state.get("history", [])
+    for i, h in enumerate(history):
+        ctx.log_metrics(h, step=i + 1)
+    bar = tqdm(total=cfg.steps, initial=start, desc="ppo", unit="step", disable=not dist.is_main)
+    t_loop = time.perf_counter()
+    for step in range(start, cfg.steps):
+        metrics = train_step(s, step)
+        done = step + 1
+        # max_minutes: every process stops after the same step
+        out_of_time = bool(cfg.max_minutes) and done < cfg.steps and dist.sum(
+            [float(time.perf_counter() - t_loop >= 60.0 * cfg.max_minutes)])[0] > 0
+        if cfg.eval_every and s.held_out and done % cfg.eval_every == 0 and dist.is_main:
+            if s.engine:
+                s.backend.sync(s.models.policy, done)
+            metrics.update(held_out_eval(s))
+        history.append(metrics)
+        if done % cfg.checkpoint_every == 0 or done == cfg.steps or out_of_time:
+            save_checkpoint(ctx.checkpoint_dir, done, s.models.trained, s.optimizer, {"step": done, "history": history},
+                            cfg.keep_checkpoints, dist)
+        ctx.log_metrics(metrics, step=done)
+        bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", ev=f"{metrics['train/explained_variance']:.2f}")
+        bar.update(1)
+        if out_of_time:
+            ctx.log.info("ppo: the %.4g-minute budget is spent after step %d of %d; saving the model as it is",
+                         cfg.max_minutes, done, cfg.steps)
+            break
+    bar.close()
+    out, model_dir = model_output_dir(ctx, "model")
+    merge = cfg.lora.merge or merged_input
+    if dist.is_main:
+        models.save_model(s.models.policy, s.tokenizer, model_dir, merge=merge)
+    is_adapter = s.models.is_lora and not merge
+    summary = summarize(history)
+    ctx.log_metrics(summary)
+    extra = {"base_fingerprint": inputs["model"].fingerprint} if is_adapter else {}
+    return {"model": Output("model", "adapter" if is_adapter else "model", out, metrics=summary, extra=extra)}
