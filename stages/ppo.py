@@ -420,12 +420,16 @@ def critic_metrics(s: Session, ro: Rollout, old: dict, adv: dict) -> dict[str, f
     raw, _ = everyones(adv["raw_advantages"], mask, s.dist)
     seq_rewards = torch.cat(s.dist.gather(adv["rewards"].sum(-1)))
     ones = torch.ones_like(values)
-    return {"train/kl": float(kl.mean()) if kl.numel() else 0.0,
-            "reward/kl_penalized": float(seq_rewards.mean()),
-            "train/explained_variance": float(rl.explained_variance(values, returns, ones)) if values.numel() > 1 else 0.0,
-            "train/values_mean": float(values.mean()) if values.numel() else 0.0,
-            "train/returns_mean": float(returns.mean()) if returns.numel() else 0.0,
-            "train/advantages_std": float(raw.std()) if raw.numel() > 1 else 0.0}
+    m = {"train/kl": float(kl.mean()) if kl.numel() else 0.0,
+         "reward/kl_penalized": float(seq_rewards.mean()),
+         "train/values_mean": float(values.mean()) if values.numel() else 0.0,
+         "train/returns_mean": float(returns.mean()) if returns.numel() else 0.0,
+         "train/advantages_std": float(raw.std()) if raw.numel() > 1 else 0.0}
+    # 1 - Var(R - V) / Var(R) means nothing when every return is the same (every completion scored alike and
+    # beta = 0): that step logs none rather than -1e7
+    if values.numel() > 1 and float(rl.masked_mean_var(returns, ones)[1]) > 1e-8:
+        m["train/explained_variance"] = float(rl.explained_variance(values, returns, ones))
+    return m
 
 
 def held_out_eval(s: Session) -> dict[str, float]:
@@ -504,7 +508,7 @@ def run(cfg: PPOConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[str
             save_checkpoint(ctx.checkpoint_dir, done, s.models.trained, s.optimizer, {"step": done, "history": history},
                             cfg.keep_checkpoints, dist)
         ctx.log_metrics(metrics, step=done)
-        bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", ev=f"{metrics['train/explained_variance']:.2f}")
+        bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", value_loss=f"{metrics['train/value_loss']:.3g}")
         bar.update(1)
         if out_of_time:
             ctx.log.info("ppo: the %.4g-minute budget is spent after step %d of %d; saving the model as it is",

@@ -87,6 +87,21 @@ def test_critic_learns_a_fixed_reward(tmp_path, tiny_model_input, digit_prompts,
     assert (out.path / "model" / "model.safetensors").exists()
 
 
+def test_mean_reward_rises_on_a_learnable_reward(tmp_path, tiny_model_input, digit_prompts):
+    """DAPO's overlong reward with a 6-token limit (the random model runs to max_new_tokens, reward about -1): the
+    policy learns to stop early through the critic's advantages. Seen: -0.97 over the first 3 steps, 0.0 over the
+    last 3."""
+    ctx = LocalContext(tmp_path / "run")
+    cfg = small(steps=24, prompts_per_step=16, minibatch_size=8, learning_rate=3e-3, critic_learning_rate=3e-3,
+                generation=GenerationSpec(max_new_tokens=8, temperature=1.0, batch_size=16),
+                reward=RewardSpec(weights={"overlong": 1.0}, overlong_max_tokens=6, overlong_buffer=5))
+    out = ppo.run(cfg, {"model": tiny_model_input, "prompts": digit_prompts}, ctx)["model"]
+    rewards = list(curve(ctx, "reward/mean").values())
+    assert len(rewards) == 24
+    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.5, rewards  # rewards live in [-1, 0]
+    assert out.metrics["reward_last"] > out.metrics["reward_first"]
+
+
 def test_resume_after_crash_replays_the_same_steps(tmp_path, tiny_model_input, digit_prompts):
     """Rollouts and mini-batch orders are pure functions of (seed, step); the checkpoint holds policy, critic,
     optimizer and RNG. A run killed after step 3 (last checkpoint: 2) and resumed logs the uninterrupted curve
@@ -123,10 +138,10 @@ def tiny_reward_model_input(tmp_path, tiny_tokenizer):
 
 def test_lora_policy_on_a_reward_model_critic(tmp_path, tiny_model_input, digit_prompts, tiny_reward_model_input):
     """LoRA policy (reference: the adapter disabled), LoRA critic on the reward model, the reward model as a reward
-    component, periodic held-out eval: the run logs every metric and saves an adapter."""
+    component, 2 samples per prompt, periodic held-out eval: the run logs every metric and saves an adapter."""
     ctx = LocalContext(tmp_path / "lora")
-    cfg = small(steps=2, lora=LoraSpec(r=4, alpha=8), critic_lora=LoraSpec(r=4, alpha=8), critic="reward_model",
-                beta=0.1, eval_every=2, eval_prompts=4,
+    cfg = small(steps=2, prompts_per_step=4, samples_per_prompt=2, lora=LoraSpec(r=4, alpha=8),
+                critic_lora=LoraSpec(r=4, alpha=8), critic="reward_model", beta=0.1, eval_every=2, eval_prompts=4,
                 reward=RewardSpec(weights={"format": 0.5, "reward_model": 0.5}))
     inputs = {"model": tiny_model_input, "prompts": digit_prompts, "reward_model": tiny_reward_model_input}
     out = ppo.run(cfg, inputs, ctx)["model"]
