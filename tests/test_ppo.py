@@ -124,6 +124,18 @@ def test_resume_after_crash_replays_the_same_steps(tmp_path, tiny_model_input, d
     assert out.metrics["steps"] == 4
 
 
+def test_time_budget_stops_after_the_step_that_spends_it(tmp_path, tiny_model_input, digit_prompts, monkeypatch):
+    """max_minutes: the loop's clock (stubbed: 7.5 s a call) passes 1.5 minutes within the first steps; the last of
+    them is checkpointed and the model saved with their history, far short of steps=50."""
+    clock = iter(range(10_000))
+    monkeypatch.setattr(ppo.time, "perf_counter", lambda: 60.0 * next(clock) / 8)
+    ctx = LocalContext(tmp_path / "budget")
+    out = ppo.run(small(steps=50, max_minutes=1.5), {"model": tiny_model_input, "prompts": digit_prompts}, ctx)["model"]
+    steps = sorted(curve(ctx, "reward/mean"))
+    assert 1 <= len(steps) <= 4 and steps == list(range(1, len(steps) + 1))
+    assert out.metrics["steps"] == len(steps) and (ctx.checkpoint_dir / f"step-{len(steps):06d}").is_dir()
+
+
 @pytest.fixture()
 def tiny_reward_model_input(tmp_path, tiny_tokenizer):
     from stages.models import build_tiny_model
