@@ -26,7 +26,7 @@ lint: setup
 	$(VENV)/bin/ruff check .
 
 test: lint
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q --durations=40
 
 # Benchmarks against TRL (benchmarks/suite.py). TRL is not an r1flow dependency: it lives in its own venv
 # next to r1flow (-e, stage runtime only: no Prefect/MLflow), pinned in benchmarks/requirements.txt.

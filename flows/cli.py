@@ -538,7 +538,9 @@ def cmd_ui(args: argparse.Namespace) -> int:
     def _interrupt(signum, frame):
         raise KeyboardInterrupt
 
-    for sig in (signal.SIGTERM, signal.SIGHUP):  # like Ctrl-C: the server is stopped, not left behind
+    # SIGINT too: a shell that starts a command in the background without job control (`cmd &` in a script, CI)
+    # hands it SIGINT ignored, and then Ctrl-C or `kill -INT` would not stop the UI
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # like Ctrl-C: the server is stopped, not left behind
         signal.signal(sig, _interrupt)
     print(f"r1flow: starting MLflow's UI on {HOST}:{port} for {uri} (log {log}) ...", flush=True)
     with open(log, "wb") as out:  # its own session: we stop its whole group (uvicorn's worker included)

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 def test_cpu_smoke_run_fills_every_part_of_the_summary(tmp_path):
     """`bash benchmarks/gpu_check.sh --device cpu --quick` with this interpreter: the summary has each part's
-    numbers (GRPO step split, generation tokens/s of all four modes, SFT tokens/s, DPO pairs/s, peak memory),
+    numbers (GRPO step split, generation tokens/s of all five modes, SFT tokens/s, DPO pairs/s, peak memory),
     or the reason a part did not run (TRL where this venv has none), and
     what comes back fits the device's limits (at most 8 files, none in a sub-folder)."""
     out = tmp_path / "out"
@@ -55,7 +55,7 @@ def test_cpu_smoke_run_fills_every_part_of_the_summary(tmp_path):
 
     modes = parts["generation"]["numbers"]["modes"]
     assert [m["mode"] for m in modes] == ["generate() dynamic", "r1flow decode_rows", "generate() static",
-                                          "r1flow static"]
+                                          "r1flow static", "r1flow graph"]
     assert all(m["tokens_per_s"] > 0 and m["rows_equal_to_generate_dynamic"] == m["rows"] for m in modes)
     learning = parts["learning"]  # the tiny model's smoke run of benchmarks/learning.py, r1flow's side
     assert learning["status"] == "ok", learning
