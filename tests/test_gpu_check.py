@@ -60,6 +60,18 @@ def test_cpu_smoke_run_fills_every_part_of_the_summary(tmp_path):
     learning = parts["learning"]  # the tiny model's smoke run of benchmarks/learning.py, r1flow's side
     assert learning["status"] == "ok", learning
     assert learning["numbers"]["r1flow"]["steps"] >= 1 and learning["numbers"]["table"][0]["model"] == "start model"
+    # benchmarks/learning.py's own smoke checks (that run is this one; test_learning.py has the pure parts)
+    from benchmarks import learning as lb
+
+    assert (out / "learning.png").stat().st_size > 10_000
+    raw = json.loads((out / "learning.json").read_text())
+    run = raw["runs"]["r1flow"]
+    assert 1 <= run["steps"] <= lb.QUICK["max_steps"]
+    assert len(raw["evals"]["start"]["rows"]) == lb.QUICK["eval_prompts"] + lb.QUICK["transfer_prompts"]
+    assert {r["task"] for r in raw["evals"]["r1flow_end"]["rows"]} == {lb.TASK, lb.TRANSFER}
+    assert [s["name"] for s in run["snapshots"]] and all(s["name"].startswith("t") for s in run["snapshots"])
+    log = (out / "gpu_check.log").read_text()
+    assert "| start model | 0 |" in log and "| r1flow, budget |" in log
 
     md = (out / "summary.md").read_text()
     assert "| grpo total |" in md and "| sft rate |" in md and "| r1flow decode_rows |" in md and "| r1flow | " in md

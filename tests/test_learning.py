@@ -84,21 +84,6 @@ def test_bad_settings_fail_before_any_compute(tmp_path):
     assert not any(tmp_path.iterdir())  # nothing made
 
 
-@pytest.mark.slow
-def test_smoke_run_on_the_tiny_model(tmp_path):
-    plot = tmp_path / "curve.png"
-    p = subprocess.run([sys.executable, "benchmarks/learning.py", "--model", "tiny", "--quick", "--sides", "r1flow",
-                        "--work-dir", str(tmp_path / "work"), "--plot", str(plot), "--json", str(tmp_path / "raw.json"),
-                        "--quiet-wait", "0"], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
-    assert "| start model | 0 |" in p.stdout and "| r1flow, budget |" in p.stdout
-    assert plot.stat().st_size > 10_000
-    raw = json.loads((tmp_path / "raw.json").read_text())
-    run = raw["runs"]["r1flow"]
-    assert 1 <= run["steps"] <= learning.QUICK["max_steps"]
-    assert len(raw["evals"]["start"]["rows"]) == learning.QUICK["eval_prompts"] + learning.QUICK["transfer_prompts"]
-    assert {r["task"] for r in raw["evals"]["r1flow_end"]["rows"]} == {learning.TASK, learning.TRANSFER}
-    assert [s["name"] for s in run["snapshots"]] and all(s["name"].startswith("t") for s in run["snapshots"])
 
 
 def test_a_reused_trl_run_must_have_trained_on_the_same_plan(tmp_path):
