@@ -2,6 +2,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# Test files run on this many workers (pytest-xdist; each file whole on one worker: module fixtures once).
+TEST_WORKERS ?= 2
 
 .PHONY: setup run test lint clean bench bench-setup gpu-wheels learn
 
@@ -26,7 +28,7 @@ lint: setup
 	$(VENV)/bin/ruff check .
 
 test: lint
-	$(PY) -m pytest -q --durations=40
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=40
 
 # Benchmarks against TRL (benchmarks/suite.py). TRL is not an r1flow dependency: it lives in its own venv
 # next to r1flow (-e, stage runtime only: no Prefect/MLflow), pinned in benchmarks/requirements.txt.

@@ -44,6 +44,7 @@ KEY_METRICS = {
     "preference_data": ("pairs", "mean_margin"),
     "reward_model": ("eval_accuracy", "eval_margin"),
     "grpo": ("reward_first", "reward_last", "eval_accuracy_last", "time_per_step"),
+    "ppo": ("reward_first", "reward_last", "explained_variance_last", "eval_accuracy_last", "time_per_step"),
     "reference_logprobs": ("completions", "sequences_per_s"),
     "preference_optimization": ("eval_accuracy", "eval_margin", "eval_kl", "units_per_s"),
     "distill_traces": ("traces", "keep_rate", "sample_accuracy", "sample_accuracy_lenient"),

@@ -250,7 +250,25 @@ TRAINING_PANELS: dict[str, tuple[Panel, ...]] = {
         Panel("process reward", "mean step score", (("reward/process_mean", "process reward"),)),
         Panel("sampler / trainer mismatch", "KL per token (nats)", (("train/mismatch_kl", "mismatch KL"),)),
         _GRAD),
+    "ppo": (
+        Panel("mean reward", "score per completion", (("reward/mean", "rollouts"),
+                                                      ("reward/kl_penalized", "score - beta * KL (the return)"))),
+        Panel("accuracy", "fraction correct", (("reward/accuracy", "rollouts (sampled)"),
+                                               ("eval/accuracy", "held-out (greedy)"))),
+        Panel("KL to the reference", "KL estimate per token (nats)", (("train/kl", "KL(policy || ref)"),)),
+        Panel("value loss", "clipped squared error / 2", (("train/value_loss", "value loss"),)),
+        Panel("explained variance", "1 - Var(R - V) / Var(R)", (("train/explained_variance", "critic"),)),
+        Panel("clip fractions", "fraction of tokens clipped", (("train/clip_low", "policy, ratio below 1 - eps"),
+                                                               ("train/clip_high", "policy, ratio above 1 + eps"),
+                                                               ("train/value_clipfrac", "value"))),
+        Panel("approximate KL between updates", "k3 per token (nats)", (("train/approx_kl", "new || old"),)),
+        Panel("policy entropy", "nats per token", (("train/entropy", "entropy"),)),
+        Panel("completion length", "tokens", (("completion/mean_length", "mean"), ("completion/max_length", "max"))),
+        Panel("gradient norms before clipping", "global L2 norm", (("train/grad_norm", "policy"),
+                                                                    ("train/critic_grad_norm", "critic"))),
+    ),
 }
+RL_STAGES = ("grpo", "ppo")  # their losses mean little to a reader (centred advantages): grpo.png compares them
 
 
 def training_panels(stage: str, logged: set[str] | dict[str, Any]) -> list[tuple[Panel, list[tuple[str, str]]]]:
@@ -670,7 +688,7 @@ def _plots(results: list[StageResult], runs: dict[str, StageRuns | None], tracke
             cached = " (cached: the run that produced it)" if sr.source_run_id != sr.run_id else ""
             title = f"{label}: training curves from MLflow run {sr.source_run_id[:8]}{cached}"
             per_node.append((f"train_{re.sub(r'[^A-Za-z0-9_.-]', '-', r.node)}.png", title, plot_panels(panels, title)))
-        if r.stage == "grpo":  # a GRPO loss is ~0 by construction (advantages are centred): its overview is grpo.png
+        if r.stage in RL_STAGES:  # a GRPO loss is ~0 by construction (advantages are centred): the overview is grpo.png
             for key, _ in GRPO_CURVES:
                 if curve(key)[0]:
                     grpo.setdefault(key, []).append((r.node, curve(key)))
@@ -679,15 +697,15 @@ def _plots(results: list[StageResult], runs: dict[str, StageRuns | None], tracke
             ylabel = first[0].ylabel if first and first[0].lines[0][0] == TRAIN_LOSS else TRAIN_LOSS
             loss.append((f"{label}: train loss per step", ylabel, [("", curve(TRAIN_LOSS))]))
     if loss:
-        title = "train loss per optimizer step" + (" (GRPO nodes: grpo.png)" if grpo else "")
+        title = "train loss per optimizer step" + (" (GRPO/PPO nodes: grpo.png)" if grpo else "")
         images.append(("training_loss.png", "train loss over steps: " + ", ".join(p[0].split(":")[0] for p in loss),
                        plot_panels(loss, title)))
     if grpo:
         titles = dict(GRPO_CURVES)
-        panels = [(f"GRPO: {titles[k]} per step", titles[k], grpo[k]) for k, _ in GRPO_CURVES if k in grpo]
+        panels = [(f"RL: {titles[k]} per step", titles[k], grpo[k]) for k, _ in GRPO_CURVES if k in grpo]
         nodes = ", ".join(dict.fromkeys(n for lines in grpo.values() for n, _ in lines))
-        images.append(("grpo.png", f"GRPO nodes side by side ({nodes}): " + ", ".join(titles[k] for k in grpo)
-                       + " over steps", plot_panels(panels, f"GRPO nodes side by side: {nodes}")))
+        images.append(("grpo.png", f"RL nodes (GRPO, PPO) side by side ({nodes}): " + ", ".join(titles[k] for k in grpo)
+                       + " over steps", plot_panels(panels, f"RL nodes side by side: {nodes}")))
     shown = ("accuracy", "accuracy" + CI_LOW, "accuracy" + CI_HIGH, "format_rate")
     bars = [(f"{r['eval']}\n({r['model']}, {r['prompts']:.0f} prompts)" if r.get("prompts") else
              f"{r['eval']}\n({r['model']})", {k: r[k] for k in shown if r.get(k) is not None}) for r in comparison]

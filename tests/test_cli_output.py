@@ -50,8 +50,10 @@ def _free_port() -> int:
 
 
 def _too_wide(lines: list[str]) -> list[str]:
-    """Lines wider than WIDTH, except a path or URL alone on its line (printed whole so it can be copied)."""
-    return [line for line in lines if len(line.rstrip()) > WIDTH and " " in line.strip()]
+    """Lines wider than WIDTH, except a path or URL alone on its line and the UI command (`R1FLOW_HOME=<path>
+    .../r1flow ui`), each printed whole so it can be copied (a long home path makes the command long)."""
+    return [line for line in lines if len(line.rstrip()) > WIDTH and " " in line.strip()
+            and not (line.startswith("R1FLOW_HOME=") and line.rstrip().endswith(" ui"))]
 
 
 # ---------------------------------------------------------------------------- the end of a run, rendered

@@ -199,6 +199,11 @@ def test_training_panels_pick_what_each_stage_watches_among_the_logged_keys():
         ["train/loss"], ["train/rewards/accuracy", "eval/accuracy"], ["train/rewards/margin"], ["eval/kl"]]
     assert training_panels("grpo", {"reward_first", "time_per_step"}) == []  # summary metrics only: no plot
     assert training_panels("eval", {"accuracy"}) == []
+    ppo = training_panels("ppo", {"reward/mean", "train/loss", "train/value_loss", "train/explained_variance",
+                                  "train/clip_high", "train/value_clipfrac", "train/approx_kl"})
+    assert [p.title for p, _ in ppo] == ["mean reward", "value loss", "explained variance", "clip fractions",
+                                         "approximate KL between updates"]  # what a PPO user watches, never the loss
+    assert [k for k, _ in ppo[3][1]] == ["train/clip_high", "train/value_clipfrac"]
 
 
 def test_grpo_plots_reward_kl_entropy_and_length_not_its_loss(tracker, monkeypatch):
@@ -241,10 +246,10 @@ def test_grpo_plots_reward_kl_entropy_and_length_not_its_loss(tracker, monkeypat
     plotted = [v for _, _, lines in (p for ps in drawn.values() for p in ps) for _, (_, vs) in lines for v in vs]
     assert 1e-7 not in plotted and -2e-7 not in plotted  # the loss is nowhere
     assert not any("loss" in t for ps in drawn.values() for t, _, _ in ps)
-    (overview,) = [p for t, p in drawn.items() if t.startswith("GRPO nodes")]
-    assert [t for t, _, _ in overview] == ["GRPO: mean reward per step", "GRPO: held-out accuracy (greedy) per step",
-                                           "GRPO: KL to the reference per token (nats) per step",
-                                           "GRPO: mean completion length (tokens) per step"]
+    (overview,) = [p for t, p in drawn.items() if t.startswith("RL nodes")]  # GRPO and PPO nodes side by side
+    assert [t for t, _, _ in overview] == ["RL: mean reward per step", "RL: held-out accuracy (greedy) per step",
+                                           "RL: KL to the reference per token (nats) per step",
+                                           "RL: mean completion length (tokens) per step"]
 
 
 def test_step_axes_tick_whole_steps_only_and_empty_panels_are_dropped():
