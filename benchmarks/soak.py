@@ -82,21 +82,6 @@ def fingerprints(result_json: Path) -> dict[str, dict[str, str]]:
     return {s["node"]: s["outputs"] for s in result["stages"]}
 
 
-def processes_of(pid: int) -> list[int]:
-    """Live processes that a run's CLI (pid) started: they carry R1FLOW_RUN_PROCESS=<pid>:..."""
-    needle = f"{lifetime.PARENT_VAR}={pid}:".encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                env = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if any(e.startswith(needle) for e in env) and lifetime.alive(int(entry), None):
-                found.append(int(entry))
-    return found
-
-
 def reference(args, work: Path) -> dict[str, dict[str, dict[str, str]]]:
     refs = {}
     for variant in REFERENCE:
@@ -147,7 +132,7 @@ def soak(args, work: Path, home: Path) -> list[RunRecord]:
                 rec.returncode, rec.seconds = proc.returncode, round(time.monotonic() - t0, 1)
                 log.close()
                 time.sleep(lifetime.SENTINEL_GRACE_S + 2)  # the sentinel's SIGTERM, grace, SIGKILL
-                rec.leftover = processes_of(rec.pid)
+                rec.leftover = lifetime.processes_started_by(rec.pid)
                 if rec.signal and rec.returncode == 0:
                     rec.signal += " (after it finished)"
                 elif rec.signal:
@@ -226,7 +211,7 @@ def main() -> int:
 
     verify = subprocess.run([*R1FLOW, "artifacts", "--verify"], cwd=work, env=env_for(home), capture_output=True,
                             text=True)
-    orphans = sorted({p for r in records for p in processes_of(r.pid)})
+    orphans = sorted({p for r in records for p in lifetime.processes_started_by(r.pid)})
     report = {
         "runs": len(records),
         "kills": sum(1 for r in records if r.signal and "after" not in r.signal),

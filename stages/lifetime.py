@@ -101,6 +101,24 @@ def processes_with_token(token: str) -> list[tuple[int, int | None]]:
     return found
 
 
+def processes_started_by(pid: int) -> list[int]:
+    """Live processes started by the run whose CLI is `pid` (their environment holds R1FLOW_RUN_PROCESS=<pid>:...),
+    for checks that nothing was left (tests, benchmarks/soak.py)."""
+    needle = f"{PARENT_VAR}={pid}:".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:
+            continue
+        if any(e.startswith(needle) for e in env) and alive(int(entry), None):
+            found.append(int(entry))
+    return found
+
+
 def end_processes(procs: list[tuple[int, int | None]], grace: float = SENTINEL_GRACE_S) -> list[int]:
     """SIGTERM each, SIGKILL those still alive after `grace` seconds; the pids that needed SIGKILL."""
     for pid, _ in procs:

@@ -143,20 +143,6 @@ def _env(home: Path) -> dict[str, str]:
     return env
 
 
-def _run_processes(cli_pid: int) -> list[int]:
-    """Processes started by the run of cli_pid (they carry R1FLOW_RUN_PROCESS=<cli_pid>:...)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                env = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if any(e.startswith(f"{lifetime.PARENT_VAR}={cli_pid}:".encode()) for e in env):
-                found.append(int(entry))
-    return found
-
-
 def _start_and_wait_for_a_checkpoint(home: Path, tmp_path: Path, args: list[str]) -> tuple[subprocess.Popen, list[int]]:
     # The CLI in a session of its own, signalled alone (not its group): as `kill PID` or `timeout` would.
     cli = subprocess.Popen([sys.executable, *args], cwd=tmp_path, env=_env(home), start_new_session=True,
@@ -166,7 +152,7 @@ def _start_and_wait_for_a_checkpoint(home: Path, tmp_path: Path, args: list[str]
         assert cli.poll() is None, cli.stderr.read()[-3000:]
         assert time.monotonic() < deadline, "no checkpoint in time"
         time.sleep(0.1)
-    return cli, _run_processes(cli.pid)
+    return cli, lifetime.processes_started_by(cli.pid)
 
 
 @pytest.mark.slow
@@ -181,7 +167,7 @@ def test_sigkill_of_a_run_on_two_processes_leaves_no_process_and_a_rerun_resumes
         assert cli.wait(timeout=30) == -signal.SIGKILL
         left = _wait_gone(procs, lifetime.SENTINEL_GRACE_S + 10)
     finally:
-        for p in _run_processes(cli.pid):
+        for p in lifetime.processes_started_by(cli.pid):
             os.kill(p, signal.SIGKILL)
     assert left == [], f"still running after the run ended: {left}"
     assert not any(json.loads(p.read_text())["node"] == "sft" for p in home.glob("cache/*.json"))  # never published
@@ -212,7 +198,7 @@ def test_sigterm_stops_a_run_and_its_prefect_server_within_seconds(tmp_path):
         stopped_s = time.monotonic() - t0
         left = _wait_gone(procs, lifetime.SENTINEL_GRACE_S + 10)
     finally:
-        for p in _run_processes(cli.pid):
+        for p in lifetime.processes_started_by(cli.pid):
             os.kill(p, signal.SIGKILL)
     assert code == 128 + signal.SIGTERM and stopped_s < lifetime.EXIT_GRACE_S + 2
     assert left == [], f"still running after the run ended: {left}"
