@@ -32,7 +32,7 @@ from flows.store import ArtifactStore, CacheRecord, host_id, owner_gone, process
 from flows.tracking import Tracker, run_name
 from schemas.artifacts import DATA_FILE, Producer
 from schemas.errors import ArtifactError, ConfigError, R1FlowError
-from stages import get_stage
+from stages import get_stage, lifetime
 from stages.base import Input
 from stages.launch import run_stage
 
@@ -372,6 +372,7 @@ def reclaim_abandoned(store: ArtifactStore, tracker: Tracker, flow_run_id: str |
 def run_plan(plan: Plan, s: Settings, only: set[str] = frozenset(), force: set[str] = frozenset()) -> dict[str, Any]:
     for name in only | force:
         plan.node(name)  # raises a clear error for unknown names
+    lifetime.reinstall()  # SIGTERM stops the run within seconds, not Prefect's bridge (stages/lifetime.py)
     store = ArtifactStore(s.store, home=s.home)
     experiment = experiment_name(plan.recipe)
     tracker = Tracker(s.tracking_uri, experiment, s.mlflow_artifact_location)

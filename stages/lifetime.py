@@ -193,11 +193,22 @@ def terminate_on_signals(message: str = "r1flow: stopping ({name})") -> None:
     Call from the main thread."""
     signal.signal(signal.SIGTERM, _terminate)
     signal.signal(signal.SIGHUP, _terminate)
-    global _MESSAGE
-    _MESSAGE = message
+    global _MESSAGE, _INSTALLED
+    _MESSAGE, _INSTALLED = message, True
+
+
+def reinstall() -> None:
+    """Put the SIGTERM/SIGHUP handler back where a library replaced it: Prefect's flow engine installs its own
+    SIGTERM bridge for a flow's duration, and a run whose task catches the TerminationSignal it raises went on
+    (seen in CI: still running 30 s after SIGTERM). No-op unless terminate_on_signals ran in this process, and
+    off the main thread. Prefect restores this handler when the flow ends."""
+    if _INSTALLED and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminate)
+        signal.signal(signal.SIGHUP, _terminate)
 
 
 _MESSAGE = "r1flow: stopping ({name})"
+_INSTALLED = False
 _stopping = threading.Event()
 
 
@@ -217,7 +228,8 @@ def _terminate(signum, frame):
     if _stopping.is_set():
         return  # already on its way out
     _stopping.set()
-    print(_MESSAGE.format(name=signal.Signals(signum).name), file=sys.stderr, flush=True)
+    sys.stderr.write(_MESSAGE.format(name=signal.Signals(signum).name) + "\n")  # not print(): inside a flow
+    sys.stderr.flush()  # Prefect's log_prints turns print() into a log record that may never be written
     exit_soon(code)
     raise SystemExit(code)
 
