@@ -11,6 +11,7 @@ without R1FLOW_SANDBOX_ALLOW_WEAK=1: where it is the mode of this machine, every
 
 from __future__ import annotations
 
+import ast
 import json
 import logging
 import os
@@ -394,8 +395,8 @@ def test_host_files_are_invisible_and_the_root_is_minimal(fake_home):
     assert [line.rsplit(None, 1)[-1] for line in lines] == ["absent"] * 9, lines
     top = tempfile.gettempdir().strip("/").split("/")[0]  # the run's own directory lies under it
     allowed = {"bin", "dev", "lib", "lib32", "lib64", "libx32", "proc", "sbin", "tmp", "usr", top}
-    assert set(eval(root)) <= allowed, root
-    assert len(eval(tmp)) <= 1 and all(name.startswith("r1flow-sandbox-") for name in eval(tmp)), tmp
+    assert set(ast.literal_eval(root)) <= allowed, root
+    assert len(ast.literal_eval(tmp)) <= 1 and all(name.startswith("r1flow-sandbox-") for name in ast.literal_eval(tmp)), tmp
 
 
 @needs_namespaces
