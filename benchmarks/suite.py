@@ -405,7 +405,8 @@ def shape_line(name: str, device: str, shapes: dict[str, Shape]) -> str:
     smoke = ", a smoke run: no targets" if name in SMOKE_MODELS else ""
     return (f"{name} ({MODEL_REFS[name]}{smoke}): SFT {base.sft_batch} seqs/step; DPO {base.dpo_batch} pairs/step; "
             f"{grpo}; {f'LoRA r={base.lora_r}' if base.lora_r else 'full fine-tuning'}; "
-            f"{'bf16 autocast' if kind == 'cuda' else 'fp32'}; {base.cache} KV cache; r1flow generation "
+            f"{'bf16 autocast' if kind == 'cuda' else 'fp32'}; "
+            f"{'r1flow: its CUDA-graph decode (cache graph), TRL: its default dynamic cache' if base.cache == 'graph' else f'{base.cache} KV cache'}; r1flow generation "
             f"{base.r1flow_backend}; medians of warm steps")
 
 
