@@ -15,7 +15,7 @@ def prompt_row(**kw):
 
 
 def test_every_kind_has_a_schema_and_accepts_an_empty_table():
-    assert set(SCHEMAS) == {"prompts", "sft", "samples", "preferences", "unpaired", "eval", "ref_logprobs"}
+    assert set(SCHEMAS) == {"prompts", "sft", "samples", "preferences", "unpaired", "eval", "ref_logprobs", "steps"}
     for kind, schema in SCHEMAS.items():
         assert validate(schema.empty_table(), kind).schema.equals(schema)
 
