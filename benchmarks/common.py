@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from stages.host_memory import KEEP_BYTES  # noqa: E402  (ctypes only: no torch)
+from stages.runtime.host_memory import KEEP_BYTES  # noqa: E402  (ctypes only: no torch)
 
 CACHE_DIR = ROOT / ".r1flow" / "cache-models"
 MODEL_REFS = {"tiny": "tiny-random", "smollm2": "smollm2-135m-instruct", "1b": "llama-1b-random"}
@@ -134,7 +134,7 @@ class UnfairComparison(RuntimeError):
 
 
 # glibc's malloc settings every child of the suite gets, the same for r1flow and TRL. r1flow's own in-process
-# tuning (stages/host_memory.py, mallopt while run_stage runs a CPU stage) is off in both modes: `tuned` gives
+# tuning (stages/runtime/host_memory.py, mallopt while run_stage runs a CPU stage) is off in both modes: `tuned` gives
 # both sides host_memory's thresholds (1 GiB) through the environment, `glibc` leaves both at glibc's defaults.
 # glibc 2.36 takes 1 GiB from the environment as from mallopt (no 32 MiB cap): 48 and 160 MiB blocks come from the
 # heap and stay there once freed (`heap_probe`); a 160 MiB tensor made again faults 0 pages (40,961 with defaults).
@@ -175,7 +175,7 @@ def heap_probe() -> dict[str, bool | None]:
 
     Nothing is written to the blocks, so no page becomes resident. None off glibc (or before 2.33).
     """
-    from stages.host_memory import _glibc
+    from stages.runtime.host_memory import _glibc
 
     libc = _glibc()
     if libc is None or not hasattr(libc, "mallinfo2"):
@@ -213,7 +213,7 @@ class AllocatorProbe:
     def __enter__(self):
         from contextlib import contextmanager
 
-        from stages import host_memory
+        from stages.runtime import host_memory
 
         original = self._original = host_memory.reuse_freed_memory
 
@@ -227,7 +227,7 @@ class AllocatorProbe:
         return self
 
     def __exit__(self, *exc):
-        from stages import host_memory
+        from stages.runtime import host_memory
 
         host_memory.reuse_freed_memory = self._original
 
@@ -381,8 +381,8 @@ def shape_for(device: str, model: str, quick: bool = False, lora_r: int = 0, cac
 
 
 def ensure_model_dir(name: str) -> Path:
-    """The HF directory of a benchmark model: builtins via stages.models, the ~1B random Llama built here."""
-    from stages import models
+    """The HF directory of a benchmark model: builtins via stages.modeling.models, the ~1B random Llama built here."""
+    from stages.modeling import models
 
     ref = MODEL_REFS[name]
     if name == "smollm2-random":
@@ -402,7 +402,7 @@ def build_llama_1b(dest: Path) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from stages import models
+    from stages.modeling import models
 
     _, tokenizer = models.load_model(ensure_model_dir("smollm2"))
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=2048, intermediate_size=5632, num_hidden_layers=20,
@@ -452,7 +452,7 @@ def build_smollm2_random(dest: Path, config_dir: Path | None = None) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from stages import models
+    from stages.modeling import models
 
     if config_dir is None:
         config_dir = SMOLLM2_CONFIG_DIR

@@ -28,8 +28,8 @@ import torch  # noqa: E402
 
 from schemas.configs import PromptsConfig  # noqa: E402
 from stages import grpo, logprobs, models  # noqa: E402
-from stages.generation import render_prompts  # noqa: E402
 from stages.prompts import build_prompts  # noqa: E402
+from stages.sampling.generation import render_prompts  # noqa: E402
 
 ONE_BUCKET = 10**9
 

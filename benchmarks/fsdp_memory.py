@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/fsdp_memory.py --model smollm2 --processes 2 --steps 3
 
-For each distributed_type a fresh child process launches the sft stage through `stages.launch`
+For each distributed_type a fresh child process launches the sft stage through `stages.training.launch`
 (`accelerate launch`, gloo on CPU, NCCL on GPUs), full fine-tuning, and reports:
 - peak RSS of the largest process it waited for (a rank: `getrusage(RUSAGE_CHILDREN)`), in MiB. On
   CPU this is where the model, gradients and Adam moments live; on GPU the ranks' CPU memory only;
@@ -31,8 +31,9 @@ def child(args: argparse.Namespace) -> None:
     from benchmarks.common import stage_input
     from benchmarks.r1flow_side import TimedContext
     from schemas.configs import LoraSpec, ResourcesSpec, SFTConfig
-    from stages import launch, sft
+    from stages import sft
     from stages.base import Output
+    from stages.training import launch
 
     prep = json.loads(Path(args.prep).read_text())
     inputs = {k: stage_input(Output(o["kind"], o["schema"], Path(o["path"]), rows=o["rows"])) for k, o in prep.items()}

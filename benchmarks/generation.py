@@ -32,8 +32,8 @@ import torch  # noqa: E402
 
 from schemas.configs import GenerationSpec, PromptsConfig  # noqa: E402
 from stages import models  # noqa: E402
-from stages.generation import TransformersBackend, render_prompts, stop_token_ids  # noqa: E402
 from stages.prompts import build_prompts  # noqa: E402
+from stages.sampling.generation import TransformersBackend, render_prompts, stop_token_ids  # noqa: E402
 
 RESULT_MARK = "GEN-RESULT "
 

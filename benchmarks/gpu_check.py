@@ -46,7 +46,7 @@ out = {"python": sys.version.split()[0], "platform": platform.platform(), "modul
 for name in ["torch", "transformers", "tokenizers", "accelerate", "peft", "huggingface_hub", "safetensors", "numpy",
              "pyarrow", "pandas", "fsspec", "typing_extensions", "pydantic", "datasets", "trl", "gguf", "reasoning_gym",
              "math_verify", "schemas.configs", "stages.grpo", "stages.sft", "stages.preference_optimization",
-             "stages.prompts", "stages.rewards"]:
+             "stages.prompts", "stages.rewards.verifiers"]:
     try:
         m = importlib.import_module(name)
         out["modules"][name] = getattr(m, "__version__", "ok")

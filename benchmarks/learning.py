@@ -144,7 +144,7 @@ def prepare(plan: Plan, work: Path) -> dict:
     from schemas.datasets import from_rows
     from stages import import_model, prompts, rejection_sampling, sft
     from stages.base import LocalContext, write_dataset
-    from stages.launch import run_stage
+    from stages.training.launch import run_stage
 
     ensure_model_dir(plan.model)
     ctx = LocalContext(work, seed=SEED, device=plan.device, cache_dir=CACHE_DIR)
@@ -240,7 +240,7 @@ def train_r1flow(plan: Plan, prep: dict, work: Path, at_step: int | None) -> dic
     """r1flow's grpo stage through `run_stage`, as the pipeline runs it, with `max_minutes` as the budget."""
     from stages import grpo
     from stages.base import LocalContext
-    from stages.launch import run_stage
+    from stages.training.launch import run_stage
 
     cfg = grpo_config(plan, plan.max_steps, plan.minutes)
     if cfg.lora.r == 0:
@@ -288,7 +288,7 @@ def materialize(start_dir: str, adapter: str | None, dest: Path) -> Path:
         return dest
     from peft import PeftModel
 
-    from stages import models
+    from stages.modeling import models
 
     model, tokenizer = models.load_model(start_dir)
     merged = PeftModel.from_pretrained(model, adapter).merge_and_unload()
@@ -309,7 +309,7 @@ def evaluate(plan: Plan, prep: dict, jobs: list[dict], work: Path) -> dict:
     from schemas.configs import EvalConfig
     from stages import eval as eval_stage
     from stages.base import LocalContext, Output
-    from stages.launch import run_stage
+    from stages.training.launch import run_stage
 
     out = {}
     for job in jobs:
@@ -393,7 +393,7 @@ def correct_vector(rows: list[dict], task: str) -> list[float]:
 
 
 def accuracy_entry(rows: list[dict], task: str) -> dict:
-    from stages.stats import bootstrap_ci
+    from stages.math.stats import bootstrap_ci
 
     v = correct_vector(rows, task)
     lo, hi = bootstrap_ci(v)
@@ -404,7 +404,7 @@ def accuracy_entry(rows: list[dict], task: str) -> dict:
 
 def gain_entry(start_rows: list[dict], rows: list[dict], task: str) -> dict:
     """Gain over the start on the same prompts, with a paired bootstrap interval."""
-    from stages.stats import paired_bootstrap_diff
+    from stages.math.stats import paired_bootstrap_diff
 
     ids_a = [r["prompt_id"] for r in start_rows if r["task"] == task]
     ids_b = [r["prompt_id"] for r in rows if r["task"] == task]
@@ -449,13 +449,13 @@ def summarize(plan: Plan, evals: dict, runs: dict) -> dict:
         out["equal_time_met"] = bool(by["r1flow_end"]["gain"]["ci"][0] > 0 and (
             g_trl <= 0 or g_r1 >= GAIN_TARGET * g_trl))
     if "trl_end" in by and "r1flow_equal_steps" in by:
-        from stages.stats import paired_bootstrap_diff
+        from stages.math.stats import paired_bootstrap_diff
 
         diff, lo, hi = paired_bootstrap_diff(correct_vector(evals["trl_end"]["rows"], TASK),
                                              correct_vector(evals["r1flow_equal_steps"]["rows"], TASK))
         out["equal_steps_diff"] = {"diff": diff, "ci": [lo, hi], "not_worse": hi >= 0}
     if "trl_end" in by and "r1flow_end" in by:
-        from stages.stats import paired_bootstrap_diff
+        from stages.math.stats import paired_bootstrap_diff
 
         diff, lo, hi = paired_bootstrap_diff(correct_vector(evals["trl_end"]["rows"], TASK),
                                              correct_vector(evals["r1flow_end"]["rows"], TASK))
@@ -516,7 +516,7 @@ def plot(path: Path, plan: Plan, prep: dict, evals: dict, runs: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from stages.stats import bootstrap_ci
+    from stages.math.stats import bootstrap_ci
 
     fig, (ax_acc, ax_rew) = plt.subplots(1, 2, figsize=(11, 4.2))
     colors = {"r1flow": "tab:blue", "trl": "tab:orange"}

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from benchmarks.common import SEED, PeakMemory, Shape, stage_input
 from stages.base import LocalContext, Output
-from stages.launch import run_stage
+from stages.training.launch import run_stage
 
 
 class TimedContext(LocalContext):

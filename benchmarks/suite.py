@@ -22,7 +22,7 @@ Targets (SmolLM2 only; `tiny` is a smoke run of every code path, without targets
 What is equal on both sides (benchmarks/common.py SHAPES and LONG_GRPO hold the numbers):
 - the environment: every child (r1flow, TRL, r1flow's DPO reference pass) gets the environment
   built by one function (`child_env`), so the same variables. The allocator: `--allocator tuned`
-  (default) gives both sides r1flow's glibc tuning (stages/host_memory.py: freed blocks up to 1 GiB kept
+  (default) gives both sides r1flow's glibc tuning (stages/runtime/host_memory.py: freed blocks up to 1 GiB kept
   in the heap) as MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_; `--allocator glibc` gives both glibc's
   defaults. r1flow's in-process tuning is off in both (R1FLOW_MALLOC_TUNING=0). Each child reports the
   setting it ran under (the variables, whether r1flow tuned anything itself, and where glibc put a 48 and
@@ -57,7 +57,7 @@ What is equal on both sides (benchmarks/common.py SHAPES and LONG_GRPO hold the 
   step per rollout batch (TRL: per_device_train_batch_size = minibatch, gradient accumulation =
   prompts * group / minibatch); transformers generation on both (TRL `use_vllm=False`), all
   prompts of a step in one generate() call; the reward on both is r1flow's scorer
-  (`stages.rewards.score`, accuracy + 0.2 format). Neither side runs a separate old-log-prob pass
+  (`stages.rewards.verifiers.score`, accuracy + 0.2 format). Neither side runs a separate old-log-prob pass
   at mu = 1 (r1flow takes them from the epoch's own forward, TRL skips them).
 - timing: the first step is warm-up and not timed; the median of the remaining steps is reported.
   SFT/DPO step = interval between two consecutive step ends (r1flow: its per-step metric log; TRL:
@@ -216,7 +216,7 @@ def run_task(framework: str, task: str, prep: dict, shape: Shape, device: str, w
     if task == "allocator":  # the allocator report alone (tests): r1flow's through run_stage, as a stage's
         if framework == "r1flow":
             from stages.base import LocalContext
-            from stages.launch import run_stage
+            from stages.training.launch import run_stage
 
             run_stage(_NoStage, None, {}, LocalContext(work, device=device))
         return {}

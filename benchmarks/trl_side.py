@@ -19,8 +19,8 @@ from transformers import TrainerCallback
 from benchmarks.common import PeakMemory, Shape
 from schemas.artifacts import MODEL_DIR
 from schemas.configs import RewardSpec
-from stages import models
-from stages.rewards import score
+from stages.modeling import models
+from stages.rewards.verifiers import score
 
 
 class StepClock(TrainerCallback):
@@ -160,7 +160,7 @@ def grpo_dataset(rows: list[dict]):
 
 
 def verdicts(spec: RewardSpec, prompts, completions, completion_ids, columns: dict) -> list:
-    """r1flow's scorer (`stages.rewards.score`) on a TRL reward call's completions, one Verdict each."""
+    """r1flow's scorer (`stages.rewards.verifiers.score`) on a TRL reward call's completions, one Verdict each."""
     out = []
     for i, completion in enumerate(completions):
         text = completion[-1]["content"] if isinstance(completion, list) else completion
@@ -171,7 +171,7 @@ def verdicts(spec: RewardSpec, prompts, completions, completion_ids, columns: di
 
 
 def r1_reward(prompts, completions, completion_ids, **columns):
-    """r1flow's own scorer (`stages.rewards.score`, default RewardSpec: accuracy + 0.2 format), so
+    """r1flow's own scorer (`stages.rewards.verifiers.score`, default RewardSpec: accuracy + 0.2 format), so
     scoring costs the same on both sides."""
     return [v.reward for v in verdicts(RewardSpec(), prompts, completions, completion_ids, columns)]
 

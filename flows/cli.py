@@ -374,7 +374,7 @@ def cmd_artifacts(args: argparse.Namespace) -> int:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from stages.models import BUILTIN_MODELS
+    from stages.modeling.models import BUILTIN_MODELS
 
     print("builtin models:")
     for name, desc in BUILTIN_MODELS.items():
@@ -841,7 +841,7 @@ def _quiet_exit_on_closed_stdout() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """The `r1flow` command. Called with argv=None (the console script) a run or stage command also
-    gets its lifetime guards (stages/lifetime.py): a sentinel that ends every process the run started
+    gets its lifetime guards (stages/runtime/lifetime.py): a sentinel that ends every process the run started
     when it ends, kill -9 included, and SIGTERM/SIGHUP that stop it within seconds (`r1flow ui` gets
     the sentinel: its MLflow server ends with it). In-process calls (tests, notebooks) pass argv and
     get neither: they must not tie the caller's children to a sentinel. Every command ends quietly
@@ -850,7 +850,7 @@ def main(argv: list[str] | None = None) -> int:
     supervised = argv is None and args.command in RUN_COMMANDS
     try:
         if supervised or (argv is None and args.command == "ui"):
-            from stages import lifetime
+            from stages.runtime import lifetime
 
             lifetime.adopt()
         if supervised:
@@ -874,7 +874,7 @@ def main(argv: list[str] | None = None) -> int:
         print("r1flow: interrupted; completed stages are cached and training resumes from its last checkpoint",
               file=sys.stderr)
         if supervised:  # a worker thread must not keep the process alive
-            from stages import lifetime
+            from stages.runtime import lifetime
 
             lifetime.exit_soon(130)
         return 130

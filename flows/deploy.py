@@ -197,9 +197,9 @@ def run_stage(stage: str, inputs: dict[str, str], overrides: dict[str, Any] | No
     """Run one stage on referenced artifacts (inside a flow: the stage runs as the cached task)."""
     from flows.pipeline import _flow_run_id, experiment_name, reclaim_abandoned, stage_task
     from flows.tracking import Tracker
-    from stages import lifetime
+    from stages.runtime import lifetime
 
-    lifetime.reinstall()  # SIGTERM stops the run within seconds, not Prefect's bridge (stages/lifetime.py)
+    lifetime.reinstall()  # SIGTERM stops the run within seconds, not Prefect's bridge (stages/runtime/lifetime.py)
 
     s = Settings(**settings) if settings else Settings.from_env()
     config, name, recipe_seed = stage_config(stage, recipe, profile, node, overrides or {})

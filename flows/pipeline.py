@@ -32,9 +32,10 @@ from flows.store import ArtifactStore, CacheRecord, host_id, owner_gone, process
 from flows.tracking import Tracker, run_name
 from schemas.artifacts import DATA_FILE, Producer
 from schemas.errors import ArtifactError, ConfigError, R1FlowError
-from stages import get_stage, lifetime
+from stages import get_stage
 from stages.base import Input
-from stages.launch import run_stage
+from stages.runtime import lifetime
+from stages.training.launch import run_stage
 
 KEY_METRICS = {
     "import_model": ("parameters",),
@@ -372,7 +373,7 @@ def reclaim_abandoned(store: ArtifactStore, tracker: Tracker, flow_run_id: str |
 def run_plan(plan: Plan, s: Settings, only: set[str] = frozenset(), force: set[str] = frozenset()) -> dict[str, Any]:
     for name in only | force:
         plan.node(name)  # raises a clear error for unknown names
-    lifetime.reinstall()  # SIGTERM stops the run within seconds, not Prefect's bridge (stages/lifetime.py)
+    lifetime.reinstall()  # SIGTERM stops the run within seconds, not Prefect's bridge (stages/runtime/lifetime.py)
     store = ArtifactStore(s.store, home=s.home)
     experiment = experiment_name(plan.recipe)
     tracker = Tracker(s.tracking_uri, experiment, s.mlflow_artifact_location)

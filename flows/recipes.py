@@ -24,7 +24,7 @@ from pydantic import BaseModel, ValidationError
 from schemas.configs import STAGE_CONFIGS, ProfileConfig, RecipeConfig, RecipeOverlay
 from schemas.errors import ConfigError
 from stages import STAGE_MODULES, get_stage
-from stages import preference_losses as pl
+from stages.math import preference as pl
 
 RECIPE_DIR = Path(__file__).parent / "recipes"
 PROFILE_DIR = Path(__file__).parent / "profiles"

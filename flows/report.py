@@ -568,7 +568,7 @@ def comparison_markdown(payload: dict[str, Any], tracker: Tracker) -> list[str]:
            "scored greedy prompts (`prompts` is the eval size); no interval: an eval logged without one. "
            "Overlapping intervals of two models do not by themselves show that they are equal: both were "
            "scored on the same prompts, and the gain of one over the other has its own interval, usually "
-           "narrower (paired by prompt: `stages.stats.paired_bootstrap_diff`).", "",
+           "narrower (paired by prompt: `stages.math.stats.paired_bootstrap_diff`).", "",
            "pass@k: the chance that at least one of k sampled completions is correct (unbiased estimator), "
            "averaged over the first N eval prompts only (header or cell: `N prompts`), so it is noisier than "
            "the greedy accuracy on all `prompts`.", "",

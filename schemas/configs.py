@@ -124,7 +124,7 @@ class RewardSpec(Strict):
         "in exactly one `<answer>…</answer>` block outside the thinking; no \\boxed{} fallback, and several answer "
         "blocks (hedging) score as no answer. Lenient (evaluation) correctness is unaffected.",
     )
-    # The scripts of stages.rewards.LANGUAGE_SCRIPTS (tests check the two agree).
+    # The scripts of stages.rewards.verifiers.LANGUAGE_SCRIPTS (tests check the two agree).
     language_script: Literal["latin", "cyrillic", "greek", "arabic", "cjk"] = Field(
         "latin",
         description="Target script of the language component (R1 §2.3.2 language consistency): the share of the "
@@ -278,7 +278,7 @@ class RejectionSamplingConfig(Strict):
     reformat: bool = Field(
         False,
         description="R1 cold start's post-processing into a readable format: rewrite every accepted completion that "
-        "is not well formed as `<think>reasoning</think><answer>answer</answer>` (stages.rewards.reformat_r1). "
+        "is not well formed as `<think>reasoning</think><answer>answer</answer>` (stages.rewards.verifiers.reformat_r1). "
         "Needs require_format=false (otherwise every accepted completion is already well formed).",
     )
     min_reward: float | None = Field(None, description="Also require reward >= this (None: no reward threshold).")

@@ -59,7 +59,7 @@ class Input:
 
     def load_model(self, **kwargs):
         """(model, tokenizer) of a model artifact; an adapter is attached to its resolved base."""
-        from stages import models
+        from stages.modeling import models
 
         base = self.base.model_dir if self.base is not None else None
         return models.load_model(self.model_dir, base=base, **kwargs)
@@ -86,7 +86,7 @@ class Output:
 
 class StageContext(Protocol):
     """What a stage may ask of its runner. A runner that starts the stage on several processes
-    (`stages.launch`) also gives each a `dist` (`stages.distributed.Dist`); stages read it with
+    (`stages.training.launch`) also gives each a `dist` (`stages.runtime.distributed.Dist`); stages read it with
     `distributed.of(ctx)`, which is the single-process identity for contexts without one."""
 
     seed: int

@@ -11,7 +11,7 @@ that is a pure function of (seed, step), checkpoints with exact resume):
   The teacher's logits come from a no-grad forward pass per micro-batch: [B, T, V] logits exist
   for one micro-batch at a time, never for the dataset.
 - `on_policy` (GKD, Agarwal et al. 2023, arXiv 2306.13649, Algorithm 1): every step the student
-  samples completions (`stages.generation.generate`) and the teacher's distributions supervise
+  samples completions (`stages.sampling.generation.generate`) and the teacher's distributions supervise
   each sampled token, so the student learns on the prefixes it actually produces (including its
   mistakes); a share λ = `teacher_fraction` of the step's sequences are teacher traces instead.
 
@@ -29,7 +29,7 @@ Departures, on purpose:
 - the student is trained on whole sequences of at most max_length tokens; longer traces lose
   their end (as in sft);
 - on N processes each process takes 1/N of every micro-batch and divides by the step's global
-  token count (gradients summed, `stages.distributed`); on_policy splits the step's student
+  token count (gradients summed, `stages.runtime.distributed`); on_policy splits the step's student
   prompts among the processes (rank r samples with seed base + r) and gathers the samples, so
   every rank sees the whole step. The held-out NLL and saving run on rank 0. Under fsdp the student
   samples through an unsharded copy on every rank (`Dist.copy_weights` refreshes it from the shards
@@ -51,11 +51,12 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from schemas.configs import DistillConfig
 from schemas.errors import ConfigError, ModelError, SchemaError
-from stages import distributed, models
 from stages.base import Input, Output, StageContext, model_output_dir, seed_everything
-from stages.distill_losses import distill_loss
-from stages.generation import check_vllm_model_dir, generate, make_backend, render_prompts
+from stages.math.distill import distill_loss
+from stages.modeling import models
 from stages.reward_model import split_pairs
+from stages.runtime import distributed
+from stages.sampling.generation import check_vllm_model_dir, generate, make_backend, render_prompts
 from stages.sft import (
     IGNORE,
     Example,

@@ -21,8 +21,8 @@ from schemas.configs import DistillTracesConfig
 from schemas.datasets import from_rows
 from schemas.errors import SchemaError
 from stages.base import Input, Output, StageContext, seed_everything, write_dataset
-from stages.generation import Completion, make_backend
-from stages.rewards import Verdict, score
+from stages.rewards.verifiers import Verdict, score
+from stages.sampling.generation import Completion, make_backend
 
 VERSION = "2"  # 2: sampler blocks of ceil(sqrt(V)) tokens (generation.BlockRaceSampler): other samples for the same seed
 CONFIG = DistillTracesConfig

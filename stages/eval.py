@@ -6,7 +6,7 @@ base model that has not learnt the format is measured fairly), pass@k
 (unbiased estimator over the sampled completions), format rate, mean completion length,
 generation throughput, and the same per task. Each accuracy comes with a 95% percentile bootstrap
 interval over the scored greedy prompts (`accuracy_ci_low`, `accuracy_ci_high`, and per task;
-`stages.stats.bootstrap_ci`, seed `CI_SEED`), so a reader can tell a gain from eval noise.
+`stages.math.stats.bootstrap_ci`, seed `CI_SEED`), so a reader can tell a gain from eval noise.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from schemas.configs import EvalConfig, GenerationSpec
 from schemas.datasets import from_rows
 from schemas.errors import SchemaError
 from stages.base import Input, Output, StageContext, seed_everything, write_dataset
-from stages.generation import generate
-from stages.rewards import pass_at_k, score
-from stages.stats import bootstrap_ci
+from stages.math.stats import bootstrap_ci
+from stages.rewards.verifiers import pass_at_k, score
+from stages.sampling.generation import generate
 
 VERSION = "4"  # 4: accuracy_ci_low/accuracy_ci_high metrics (95% bootstrap), overall and per task; 3: sampler blocks of ceil(sqrt(V)) tokens (generation.BlockRaceSampler): other samples for the same seed; 2: correct_lenient column and accuracy_lenient metric
 CONFIG = EvalConfig

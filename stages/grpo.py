@@ -3,7 +3,7 @@
 One step reads like the paper (DeepSeekMath §4.1, arXiv 2402.03300): sample G completions for each
 of B prompts from the current policy, score them, turn each group's rewards into advantages, then
 take clipped policy-gradient steps, optionally anchored to a reference by a KL penalty. The math
-lives in `stages/rl.py` (advantages, policy losses, aggregation, KL estimators); this module only
+lives in `stages/math/rl.py` (advantages, policy losses, aggregation, KL estimators); this module only
 orders it. Variants are config: Dr. GRPO (`advantage: dr_grpo`, `aggregation: constant`), DAPO
 (`epsilon_high > epsilon_low`, `aggregation: token_mean`, `dynamic_sampling`, overlong reward),
 GSPO (`policy_loss: gspo`), CISPO (`policy_loss: cispo`), RLOO (`advantage: rloo`).
@@ -24,7 +24,7 @@ Departures from the papers, on purpose:
   its own groups with its own sampling seed, the reward matrices are gathered so the advantages
   are exactly one process's for the same rollouts (`rl.sharded_group_advantages`), the loss
   normalisers (sequences, tokens) are the whole step's, gradients are summed
-  (`stages.distributed`), and rollout metrics cover every process's groups.
+  (`stages.runtime.distributed`), and rollout metrics cover every process's groups.
 """
 
 from __future__ import annotations
@@ -40,10 +40,12 @@ from tqdm.auto import tqdm
 
 from schemas.configs import GenerationSpec, GRPOConfig
 from schemas.errors import ConfigError, SchemaError
-from stages import distributed, logprobs, models, rl
 from stages.base import Input, Output, StageContext, model_output_dir, seed_everything
-from stages.generation import TransformersBackend, check_vllm_model_dir, make_backend, render_prompts
-from stages.rewards import score
+from stages.math import rl
+from stages.modeling import logprobs, models
+from stages.rewards.verifiers import score
+from stages.runtime import distributed
+from stages.sampling.generation import TransformersBackend, check_vllm_model_dir, make_backend, render_prompts
 from stages.sft import (
     clip_grad_norm,
     load_trainable,
@@ -129,7 +131,7 @@ def step_ends(pieces: list[str], delimiter: str = "\n") -> list[int]:
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                    with_entropy: bool = False, chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(token t+1 | tokens ≤ t) for every position of right-padded rows: (N, L-1), 0 where
-    token t+1 is padding; and the entropy there if asked (`stages.logprobs`: the logits exist
+    token t+1 is padding; and the entropy there if asked (`stages.modeling.logprobs`: the logits exist
     `chunk` positions at a time; rows of different lengths run in length buckets)."""
     return logprobs.bucketed_token_logprobs(model, input_ids, attention_mask, chunk_tokens=chunk,
                                             with_entropy=with_entropy)

@@ -1,6 +1,6 @@
 """`import_model` stage: turn a model reference into a content-addressed model artifact.
 
-Builtin names are converted once into a cached HF directory (stages.models); local directories
+Builtin names are converted once into a cached HF directory (stages.modeling.models); local directories
 and that cache are linked into the artifact (hard links where possible, bytes unchanged, so the
 fingerprint is stable); hub names are loaded with `from_pretrained` and saved as safetensors.
 """
@@ -14,8 +14,8 @@ from pathlib import Path
 
 from schemas.configs import ModelConfig
 from schemas.errors import ConfigError
-from stages import models
 from stages.base import Output, StageContext, model_output_dir
+from stages.modeling import models
 
 VERSION = "1"
 CONFIG = ModelConfig

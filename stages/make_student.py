@@ -18,8 +18,8 @@ from __future__ import annotations
 from transformers import AutoConfig
 
 from schemas.configs import MakeStudentConfig
-from stages import models
 from stages.base import Input, Output, StageContext, model_output_dir
+from stages.modeling import models
 
 VERSION = "1"
 CONFIG = MakeStudentConfig

@@ -8,7 +8,7 @@ KL penalty (`rl.kl_penalized_rewards`), estimate advantages by GAE (`rl.gae`, Sc
 whiten them (`rl.whiten`), then run `ppo_epochs` epochs over shuffled mini-batches, each one optimizer
 step on the clipped surrogate (`rl.policy_loss`, the one grpo uses, with per-token advantages) plus
 `vf_coef` times the clipped value loss (`rl.value_loss`). GRPO is this with the critic replaced by the
-group mean. The math lives in `stages/rl.py`; this module only orders it.
+group mean. The math lives in `stages/math/rl.py`; this module only orders it.
 
 The critic is a `*ForSequenceClassification` model (`stages.reward_model`): the decoder with a
 Linear(hidden, 1) `score` head, read at every token instead of pooled at the last one. `critic:
@@ -28,7 +28,7 @@ Choices and departures, on purpose:
 - a completion that cannot be scored gets score 0 and is counted in `reward/unscored`;
 - on N processes (ddp) each rolls out prompts_per_step / N prompts and takes minibatch_size / N rows of
   every mini-batch; advantages are whitened over every process's tokens, the loss normaliser is the
-  mini-batch's global token count and gradients are summed (`stages.distributed`), so the update is the
+  mini-batch's global token count and gradients are summed (`stages.runtime.distributed`), so the update is the
   single-process one. FSDP is not built for ppo (its config refuses it).
 """
 
@@ -46,16 +46,18 @@ from tqdm.auto import tqdm
 
 from schemas.configs import GenerationSpec, PPOConfig
 from schemas.errors import ConfigError, ModelError, SchemaError
-from stages import distributed, logprobs, models, rl
 from stages.base import Input, Output, StageContext, model_output_dir, seed_everything
-from stages.generation import Completion, check_vllm_model_dir, make_backend, render_prompts
+from stages.math import rl
+from stages.modeling import logprobs, models
 from stages.reward_model import (
     RewardScorer,
     apply_reward_lora,
     load_reward_model,
     reward_model_from_causal_lm,
 )
-from stages.rewards import Verdict, score
+from stages.rewards.verifiers import Verdict, score
+from stages.runtime import distributed
+from stages.sampling.generation import Completion, check_vllm_model_dir, make_backend, render_prompts
 from stages.sft import (
     clip_grad_norm,
     load_trainable,

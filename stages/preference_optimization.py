@@ -3,7 +3,7 @@
 One step reads like the DPO paper: a micro-batch of pairs goes through the policy as one
 concatenated forward pass (chosen rows, then rejected rows), each completion's token log-probs
 are reduced to a sequence log-prob (sum, or mean for SimPO/ORPO), and the loss of
-`stages/preference_losses.py` compares them with the reference's, read from a cached
+`stages/math/preference.py` compares them with the reference's, read from a cached
 `reference_logprobs` artifact. The math lives in `preference_losses`; this module orders it.
 
 The reference:
@@ -21,7 +21,7 @@ Departures, on purpose:
 - a sequence longer than max_length keeps its completion (cut from its end only when the
   completion alone is too long) and loses the prompt's start, so every pair scores whole answers;
 - on N processes every process takes 1/N of each micro-batch's units and divides its summed loss
-  by the step's global unit count, gradients are summed (`stages.distributed`), KTO's reference
+  by the step's global unit count, gradients are summed (`stages.runtime.distributed`), KTO's reference
   point is the mean over the whole micro-batch, and a reference computed here is scored in N parts
   and gathered: the same step as on one process. Held-out metrics, KL and saving run on rank 0.
 """
@@ -39,10 +39,11 @@ from tqdm.auto import tqdm
 
 from schemas.configs import GenerationSpec, PreferenceOptimizationConfig
 from schemas.errors import ArtifactError, ConfigError, ModelError, SchemaError
-from stages import distributed, logprobs, models
-from stages import preference_losses as pl
 from stages.base import Input, Output, StageContext, model_output_dir, seed_everything
+from stages.math import preference as pl
+from stages.modeling import logprobs, models
 from stages.reward_model import split_pairs
+from stages.runtime import distributed
 from stages.sft import (
     clip_grad_norm,
     load_trainable,
@@ -145,7 +146,7 @@ def completion_logprobs(model, sequences: list[tuple[list[int], int]], pad_id: i
 
     Right-padded, one forward pass (with gradient if enabled by the caller); position t of the
     result is log p(token t+1 | tokens <= t); the logits exist `chunk` positions at a time
-    (`stages.logprobs`). Sequences with the same prompt (a pair's chosen and rejected) can share it,
+    (`stages.modeling.logprobs`). Sequences with the same prompt (a pair's chosen and rejected) can share it,
     the same values and gradients either way: a Llama / Mistral / Qwen2 model runs each prompt and
     its completions as one row under a mask that keeps the completions apart
     (`logprobs.packed_prefix_rows`: one decoder call; `can_pack_prefix`), other models run each
@@ -495,7 +496,7 @@ def heldout_kl(model, tokenizer, model_input: Input, examples: list[Example], un
     k1 on the policy's own samples: mean over samples of sum_t (log pi - log pi_ref), an unbiased
     estimate of the sequence-level KL. Prompts: the first kl_prompts distinct held-out prompts.
     """
-    from stages.generation import generate
+    from stages.sampling.generation import generate
 
     seen, prompts = set(), []
     for u in units:

@@ -20,7 +20,7 @@ from schemas.configs import PromptsConfig
 from schemas.datasets import from_rows
 from schemas.errors import ConfigError, SchemaError
 from stages.base import Output, StageContext, write_dataset
-from stages.rewards import R1_SYSTEM_PROMPT, VERIFIERS
+from stages.rewards.verifiers import R1_SYSTEM_PROMPT, VERIFIERS
 
 VERSION = "1"
 CONFIG = PromptsConfig

@@ -9,7 +9,7 @@ rounds.
 Cold start (R1 paper §2.3.1) from a model that does not write the R1 format yet: `correctness:
 lenient` accepts a right answer stated without tags (`Verdict.correct_lenient`), and `reformat`
 rewrites each accepted completion that is not well formed into `<think>…</think><answer>…</answer>`
-(`stages.rewards.reformat_r1`; R1 used annotators and a summary here, we only restructure).
+(`stages.rewards.verifiers.reformat_r1`; R1 used annotators and a summary here, we only restructure).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from schemas.configs import RejectionSamplingConfig
 from schemas.datasets import from_rows
 from schemas.errors import SchemaError
 from stages.base import Input, Output, StageContext, seed_everything, write_dataset
-from stages.generation import make_backend
-from stages.rewards import Verdict, extract_answer_lenient, reformat_r1, score
+from stages.rewards.verifiers import Verdict, extract_answer_lenient, reformat_r1, score
+from stages.sampling.generation import make_backend
 
 VERSION = "2"  # 2: sampler blocks of ceil(sqrt(V)) tokens (generation.BlockRaceSampler): other samples for the same seed
 CONFIG = RejectionSamplingConfig

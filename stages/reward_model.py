@@ -22,7 +22,7 @@ Choices and departures from common trainers (TRL's RewardTrainer):
 - chosen and rejected go through one concatenated forward pass per micro-batch;
 - the loss is a mean over all pairs of the optimizer step (all micro-batches), so batch 4 ×
   accumulation 1 equals batch 2 × accumulation 2, and N processes (each 1/N of every micro-batch,
-  gradients summed: `stages.distributed`) equal one;
+  gradients summed: `stages.runtime.distributed`) equal one;
 - the result is always saved as merged full weights (`lora.merge=False` is ignored, and logged):
   a reward-model adapter could not be loaded by `Input.load_model()`, which attaches adapters to
   causal LMs only. A reward-model artifact as input is trained further with its head kept.
@@ -44,8 +44,10 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreT
 
 from schemas.configs import LoraSpec, RewardModelConfig
 from schemas.errors import ArtifactError, ModelError, SchemaError
-from stages import distributed, logprobs, models, sft
+from stages import sft
 from stages.base import Input, Output, StageContext, model_output_dir, seed_everything
+from stages.modeling import logprobs, models
+from stages.runtime import distributed
 
 VERSION = "1"
 CONFIG = RewardModelConfig

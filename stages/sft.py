@@ -9,7 +9,7 @@ plain loop of micro-batches → optimizer steps with checkpoints. Departures fro
 - on N processes (`resources.num_processes`) every process takes 1/N of each global micro-batch and
   divides its summed loss by the step's global token count (known to every rank: the step's
   indices are a pure function too), and the gradients are summed, so the update is the
-  single-process one (`stages.distributed`).
+  single-process one (`stages.runtime.distributed`).
 """
 
 from __future__ import annotations
@@ -36,9 +36,10 @@ from tqdm.auto import tqdm
 
 from schemas.configs import SFTConfig
 from schemas.errors import ArtifactError, SchemaError
-from stages import distributed, logprobs, models
 from stages.base import Input, Output, StageContext, model_output_dir, seed_everything
-from stages.rewards import gold_completion
+from stages.modeling import logprobs, models
+from stages.rewards.verifiers import gold_completion
+from stages.runtime import distributed
 
 log = logging.getLogger(__name__)
 

@@ -48,14 +48,14 @@ def session_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
-    from stages.models import build_tiny_tokenizer
+    from stages.modeling.models import build_tiny_tokenizer
 
     return build_tiny_tokenizer()
 
 
 @pytest.fixture()
 def tiny_model(tiny_tokenizer):
-    from stages.models import build_tiny_model
+    from stages.modeling.models import build_tiny_model
 
     return build_tiny_model(tiny_tokenizer, seed=0)
 
@@ -88,7 +88,7 @@ def fake_input(path: Path, kind: str, schema: str, rows: int | None = None):
 def tiny_model_input(session_dir, tiny_tokenizer):
     """A saved tiny model laid out like an import_model artifact (`<dir>/model/`)."""
     from schemas.artifacts import MODEL_DIR
-    from stages.models import build_tiny_model, save_model
+    from stages.modeling.models import build_tiny_model, save_model
 
     path = session_dir / "tiny-model-artifact"
     if not path.exists():

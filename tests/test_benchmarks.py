@@ -8,8 +8,8 @@ import random
 import pytest
 
 from benchmarks import common, suite
-from stages import host_memory
-from stages.models import build_tiny_tokenizer
+from stages.modeling.models import build_tiny_tokenizer
+from stages.runtime import host_memory
 
 glibc_only = pytest.mark.skipif(host_memory._glibc() is None, reason="malloc thresholds are glibc's (Linux)")
 

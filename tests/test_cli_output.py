@@ -27,7 +27,7 @@ from flows.recipes import load_plan
 from flows.store import ArtifactStore
 from schemas.artifacts import Producer
 from schemas.errors import ConfigError
-from stages import lifetime
+from stages.runtime import lifetime
 
 ROOT = Path(__file__).resolve().parents[1]
 WIDTH = 100

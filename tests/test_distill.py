@@ -28,10 +28,11 @@ from schemas.configs import (
 )
 from schemas.datasets import from_rows
 from schemas.errors import ConfigError, ModelError, SchemaError
-from stages import distill, distill_traces, make_student, models, sft
+from stages import distill, distill_traces, make_student, sft
 from stages.base import LocalContext, write_dataset
-from stages.generation import generate
-from stages.rewards import score
+from stages.modeling import models
+from stages.rewards.verifiers import score
+from stages.sampling.generation import generate
 from stages.sft import collate, tokenize_conversation
 from tests.conftest import fake_input
 
@@ -346,7 +347,7 @@ def test_logits_mode_sharded_on_two_processes_follows_the_single_process_run(wor
     from safetensors.torch import load_file
 
     from schemas.configs import ResourcesSpec
-    from stages import launch
+    from stages.training import launch
 
     cfg = distill_cfg(mode="logits", temperature=2.0, max_steps=4, batch_size=4, grad_accum=2)
     one, two = LocalContext(world.root / "d-fsdp-1"), LocalContext(world.root / "d-fsdp-2")
@@ -370,7 +371,7 @@ def test_on_policy_sharded_on_two_processes_follows_the_ddp_run(world, lora_r):
     from safetensors.torch import load_file
 
     from schemas.configs import ResourcesSpec
-    from stages import launch
+    from stages.training import launch
 
     cfg = distill_cfg(mode="on_policy", max_steps=3, batch_size=4, grad_accum=1, teacher_fraction=0.25,
                       divergence="reverse", lora=LoraSpec(r=lora_r, alpha=8), learning_rate=3e-3)

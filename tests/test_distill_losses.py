@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from stages.distill_losses import distill_loss, generalized_jsd, kd_loss
+from stages.math.distill import distill_loss, generalized_jsd, kd_loss
 
 TEACHER = torch.log(torch.tensor([[[1.0, 2.0, 1.0]]]))  # (1, 1, 3)
 STUDENT = torch.zeros(1, 1, 3)

@@ -30,8 +30,10 @@ from schemas.configs import (
 )
 from schemas.datasets import from_rows
 from schemas.errors import StageError
-from stages import distributed, launch, rl
 from stages.base import LocalContext, write_dataset
+from stages.math import rl
+from stages.runtime import distributed
+from stages.training import launch
 from tests.conftest import fake_input
 
 TWO = ResourcesSpec(num_processes=2)

@@ -9,7 +9,7 @@ from schemas.configs import EvalConfig
 from schemas.datasets import from_rows
 from stages import eval as eval_stage
 from stages.base import LocalContext, write_dataset
-from stages.stats import bootstrap_ci
+from stages.math.stats import bootstrap_ci
 from tests.conftest import fake_input
 
 

@@ -7,14 +7,14 @@ import pytest
 import torch
 
 from schemas.configs import GenerationSpec
-from stages.generation import TransformersBackend, completion_logprobs, cut_at_stop, make_backend
+from stages.sampling.generation import TransformersBackend, completion_logprobs, cut_at_stop, make_backend
 
 CONVS = [[{"role": "user", "content": q}] for q in ("hi", "a much longer question here?", "2+2", "x")]
 
 
 @pytest.fixture(scope="module")
 def backend(tiny_tokenizer):
-    from stages.models import build_tiny_model
+    from stages.modeling.models import build_tiny_model
 
     return TransformersBackend(build_tiny_model(tiny_tokenizer, seed=0), tiny_tokenizer)
 
@@ -141,7 +141,7 @@ def test_static_cache_gives_the_same_greedy_completions_and_logprobs(backend):
 
 def _generate_reference(model, enc, n, kwargs, seed, tiny_tokenizer, top_p=1.0):
     """transformers' own loop: generate() over the n-fold rows with the backend's sampler under its argmax."""
-    from stages.generation import sampling_processors
+    from stages.sampling.generation import sampling_processors
 
     torch.manual_seed(seed)
     return model.generate(input_ids=enc["input_ids"].repeat_interleave(n, 0),
@@ -151,7 +151,7 @@ def _generate_reference(model, enc, n, kwargs, seed, tiny_tokenizer, top_p=1.0):
 
 
 def _decode(model, enc, n, max_new, eos_ids, seed, tiny_tokenizer, top_p=1.0, min_common=None, **kw):
-    from stages.generation import decode_rows, prefill_prompts, sampling_processors
+    from stages.sampling.generation import decode_rows, prefill_prompts, sampling_processors
 
     torch.manual_seed(seed)
     ids, mask, cache = prefill_prompts(model, enc["input_ids"], enc["attention_mask"], n, max_new, min_common,
@@ -207,7 +207,7 @@ def test_decode_rows_drops_finished_rows_and_samples_what_generate_samples(backe
 def test_decode_rows_from_one_token_prompts_without_a_cache(backend, tiny_tokenizer):
     """One-token prompts leave prefill_prompts nothing to cache (None): the loop starts from the model's
     own first cache and samples what generate() samples from the same seed."""
-    from stages.generation import decode_rows, prefill_prompts, sampling_processors
+    from stages.sampling.generation import decode_rows, prefill_prompts, sampling_processors
 
     model = backend.model
     enc = {"input_ids": torch.tensor([[5], [9], [20]]), "attention_mask": torch.ones(3, 1, dtype=torch.long)}
@@ -277,7 +277,7 @@ def test_batch_wide_common_prefix_samples_equal_generate(backend, tiny_tokenizer
 
 def test_block_race_sampler_live_rows_draw_what_the_whole_batch_draws():
     """draw(scores[live], live, total) gives each live row the token the whole batch's draw gives it."""
-    from stages.generation import BlockRaceSampler
+    from stages.sampling.generation import BlockRaceSampler
 
     torch.manual_seed(0)
     scores = torch.randn(6, 300)
@@ -298,7 +298,7 @@ def test_block_race_sampler_draws_the_softmax_distribution():
     """probs [1/2, 1/4, 1/8, 1/8, 0] (logits log p, -inf for the last): 200,000 draws land within
     5 standard errors of each probability, the -inf token is never drawn, and every returned row
     is 0 at one token and -inf elsewhere (what generate's argmax needs)."""
-    from stages.generation import BlockRaceSampler
+    from stages.sampling.generation import BlockRaceSampler
 
     probs = torch.tensor([0.5, 0.25, 0.125, 0.125, 0.0])
     n = 200_000
@@ -315,7 +315,7 @@ def test_sampling_processors_apply_temperature_top_k_top_p_before_the_draw():
     """logits [2, 1, 0, -1]. top_k=2: softmax([2, 1]) = [0.7311, 0.2689]. temperature 0.5:
     softmax([4, 2, 0, -2]) = [0.8650, 0.1171, 0.0158, 0.0021]. top_p=0.8 at temperature 1: the
     sorted probs [0.6439, 0.2369, 0.0871, 0.0321] keep the first two, renormalised [0.7311, 0.2689]."""
-    from stages.generation import sampling_processors
+    from stages.sampling.generation import sampling_processors
 
     logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
     cases = [((1.0, 2, 1.0), [0.7311, 0.2689, 0.0, 0.0]),
@@ -336,7 +336,7 @@ def test_backend_samples_the_models_next_token_distribution(backend, tiny_tokeni
     model's last prompt position: every token within 5 standard errors, and Pearson's chi-square
     over the 136 tokens below df + 5 sd (135 + 5 * sqrt(270) = 217), while against temperature 1's
     distribution it is above that (the test can tell the two apart)."""
-    from stages.generation import render_prompts
+    from stages.sampling.generation import render_prompts
 
     n = 20_000
     out, _ = backend.generate([CONVS[2]], GenerationSpec(max_new_tokens=1, temperature=0.5), n=n, seed=3,
@@ -366,7 +366,7 @@ def test_rows_first_linears_equal_f_linear_and_are_restored():
     is already replaced is left alone; on exit every forward is the class's again."""
     import types
 
-    from stages.generation import RowsFirstRule, rows_first_linears
+    from stages.sampling.generation import RowsFirstRule, rows_first_linears
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Linear(40, 8, bias=False), torch.nn.Linear(8, 8))
@@ -393,8 +393,8 @@ def test_rows_first_rule_per_cpu_level(monkeypatch):
     """The default rule follows torch's CPU kernel level: AVX2 every linear, AVX-512 only layers with
     more inputs than outputs (and rows 12..48, where F.linear's values are still what comes out),
     an unmeasured level (ARM, no AVX) none; rule=None changes nothing."""
-    from stages import generation
-    from stages.generation import rows_first_linears
+    from stages.sampling import generation
+    from stages.sampling.generation import rows_first_linears
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Linear(40, 8))
@@ -429,7 +429,7 @@ def test_preallocated_layer_returns_what_dynamic_layer_returns():
     rows (and an update after each), the keys and values returned and held are equal, and get_seq_length agrees."""
     from transformers.cache_utils import DynamicLayer
 
-    from stages.generation import PreallocatedLayer
+    from stages.sampling.generation import PreallocatedLayer
 
     torch.manual_seed(0)
     k0, v0 = torch.randn(3, 2, 5, 4), torch.randn(3, 2, 5, 4)
@@ -469,7 +469,7 @@ def test_preallocated_layer_returns_what_dynamic_layer_returns():
 def test_prefill_preallocates_the_cache_on_cpu(backend, tiny_tokenizer, monkeypatch):
     """prefill_prompts hands the decode loop PreallocatedLayers on CPU, and the samples equal those
     drawn with transformers' plain DynamicLayers (preallocation switched off)."""
-    from stages import generation
+    from stages.sampling import generation
 
     spec = GenerationSpec(max_new_tokens=8, temperature=1.0, batch_size=4)
     seen = []
@@ -491,7 +491,7 @@ def test_backend_samples_under_the_trainers_autocast_and_leaves_the_callers_alon
     """A trainer's backend (autocast_dtype = its resolved precision, bf16 on a GPU) runs every decoder
     call under that autocast, so fp32 master weights do not decode in fp32; without one it leaves the
     caller's autocast state as it is (on or off) instead of switching it off."""
-    from stages.models import build_tiny_model
+    from stages.modeling.models import build_tiny_model
 
     model = build_tiny_model(tiny_tokenizer, seed=0)
     seen: list[tuple[bool, torch.dtype]] = []

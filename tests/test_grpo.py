@@ -166,7 +166,7 @@ def test_process_advantages_hand_computed():
     one step (3). Rewards [2, 5, 3]: mean 10/3, population std sqrt(42/27) = 1.247219, normalised
     -1.069045, 1.336306, -0.267261. Tokens 0-1 of the first get -1.069045 + 1.336306 = 0.267261, its
     tokens 2-4 get 1.336306; every token of "xyz" gets -0.267261."""
-    from stages.generation import Completion
+    from stages.sampling.generation import Completion
 
     comps = [[Completion(t, len(t), "stop", tuple(ord(ch) for ch in t)) for t in ("a\nbcd", "xyz")]]
     scorer = _LengthScorer()
@@ -198,7 +198,7 @@ def test_sampler_logprobs_match_the_trainer_and_tis_weights_are_one(tmp_path, ti
 def _tiny_reward_model(root, tiny_tokenizer):
     from schemas.artifacts import MODEL_DIR
     from stages import reward_model as rm
-    from stages.models import build_tiny_model, save_model
+    from stages.modeling.models import build_tiny_model, save_model
 
     torch.manual_seed(0)
     model = rm.reward_model_from_causal_lm(build_tiny_model(tiny_tokenizer, seed=1), tiny_tokenizer.eos_token_id)
@@ -245,7 +245,7 @@ def test_shared_prefix_logprobs_equal_whole_rows_in_value_and_gradient(tiny_toke
     """Two groups of G=3 with prompts of different lengths (left padding inside the shared pass) and
     completions of different lengths, one empty: the prompt run once gives the same log-probs,
     entropies and parameter gradients as the G whole prompt+completion rows."""
-    from stages import logprobs, models
+    from stages.modeling import logprobs, models
 
     model = models.apply_lora(models.build_tiny_model(tiny_tokenizer, seed=1), LoraSpec(r=lora_r)).train()
     prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
@@ -297,7 +297,7 @@ def test_prefix_sharing_trains_the_same_model(tmp_path, tiny_model_input, digit_
     compared through the weights it moves, not as a metric. `path`: the tiny Llama packs prompts and
     completions in one decoder call where that costs less (auto); kv-cache: as a model that cannot be
     packed, through the KV cache; checkpointing: with gradient checkpointing on (no KV cache), packed."""
-    from stages import logprobs, models
+    from stages.modeling import logprobs, models
 
     if min_common is not None:
         monkeypatch.setattr(logprobs, "COMMON_PREFIX_MIN", min_common)

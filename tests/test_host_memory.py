@@ -1,4 +1,4 @@
-"""stages.host_memory: glibc keeps freed blocks for reuse while a CPU stage runs, and only then."""
+"""stages.runtime.host_memory: glibc keeps freed blocks for reuse while a CPU stage runs, and only then."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import types
 import pytest
 import torch
 
-from stages import host_memory, launch
 from stages.base import LocalContext
+from stages.runtime import host_memory
+from stages.training import launch
 
 MIB = 64  # above glibc's largest dynamic mmap threshold (32 MiB): outside the tuning it is always a fresh mmap
 PAGES = MIB * 1024 * 1024 // resource.getpagesize()

@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from stages import lean_decode
-from stages.generation import LEAN_CACHE_LAYERS, decode_rows, prefill_prompts, sampling_processors
-from stages.models import cache_name
+from stages.modeling.models import cache_name
+from stages.sampling import lean_decode
+from stages.sampling.generation import LEAN_CACHE_LAYERS, decode_rows, prefill_prompts, sampling_processors
 
 
 def _distinct_norms(model):
@@ -98,7 +98,7 @@ def test_fused_projections_take_plain_linears_within_the_budget():
     budget nothing is copied."""
     from peft import LoraConfig, get_peft_model
 
-    from stages.generation import RowsFirstRule, rows_first_linears
+    from stages.sampling.generation import RowsFirstRule, rows_first_linears
 
     model = _llama()
     layer = model.model.layers[0]
@@ -257,7 +257,7 @@ def test_static_decode_gives_the_model_forwards_logits_step_by_step(model_fn, pa
 def test_decode_static_samples_what_decode_rows_samples(check_every):
     """Sampling, rows ending early (many EOS ids): the same tokens and the same width as decode_rows (which
     drops finished rows; decode_static keeps them and checks for the end every `check_every` steps)."""
-    from stages.generation import decode_static
+    from stages.sampling.generation import decode_static
 
     model = _llama()
     ids, mask = _batch(True, rows=4, width=7)
@@ -277,8 +277,8 @@ def test_the_graph_cache_generates_what_the_dynamic_cache_generates(tiny_tokeniz
     """The backend with `cache: graph` (StaticDecode, eager on CPU) against `cache: dynamic` (decode_rows),
     sampling n=3 per prompt from the same seed; a model StaticDecode does not take falls back to decode_rows."""
     from schemas.configs import GenerationSpec
-    from stages.generation import TransformersBackend
-    from stages.models import build_tiny_model
+    from stages.modeling.models import build_tiny_model
+    from stages.sampling.generation import TransformersBackend
 
     model = build_tiny_model(tiny_tokenizer, seed=3).eval()
     assert lean_decode.applies(model)

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from schemas.errors import StageError
-from stages import launch, lifetime
+from stages.runtime import lifetime
+from stages.training import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,7 +43,7 @@ def test_the_sentinel_ends_every_process_of_a_run_killed_with_sigkill():
     """Grandchildren in their own session, one ignoring SIGTERM, one re-parented to init: all end."""
     run = _python("""
         import subprocess, sys, time
-        from stages import lifetime
+        from stages.runtime import lifetime
         lifetime.adopt()
         sleeper = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
         a = subprocess.Popen([sys.executable, "-c", sleeper], start_new_session=True)
@@ -71,7 +72,7 @@ def test_sigterm_stops_a_process_whose_worker_thread_never_returns():
     """A generation in a task thread kept the interpreter alive for 11 minutes after SIGTERM."""
     run = _python("""
         import threading, time
-        from stages import lifetime
+        from stages.runtime import lifetime
         lifetime.EXIT_GRACE_S = 1.0
         lifetime.terminate_on_signals("stopping ({name})")
         worker = threading.Thread(target=lambda: time.sleep(600))  # not a daemon: blocks interpreter exit

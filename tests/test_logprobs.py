@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from stages import models
-from stages.logprobs import head_logprobs, linear_logprobs, token_logprobs
+from stages.modeling import models
+from stages.modeling.logprobs import head_logprobs, linear_logprobs, token_logprobs
 from stages.sft import IGNORE, masked_token_loss
 from tests.conftest import assert_matches_whole_rows
 
@@ -171,7 +171,7 @@ def test_head_logprobs_chunk_0_is_one_chunk(fused):
 
 
 def test_common_prefix_length_leaves_every_prompt_a_token_of_its_own():
-    from stages.logprobs import common_prefix_length
+    from stages.modeling.logprobs import common_prefix_length
 
     assert common_prefix_length([[1, 2, 3, 4], [1, 2, 3, 5, 6], [1, 2, 9]], min_common=1) == 2
     assert common_prefix_length([[1, 2, 3], [1, 2, 3, 4]], min_common=1) == 2  # the shorter prompt keeps its last token
@@ -204,7 +204,7 @@ def test_batch_wide_common_prefix_gives_the_same_logprobs_and_gradients(tiny_tok
     Running the common part once for the batch (three decoder calls) gives the log-probs, entropies and
     parameter gradients of whole prompt+completion rows, and so does the path without it (two calls)."""
     from schemas.configs import LoraSpec
-    from stages.logprobs import shared_prefix_rows
+    from stages.modeling.logprobs import shared_prefix_rows
 
     model = models.apply_lora(models.build_tiny_model(tiny_tokenizer, seed=2), LoraSpec(r=lora_r)).train()
     common = [5, 6, 7, 8, 9, 10]
@@ -234,7 +234,7 @@ def test_length_buckets_minimise_padding_plus_overhead():
     """Hand-computed: lengths [32, 10, 32, 10] cost 4*32 + c as one group, 2*10 + 2*32 + 2c as two,
     so they split for c < 44 and not at 44 (a tie keeps one group); equal lengths never split; an
     overhead of 0 gives one group per distinct length, shortest first, rows in input order."""
-    from stages.logprobs import length_buckets
+    from stages.modeling.logprobs import length_buckets
 
     assert length_buckets([32, 10, 32, 10], 43) == [[1, 3], [0, 2]]
     assert length_buckets([32, 10, 32, 10], 44) == [[0, 1, 2, 3]]
@@ -250,7 +250,7 @@ def test_bucket_overhead_grows_as_the_layers_narrow(tiny_tokenizer):
     """The tiny model's layer has 36,992 parameters: 64 * (3.5M / 36,992) ** (1/3) = 64 * 4.557 = 291.7 on
     CPU, 512 * 4.557 = 2333.2 on CUDA; a layer at least as wide as the reference, or a model without
     `layers`, keeps the device's constant."""
-    from stages import logprobs, models
+    from stages.modeling import logprobs, models
 
     tiny = models.build_tiny_model(tiny_tokenizer)
     assert logprobs.layer_parameters(tiny) == 36_992
@@ -276,7 +276,7 @@ def test_prefix_sharing_pays_counts_padded_positions_and_the_extra_call():
     """The tiny benchmark's DPO batch: 4 prompts of 51, 8 completions of 65, rows of 116: shared
     4*51 + 8*65 = 724 positions (+ overhead) against 8*116 = 928 whole; SmolLM2's: 2*62 + 4*65 = 384
     against 4*127 = 508. Padding counts: one long prompt pads them all."""
-    from stages.logprobs import prefix_sharing_pays
+    from stages.modeling.logprobs import prefix_sharing_pays
 
     assert not prefix_sharing_pays([51] * 4, [65] * 8, [116] * 8, 292)  # 1016 > 928
     assert prefix_sharing_pays([51] * 4, [65] * 8, [116] * 8, 203)  # 927 < 928
@@ -295,7 +295,7 @@ def test_bucketed_whole_rows_match_one_padded_batch(tiny_tokenizer, overhead):
     to it (2, 3, 9, 14 columns). The CPU default, 64: one bucket costs 5 * 14 + 64 = 134 positions,
     the best split {2, 3, 9, 9} + {14} 4 * 9 + 14 + 2 * 64 = 178, so one call, cut to 14 of the
     16 columns. Left-padded rows are not cut: the plain result, one call of 16; one column: no positions."""
-    from stages.logprobs import bucketed_token_logprobs
+    from stages.modeling.logprobs import bucketed_token_logprobs
 
     model = models.build_tiny_model(tiny_tokenizer, seed=3).train()
     lengths = [3, 9, 2, 9, 14]
@@ -348,7 +348,7 @@ def test_packed_prefix_rows_give_the_same_logprobs_and_gradients(tiny_tokenizer,
     parameter gradients of whole prompt+completion rows, with LoRA and under gradient checkpointing
     (no KV cache involved, so it applies there too)."""
     from schemas.configs import LoraSpec
-    from stages.logprobs import can_pack_prefix, packed_prefix_rows
+    from stages.modeling.logprobs import can_pack_prefix, packed_prefix_rows
 
     model = models.apply_lora(models.build_tiny_model(tiny_tokenizer, seed=2), LoraSpec(r=lora_r)).train()
     if checkpointing:
@@ -375,7 +375,7 @@ def test_packing_pays_hand_computed(tiny_tokenizer):
     rows of 22 cost 44 + 968 s; packing pays while 796 s < 2, s < 0.0025126. Prompts of 10 with completions
     of 5 always pay (20 + 400 s against 30 + 450 s). The tiny model's share: 2 x 64 / 36,992 = 0.00346
     (a layer's 36,992 multiply-adds a token against 2 x 64 a score: 64 for q.k, 64 for the weighted values)."""
-    from stages import logprobs
+    from stages.modeling import logprobs
 
     assert logprobs.packing_pays([2], [20, 20], [0, 0], [22, 22], 0.0025)
     assert not logprobs.packing_pays([2], [20, 20], [0, 0], [22, 22], 0.0026)
@@ -397,7 +397,7 @@ def test_can_pack_prefix_only_where_a_4d_mask_means_what_it_says(tiny_tokenizer)
     from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
 
     from schemas.configs import LoraSpec
-    from stages.logprobs import can_pack_prefix
+    from stages.modeling.logprobs import can_pack_prefix
 
     tiny = models.build_tiny_model(tiny_tokenizer)
     assert can_pack_prefix(tiny) and can_pack_prefix(models.apply_lora(tiny, LoraSpec(r=2)))
@@ -419,7 +419,7 @@ def test_packed_rows_with_a_common_prefix_equal_whole_rows(tiny_tokenizer, one_r
     """The batch-wide common prefix case packed: one row per prompt, or one row holding the 6 common tokens
     once, then each prompt's own tokens and its completions (one prompt has a single own token, one
     completion is empty). One decoder call; the whole rows' log-probs, entropies and gradients."""
-    from stages.logprobs import packed_prefix_rows
+    from stages.modeling.logprobs import packed_prefix_rows
 
     model = models.build_tiny_model(tiny_tokenizer, seed=5).train()
     common = [5, 6, 7, 8, 9, 10]
@@ -446,7 +446,7 @@ def test_packed_and_cached_costs_hand_computed():
     The KV-cache path: 8 common + 2 prompts x 4 own + the completions in length buckets (at overhead 64 one
     bucket, 3 x 5 = 15; at 0 one per length, 3 + 5 + 4 = 12) + the overhead per call after the first (the
     common part's and each bucket's): 8 + 8 + 15 + 64 x 2 = 159 at 64, 8 + 8 + 12 = 28 at 0."""
-    from stages.logprobs import cached_cost, packed_cost
+    from stages.modeling.logprobs import cached_cost, packed_cost
 
     args = ([10, 12], [3, 5, 4], [0, 0, 1])
     assert packed_cost(*args, 0.0) == 36
@@ -462,7 +462,7 @@ def test_shared_prefix_rows_packs_where_it_costs_less(tiny_tokenizer, monkeypatc
     """The tiny Llama can be packed: shared_prefix_rows packs when the packed cost is below the KV-cache
     path's (here at the CPU default overhead of 292 a call), in the cheaper layout, and keeps the cache path
     when forced off or when packing costs more (a free call, overhead 0, and attention counted heavily)."""
-    from stages import logprobs
+    from stages.modeling import logprobs
 
     model = models.build_tiny_model(tiny_tokenizer, seed=5).train()
     common = list(range(5, 45))  # 40 common tokens: above COMMON_PREFIX_MIN

@@ -1,4 +1,4 @@
-"""stages/models.py: tiny tokenizer and model, LoRA, safetensors round-trips, model references and
+"""stages/modeling/models.py: tiny tokenizer and model, LoRA, safetensors round-trips, model references and
 GGUF import (a tiny GGUF written here, and the real SmolLM2 one under the `smollm2` marker)."""
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from peft import PeftModel
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-import stages.models as models
+import stages.modeling.models as models
 from schemas.configs import LoraSpec
 from schemas.errors import ModelError
-from stages.models import (
+from stages.modeling.models import (
     CHATML_TEMPLATE,
     TINY_FORMAT_TOKENS,
     TINY_SPECIAL_TOKENS,

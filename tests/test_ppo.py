@@ -14,8 +14,9 @@ from flows.recipes import PROFILE_DIR, available, load_plan
 from schemas.artifacts import MODEL_DIR
 from schemas.configs import GenerationSpec, LoraSpec, PPOConfig, RewardSpec
 from schemas.errors import ConfigError
-from stages import ppo, rl
+from stages import ppo
 from stages.base import LocalContext
+from stages.math import rl
 from tests.conftest import fake_input
 
 
@@ -138,7 +139,7 @@ def test_time_budget_stops_after_the_step_that_spends_it(tmp_path, tiny_model_in
 
 @pytest.fixture()
 def tiny_reward_model_input(tmp_path, tiny_tokenizer):
-    from stages.models import build_tiny_model
+    from stages.modeling.models import build_tiny_model
     from stages.reward_model import reward_model_from_causal_lm
 
     path = tmp_path / "rm"
@@ -215,7 +216,7 @@ def _whiten_worker(rank: int, world: int, port: int, out: str) -> None:
     import os
     from pathlib import Path
 
-    from stages import distributed
+    from stages.runtime import distributed
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
@@ -255,7 +256,7 @@ def test_advantages_are_whitened_over_every_process(tmp_path):
 @pytest.mark.slow
 def test_ppo_on_two_processes_runs_and_logs_global_metrics(tmp_path, tiny_model_input, digit_prompts):
     from schemas.configs import ResourcesSpec
-    from stages import launch
+    from stages.training import launch
 
     cfg = small(steps=2, prompts_per_step=4, minibatch_size=4, resources=ResourcesSpec(num_processes=2))
     ctx = LocalContext(tmp_path / "two")

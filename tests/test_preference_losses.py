@@ -1,4 +1,4 @@
-"""Preference-loss math (stages/preference_losses.py) against hand-worked numbers: sequence
+"""Preference-loss math (stages/math/preference.py) against hand-worked numbers: sequence
 log-probs with padding, DPO/cDPO/IPO/SimPO/KTO/ORPO values and gradient signs, the registry and
 the reward metrics.
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from stages import preference_losses as pl
+from stages.math import preference as pl
 
 F64 = torch.float64
 

@@ -186,7 +186,7 @@ def test_prefix_sharing_is_chosen_by_cost_unless_forced(tiny_tokenizer, monkeypa
     through the KV cache (`shared_prefix_rows`) where a second decoder call pays: the tiny model's narrow
     layers make one cost 292 positions, more than the ~40 saved, so whole rows run there, shared rows with a
     free call or when forced. Same numbers every way."""
-    from stages import logprobs, models
+    from stages.modeling import logprobs, models
 
     model = models.build_tiny_model(tiny_tokenizer, seed=3).train()
     seqs = [po.tokenize(tiny_tokenizer, [{"role": "user", "content": "one prompt for both"}], c, 64)
@@ -221,7 +221,7 @@ def test_shared_prompts_give_the_same_logprobs_and_gradients_as_whole_rows(tiny_
     """Two pairs with prompts of different lengths, laid out [chosen..., rejected...] as batch_loss
     does: each prompt run once (packed with its completions in one row, or through the KV cache) gives the
     whole rows' completion log-probs and parameter gradients."""
-    from stages import logprobs, models
+    from stages.modeling import logprobs, models
 
     model = models.build_tiny_model(tiny_tokenizer, seed=2).train()
     prompts = ([{"role": "user", "content": "a short one"}], [{"role": "user", "content": "and a much longer prompt"}])

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from schemas.configs import GenerationSpec, LoraSpec
-from stages import generation, models
-from stages.generation import GenerationProgress, TransformersBackend
+from stages.modeling import models
+from stages.sampling import generation
+from stages.sampling.generation import GenerationProgress, TransformersBackend
 
 CONVS = [[{"role": "user", "content": q}] for q in ("hi", "a much longer question here?", "2+2", "x", "say 7")]
 
@@ -142,8 +143,9 @@ def test_our_calls_raise_no_deprecation_warnings(tiny_tokenizer, tiny_model_inpu
     from schemas.configs import EvalConfig, SFTConfig
     from schemas.datasets import from_rows
     from stages import eval as eval_stage
-    from stages import logprobs, sft
+    from stages import sft
     from stages.base import Input, LocalContext, write_dataset
+    from stages.modeling import logprobs
     from tests.conftest import fake_input
 
     rows = [{"id": f"p{i}", "messages": [{"role": "user", "content": f"Say {i}."}], "answer": str(i), "task": "say",

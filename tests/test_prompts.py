@@ -8,7 +8,7 @@ from schemas.configs import PromptsConfig
 from schemas.errors import ConfigError, SchemaError
 from stages import prompts
 from stages.base import LocalContext
-from stages.rewards import R1_SYSTEM_PROMPT, score
+from stages.rewards.verifiers import R1_SYSTEM_PROMPT, score
 
 
 def run(cfg, seed=0, tmp=None):

@@ -11,7 +11,7 @@ from schemas.configs import GenerationSpec, RejectionSamplingConfig, RewardSpec
 from schemas.datasets import from_rows
 from stages import rejection_sampling as rs
 from stages.base import LocalContext, write_dataset
-from stages.rewards import format_ok, score
+from stages.rewards.verifiers import format_ok, score
 from tests.conftest import fake_input
 
 
@@ -98,7 +98,7 @@ def test_reward_model_score_as_a_reward_component(tmp_path, tiny_model_input, ti
     import pytest
 
     from schemas.artifacts import MODEL_DIR
-    from stages.models import build_tiny_model
+    from stages.modeling.models import build_tiny_model
     from stages.reward_model import RewardScorer, reward_model_from_causal_lm
 
     rm_dir = tmp_path / "rm"

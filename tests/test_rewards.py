@@ -24,8 +24,7 @@ import pytest
 import reasoning_gym
 
 from schemas.configs import RewardSpec, SandboxLimits
-from stages import rewards
-from stages.rewards import (
+from stages.rewards.verifiers import (
     LANGUAGE_SCRIPTS,
     R1_FORMAT_EXAMPLE,
     R1_SYSTEM_PROMPT,
@@ -47,6 +46,7 @@ from stages.rewards import (
     score,
     shutdown_math_pool,
 )
+from stages.rewards.verifiers import verifiers as rewards
 
 SPEC = RewardSpec()
 ACCURACY_ONLY = RewardSpec(weights={"accuracy": 1.0})
@@ -654,13 +654,13 @@ ADD_PROGRAM = "a, b = map(int, input().split())\nprint(a + b)"
 
 @pytest.fixture()
 def fake_sandbox(monkeypatch):
-    """Replace stages.sandbox.run_tests by a recorder returning a set fraction (the module is
+    """Replace stages.rewards.sandbox.run_tests by a recorder returning a set fraction (the module is
     stood in for if it cannot be imported)."""
     try:
-        import stages.sandbox as module
+        import stages.rewards.sandbox as module
     except ImportError:
-        module = types.ModuleType("stages.sandbox")
-        monkeypatch.setitem(sys.modules, "stages.sandbox", module)
+        module = types.ModuleType("stages.rewards.sandbox")
+        monkeypatch.setitem(sys.modules, "stages.rewards.sandbox", module)
     calls: list[tuple] = []
     state = {"fraction": 1.0}
 
@@ -769,7 +769,7 @@ def test_pathological_answer_times_out_to_none_and_the_pool_recovers(caplog):
     old = rewards._math_pool()
     pids = set(old._processes)
     start = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger="stages.rewards"):
+    with caplog.at_level(logging.WARNING, logger="stages.rewards.verifiers"):
         v = score(row(PATHOLOGICAL), r1("1"), spec)
     elapsed = time.monotonic() - start
     assert v.correct is None and v.reward is None and "accuracy" not in v.components
@@ -789,7 +789,7 @@ def test_checks_killed_with_the_pool_are_resubmitted(caplog):
     spec = RewardSpec(math_timeout_s=60.0)
     pool = rewards._math_pool()
     result: list = []
-    with caplog.at_level(logging.INFO, logger="stages.rewards"):
+    with caplog.at_level(logging.INFO, logger="stages.rewards.verifiers"):
         worker = threading.Thread(target=lambda: result.append(VERIFIERS["math"]("3", row("2^{2^{28}}"), spec)))
         worker.start()
         time.sleep(0.2)

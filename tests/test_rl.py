@@ -1,4 +1,4 @@
-"""RL math (stages/rl.py) against hand-worked numbers: advantages, clipped losses and their
+"""RL math (stages/math/rl.py) against hand-worked numbers: advantages, clipped losses and their
 gradients, aggregation, KL estimators (exact and Monte Carlo), entropy."""
 
 import math
@@ -8,7 +8,7 @@ import torch
 from torch.testing import assert_close
 
 from schemas.configs import GRPOConfig
-from stages import rl
+from stages.math import rl
 
 LN2 = math.log(2.0)
 

@@ -29,8 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from schemas.configs import SandboxLimits
-from stages import sandbox
-from stages.sandbox import (
+from stages.rewards.sandbox import (
     SandboxResult,
     SandboxSetupError,
     isolation,
@@ -38,6 +37,7 @@ from stages.sandbox import (
     run_program,
     run_tests,
 )
+from stages.rewards.verifiers import sandbox
 
 LIMITS = SandboxLimits(wall_timeout_s=2.0, cpu_time_s=1, memory_mb=256, max_output_bytes=4096, max_processes=1)
 # Wall time a killed run may take beyond its limit: kill, namespace teardown, reaping, rmtree.

@@ -130,7 +130,7 @@ def test_a_blocked_pack_trains_as_its_examples_alone(tiny_tokenizer):
     """Three conversations packed in one row with the block mask give each labelled token the log-prob it
     has in its conversation's own row, and the summed loss the same parameter gradients; without the
     block mask (attention across examples) the log-probs differ."""
-    from stages import logprobs, models
+    from stages.modeling import logprobs, models
 
     model = models.build_tiny_model(tiny_tokenizer, seed=4).train()
     convs = [[{"role": "user", "content": q}, {"role": "assistant", "content": a}]
@@ -161,7 +161,7 @@ def test_a_blocked_pack_trains_as_its_examples_alone(tiny_tokenizer):
 def test_packing_blocks_attention_in_the_stage_or_warns(sft_inputs, tmp_path, monkeypatch, caplog):
     """The stage packs with the block mask on the tiny Llama (every micro-batch of packed rows carries it);
     a model that cannot take it trains with attention across examples and says so."""
-    from stages import logprobs
+    from stages.modeling import logprobs
 
     seen = []
     real = sft.collate
@@ -313,7 +313,7 @@ def test_lora_trains_only_the_adapter_and_saves_an_adapter(sft_inputs, tmp_path)
 
 
 def test_prompts_input_builds_gold_targets(tmp_path, tiny_model_input):
-    from stages.rewards import format_ok
+    from stages.rewards.verifiers import format_ok
 
     rows = [{"id": f"p{i}", "messages": [{"role": "user", "content": f"{i}+1?"}], "answer": str(i + 1),
              "task": "t", "verifier": "math", "split": "train" if i < 4 else "eval", "metadata": "{}"}

@@ -1,4 +1,4 @@
-"""stages.stats: bootstrap intervals on literal and seeded data, against hand-worked numbers and the
+"""stages.math.stats: bootstrap intervals on literal and seeded data, against hand-worked numbers and the
 normal approximation."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from stages import stats
-from stages.stats import bootstrap_ci, paired_bootstrap_diff
+from stages.math import stats
+from stages.math.stats import bootstrap_ci, paired_bootstrap_diff
 
 
 def coin(n: int, p: float = 0.5, seed: int = 1) -> np.ndarray:

@@ -20,7 +20,7 @@ from schemas.configs import GenerationSpec, GRPOConfig, LoraSpec, ResourcesSpec,
 from schemas.errors import ModelError
 from stages import grpo
 from stages.base import LocalContext
-from stages.generation import VLLMBackend, policy_weights, render_prompts
+from stages.sampling.generation import VLLMBackend, policy_weights, render_prompts
 
 
 def _cfg(**kw) -> GRPOConfig:

@@ -22,7 +22,7 @@ over every position (the prompt is context), but the output head, the largest si
 small model (V x H per token: 28M multiply-adds per position for SmolLM2, a fifth of its
 forward), runs only where a value is needed, forward and backward; elsewhere the result is 0.
 
-An FSDP-sharded model (`stages.distributed`, distributed_type fsdp) runs through its root forward
+An FSDP-sharded model (`stages.runtime.distributed`, distributed_type fsdp) runs through its root forward
 with one logit position, the decoder's hidden states taken by a hook: the root all-gathers the
 embeddings, final norm and head, which calling the decoder directly would skip.
 
@@ -37,9 +37,9 @@ import copy
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from stages import models
-from stages.distributed import inner_output, is_sharded
-from stages.lean_decode import LEAN_MODELS
+from stages.modeling import models
+from stages.runtime.distributed import inner_output, is_sharded
+from stages.sampling.lean_decode import LEAN_MODELS
 
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 

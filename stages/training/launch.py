@@ -3,11 +3,11 @@
 `run_stage(module, cfg, inputs, ctx)` is what a runner calls instead of `module.run(...)`: with
 `cfg.resources.num_processes` at 1 (the default, and every stage without `resources`) it is
 `module.run(cfg, inputs, ctx)` in this process (on CPU with glibc's freed memory kept for reuse
-while it runs: `stages.host_memory`; each rank does the same). With N > 1 it
+while it runs: `stages.runtime.host_memory`; each rank does the same). With N > 1 it
 
 1. writes a spec (stage module, config, the already-verified local input directories, the
    directories the runner's context gives for outputs, checkpoints and caches);
-2. starts `accelerate launch --multi_gpu --num_processes N -m stages.launch SPEC` (accelerate's
+2. starts `accelerate launch --multi_gpu --num_processes N -m stages.training.launch SPEC` (accelerate's
    torchrun launcher; on CPU the processes join a gloo group, `--cpu` would start one process
    and expect mpirun for more) and waits for it;
 3. while it runs, replays what rank 0 logs (params, metrics, files; a JSON-lines event file)
@@ -16,7 +16,7 @@ while it runs: `stages.host_memory`; each rank does the same). With N > 1 it
    to publish as it publishes an in-process stage's. A failing rank raises `StageError` with the
    rank and the tail of its traceback.
 
-In each rank `main()` joins the process group (`stages.distributed`), rebuilds inputs and config,
+In each rank `main()` joins the process group (`stages.runtime.distributed`), rebuilds inputs and config,
 and runs `module.run` with a `RankContext`: rank 0's writes outputs where the caller asked and
 records events; the others write into a scratch directory that is thrown away and record nothing.
 Stages themselves keep rank-0-only work (checkpoints, saving, final evaluation) behind
@@ -45,10 +45,10 @@ from typing import Any
 
 from schemas.artifacts import Manifest
 from schemas.errors import ConfigError, StageError
-from stages import distributed, host_memory, lifetime
 from stages.base import Input, Output, StageContext, check_finite_losses
+from stages.runtime import distributed, host_memory, lifetime
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 SPEC_FILE, EVENTS_FILE, RESULT_FILE, OUTPUT_LOG = "spec.json", "events.jsonl", "result.json", "output.log"
 TAIL_LINES = 40
 RANKS_WAIT_S = 60.0  # how long a launch waits for the ranks of an earlier, killed run of the same stage to exit
@@ -64,7 +64,7 @@ def wait_for_earlier_ranks(checkpoint_dir: Path, stage: str, log: logging.Logger
     """Return once no rank of an earlier run of this stage (same checkpoint directory) is alive.
 
     The runner's stage lock serialises runners, but ranks outlive a runner killed with -9 by up to
-    a second or two (stages.lifetime ends them): a re-run must not train into the same checkpoint
+    a second or two (stages.runtime.lifetime ends them): a re-run must not train into the same checkpoint
     folder meanwhile. StageError if they are still there after `timeout` seconds."""
     path = ranks_lock_path(checkpoint_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -123,7 +123,7 @@ def launch_command(n: int, spec: Path) -> list[str]:
     """accelerate's launcher for N local processes on a free port (the stage sets its own autocast)."""
     return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(n),
             "--num_machines", "1", "--main_process_port", "0", "--mixed_precision", "no", "--dynamo_backend", "no",
-            "-m", "stages.launch", str(spec)]
+            "-m", "stages.training.launch", str(spec)]
 
 
 def _input_spec(inp: Input) -> dict[str, Any]:

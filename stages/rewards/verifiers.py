@@ -25,7 +25,7 @@ on a miss scores None and kills the pool's workers (a pathological answer such a
 equal plain numbers are scored in-process without the pool (`_math_fast_path`).
 
 Code rows (verifier "code") judge a program (`extract_program`) by the fraction of the row's
-stdin/stdout tests it passes in `stages.sandbox`.
+stdin/stdout tests it passes in `stages.rewards.sandbox`.
 """
 
 from __future__ import annotations
@@ -615,7 +615,7 @@ def verify_code(extracted: str | None, row: Mapping[str, Any], spec: RewardSpec)
     if extracted is None:
         return 0.0
     # Imported here: only code rows need it.
-    from stages.sandbox import run_tests
+    from stages.rewards.sandbox import run_tests
 
     return float(run_tests(extracted, list(tests), spec.sandbox))
 

@@ -46,7 +46,8 @@ from transformers.generation.stopping_criteria import (
 
 from schemas.configs import GenerationSpec
 from schemas.errors import ModelError
-from stages import lean_decode, logprobs, models
+from stages.modeling import logprobs, models
+from stages.sampling import lean_decode
 
 
 @dataclass(frozen=True)

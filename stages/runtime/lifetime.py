@@ -17,7 +17,7 @@ so the CLI cannot be the one that cleans up. Three mechanisms, standard library 
   has its own guarantees (PR_SET_PDEATHSIG, a pid namespace).
 - **A parent watch** (`watch_parent`) in processes that must stop at once when the CLI dies and
   would otherwise go on writing: accelerate's ranks kill themselves (they write checkpoints,
-  which a re-run must never share with a live writer; see also `stages.launch`'s rank lock).
+  which a re-run must never share with a live writer; see also `stages.training.launch`'s rank lock).
 
 `terminate_on_signals()` makes SIGTERM and SIGHUP end the CLI within seconds: a handler raises
 SystemExit(143) in the main thread (finally blocks close MLflow runs and stop launcher groups),

@@ -599,7 +599,7 @@ def _hidden_paths() -> list[str]:
     binds (/usr, the interpreter's prefix): R1FLOW_HOME, PREFECT_HOME, the checkout, the working
     directory, the user's home and the virtual environment."""
     paths = [os.environ.get("R1FLOW_HOME", ".r1flow"), os.environ.get("PREFECT_HOME"),
-             os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.expanduser("~"), sys.prefix]
+             os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), os.path.expanduser("~"), sys.prefix]
     with contextlib.suppress(OSError):
         paths.append(os.getcwd())
     return sorted({os.path.realpath(p) for p in paths if p})

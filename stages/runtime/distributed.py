@@ -2,7 +2,7 @@
 
 A stage asks `of(ctx)` for a `Dist`. In a normal (single-process) run that is `SINGLE`: rank 0 of 1,
 every method the identity, no torch.distributed anywhere, so the code path is today's. Under
-`stages.launch` every process gets a `Dist` over an initialised process group.
+`stages.training.launch` every process gets a `Dist` over an initialised process group.
 
 How a step stays the single-process step (the invariant the distributed tests pin):
 - batch sizes in the config are global; `shard` hands each rank a contiguous, equal slice of every
