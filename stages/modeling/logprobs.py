@@ -28,6 +28,29 @@ embeddings, final norm and head, which calling the decoder directly would skip.
 
 Models whose forward does more than `head(hidden)` (Gemma's final logit soft-capping, Cohere's
 logit scale) take the plain path, as does `chunk_tokens=0`.
+
+Sharing the prompt. When several completions continue one prompt (a GRPO group, a DPO pair), the
+prompt runs once and the values and gradients still equal whole rows (tested):
+- `shared_prefix_logprobs` / `shared_prefix_rows`: the decoder runs over each prompt once, its KV
+  cache is repeated per completion and the completions run against it, gradients flowing back
+  through the cache: about (P + G·C) / (G·(P + C)) of the whole rows' decoder work for prompt
+  length P, completion length C and G completions a prompt. What every prompt of the batch starts
+  with (system prompt and chat template, at least `COMMON_PREFIX_MIN` tokens) runs once for all of
+  them: the prompts' KV rows are then [common part | padding | own tokens].
+- `packed_prefix_rows`: the same in one decoder call, a row per prompt (prompt, then each of its
+  completions) or one row with the common part once, under a 4D mask that lets each completion
+  see its prompt and its own earlier tokens, with positions continuing from the prompt as in its
+  own row. No cache to repeat, every weight used once a step; the only way to share under gradient
+  checkpointing, where transformers keeps no KV cache. Only where `can_pack_prefix` (Llama, Mistral
+  and Qwen2 models, full attention, `sdpa`) and where it costs less: a packed row's attention spans
+  all of it, so `packing_pays` / `packed_cost` count positions plus attention scores
+  (`attention_share`) against `cached_cost`; other models share through the KV cache where
+  `prefix_sharing_pays`. The dense 4D mask keeps SDPA off flash attention on a GPU.
+- Completions of different lengths run in length buckets (`length_buckets`): the grouping that
+  minimises padded positions plus a per-call cost (`default_bucket_overhead`, see the constants
+  below); `bucketed_token_logprobs` does the same for whole prompt + completion rows. Under FSDP,
+  where every process must run as many forwards, one bucket cut to the mini-batch's longest row.
+Measured costs and savings: benchmarks/RESULTS.md, "Single-process speed".
 """
 
 from __future__ import annotations

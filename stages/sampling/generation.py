@@ -16,6 +16,28 @@ for it (`rows_first_linears`), and the decode writes into a preallocated KV cach
 Its progress bar (`GenerationProgress`) counts tokens as each decode step adds them and completions as they
 end, not batches (a batch can take minutes); vLLM shows its own bar.
 
+Details the config does not show:
+- `decode_rows` drops ended rows once they are half of the rows still running, not each as it
+  ends (a smaller batch is not always a cheaper step on CPU, and each drop copies the cache); each
+  row keeps its own random numbers, so the tokens equal generate()'s from the same seed (tested,
+  stop strings and early-ending rows included). Llama, Mistral and Qwen2 models step through
+  `lean_decode.lean_step` (the same logits without the forward's per-call machinery).
+- `cache: graph` decodes through `lean_decode.StaticDecode` (`decode_static`): fixed shapes over
+  preallocated KV buffers, on CUDA one graph replay a token; finished rows keep decoding, so on CPU
+  it is correct but not faster. Models `lean_decode` does not take run `decode_rows` instead.
+- Why exponential races rather than an inverse CDF: an inverse CDF's boundaries move with every
+  probability's rounding, so runs whose weights differ in the last bits (DDP against FSDP) would
+  draw different tokens; the races do not (tested against hand-computed distributions and the
+  model's own softmax).
+- `ROWS_FIRST_RULES` is a fixed rule per torch CPU kernel level (AVX2: every linear over 2-64
+  rows; AVX-512: only layers with more inputs than outputs, over 12-48 rows; other CPUs: none).
+- vLLM runs as a separate engine for the sampling stages and colocated (in each training process)
+  for grpo and on-policy distill, which push the trained weights into it before every rollout
+  after the first (`policy_weights`, LoRA adapters folded in out of place; `load_weights`). Not
+  with FSDP shards: both stages refuse `backend: vllm` with `distributed_type: fsdp` at config
+  time.
+Measured costs and savings: benchmarks/RESULTS.md, "Single-process speed".
+
 Per-token log-probs, when asked, come from a teacher-forced forward pass over prompt + completion
 with the same position ids generation used: log-probs of the sampled tokens under the model's own
 distribution (temperature 1, no top-p/top-k), i.e. exactly what a trainer's forward pass computes.
