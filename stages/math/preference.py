@@ -33,6 +33,8 @@ Conventions and departures from the papers, on purpose:
   `rejected_rewards` those of the undesirable ones (U,), D + U = B, and `paired` is False, so
   `reward_metrics` reports their means and margin but no pairwise accuracy.
 - IPO length-averages the log-probs (as its authors' code and TRL do), not the sums of DPO.
+  Defaults per loss (`LOSSES[kind].average`): summed for DPO, cDPO and KTO, averaged per token for
+  IPO, SimPO and ORPO; the stage's `logprob_reduction: sum|mean` overrides them.
 - ORPO's log odds x − log(1 − eˣ) have the slope 1/(1 − eˣ), unbounded as an average log-prob x
   nears 0 (a rejected answer the model is sure of: ~1e9 at x = −1e-9, +inf at 0, possible in bf16).
   Above the probability `ORPO_MAX_PROB` (x > log 0.999) they continue along their tangent, so the

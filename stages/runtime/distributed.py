@@ -30,7 +30,13 @@ do. What changes for a stage:
   rank and refreshes it with `copy_weights` (a collective) before each rollout: decoding token by
   token through the sharded model would all-gather every layer at every token;
 - checkpoints hold the full trainable weights and the full optimizer state, gathered collectively
-  (`checkpoint_state`) and loaded by every rank (`load_checkpoint_state`).
+  (`checkpoint_state`) and loaded by every rank (`load_checkpoint_state`), so a sharded run resumes
+  from its own checkpoints.
+The sampling copy costs one model's weights per process during training, beside the 1/N shard of
+weights, gradients and Adam moments (DDP holds all four whole); with LoRA the reference is that
+copy with the adapter disabled. On-policy distillation samples the same way. DeepSpeed ZeRO is not
+supported: FSDP2 is its in-PyTorch equivalent. Tested on CPU (gloo) against one process and against
+ddp; the results are in benchmarks/RESULTS.md ("Data parallel", "FSDP against DDP").
 """
 
 from __future__ import annotations
