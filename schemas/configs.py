@@ -616,6 +616,64 @@ class DistillConfig(TrainingConfig):
         return self
 
 
+StepDelimiter = Literal["blank_line", "newline", "step_k"]
+
+
+class StepLabelsConfig(Strict):
+    """`step_labels` stage: Math-Shepherd step labels from K rollouts per step prefix."""
+
+    rollouts: int = Field(4, ge=1, description="K: completions rolled out with the policy from each step prefix.")
+    label: Literal["soft", "hard"] = Field(
+        "soft", description="soft: a step's label is the share of its rollouts that reach a verified answer; hard: "
+        "1 if any does, else 0 (Math-Shepherd's soft and hard estimation).")
+    delimiter: StepDelimiter = Field(
+        "blank_line", description="Where a solution is cut into steps: blank_line (a blank line between steps), "
+        "newline (every line is a step), step_k (before each 'Step k:' marker). Blank steps are dropped.")
+    max_steps: int = Field(8, ge=1, description="Steps per solution at most; later steps are folded into the last "
+                           "one (cost: K rollouts per step).")
+    max_solutions: int = Field(64, ge=1, description="Solutions labelled at most (a seeded subset of them).")
+    solutions_per_prompt: int = Field(2, ge=1, description="Without a solutions input: solutions sampled per prompt.")
+    split: Literal["train", "eval"] = Field("train", description="Without a solutions input: the prompts sampled.")
+    max_prompts: int | None = Field(None, ge=1, description="Without a solutions input: the first N prompts only.")
+    correctness: Literal["strict", "lenient"] = Field(
+        "strict", description="What counts as a verified answer: strict, the answer block (`correct`); lenient, also an "
+        "answer stated without tags (`correct_lenient`).")
+    generation: GenerationSpec = Field(
+        default_factory=lambda: GenerationSpec(temperature=0.8, top_p=0.95, max_new_tokens=256),
+        description="Sampling of the solutions (without a solutions input) and of the rollouts (whose prefill is the "
+        "step prefix; the configured prefill only starts sampled solutions).")
+    reward: RewardSpec = Field(default_factory=RewardSpec, description="How answers are verified (only correctness "
+                               "is used).")
+
+
+class PRMConfig(TrainingConfig):
+    """`prm` stage: a process reward model, a classifier head read at each step's last token."""
+
+    files: list[str] = Field(
+        default_factory=list, description="User step files (jsonl, PRM800K-like: prompt or messages, steps, labels or "
+        "-1/0/1 ratings; see schemas.datasets.read_steps_jsonl), used with or instead of the steps input.")
+    neutral: float = Field(1.0, ge=0, le=1, description="Label of a PRM800K neutral (0) rating in files.")
+    delimiter: StepDelimiter = Field(
+        "blank_line", description="How steps are joined into the text the model reads, and how a scored completion is "
+        "cut into steps (saved with the model).")
+    targets: Literal["soft", "hard"] = Field(
+        "soft", description="soft: BCE against the labels as they are (a probability per step); hard: labels >= 0.5 "
+        "become 1, others 0.")
+    eval_fraction: float = Field(0.2, ge=0, lt=1, description="Share of prompts whose solutions are held out for step "
+                                 "accuracy, AUROC and first-error-step accuracy.")
+    batch_size: int = Field(8, ge=1, description="Solutions per micro-batch.")
+    learning_rate: float = Field(1e-4, gt=0, description="Peak learning rate.")
+    max_length: int = Field(512, ge=8, description="Tokens per sequence (prompt + steps); steps past it are dropped.")
+    lora: LoraSpec = Field(default_factory=lambda: LoraSpec(merge=True), description="LoRA settings (merged on save).")
+    checkpoint_every: int = Field(50, ge=1, description="Save a resumable checkpoint every N steps.")
+
+    @model_validator(mode="after")
+    def _one_process(self) -> PRMConfig:
+        if self.resources.num_processes != 1:
+            raise ValueError("prm: resources.num_processes > 1 is not built yet (one process)")
+        return self
+
+
 STAGE_CONFIGS: dict[str, type[Strict]] = {
     "import_model": ModelConfig,
     "prompts": PromptsConfig,
@@ -631,6 +689,8 @@ STAGE_CONFIGS: dict[str, type[Strict]] = {
     "distill_traces": DistillTracesConfig,
     "make_student": MakeStudentConfig,
     "distill": DistillConfig,
+    "step_labels": StepLabelsConfig,
+    "prm": PRMConfig,
 }
 
 
