@@ -268,3 +268,14 @@ def test_an_empty_step_file_is_an_error(tmp_path):
     path = write_lines(tmp_path / "empty.jsonl", [""])
     with pytest.raises(SchemaError, match="no step-labelled solutions"):
         read_steps_jsonl(path)
+
+
+def test_split_by_group_keeps_a_prompt_on_one_side():
+    groups = ["a", "a", "b", "c", "c", "c", "d", "e"]
+    train, held = st.split_by_group(groups, 0.4, seed=0)
+    assert sorted(train + held) == list(range(8))
+    assert {groups[i] for i in train}.isdisjoint({groups[i] for i in held})
+    assert len({groups[i] for i in held}) == 2  # round(0.4 * 5 groups)
+    assert st.split_by_group(groups, 0.4, seed=0) == (train, held)
+    assert st.split_by_group(groups, 0.0, seed=0) == (list(range(8)), [])
+    assert st.split_by_group(["a", "a"], 0.5, seed=0) == ([0, 1], [])  # one prompt: nothing to hold out

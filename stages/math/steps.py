@@ -230,3 +230,21 @@ def aggregate(scores: torch.Tensor, mask: torch.Tensor, how: str = "min") -> tor
     mask = mask.bool()
     out = AGGREGATIONS[how](scores.double(), mask)
     return torch.where(mask.any(-1), out, torch.full_like(out, float("nan")))
+
+
+# ---------------------------------------------------------------------------- data
+
+
+def split_by_group(groups: Sequence[str], eval_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """(train indices, held-out indices) of items whose group (their prompt) is wholly on one side, so
+    no held-out solution shares a prompt with a trained one: a seeded permutation of the distinct
+    groups, the first round(f · n_groups) held out (at least one when f > 0 and there are 2+ groups)."""
+    import numpy as np
+
+    distinct = sorted(set(groups))
+    n_eval = 0
+    if eval_fraction > 0 and len(distinct) > 1:
+        n_eval = min(len(distinct) - 1, max(1, round(eval_fraction * len(distinct))))
+    held = {distinct[i] for i in np.random.default_rng([seed, 1]).permutation(len(distinct))[:n_eval].tolist()}
+    train = [i for i, g in enumerate(groups) if g not in held]
+    return train, [i for i, g in enumerate(groups) if g in held]
