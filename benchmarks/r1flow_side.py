@@ -13,6 +13,7 @@ from pathlib import Path
 
 from benchmarks.common import SEED, PeakMemory, Shape, stage_input
 from stages.base import LocalContext, Output
+from stages.training import pairs, sequences
 from stages.training.launch import run_stage
 
 
@@ -58,7 +59,7 @@ def run_sft(prep: dict, shape: Shape, device: str, work: Path) -> dict:
     # step 1 warms up; the last step also writes the final checkpoint: time steps 2 .. max_steps - 1
     steps = ctx.intervals(2, cfg.max_steps - 1)
     _, tokenizer = inp["model"].load_model()
-    lengths = [len(sft.tokenize_conversation(tokenizer, c, cfg.max_length).input_ids)
+    lengths = [len(sequences.tokenize_conversation(tokenizer, c, cfg.max_length).input_ids)
                for c in sft.conversations_from(inp["sft"], cfg)]
     return {"step_s": steps, "seq_len": sum(lengths) / len(lengths), "batch": shape.sft_batch, **mem}
 
@@ -96,7 +97,7 @@ def run_dpo(prep: dict, shape: Shape, device: str, work: Path, reference: dict) 
     mem = meter.result()
     steps = ctx.intervals(2, cfg.max_steps - 1)
     _, tokenizer = inp["model"].load_model()
-    seqs = [po.tokenize(tokenizer, e.messages, e.completion, cfg.max_length) for e in po.examples_from(inp["prefs"])]
+    seqs = [pairs.tokenize(tokenizer, e.messages, e.completion, cfg.max_length) for e in pairs.examples_from(inp["prefs"])]
     return {"step_s": steps, "batch": shape.dpo_batch, "seq_len": sum(len(s) for s, _ in seqs) / len(seqs),
             "reference_s": reference["seconds"], **mem}
 

@@ -133,8 +133,8 @@ def fit_table(console, columns: list[Column], row_styles: list[str] | None = Non
 def stage_columns(result: dict) -> list[Column]:
     """The per-stage table of a run: node, kind, status, seconds, key metrics, outputs (the
     outputs' fingerprints go first when narrow: the report and `r1flow artifacts` have them)."""
-    from flows.pipeline import fmt_metric, key_metrics
     from flows.report import fmt_interval
+    from flows.results import fmt_metric, key_metrics
 
     rows = result["stages"]
     metrics = [", ".join(f"{k}={fmt_interval(r['metrics'], k) if k == 'accuracy' else fmt_metric(v)}"
@@ -157,8 +157,8 @@ def comparison_columns(payload: dict) -> tuple[list[Column], list[str]]:
     model, accuracy with its 95% bootstrap interval and the eval size n; then, as width allows,
     pass@k, format rate, per-task accuracies and the model's fingerprint. A previous run's row
     (its model had another fingerprint) sits under the row of its eval node, as in the report."""
-    from flows.pipeline import fmt_metric
     from flows.report import TASK_ACCURACY, fmt_interval
+    from flows.results import fmt_metric
 
     prev = payload.get("previous") or {}
     before = {p.get("eval"): p for p in prev.get("rows", [])}

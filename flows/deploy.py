@@ -258,7 +258,7 @@ def run_stage(stage: str, inputs: dict[str, str], overrides: dict[str, Any] | No
 
 def stage_result_markdown(result: dict[str, Any], recipe: str | None, profile: str | None) -> str:
     """What a single-stage re-run shows on its Prefect flow run: inputs, outputs, key metrics, MLflow link."""
-    from flows.pipeline import fmt_metric, key_metrics
+    from flows.results import fmt_metric, key_metrics
 
     where = ", ".join(f"{k} `{v}`" for k, v in (("recipe", recipe), ("profile", profile)) if v) or "stage defaults"
     lines = [f"# Stage re-run: {result['node']} ({result['stage']})", "",

@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import fnmatch
 import logging
 import os
 import shutil
 import socket
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +25,8 @@ from prefect.context import get_run_context
 from flows.cache import cache_key, config_hash
 from flows.context import FlowContext
 from flows.recipes import Plan, load_plan
+from flows.report import build_report, publish_report, register_models, report_location
+from flows.results import StageResult, fmt_metric
 from flows.settings import Settings
 from flows.store import ArtifactStore, CacheRecord, host_id, owner_gone, process_owner
 from flows.tracking import Tracker, run_name
@@ -37,23 +37,6 @@ from stages.base import Input
 from stages.runtime import lifetime
 from stages.training.launch import run_stage
 
-KEY_METRICS = {
-    "import_model": ("parameters",),
-    "prompts": ("train_rows", "eval_rows"),
-    "sft": ("final_loss", "trained_steps"),
-    "rejection_sampling": ("acceptance_rate", "accepted_rows", "sample_accuracy"),
-    "preference_data": ("pairs", "mean_margin"),
-    "reward_model": ("eval_accuracy", "eval_margin"),
-    "grpo": ("reward_first", "reward_last", "eval_accuracy_last", "time_per_step"),
-    "ppo": ("reward_first", "reward_last", "explained_variance_last", "eval_accuracy_last", "time_per_step"),
-    "reference_logprobs": ("completions", "sequences_per_s"),
-    "preference_optimization": ("eval_accuracy", "eval_margin", "eval_kl", "units_per_s"),
-    "distill_traces": ("traces", "keep_rate", "sample_accuracy", "sample_accuracy_lenient"),
-    "make_student": ("parameters", "teacher_parameters", "layers"),
-    "distill": ("student_parameters", "teacher_parameters", "heldout_nll_before", "heldout_nll_after",
-                "heldout_nll_teacher"),
-    "eval": ("accuracy", "accuracy_lenient", "format_rate", "pass_at_[0-9]", "pass_at_[0-9][0-9]", "mean_length"),
-}
 LOG_DATA_MAX_BYTES = 50 << 20  # datasets up to this size are copied into MLflow; larger ones by pointer
 
 
@@ -212,21 +195,6 @@ def stage_task(node: str, stage: str, config: dict[str, Any], inputs: dict[str, 
                          flow_run_id=_flow_run_id(), log=get_run_logger(), refresh=refresh)
 
 
-@dataclass
-class StageResult:
-    node: str
-    stage: str
-    status: str  # "run" | "cached" | "skipped"
-    seconds: float
-    prefect_state: str = ""
-    outputs: dict[str, str] = field(default_factory=dict)
-    metrics: dict[str, float] = field(default_factory=dict)
-    mlflow_run_id: str | None = None
-
-    def key_metrics(self) -> dict[str, float]:
-        return key_metrics(self.stage, self.metrics)
-
-
 class NodeProgress:
     """One line per node as a run goes: `[5/23] grpo_reasoning (grpo) ...` when it starts computing, and
     `[5/23] grpo_reasoning (grpo) run in 12.3 s` (or `cached in 0.2 s`) when it ends, each with the run's
@@ -259,11 +227,6 @@ def _run_logger() -> logging.Logger | logging.LoggerAdapter:
         return get_run_logger()
     except MissingContextError:  # outside a flow run
         return logging.getLogger("r1flow")
-
-
-def key_metrics(stage: str, metrics: dict[str, float]) -> dict[str, float]:
-    """The few metrics the summary table shows for a stage (patterns allow e.g. pass_at_4)."""
-    return {k: v for pattern in KEY_METRICS.get(stage, ()) for k, v in metrics.items() if fnmatch.fnmatchcase(k, pattern)}
 
 
 def node_key(plan_node, upstream: dict[str, dict[str, str]]) -> tuple[str, dict[str, str], str]:
@@ -440,12 +403,6 @@ def run_plan(plan: Plan, s: Settings, only: set[str] = frozenset(), force: set[s
         summary = {f"{r.node}/{k}": v for r in results for k, v in r.key_metrics().items()}
         summary.update({f"{r.node}/seconds": r.seconds for r in results if r.status != "skipped"})
         tracker.log_metrics(parent, summary)
-        from flows.report import (  # imports flows.pipeline
-            build_report,
-            publish_report,
-            register_models,
-            report_location,
-        )
 
         registration = register_models(plan, results, tracker, store=store, parent_run_id=parent)
         report = build_report(plan, results, tracker, parent, registration)
@@ -458,10 +415,6 @@ def run_plan(plan: Plan, s: Settings, only: set[str] = frozenset(), force: set[s
             "stages": [r.__dict__ for r in results],
             # the end of `r1flow run` prints these: the comparison table (None: no eval rows) and where the report is
             "comparison": report.comparison, "report": report_location(tracker, parent, published["mlflow_artifacts"])}
-
-
-def fmt_metric(v: float) -> str:
-    return f"{v:,.0f}" if abs(v) >= 1000 or float(v).is_integer() else f"{v:.3f}"
 
 
 def render_markdown(plan: Plan, results: list[StageResult]) -> str:

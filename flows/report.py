@@ -94,14 +94,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mlflow.exceptions import MlflowException
+from prefect import get_run_logger  # imported with the module: Prefect sets up its logging on import
 
-from flows.pipeline import fmt_metric, key_metrics
 from flows.recipes import Plan
+from flows.results import fmt_metric, key_metrics
 from flows.tracking import Tracker, sqlite_lock
 from stages import get_stage
 
 if TYPE_CHECKING:
-    from flows.pipeline import StageResult
+    from flows.results import StageResult
     from flows.store import ArtifactStore
 
 log = logging.getLogger("r1flow")
@@ -753,8 +754,6 @@ def publish_report(report: Report, tracker: Tracker, parent_run_id: str) -> dict
 
 def _warn(message: str) -> None:
     try:
-        from prefect import get_run_logger
-
         get_run_logger().warning(message)
     except Exception:
         log.warning(message)

@@ -53,26 +53,22 @@ from schemas.configs import DistillConfig
 from schemas.errors import ConfigError, ModelError, SchemaError
 from stages.base import Input, Output, StageContext, model_output_dir, seed_everything
 from stages.math.distill import distill_loss
+from stages.math.supervised import IGNORE, masked_token_loss
 from stages.modeling import models
-from stages.reward_model import split_pairs
 from stages.runtime import distributed
 from stages.sampling.generation import check_vllm_model_dir, generate, make_backend, render_prompts
-from stages.sft import (
-    IGNORE,
-    Example,
+from stages.training.checkpoints import resume, save_checkpoint
+from stages.training.optim import (
     clip_grad_norm,
-    collate,
     load_trainable,
     lr_factor,
     make_optimizer,
-    masked_token_loss,
     micro_batch_indices,
     resolve_precision,
-    resume,
-    save_checkpoint,
     set_lr,
-    tokenize_conversation,
 )
+from stages.training.pairs import split_pairs
+from stages.training.sequences import Example, collate, tokenize_conversation
 
 VERSION = "3"  # 3: on a GPU, on-policy samples under the training precision (bf16 autocast), not in fp32. 2: sampler blocks of ceil(sqrt(V)) tokens (generation.BlockRaceSampler): other samples for the same seed
 CONFIG = DistillConfig

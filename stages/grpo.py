@@ -46,14 +46,13 @@ from stages.modeling import logprobs, models
 from stages.rewards.verifiers import score
 from stages.runtime import distributed
 from stages.sampling.generation import TransformersBackend, check_vllm_model_dir, make_backend, render_prompts
-from stages.sft import (
+from stages.training.checkpoints import resume, save_checkpoint
+from stages.training.optim import (
     clip_grad_norm,
     load_trainable,
     lr_factor,
     make_optimizer,
     resolve_precision,
-    resume,
-    save_checkpoint,
     set_lr,
 )
 
@@ -341,7 +340,7 @@ def run(cfg: GRPOConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[st
     kl_fn = rl.KL_ESTIMATORS[cfg.kl_estimator]
     scorer = None
     if rm_input is not None and wants_rm:
-        from stages.reward_model import RewardScorer
+        from stages.modeling.heads import RewardScorer
 
         scorer = RewardScorer.from_input(rm_input, device=ctx.device)
     ctx.log_params({"train_prompts": len(rows), "trainable_parameters": counts["trainable"],

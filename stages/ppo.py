@@ -49,7 +49,7 @@ from schemas.errors import ConfigError, ModelError, SchemaError
 from stages.base import Input, Output, StageContext, model_output_dir, seed_everything
 from stages.math import rl
 from stages.modeling import logprobs, models
-from stages.reward_model import (
+from stages.modeling.heads import (
     RewardScorer,
     apply_reward_lora,
     load_reward_model,
@@ -58,15 +58,8 @@ from stages.reward_model import (
 from stages.rewards.verifiers import Verdict, score
 from stages.runtime import distributed
 from stages.sampling.generation import Completion, check_vllm_model_dir, make_backend, render_prompts
-from stages.sft import (
-    clip_grad_norm,
-    load_trainable,
-    lr_factor,
-    make_optimizer,
-    resolve_precision,
-    resume,
-    save_checkpoint,
-)
+from stages.training.checkpoints import resume, save_checkpoint
+from stages.training.optim import clip_grad_norm, load_trainable, lr_factor, make_optimizer, resolve_precision
 
 VERSION = "1"
 CONFIG = PPOConfig

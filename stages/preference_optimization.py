@@ -29,37 +29,34 @@ Departures, on purpose:
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from functools import partial
-from itertools import chain
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
 from schemas.configs import GenerationSpec, PreferenceOptimizationConfig
-from schemas.errors import ArtifactError, ConfigError, ModelError, SchemaError
+from schemas.errors import ArtifactError, ConfigError, SchemaError
 from stages.base import Input, Output, StageContext, model_output_dir, seed_everything
 from stages.math import preference as pl
-from stages.modeling import logprobs, models
-from stages.reward_model import split_pairs
+from stages.modeling import models
+from stages.modeling.logprobs import completion_logprobs, score_examples
 from stages.runtime import distributed
-from stages.sft import (
+from stages.training.checkpoints import resume, save_checkpoint
+from stages.training.optim import (
     clip_grad_norm,
     load_trainable,
     lr_factor,
     make_optimizer,
     resolve_precision,
-    resume,
-    save_checkpoint,
     set_lr,
 )
+from stages.training.pairs import DESIRABLE, Example, examples_from, split_pairs, tokenize
 
 VERSION = "4"  # 4: KTO's KL pairs take the next row under another prompt. 3: ipo averages token log-probs by default (logprob_reduction); orpo's log odds bounded. 2: sampler blocks of ceil(sqrt(V)) tokens (generation.BlockRaceSampler): other samples for the same seed
 CONFIG = PreferenceOptimizationConfig
 INPUTS = {"model": "model", "preferences": "preferences|unpaired", "reference": "ref_logprobs?"}
 OUTPUTS = {"model": "model"}
-DESIRABLE = ("chosen", "desirable")
 
 
 def check(cfg: PreferenceOptimizationConfig) -> None:
@@ -68,141 +65,6 @@ def check(cfg: PreferenceOptimizationConfig) -> None:
 
 
 # ---------------------------------------------------------------------------- data
-
-
-@dataclass(frozen=True)
-class Example:
-    """One completion to score: a pair side, an unpaired row, or a KTO mismatched (kl) row."""
-
-    id: str
-    role: str  # chosen | rejected | desirable | undesirable | kl (KTO reads pairs as chosen = desirable)
-    messages: list
-    completion: str
-
-
-def examples_from(data: Input, include_kl: bool = False) -> list[Example]:
-    """Every completion of a preferences or unpaired dataset, in row order, checked before any model loads.
-
-    include_kl adds, for row i, the completion of the next row with another prompt (wrapping around)
-    under row i's prompt: the mismatched pairs KTO estimates its reference point on. Not simply row
-    i+1: unpaired rows made from pairs alternate one prompt's chosen and rejected answers, so half of
-    those pairs would be matched ones (so would pairs_per_prompt > 1 pairs).
-    """
-    kind = data.manifest.schema_name
-    if kind not in ("preferences", "unpaired"):
-        raise ArtifactError(f"{data.label}: expected a preferences or unpaired dataset, got {kind!r}")
-    rows = data.table(kind).to_pylist()
-    if not rows:
-        raise SchemaError(f"{data.label}: no rows to optimise preferences on")
-    out: list[Example] = []
-    if kind == "preferences":
-        for r in rows:
-            out += [Example(r["id"], "chosen", r["messages"], r["chosen"]),
-                    Example(r["id"], "rejected", r["messages"], r["rejected"])]
-        completions = [r["chosen"] for r in rows]
-    else:
-        out = [Example(r["id"], "desirable" if r["label"] else "undesirable", r["messages"], r["completion"])
-               for r in rows]
-        completions = [r["completion"] for r in rows]
-    if include_kl:
-        other = next_other_prompt([r["messages"] for r in rows])
-        out += [Example(r["id"], "kl", r["messages"], completions[j]) for r, j in zip(rows, other, strict=True)]
-    return out
-
-
-def next_other_prompt(prompts: list) -> list[int]:
-    """For each row, the index of the next row (wrapping around) whose prompt differs; the next row when
-    every row has the same prompt. One backward pass over the rows laid out twice."""
-    n = len(prompts)
-    out, nearest = [0] * n, None
-    for k in range(2 * n - 2, -1, -1):
-        if prompts[(k + 1) % n] != prompts[k % n]:
-            nearest = (k + 1) % n
-        if k < n:
-            out[k] = nearest if nearest is not None else (k + 1) % n
-    return out
-
-
-def tokenize(tokenizer, messages: list[dict], completion: str, max_length: int) -> tuple[list[int], int]:
-    """(token ids of prompt + completion + EOS, number of completion tokens), at most max_length.
-
-    Too long: the prompt loses its start first; a completion longer than max_length - 1 keeps its
-    first max_length - 1 tokens after one prompt token (something must predict its first token).
-    """
-    if tokenizer.eos_token_id is None:
-        raise ModelError("preference_optimization: the tokenizer has no EOS token to close completions with")
-    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    c = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    if len(c) >= max_length:
-        c = c[: max_length - 1]
-    p = p[-(max_length - len(c)) :]
-    return p + c, len(c)
-
-
-def completion_logprobs(model, sequences: list[tuple[list[int], int]], pad_id: int, device: str,
-                        chunk: int = 4096, share_prefix: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token log-probs of each sequence's completion and the mask over them: both (N, L-1).
-
-    Right-padded, one forward pass (with gradient if enabled by the caller); position t of the
-    result is log p(token t+1 | tokens <= t); the logits exist `chunk` positions at a time
-    (`stages.modeling.logprobs`). Sequences with the same prompt (a pair's chosen and rejected) can share it,
-    the same values and gradients either way: a Llama / Mistral / Qwen2 model runs each prompt and
-    its completions as one row under a mask that keeps the completions apart
-    (`logprobs.packed_prefix_rows`: one decoder call; `can_pack_prefix`), other models run each
-    distinct prompt once, then the completions against its KV cache (`shared_prefix_rows`: two
-    calls; `can_share_prefix`, not under gradient checkpointing). `share_prefix` None: where that
-    costs less than whole rows (`packing_pays`: positions and attention; `prefix_sharing_pays`:
-    positions and the second call, which on a very narrow model outweighs what sharing saves);
-    True: wherever a prompt repeats; False: never.
-    """
-    row_lengths, completion_lengths = [len(s) for s, _ in sequences], [n_c for _, n_c in sequences]
-    lengths = torch.tensor(row_lengths)
-    width = max(row_lengths)
-    columns = torch.arange(width)[None, :]
-    real = columns < lengths[:, None]
-    # position t predicts token t+1: the completion's n_c tokens are predicted from len - n_c - 1 to len - 2
-    first = lengths - torch.tensor(completion_lengths) - 1
-    mask = ((columns[:, :-1] >= first[:, None]) & (columns[:, :-1] < (lengths - 1)[:, None])).to(device)
-    if share_prefix is not False:
-        index: dict[tuple[int, ...], int] = {}
-        prompt_of_row = [index.setdefault(tuple(s[: len(s) - n_c]), len(index)) for s, n_c in sequences]
-        prompt_lengths = [len(p) for p in index]
-        shared = None
-        if len(index) == len(sequences):
-            pass  # no prompt repeats
-        elif logprobs.can_pack_prefix(model):
-            if share_prefix or logprobs.packing_pays(prompt_lengths, completion_lengths, prompt_of_row, row_lengths,
-                                                     logprobs.attention_share(model)):
-                shared = logprobs.packed_prefix_rows
-        elif logprobs.can_share_prefix(model) and (share_prefix or logprobs.prefix_sharing_pays(
-                prompt_lengths, completion_lengths, row_lengths, logprobs.default_bucket_overhead(device, model))):
-            shared = logprobs.shared_prefix_rows
-        if shared is not None:
-            logp, _ = shared(model, [list(p) for p in index], [s[len(s) - n_c :] for s, n_c in sequences],
-                             prompt_of_row, pad_id, width, device, chunk_tokens=chunk)
-            return logp, mask
-    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-    ids[real] = torch.tensor(list(chain.from_iterable(s for s, _ in sequences)), dtype=torch.long)  # row-major: in order
-    ids, attn = ids.to(device), real.long().to(device)
-    logp, _ = logprobs.token_logprobs(model, ids, attn, chunk_tokens=chunk, positions=mask)  # head on completions only
-    return logp, mask
-
-
-@torch.no_grad()
-def score_examples(model, tokenized: list[tuple[list[int], int]], pad_id: int, device: str, batch_size: int,
-                   autocast_dtype=None, desc: str = "reference log-probs") -> list[float]:
-    """Summed completion log-probs of many sequences (the reference pass), in order."""
-    out: list[float] = []
-    was_training = model.training
-    model.eval()
-    for i in tqdm(range(0, len(tokenized), batch_size), desc=desc, unit="batch", leave=False):
-        with torch.autocast(device_type=device.split(":")[0], dtype=autocast_dtype or torch.float32,
-                            enabled=autocast_dtype is not None):
-            logp, mask = completion_logprobs(model, tokenized[i : i + batch_size], pad_id, device)
-        out += pl.sequence_logprobs(logp, mask).tolist()
-    model.train(was_training)
-    return out
 
 
 # ---------------------------------------------------------------------------- reference

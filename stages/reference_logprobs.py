@@ -14,8 +14,9 @@ import time
 from schemas.configs import ReferenceLogprobsConfig
 from schemas.datasets import from_rows
 from stages.base import Input, Output, StageContext, seed_everything, write_dataset
-from stages.preference_optimization import examples_from, score_examples, tokenize
-from stages.sft import resolve_precision
+from stages.modeling.logprobs import score_examples
+from stages.training.optim import resolve_precision
+from stages.training.pairs import examples_from, tokenize
 
 VERSION = "2"  # 2: KTO's KL pairs take the next row under another prompt (preference_optimization.examples_from)
 CONFIG = ReferenceLogprobsConfig

@@ -157,7 +157,7 @@ def reward_model_scores(rm: Input | None, prompts: list[dict], completions) -> l
     """The optional reward model's score of every completion (the `reward_model` reward component)."""
     if rm is None:
         return None
-    from stages.reward_model import RewardScorer
+    from stages.modeling.heads import RewardScorer
 
     scorer = RewardScorer.from_input(rm)
     flat = scorer.score([p["messages"] for p, cs in zip(prompts, completions, strict=True) for _ in cs],

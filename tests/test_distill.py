@@ -33,7 +33,7 @@ from stages.base import LocalContext, write_dataset
 from stages.modeling import models
 from stages.rewards.verifiers import score
 from stages.sampling.generation import generate
-from stages.sft import collate, tokenize_conversation
+from stages.training.sequences import collate, tokenize_conversation
 from tests.conftest import fake_input
 
 

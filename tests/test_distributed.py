@@ -32,8 +32,9 @@ from schemas.datasets import from_rows
 from schemas.errors import StageError
 from stages.base import LocalContext, write_dataset
 from stages.math import rl
+from stages.modeling import heads
 from stages.runtime import distributed
-from stages.training import launch
+from stages.training import checkpoints, launch
 from tests.conftest import fake_input
 
 TWO = ResourcesSpec(num_processes=2)
@@ -240,7 +241,7 @@ def test_sft_on_two_processes_follows_the_single_process_loss_curve(tmp_path, ti
     print(f"sft: max relative loss difference 2 vs 1 processes over 6 steps: {worst:.2e}")
     assert (out.path / "model" / "model.safetensors").exists() and out.path == two.output_dir("model")
     assert two.params["examples"] == 24  # rank 0's params reached the caller's context
-    assert sft.latest_checkpoint(two.checkpoint_dir).name == "step-000006"  # rank 0 wrote checkpoints
+    assert checkpoints.latest_checkpoint(two.checkpoint_dir).name == "step-000006"  # rank 0 wrote checkpoints
 
 
 @pytest.mark.slow
@@ -375,9 +376,8 @@ def grpo_checkpoint_is_whole(ctx: LocalContext, model_input, lora: bool) -> bool
     """The last checkpoint holds every trainable tensor whole (gathered), not a shard."""
     from safetensors.torch import load_file
 
-    from stages import sft
 
-    ckpt = load_file(sft.latest_checkpoint(ctx.checkpoint_dir) / "trainable.safetensors")
+    ckpt = load_file(checkpoints.latest_checkpoint(ctx.checkpoint_dir) / "trainable.safetensors")
     model, _ = model_input.load_model()
     if lora:
         return bool(ckpt) and all("lora_" in k for k in ckpt)
@@ -500,7 +500,7 @@ def test_sft_sharded_on_two_processes_follows_the_single_process_loss_curve(tmp_
         torch.testing.assert_close(w2[name], w1[name], rtol=1e-3, atol=1e-5)
     total = one.params["total_parameters"]
     assert two.params["parameters_per_process"] < 0.6 * total  # each process holds about half
-    ckpt = load_file(sft.latest_checkpoint(two.checkpoint_dir) / "trainable.safetensors")  # whole, not a shard
+    ckpt = load_file(checkpoints.latest_checkpoint(two.checkpoint_dir) / "trainable.safetensors")  # whole, not a shard
     model, _ = tiny_model_input.load_model()
     assert {k: v.shape for k, v in ckpt.items()} == {n: p.shape for n, p in model.named_parameters()}
 
@@ -569,7 +569,7 @@ def test_reward_model_sharded_on_two_processes_follows_the_single_process_run(tm
     _assert_same_curve(one, two, "train/loss", 4)
     for key in ("eval_accuracy", "eval_margin", "eval_loss"):
         assert out2.metrics[key] == pytest.approx(out1.metrics[key], rel=1e-3, abs=1e-5), key
-    a, b = (rm.RewardScorer.from_input(fake_input(o.path, "model", "reward_model")) for o in (out1, out2))
+    a, b = (heads.RewardScorer.from_input(fake_input(o.path, "model", "reward_model")) for o in (out1, out2))
     conv = [[{"role": "user", "content": "2+2?"}]]
     assert b.score(conv, ["4"]) == pytest.approx(a.score(conv, ["4"]), rel=1e-3, abs=1e-5)
 

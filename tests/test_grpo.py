@@ -7,6 +7,7 @@ import torch
 from schemas.configs import GenerationSpec, GRPOConfig, LoraSpec, RewardSpec
 from stages import grpo
 from stages.base import LocalContext
+from stages.modeling import heads
 from tests.conftest import assert_matches_whole_rows, fake_input
 
 
@@ -201,7 +202,7 @@ def _tiny_reward_model(root, tiny_tokenizer):
     from stages.modeling.models import build_tiny_model, save_model
 
     torch.manual_seed(0)
-    model = rm.reward_model_from_causal_lm(build_tiny_model(tiny_tokenizer, seed=1), tiny_tokenizer.eos_token_id)
+    model = heads.reward_model_from_causal_lm(build_tiny_model(tiny_tokenizer, seed=1), tiny_tokenizer.eos_token_id)
     torch.nn.init.normal_(model.score.weight, std=1.0)
     save_model(model, tiny_tokenizer, root / MODEL_DIR)
     return fake_input(root, "model", rm.OUTPUT_SCHEMA)

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
+from stages.math.supervised import IGNORE, masked_token_loss
 from stages.modeling import models
 from stages.modeling.logprobs import head_logprobs, linear_logprobs, token_logprobs
-from stages.sft import IGNORE, masked_token_loss
 from tests.conftest import assert_matches_whole_rows
 
 

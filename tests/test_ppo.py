@@ -38,7 +38,7 @@ def test_build_batch_and_values_share_the_log_prob_layout(tiny_model, tiny_token
     assert b["input_ids"].tolist() == [[5, 6, 7, 8, 9], [5, 4, 4, 4, 0]]
     # position t predicts token t+1: row 0's positions 2, 3 predict 8, 9; row 1's 0..2 predict its three 4s
     assert b["loss_mask"].tolist() == [[0, 0, 1, 1], [1, 1, 1, 0]]
-    from stages.reward_model import reward_model_from_causal_lm
+    from stages.modeling.heads import reward_model_from_causal_lm
 
     critic = reward_model_from_causal_lm(tiny_model, pad_token_id=0)
     values = ppo.token_values(critic, b["input_ids"], b["attention_mask"])
@@ -139,8 +139,8 @@ def test_time_budget_stops_after_the_step_that_spends_it(tmp_path, tiny_model_in
 
 @pytest.fixture()
 def tiny_reward_model_input(tmp_path, tiny_tokenizer):
+    from stages.modeling.heads import reward_model_from_causal_lm
     from stages.modeling.models import build_tiny_model
-    from stages.reward_model import reward_model_from_causal_lm
 
     path = tmp_path / "rm"
     rm = reward_model_from_causal_lm(build_tiny_model(tiny_tokenizer, seed=1), tiny_tokenizer.pad_token_id)

@@ -13,6 +13,8 @@ from schemas.errors import ArtifactError, ConfigError
 from stages import preference_optimization as po
 from stages import reference_logprobs
 from stages.base import LocalContext, write_dataset
+from stages.modeling import logprobs
+from stages.training import pairs
 from tests.conftest import fake_input
 
 
@@ -42,10 +44,10 @@ def prefs(tmp_path_factory):
 
 def test_tokenize_keeps_the_completion_and_cuts_the_prompt(tiny_tokenizer):
     msgs = [{"role": "user", "content": "x" * 200}]
-    ids, n_c = po.tokenize(tiny_tokenizer, msgs, "abc", 40)
+    ids, n_c = pairs.tokenize(tiny_tokenizer, msgs, "abc", 40)
     assert len(ids) == 40 and n_c == 4 and ids[-1] == tiny_tokenizer.eos_token_id
     assert tiny_tokenizer.decode(ids[-4:-1]) == "abc"
-    ids, n_c = po.tokenize(tiny_tokenizer, msgs, "y" * 100, 40)
+    ids, n_c = pairs.tokenize(tiny_tokenizer, msgs, "y" * 100, 40)
     assert len(ids) == 40 and n_c == 39  # one prompt token left to predict the first completion token
 
 
@@ -57,16 +59,16 @@ def test_kto_kl_pairs_are_mismatched(tmp_path):
             for p in range(3) for side in "cr"]
     out = write_dataset(LocalContext(tmp_path / "u"), "u", from_rows(rows, "unpaired"), "unpaired")
     kl = [(e.id, e.messages[0]["content"], e.completion)
-          for e in po.examples_from(fake_input(out.path, "dataset", "unpaired"), include_kl=True) if e.role == "kl"]
+          for e in pairs.examples_from(fake_input(out.path, "dataset", "unpaired"), include_kl=True) if e.role == "kl"]
     assert kl == [("0-c", "q0", "1c"), ("0-r", "q0", "1c"), ("1-c", "q1", "2c"), ("1-r", "q1", "2c"),
                   ("2-c", "q2", "0c"), ("2-r", "q2", "0c")]
-    assert po.next_other_prompt(["a", "a", "a"]) == [1, 2, 0]  # one prompt only: the next row
-    assert po.next_other_prompt(["a", "b", "b", "a"]) == [1, 3, 3, 1]
+    assert pairs.next_other_prompt(["a", "a", "a"]) == [1, 2, 0]  # one prompt only: the next row
+    assert pairs.next_other_prompt(["a", "b", "b", "a"]) == [1, 3, 3, 1]
 
 
 def test_completion_logprobs_mask_matches_a_manual_forward(tiny_model, tiny_tokenizer):
-    seqs = [po.tokenize(tiny_tokenizer, [{"role": "user", "content": "hi"}], c, 64) for c in ("12", "345")]
-    logp, mask = po.completion_logprobs(tiny_model, seqs, 0, "cpu")
+    seqs = [pairs.tokenize(tiny_tokenizer, [{"role": "user", "content": "hi"}], c, 64) for c in ("12", "345")]
+    logp, mask = logprobs.completion_logprobs(tiny_model, seqs, 0, "cpu")
     for i, (ids, n_c) in enumerate(seqs):
         assert int(mask[i].sum()) == n_c
         full = torch.log_softmax(tiny_model(input_ids=torch.tensor([ids])).logits[0, :-1], -1)
@@ -189,28 +191,28 @@ def test_prefix_sharing_is_chosen_by_cost_unless_forced(tiny_tokenizer, monkeypa
     from stages.modeling import logprobs, models
 
     model = models.build_tiny_model(tiny_tokenizer, seed=3).train()
-    seqs = [po.tokenize(tiny_tokenizer, [{"role": "user", "content": "one prompt for both"}], c, 64)
+    seqs = [pairs.tokenize(tiny_tokenizer, [{"role": "user", "content": "one prompt for both"}], c, 64)
             for c in ("12", "3456")]
     calls = []
     for name in ("packed_prefix_rows", "shared_prefix_rows"):
         real = getattr(logprobs, name)
         monkeypatch.setattr(logprobs, name, lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k))
-    whole, mask = po.completion_logprobs(model, seqs, 0, "cpu", share_prefix=False)
+    whole, mask = logprobs.completion_logprobs(model, seqs, 0, "cpu", share_prefix=False)
     assert calls == []
-    packed, _ = po.completion_logprobs(model, seqs, 0, "cpu")
+    packed, _ = logprobs.completion_logprobs(model, seqs, 0, "cpu")
     assert calls == ["packed_prefix_rows"]
     monkeypatch.setattr(logprobs, "packing_pays", lambda *a: False)
-    assert po.completion_logprobs(model, seqs, 0, "cpu")[0] is not None and len(calls) == 1  # whole rows
-    po.completion_logprobs(model, seqs, 0, "cpu", share_prefix=True)
+    assert logprobs.completion_logprobs(model, seqs, 0, "cpu")[0] is not None and len(calls) == 1  # whole rows
+    logprobs.completion_logprobs(model, seqs, 0, "cpu", share_prefix=True)
     assert calls[1:] == ["packed_prefix_rows"]
 
     calls.clear()
     monkeypatch.setattr(logprobs, "can_pack_prefix", lambda m: False)
-    assert po.completion_logprobs(model, seqs, 0, "cpu")[0] is not None and calls == []  # 292 > saved: whole
-    forced, _ = po.completion_logprobs(model, seqs, 0, "cpu", share_prefix=True)
+    assert logprobs.completion_logprobs(model, seqs, 0, "cpu")[0] is not None and calls == []  # 292 > saved: whole
+    forced, _ = logprobs.completion_logprobs(model, seqs, 0, "cpu", share_prefix=True)
     assert calls == ["shared_prefix_rows"]
     monkeypatch.setattr(logprobs, "default_bucket_overhead", lambda device, model=None: 0)
-    cheap, _ = po.completion_logprobs(model, seqs, 0, "cpu")
+    cheap, _ = logprobs.completion_logprobs(model, seqs, 0, "cpu")
     assert calls == ["shared_prefix_rows"] * 2
     for got in (packed, forced, cheap):
         torch.testing.assert_close(got[mask], whole[mask], rtol=1e-5, atol=1e-5)
@@ -225,14 +227,14 @@ def test_shared_prompts_give_the_same_logprobs_and_gradients_as_whole_rows(tiny_
 
     model = models.build_tiny_model(tiny_tokenizer, seed=2).train()
     prompts = ([{"role": "user", "content": "a short one"}], [{"role": "user", "content": "and a much longer prompt"}])
-    seqs = [po.tokenize(tiny_tokenizer, p, c, 64) for p, c in zip(prompts * 2, ("12", "3456", "7", "890"), strict=True)]
+    seqs = [pairs.tokenize(tiny_tokenizer, p, c, 64) for p, c in zip(prompts * 2, ("12", "3456", "7", "890"), strict=True)]
     grads = {}
     for share in (False, True, "cache"):  # whole rows; packed rows; the KV-cache path of unpackable models
         model.zero_grad()
         with pytest.MonkeyPatch.context() as mp:
             if share == "cache":
                 mp.setattr(logprobs, "can_pack_prefix", lambda m: False)
-            logp, mask = po.completion_logprobs(model, seqs, 0, "cpu", share_prefix=share is not False)
+            logp, mask = logprobs.completion_logprobs(model, seqs, 0, "cpu", share_prefix=share is not False)
         assert (logp[~mask] == 0).all()
         (logp * torch.arange(1, logp.shape[1] + 1)).sum().backward()  # position-weighted: a misplaced value shows
         grads[share] = ({n: p.grad.clone() for n, p in model.named_parameters()}, logp.detach())

@@ -98,8 +98,8 @@ def test_reward_model_score_as_a_reward_component(tmp_path, tiny_model_input, ti
     import pytest
 
     from schemas.artifacts import MODEL_DIR
+    from stages.modeling.heads import RewardScorer, reward_model_from_causal_lm
     from stages.modeling.models import build_tiny_model
-    from stages.reward_model import RewardScorer, reward_model_from_causal_lm
 
     rm_dir = tmp_path / "rm"
     rm = reward_model_from_causal_lm(build_tiny_model(tiny_tokenizer, seed=1), tiny_tokenizer.pad_token_id)

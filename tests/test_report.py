@@ -9,7 +9,6 @@ import json
 
 import pytest
 
-from flows.pipeline import StageResult
 from flows.recipes import load_plan
 from flows.report import (
     CHAMPION_ALIAS,
@@ -26,6 +25,7 @@ from flows.report import (
     registered_model_name,
     training_panels,
 )
+from flows.results import StageResult
 from flows.store import ArtifactStore
 from flows.tracking import Tracker
 

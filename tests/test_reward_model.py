@@ -13,6 +13,9 @@ from schemas.errors import ModelError, SchemaError
 from stages import reward_model as rm
 from stages import sft
 from stages.base import Input, LocalContext, write_dataset
+from stages.math import supervised
+from stages.modeling import heads
+from stages.training import checkpoints, pairs
 from tests.conftest import fake_input
 from tests.test_sft import CrashingContext, SimulatedCrash
 
@@ -23,42 +26,42 @@ def test_bt_loss_hand_computed():
     """r_c = [2, 0], r_r = [0, 0]: -log σ(2) = log(1 + e^-2) = 0.126928, -log σ(0) = log 2 =
     0.693147; mean 0.410038. With margin [1, 0]: -log σ(1) = 0.313262 → mean 0.503205."""
     r_c, r_r = torch.tensor([2.0, 0.0]), torch.tensor([0.0, 0.0])
-    torch.testing.assert_close(rm.bt_loss(r_c, r_r), torch.tensor((0.126928 + 0.693147) / 2), atol=1e-6, rtol=0)
-    torch.testing.assert_close(rm.bt_loss(r_c, r_r, margin=torch.tensor([1.0, 0.0])),
+    torch.testing.assert_close(supervised.bt_loss(r_c, r_r), torch.tensor((0.126928 + 0.693147) / 2), atol=1e-6, rtol=0)
+    torch.testing.assert_close(supervised.bt_loss(r_c, r_r, margin=torch.tensor([1.0, 0.0])),
                                torch.tensor((0.313262 + 0.693147) / 2), atol=1e-6, rtol=0)
-    torch.testing.assert_close(rm.bt_loss(r_c, r_r, margin=torch.zeros(2)), rm.bt_loss(r_c, r_r))
+    torch.testing.assert_close(supervised.bt_loss(r_c, r_r, margin=torch.zeros(2)), supervised.bt_loss(r_c, r_r))
 
 
 def test_bt_loss_gradient_pushes_chosen_up_and_rejected_down():
     """d/dr_c of -log σ(r_c - r_r) = -σ(r_r - r_c) / B: at r_c = r_r that is -0.5 / 2 = -0.25."""
     r_c = torch.tensor([0.0, 1.0], requires_grad=True)
     r_r = torch.tensor([0.0, 3.0], requires_grad=True)
-    rm.bt_loss(r_c, r_r).backward()
+    supervised.bt_loss(r_c, r_r).backward()
     assert torch.all(r_c.grad < 0) and torch.all(r_r.grad > 0)
     torch.testing.assert_close(r_c.grad[0], torch.tensor(-0.25))
     torch.testing.assert_close(r_r.grad, -r_c.grad)
 
 
 def test_pairwise_accuracy_counts_ties_as_wrong():
-    assert rm.pairwise_accuracy(torch.tensor([1.0, 2.0, 0.0, 5.0]), torch.tensor([0.0, 3.0, 0.0, 4.0])) == 0.5
+    assert supervised.pairwise_accuracy(torch.tensor([1.0, 2.0, 0.0, 5.0]), torch.tensor([0.0, 3.0, 0.0, 4.0])) == 0.5
 
 
 def test_last_token_index_from_the_mask_for_either_padding_side():
     right = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1]])
     left = torch.tensor([[0, 1, 1, 1], [0, 0, 0, 1]])
-    assert rm.last_token_index(right).tolist() == [2, 0, 3]
-    assert rm.last_token_index(left).tolist() == [3, 3]
+    assert heads.last_token_index(right).tolist() == [2, 0, 3]
+    assert heads.last_token_index(left).tolist() == [3, 3]
     with pytest.raises(ValueError, match="no real token"):
-        rm.last_token_index(torch.tensor([[0, 0]]))
+        heads.last_token_index(torch.tensor([[0, 0]]))
 
 
 def test_split_is_seeded_disjoint_and_complete():
-    train, held = rm.split_pairs(50, 0.2, seed=3)
+    train, held = pairs.split_pairs(50, 0.2, seed=3)
     assert len(held) == 10 and sorted(train + held) == list(range(50))
-    assert rm.split_pairs(50, 0.2, seed=3) == (train, held)
-    assert rm.split_pairs(50, 0.2, seed=4)[1] != held
-    assert rm.split_pairs(5, 0.01, seed=0)[1] != []  # any positive fraction holds out at least one
-    assert rm.split_pairs(5, 0.0, seed=0) == ([0, 1, 2, 3, 4], [])
+    assert pairs.split_pairs(50, 0.2, seed=3) == (train, held)
+    assert pairs.split_pairs(50, 0.2, seed=4)[1] != held
+    assert pairs.split_pairs(5, 0.01, seed=0)[1] != []  # any positive fraction holds out at least one
+    assert pairs.split_pairs(5, 0.0, seed=0) == ([0, 1, 2, 3, 4], [])
 
 
 # ---------------------------------------------------------------------------- formatting and pooling
@@ -67,19 +70,19 @@ PROMPT = [{"role": "user", "content": "What is 2+3?"}]
 
 
 def test_format_sequence_is_prompt_completion_eos_and_cuts_from_the_left(tiny_tokenizer):
-    ids = rm.format_sequence(tiny_tokenizer, PROMPT, "<answer>5</answer>", max_length=512)
+    ids = heads.format_sequence(tiny_tokenizer, PROMPT, "<answer>5</answer>", max_length=512)
     text = tiny_tokenizer.decode(ids)
     assert text == "<|im_start|>user\nWhat is 2+3?<|im_end|>\n<|im_start|>assistant\n<answer>5</answer><|im_end|>"
-    short = rm.format_sequence(tiny_tokenizer, PROMPT, "<answer>5</answer>", max_length=8)
+    short = heads.format_sequence(tiny_tokenizer, PROMPT, "<answer>5</answer>", max_length=8)
     assert short == ids[-8:] and short[-1] == tiny_tokenizer.eos_token_id
     with pytest.raises(SchemaError, match="assistant"):
-        rm.format_sequence(tiny_tokenizer, PROMPT + [{"role": "assistant", "content": "x"}], "y", 512)
+        heads.format_sequence(tiny_tokenizer, PROMPT + [{"role": "assistant", "content": "x"}], "y", 512)
 
 
 @pytest.fixture()
 def tiny_rm(tiny_model, tiny_tokenizer):
     torch.manual_seed(0)
-    model = rm.reward_model_from_causal_lm(tiny_model, tiny_tokenizer.eos_token_id).eval()
+    model = heads.reward_model_from_causal_lm(tiny_model, tiny_tokenizer.eos_token_id).eval()
     torch.nn.init.normal_(model.score.weight, std=1.0)  # a visible head, so rewards differ clearly
     return model
 
@@ -89,30 +92,30 @@ def test_pooling_reads_the_last_real_token_even_when_pad_is_eos(tiny_rm, tiny_to
     inside every sequence). Batched rewards equal the rewards of each sequence alone; rewriting
     the padding changes nothing; changing the last real token changes that row's reward."""
     eos = tiny_tokenizer.eos_token_id
-    seqs = [rm.format_sequence(tiny_tokenizer, PROMPT, c, 512) for c in ("5", "<answer>5</answer>", "it is five")]
+    seqs = [heads.format_sequence(tiny_tokenizer, PROMPT, c, 512) for c in ("5", "<answer>5</answer>", "it is five")]
     assert eos in seqs[0][:-1]  # EOS inside the text: pad-id detection would stop there or skip the end
-    ids, mask = rm.collate(seqs, pad_id=eos)
+    ids, mask = heads.collate(seqs, pad_id=eos)
     with torch.no_grad():
-        batched = rm.pooled_rewards(tiny_rm, ids, mask)
-        alone = torch.cat([rm.pooled_rewards(tiny_rm, *rm.collate([s], eos)) for s in seqs])
+        batched = heads.pooled_rewards(tiny_rm, ids, mask)
+        alone = torch.cat([heads.pooled_rewards(tiny_rm, *heads.collate([s], eos)) for s in seqs])
         torch.testing.assert_close(batched, alone, atol=1e-5, rtol=1e-5)
 
         scrambled = ids.clone()
         scrambled[mask == 0] = torch.randint(10, 100, (int((mask == 0).sum()),))
-        torch.testing.assert_close(rm.pooled_rewards(tiny_rm, scrambled, mask), batched)
+        torch.testing.assert_close(heads.pooled_rewards(tiny_rm, scrambled, mask), batched)
 
         changed = ids.clone()
-        last = rm.last_token_index(mask)
+        last = heads.last_token_index(mask)
         changed[0, last[0]] = tiny_tokenizer.convert_tokens_to_ids("x")
-        after = rm.pooled_rewards(tiny_rm, changed, mask)
+        after = heads.pooled_rewards(tiny_rm, changed, mask)
         assert not torch.isclose(after[0], batched[0], atol=1e-4)
         torch.testing.assert_close(after[1:], batched[1:])
 
 
 def test_a_model_without_a_score_head_is_refused(tiny_model):
-    ids, mask = rm.collate([[5, 6, 7]], 0)
+    ids, mask = heads.collate([[5, 6, 7]], 0)
     with pytest.raises(ModelError, match="no `score` head"):
-        rm.pooled_rewards(tiny_model, ids, mask)
+        heads.pooled_rewards(tiny_model, ids, mask)
 
 
 # ---------------------------------------------------------------------------- the stage on the tiny model
@@ -182,8 +185,8 @@ def test_reaches_90_percent_held_out_pairwise_accuracy(trained):
 
 def test_saved_artifact_scores_held_out_chosen_above_rejected(trained, pair_rows):
     out, ctx = trained
-    scorer = rm.RewardScorer.from_input(fake_input(out.path, "model", "reward_model"))
-    _, held = rm.split_pairs(len(pair_rows), _cfg().eval_fraction, ctx.seed)
+    scorer = heads.RewardScorer.from_input(fake_input(out.path, "model", "reward_model"))
+    _, held = pairs.split_pairs(len(pair_rows), _cfg().eval_fraction, ctx.seed)
     rows = [pair_rows[i] for i in held]
     convs = [r["messages"] for r in rows]
     chosen = scorer.score(convs, [r["chosen"] for r in rows], batch_size=7)
@@ -206,7 +209,7 @@ def test_a_reward_model_input_keeps_training_its_head(trained, rm_inputs, tmp_pa
 
 def test_scorer_refuses_a_plain_causal_lm(tiny_model_input):
     with pytest.raises(ModelError, match="not a reward model"):
-        rm.RewardScorer.from_dir(tiny_model_input.model_dir)
+        heads.RewardScorer.from_dir(tiny_model_input.model_dir)
 
 
 def test_no_pairs_or_too_few_to_split_fail_naming_the_artifact(tmp_path, tiny_model_input):
@@ -240,7 +243,7 @@ def test_resume_after_crash_trains_exactly_the_remaining_steps(rm_inputs, tmp_pa
     root = tmp_path / "crash"
     with pytest.raises(SimulatedCrash):
         rm.run(cfg, rm_inputs, CrashingContext(root, crash_at=5))
-    assert sft.latest_checkpoint(root / "checkpoints").name == "step-000004"
+    assert checkpoints.latest_checkpoint(root / "checkpoints").name == "step-000004"
 
     resumed_ctx = LocalContext(root)
     out = rm.run(cfg, rm_inputs, resumed_ctx)["model"]
@@ -281,8 +284,8 @@ def test_lora_on_an_adapter_input_saves_merged_weights_that_score_as_trained(rm_
     assert ctx.params["trainable_parameters"] < ctx.params["total_parameters"] / 5
     model_dir = out.path / "model"
     assert (model_dir / "model.safetensors").exists() and not (model_dir / "adapter_config.json").exists()
-    scorer = rm.RewardScorer.from_dir(model_dir)
-    held = [pair_rows[i] for i in rm.split_pairs(len(pair_rows), 0.2, ctx.seed)[1]]
+    scorer = heads.RewardScorer.from_dir(model_dir)
+    held = [pair_rows[i] for i in pairs.split_pairs(len(pair_rows), 0.2, ctx.seed)[1]]
     convs = [r["messages"] for r in held]
     margin = (torch.tensor(scorer.score(convs, [r["chosen"] for r in held]))
               - torch.tensor(scorer.score(convs, [r["rejected"] for r in held]))).mean()

@@ -11,9 +11,11 @@ from schemas.configs import LoraSpec, SFTConfig
 from schemas.datasets import from_rows
 from stages import sft
 from stages.base import LocalContext, write_dataset
+from stages.math import supervised
+from stages.training import checkpoints, optim, sequences
 from tests.conftest import fake_input
 
-IG = sft.IGNORE
+IG = supervised.IGNORE
 
 
 def test_masked_token_loss_hand_computed():
@@ -21,7 +23,7 @@ def test_masked_token_loss_hand_computed():
     position 1 predicts label[2] which is IGNORE → contributes nothing. Sum = ln 2, count = 1."""
     logits = torch.tensor([[[0.0, 0.0], [5.0, -5.0], [1.0, 2.0]]])
     labels = torch.tensor([[IG, 1, IG]])
-    loss, n = sft.masked_token_loss(logits, labels)
+    loss, n = supervised.masked_token_loss(logits, labels)
     assert n == 1
     torch.testing.assert_close(loss, torch.tensor(math.log(2.0)))
 
@@ -32,7 +34,7 @@ def test_prompt_positions_contribute_nothing_numerically():
     torch.manual_seed(0)
     labels = torch.tensor([[IG, IG, IG, 4, 2, 7]])  # 3 prompt tokens, 3 completion tokens
     logits = torch.randn(1, 6, 10, requires_grad=True)
-    loss, n = sft.masked_token_loss(logits, labels)
+    loss, n = supervised.masked_token_loss(logits, labels)
     loss.backward()
     assert n == 3
     expected = F.cross_entropy(logits[0, 2:5].detach(), labels[0, 3:6], reduction="sum")
@@ -40,20 +42,20 @@ def test_prompt_positions_contribute_nothing_numerically():
     assert torch.all(logits.grad[0, :2] == 0) and torch.all(logits.grad[0, 5] == 0)
     scrambled = logits.detach().clone()
     scrambled[0, :2] = torch.randn(2, 10) * 100
-    torch.testing.assert_close(sft.masked_token_loss(scrambled, labels)[0], loss.detach())
+    torch.testing.assert_close(supervised.masked_token_loss(scrambled, labels)[0], loss.detach())
 
 
 def test_tokenize_conversation_labels_only_the_assistant_turn(tiny_tokenizer):
     msgs = [{"role": "system", "content": "sys"}, {"role": "user", "content": "2+2?"},
             {"role": "assistant", "content": "<think>\nadd\n</think>\n<answer>4</answer>"}]
-    ex = sft.tokenize_conversation(tiny_tokenizer, msgs, max_length=512)
+    ex = sequences.tokenize_conversation(tiny_tokenizer, msgs, max_length=512)
     assert len(ex.input_ids) == len(ex.labels)
     labelled = [t for t in ex.labels if t != IG]
     text = tiny_tokenizer.decode(labelled)
     assert text.startswith("<think>\nadd\n</think>\n<answer>4</answer><|im_end|>")
     prompt_part = tiny_tokenizer.decode([t for t, lab in zip(ex.input_ids, ex.labels, strict=True) if lab == IG])
     assert "2+2?" in prompt_part and "<answer>" not in prompt_part
-    short = sft.tokenize_conversation(tiny_tokenizer, msgs, max_length=10)
+    short = sequences.tokenize_conversation(tiny_tokenizer, msgs, max_length=10)
     assert len(short.input_ids) == 10 and all(lab == IG for lab in short.labels)
 
 
@@ -65,46 +67,46 @@ def test_tokenize_conversation_labels_only_the_assistant_turn(tiny_tokenizer):
 def test_lr_factor(step, kind, expected):
     """total 24 steps, warmup 4: step 0 → 1/4; after warmup progress = (step-4)/20; cosine at
     progress 0.5 → 0.5; linear at 0.5 → 0.5; at progress 1 both reach 0."""
-    assert sft.lr_factor(step, 24, 4, kind) == pytest.approx(expected)
+    assert optim.lr_factor(step, 24, 4, kind) == pytest.approx(expected)
 
 
 def test_micro_batches_cover_each_epoch_exactly_once_and_are_seeded():
     n, bs = 10, 3
-    epoch0 = [i for m in range(4) for i in sft.micro_batch_indices(n, bs, seed=1, micro_step=m)]
+    epoch0 = [i for m in range(4) for i in optim.micro_batch_indices(n, bs, seed=1, micro_step=m)]
     assert sorted(epoch0) == list(range(10))
-    assert sft.micro_batch_indices(n, bs, 1, 4) != sft.micro_batch_indices(n, bs, 1, 0) or n < bs
-    assert sft.micro_batch_indices(n, bs, 1, 5) == sft.micro_batch_indices(n, bs, 1, 5)
-    assert sft.micro_batch_indices(n, bs, 2, 0) != sft.micro_batch_indices(n, bs, 1, 0)
+    assert optim.micro_batch_indices(n, bs, 1, 4) != optim.micro_batch_indices(n, bs, 1, 0) or n < bs
+    assert optim.micro_batch_indices(n, bs, 1, 5) == optim.micro_batch_indices(n, bs, 1, 5)
+    assert optim.micro_batch_indices(n, bs, 2, 0) != optim.micro_batch_indices(n, bs, 1, 0)
 
 
 def test_collate_pads_right_and_leaves_the_examples_alone():
-    a, b = sft.Example([5, 6, 7], [IG, 6, 7]), sft.Example([8], [IG])
-    batch = sft.collate([a, b], pad_id=0)
+    a, b = sequences.Example([5, 6, 7], [IG, 6, 7]), sequences.Example([8], [IG])
+    batch = sequences.collate([a, b], pad_id=0)
     assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
     assert batch["labels"].tolist() == [[IG, 6, 7], [IG, IG, IG]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
     assert all(t.dtype == torch.long for t in batch.values())
     batch["input_ids"].fill_(1)  # the batch is a copy of the examples' cached tensors, not a view
-    assert sft.collate([b, a], pad_id=9)["input_ids"].tolist() == [[8, 9, 9], [5, 6, 7]]
+    assert sequences.collate([b, a], pad_id=9)["input_ids"].tolist() == [[8, 9, 9], [5, 6, 7]]
 
 
 def test_pack_keeps_labels_aligned():
-    exs = [sft.Example([1, 2, 3], [IG, 2, 3]), sft.Example([4, 5], [IG, 5]), sft.Example([6, 7, 8, 9], [IG, 7, 8, 9])]
-    blocks = sft.pack(exs, max_length=5)
+    exs = [sequences.Example([1, 2, 3], [IG, 2, 3]), sequences.Example([4, 5], [IG, 5]), sequences.Example([6, 7, 8, 9], [IG, 7, 8, 9])]
+    blocks = sequences.pack(exs, max_length=5)
     assert [b.input_ids for b in blocks] == [[1, 2, 3, 4, 5], [6, 7, 8, 9]]
     assert blocks[0].labels == [IG, 2, 3, IG, 5]
     assert [b.segments for b in blocks] == [(3, 2), (4,)]
     # an example whose first token is labelled: in a block nothing may predict it from the example before
-    labelled = sft.pack([sft.Example([1, 2], [1, 2]), sft.Example([3, 4], [3, 4])], max_length=8)
+    labelled = sequences.pack([sequences.Example([1, 2], [1, 2]), sequences.Example([3, 4], [3, 4])], max_length=8)
     assert labelled[0].labels == [1, 2, IG, 4] and labelled[0].segments == (2, 2)
 
 
 def test_block_attention_hand_computed():
     """Segments (2, 3) in a row of width 6 (one padding column) and an unpacked example of 4: each token sees
     its own example up to itself; positions restart per example; padding is its own segment."""
-    packed = sft.Example([1, 2, 3, 4, 5], [IG] * 5, (2, 3))
-    alone = sft.Example([6, 7, 8, 9], [IG] * 4)
-    mask, pos = sft.block_attention([packed, alone], 6)
+    packed = sequences.Example([1, 2, 3, 4, 5], [IG] * 5, (2, 3))
+    alone = sequences.Example([6, 7, 8, 9], [IG] * 4)
+    mask, pos = sequences.block_attention([packed, alone], 6)
     assert mask.shape == (2, 1, 6, 6) and mask.dtype == torch.bool
     assert pos.tolist() == [[0, 1, 0, 1, 2, 0], [0, 1, 2, 3, 0, 0]]
     assert mask[0, 0].int().tolist() == [[1, 0, 0, 0, 0, 0],
@@ -119,11 +121,11 @@ def test_block_attention_hand_computed():
                                          [1, 1, 1, 1, 0, 0],
                                          [0, 0, 0, 0, 1, 0],
                                          [0, 0, 0, 0, 1, 1]]
-    batch = sft.collate([packed, alone], pad_id=0, blocked=True)
+    batch = sequences.collate([packed, alone], pad_id=0, blocked=True)
     assert torch.equal(batch["block_mask"], mask[:, :, :5, :5]) and torch.equal(batch["position_ids"], pos[:, :5])
     assert batch["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]]  # counts real tokens
-    assert "block_mask" not in sft.collate([packed, alone], pad_id=0)  # not blocked unless asked
-    assert "block_mask" not in sft.collate([alone], pad_id=0, blocked=True)  # nothing packed: plain rows
+    assert "block_mask" not in sequences.collate([packed, alone], pad_id=0)  # not blocked unless asked
+    assert "block_mask" not in sequences.collate([alone], pad_id=0, blocked=True)  # nothing packed: plain rows
 
 
 def test_a_blocked_pack_trains_as_its_examples_alone(tiny_tokenizer):
@@ -135,8 +137,8 @@ def test_a_blocked_pack_trains_as_its_examples_alone(tiny_tokenizer):
     model = models.build_tiny_model(tiny_tokenizer, seed=4).train()
     convs = [[{"role": "user", "content": q}, {"role": "assistant", "content": a}]
              for q, a in (("hi", "yes"), ("what is 2+2", "4"), ("go", "a longer answer"))]
-    exs = [sft.tokenize_conversation(tiny_tokenizer, c, 128) for c in convs]
-    (block,) = sft.pack(exs, max_length=512)
+    exs = [sequences.tokenize_conversation(tiny_tokenizer, c, 128) for c in convs]
+    (block,) = sequences.pack(exs, max_length=512)
 
     def loss_and_grads(batch):
         model.zero_grad()
@@ -147,14 +149,14 @@ def test_a_blocked_pack_trains_as_its_examples_alone(tiny_tokenizer):
         (-(logp * (labels != IG)).sum()).backward()
         return logp[labels != IG].detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
-    alone = [loss_and_grads(sft.collate([e], pad_id=1)) for e in exs]
+    alone = [loss_and_grads(sequences.collate([e], pad_id=1)) for e in exs]
     want_logp = torch.cat([lp for lp, _ in alone])
-    got_logp, got_grads = loss_and_grads(sft.collate([block], pad_id=1, blocked=True))
+    got_logp, got_grads = loss_and_grads(sequences.collate([block], pad_id=1, blocked=True))
     torch.testing.assert_close(got_logp, want_logp, rtol=1e-5, atol=1e-5)
     for name, g in got_grads.items():
         want = sum(grads[name] for _, grads in alone)
         torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-5 * float(want.abs().max()), msg=name)
-    crossed, _ = loss_and_grads(sft.collate([block], pad_id=1))
+    crossed, _ = loss_and_grads(sequences.collate([block], pad_id=1))
     assert not torch.allclose(crossed, want_logp, atol=1e-3)
 
 
@@ -164,7 +166,7 @@ def test_packing_blocks_attention_in_the_stage_or_warns(sft_inputs, tmp_path, mo
     from stages.modeling import logprobs
 
     seen = []
-    real = sft.collate
+    real = sequences.collate
     monkeypatch.setattr(sft, "collate", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
     sft.run(_cfg(max_steps=2, packing=True, max_length=256), sft_inputs, LocalContext(tmp_path / "blocked"))
     assert seen and all("block_mask" in b for b in seen)
@@ -260,7 +262,7 @@ def test_resume_after_crash_trains_exactly_the_remaining_steps(sft_inputs, tmp_p
     root = tmp_path / "crash"
     with pytest.raises(SimulatedCrash):
         sft.run(cfg, sft_inputs, CrashingContext(root, crash_at))
-    last_ckpt = sft.latest_checkpoint(root / "checkpoints")
+    last_ckpt = checkpoints.latest_checkpoint(root / "checkpoints")
     expected_start = (crash_at // cfg.checkpoint_every) * cfg.checkpoint_every
     assert last_ckpt.name == f"step-{expected_start:06d}"
     assert not (root / "outputs" / "model" / "model").exists() or not any((root / "outputs" / "model" / "model").iterdir())
@@ -354,7 +356,7 @@ def test_a_damaged_checkpoint_is_set_aside_and_the_previous_one_resumes(sft_inpu
     with pytest.raises(SimulatedCrash):
         sft.run(cfg, sft_inputs, CrashingContext(root, 10))
     ckpts = root / "checkpoints"
-    assert [p.name for p in sft.complete_checkpoints(ckpts)] == ["step-000008", "step-000004"]
+    assert [p.name for p in checkpoints.complete_checkpoints(ckpts)] == ["step-000008", "step-000004"]
     if damage == "truncate":
         f = ckpts / "step-000008" / "trainable.safetensors"
         f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
@@ -379,8 +381,8 @@ def test_every_checkpoint_damaged_starts_fresh_and_set_aside_copies_are_capped(s
     with pytest.raises(SimulatedCrash):
         sft.run(cfg, sft_inputs, CrashingContext(root, 4))
     ckpts = root / "checkpoints"
-    for p in sft.complete_checkpoints(ckpts):
+    for p in checkpoints.complete_checkpoints(ckpts):
         (p / "trainable.safetensors").write_bytes(b"x")
     out = sft.run(cfg, sft_inputs, LocalContext(root))["model"]
     assert out.metrics["resumed_from_step"] == 0
-    assert len(list(ckpts.glob(".corrupt-*"))) == sft.KEEP_CORRUPT  # 4 set aside, the newest 2 kept
+    assert len(list(ckpts.glob(".corrupt-*"))) == checkpoints.KEEP_CORRUPT  # 4 set aside, the newest 2 kept

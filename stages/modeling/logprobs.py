@@ -56,13 +56,16 @@ Measured costs and savings: benchmarks/RESULTS.md, "Single-process speed".
 from __future__ import annotations
 
 import copy
+from itertools import chain
 
 import torch
 from torch.utils.checkpoint import checkpoint
+from tqdm.auto import tqdm
 
+from stages.math.preference import sequence_logprobs
 from stages.modeling import models
+from stages.modeling.models import LEAN_MODELS
 from stages.runtime.distributed import inner_output, is_sharded
-from stages.sampling.lean_decode import LEAN_MODELS
 
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
@@ -693,3 +696,68 @@ def packed_prefix_rows(model, prompts: list[list[int]], completions: list[list[i
     cids, cmask = right_padded(completions, pad_id)
     lp, ent = head_logprobs(head, picked, cids.to(device), cmask.bool().to(device), chunk_tokens, with_entropy)
     return _as_whole_rows(lp, ent, prompts, prompt_of_row, width)
+
+
+def completion_logprobs(model, sequences: list[tuple[list[int], int]], pad_id: int, device: str,
+                        chunk: int = 4096, share_prefix: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token log-probs of each sequence's completion and the mask over them: both (N, L-1).
+
+    Right-padded, one forward pass (with gradient if enabled by the caller); position t of the
+    result is log p(token t+1 | tokens <= t); the logits exist `chunk` positions at a time
+    (`stages.modeling.logprobs`). Sequences with the same prompt (a pair's chosen and rejected) can share it,
+    the same values and gradients either way: a Llama / Mistral / Qwen2 model runs each prompt and
+    its completions as one row under a mask that keeps the completions apart
+    (`logprobs.packed_prefix_rows`: one decoder call; `can_pack_prefix`), other models run each
+    distinct prompt once, then the completions against its KV cache (`shared_prefix_rows`: two
+    calls; `can_share_prefix`, not under gradient checkpointing). `share_prefix` None: where that
+    costs less than whole rows (`packing_pays`: positions and attention; `prefix_sharing_pays`:
+    positions and the second call, which on a very narrow model outweighs what sharing saves);
+    True: wherever a prompt repeats; False: never.
+    """
+    row_lengths, completion_lengths = [len(s) for s, _ in sequences], [n_c for _, n_c in sequences]
+    lengths = torch.tensor(row_lengths)
+    width = max(row_lengths)
+    columns = torch.arange(width)[None, :]
+    real = columns < lengths[:, None]
+    # position t predicts token t+1: the completion's n_c tokens are predicted from len - n_c - 1 to len - 2
+    first = lengths - torch.tensor(completion_lengths) - 1
+    mask = ((columns[:, :-1] >= first[:, None]) & (columns[:, :-1] < (lengths - 1)[:, None])).to(device)
+    if share_prefix is not False:
+        index: dict[tuple[int, ...], int] = {}
+        prompt_of_row = [index.setdefault(tuple(s[: len(s) - n_c]), len(index)) for s, n_c in sequences]
+        prompt_lengths = [len(p) for p in index]
+        shared = None
+        if len(index) == len(sequences):
+            pass  # no prompt repeats
+        elif can_pack_prefix(model):
+            if share_prefix or packing_pays(prompt_lengths, completion_lengths, prompt_of_row, row_lengths,
+                                                     attention_share(model)):
+                shared = packed_prefix_rows
+        elif can_share_prefix(model) and (share_prefix or prefix_sharing_pays(
+                prompt_lengths, completion_lengths, row_lengths, default_bucket_overhead(device, model))):
+            shared = shared_prefix_rows
+        if shared is not None:
+            logp, _ = shared(model, [list(p) for p in index], [s[len(s) - n_c :] for s, n_c in sequences],
+                             prompt_of_row, pad_id, width, device, chunk_tokens=chunk)
+            return logp, mask
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    ids[real] = torch.tensor(list(chain.from_iterable(s for s, _ in sequences)), dtype=torch.long)  # row-major: in order
+    ids, attn = ids.to(device), real.long().to(device)
+    logp, _ = token_logprobs(model, ids, attn, chunk_tokens=chunk, positions=mask)  # head on completions only
+    return logp, mask
+
+
+@torch.no_grad()
+def score_examples(model, tokenized: list[tuple[list[int], int]], pad_id: int, device: str, batch_size: int,
+                   autocast_dtype=None, desc: str = "reference log-probs") -> list[float]:
+    """Summed completion log-probs of many sequences (the reference pass), in order."""
+    out: list[float] = []
+    was_training = model.training
+    model.eval()
+    for i in tqdm(range(0, len(tokenized), batch_size), desc=desc, unit="batch", leave=False):
+        with torch.autocast(device_type=device.split(":")[0], dtype=autocast_dtype or torch.float32,
+                            enabled=autocast_dtype is not None):
+            logp, mask = completion_logprobs(model, tokenized[i : i + batch_size], pad_id, device)
+        out += sequence_logprobs(logp, mask).tolist()
+    model.train(was_training)
+    return out

@@ -50,6 +50,9 @@ from transformers import (
 from schemas.configs import LoraSpec
 from schemas.errors import ModelError
 
+# The Llama family, whose forward r1flow reproduces in its lean decode loop and packed log-probs.
+LEAN_MODELS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
 log = logging.getLogger(__name__)
 
 CHATML_TEMPLATE = (

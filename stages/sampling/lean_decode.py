@@ -36,7 +36,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-LEAN_MODELS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+from stages.modeling.models import LEAN_MODELS
+
 LEAN_ATTENTION = ("LlamaAttention", "MistralAttention", "Qwen2Attention")
 LEAN_MLP = ("LlamaMLP", "MistralMLP", "Qwen2MLP")  # down_proj(act_fn(gate_proj(x)) * up_proj(x))
 FUSE_MAX_BYTES = 64 * 2**20  # concatenated projection weights kept for one decode, at most

@@ -1,0 +1,176 @@
+"""The architecture, enforced: stage modules never import each other, each layer under `stages/`
+imports only the layers beneath it, and flows/, stages/ and schemas/ have no import cycles.
+
+Imports are read from the source (every import statement, also inside functions), not by importing,
+so a lazy import counts like a top-level one. Imports under `if TYPE_CHECKING:` are annotations
+only and do not count.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from stages import STAGE_MODULES
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("schemas", "stages", "flows")
+
+# What each layer under stages/ may import (besides the standard library, third-party packages and
+# itself). The stage API, stages.base, sits between sampling and training.
+LAYERS: dict[str, set[str]] = {
+    "schemas": set(),
+    "stages.math": {"schemas"},
+    "stages.rewards": {"schemas"},
+    "stages.runtime": {"schemas"},
+    "stages.modeling": {"schemas", "stages.math", "stages.runtime"},
+    "stages.sampling": {"schemas", "stages.math", "stages.runtime", "stages.modeling", "stages.rewards"},
+    "stages.base": {"schemas", "stages.modeling"},
+    "stages.training": {"schemas", "stages.math", "stages.rewards", "stages.runtime", "stages.modeling",
+                        "stages.sampling", "stages.base"},
+}
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def all_modules() -> dict[str, Path]:
+    return {module_name(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
+
+
+def _type_checking_only(tree: ast.Module) -> set[int]:
+    """ids of import nodes inside `if TYPE_CHECKING:` blocks."""
+    skip: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skip |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+    return skip
+
+
+def imports_of(path: Path, known: set[str]) -> set[str]:
+    """The project modules `path` imports: `from stages import grpo` names stages.grpo, `from stages.x
+    import f` names stages.x (f being a function), `import a.b` names a.b."""
+    tree = ast.parse(path.read_text())
+    skip = _type_checking_only(tree)
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.split(".")[0] in PACKAGES}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parent, base] if base else parent)
+            if base.split(".")[0] not in PACKAGES:
+                continue
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                found.add(sub if sub in known else base)
+    return found
+
+
+def layer_of(module: str) -> str | None:
+    """The layer a module belongs to: 'schemas', 'stages.math', ..., 'stages.base', or None (a stage
+    module, the stages package itself, or flows)."""
+    if module.startswith("schemas"):
+        return "schemas"
+    for layer in LAYERS:
+        if module == layer or module.startswith(layer + "."):
+            return layer
+    return None
+
+
+def stage_modules(modules: dict[str, Path]) -> set[str]:
+    """The registered stages and every other module directly under stages/ that is not the stage API."""
+    direct = {m for m in modules if m.count(".") == 1 and m.startswith("stages.") and m != "stages.base"}
+    return set(STAGE_MODULES.values()) | {m for m in direct if not m.split(".")[1].startswith("_")}
+
+
+MODULES = all_modules()
+KNOWN = set(MODULES)
+GRAPH = {m: imports_of(p, KNOWN) - {m} for m, p in MODULES.items()}
+STAGES = stage_modules(MODULES)
+
+
+@pytest.mark.parametrize("stage", sorted(STAGES))
+def test_a_stage_module_imports_no_other_stage_module(stage):
+    others = sorted((GRAPH[stage] & STAGES) - {stage})
+    assert not others, f"{stage} imports the stage module(s) {others}: move what it needs beneath the stages"
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if layer_of(m) and layer_of(m) != "schemas"))
+def test_each_layer_imports_only_the_layers_beneath_it(module):
+    layer = layer_of(module)
+    wrong = sorted(dep for dep in GRAPH[module] if dep.startswith("flows") or dep in STAGES
+                   or (layer_of(dep) not in (None, layer) and layer_of(dep) not in LAYERS[layer])
+                   or (dep == "stages"))
+    assert not wrong, f"{module} (layer {layer}) may import {sorted(LAYERS[layer])}, not {wrong}"
+
+
+def test_schemas_import_nothing_of_stages_or_flows():
+    wrong = {m: sorted(d for d in deps if not d.startswith("schemas"))
+             for m, deps in GRAPH.items() if m.startswith("schemas")}
+    assert not {m: d for m, d in wrong.items() if d}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in graph:
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycles():
+    # a package's __init__ re-exporting its own modules is not a cycle of design
+    graph = {m: {d for d in deps if not m.startswith(d + ".")} for m, deps in GRAPH.items()}
+    assert _cycles(graph) == []
+
+
+def test_the_checker_sees_a_stage_importing_a_stage_and_a_cycle(tmp_path):
+    """The rules above could pass by reading nothing: the reader finds both kinds of violation here."""
+    fake = {"stages.grpo": {"stages.sft", "stages.training.optim"}, "stages.sft": set(),
+            "flows.a": {"flows.b"}, "flows.b": {"flows.a"}}
+    assert sorted((fake["stages.grpo"] & {"stages.grpo", "stages.sft"}) - {"stages.grpo"}) == ["stages.sft"]
+    assert _cycles(fake) == [["flows.a", "flows.b"]]
+    src = tmp_path / "mod.py"
+    src.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from stages.base import Input\n"
+                   "def f():\n    from stages import sft, grpo\n    import flows.report\n")
+    assert imports_of(src, KNOWN) == {"stages.sft", "stages.grpo", "flows.report"}
