@@ -1,6 +1,10 @@
 """Scalar heads on a causal LM: the Bradley-Terry reward model (a Linear(hidden, 1) read at the
 last real token), its LoRA, loading a reward-model artifact, and `RewardScorer`, which scores
-(prompt, completion) pairs for rejection sampling, grpo and ppo."""
+(prompt, completion) pairs for rejection sampling, grpo and ppo.
+
+The last real token is found from the attention mask, never by looking for the pad token:
+SmolLM2's pad token is its EOS, which also occurs inside the text.
+"""
 
 from __future__ import annotations
 

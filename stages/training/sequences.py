@@ -1,5 +1,12 @@
 """Tokenized chat examples for training: assistant-only labels, packing several examples into one
-row with attention kept inside each (block mask, restarted positions), and collation."""
+row with attention kept inside each (block mask, restarted positions), and collation.
+
+The block mask is a dense 4D mask: a packed row of T tokens computes T² attention scores, the
+masked ones included, and on a GPU SDPA runs its memory-efficient kernel rather than flash
+attention. Only models that take such a mask get it (`logprobs.can_pack_prefix`: Llama, Mistral
+and Qwen2, full attention, `sdpa`); others attend across the examples of a packed row, with a
+warning from the sft stage (labels stay masked either way).
+"""
 
 from __future__ import annotations
 
