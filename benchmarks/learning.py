@@ -2,6 +2,7 @@
 
     make learn                                   # SmolLM2-135M, 20 minutes a side on the CPU
     make learn ARGS="--minutes 5 --device cuda"  # a lent GPU
+    make learn ARGS="--algo grpo,ppo"             # adds r1flow's PPO on the same budget (row "r1flow PPO")
     .venv/bin/python benchmarks/learning.py --model tiny --quick --sides r1flow   # the CI smoke run
 
 What it does, each part in its own process under one environment (`suite.child_env`: the same threads,
@@ -49,7 +50,7 @@ if str(ROOT) not in sys.path:
 from benchmarks.common import CACHE_DIR, MODEL_REFS, SEED, ensure_model_dir  # noqa: E402
 
 RESULT_MARK = "LEARN-RESULT "
-SIDES = ("trl", "r1flow")
+SIDES = ("trl", "r1flow", "r1flow_ppo")  # r1flow_ppo: `--algo ppo`, r1flow's ppo stage on the same plan
 TASK = "basic_arithmetic"
 TRANSFER = "chain_sum"
 GAIN_TARGET = 2.0  # r1flow's held-out gain at equal wall-clock over TRL's (issue 26)
@@ -212,6 +213,21 @@ def grpo_config(plan: Plan, steps: int, max_minutes: float):
     return GRPOConfig(**{**shared, **plan.r1flow_extra})
 
 
+def ppo_config(plan: Plan, steps: int, max_minutes: float):
+    """r1flow's ppo stage on GRPO's budget: as many completions a step (prompts x samples_per_prompt = prompts x
+    group_size), one epoch over them in the same mini-batches, the same KL coefficient (here a penalty in the
+    per-token rewards), reward, LoRA and learning rate; the critic is a LoRA copy of the policy."""
+    from schemas.configs import GenerationSpec, LoraSpec, PPOConfig, RewardSpec
+
+    return PPOConfig(steps=steps, prompts_per_step=plan.prompts_per_step, samples_per_prompt=plan.group_size,
+                     generation=GenerationSpec(max_new_tokens=plan.max_new_tokens, temperature=plan.temperature,
+                                               top_p=1.0, top_k=0, batch_size=plan.prompts_per_step),
+                     reward=RewardSpec(**plan.reward), lora=LoraSpec(r=plan.lora_r, alpha=2 * plan.lora_r),
+                     critic_lora=LoraSpec(r=plan.lora_r, alpha=2 * plan.lora_r), minibatch_size=plan.minibatch_size,
+                     ppo_epochs=1, beta=plan.beta, learning_rate=plan.learning_rate, checkpoint_every=100_000,
+                     max_minutes=max_minutes)
+
+
 class Snapshots:
     """Saves the policy's adapter after the steps that cross each curve time, and after step `at_step`."""
 
@@ -236,13 +252,15 @@ class Snapshots:
                                "save_s": time.perf_counter() - t0})
 
 
-def train_r1flow(plan: Plan, prep: dict, work: Path, at_step: int | None) -> dict:
-    """r1flow's grpo stage through `run_stage`, as the pipeline runs it, with `max_minutes` as the budget."""
-    from stages import grpo
+def train_r1flow(plan: Plan, prep: dict, work: Path, at_step: int | None, algo: str = "grpo") -> dict:
+    """r1flow's grpo (or ppo) stage through `run_stage`, as the pipeline runs it, with `max_minutes` as the budget."""
+    import importlib
+
     from stages.base import LocalContext
     from stages.training.launch import run_stage
 
-    cfg = grpo_config(plan, plan.max_steps, plan.minutes)
+    grpo = importlib.import_module(f"stages.{algo}")  # the stage module whose policy loading is observed
+    cfg = (ppo_config if algo == "ppo" else grpo_config)(plan, plan.max_steps, plan.minutes)
     if cfg.lora.r == 0:
         raise SystemExit("learning.py: LoRA only (snapshots are adapters); pass --lora-r > 0")
     snaps = Snapshots(plan, work / "snapshots", at_step)
@@ -342,8 +360,8 @@ def child_main(args: argparse.Namespace) -> None:
     prep = json.loads(Path(args.prep).read_text()) if args.prep else None
     if args.child == "prep":
         result = prepare(plan, work)
-    elif args.child == "r1flow":
-        result = train_r1flow(plan, prep, work, args.at_step)
+    elif args.child in ("r1flow", "r1flow_ppo"):
+        result = train_r1flow(plan, prep, work, args.at_step, "ppo" if args.child == "r1flow_ppo" else "grpo")
     elif args.child == "trl":
         from benchmarks import trl_side
 
@@ -435,6 +453,9 @@ def summarize(plan: Plan, evals: dict, runs: dict) -> dict:
         if eq is not None:
             order.append(("r1flow_equal_steps", "r1flow, TRL's steps", eq["step"], eq["elapsed_s"]))
         order.append(("r1flow_end", "r1flow, budget", runs["r1flow"]["steps"], runs["r1flow"]["train_s"]))
+    if "r1flow_ppo" in runs:
+        order.append(("r1flow_ppo_end", "r1flow PPO, budget", runs["r1flow_ppo"]["steps"],
+                      runs["r1flow_ppo"]["train_s"]))
     for name, label, steps, seconds in order:
         r = evals[name]["rows"]
         rows.append({"name": name, "label": label, "steps": steps, "minutes": seconds / 60,
@@ -460,12 +481,18 @@ def summarize(plan: Plan, evals: dict, runs: dict) -> dict:
         diff, lo, hi = paired_bootstrap_diff(correct_vector(evals["trl_end"]["rows"], TASK),
                                              correct_vector(evals["r1flow_end"]["rows"], TASK))
         out["equal_time_diff"] = {"diff": diff, "ci": [lo, hi]}
+    if "r1flow_end" in by and "r1flow_ppo_end" in by:
+        from stages.math.stats import paired_bootstrap_diff
+
+        diff, lo, hi = paired_bootstrap_diff(correct_vector(evals["r1flow_end"]["rows"], TASK),
+                                             correct_vector(evals["r1flow_ppo_end"]["rows"], TASK))
+        out["ppo_minus_grpo"] = {"diff": diff, "ci": [lo, hi]}
     out["r1flow_only"] = dict(plan.r1flow_extra)
     return out
 
 
 def table(summary: dict) -> list[str]:
-    lines = ["| model | GRPO steps | training min | basic_arithmetic (held out) | gain over start | format rate "
+    lines = ["| model | RL steps | training min | basic_arithmetic (held out) | gain over start | format rate "
              "| chain_sum (transfer) | transfer gain |",
              "|---|---|---|---|---|---|---|---|"]
     for r in summary["rows"]:
@@ -491,6 +518,10 @@ def verdict_lines(summary: dict) -> list[str]:
     if td:
         out.append(f"- equal wall-clock: r1flow minus TRL {100 * td['diff']:+.1f} points [{100 * td['ci'][0]:+.1f}, "
                    f"{100 * td['ci'][1]:+.1f}] (paired)")
+    pg = summary.get("ppo_minus_grpo")
+    if pg:
+        out.append(f"- equal wall-clock, r1flow: PPO minus GRPO {100 * pg['diff']:+.1f} points [{100 * pg['ci'][0]:+.1f}, "
+                   f"{100 * pg['ci'][1]:+.1f}] (paired)")
     if "gain_ratio_equal_time" in summary:
         ratio = summary["gain_ratio_equal_time"]
         text = "TRL gained nothing" if ratio is None else f"{ratio:.2f}x TRL's gain"
@@ -519,7 +550,7 @@ def plot(path: Path, plan: Plan, prep: dict, evals: dict, runs: dict) -> None:
     from stages.math.stats import bootstrap_ci
 
     fig, (ax_acc, ax_rew) = plt.subplots(1, 2, figsize=(11, 4.2))
-    colors = {"r1flow": "tab:blue", "trl": "tab:orange"}
+    colors = {"r1flow": "tab:blue", "trl": "tab:orange", "r1flow_ppo": "tab:green"}
     ids = curve_ids(prep)  # the start and end models' full evaluations include these prompts: read them there
     start = [r for r in evals["start"]["rows"] if r["prompt_id"] in ids]
     for side, run in runs.items():
@@ -544,7 +575,7 @@ def plot(path: Path, plan: Plan, prep: dict, evals: dict, runs: dict) -> None:
     ax_acc.set(xlabel="training wall-clock (min)", ylabel=f"held-out {TASK} accuracy (%)",
                title=f"greedy, first {plan.curve_prompts} held-out prompts, 95% CI")
     ax_rew.set(xlabel="training wall-clock (min)", ylabel="mean training reward",
-               title=f"GRPO reward, {plan.prompts_per_step} prompts x {plan.group_size} a step")
+               title=f"training reward, {plan.prompts_per_step} prompts x {plan.group_size} completions a step")
     for ax in (ax_acc, ax_rew):
         ax.grid(alpha=0.3)
         ax.legend()
@@ -593,7 +624,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2", choices=sorted(MODEL_REFS))
     ap.add_argument("--device", default="cpu", help="cpu or cuda (cuda: 5 minutes a side by default)")
-    ap.add_argument("--sides", default=",".join(SIDES), help="comma list of trl,r1flow")
+    ap.add_argument("--sides", default="trl,r1flow", help="comma list of trl,r1flow,r1flow_ppo")
+    ap.add_argument("--algo", default="grpo", help="r1flow's algorithm(s), comma list of grpo,ppo: ppo adds the side "
+                    "r1flow_ppo (r1flow's ppo stage on the same budget, prompts and evaluator); ppo alone drops r1flow's "
+                    "grpo side")
     ap.add_argument("--quick", action="store_true", help="a smoke run: seconds of training, a few prompts")
     ap.add_argument("--minutes", type=float, help="training budget of each side (default 20 on a CPU, 5 on CUDA)")
     ap.add_argument("--max-steps", type=int, help="cap on each side's steps (default 2000)")
@@ -625,6 +659,11 @@ def main() -> None:
     if args.child:
         return child_main(args)
     sides = [s for s in args.sides.split(",") if s]
+    algos = [a for a in args.algo.split(",") if a]
+    if unknown := [a for a in algos if a not in ("grpo", "ppo")]:
+        ap.error(f"unknown --algo {unknown}; known: grpo, ppo")
+    if "ppo" in algos:
+        sides = [s for s in sides if s != "r1flow" or "grpo" in algos] + ["r1flow_ppo"] * ("r1flow_ppo" not in sides)
     if unknown := [s for s in sides if s not in SIDES]:
         ap.error(f"unknown side(s) {unknown}; known: {list(SIDES)}")
     if "trl" in sides and not args.trl_from and importlib.util.find_spec("trl") is None:
@@ -648,7 +687,7 @@ def run_learning(plan: Plan, sides: list[str], args: argparse.Namespace) -> dict
     plan_file.write_text(json.dumps(dataclasses.asdict(plan), indent=1))
     command = os.environ.get("R1FLOW_BENCH_COMMAND") or "python benchmarks/learning.py " + shlex.join(sys.argv[1:])
     info = device_info(plan.device)
-    print(f"learning efficacy: {plan.model} on {info['device_name']}, {plan.minutes:g} min of GRPO a side "
+    print(f"learning efficacy: {plan.model} on {info['device_name']}, {plan.minutes:g} min of RL a side "
           f"({', '.join(sides)}); work dir {run_dir}", flush=True)
 
     # 1. the start model and the prompts, cached by their settings
@@ -695,7 +734,7 @@ def run_learning(plan: Plan, sides: list[str], args: argparse.Namespace) -> dict
         print(f"[3/4] trl: reused from {args.trl_from} ({runs['trl']['steps']} steps in "
               f"{runs['trl']['train_s'] / 60:.1f} min)", flush=True)
     for side in [s for s in SIDES if s in sides and s not in runs]:
-        print(f"[3/4] {side}: GRPO for {plan.minutes:g} min", flush=True)
+        print(f"[3/4] {side}: {'PPO' if side == 'r1flow_ppo' else 'GRPO'} for {plan.minutes:g} min", flush=True)
         at_step = runs["trl"]["steps"] if side == "r1flow" and "trl" in runs else None
         runs[side] = run_child(side, plan_file, run_dir / side, run_dir / f"{side}.log", args.allocator,
                                quiet_wait=args.quiet_wait, prep=prep_file, at_step=at_step)
@@ -764,7 +803,12 @@ def markdown_section(plan: Plan, command: str, info: dict, code: str, summary: d
              f"R1-format examples from r1flow's rejection sampling. GRPO, both sides: {plan.prompts_per_step} prompts x "
              f"{plan.group_size} completions a step, {plan.max_new_tokens} new tokens, temperature {plan.temperature:g}, "
              f"LoRA r={plan.lora_r}, lr {plan.learning_rate:g}, beta {plan.beta:g}, reward {json.dumps(plan.reward)}, "
-             f"the same prompts in the same order{extra}. One environment for both (threads {threads}). "
+             f"the same prompts in the same order{extra}. "
+             + ("r1flow PPO (`--algo ppo`): the same prompts, reward, LoRA, lr and completions a step "
+                f"({plan.prompts_per_step} prompts x {plan.group_size} samples), one epoch in the same mini-batches, "
+                f"beta as the KL penalty in the per-token rewards, the critic a LoRA copy of the policy. "
+                if "r1flow_ppo" in runs else "")
+             + f"One environment for every side (threads {threads}). "
              f"Evaluation: r1flow's eval stage, greedy, strict accuracy; 95% bootstrap intervals, gains paired.",
              "", *table(summary), "", *verdict_lines(summary), "", f"Plot: `{plot_path}`", ""]
     return "\n".join(lines) + "\n"
