@@ -25,6 +25,8 @@ STAGE_MODULES = {
     "distill_traces": "stages.distill_traces",
     "make_student": "stages.make_student",
     "distill": "stages.distill",
+    "step_labels": "stages.step_labels",
+    "prm": "stages.prm",
 }
 
 STAGE_SUMMARIES = {
@@ -42,6 +44,8 @@ STAGE_SUMMARIES = {
     "distill_traces": "n teacher traces per prompt, filtered by the verifier, as a re-usable sft dataset",
     "make_student": "a smaller student cut from the teacher by keeping a subset of its layers (weights copied)",
     "distill": "train a student on a teacher: SFT on its traces, logit KD (KL at temperature T), or on-policy GKD",
+    "step_labels": "Math-Shepherd step labels: K rollouts from every step prefix of sampled solutions, soft or hard",
+    "prm": "process reward model: a head at every step's last token, BCE on step labels, step accuracy and AUROC",
 }
 
 
