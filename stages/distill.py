@@ -40,6 +40,7 @@ Departures, on purpose:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import json
 import time
@@ -228,11 +229,54 @@ def teacher_parameters(teacher: Input, loaded=None) -> float:
         return float(models.count_parameters(AutoModelForCausalLM.from_config(config))["total"])
 
 
-# ---------------------------------------------------------------------------- the stage
+# ---------------------------------------------------------------------------- what the run holds
 
 
-def run(cfg: DistillConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[str, Output]:
-    # ---- everything that can be checked before a weight loads
+@dataclasses.dataclass
+class Plan:
+    """What `check_inputs` settles before any weight loads."""
+
+    shared: bool  # teacher and student share a tokenizer
+    conversations: list[list[dict]]  # the teacher's traces
+    train_rows: list[int]  # indices into conversations
+    held_rows: list[int]
+    prompts: list[dict]  # on_policy: the prompts rows the student samples on
+    samples: bool  # the student samples (on_policy with teacher_fraction < 1)
+    engine: bool  # a colocated vLLM engine samples, the student's weights pushed in
+
+
+@dataclasses.dataclass
+class Session:
+    """What every phase of the run reads: config, process group, models, tokenizer, data, optimizer, sampler."""
+
+    cfg: DistillConfig
+    ctx: StageContext
+    dist: distributed.Dist
+    student: torch.nn.Module  # after `prepare_training`: dist.prepare'd (sharded under fsdp)
+    teacher: torch.nn.Module | None  # frozen; in traces mode loaded only for the held-out NLL, then dropped
+    tokenizer: object
+    merged_input: bool
+    pad_id: int
+    autocast_dtype: torch.dtype | None
+    train: list[Example]
+    held: list[Example]
+    prompts: list[dict]
+    scoring: bool  # this process measures the held-out NLL (rank 0, when anything is held out)
+    vocab: int  # len(tokenizer): the real tokens whose distributions are compared
+    params: dict[str, float] = dataclasses.field(default_factory=dict)  # teacher/student parameters, their ratio
+    backend: object = None  # the vLLM engine, when one samples
+    sampler: torch.nn.Module | None = None  # fsdp: the student's unsharded sampling copy
+    optimizer: torch.optim.Optimizer | None = None
+    trainable: list[torch.nn.Parameter] = dataclasses.field(default_factory=list)
+    warmup: int = 0
+    tokens_seen: int = 0  # this process's tokens trained on (attention-mask ones)
+
+
+# ---------------------------------------------------------------------------- phases
+
+
+def check_inputs(cfg: DistillConfig, inputs: dict[str, Input], ctx: StageContext) -> Plan:
+    """Everything that can be checked before a weight loads: inputs, tokenizers, traces, prompts, split."""
     needed_inputs(cfg, inputs)
     shared = check_shared_tokenizer(inputs["teacher"], inputs["student"], cfg.mode)
     conversations, groups = trace_groups(inputs["traces"]) if "traces" in inputs else ([], [])
@@ -246,154 +290,224 @@ def run(cfg: DistillConfig, inputs: dict[str, Input], ctx: StageContext) -> dict
         raise SchemaError(f"{inputs['traces'].label}: every trace is held out (eval_fraction={cfg.eval_fraction})")
 
     samples = cfg.mode == "on_policy" and cfg.teacher_fraction < 1
-    engine = samples and cfg.generation.backend == "vllm"  # a colocated vLLM engine samples, the student's weights pushed in
+    engine = samples and cfg.generation.backend == "vllm"
     if engine:
         check_vllm_model_dir(inputs["student"].model_dir, inputs["student"].label)
+    return Plan(shared, conversations, train_rows, held_rows, prompts, samples, engine)
 
-    # ---- models
+
+def tokenize_traces(cfg: DistillConfig, inputs: dict[str, Input], plan: Plan, tokenizer) -> tuple[list[Example], list[Example]]:
+    """(train, held-out) examples: traces with an assistant token left after truncation to max_length."""
+    tokenized = [tokenize_conversation(tokenizer, c, cfg.max_length) for c in plan.conversations]
+    train = [tokenized[i] for i in plan.train_rows if any(lab != IGNORE for lab in tokenized[i].labels[1:])]
+    held = [tokenized[i] for i in plan.held_rows if any(lab != IGNORE for lab in tokenized[i].labels[1:])][: cfg.max_heldout]
+    if plan.conversations and not train and (cfg.mode != "on_policy" or cfg.teacher_fraction > 0):
+        raise SchemaError(f"{inputs['traces'].label}: every training trace lost its assistant tokens to "
+                          f"max_length={cfg.max_length}")
+    return train, held
+
+
+def load_teacher(teacher: Input, device: str) -> torch.nn.Module:
+    """The teacher, frozen, in eval mode, an adapter merged into its base."""
+    model, _ = teacher.load_model()
+    if hasattr(model, "merge_and_unload"):
+        model = model.merge_and_unload()
+    return model.to(device).eval().requires_grad_(False)
+
+
+def log_sizes(s: Session, plan: Plan, teacher: Input) -> None:
+    """Parameter counts (teacher, student, ratio: `s.params`) and the run's sizes, to the tracker."""
+    counts = models.count_parameters(s.student)
+    s.params = {"teacher_parameters": teacher_parameters(teacher, s.teacher),
+                "student_parameters": float(counts["total"])}
+    s.params["parameter_ratio"] = s.params["student_parameters"] / s.params["teacher_parameters"]
+    s.ctx.log_params({"traces_train": len(s.train), "traces_heldout": len(s.held), "train_prompts": len(s.prompts),
+                      "trainable_parameters": counts["trainable"], "precision": str(s.autocast_dtype or "fp32"),
+                      "shared_tokenizer": plan.shared})
+    s.ctx.log_metrics(s.params)
+
+
+def open_session(cfg: DistillConfig, inputs: dict[str, Input], ctx: StageContext, plan: Plan) -> Session:
+    """Load the student (seeded), tokenize the traces, load the teacher where the mode or the held-out NLL needs it."""
     dist = distributed.of(ctx)
     seed_everything(ctx.seed)
     student, tokenizer, merged_input = load_trainable(inputs["student"], cfg, dist.load_device(ctx.device))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     autocast_dtype = resolve_precision(cfg.precision, ctx.device)
-    tokenized = [tokenize_conversation(tokenizer, c, cfg.max_length) for c in conversations]
-    train = [tokenized[i] for i in train_rows if any(lab != IGNORE for lab in tokenized[i].labels[1:])]
-    held = [tokenized[i] for i in held_rows if any(lab != IGNORE for lab in tokenized[i].labels[1:])][: cfg.max_heldout]
+    train, held = tokenize_traces(cfg, inputs, plan, tokenizer)
     scoring = bool(held) and dist.is_main  # the held-out NLL is rank 0's job
-    if conversations and not train and (cfg.mode != "on_policy" or cfg.teacher_fraction > 0):
-        raise SchemaError(f"{inputs['traces'].label}: every training trace lost its assistant tokens to "
-                          f"max_length={cfg.max_length}")
     teacher = None
-    if cfg.mode in USES_TEACHER_LOGITS or (shared and scoring):
-        teacher, _ = inputs["teacher"].load_model()
-        if hasattr(teacher, "merge_and_unload"):
-            teacher = teacher.merge_and_unload()
-        teacher = teacher.to(ctx.device).eval().requires_grad_(False)
-    counts = models.count_parameters(student)
-    params = {"teacher_parameters": teacher_parameters(inputs["teacher"], teacher),
-              "student_parameters": float(counts["total"])}
-    params["parameter_ratio"] = params["student_parameters"] / params["teacher_parameters"]
-    ctx.log_params({"traces_train": len(train), "traces_heldout": len(held), "train_prompts": len(prompts),
-                    "trainable_parameters": counts["trainable"], "precision": str(autocast_dtype or "fp32"),
-                    "shared_tokenizer": shared})
-    ctx.log_metrics(params)
+    if cfg.mode in USES_TEACHER_LOGITS or (plan.shared and scoring):
+        teacher = load_teacher(inputs["teacher"], ctx.device)
+    s = Session(cfg, ctx, dist, student, teacher, tokenizer, merged_input, pad_id, autocast_dtype, train, held,
+                plan.prompts, scoring, vocab=len(tokenizer))
+    log_sizes(s, plan, inputs["teacher"])
+    return s
 
-    backend = make_backend(cfg.generation, student, tokenizer, inputs["student"].model_dir, seed=ctx.seed,
-                           colocated=True) if engine else None
+
+def prepare_training(s: Session, plan: Plan, student: Input) -> None:
+    """The sampler (vLLM engine, or fsdp's unsharded copy), the student prepared for the processes, the optimizer."""
+    cfg, ctx = s.cfg, s.ctx
+    s.backend = make_backend(cfg.generation, s.student, s.tokenizer, student.model_dir, seed=ctx.seed,
+                             colocated=True) if plan.engine else None
     # fsdp: the student samples through an unsharded copy on every rank, refreshed before each step's sampling
-    sampler = copy.deepcopy(student).requires_grad_(False).to(ctx.device) if dist.sharded and samples else None
-    student = dist.prepare(student, ctx)  # sharded across the processes under fsdp
-    trainable = [p for p in student.parameters() if p.requires_grad]
-    optimizer = make_optimizer(trainable, cfg.learning_rate, cfg.weight_decay)
-    warmup = int(cfg.warmup_ratio * cfg.max_steps)
-    state = resume(ctx, student, optimizer, "distill", cfg.max_steps)
+    s.sampler = copy.deepcopy(s.student).requires_grad_(False).to(ctx.device) if s.dist.sharded and plan.samples else None
+    s.student = s.dist.prepare(s.student, ctx)  # sharded across the processes under fsdp
+    s.trainable = [p for p in s.student.parameters() if p.requires_grad]
+    s.optimizer = make_optimizer(s.trainable, cfg.learning_rate, cfg.weight_decay)
+    s.warmup = int(cfg.warmup_ratio * cfg.max_steps)
+
+
+def heldout_before(s: Session, before: float | None) -> dict[str, float]:
+    """The student's held-out NLL before training (a resumed run keeps its first) and the teacher's; then, in
+    traces mode, the teacher is dropped (it was loaded only for this)."""
+    heldout = {}
+    net = s.dist.full_model(s.student, s.ctx.device) if s.held and before is None else None  # fsdp: every rank gathers
+    if s.scoring:
+        heldout["heldout_nll_before"] = before or heldout_nll(net, s.held, s.pad_id, s.cfg.batch_size,
+                                                              s.autocast_dtype, s.ctx.device)
+        if s.teacher is not None:
+            heldout["heldout_nll_teacher"] = heldout_nll(s.teacher, s.held, s.pad_id, s.cfg.batch_size,
+                                                         s.autocast_dtype, s.ctx.device)
+        s.ctx.log_metrics(heldout)
+    del net
+    if s.cfg.mode == "traces" and s.teacher is not None:  # loaded only for its held-out NLL
+        s.teacher = None
+        gc.collect()
+    return heldout
+
+
+def sample_student(s: Session, step: int, n: int) -> tuple[list[tuple[Example, int]], object]:
+    """n student samples on the step's seeded prompts, gathered from every process: ((example, completion
+    tokens) per sample, this process's generation stats)."""
+    cfg, dist = s.cfg, s.dist
+    picked = np.random.default_rng([s.ctx.seed, step, 2]).choice(len(s.prompts), n, replace=len(s.prompts) < n)
+    convs = dist.part([s.prompts[i]["messages"] for i in picked])  # N processes: each samples a part
+    if s.sampler is not None:
+        dist.copy_weights(s.student, s.sampler)  # a collective: every rank, every step
+    seed = s.ctx.seed * 1_000_003 + step * dist.world + dist.rank
+    if s.backend is not None:  # the student's current weights into the engine, in place (LoRA folded in)
+        s.backend.sync(s.student, step)
+        comps, stats = s.backend.generate(convs, cfg.generation, n=1, seed=seed, progress=False)
+    else:
+        comps, stats = generate(s.sampler if s.sampler is not None else s.student, s.tokenizer, convs, cfg.generation,
+                                n=1, seed=seed, progress=False, autocast_dtype=s.autocast_dtype)
+    texts = render_prompts(s.tokenizer, convs, cfg.generation.prefill)  # a prefill is prompt: not trained
+    prompt_ids = [s.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    sampled = dist.gather_list([(sampled_example(p, list(c[0].token_ids), cfg.max_length), c[0].num_tokens)
+                                for p, c in zip(prompt_ids, comps, strict=True)])
+    return sampled, stats
+
+
+def step_batches(s: Session, step: int) -> tuple[list[list[Example]], dict[str, float]]:
+    """One step's micro-batches, on every rank: a pure function of (seed, step) and, on-policy, the student."""
+    cfg, train = s.cfg, s.train
+    if cfg.mode != "on_policy":
+        return [[train[i] for i in micro_batch_indices(len(train), cfg.batch_size, s.ctx.seed,
+                                                       step * cfg.grad_accum + a)]
+                for a in range(cfg.grad_accum)], {}
+    total = cfg.batch_size * cfg.grad_accum
+    n_teacher = round(cfg.teacher_fraction * total) if train else 0
+    examples = [train[i] for i in np.random.default_rng([s.ctx.seed, step, 1]).choice(
+        len(train), n_teacher, replace=len(train) < n_teacher)] if n_teacher else []
+    info = {"train/teacher_sequences": float(n_teacher)}
+    if total - n_teacher:
+        sampled, stats = sample_student(s, step, total - n_teacher)
+        examples += [ex for ex, _ in sampled]
+        info.update({"train/student_sequences": float(total - n_teacher),
+                     "time/generation": s.dist.max(stats.seconds),
+                     "train/sample_length": float(np.mean([n for _, n in sampled]))})
+    return [examples[i : i + cfg.batch_size] for i in range(0, len(examples), cfg.batch_size)], info
+
+
+def train_step(s: Session, step: int) -> dict[str, float]:
+    """One optimizer step over the step's micro-batches (a token mean over all of them, every process); its metrics."""
+    cfg, dist = s.cfg, s.dist
+    lr = set_lr(s.optimizer, cfg.learning_rate * lr_factor(step, cfg.max_steps, s.warmup, cfg.lr_scheduler))
+    micro, metrics = step_batches(s, step)  # the global step's micro-batches, on every rank
+    n_tokens = max(1, sum(lab != IGNORE for m in micro for ex in m for lab in ex.labels[1:]))
+    # this process's parts (under fsdp a weight-0 filler where a part is empty)
+    batches = [(collate(m, s.pad_id), real) for m, real in map(dist.part_or_filler, micro) if m]
+    t_train = time.perf_counter()
+    step_loss = step_nll = 0.0
+    for batch, real in batches:
+        loss_sum, nll_sum, _ = micro_batch_loss(s.student, s.teacher, batch, cfg, s.vocab, s.autocast_dtype,
+                                                s.ctx.device)
+        (loss_sum * real / n_tokens).backward()
+        step_loss += loss_sum.item() * real / n_tokens
+        step_nll += nll_sum * real / n_tokens
+        s.tokens_seen += int(batch["attention_mask"].sum()) * real
+    dist.sync_gradients(s.trainable)
+    step_loss, step_nll = dist.sum([step_loss, step_nll])
+    grad_norm = clip_grad_norm(s.trainable, cfg.max_grad_norm)
+    s.optimizer.step()
+    s.optimizer.zero_grad(set_to_none=True)
+    metrics.update({"train/loss": step_loss, "train/nll": step_nll, "train/lr": lr, "train/grad_norm": grad_norm,
+                    "train/tokens": float(n_tokens), "time/training": time.perf_counter() - t_train})
+    return metrics
+
+
+def save_student(s: Session, plain: torch.nn.Module) -> tuple[object, bool]:
+    """Rank 0 saves the trained student (merged where asked or where its input was); (output dir, is an adapter)."""
+    out, model_dir = model_output_dir(s.ctx, "model")
+    merge = s.cfg.lora.merge or s.merged_input
+    if s.dist.is_main:
+        models.save_model(plain, s.tokenizer, model_dir, merge=merge)
+    return out, s.cfg.lora.r > 0 and not merge
+
+
+def summarize(s: Session, history: list[dict], heldout: dict[str, float], start: int, tokens_seen: float,
+              elapsed: float) -> dict[str, float]:
+    """The stage's metrics: parameter counts, held-out NLLs, first and final loss, steps, data sizes, throughput."""
+    trained_steps = s.cfg.max_steps - start
+    losses = [m["train/loss"] for m in history]
+    tail = losses[-max(1, min(10, len(losses) // 5)) :]
+    return {**s.params, **heldout,
+            "final_loss": float(np.mean(tail)), "first_loss": float(losses[0]),
+            "trained_steps": float(trained_steps), "resumed_from_step": float(start),
+            "traces_train": float(len(s.train)), "traces_heldout": float(len(s.held)),
+            "tokens_per_s": tokens_seen / elapsed if elapsed and trained_steps else 0.0}
+
+
+# ---------------------------------------------------------------------------- the stage
+
+
+def run(cfg: DistillConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[str, Output]:
+    plan = check_inputs(cfg, inputs, ctx)  # before any weight loads
+    s = open_session(cfg, inputs, ctx, plan)
+    prepare_training(s, plan, inputs["student"])
+    state = resume(ctx, s.student, s.optimizer, "distill", cfg.max_steps)
     start, history = state["step"], state.get("history", [])
     for i, m in enumerate(history):  # the curve of the interrupted run, so MLflow shows it whole
         ctx.log_metrics(m, step=i + 1)
-    heldout = {}
-    before = state.get("heldout_nll_before")
-    net = dist.full_model(student, ctx.device) if held and before is None else None  # fsdp: every rank gathers
-    if scoring:
-        heldout["heldout_nll_before"] = before or heldout_nll(net, held, pad_id, cfg.batch_size, autocast_dtype,
-                                                              ctx.device)
-        if teacher is not None:
-            heldout["heldout_nll_teacher"] = heldout_nll(teacher, held, pad_id, cfg.batch_size, autocast_dtype,
-                                                         ctx.device)
-        ctx.log_metrics(heldout)
-    del net
-    if cfg.mode == "traces" and teacher is not None:  # loaded only for its held-out NLL
-        teacher = None
-        gc.collect()
+    heldout = heldout_before(s, state.get("heldout_nll_before"))
 
-    # ---- one step's micro-batches: a pure function of (seed, step) and, on-policy, the student
-    def step_batches(step: int) -> tuple[list[list[Example]], dict[str, float]]:
-        if cfg.mode != "on_policy":
-            return [[train[i] for i in micro_batch_indices(len(train), cfg.batch_size, ctx.seed,
-                                                           step * cfg.grad_accum + a)]
-                    for a in range(cfg.grad_accum)], {}
-        total = cfg.batch_size * cfg.grad_accum
-        n_teacher = round(cfg.teacher_fraction * total) if train else 0
-        examples = [train[i] for i in np.random.default_rng([ctx.seed, step, 1]).choice(
-            len(train), n_teacher, replace=len(train) < n_teacher)] if n_teacher else []
-        info = {"train/teacher_sequences": float(n_teacher)}
-        if total - n_teacher:
-            picked = np.random.default_rng([ctx.seed, step, 2]).choice(len(prompts), total - n_teacher,
-                                                                      replace=len(prompts) < total - n_teacher)
-            convs = dist.part([prompts[i]["messages"] for i in picked])  # N processes: each samples a part
-            if sampler is not None:
-                dist.copy_weights(student, sampler)  # a collective: every rank, every step
-            seed = ctx.seed * 1_000_003 + step * dist.world + dist.rank
-            if backend is not None:  # the student's current weights into the engine, in place (LoRA folded in)
-                backend.sync(student, step)
-                comps, stats = backend.generate(convs, cfg.generation, n=1, seed=seed, progress=False)
-            else:
-                comps, stats = generate(sampler if sampler is not None else student, tokenizer, convs, cfg.generation,
-                                        n=1, seed=seed, progress=False, autocast_dtype=autocast_dtype)
-            texts = render_prompts(tokenizer, convs, cfg.generation.prefill)  # a prefill is prompt: not trained
-            prompt_ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
-            sampled = dist.gather_list([(sampled_example(p, list(c[0].token_ids), cfg.max_length), c[0].num_tokens)
-                                        for p, c in zip(prompt_ids, comps, strict=True)])
-            examples += [ex for ex, _ in sampled]
-            info.update({"train/student_sequences": float(total - n_teacher),
-                         "time/generation": dist.max(stats.seconds),
-                         "train/sample_length": float(np.mean([n for _, n in sampled]))})
-        return [examples[i : i + cfg.batch_size] for i in range(0, len(examples), cfg.batch_size)], info
-
-    student.train()
-    vocab = len(tokenizer)
-    tokens_seen, t0 = 0, time.perf_counter()
-    bar = tqdm(total=cfg.max_steps, initial=start, desc=f"distill ({cfg.mode})", unit="step", disable=not dist.is_main)
+    s.student.train()
+    t0 = time.perf_counter()
+    bar = tqdm(total=cfg.max_steps, initial=start, desc=f"distill ({cfg.mode})", unit="step",
+               disable=not s.dist.is_main)
     for step in range(start, cfg.max_steps):
-        lr = set_lr(optimizer, cfg.learning_rate * lr_factor(step, cfg.max_steps, warmup, cfg.lr_scheduler))
-        micro, metrics = step_batches(step)  # the global step's micro-batches, on every rank
-        n_tokens = max(1, sum(lab != IGNORE for m in micro for ex in m for lab in ex.labels[1:]))
-        # this process's parts (under fsdp a weight-0 filler where a part is empty)
-        batches = [(collate(m, pad_id), real) for m, real in map(dist.part_or_filler, micro) if m]
-        t_train = time.perf_counter()
-        step_loss = step_nll = 0.0
-        for batch, real in batches:
-            loss_sum, nll_sum, _ = micro_batch_loss(student, teacher, batch, cfg, vocab, autocast_dtype, ctx.device)
-            (loss_sum * real / n_tokens).backward()
-            step_loss += loss_sum.item() * real / n_tokens
-            step_nll += nll_sum * real / n_tokens
-            tokens_seen += int(batch["attention_mask"].sum()) * real
-        dist.sync_gradients(trainable)
-        step_loss, step_nll = dist.sum([step_loss, step_nll])
-        grad_norm = clip_grad_norm(trainable, cfg.max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        metrics.update({"train/loss": step_loss, "train/nll": step_nll, "train/lr": lr, "train/grad_norm": grad_norm,
-                        "train/tokens": float(n_tokens), "time/training": time.perf_counter() - t_train})
+        metrics = train_step(s, step)
         history.append(metrics)
         done = step + 1
         if done % cfg.checkpoint_every == 0 or done == cfg.max_steps:
-            save_checkpoint(ctx.checkpoint_dir, done, student, optimizer,
-                            {"step": done, "history": history, **heldout}, cfg.keep_checkpoints, dist)
+            save_checkpoint(ctx.checkpoint_dir, done, s.student, s.optimizer,
+                            {"step": done, "history": history, **heldout}, cfg.keep_checkpoints, s.dist)
         ctx.log_metrics(metrics, step=done)
-        bar.set_postfix(loss=f"{step_loss:.4f}")
+        bar.set_postfix(loss=f"{metrics['train/loss']:.4f}")
         bar.update(1)
     bar.close()
     elapsed = time.perf_counter() - t0
-    (tokens_seen,) = dist.sum([tokens_seen])
-    trained_steps = cfg.max_steps - start
+    (tokens_seen,) = s.dist.sum([s.tokens_seen])
 
-    plain = dist.full_model(student, ctx.device)  # rank 0's evaluation and save (fsdp: gathered, unsharded)
-    if scoring:
-        heldout["heldout_nll_after"] = heldout_nll(plain, held, pad_id, cfg.batch_size, autocast_dtype, ctx.device)
-    out, model_dir = model_output_dir(ctx, "model")
-    merge = cfg.lora.merge or merged_input
-    if dist.is_main:
-        models.save_model(plain, tokenizer, model_dir, merge=merge)
-    is_adapter = cfg.lora.r > 0 and not merge
-    losses = [m["train/loss"] for m in history]
-    tail = losses[-max(1, min(10, len(losses) // 5)) :]
-    metrics = {**params, **heldout,
-               "final_loss": float(np.mean(tail)), "first_loss": float(losses[0]),
-               "trained_steps": float(trained_steps), "resumed_from_step": float(start),
-               "traces_train": float(len(train)), "traces_heldout": float(len(held)),
-               "tokens_per_s": tokens_seen / elapsed if elapsed and trained_steps else 0.0}
+    plain = s.dist.full_model(s.student, ctx.device)  # rank 0's evaluation and save (fsdp: gathered, unsharded)
+    if s.scoring:
+        heldout["heldout_nll_after"] = heldout_nll(plain, s.held, s.pad_id, cfg.batch_size, s.autocast_dtype,
+                                                   ctx.device)
+    out, is_adapter = save_student(s, plain)
+    metrics = summarize(s, history, heldout, start, tokens_seen, elapsed)
     ctx.log_metrics(metrics)
-    if scoring:
+    if s.scoring:
         ctx.log.info("distill (%s): held-out NLL of teacher traces %.3f -> %.3f per token (teacher %s)", cfg.mode,
                      heldout["heldout_nll_before"], heldout["heldout_nll_after"],
                      f"{heldout['heldout_nll_teacher']:.3f}" if "heldout_nll_teacher" in heldout else "n/a")
