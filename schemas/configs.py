@@ -260,6 +260,23 @@ class EvalConfig(Strict):
     top_p: float = Field(0.95, gt=0, le=1, description="Nucleus threshold for pass@k.")
     prefill: str = Field("", description="Text the assistant turn starts with (as generation.prefill); compare "
                          "models under the same prefill.")
+    rerank: Literal["none", "majority", "orm", "prm"] = Field(
+        "none",
+        description="Best-of-N at test time over the pass@k samples of each prompt (pass_k samples on the first "
+        "pass_k_prompts prompts): majority (self-consistency: the most frequent answer), orm (the highest reward of "
+        "the `scorer` input, a reward model) or prm (the best aggregated step score of the `scorer` input, a process "
+        "reward model). Reports rerank/<method>_accuracy beside rerank/majority_accuracy and rerank/pass_at_1 on the "
+        "same samples.",
+    )
+    rerank_aggregate: Literal["min", "product", "last", "mean"] = Field(
+        "min", description="How a process reward model's step scores make a completion's score (rerank=prm).")
+
+    @model_validator(mode="after")
+    def _rerank_needs_samples(self) -> EvalConfig:
+        if self.rerank != "none" and (self.pass_k < 2 or self.pass_k_prompts < 1):
+            raise ValueError(f"rerank={self.rerank!r} picks one of several samples per prompt: set pass_k >= 2 and "
+                             f"pass_k_prompts >= 1 (now {self.pass_k} and {self.pass_k_prompts})")
+        return self
 
 
 class RejectionSamplingConfig(Strict):

@@ -7,6 +7,12 @@ base model that has not learnt the format is measured fairly), pass@k
 generation throughput, and the same per task. Each accuracy comes with a 95% percentile bootstrap
 interval over the scored greedy prompts (`accuracy_ci_low`, `accuracy_ci_high`, and per task;
 `stages.math.stats.bootstrap_ci`, seed `CI_SEED`), so a reader can tell a gain from eval noise.
+
+With `rerank` set, the pass@k samples also answer best-of-N at test time (`stages.math.rerank`):
+each prompt's N samples are reduced to one by majority vote, and, with a `scorer` input, by an
+outcome reward model's reward (`orm`) or a process reward model's aggregated step scores (`prm`);
+`rerank/*` metrics put them beside pass@1 of the same samples. The policy is freed before the
+scorer loads, so the two never share memory.
 """
 
 from __future__ import annotations
@@ -20,13 +26,15 @@ from schemas.configs import EvalConfig, GenerationSpec
 from schemas.datasets import from_rows
 from schemas.errors import SchemaError
 from stages.base import Input, Output, StageContext, seed_everything, write_dataset
+from stages.math.rerank import best_pick, majority_pick, rerank_accuracy
 from stages.math.stats import bootstrap_ci
+from stages.modeling import heads
 from stages.rewards.verifiers import pass_at_k, score
 from stages.sampling.generation import generate
 
 VERSION = "4"  # 4: accuracy_ci_low/accuracy_ci_high metrics (95% bootstrap), overall and per task; 3: sampler blocks of ceil(sqrt(V)) tokens (generation.BlockRaceSampler): other samples for the same seed; 2: correct_lenient column and accuracy_lenient metric
 CONFIG = EvalConfig
-INPUTS = {"model": "model", "prompts": "prompts"}
+INPUTS = {"model": "model", "prompts": "prompts", "scorer": "model?"}
 OUTPUTS = {"results": "eval"}
 CI_CONFIDENCE = 0.95
 CI_SEED = 0  # fixed, not the run's seed: the same rows always give the same interval
@@ -71,10 +79,59 @@ def summarize(rows: list[dict], k: int) -> dict[str, float]:
     return out
 
 
+def rerank_metrics(rows: list[dict], scores: list[float] | None, method: str) -> dict[str, float]:
+    """`rerank/*` over the sampled rows (pure: tested on literal rows): pass@1 of the samples, majority vote and,
+    with `scores` (one per sampled row, in row order), best-of-N by the scorer."""
+    groups: dict[str, list[int]] = defaultdict(list)
+    for i, r in enumerate(rows):
+        if r["mode"] == "sampled":
+            groups[r["prompt_id"]].append(i)
+    if not groups:
+        return {}
+    sampled = [i for idx in groups.values() for i in idx]
+    by_row = dict(zip(sampled, scores, strict=True)) if scores is not None else {}
+    correct = [[rows[i]["correct"] for i in idx] for idx in groups.values()]
+    out = {"rerank/prompts": float(len(groups)), "rerank/samples": float(np.mean([len(c) for c in correct])),
+           "rerank/pass_at_1": float(np.mean([np.mean([bool(x) for x in c]) for c in correct])),
+           "rerank/majority_accuracy": rerank_accuracy(
+               correct, [majority_pick([rows[i]["extracted"] for i in idx]) for idx in groups.values()])}
+    if by_row:
+        out[f"rerank/{method}_accuracy"] = rerank_accuracy(
+            correct, [best_pick([by_row[i] for i in idx]) for idx in groups.values()])
+    return out
+
+
+def check_scorer(cfg: EvalConfig, inputs: dict[str, Input]) -> None:
+    """Before any compute: rerank=orm/prm needs a `scorer` input of the matching kind; a scorer with no use is an error too."""
+    scorer = inputs.get("scorer")
+    if cfg.rerank in ("orm", "prm") and scorer is None:
+        raise SchemaError(f"eval: rerank={cfg.rerank!r} needs the input `scorer` (a "
+                          f"{'reward model' if cfg.rerank == 'orm' else 'process reward model'} artifact)")
+    if scorer is not None and cfg.rerank not in ("orm", "prm"):
+        raise SchemaError(f"eval: the input `scorer` ({scorer.label}) is used only with rerank=orm or rerank=prm, "
+                          f"not {cfg.rerank!r}")
+    if scorer is not None:
+        want = heads.REWARD_MODEL_SCHEMA if cfg.rerank == "orm" else heads.PRM_SCHEMA
+        if scorer.manifest.schema_name != want:
+            raise SchemaError(f"eval: rerank={cfg.rerank!r} needs a {want!r} artifact as `scorer`; "
+                              f"{scorer.label} is {scorer.manifest.schema_name!r}")
+
+
+def sampled_scores(cfg: EvalConfig, rows: list[dict], prompts: list[dict], scorer: Input, device: str) -> list[float]:
+    """The scorer's score of every sampled row, in row order: a reward (orm) or aggregated step scores (prm)."""
+    by_id = {p["id"]: p["messages"] for p in prompts}
+    sampled = [r for r in rows if r["mode"] == "sampled"]
+    convs, texts = [by_id[r["prompt_id"]] for r in sampled], [r["completion"] for r in sampled]
+    if cfg.rerank == "orm":
+        return heads.RewardScorer.from_input(scorer, device).score(convs, texts)
+    return heads.StepScorer.from_input(scorer, device).score(convs, texts, aggregate=cfg.rerank_aggregate)
+
+
 def run(cfg: EvalConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[str, Output]:
     prompts = select_prompts(inputs["prompts"].table("prompts"), cfg.split, cfg.max_prompts)
     if not prompts:
         raise SchemaError(f"{inputs['prompts'].label}: no prompts with split={cfg.split!r} to evaluate")
+    check_scorer(cfg, inputs)
     seed_everything(ctx.seed)
     model, tokenizer = inputs["model"].load_model()
     model.to(ctx.device)
@@ -106,12 +163,16 @@ def run(cfg: EvalConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[st
                     "format_ok": verdict.format_ok,
                     "num_tokens": c.num_tokens, "finish_reason": c.finish_reason,
                 })
+    del model  # the scorer, if any, loads next
     metrics = summarize(rows, cfg.pass_k)
     for task in sorted({r["task"] for r in rows}):
         for name, value in summarize([r for r in rows if r["task"] == task], cfg.pass_k).items():
             if name in PER_TASK or name.startswith("pass_at_"):
                 metrics[f"{task}/{name}"] = value
     metrics["tokens_per_s"] = new_tokens / seconds if seconds else 0.0
+    if cfg.rerank != "none":
+        scores = sampled_scores(cfg, rows, prompts, inputs["scorer"], ctx.device) if "scorer" in inputs else None
+        metrics.update(rerank_metrics(rows, scores, cfg.rerank))
     metrics["prompts"] = float(len(prompts))
     ctx.log_metrics({k: v for k, v in metrics.items() if v == v})  # MLflow rejects NaN
     ctx.log.info("eval: accuracy %.3f, format rate %.3f, %.1f tokens/s",

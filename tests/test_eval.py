@@ -7,6 +7,7 @@ import pytest
 
 from schemas.configs import EvalConfig
 from schemas.datasets import from_rows
+from schemas.errors import SchemaError
 from stages import eval as eval_stage
 from stages.base import LocalContext, write_dataset
 from stages.math.stats import bootstrap_ci
@@ -97,3 +98,61 @@ def test_eval_stage_on_tiny_model(tmp_path, tiny_model_input):
     b = pq.read_table(again.path / "data.parquet").to_pylist()
     assert a == b  # greedy and seeded sampling are deterministic
     assert json.dumps(a[0])  # rows are plain JSON-able values
+
+
+def test_rerank_metrics_hand_computed():
+    """Two prompts, three samples each. p1: answers 4, 5, 4 (right, wrong, right); p2: 7, 8, 8 (right, wrong, wrong).
+    pass@1 = (2/3 + 1/3) / 2 = 0.5; majority picks a right 4 on p1 and a wrong 8 on p2: 0.5; the scorer's highest
+    scores (0.1, 0.9, 0.3 | 0.8, 0.2, 0.5) pick a wrong 5 on p1 and a right 7 on p2: 0.5, and flipping p1's scores
+    makes it 1.0. Greedy rows take no part."""
+    rows = [row("g", "greedy", True)]
+    for pid, answers, right in (("p1", ["4", "5", "4"], [True, False, True]), ("p2", ["7", "8", "8"], [True, False, False])):
+        for i, (a, c) in enumerate(zip(answers, right, strict=True)):
+            rows.append({**row(pid, "sampled", c, i=i), "extracted": a})
+    m = eval_stage.rerank_metrics(rows, [0.1, 0.9, 0.3, 0.8, 0.2, 0.5], "orm")
+    assert m == {"rerank/prompts": 2.0, "rerank/samples": 3.0, "rerank/pass_at_1": pytest.approx(0.5),
+                 "rerank/majority_accuracy": 0.5, "rerank/orm_accuracy": 0.5}
+    assert eval_stage.rerank_metrics(rows, [0.9, 0.1, 0.3, 0.8, 0.2, 0.5], "orm")["rerank/orm_accuracy"] == 1.0
+    assert "rerank/orm_accuracy" not in eval_stage.rerank_metrics(rows, None, "majority")
+    assert eval_stage.rerank_metrics([row("g", "greedy", True)], None, "majority") == {}
+
+
+def test_rerank_settings_and_scorer_are_checked_before_any_compute(tmp_path):
+    with pytest.raises(ValueError, match="pass_k >= 2"):
+        EvalConfig(rerank="majority", pass_k=1)
+    cfg = EvalConfig(rerank="orm")
+    with pytest.raises(SchemaError, match="needs the input `scorer`"):
+        eval_stage.check_scorer(cfg, {})
+    with pytest.raises(SchemaError, match="'reward_model' artifact as `scorer`"):
+        eval_stage.check_scorer(cfg, {"scorer": fake_input(tmp_path, "model", "model")})
+    with pytest.raises(SchemaError, match="used only with rerank=orm or rerank=prm"):
+        eval_stage.check_scorer(EvalConfig(), {"scorer": fake_input(tmp_path, "model", "reward_model")})
+    eval_stage.check_scorer(cfg, {"scorer": fake_input(tmp_path, "model", "reward_model")})
+
+
+def test_eval_reranks_its_samples_with_a_reward_model(tmp_path, tiny_model_input, tiny_tokenizer):
+    """rerank=orm on the tiny model: the reported best-of-N equals the pick made from the reward model's own scores
+    of the written sampled rows."""
+    import pyarrow.parquet as pq
+
+    from schemas.artifacts import MODEL_DIR
+    from stages.modeling.heads import RewardScorer, reward_model_from_causal_lm
+    from stages.modeling.models import build_tiny_model
+
+    rm_dir = tmp_path / "rm"
+    rm = reward_model_from_causal_lm(build_tiny_model(tiny_tokenizer, seed=1), tiny_tokenizer.pad_token_id)
+    rm.save_pretrained(rm_dir / MODEL_DIR)
+    tiny_tokenizer.save_pretrained(rm_dir / MODEL_DIR)
+    prompts = [{"id": f"p{i}", "messages": [{"role": "user", "content": f"{i}+1?"}], "answer": str(i + 1),
+                "task": "math", "verifier": "math", "split": "eval", "metadata": "{}"} for i in range(3)]
+    data = write_dataset(LocalContext(tmp_path / "d"), "p", from_rows(prompts, "prompts"), "prompts")
+    cfg = EvalConfig(max_prompts=3, max_new_tokens=6, batch_size=4, pass_k=3, pass_k_prompts=3, rerank="orm")
+    out = eval_stage.run(cfg, {"model": tiny_model_input, "prompts": fake_input(data.path, "dataset", "prompts"),
+                               "scorer": fake_input(rm_dir, "model", "reward_model")}, LocalContext(tmp_path / "r"))
+    rows = pq.read_table(out["results"].path / "data.parquet").to_pylist()
+    sampled = [r for r in rows if r["mode"] == "sampled"]
+    by_id = {p["id"]: p["messages"] for p in prompts}
+    scores = RewardScorer.from_dir(rm_dir / MODEL_DIR).score([by_id[r["prompt_id"]] for r in sampled],
+                                                             [r["completion"] for r in sampled])
+    assert out["results"].metrics == {**out["results"].metrics, **eval_stage.rerank_metrics(rows, scores, "orm")}
+    assert out["results"].metrics["rerank/prompts"] == 3.0 and "rerank/orm_accuracy" in out["results"].metrics
