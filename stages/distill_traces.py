@@ -22,7 +22,7 @@ from schemas.datasets import from_rows
 from schemas.errors import SchemaError
 from stages.base import Input, Output, StageContext, seed_everything, write_dataset
 from stages.rewards.verifiers import Verdict, score
-from stages.sampling.generation import Completion, make_backend
+from stages.sampling.generation import Completion, sample_with
 
 VERSION = "2"  # 2: sampler blocks of ceil(sqrt(V)) tokens (generation.BlockRaceSampler): other samples for the same seed
 CONFIG = DistillTracesConfig
@@ -55,11 +55,8 @@ def select_prompts(table, cfg: DistillTracesConfig, label: str) -> list[dict]:
 def run(cfg: DistillTracesConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[str, Output]:
     prompts = select_prompts(inputs["prompts"].table("prompts"), cfg, inputs["prompts"].label)
     seed_everything(ctx.seed)
-    model, tokenizer = inputs["model"].load_model()
-    model.to(ctx.device)
-    backend = make_backend(cfg.generation, model, tokenizer, inputs["model"].model_dir)
-    completions, stats = backend.generate([p["messages"] for p in prompts], cfg.generation, n=cfg.num_samples,
-                                          seed=ctx.seed, desc="teacher traces")
+    completions, stats = sample_with(inputs["model"], [p["messages"] for p in prompts], cfg.generation, cfg.num_samples,
+                                     ctx.seed, ctx.device, "teacher traces")
     rows, verdicts = [], []
     for prompt, comps in zip(prompts, completions, strict=True):
         for i, c in enumerate(comps):

@@ -124,7 +124,7 @@ def sampled_scores(cfg: EvalConfig, rows: list[dict], prompts: list[dict], score
     convs, texts = [by_id[r["prompt_id"]] for r in sampled], [r["completion"] for r in sampled]
     if cfg.rerank == "orm":
         return heads.RewardScorer.from_input(scorer, device).score(convs, texts)
-    return heads.StepScorer.from_input(scorer, device).score(convs, texts, aggregate=cfg.rerank_aggregate)
+    return heads.StepScorer.from_input(scorer, device).score(convs, texts, aggregation=cfg.rerank_aggregate)
 
 
 def run(cfg: EvalConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[str, Output]:

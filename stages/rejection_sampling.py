@@ -24,7 +24,7 @@ from schemas.datasets import from_rows
 from schemas.errors import SchemaError
 from stages.base import Input, Output, StageContext, seed_everything, write_dataset
 from stages.rewards.verifiers import Verdict, extract_answer_lenient, reformat_r1, score
-from stages.sampling.generation import make_backend
+from stages.sampling.generation import sample_with
 
 VERSION = "2"  # 2: sampler blocks of ceil(sqrt(V)) tokens (generation.BlockRaceSampler): other samples for the same seed
 CONFIG = RejectionSamplingConfig
@@ -77,11 +77,8 @@ def run(cfg: RejectionSamplingConfig, inputs: dict[str, Input], ctx: StageContex
     if not prompts:
         raise SchemaError(f"{inputs['prompts'].label}: no prompts with split={cfg.split!r}")
     seed_everything(ctx.seed)
-    model, tokenizer = inputs["model"].load_model()
-    model.to(ctx.device)
-    backend = make_backend(cfg.generation, model, tokenizer, inputs["model"].model_dir)
-    completions, stats = backend.generate([p["messages"] for p in prompts], cfg.generation, n=cfg.num_samples,
-                                          seed=ctx.seed, desc="rejection sampling")
+    completions, stats = sample_with(inputs["model"], [p["messages"] for p in prompts], cfg.generation, cfg.num_samples,
+                                     ctx.seed, ctx.device, "rejection sampling")
     rm_scores = reward_model_scores(inputs.get("reward_model"), prompts, completions)
     samples = []
     for p_idx, (prompt, comps) in enumerate(zip(prompts, completions, strict=True)):

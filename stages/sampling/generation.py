@@ -844,6 +844,16 @@ def make_backend(spec: GenerationSpec, model, tokenizer, model_dir: Path | None 
     return TransformersBackend(model, tokenizer, autocast_dtype)
 
 
+def sample_with(model_input, conversations: list[list[dict]], spec: GenerationSpec, n: int, seed: int, device: str,
+                desc: str) -> tuple[list[list[Completion]], GenerationStats]:
+    """Load a stage's model input on `device` and sample `n` completions per conversation with the backend `spec`
+    names (the sampling stages' whole use of a model: nothing of it is kept once this returns)."""
+    model, tokenizer = model_input.load_model()
+    model.to(device)
+    backend = make_backend(spec, model, tokenizer, model_input.model_dir)
+    return backend.generate(conversations, spec, n=n, seed=seed, desc=desc)
+
+
 def generate(model, tokenizer, conversations: list[list[dict]], spec: GenerationSpec, n: int = 1, seed: int = 0,
              desc: str = "generate", progress: bool = True, logprobs: bool = False,
              autocast_dtype: torch.dtype | None = None) -> tuple[list[list[Completion]], GenerationStats]:
