@@ -28,29 +28,22 @@ Departures, on purpose:
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from functools import partial
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from schemas.configs import GenerationSpec, PreferenceOptimizationConfig
 from schemas.errors import ArtifactError, ConfigError, SchemaError
-from stages.base import Input, Output, StageContext, model_output_dir, seed_everything
+from stages.base import Input, Output, StageContext, seed_everything
 from stages.math import preference as pl
 from stages.modeling import models
 from stages.modeling.logprobs import completion_logprobs, score_examples
 from stages.runtime import distributed
-from stages.training.checkpoints import resume, save_checkpoint
-from stages.training.optim import (
-    clip_grad_norm,
-    load_trainable,
-    lr_factor,
-    make_optimizer,
-    resolve_precision,
-    set_lr,
-)
+from stages.training.loop import Loop, StepResult, autocast, curve_tail, policy_output, save_policy
+from stages.training.optim import load_trainable, resolve_precision
 from stages.training.pairs import DESIRABLE, Example, examples_from, split_pairs, tokenize
 
 VERSION = "4"  # 4: KTO's KL pairs take the next row under another prompt. 3: ipo averages token log-probs by default (logprob_reduction); orpo's log odds bounded. 2: sampler blocks of ceil(sqrt(V)) tokens (generation.BlockRaceSampler): other samples for the same seed
@@ -62,9 +55,6 @@ OUTPUTS = {"model": "model"}
 def check(cfg: PreferenceOptimizationConfig) -> None:
     if cfg.loss == "cdpo" and cfg.label_smoothing == 0:
         raise ConfigError("preference_optimization.label_smoothing: cdpo needs a label_smoothing > 0 (0 is plain dpo)")
-
-
-# ---------------------------------------------------------------------------- data
 
 
 # ---------------------------------------------------------------------------- reference
@@ -172,16 +162,94 @@ def kto_reference_point(model, cfg, units: list[int], kl_rows: dict[int, int], t
     return torch.tensor(max(0.0, total / count) if count else 0.0, device=device)
 
 
-# ---------------------------------------------------------------------------- the stage
+# ---------------------------------------------------------------------------- data and reference
 
 
-def run(cfg: PreferenceOptimizationConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[str, Output]:
-    data, ref_input = inputs["preferences"], inputs.get("reference")
+def load_examples(cfg: PreferenceOptimizationConfig, data: Input) -> list[Example]:
+    """The rows to train on (pairs as chosen, rejected rows; KTO's scored and KL rows), checked before any model
+    loads: a paired loss needs a preferences dataset."""
     kind = data.manifest.schema_name
     if cfg.loss in pl.PAIRED and kind != "preferences":
         raise ConfigError(f"preference_optimization.loss={cfg.loss!r} needs preference pairs; {data.label} is "
                           f"{kind!r} (only kto trains on unpaired rows)")
-    examples = examples_from(data, include_kl=cfg.loss == "kto")  # validates before any model loads
+    return examples_from(data, include_kl=cfg.loss == "kto")
+
+
+@dataclasses.dataclass(frozen=True)
+class Units:
+    """What a step samples: pairs (paired losses: pair i is rows 2i, 2i+1) or scored rows (kto), split by id."""
+
+    train: list[int]
+    eval: list[int]
+    kl_rows: dict[int, int]  # kto: each unit's KL row (its completion under another prompt); else empty
+
+
+def split_units(cfg: PreferenceOptimizationConfig, examples: list[Example], seed: int, label: str) -> Units:
+    """The training and held-out units; the held-out split is by id, seeded."""
+    if cfg.loss in pl.PAIRED:
+        n_units = len(examples) // 2
+        unit_ids = [examples[2 * i].id for i in range(n_units)]
+    else:
+        scored = [i for i, e in enumerate(examples) if e.role != "kl"]
+        n_units, unit_ids = len(scored), [examples[i].id for i in scored]
+    ids = sorted(set(unit_ids))
+    train_id_idx, eval_id_idx = split_pairs(len(ids), cfg.eval_fraction, seed)
+    eval_ids = {ids[i] for i in eval_id_idx}
+    all_units = list(range(n_units)) if cfg.loss in pl.PAIRED else scored
+    train_units = [u for u, i in zip(all_units, unit_ids, strict=True) if i not in eval_ids]
+    eval_units = [u for u, i in zip(all_units, unit_ids, strict=True) if i in eval_ids]
+    if not train_units:
+        raise SchemaError(f"{label}: {len(ids)} id(s) are too few to hold out eval_fraction={cfg.eval_fraction}")
+    kl_rows = {}
+    if cfg.loss == "kto":
+        kl_of = {e.id: i for i, e in enumerate(examples) if e.role == "kl"}
+        kl_rows = {u: kl_of[examples[u].id] for u in all_units}
+    return Units(train_units, eval_units, kl_rows)
+
+
+@dataclasses.dataclass
+class Session:
+    """What every step reads and what the run accumulates: config, data, reference, model, precision."""
+
+    cfg: PreferenceOptimizationConfig
+    ctx: StageContext
+    dist: distributed.Dist
+    model: torch.nn.Module  # as the processes hold it (sharded under fsdp)
+    tokenizer: object
+    pad_id: int
+    examples: list[Example]
+    tokenized: list[tuple[list[int], int]]  # (token ids, completion tokens) of every example
+    autocast_dtype: torch.dtype | None
+    counts: dict[str, int]  # the model's parameters, trainable and total, before sharding
+    units: Units | None = None
+    ref_logps: list[float] | None = None  # the reference's summed log-prob of every example; None: reference-free
+    history: list[dict] = dataclasses.field(default_factory=list)  # every step's metrics so far
+    units_seen: int = 0  # trained since the run (re)started, every process's
+
+    def step_units(self, step: int) -> list[list[int]]:
+        """The step's grad_accum micro-batches of training units: a pure function of (seed, step)."""
+        cfg, train_units = self.cfg, self.units.train
+        rng = np.random.default_rng([self.ctx.seed, step])
+        need = cfg.batch_size * cfg.grad_accum
+        picked = [train_units[j] for j in rng.choice(len(train_units), size=need, replace=len(train_units) < need)]
+        return [picked[i : i + cfg.batch_size] for i in range(0, need, cfg.batch_size)]
+
+    def forward(self, units: list[int], group: distributed.Dist = distributed.SINGLE, net=None) -> pl.PreferenceLoss:
+        """The loss of `units`, this rank's share of a micro-batch spread over `group` (KTO's z0 spans it),
+        under `net` (default: the model being trained)."""
+        cfg, device = self.cfg, self.ctx.device
+        net = self.model if net is None else net
+        kl_ref = (kto_reference_point(net, cfg, units, self.units.kl_rows, self.tokenized, self.ref_logps,
+                                      self.pad_id, device, group)
+                  if cfg.loss == "kto" else None)
+        with autocast(device, self.autocast_dtype):
+            return batch_loss(net, cfg, units, self.examples, self.tokenized, self.ref_logps, self.pad_id, device,
+                              kl_ref)
+
+
+def open_session(cfg: PreferenceOptimizationConfig, inputs: dict[str, Input], ctx: StageContext,
+                 examples: list[Example]) -> tuple[Session, bool]:
+    """Load and shard the policy, tokenize every example; (session, whether the input was an adapter)."""
     dist = distributed.of(ctx)
     seed_everything(ctx.seed)
     model, tokenizer, merged_input = load_trainable(inputs["model"], cfg, dist.load_device(ctx.device))
@@ -190,134 +258,119 @@ def run(cfg: PreferenceOptimizationConfig, inputs: dict[str, Input], ctx: StageC
     autocast_dtype = resolve_precision(cfg.precision, ctx.device)
     counts = models.count_parameters(model)
     model = dist.prepare(model, ctx)  # sharded across the processes under fsdp
+    return Session(cfg, ctx, dist, model, tokenizer, pad_id, examples, tokenized, autocast_dtype, counts), merged_input
 
-    # units: pairs (paired losses) or scored rows (kto); the held-out split is by id, seeded
-    if cfg.loss in pl.PAIRED:
-        n_units = len(examples) // 2
-        unit_ids = [examples[2 * i].id for i in range(n_units)]
-    else:
-        scored = [i for i, e in enumerate(examples) if e.role != "kl"]
-        n_units, unit_ids = len(scored), [examples[i].id for i in scored]
-    ids = sorted(set(unit_ids))
-    train_id_idx, eval_id_idx = split_pairs(len(ids), cfg.eval_fraction, ctx.seed)
-    eval_ids = {ids[i] for i in eval_id_idx}
-    all_units = list(range(n_units)) if cfg.loss in pl.PAIRED else scored
-    train_units = [u for u, i in zip(all_units, unit_ids, strict=True) if i not in eval_ids]
-    eval_units = [u for u, i in zip(all_units, unit_ids, strict=True) if i in eval_ids]
-    if not train_units:
-        raise SchemaError(f"{data.label}: {len(ids)} id(s) are too few to hold out eval_fraction={cfg.eval_fraction}")
-    kl_rows = {}
-    if cfg.loss == "kto":
-        kl_of = {e.id: i for i, e in enumerate(examples) if e.role == "kl"}
-        kl_rows = {u: kl_of[examples[u].id] for u in all_units}
 
+def reference_logps(s: Session, inputs: dict[str, Input]) -> tuple[list[float] | None, str]:
+    """The reference's log-prob of every example (cached, or the policy's before its first update) and where
+    it came from ("cached", "computed", or "none" for a reference-free loss)."""
+    cfg, ctx, dist, ref_input = s.cfg, s.ctx, s.dist, inputs.get("reference")
     ref_logps, ref_source = None, "none"
     if cfg.loss in pl.NEEDS_REFERENCE:
         t0 = time.perf_counter()
         if ref_input is not None:
-            ref_logps = reference_table(ref_input, examples, tokenized, data, inputs["model"], cfg.max_length)
+            ref_logps = reference_table(ref_input, s.examples, s.tokenized, inputs["preferences"], inputs["model"],
+                                        cfg.max_length)
             ref_source = "cached"
         elif dist.active and not dist.sharded:  # the policy before its first update (N processes: a part each)
-            ref_logps = dist.gather_list(score_examples(model, dist.part(tokenized), pad_id, ctx.device,
-                                                        cfg.batch_size * 2, autocast_dtype))
+            ref_logps = dist.gather_list(score_examples(s.model, dist.part(s.tokenized), s.pad_id, ctx.device,
+                                                        cfg.batch_size * 2, s.autocast_dtype))
             ref_source = "computed"
         else:  # one process, or fsdp (every rank must run the same forwards: each scores everything)
-            ref_logps = score_examples(model, tokenized, pad_id, ctx.device, cfg.batch_size * 2, autocast_dtype)
+            ref_logps = score_examples(s.model, s.tokenized, s.pad_id, ctx.device, cfg.batch_size * 2, s.autocast_dtype)
             ref_source = "computed"
         ctx.log_metrics({"reference_seconds": time.perf_counter() - t0})
     elif ref_input is not None:
         ctx.log.info("preference_optimization: loss %s is reference-free; the reference input is not used", cfg.loss)
-    ctx.log_params({"units_train": len(train_units), "units_eval": len(eval_units), "reference": ref_source,
-                    "trainable_parameters": counts["trainable"], "total_parameters": counts["total"],
-                    "precision": str(autocast_dtype or "fp32")})
+    return ref_logps, ref_source
 
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = make_optimizer(trainable, cfg.learning_rate, cfg.weight_decay)
-    warmup = int(cfg.warmup_ratio * cfg.max_steps)
-    state = resume(ctx, model, optimizer, "preference_optimization", cfg.max_steps)
-    start, history = state["step"], state.get("history", [])
-    for i, m in enumerate(history):
-        ctx.log_metrics(m, step=i + 1)
 
-    def step_units(step: int) -> list[list[int]]:
-        rng = np.random.default_rng([ctx.seed, step])
-        need = cfg.batch_size * cfg.grad_accum
-        picked = [train_units[j] for j in rng.choice(len(train_units), size=need, replace=len(train_units) < need)]
-        return [picked[i : i + cfg.batch_size] for i in range(0, need, cfg.batch_size)]
+# ---------------------------------------------------------------------------- the training loop
 
-    def forward(units: list[int], group: distributed.Dist = distributed.SINGLE, net=None) -> pl.PreferenceLoss:
-        """The loss of `units`, this rank's share of a micro-batch spread over `group` (KTO's z0 spans it),
-        under `net` (default: the model being trained)."""
-        net = model if net is None else net
-        kl_ref = (kto_reference_point(net, cfg, units, kl_rows, tokenized, ref_logps, pad_id, ctx.device, group)
-                  if cfg.loss == "kto" else None)
-        with torch.autocast(device_type=ctx.device.split(":")[0], dtype=autocast_dtype or torch.float32,
-                            enabled=autocast_dtype is not None):
-            return batch_loss(net, cfg, units, examples, tokenized, ref_logps, pad_id, ctx.device, kl_ref)
 
-    model.train()
-    units_seen, t_train = 0, time.perf_counter()
-    bar = tqdm(total=cfg.max_steps, initial=start, desc=f"preference_optimization ({cfg.loss})", unit="step",
-               disable=not dist.is_main)
-    for step in range(start, cfg.max_steps):
-        lr = set_lr(optimizer, cfg.learning_rate * lr_factor(step, cfg.max_steps, warmup, cfg.lr_scheduler))
-        micro = step_units(step)
-        n = sum(len(m) for m in micro)  # the global step's units
-        outs, loss_total = [], 0.0
-        for units in micro:
-            out = forward(dist.shard(units), dist)
-            loss = out.losses.sum() / n
-            loss.backward()
-            loss_total += float(loss.detach())
-            outs.append(out)
-            units_seen += len(units)
-        dist.sync_gradients(trainable)
-        if dist.active:
-            (loss_total,) = dist.sum([loss_total])
-            outs = dist.gather_list([detached(o) for o in outs])
-        grad_norm = clip_grad_norm(trainable, cfg.max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        metrics = {"train/loss": loss_total, "train/lr": lr, "train/grad_norm": grad_norm,
-                   **{f"train/{k}": v for k, v in pl.reward_metrics(outs).items()}, **extras_means(outs)}
-        done = step + 1
-        if eval_units and cfg.eval_every and done % cfg.eval_every == 0 and done != cfg.max_steps:
-            net = dist.full_model(model, ctx.device)  # rank 0 evaluates (fsdp: an unsharded copy, gathered)
-            if dist.is_main:
-                metrics.update(evaluate(net, eval_units, partial(forward, net=net), cfg.batch_size))
-            del net
-        history.append(metrics)
-        if done % cfg.checkpoint_every == 0 or done == cfg.max_steps:
-            save_checkpoint(ctx.checkpoint_dir, done, model, optimizer, {"step": done, "history": history},
-                            cfg.keep_checkpoints, dist)
-        ctx.log_metrics(metrics, step=done)
-        bar.set_postfix(loss=f"{loss_total:.4f}")
-        bar.update(1)
-    bar.close()
-    elapsed = time.perf_counter() - t_train
+def resume_session(s: Session, loop: Loop) -> int:
+    """Load the newest checkpoint and re-log its curve; the step."""
+    state = loop.resume("preference_optimization")
+    s.history = state.get("history", [])
+    for i, m in enumerate(s.history):
+        s.ctx.log_metrics(m, step=i + 1)
+    return state["step"]
+
+
+def train_step(s: Session, loop: Loop, step: int, lr: float) -> StepResult:
+    """One optimizer step over the step's micro-batches (this rank's share of each), then held-out metrics
+    every eval_every steps (not at the last: the run's end evaluates)."""
+    cfg, dist = s.cfg, s.dist
+    micro = s.step_units(step)
+    n = sum(len(m) for m in micro)  # the global step's units
+    outs, loss_total = [], 0.0
+    for units in micro:
+        out = s.forward(dist.shard(units), dist)
+        loss = out.losses.sum() / n
+        loss.backward()
+        loss_total += float(loss.detach())
+        outs.append(out)
+        s.units_seen += len(units)
+    dist.sync_gradients(loop.trainable)
+    if dist.active:
+        (loss_total,) = dist.sum([loss_total])
+        outs = dist.gather_list([detached(o) for o in outs])
+    grad_norm = loop.update()
+    metrics = {"train/loss": loss_total, "train/lr": lr, "train/grad_norm": grad_norm,
+               **{f"train/{k}": v for k, v in pl.reward_metrics(outs).items()}, **extras_means(outs)}
+    done = step + 1
+    if s.units.eval and cfg.eval_every and done % cfg.eval_every == 0 and done != cfg.max_steps:
+        net = dist.full_model(s.model, s.ctx.device)  # rank 0 evaluates (fsdp: an unsharded copy, gathered)
+        if dist.is_main:
+            metrics.update(evaluate(net, s.units.eval, partial(s.forward, net=net), cfg.batch_size))
+        del net
+    s.history.append(metrics)
+    return StepResult(metrics, {"history": s.history}, {"loss": f"{loss_total:.4f}"})
+
+
+def final_metrics(s: Session, plain, model_input: Input, merged_input: bool) -> dict[str, float]:
+    """Rank 0's held-out metrics of the trained policy and its KL to the reference (eval/*)."""
+    cfg, units = s.cfg, s.units
+    final: dict[str, float] = {}
+    if units.eval and s.dist.is_main:
+        final.update(evaluate(plain, units.eval, partial(s.forward, net=plain), cfg.batch_size))
+    if cfg.kl_prompts and s.dist.is_main:
+        final.update(heldout_kl(plain, s.tokenizer, model_input, s.examples, units.eval or units.train, cfg, s.ctx,
+                                s.pad_id, merged_input))
+    return final
+
+
+def summarize(history: list[dict], trained: int, units_per_s: float, final: dict[str, float]) -> dict[str, float]:
+    """The run's loss at its start and end, its length, its throughput and its final held-out metrics."""
+    return {"final_loss": float(np.mean([h["train/loss"] for h in curve_tail(history)])),
+            "first_loss": history[0]["train/loss"], "trained_steps": float(trained), "units_per_s": units_per_s,
+            **{k.replace("/", "_"): v for k, v in final.items()}}
+
+
+# ---------------------------------------------------------------------------- the stage
+
+
+def run(cfg: PreferenceOptimizationConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[str, Output]:
+    examples = load_examples(cfg, inputs["preferences"])  # validates before any model loads
+    s, merged_input = open_session(cfg, inputs, ctx, examples)
+    dist = s.dist
+    s.units = split_units(cfg, examples, ctx.seed, inputs["preferences"].label)
+    s.ref_logps, ref_source = reference_logps(s, inputs)
+    ctx.log_params({"units_train": len(s.units.train), "units_eval": len(s.units.eval), "reference": ref_source,
+                    "trainable_parameters": s.counts["trainable"], "total_parameters": s.counts["total"],
+                    "precision": str(s.autocast_dtype or "fp32")})
+    loop = Loop.open(cfg, ctx, dist, s.model)
+    start = resume_session(s, loop)
+    elapsed = loop.train(start, f"preference_optimization ({cfg.loss})", partial(train_step, s, loop))
     trained = cfg.max_steps - start
 
-    final: dict[str, float] = {}
-    plain = dist.full_model(model, ctx.device)  # rank 0's evaluation and save (fsdp: gathered, unsharded)
-    if eval_units and dist.is_main:
-        final.update(evaluate(plain, eval_units, partial(forward, net=plain), cfg.batch_size))
-    if cfg.kl_prompts and dist.is_main:
-        final.update(heldout_kl(plain, tokenizer, inputs["model"], examples, eval_units or train_units, cfg, ctx,
-                                pad_id, merged_input))
+    plain = dist.full_model(s.model, ctx.device)  # rank 0's evaluation and save (fsdp: gathered, unsharded)
+    final = final_metrics(s, plain, inputs["model"], merged_input)
     ctx.log_metrics(final, step=cfg.max_steps)
-
-    out, model_dir = model_output_dir(ctx, "model")
-    merge = cfg.lora.merge or merged_input
-    if dist.is_main:
-        models.save_model(plain, tokenizer, model_dir, merge=merge)
-    is_adapter = cfg.lora.r > 0 and not merge
-    tail = history[-max(1, min(10, len(history) // 5)) :]
-    summary = {"final_loss": float(np.mean([h["train/loss"] for h in tail])), "first_loss": history[0]["train/loss"],
-               "trained_steps": float(trained), "units_per_s": units_seen / elapsed if elapsed and trained else 0.0,
-               **{k.replace("/", "_"): v for k, v in final.items()}}
+    out, is_adapter = save_policy(ctx, dist, plain, s.tokenizer, cfg.lora, merged_input)
+    summary = summarize(s.history, trained, s.units_seen / elapsed if elapsed and trained else 0.0, final)
     ctx.log_metrics({k: v for k, v in summary.items() if not k.startswith("eval_")})
-    extra = {"base_fingerprint": inputs["model"].fingerprint} if is_adapter else {}
-    return {"model": Output("model", "adapter" if is_adapter else "model", out, metrics=summary, extra=extra)}
+    return {"model": policy_output(out, is_adapter, inputs["model"], summary)}
 
 
 def detached(out: pl.PreferenceLoss) -> pl.PreferenceLoss:

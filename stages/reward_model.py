@@ -30,12 +30,11 @@ Choices and departures from common trainers (TRL's RewardTrainer):
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from schemas.configs import RewardModelConfig
 from schemas.errors import SchemaError
@@ -52,15 +51,8 @@ from stages.modeling.heads import (
     score_sequences,
 )
 from stages.runtime import distributed
-from stages.training.checkpoints import resume, save_checkpoint
-from stages.training.optim import (
-    clip_grad_norm,
-    lr_factor,
-    make_optimizer,
-    micro_batch_indices,
-    resolve_precision,
-    set_lr,
-)
+from stages.training.loop import Loop, StepResult, autocast, curve_tail, step_micro_batches
+from stages.training.optim import resolve_precision
 from stages.training.pairs import split_pairs
 
 VERSION = "1"
@@ -69,15 +61,6 @@ INPUTS = {"model": "model", "preferences": "preferences"}
 OUTPUTS = {"model": "model"}
 
 OUTPUT_SCHEMA = REWARD_MODEL_SCHEMA  # manifest `schema` of the model artifact this stage writes
-
-
-# ---------------------------------------------------------------------------- pure pieces
-
-
-# ---------------------------------------------------------------------------- text → tokens
-
-
-# ---------------------------------------------------------------------------- the model
 
 
 # ---------------------------------------------------------------------------- data
@@ -112,107 +95,158 @@ def tokenize_pairs(rows: list[dict], tokenizer, cfg: RewardModelConfig) -> list[
     return pairs
 
 
-# ---------------------------------------------------------------------------- the stage
+@dataclass(frozen=True)
+class Split:
+    """The tokenized pairs, split: the held-out share is never trained on."""
+
+    train: list[Pair]
+    held_out: list[Pair]
+    truncated: int  # pairs with a side cut to max_length (or exactly that long)
 
 
-def run(cfg: RewardModelConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[str, Output]:
-    data = inputs["preferences"]
-    rows, train_idx, eval_idx = load_preferences(data, cfg, ctx.seed)  # validates before loading the model
-    dist = distributed.of(ctx)  # N processes: each takes 1/N of every micro-batch; gradients are summed
-    if cfg.lora.r > 0 and not cfg.lora.merge:
-        ctx.log.info("reward_model: lora.merge=False ignored; reward models are saved as merged full weights")
-    seed_everything(ctx.seed)
-    model, tokenizer, pad_id = load_reward_model(inputs["model"], dist.load_device(ctx.device))
-    model = apply_reward_lora(model, cfg.lora)
+def split_tokenized(rows: list[dict], train_idx: list[int], eval_idx: list[int], tokenizer, cfg: RewardModelConfig,
+                    ctx: StageContext) -> Split:
+    """Tokenize every pair, then split them; warns when margin=True finds no margin to use."""
     pairs = tokenize_pairs(rows, tokenizer, cfg)
     train = [pairs[i] for i in train_idx]
     held_out = [pairs[i] for i in eval_idx]
     truncated = sum(max(len(p.chosen), len(p.rejected)) == cfg.max_length for p in pairs)  # cut (or exactly that long)
     if cfg.margin and not any(p.margin for p in train):
         ctx.log.warning("reward_model: margin=True but no training pair has both scores (or they are equal); plain BT loss")
+    return Split(train, held_out, truncated)
 
+
+# ---------------------------------------------------------------------------- the training loop
+
+
+@dataclass
+class Session:
+    """What every step reads and what the run accumulates: config, pairs, loop, precision, the curves."""
+
+    cfg: RewardModelConfig
+    ctx: StageContext
+    pairs: Split
+    pad_id: int
+    loop: Loop
+    autocast_dtype: torch.dtype | None
+    losses: list[float] = field(default_factory=list)  # every step's loss so far
+    accuracies: list[float] = field(default_factory=list)  # every step's share of pairs ranked right
+    pairs_seen: int = 0  # trained since the run (re)started, every process's
+
+
+def open_session(cfg: RewardModelConfig, ctx: StageContext, dist: distributed.Dist, model, pairs: Split,
+                 pad_id: int) -> Session:
+    """Shard the model, build the optimizer, log the run's parameters."""
     counts = models.count_parameters(model)
     model = dist.prepare(model, ctx)  # sharded across the processes under fsdp
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = make_optimizer(trainable, cfg.learning_rate, cfg.weight_decay)
-    warmup = int(cfg.warmup_ratio * cfg.max_steps)
+    loop = Loop.open(cfg, ctx, dist, model)
     autocast_dtype = resolve_precision(cfg.precision, ctx.device)
-    ctx.log_params({"pairs_train": len(train), "pairs_eval": len(held_out), "pairs_truncated": truncated,
-                    "trainable_parameters": counts["trainable"], "total_parameters": counts["total"],
-                    "precision": str(autocast_dtype or "fp32")})
+    ctx.log_params({"pairs_train": len(pairs.train), "pairs_eval": len(pairs.held_out),
+                    "pairs_truncated": pairs.truncated, "trainable_parameters": counts["trainable"],
+                    "total_parameters": counts["total"], "precision": str(autocast_dtype or "fp32")})
+    return Session(cfg, ctx, pairs, pad_id, loop, autocast_dtype)
 
-    state = resume(ctx, model, optimizer, "reward_model", cfg.max_steps)
-    start, losses, accuracies = state["step"], state.get("losses", []), state.get("accuracies", [])
-    for i, (loss, acc) in enumerate(zip(losses, accuracies, strict=True)):  # the whole curve in MLflow
-        ctx.log_metrics({"train/loss": loss, "train/accuracy": acc}, step=i + 1)
 
-    model.train()
-    pairs_seen, t0 = 0, time.perf_counter()
-    bar = tqdm(total=cfg.max_steps, initial=start, desc="reward_model", unit="step", disable=not dist.is_main)
-    for step in range(start, cfg.max_steps):
-        lr = set_lr(optimizer, cfg.learning_rate * lr_factor(step, cfg.max_steps, warmup, cfg.lr_scheduler))
-        step_indices = [micro_batch_indices(len(train), cfg.batch_size, ctx.seed, step * cfg.grad_accum + a)
-                        for a in range(cfg.grad_accum)]
-        n_pairs = sum(len(idx) for idx in step_indices)  # the global step's
-        pairs_seen += n_pairs
-        # this process's parts (under fsdp a weight-0 filler where a part is empty)
-        micro = [([train[i] for i in m], real) for m, real in map(dist.part_or_filler, step_indices) if m]
-        step_loss, step_correct = 0.0, 0
-        for mb, real in micro:
-            ids, mask = collate([p.chosen for p in mb] + [p.rejected for p in mb], pad_id)  # (2B, T)
-            margin = torch.tensor([p.margin for p in mb], device=ctx.device)
-            with torch.autocast(device_type=ctx.device.split(":")[0], dtype=autocast_dtype or torch.float32,
-                                enabled=autocast_dtype is not None):
-                rewards = pooled_rewards(model, ids.to(ctx.device), mask.to(ctx.device))  # (2B,)
-            r_chosen, r_rejected = rewards[: len(mb)], rewards[len(mb) :]
-            loss = bt_loss(r_chosen, r_rejected, margin) * (len(mb) / n_pairs * real)  # mean over the step's pairs
-            loss.backward()
-            step_loss += loss.item()
-            step_correct += int((r_chosen > r_rejected).sum()) * real
-        dist.sync_gradients(trainable)
-        step_loss, step_correct = dist.sum([step_loss, step_correct])
-        grad_norm = clip_grad_norm(trainable, cfg.max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(step_loss)
-        accuracies.append(step_correct / n_pairs)
-        done = step + 1
-        if done % cfg.checkpoint_every == 0 or done == cfg.max_steps:
-            save_checkpoint(ctx.checkpoint_dir, done, model, optimizer,
-                                {"step": done, "losses": losses, "accuracies": accuracies}, cfg.keep_checkpoints, dist)
-        ctx.log_metrics({"train/loss": step_loss, "train/accuracy": accuracies[-1], "train/lr": lr,
-                         "train/grad_norm": grad_norm}, step=done)
-        bar.set_postfix(loss=f"{step_loss:.4f}", acc=f"{accuracies[-1]:.2f}")
-        bar.update(1)
-    bar.close()
-    elapsed = time.perf_counter() - t0
-    trained_steps = cfg.max_steps - start
+def resume_session(s: Session) -> int:
+    """Load the newest checkpoint and re-log its curves (the whole curve in MLflow); the step."""
+    state = s.loop.resume("reward_model")
+    s.losses, s.accuracies = state.get("losses", []), state.get("accuracies", [])
+    for i, (loss, acc) in enumerate(zip(s.losses, s.accuracies, strict=True)):
+        s.ctx.log_metrics({"train/loss": loss, "train/accuracy": acc}, step=i + 1)
+    return state["step"]
 
-    tail = max(1, min(10, len(losses) // 5))
-    metrics = {
-        "train_loss_final": float(np.mean(losses[-tail:])),
-        "train_accuracy_final": float(np.mean(accuracies[-tail:])),
-        "pairs_train": float(len(train)),
-        "pairs_eval": float(len(held_out)),
-        "pairs_truncated": float(truncated),
+
+def micro_batch_loss(s: Session, mb: list[Pair], real: bool, n_pairs: int) -> tuple[float, int]:
+    """Backward of a micro-batch's BT loss, weighted as its share of the step's pairs; (that loss, pairs ranked
+    right)."""
+    device = s.ctx.device
+    ids, mask = collate([p.chosen for p in mb] + [p.rejected for p in mb], s.pad_id)  # (2B, T)
+    margin = torch.tensor([p.margin for p in mb], device=device)
+    with autocast(device, s.autocast_dtype):
+        rewards = pooled_rewards(s.loop.model, ids.to(device), mask.to(device))  # (2B,)
+    r_chosen, r_rejected = rewards[: len(mb)], rewards[len(mb) :]
+    loss = bt_loss(r_chosen, r_rejected, margin) * (len(mb) / n_pairs * real)  # mean over the step's pairs
+    loss.backward()
+    return loss.item(), int((r_chosen > r_rejected).sum()) * real
+
+
+def train_step(s: Session, step: int, lr: float) -> StepResult:
+    """One optimizer step: the step's micro-batches (this process's parts), summed gradients, the update."""
+    cfg, dist, train = s.cfg, s.loop.dist, s.pairs.train
+    step_indices = step_micro_batches(len(train), cfg, s.ctx.seed, step)
+    n_pairs = sum(len(idx) for idx in step_indices)  # the global step's
+    s.pairs_seen += n_pairs
+    # this process's parts (under fsdp a weight-0 filler where a part is empty)
+    micro = [([train[i] for i in m], real) for m, real in map(dist.part_or_filler, step_indices) if m]
+    step_loss, step_correct = 0.0, 0
+    for mb, real in micro:
+        loss, correct = micro_batch_loss(s, mb, real, n_pairs)
+        step_loss += loss
+        step_correct += correct
+    dist.sync_gradients(s.loop.trainable)
+    step_loss, step_correct = dist.sum([step_loss, step_correct])
+    grad_norm = s.loop.update()
+    s.losses.append(step_loss)
+    s.accuracies.append(step_correct / n_pairs)
+    return StepResult({"train/loss": step_loss, "train/accuracy": s.accuracies[-1], "train/lr": lr,
+                       "train/grad_norm": grad_norm},
+                      {"losses": s.losses, "accuracies": s.accuracies},
+                      {"loss": f"{step_loss:.4f}", "acc": f"{s.accuracies[-1]:.2f}"})
+
+
+# ---------------------------------------------------------------------------- results
+
+
+def summarize(s: Session, start: int, elapsed: float) -> dict[str, float]:
+    """The run's loss and accuracy at its end, its data, its length and its throughput."""
+    cfg = s.cfg
+    return {
+        "train_loss_final": float(np.mean(curve_tail(s.losses))),
+        "train_accuracy_final": float(np.mean(curve_tail(s.accuracies))),
+        "pairs_train": float(len(s.pairs.train)),
+        "pairs_eval": float(len(s.pairs.held_out)),
+        "pairs_truncated": float(s.pairs.truncated),
         "steps": float(cfg.max_steps),
-        "trained_steps": float(trained_steps),
+        "trained_steps": float(cfg.max_steps - start),
         "resumed_from_step": float(start),
-        "pairs_per_s": pairs_seen / elapsed if elapsed and pairs_seen else 0.0,
+        "pairs_per_s": s.pairs_seen / elapsed if elapsed and s.pairs_seen else 0.0,
     }
-    plain = dist.full_model(model, ctx.device)  # rank 0's evaluation and save (fsdp: gathered, unsharded)
-    if held_out and dist.is_main:
-        bs = 2 * cfg.batch_size
-        r_chosen = score_sequences(plain, [p.chosen for p in held_out], pad_id, bs, ctx.device)
-        r_rejected = score_sequences(plain, [p.rejected for p in held_out], pad_id, bs, ctx.device)
-        both = torch.cat([r_chosen, r_rejected])
-        metrics |= {
-            "eval_accuracy": pairwise_accuracy(r_chosen, r_rejected),
-            "eval_margin": float((r_chosen - r_rejected).mean()),
-            "eval_loss": float(bt_loss(r_chosen, r_rejected)),
-            "reward_mean": float(both.mean()),
-            "reward_std": float(both.std()) if both.numel() > 1 else 0.0,
-        }
+
+
+def held_out_metrics(plain, held_out: list[Pair], pad_id: int, batch_size: int, device: str) -> dict[str, float]:
+    """Pairwise accuracy, margin, BT loss and the rewards' spread on the held-out pairs."""
+    bs = 2 * batch_size
+    r_chosen = score_sequences(plain, [p.chosen for p in held_out], pad_id, bs, device)
+    r_rejected = score_sequences(plain, [p.rejected for p in held_out], pad_id, bs, device)
+    both = torch.cat([r_chosen, r_rejected])
+    return {
+        "eval_accuracy": pairwise_accuracy(r_chosen, r_rejected),
+        "eval_margin": float((r_chosen - r_rejected).mean()),
+        "eval_loss": float(bt_loss(r_chosen, r_rejected)),
+        "reward_mean": float(both.mean()),
+        "reward_std": float(both.std()) if both.numel() > 1 else 0.0,
+    }
+
+
+# ---------------------------------------------------------------------------- the stage
+
+
+def run(cfg: RewardModelConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[str, Output]:
+    rows, train_idx, eval_idx = load_preferences(inputs["preferences"], cfg, ctx.seed)  # validates before the model
+    dist = distributed.of(ctx)  # N processes: each takes 1/N of every micro-batch; gradients are summed
+    if cfg.lora.r > 0 and not cfg.lora.merge:
+        ctx.log.info("reward_model: lora.merge=False ignored; reward models are saved as merged full weights")
+    seed_everything(ctx.seed)
+    model, tokenizer, pad_id = load_reward_model(inputs["model"], dist.load_device(ctx.device))
+    model = apply_reward_lora(model, cfg.lora)
+    pairs = split_tokenized(rows, train_idx, eval_idx, tokenizer, cfg, ctx)
+    s = open_session(cfg, ctx, dist, model, pairs, pad_id)
+    start = resume_session(s)
+    elapsed = s.loop.train(start, "reward_model", partial(train_step, s))
+    metrics = summarize(s, start, elapsed)
+    plain = dist.full_model(s.loop.model, ctx.device)  # rank 0's evaluation and save (fsdp: gathered, unsharded)
+    if pairs.held_out and dist.is_main:
+        metrics |= held_out_metrics(plain, pairs.held_out, pad_id, cfg.batch_size, ctx.device)
     ctx.log_metrics({k: v for k, v in metrics.items() if k != "steps"})
 
     out, model_dir = model_output_dir(ctx, "model")
