@@ -36,17 +36,22 @@ import time
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
-from schemas.configs import GenerationSpec, GRPOConfig
-from schemas.errors import ConfigError, SchemaError
-from stages.base import Input, Output, StageContext, model_output_dir, seed_everything
+from schemas.configs import GRPOConfig
+from schemas.errors import ConfigError
+from stages.base import Input, Output, StageContext
 from stages.math import rl
 from stages.modeling import logprobs, models
-from stages.rewards.verifiers import score
+from stages.rewards.verifiers import Verdict, score
 from stages.runtime import distributed
-from stages.sampling.generation import TransformersBackend, check_vllm_model_dir, make_backend, render_prompts
-from stages.training.checkpoints import resume, save_checkpoint
+from stages.sampling.generation import (
+    Completion,
+    TransformersBackend,
+    make_backend,
+    render_prompts,
+)
+from stages.training import rollouts
+from stages.training.checkpoints import resume
 from stages.training.optim import (
     clip_grad_norm,
     load_trainable,
@@ -55,6 +60,7 @@ from stages.training.optim import (
     resolve_precision,
     set_lr,
 )
+from stages.training.rollouts import build_batch, pick_prompts, rollout_seed
 
 VERSION = "3"  # (max_minutes, default 0, changes nothing else.) 3: on a GPU, rollouts sample under the training precision (bf16 autocast), not in fp32. 2: sampler blocks of ceil(sqrt(V)) tokens (generation.BlockRaceSampler): other samples for the same seed
 CONFIG = GRPOConfig
@@ -73,26 +79,6 @@ def check(cfg: GRPOConfig) -> None:
 # ---------------------------------------------------------------------------- tensors from rollouts
 
 
-def build_batch(prompt_ids: list[list[int]], completion_ids: list[list[int]], pad_id: int,
-                keep: list[bool]) -> dict[str, torch.Tensor]:
-    """Right-padded prompt+completion rows and a mask over the positions that predict completion tokens.
-
-    Returns input_ids/attention_mask (N, L) and loss_mask (N, L-1) aligned with `token_logprobs`.
-    `keep[i] = False` (e.g. a truncated completion under mask_truncated) zeroes that row's loss mask.
-    """
-    rows = [p + c for p, c in zip(prompt_ids, completion_ids, strict=True)]
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    attn = torch.zeros((len(rows), width), dtype=torch.long)
-    loss_mask = torch.zeros((len(rows), width - 1), dtype=torch.float32)
-    for i, (p, c) in enumerate(zip(prompt_ids, completion_ids, strict=True)):
-        ids[i, : len(p) + len(c)] = torch.tensor(p + c)
-        attn[i, : len(p) + len(c)] = 1
-        if keep[i]:
-            loss_mask[i, len(p) - 1 : len(p) + len(c) - 1] = 1.0  # position t predicts token t+1
-    return {"input_ids": ids, "attention_mask": attn, "loss_mask": loss_mask}
-
-
 def place(values: list[list[float]], prompt_lens: list[int], width: int) -> torch.Tensor:
     """Per-completion-token values (e.g. sampler log-probs, token advantages) laid out like `loss_mask`.
 
@@ -104,27 +90,6 @@ def place(values: list[list[float]], prompt_lens: list[int], width: int) -> torc
         if len(v):
             out[i, p - 1 : p - 1 + len(v)] = torch.as_tensor(v, dtype=torch.float32)
     return out
-
-
-def step_ends(pieces: list[str], delimiter: str = "\n") -> list[int]:
-    """Inclusive token indices where a reasoning step ends, from each token's decoded text.
-
-    A step ends at a token whose text contains the delimiter, once the step has non-blank text; the
-    last token ends a trailing step. E.g. pieces ["a", "\n", "\n", "b"] → [1, 3] (a blank line is
-    not a step).
-    """
-    ends, content = [], False
-    for i, piece in enumerate(pieces):
-        head, sep, tail = piece.partition(delimiter)
-        content = content or bool(head.strip())
-        if sep and content:
-            ends.append(i)
-            content = bool(tail.strip())
-        elif sep:
-            content = bool(tail.strip())
-    if content and pieces and (not ends or ends[-1] != len(pieces) - 1):  # one token can end only one step
-        ends.append(len(pieces) - 1)
-    return ends
 
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -231,22 +196,35 @@ def rollout(backend, tokenizer, rows: list[dict], cfg: GRPOConfig, seed: int, sc
     return completions, verdicts, rewards, stats.seconds, time.perf_counter() - t0
 
 
-def pick_prompts(n_prompts: int, k: int, seed: int, step: int, attempt: int, rank: int = 0) -> list[int]:
-    """k prompt indices for a step's rollout `attempt`; rank > 0 draws from its own stream (refills)."""
-    rng = np.random.default_rng([seed, step, attempt, rank] if rank else [seed, step, attempt])
-    return rng.choice(n_prompts, size=k, replace=n_prompts < k).tolist()
-
-
-def rollout_seed(seed: int, step: int, attempt: int, rank: int = 0) -> int:
-    """Sampling seed of one process's rollout of a step's attempt (rank 0: the single-process seed)."""
-    return seed * 1_000_003 + step * 101 + attempt + rank * 1_000_000_007
-
-
 def stat_totals(stats: dict[str, list[float]], dist: distributed.Dist) -> dict[str, tuple[float, int]]:
     """Per key (sum, count) of a step's mini-batch statistics over every process."""
     keys = sorted(stats)
     flat = dist.sum([x for k in keys for x in (float(np.sum(stats[k])) if stats[k] else 0.0, len(stats[k]))])
     return {k: (flat[2 * i], int(flat[2 * i + 1])) for i, k in enumerate(keys)}
+
+
+# ---------------------------------------------------------------------------- process supervision
+
+
+def step_ends(pieces: list[str], delimiter: str = "\n") -> list[int]:
+    """Inclusive token indices where a reasoning step ends, from each token's decoded text.
+
+    A step ends at a token whose text contains the delimiter, once the step has non-blank text; the
+    last token ends a trailing step. E.g. pieces ["a", "\n", "\n", "b"] → [1, 3] (a blank line is
+    not a step).
+    """
+    ends, content = [], False
+    for i, piece in enumerate(pieces):
+        head, sep, tail = piece.partition(delimiter)
+        content = content or bool(head.strip())
+        if sep and content:
+            ends.append(i)
+            content = bool(tail.strip())
+        elif sep:
+            content = bool(tail.strip())
+    if content and pieces and (not ends or ends[-1] != len(pieces) - 1):  # one token can end only one step
+        ends.append(len(pieces) - 1)
+    return ends
 
 
 def process_advantages(scorer, tokenizer, rows: list[dict], comps: list[list], delimiter: str
@@ -288,40 +266,69 @@ def process_advantages(scorer, tokenizer, rows: list[dict], comps: list[list], d
                  "reward/steps_per_completion": len(raw) / max(1, n)}
 
 
-# ---------------------------------------------------------------------------- the stage
+# ---------------------------------------------------------------------------- session
 
 
-def run(cfg: GRPOConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[str, Output]:
-    table = inputs["prompts"].table("prompts")
-    rows = [r for r in table.to_pylist() if r["split"] == cfg.split and r["answer"] is not None]
-    if not rows:
-        raise SchemaError(f"{inputs['prompts'].label}: no split={cfg.split!r} prompts with an answer to reward")
-    held_out = [r for r in table.to_pylist() if r["split"] == "eval"][: cfg.eval_prompts]
-    rm_input = inputs.get("reward_model")
-    wants_rm = [w for w, on in (("process_coef > 0", cfg.process_coef > 0),
-                                ("reward.weights.reward_model", cfg.reward.weights.get("reward_model", 0) != 0)) if on]
-    if wants_rm and rm_input is None:
-        raise ConfigError(f"grpo: {' and '.join(wants_rm)} need a reward model; wire one to the node's "
-                          f"`reward_model` input (inputs: {{reward_model: <node>.model}})")
-    dist = distributed.of(ctx)
-    share = cfg.prompts_per_step // dist.world  # whole groups per process and step
-    engine = cfg.generation.backend == "vllm"  # a colocated vLLM engine samples; the trainer's weights pushed into it
-    if engine:
-        check_vllm_model_dir(inputs["model"].model_dir, inputs["model"].label)
-    seed_everything(ctx.seed)
+@dataclasses.dataclass
+class Session:
+    """What every phase of a step reads: config, the policy (sharded under fsdp), its frozen reference, the
+    unsharded sampling copy, optimizer, sampler backend, scorer, data, process group."""
+
+    cfg: GRPOConfig
+    ctx: StageContext
+    dist: distributed.Dist
+    model: torch.nn.Module
+    ref: torch.nn.Module | None  # full fine-tuning with beta > 0 (LoRA: the base, the adapter disabled)
+    sampler: torch.nn.Module | None  # fsdp: rollouts come from an unsharded copy, refreshed before each rollout
+    trainable: list[torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    backend: object
+    tokenizer: object
+    pad_id: int
+    scorer: object | None  # a RewardScorer: the reward_model reward component and process supervision
+    rows: list[dict]
+    held_out: list[dict]
+    autocast_dtype: torch.dtype | None
+    engine: bool  # a colocated vLLM engine samples; the trainer's weights are pushed into it before each rollout
+    synced: int | None = None  # the step whose weights the sampler holds (fsdp)
+
+    @property
+    def whole_policy(self) -> torch.nn.Module:
+        """The policy's weights in one piece: the sampling copy under fsdp, else the model."""
+        return self.sampler if self.sampler is not None else self.model
+
+    @property
+    def share(self) -> int:
+        """Whole groups per process and step."""
+        return self.cfg.prompts_per_step // self.dist.world
+
+    def sync_sampler(self, done: int) -> None:
+        """fsdp: the weights after step `done` into the sampling copy (a collective), once per step."""
+        if self.sampler is not None and self.synced != done:
+            self.dist.copy_weights(self.model, self.sampler)
+            self.synced = done
+
+    def autocast(self):
+        return torch.autocast(device_type=self.ctx.device.split(":")[0], dtype=self.autocast_dtype or torch.float32,
+                              enabled=self.autocast_dtype is not None)
+
+
+def open_session(cfg: GRPOConfig, inputs: dict[str, Input], ctx: StageContext) -> tuple[Session, bool]:
+    """Load prompts, policy, reference, sampling copy, optimizer, sampler and scorer; (session, whether the input
+    was an adapter)."""
+    rows, held_out, wants_rm, dist, engine = rollouts.start_run("grpo", cfg, inputs, ctx, (
+        ("process_coef > 0", cfg.process_coef > 0),
+        ("reward.weights.reward_model", cfg.reward.weights.get("reward_model", 0) != 0)))
     model, tokenizer, merged_input = load_trainable(inputs["model"], cfg, dist.load_device(ctx.device))
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     is_lora = cfg.lora.r > 0
     ref = None
     if cfg.beta > 0 and not is_lora:
         ref = copy.deepcopy(model).eval().requires_grad_(False).to(ctx.device)
-    # fsdp: rollouts come from an unsharded copy on every rank, refreshed before each step's rollout
     sampler = copy.deepcopy(model).requires_grad_(False).to(ctx.device) if dist.sharded else None
     counts = models.count_parameters(model)
     model = dist.prepare(model, ctx)  # sharded across the processes under fsdp
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(trainable, cfg.learning_rate, cfg.weight_decay)
-    warmup = int(cfg.warmup_ratio * cfg.steps)
     autocast_dtype = resolve_precision(cfg.precision, ctx.device)
     if engine:
         backend = make_backend(cfg.generation, model, tokenizer, inputs["model"].model_dir, seed=ctx.seed,
@@ -329,279 +336,332 @@ def run(cfg: GRPOConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[st
     else:
         # rollouts in the training passes' precision (bf16 on a GPU), not the fp32 master weights'
         backend = TransformersBackend(sampler if sampler is not None else model, tokenizer, autocast_dtype)
-    synced = None  # the step whose weights the sampler holds (fsdp)
-
-    def sync_sampler(done: int) -> None:
-        nonlocal synced
-        if sampler is not None and synced != done:
-            dist.copy_weights(model, sampler)
-            synced = done
-
-    kl_fn = rl.KL_ESTIMATORS[cfg.kl_estimator]
     scorer = None
-    if rm_input is not None and wants_rm:
+    if inputs.get("reward_model") is not None and wants_rm:
         from stages.modeling.heads import RewardScorer
 
-        scorer = RewardScorer.from_input(rm_input, device=ctx.device)
+        scorer = RewardScorer.from_input(inputs["reward_model"], device=ctx.device)
     ctx.log_params({"train_prompts": len(rows), "trainable_parameters": counts["trainable"],
                     "total_parameters": counts["total"], "precision": str(autocast_dtype or "fp32")})
+    return Session(cfg, ctx, dist, model, ref, sampler, trainable, optimizer, backend, tokenizer,
+                   rollouts.pad_token_id(tokenizer), scorer, rows, held_out, autocast_dtype, engine), merged_input
 
-    state = resume(ctx, model, optimizer, "grpo", cfg.steps)
-    start, history = state["step"], state.get("history", [])
-    if ref is not None and state.get("ref_is_policy"):  # refreshed before the crash: approximate by the policy
-        dist.copy_weights(model, ref)
-    for i, m in enumerate(history):
-        ctx.log_metrics(m, step=i + 1)
 
-    bar = tqdm(total=cfg.steps, initial=start, desc="grpo", unit="step", disable=not dist.is_main)
-    t_loop, done = time.perf_counter(), start
+# ---------------------------------------------------------------------------- rollout and scoring
 
-    def budget_spent(done: int) -> bool:
-        """max_minutes: whether no further step may start; every process stops after the same step."""
-        if not cfg.max_minutes or done >= cfg.steps:
-            return False
-        return dist.sum([float(time.perf_counter() - t_loop >= 60.0 * cfg.max_minutes)])[0] > 0
 
-    for step in range(start, cfg.steps):
-        t_step = time.perf_counter()
-        sync_sampler(step)
-        if engine:  # the policy's current weights into the vLLM engine, in place (LoRA folded in)
-            backend.sync(model, step)
-        # ---- rollout and scoring of this process's share (dynamic sampling drops all-equal groups and refills)
-        batch_rows, comps, verdicts, rewards = [], [], [], []
-        t_gen = t_score = 0.0
-        zero_std_groups = total_groups = 0
-        for attempt in range(1 + (cfg.max_refill_rounds if cfg.dynamic_sampling else 0)):
-            if attempt == 0:  # the step's prompts, split among the processes in whole groups
-                picked_idx = dist.shard(pick_prompts(len(rows), cfg.prompts_per_step, ctx.seed, step, 0))
-            else:  # a refill of this process's dropped groups, from its own stream
-                picked_idx = pick_prompts(len(rows), share - len(batch_rows), ctx.seed, step, attempt, dist.rank)
-            picked = [rows[i] for i in picked_idx]
-            c, v, r, tg, ts = rollout(backend, tokenizer, picked, cfg, seed=rollout_seed(ctx.seed, step, attempt, dist.rank),
-                                      scorer=scorer if cfg.reward.weights.get("reward_model", 0) != 0 else None)
-            t_gen, t_score = t_gen + tg, t_score + ts
-            flat = (r.max(dim=1).values == r.min(dim=1).values).tolist()
-            zero_std_groups += sum(flat)
-            total_groups += len(flat)
-            for i in range(len(picked)):
-                if cfg.dynamic_sampling and flat[i]:
-                    continue
-                batch_rows.append(picked[i])
-                comps.append(c[i])
-                verdicts.append(v[i])
-                rewards.append(r[i])
-            if len(batch_rows) >= share or not cfg.dynamic_sampling:
-                break
-        local_rewards = torch.stack(rewards) if rewards else torch.zeros(0, cfg.group_size)  # (B_rank, G)
-        if dist.active:  # metrics and advantages need every process's groups: gather them (text-free)
-            gathered = dist.gather((verdicts, [[dataclasses.replace(c, text="", token_ids=(), logprobs=None) for c in cs]
-                                               for cs in comps], local_rewards, (zero_std_groups, total_groups, t_gen, t_score)))
-            rewards_by_rank = [g[2] for g in gathered]
-            all_verdicts, all_comps = [v for g in gathered for v in g[0]], [c for g in gathered for c in g[1]]
-            all_rewards = [row for g in gathered for row in g[2]]
-            zero_std_groups, total_groups = sum(g[3][0] for g in gathered), sum(g[3][1] for g in gathered)
-            t_gen, t_score = max(g[3][2] for g in gathered), max(g[3][3] for g in gathered)
-        else:
-            rewards_by_rank, all_verdicts, all_comps, all_rewards = [local_rewards], verdicts, comps, rewards
-        metrics = rollout_metrics(all_verdicts, all_comps, all_rewards, cfg, zero_std_groups / max(1, total_groups))
-        metrics.update({"time/generation": t_gen, "time/scoring": t_score})
-        if not all_rewards:  # every group was flat: nothing to learn from this step
-            metrics.update({"train/skipped": 1.0, "time/training": 0.0})
-            history.append(metrics)
-            ctx.log_metrics(metrics, step=step + 1)
-            bar.update(1)
-            done = step + 1
-            if budget_spent(done):
-                save_checkpoint(ctx.checkpoint_dir, done, model, optimizer,
-                                {"step": done, "history": history, "ref_is_policy": bool(
-                                    cfg.ref_refresh_every and done >= cfg.ref_refresh_every)}, cfg.keep_checkpoints, dist)
+@dataclasses.dataclass
+class Groups:
+    """One process's groups of a step (G completions of one prompt each; dynamic sampling kept only groups whose
+    rewards differ), with how many groups were rolled out, how many were flat, and the times spent."""
+
+    rows: list[dict] = dataclasses.field(default_factory=list)  # the prompts row of each group
+    comps: list[list[Completion]] = dataclasses.field(default_factory=list)
+    verdicts: list[list[Verdict]] = dataclasses.field(default_factory=list)
+    rewards: list[torch.Tensor] = dataclasses.field(default_factory=list)  # (G,) each
+    zero_std_groups: int = 0
+    total_groups: int = 0
+    seconds: float = 0.0
+    score_seconds: float = 0.0
+
+
+def sample_groups(s: Session, step: int) -> Groups:
+    """Roll out and score this process's share of the step's prompts; dynamic sampling drops all-equal groups
+    and refills from this process's own stream, up to max_refill_rounds times."""
+    cfg, dist, g = s.cfg, s.dist, Groups()
+    for attempt in range(1 + (cfg.max_refill_rounds if cfg.dynamic_sampling else 0)):
+        if attempt == 0:  # the step's prompts, split among the processes in whole groups
+            picked_idx = dist.shard(pick_prompts(len(s.rows), cfg.prompts_per_step, s.ctx.seed, step, 0))
+        else:  # a refill of this process's dropped groups, from its own stream
+            picked_idx = pick_prompts(len(s.rows), s.share - len(g.rows), s.ctx.seed, step, attempt, dist.rank)
+        picked = [s.rows[i] for i in picked_idx]
+        c, v, r, tg, ts = rollout(s.backend, s.tokenizer, picked, cfg,
+                                  seed=rollout_seed(s.ctx.seed, step, attempt, dist.rank),
+                                  scorer=s.scorer if cfg.reward.weights.get("reward_model", 0) != 0 else None)
+        g.seconds, g.score_seconds = g.seconds + tg, g.score_seconds + ts
+        flat = (r.max(dim=1).values == r.min(dim=1).values).tolist()
+        g.zero_std_groups += sum(flat)
+        g.total_groups += len(flat)
+        for i in range(len(picked)):
+            if cfg.dynamic_sampling and flat[i]:
+                continue
+            g.rows.append(picked[i])
+            g.comps.append(c[i])
+            g.verdicts.append(v[i])
+            g.rewards.append(r[i])
+        if len(g.rows) >= s.share or not cfg.dynamic_sampling:
+            break
+    return g
+
+
+def gather_groups(s: Session, g: Groups) -> tuple[list[torch.Tensor], dict[str, float]]:
+    """Every process's rewards (B_rank, G), in rank order, and the rollout metrics over every process's groups
+    (gathered text-free: the advantages and metrics need them, the update only this process's)."""
+    local_rewards = torch.stack(g.rewards) if g.rewards else torch.zeros(0, s.cfg.group_size)  # (B_rank, G)
+    zero_std_groups, total_groups, t_gen, t_score = g.zero_std_groups, g.total_groups, g.seconds, g.score_seconds
+    if s.dist.active:
+        gathered = s.dist.gather((g.verdicts, [rollouts.text_free(cs) for cs in g.comps], local_rewards,
+                                  (zero_std_groups, total_groups, t_gen, t_score)))
+        rewards_by_rank = [x[2] for x in gathered]
+        all_verdicts, all_comps = [v for x in gathered for v in x[0]], [c for x in gathered for c in x[1]]
+        all_rewards = [row for x in gathered for row in x[2]]
+        zero_std_groups, total_groups = sum(x[3][0] for x in gathered), sum(x[3][1] for x in gathered)
+        t_gen, t_score = max(x[3][2] for x in gathered), max(x[3][3] for x in gathered)
+    else:
+        rewards_by_rank, all_verdicts, all_comps, all_rewards = [local_rewards], g.verdicts, g.comps, g.rewards
+    metrics = rollouts.rollout_metrics(torch.stack(all_rewards) if all_rewards else torch.zeros(0, s.cfg.group_size),
+                                       [v for vs in all_verdicts for v in vs], [c for cs in all_comps for c in cs],
+                                       zero_std_groups / max(1, total_groups))
+    metrics.update({"time/generation": t_gen, "time/scoring": t_score})
+    return rewards_by_rank, metrics
+
+
+# ---------------------------------------------------------------------------- advantages and training tensors
+
+
+@dataclasses.dataclass
+class Update:
+    """A step's training tensors on this process. n = 0: it has no groups (dynamic sampling) but still joins every
+    gradient sum; the tensors are then None."""
+
+    adv: torch.Tensor  # (N,) outcome advantages, or (N, L-1) per token with process supervision
+    n: int  # this process's sequences
+    batch: dict[str, torch.Tensor] | None = None  # build_batch's whole rows
+    rollout_batch: RolloutBatch | None = None
+    shared: bool = False  # mini-batches of whole groups, each prompt run once
+    old_logp: torch.Tensor | None = None  # (N, L-1), filled by the first epoch's forward passes
+    sampler_logp: torch.Tensor | None = None  # old_logprobs: sampler
+    tis_w: torch.Tensor | None = None
+    ref_logp: torch.Tensor | None = None  # beta > 0
+
+
+def advantages(s: Session, g: Groups, rewards_by_rank: list[torch.Tensor], metrics: dict[str, float]) -> Update:
+    """Group-relative advantages of this process's sequences (exactly one process's for every process's rewards)
+    and their training tensors; with process_coef > 0 plus the reward model's per-token step advantages."""
+    cfg = s.cfg
+    adv = rl.sharded_group_advantages(rewards_by_rank, s.dist.rank, cfg.advantage, cfg.std).reshape(-1)  # (B*G,)
+    n = adv.numel()
+    if not n:
+        return Update(adv, n)
+    prompt_texts = render_prompts(s.tokenizer, [r["messages"] for r in g.rows], cfg.generation.prefill)
+    prompt_ids = [s.tokenizer(t, add_special_tokens=False)["input_ids"] for t in prompt_texts]
+    flat_prompt_ids = [p for p in prompt_ids for _ in range(cfg.group_size)]
+    flat_comps = [c for cs in g.comps for c in cs]
+    keep = [not (cfg.mask_truncated and c.finish_reason == "length") for c in flat_comps]
+    batch = build_batch(flat_prompt_ids, [list(c.token_ids) for c in flat_comps], s.pad_id, keep)
+    prompt_lens = [len(p) for p in flat_prompt_ids]
+    if cfg.process_coef > 0:
+        adv = process_supervision(s, g, adv, prompt_lens, batch["input_ids"].shape[1], metrics)  # (B*G, L-1)
+    s.model.train()
+    # the prompt runs once per group through a KV cache or packed with its completions (either where both
+    # can, by cost); under gradient checkpointing there is no cache: packed if the model can be
+    cached = logprobs.can_share_prefix(s.model)
+    shared = cfg.prefix_sharing and (cached or logprobs.can_pack_prefix(s.model))
+    rollout_batch = RolloutBatch(batch, prompt_ids, [list(c.token_ids) for c in flat_comps], cfg.group_size,
+                                 s.pad_id, shared, s.ctx.device, cfg.logprob_chunk, None if cached else True)
+    u = Update(adv, n, batch, rollout_batch, shared)
+    # The old policy's log-probs are the first epoch's own forward pass (filled in `minibatch_backward`): the
+    # parameters change only after an epoch's last mini-batch, so they are exact, and no separate no-grad pass
+    # over the batch is needed.
+    u.old_logp = torch.zeros_like(batch["loss_mask"])
+    if cfg.old_logprobs == "sampler":
+        u.sampler_logp = place([list(c.logprobs or ()) for c in flat_comps], prompt_lens, batch["input_ids"].shape[1])
+        u.tis_w = torch.zeros_like(u.sampler_logp)
+    if cfg.beta > 0:
+        u.ref_logp = reference_logprobs(s, u)
+    return u
+
+
+def process_supervision(s: Session, g: Groups, adv: torch.Tensor, prompt_lens: list[int], width: int,
+                        metrics: dict[str, float]) -> torch.Tensor:
+    """The outcome advantages (B*G,) plus process_coef times the step advantages of the reward model
+    (`process_advantages`), per token (B*G, L-1); its metrics into `metrics`, its time counted as scoring."""
+    t_ps = time.perf_counter()
+    step_adv, ps_metrics = process_advantages(s.scorer, s.tokenizer, g.rows, g.comps, s.cfg.step_delimiter)
+    metrics.update(ps_metrics)
+    adv = adv[:, None] + s.cfg.process_coef * place(step_adv, prompt_lens, width)  # (B*G, L-1)
+    metrics["time/scoring"] += time.perf_counter() - t_ps
+    return adv
+
+
+@torch.no_grad()
+def reference_logprobs(s: Session, u: Update) -> torch.Tensor:
+    """(N, L-1) log-probs of the frozen reference. LoRA: the base, the adapter disabled; under fsdp in the
+    unsharded sampling copy, which holds this step's weights, so no rank's reference pass is a collective."""
+    ref_logp = torch.zeros_like(u.batch["loss_mask"])
+    is_lora = s.cfg.lora.r > 0
+    base = s.whole_policy
+    with base.disable_adapter() if is_lora else contextlib.nullcontext():
+        for idx in minibatch_rows(u.n, s.cfg.group_size, s.cfg.minibatch_size, u.shared, torch.Generator()):
+            ref_logp[idx] = u.rollout_batch.logprobs(base if is_lora else s.ref, idx)[0].float().cpu()
+    return ref_logp
+
+
+# ---------------------------------------------------------------------------- the update
+
+
+TRAIN_STATS = ("loss", "clip_low", "clip_high", "kl", "entropy", "gap", "mismatch_kl", "weight_mean", "clipped")
+
+
+def update(s: Session, u: Update, step: int) -> tuple[dict[str, list[float]], float, float]:
+    """mu epochs over the step's sequences in shuffled mini-batches; each epoch accumulates all of them into one
+    optimizer step, normalised by the whole step's sequences or tokens. (this process's mini-batch statistics,
+    the last gradient norm, the learning rate)."""
+    cfg, dist = s.cfg, s.dist
+    lr = set_lr(s.optimizer, cfg.learning_rate * lr_factor(step, cfg.steps, int(cfg.warmup_ratio * cfg.steps),
+                                                           "constant"))
+    # normalisers of the whole step (every process's sequences and tokens)
+    n_all, total_tokens = dist.sum([u.n, float(u.batch["loss_mask"].sum()) if u.n else 0.0])
+    total_tokens = max(1.0, total_tokens)
+    train_stats: dict[str, list[float]] = {k: [] for k in TRAIN_STATS}
+    for epoch in range(cfg.mu):
+        generator = torch.Generator().manual_seed(s.ctx.seed + step * 31 + epoch)
+        for idx in even_passes(minibatch_rows(u.n, cfg.group_size, cfg.minibatch_size, u.n > 0 and u.shared,
+                                              generator), dist):
+            if idx is None:  # fsdp: a weight-0 pass, so every rank runs as many forwards and backwards
+                filler_backward(s.model, s.pad_id, s.ctx.device)
+                continue
+            minibatch_backward(s, u, idx, epoch, n_all, total_tokens, train_stats)
+        dist.sync_gradients(s.trainable)
+        grad_norm = clip_grad_norm(s.trainable, cfg.max_grad_norm)
+        s.optimizer.step()
+        s.optimizer.zero_grad(set_to_none=True)
+    return train_stats, grad_norm, lr
+
+
+def minibatch_backward(s: Session, u: Update, idx: torch.Tensor, epoch: int, n_all: float, total_tokens: float,
+                       train_stats: dict[str, list[float]]) -> None:
+    """The clipped policy loss of rows `idx` (times the TIS weight, plus beta * KL to the reference), aggregated
+    and weighted by the mini-batch's share of the step; backward, and its statistics into `train_stats`."""
+    cfg, dev = s.cfg, s.ctx.device
+    mask = u.batch["loss_mask"][idx].to(dev)
+    with s.autocast():
+        logp, entropy = u.rollout_batch.logprobs(s.model, idx, with_entropy=True)
+    if epoch == 0:  # params unchanged within an epoch: exact old log-probs
+        u.old_logp[idx] = logp.detach().float().cpu()
+    if u.sampler_logp is not None and epoch == 0:
+        w, tis_stats = rl.tis_weights(u.old_logp[idx], u.sampler_logp[idx], u.batch["loss_mask"][idx], cfg.tis_cap)
+        u.tis_w[idx] = w
+        for k, val in tis_stats.items():
+            train_stats[k].append(float(val))
+    per_token, stats = rl.policy_loss(logp, u.old_logp[idx].to(dev), u.adv[idx].to(dev), mask, cfg.policy_loss,
+                                      cfg.epsilon_low, cfg.epsilon_high)
+    if u.tis_w is not None:
+        per_token = per_token * u.tis_w[idx].to(dev)
+    if u.ref_logp is not None:
+        kl = rl.KL_ESTIMATORS[cfg.kl_estimator](logp, u.ref_logp[idx].to(dev)) * mask
+        per_token = per_token + cfg.beta * kl
+        train_stats["kl"].append(float(kl.detach().sum() / mask.sum().clamp(min=1)))
+    loss = rl.aggregate(per_token, mask, cfg.aggregation, max_tokens=cfg.generation.max_new_tokens)
+    weight = float(mask.sum()) / total_tokens if cfg.aggregation == "token_mean" else len(idx) / n_all
+    (loss * weight).backward()
+    train_stats["loss"].append(float(loss.detach()) * weight)
+    train_stats["clip_low"].append(float(stats["clip_low"]))
+    train_stats["clip_high"].append(float(stats["clip_high"]))
+    train_stats["entropy"].append(float((entropy * mask).sum() / mask.sum().clamp(min=1)))
+
+
+def refresh_reference(s: Session, step: int) -> None:
+    """ref_refresh_every: the reference becomes the policy every that many steps (full fine-tuning only)."""
+    if s.ref is not None and s.cfg.ref_refresh_every and (step + 1) % s.cfg.ref_refresh_every == 0:
+        s.dist.copy_weights(s.model, s.ref)
+
+
+def ref_state(cfg: GRPOConfig, done: int) -> dict[str, bool]:
+    """What a checkpoint records of the reference: whether it has been refreshed to the policy by step `done`."""
+    return {"ref_is_policy": bool(cfg.ref_refresh_every and done >= cfg.ref_refresh_every)}
+
+
+# ---------------------------------------------------------------------------- metrics
+
+
+def train_metrics(s: Session, train_stats: dict[str, list[float]], grad_norm: float, lr: float, t_train: float,
+                  t_step: float) -> dict[str, float]:
+    """Means of the step's mini-batch statistics over every process, and the step's times."""
+    cfg = s.cfg
+    totals = stat_totals(train_stats, s.dist)  # key -> (sum, count) over every process's mini-batches
+    metrics = {
+        "train/loss": totals["loss"][0] / cfg.mu,
+        **{f"train/{k}": totals[k][0] / totals[k][1] for k in ("clip_low", "clip_high", "entropy")},
+        "train/grad_norm": grad_norm, "train/lr": lr, "time/training": time.perf_counter() - t_train,
+        "time/step": time.perf_counter() - t_step,
+    }
+    if totals["kl"][1]:
+        metrics["train/kl"] = totals["kl"][0] / totals["kl"][1]
+    if totals["gap"][1]:
+        metrics.update({f"train/{name}": totals[k][0] / totals[k][1] for name, k in (
+            ("logprob_gap", "gap"), ("mismatch_kl", "mismatch_kl"), ("tis_weight_mean", "weight_mean"),
+            ("tis_clipped", "clipped"))})
+    return metrics
+
+
+def evaluate(s: Session, done: int) -> dict[str, float]:
+    """Every eval_every steps: greedy accuracy on the held-out prompts (every rank syncs the sampling copy, a
+    collective under fsdp; rank 0 evaluates)."""
+    if not rollouts.eval_due(s.cfg, s.held_out, done):
+        return {}
+    s.sync_sampler(done)
+    if not s.dist.is_main:
+        return {}
+    if s.engine:
+        s.backend.sync(s.model, done)
+    return rollouts.held_out_eval(s.backend, s.held_out, s.cfg.generation, s.ctx.seed)
+
+
+# ---------------------------------------------------------------------------- the stage
+
+
+def train_step(s: Session, step: int) -> dict[str, float]:
+    """One GRPO step: rollout and score, advantages (and process supervision), reference pass, mu update epochs;
+    its metrics. A step whose groups were all flat (every process's) trains nothing: `train/skipped`."""
+    t_step = time.perf_counter()
+    s.sync_sampler(step)
+    if s.engine:  # the policy's current weights into the vLLM engine, in place (LoRA folded in)
+        s.backend.sync(s.model, step)
+    g = sample_groups(s, step)
+    rewards_by_rank, metrics = gather_groups(s, g)
+    if not any(len(r) for r in rewards_by_rank):  # every group was flat: nothing to learn from this step
+        metrics.update({"train/skipped": 1.0, "time/training": 0.0})
+        return metrics
+    t_train = time.perf_counter()
+    u = advantages(s, g, rewards_by_rank, metrics)
+    train_stats, grad_norm, lr = update(s, u, step)
+    refresh_reference(s, step)
+    metrics.update(train_metrics(s, train_stats, grad_norm, lr, t_train, t_step))
+    return metrics
+
+
+def skip_step(s: Session, loop: rollouts.StepLoop, metrics: dict[str, float], done: int) -> bool:
+    """A step that trained nothing: logged, not checkpointed unless it spends the budget; whether to stop."""
+    loop.history.append(metrics)
+    s.ctx.log_metrics(metrics, step=done)
+    loop.bar.update(1)
+    if loop.out_of_time(done):
+        loop.checkpoint(done, s.model, s.optimizer, ref_state(s.cfg, done))
+        return True
+    return False
+
+
+def run(cfg: GRPOConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[str, Output]:
+    s, merged_input = open_session(cfg, inputs, ctx)
+    state = resume(ctx, s.model, s.optimizer, "grpo", cfg.steps)
+    if s.ref is not None and state.get("ref_is_policy"):  # refreshed before the crash: approximate by the policy
+        s.dist.copy_weights(s.model, s.ref)
+    loop = rollouts.StepLoop("grpo", cfg, ctx, s.dist, state)
+    done = loop.start
+    for step in range(loop.start, cfg.steps):
+        metrics = train_step(s, step)
+        done = step + 1
+        if "train/skipped" in metrics:
+            if skip_step(s, loop, metrics, done):
                 break
             continue
-
-        # ---- advantages and training tensors (a process left without groups still joins every gradient sum)
-        t0 = time.perf_counter()
-        adv = rl.sharded_group_advantages(rewards_by_rank, dist.rank, cfg.advantage, cfg.std).reshape(-1)  # (B*G,)
-        n = adv.numel()  # this process's sequences
-        if n:
-            prompt_texts = render_prompts(tokenizer, [r["messages"] for r in batch_rows], cfg.generation.prefill)
-            prompt_ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in prompt_texts]
-            flat_prompt_ids = [p for p in prompt_ids for _ in range(cfg.group_size)]
-            flat_comps = [c for cs in comps for c in cs]
-            keep = [not (cfg.mask_truncated and c.finish_reason == "length") for c in flat_comps]
-            batch = build_batch(flat_prompt_ids, [list(c.token_ids) for c in flat_comps], pad_id, keep)
-            prompt_lens = [len(p) for p in flat_prompt_ids]
-            width = batch["input_ids"].shape[1]
-            if cfg.process_coef > 0:
-                t_ps = time.perf_counter()
-                step_adv, ps_metrics = process_advantages(scorer, tokenizer, batch_rows, comps, cfg.step_delimiter)
-                metrics.update(ps_metrics)
-                adv = adv[:, None] + cfg.process_coef * place(step_adv, prompt_lens, width)  # (B*G, L-1)
-                t_score += time.perf_counter() - t_ps
-                metrics["time/scoring"] = t_score
-            model.train()
-            # the prompt runs once per group through a KV cache or packed with its completions (either where both
-            # can, by cost); under gradient checkpointing there is no cache: packed if the model can be
-            cached = logprobs.can_share_prefix(model)
-            shared = cfg.prefix_sharing and (cached or logprobs.can_pack_prefix(model))
-            rollout_batch = RolloutBatch(batch, prompt_ids, [list(c.token_ids) for c in flat_comps], cfg.group_size,
-                                         pad_id, shared, ctx.device, cfg.logprob_chunk, None if cached else True)
-
-            sampler_logp = tis_w = None
-            # The old policy's log-probs are the first epoch's own forward pass (filled below): the
-            # parameters change only after an epoch's last mini-batch, so they are exact, and no
-            # separate no-grad pass over the batch is needed.
-            old_logp = torch.zeros_like(batch["loss_mask"])
-            if cfg.old_logprobs == "sampler":
-                sampler_logp = place([list(c.logprobs or ()) for c in flat_comps], prompt_lens, width)
-                tis_w = torch.zeros_like(sampler_logp)
-            ref_logp = None
-            if cfg.beta > 0:
-                ref_logp = torch.zeros_like(batch["loss_mask"])
-                # LoRA: the reference is the base, the adapter disabled; under fsdp in the unsharded sampling
-                # copy, which holds this step's weights, so no rank's reference pass is a collective
-                base = sampler if sampler is not None else model
-                with torch.no_grad(), (base.disable_adapter() if is_lora else contextlib.nullcontext()):
-                    for idx in minibatch_rows(n, cfg.group_size, cfg.minibatch_size, shared, torch.Generator()):
-                        ref_logp[idx] = rollout_batch.logprobs(base if is_lora else ref, idx)[0].float().cpu()
-
-        # ---- mu epochs; each accumulates all mini-batches into one optimizer step
-        lr = set_lr(optimizer, cfg.learning_rate * lr_factor(step, cfg.steps, warmup, "constant"))
-        # normalisers of the whole step (every process's sequences and tokens)
-        n_all, total_tokens = dist.sum([n, float(batch["loss_mask"].sum()) if n else 0.0])
-        total_tokens = max(1.0, total_tokens)
-        train_stats: dict[str, list[float]] = {"loss": [], "clip_low": [], "clip_high": [], "kl": [], "entropy": [],
-                                               "gap": [], "mismatch_kl": [], "weight_mean": [], "clipped": []}
-        for epoch in range(cfg.mu):
-            generator = torch.Generator().manual_seed(ctx.seed + step * 31 + epoch)
-            for idx in even_passes(minibatch_rows(n, cfg.group_size, cfg.minibatch_size, n > 0 and shared, generator),
-                                   dist):
-                if idx is None:  # fsdp: a weight-0 pass, so every rank runs as many forwards and backwards
-                    filler_backward(model, pad_id, ctx.device)
-                    continue
-                mask = batch["loss_mask"][idx].to(ctx.device)
-                with torch.autocast(device_type=ctx.device.split(":")[0], dtype=autocast_dtype or torch.float32,
-                                    enabled=autocast_dtype is not None):
-                    logp, entropy = rollout_batch.logprobs(model, idx, with_entropy=True)
-                if epoch == 0:  # params unchanged within an epoch: exact old log-probs
-                    old_logp[idx] = logp.detach().float().cpu()
-                if sampler_logp is not None and epoch == 0:
-                    w, tis_stats = rl.tis_weights(old_logp[idx], sampler_logp[idx], batch["loss_mask"][idx], cfg.tis_cap)
-                    tis_w[idx] = w
-                    for k, val in tis_stats.items():
-                        train_stats[k].append(float(val))
-                per_token, stats = rl.policy_loss(logp, old_logp[idx].to(ctx.device), adv[idx].to(ctx.device), mask,
-                                                  cfg.policy_loss, cfg.epsilon_low, cfg.epsilon_high)
-                if tis_w is not None:
-                    per_token = per_token * tis_w[idx].to(ctx.device)
-                if ref_logp is not None:
-                    kl = kl_fn(logp, ref_logp[idx].to(ctx.device)) * mask
-                    per_token = per_token + cfg.beta * kl
-                    train_stats["kl"].append(float(kl.detach().sum() / mask.sum().clamp(min=1)))
-                loss = rl.aggregate(per_token, mask, cfg.aggregation, max_tokens=cfg.generation.max_new_tokens)
-                weight = float(mask.sum()) / total_tokens if cfg.aggregation == "token_mean" else len(idx) / n_all
-                (loss * weight).backward()
-                train_stats["loss"].append(float(loss.detach()) * weight)
-                train_stats["clip_low"].append(float(stats["clip_low"]))
-                train_stats["clip_high"].append(float(stats["clip_high"]))
-                train_stats["entropy"].append(float((entropy * mask).sum() / mask.sum().clamp(min=1)))
-            dist.sync_gradients(trainable)
-            grad_norm = clip_grad_norm(trainable, cfg.max_grad_norm)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        if ref is not None and cfg.ref_refresh_every and (step + 1) % cfg.ref_refresh_every == 0:
-            dist.copy_weights(model, ref)
-        totals = stat_totals(train_stats, dist)  # key -> (sum, count) over every process's mini-batches
-        metrics.update({
-            "train/loss": totals["loss"][0] / cfg.mu,
-            **{f"train/{k}": totals[k][0] / totals[k][1] for k in ("clip_low", "clip_high", "entropy")},
-            "train/grad_norm": grad_norm, "train/lr": lr, "time/training": time.perf_counter() - t0,
-            "time/step": time.perf_counter() - t_step,
-        })
-        if totals["kl"][1]:
-            metrics["train/kl"] = totals["kl"][0] / totals["kl"][1]
-        if totals["gap"][1]:
-            metrics.update({f"train/{name}": totals[k][0] / totals[k][1] for name, k in (
-                ("logprob_gap", "gap"), ("mismatch_kl", "mismatch_kl"), ("tis_weight_mean", "weight_mean"),
-                ("tis_clipped", "clipped"))})
-        done = step + 1
-        out_of_time = budget_spent(done)
-        if cfg.eval_every and held_out and done % cfg.eval_every == 0:
-            sync_sampler(done)  # every rank (a collective under fsdp); rank 0 evaluates
-            if dist.is_main:
-                if engine:
-                    backend.sync(model, done)
-                metrics.update(held_out_eval(backend, held_out, cfg, ctx.seed))
-        history.append(metrics)
-        if done % cfg.checkpoint_every == 0 or done == cfg.steps or out_of_time:  # every rank: gathered under fsdp
-            save_checkpoint(ctx.checkpoint_dir, done, model, optimizer,
-                            {"step": done, "history": history,
-                             "ref_is_policy": bool(cfg.ref_refresh_every and done >= cfg.ref_refresh_every)},
-                            cfg.keep_checkpoints, dist)
-        ctx.log_metrics(metrics, step=done)
-        bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
-        bar.update(1)
-        if out_of_time:
-            ctx.log.info("grpo: the %.4g-minute budget is spent after step %d of %d; saving the model as it is",
-                         cfg.max_minutes, done, cfg.steps)
+        out_of_time = loop.out_of_time(done)
+        metrics.update(evaluate(s, done))
+        if loop.finish_step(metrics, done, out_of_time, s.model, s.optimizer, ref_state(cfg, done),
+                            reward=f"{metrics['reward/mean']:.3f}"):
             break
-    bar.close()
-
-    out, model_dir = model_output_dir(ctx, "model")
-    merge = cfg.lora.merge or merged_input
-    sync_sampler(done)  # fsdp: the final weights, whole, in the sampling copy (a collective)
-    if dist.is_main:
-        models.save_model(sampler if sampler is not None else model, tokenizer, model_dir, merge=merge)
-    is_adapter = is_lora and not merge
-    summary = summarize(history)
-    ctx.log_metrics(summary)
-    extra = {"base_fingerprint": inputs["model"].fingerprint} if is_adapter else {}
-    return {"model": Output("model", "adapter" if is_adapter else "model", out, metrics=summary, extra=extra)}
-
-
-def rollout_metrics(verdicts, comps, rewards, cfg: GRPOConfig, zero_std_frac: float) -> dict[str, float]:
-    flat_v = [v for vs in verdicts for v in vs]
-    flat_c = [c for cs in comps for c in cs]
-    r = torch.stack(rewards) if rewards else torch.zeros(0, cfg.group_size)
-    m: dict[str, float] = {
-        "reward/mean": float(r.mean()) if r.numel() else 0.0,
-        "reward/std": float(r.std(unbiased=False)) if r.numel() else 0.0,
-        "reward/zero_std_groups": zero_std_frac,
-        "reward/unscored": float(sum(v.reward is None for v in flat_v)),
-    }
-    if flat_v:
-        scored = [v.correct for v in flat_v if v.correct is not None]
-        m["reward/accuracy"] = float(np.mean(scored)) if scored else 0.0
-        m["reward/format_rate"] = float(np.mean([v.format_ok for v in flat_v]))
-        for name in sorted({k for v in flat_v for k in v.components}):
-            m[f"reward/{name}"] = float(np.mean([v.components.get(name, 0.0) for v in flat_v]))
-        lengths = [c.num_tokens for c in flat_c]
-        m["completion/mean_length"] = float(np.mean(lengths))
-        m["completion/max_length"] = float(np.max(lengths))
-        m["completion/truncated_frac"] = float(np.mean([c.finish_reason == "length" for c in flat_c]))
-    return m
-
-
-def held_out_eval(backend, rows: list[dict], cfg: GRPOConfig, seed: int) -> dict[str, float]:
-    """Greedy accuracy and format rate on held-out prompts, scored as the eval stage scores."""
-    spec = GenerationSpec(max_new_tokens=cfg.generation.max_new_tokens, temperature=0.0, prefill=cfg.generation.prefill,
-                          batch_size=cfg.generation.batch_size)
-    comps, _ = backend.generate([r["messages"] for r in rows], spec, seed=seed, progress=False)
-    verdicts = [score(r, cs[0].text) for r, cs in zip(rows, comps, strict=True)]
-    scored = [v.correct for v in verdicts if v.correct is not None]
-    return {"eval/accuracy": float(np.mean(scored)) if scored else 0.0,
-            "eval/format_rate": float(np.mean([v.format_ok for v in verdicts]))}
-
-
-def summarize(history: list[dict]) -> dict[str, float]:
-    """First/last-tenth reward means, so a run's improvement is one number in the summary table."""
-    rewards = [h["reward/mean"] for h in history]
-    k = max(1, len(rewards) // 10)
-    out = {"steps": float(len(history)), "reward_first": float(np.mean(rewards[:k])),
-           "reward_last": float(np.mean(rewards[-k:]))}
-    evals = [h for h in history if "eval/accuracy" in h]
-    if evals:
-        out["eval_accuracy_last"] = evals[-1]["eval/accuracy"]
-        out["eval_format_rate_last"] = evals[-1]["eval/format_rate"]
-    out["time_per_step"] = float(np.mean([h.get("time/step", 0.0) for h in history])) if history else 0.0
-    return out
-
+    loop.bar.close()
+    s.sync_sampler(done)  # fsdp: the final weights, whole, in the sampling copy (a collective)
+    return rollouts.save_policy(ctx, inputs, cfg, s.whole_policy, s.tokenizer, merged_input, s.dist,
+                                rollouts.summarize(loop.history, {"reward": "reward/mean"}))

@@ -39,14 +39,12 @@ import copy
 import dataclasses
 import time
 
-import numpy as np
 import torch
 from peft import PeftModel
-from tqdm.auto import tqdm
 
-from schemas.configs import GenerationSpec, PPOConfig
-from schemas.errors import ConfigError, ModelError, SchemaError
-from stages.base import Input, Output, StageContext, model_output_dir, seed_everything
+from schemas.configs import PPOConfig
+from schemas.errors import ConfigError, ModelError
+from stages.base import Input, Output, StageContext
 from stages.math import rl
 from stages.modeling import logprobs, models
 from stages.modeling.heads import (
@@ -57,9 +55,11 @@ from stages.modeling.heads import (
 )
 from stages.rewards.verifiers import Verdict, score
 from stages.runtime import distributed
-from stages.sampling.generation import Completion, check_vllm_model_dir, make_backend, render_prompts
-from stages.training.checkpoints import resume, save_checkpoint
+from stages.sampling.generation import Completion, make_backend, render_prompts
+from stages.training import rollouts
+from stages.training.checkpoints import resume
 from stages.training.optim import clip_grad_norm, load_trainable, lr_factor, make_optimizer, resolve_precision
+from stages.training.rollouts import build_batch, pick_prompts
 
 VERSION = "1"
 CONFIG = PPOConfig
@@ -74,17 +74,6 @@ def check(cfg: PPOConfig) -> None:
 
 
 # ---------------------------------------------------------------------------- tensors
-
-
-def build_batch(prompt_ids: list[list[int]], completion_ids: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-padded prompt+completion rows, input_ids/attention_mask (N, L), and loss_mask (N, L-1): 1 at the
-    positions that predict a completion token (position t predicts token t+1), the layout of
-    `logprobs.bucketed_token_logprobs` and `token_values`."""
-    ids, attn = logprobs.right_padded([p + c for p, c in zip(prompt_ids, completion_ids, strict=True)], pad_id)
-    mask = torch.zeros((ids.shape[0], ids.shape[1] - 1), dtype=torch.float32)
-    for i, (p, c) in enumerate(zip(prompt_ids, completion_ids, strict=True)):
-        mask[i, len(p) - 1 : len(p) + len(c) - 1] = 1.0
-    return {"input_ids": ids, "attention_mask": attn, "loss_mask": mask}
 
 
 def _critic_inner(critic):
@@ -125,7 +114,7 @@ def whiten_everywhere(x: torch.Tensor, mask: torch.Tensor, dist: distributed.Dis
 @dataclasses.dataclass
 class Models:
     """The policy, its critic, the frozen reference (None: LoRA's disabled adapter, or beta = 0), and both trained
-    models as one module, so `sft.save_checkpoint` / `sft.resume` and one optimizer hold them together."""
+    models as one module, so `checkpoints.save_checkpoint` / `checkpoints.resume` and one optimizer hold them together."""
 
     policy: torch.nn.Module
     critic: torch.nn.Module
@@ -155,8 +144,7 @@ def load_critic(cfg: PPOConfig, inputs: dict[str, Input], tokenizer, device: str
         lm, _ = inputs["model"].load_model()
         if isinstance(lm, PeftModel):
             lm = lm.merge_and_unload()
-        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        model = reward_model_from_causal_lm(lm, pad_id).to(device)
+        model = reward_model_from_causal_lm(lm, rollouts.pad_token_id(tokenizer)).to(device)
         del lm
     if cfg.gradient_checkpointing:
         models.enable_activation_checkpointing(model, use_reentrant=False)
@@ -186,28 +174,11 @@ class Session:
                               enabled=self.autocast_dtype is not None)
 
 
-def load_prompts(cfg: PPOConfig, inputs: dict[str, Input]) -> tuple[list[dict], list[dict]]:
-    """(training rows with an answer to reward, held-out rows), checked before any model loads."""
-    table = inputs["prompts"].table("prompts").to_pylist()
-    rows = [r for r in table if r["split"] == cfg.split and r["answer"] is not None]
-    if not rows:
-        raise SchemaError(f"{inputs['prompts'].label}: no split={cfg.split!r} prompts with an answer to reward")
-    return rows, [r for r in table if r["split"] == "eval"][: cfg.eval_prompts]
-
-
 def open_session(cfg: PPOConfig, inputs: dict[str, Input], ctx: StageContext) -> tuple[Session, bool]:
     """Load prompts, policy, reference, critic, scorer and sampler; (session, whether the input was an adapter)."""
-    rows, held_out = load_prompts(cfg, inputs)
-    wants_rm = [w for w, on in (("critic=reward_model", cfg.critic == "reward_model"),
-                                ("reward.weights.reward_model", cfg.reward.weights.get("reward_model", 0) != 0)) if on]
-    if wants_rm and inputs.get("reward_model") is None:
-        raise ConfigError(f"ppo: {' and '.join(wants_rm)} need a reward model; wire one to the node's "
-                          f"`reward_model` input (inputs: {{reward_model: <node>.model}})")
-    dist = distributed.of(ctx)
-    engine = cfg.generation.backend == "vllm"
-    if engine:
-        check_vllm_model_dir(inputs["model"].model_dir, inputs["model"].label)
-    seed_everything(ctx.seed)
+    rows, held_out, _, dist, engine = rollouts.start_run("ppo", cfg, inputs, ctx, (
+        ("critic=reward_model", cfg.critic == "reward_model"),
+        ("reward.weights.reward_model", cfg.reward.weights.get("reward_model", 0) != 0)))
     policy, tokenizer, merged_input = load_trainable(inputs["model"], cfg, ctx.device)
     is_lora = cfg.lora.r > 0
     ref = copy.deepcopy(policy).eval().requires_grad_(False) if cfg.beta > 0 and not is_lora else None
@@ -221,7 +192,7 @@ def open_session(cfg: PPOConfig, inputs: dict[str, Input], ctx: StageContext) ->
     scorer = None
     if cfg.reward.weights.get("reward_model", 0) != 0:
         scorer = RewardScorer.from_input(inputs["reward_model"], device=ctx.device)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad_id = rollouts.pad_token_id(tokenizer)
     counts = models.count_parameters(m.trained)
     ctx.log_params({"train_prompts": len(rows), "trainable_parameters": counts["trainable"],
                     "critic_trainable_parameters": sum(p.numel() for p in m.critic_params),
@@ -246,18 +217,13 @@ class Rollout:
     score_seconds: float = 0.0
 
 
-def pick_prompts(n_prompts: int, k: int, seed: int, step: int) -> list[int]:
-    """The step's k prompt indices: a pure function of (seed, step), so a resumed run draws the same."""
-    return np.random.default_rng([seed, step]).choice(n_prompts, size=k, replace=n_prompts < k).tolist()
-
-
 def rollout(s: Session, step: int) -> Rollout:
     """Sample this process's share of the step's prompts from the current policy."""
     cfg, dist = s.cfg, s.dist
     if s.engine:
         s.backend.sync(s.models.policy, step)
     picked = [s.rows[i] for i in dist.shard(pick_prompts(len(s.rows), cfg.prompts_per_step, s.ctx.seed, step))]
-    seed = s.ctx.seed * 1_000_003 + step * 101 + dist.rank * 1_000_000_007
+    seed = rollouts.rollout_seed(s.ctx.seed, step, rank=dist.rank)
     comps, stats = s.backend.generate([r["messages"] for r in picked], cfg.generation, n=cfg.samples_per_prompt,
                                       seed=seed, progress=False)
     texts = render_prompts(s.tokenizer, [r["messages"] for r in picked], cfg.generation.prefill)
@@ -388,22 +354,9 @@ def update(s: Session, ro: Rollout, old: dict, adv: dict, step: int) -> dict[str
 
 def rollout_metrics(s: Session, ro: Rollout) -> dict[str, float]:
     """Score, accuracy, format, components and lengths over every process's completions."""
-    lite = [dataclasses.replace(c, text="", token_ids=(), logprobs=None) for c in ro.comps]
-    gathered = s.dist.gather((ro.verdicts, lite, ro.scores))
-    verdicts = [v for g in gathered for v in g[0]]
-    comps = [c for g in gathered for c in g[1]]
-    scores = torch.cat([g[2] for g in gathered])
-    m = {"reward/mean": float(scores.mean()), "reward/std": float(scores.std(unbiased=False)),
-         "reward/unscored": float(sum(v.reward is None for v in verdicts))}
-    scored = [v.correct for v in verdicts if v.correct is not None]
-    m["reward/accuracy"] = float(np.mean(scored)) if scored else 0.0
-    m["reward/format_rate"] = float(np.mean([v.format_ok for v in verdicts]))
-    for name in sorted({k for v in verdicts for k in v.components}):
-        m[f"reward/{name}"] = float(np.mean([v.components.get(name, 0.0) for v in verdicts]))
-    lengths = [c.num_tokens for c in comps]
-    m.update({"completion/mean_length": float(np.mean(lengths)), "completion/max_length": float(np.max(lengths)),
-              "completion/truncated_frac": float(np.mean([c.finish_reason == "length" for c in comps]))})
-    return m
+    gathered = s.dist.gather((ro.verdicts, rollouts.text_free(ro.comps), ro.scores))
+    return rollouts.rollout_metrics(torch.cat([g[2] for g in gathered]), [v for g in gathered for v in g[0]],
+                                    [c for g in gathered for c in g[1]])
 
 
 def critic_metrics(s: Session, ro: Rollout, old: dict, adv: dict) -> dict[str, float]:
@@ -427,36 +380,9 @@ def critic_metrics(s: Session, ro: Rollout, old: dict, adv: dict) -> dict[str, f
     return m
 
 
-def held_out_eval(s: Session) -> dict[str, float]:
-    """Greedy accuracy and format rate on held-out prompts, scored as the eval stage scores."""
-    cfg = s.cfg
-    spec = GenerationSpec(max_new_tokens=cfg.generation.max_new_tokens, temperature=0.0,
-                          prefill=cfg.generation.prefill, batch_size=cfg.generation.batch_size)
-    comps, _ = s.backend.generate([r["messages"] for r in s.held_out], spec, seed=s.ctx.seed, progress=False)
-    verdicts = [score(r, cs[0].text) for r, cs in zip(s.held_out, comps, strict=True)]
-    scored = [v.correct for v in verdicts if v.correct is not None]
-    return {"eval/accuracy": float(np.mean(scored)) if scored else 0.0,
-            "eval/format_rate": float(np.mean([v.format_ok for v in verdicts]))}
-
-
-def summarize(history: list[dict]) -> dict[str, float]:
-    """First/last-tenth means of the reward and the critic's fit, so a run's progress is a few numbers."""
-    k = max(1, len(history) // 10)
-
-    def ends(key: str) -> tuple[float, float]:
-        xs = [h[key] for h in history if key in h]
-        return (float(np.mean(xs[:k])), float(np.mean(xs[-k:]))) if xs else (0.0, 0.0)
-
-    out = {"steps": float(len(history))}
-    out["reward_first"], out["reward_last"] = ends("reward/mean")
-    out["value_loss_first"], out["value_loss_last"] = ends("train/value_loss")
-    out["explained_variance_first"], out["explained_variance_last"] = ends("train/explained_variance")
-    evals = [h for h in history if "eval/accuracy" in h]
-    if evals:
-        out["eval_accuracy_last"] = evals[-1]["eval/accuracy"]
-        out["eval_format_rate_last"] = evals[-1]["eval/format_rate"]
-    out["time_per_step"] = float(np.mean([h.get("time/step", 0.0) for h in history])) if history else 0.0
-    return out
+# first/last-tenth means of the reward and the critic's fit, so a run's progress is a few numbers
+SUMMARY_CURVES = {"reward": "reward/mean", "value_loss": "train/value_loss",
+                  "explained_variance": "train/explained_variance"}
 
 
 # ---------------------------------------------------------------------------- the stage
@@ -481,41 +407,18 @@ def train_step(s: Session, step: int) -> dict[str, float]:
 
 def run(cfg: PPOConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[str, Output]:
     s, merged_input = open_session(cfg, inputs, ctx)
-    dist = s.dist
-    state = resume(ctx, s.models.trained, s.optimizer, "ppo", cfg.steps)
-    start, history = state["step"], state.get("history", [])
-    for i, h in enumerate(history):
-        ctx.log_metrics(h, step=i + 1)
-    bar = tqdm(total=cfg.steps, initial=start, desc="ppo", unit="step", disable=not dist.is_main)
-    t_loop = time.perf_counter()
-    for step in range(start, cfg.steps):
+    loop = rollouts.StepLoop("ppo", cfg, ctx, s.dist, resume(ctx, s.models.trained, s.optimizer, "ppo", cfg.steps))
+    for step in range(loop.start, cfg.steps):
         metrics = train_step(s, step)
         done = step + 1
-        # max_minutes: every process stops after the same step
-        out_of_time = bool(cfg.max_minutes) and done < cfg.steps and dist.sum(
-            [float(time.perf_counter() - t_loop >= 60.0 * cfg.max_minutes)])[0] > 0
-        if cfg.eval_every and s.held_out and done % cfg.eval_every == 0 and dist.is_main:
+        out_of_time = loop.out_of_time(done)
+        if rollouts.eval_due(cfg, s.held_out, done) and s.dist.is_main:
             if s.engine:
                 s.backend.sync(s.models.policy, done)
-            metrics.update(held_out_eval(s))
-        history.append(metrics)
-        if done % cfg.checkpoint_every == 0 or done == cfg.steps or out_of_time:
-            save_checkpoint(ctx.checkpoint_dir, done, s.models.trained, s.optimizer, {"step": done, "history": history},
-                            cfg.keep_checkpoints, dist)
-        ctx.log_metrics(metrics, step=done)
-        bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", value_loss=f"{metrics['train/value_loss']:.3g}")
-        bar.update(1)
-        if out_of_time:
-            ctx.log.info("ppo: the %.4g-minute budget is spent after step %d of %d; saving the model as it is",
-                         cfg.max_minutes, done, cfg.steps)
+            metrics.update(rollouts.held_out_eval(s.backend, s.held_out, cfg.generation, ctx.seed))
+        if loop.finish_step(metrics, done, out_of_time, s.models.trained, s.optimizer,
+                            reward=f"{metrics['reward/mean']:.3f}", value_loss=f"{metrics['train/value_loss']:.3g}"):
             break
-    bar.close()
-    out, model_dir = model_output_dir(ctx, "model")
-    merge = cfg.lora.merge or merged_input
-    if dist.is_main:
-        models.save_model(s.models.policy, s.tokenizer, model_dir, merge=merge)
-    is_adapter = s.models.is_lora and not merge
-    summary = summarize(history)
-    ctx.log_metrics(summary)
-    extra = {"base_fingerprint": inputs["model"].fingerprint} if is_adapter else {}
-    return {"model": Output("model", "adapter" if is_adapter else "model", out, metrics=summary, extra=extra)}
+    loop.bar.close()
+    return rollouts.save_policy(ctx, inputs, cfg, s.models.policy, s.tokenizer, merged_input, s.dist,
+                                rollouts.summarize(loop.history, SUMMARY_CURVES))
