@@ -196,7 +196,8 @@ def test_prm_from_files_with_lora_and_one_error_for_a_bad_file(tmp_path, tiny_mo
     out = prm.run(cfg, {"model": tiny_model_input}, LocalContext(tmp_path / "run"))["model"]
     assert (out.path / "model" / "prm.json").exists() and not (out.path / "model" / "adapter_config.json").exists()
     assert out.metrics["solutions_train"] + out.metrics["eval_solutions"] == 12
-    assert prm.cache_salt(cfg) != prm.cache_salt(cfg.model_copy(update={"files": []}))
+    assert prm.cache_salt(cfg) != prm.cache_salt(cfg.model_copy(update={"files": []})) == ""
+    assert prm.cache_salt(cfg) == prm.cache_salt(cfg.model_dump(mode="json"))  # a single-stage run passes the dict
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text(good.read_text().split("\n")[0] + "\n" + json.dumps({"prompt": "q", "steps": ["a"], "labels": [2]}))
@@ -239,13 +240,15 @@ def test_prm_recipe_end_to_end_cached_and_each_new_stage_reruns_alone(tmp_path):
         first = {s["node"]: s for s in json.loads(out.read_text())["stages"]}
         assert {n: s["status"] for n, s in first.items()} == dict.fromkeys(
             ["base", "prompts", "eval_base", "cold_start", "sft_cold", "eval_sft_cold", "samples", "step_labels",
-             "prm"], "run")
+             "prm", "eval_prm"], "run")
         steps_fp, prm_fp = first["step_labels"]["outputs"]["steps"], first["prm"]["outputs"]["model"]
         steps = json.loads((home / "artifacts" / steps_fp / "manifest.json").read_text())
         assert steps["schema"] == "steps" and steps["rows"] >= 1 and steps["metrics"]["rollouts"] > 0
         model = json.loads((home / "artifacts" / prm_fp / "manifest.json").read_text())
         assert model["schema"] == "process_reward_model" and "train_loss_final" in model["metrics"]
         assert sorted(model["parents"]) == sorted([first["sft_cold"]["outputs"]["model"], steps_fp])
+        # (its results may be byte-identical to eval_sft_cold's, one artifact: the run's record has its own metrics)
+        assert {"rerank/prm_accuracy", "rerank/majority_accuracy", "rerank/pass_at_1"} <= set(first["eval_prm"]["metrics"])
 
         assert main(args) == 0
         again = {s["node"]: s for s in json.loads(out.read_text())["stages"]}
@@ -266,4 +269,4 @@ def test_prm_recipe_end_to_end_cached_and_each_new_stage_reruns_alone(tmp_path):
         scorer = StepScorer.from_dir(home / "artifacts" / alone["outputs"]["model"] / "model")
         assert scorer.delimiter == "newline"
         [(ends, probs)] = scorer.score_steps([[{"role": "user", "content": "1+1?"}]], ["1 + 1 = 2\n<answer>2</answer>"])
-        assert ends == [9, 27] and len(probs) == 2 and all(0.0 < p < 1.0 for p in probs)
+        assert ends == [9, 28] and len(probs) == 2 and all(0.0 < p < 1.0 for p in probs)
