@@ -435,9 +435,10 @@ class GRPOConfig(MemoryOptions):
     )
     tis_cap: float = Field(2.0, gt=0, description="Truncated importance sampling cap C (old_logprobs: sampler).")
     process_coef: float = Field(
-        0.0, ge=0, description="Weight of process supervision: the reward_model input scores the completion "
-        "prefix at each step_delimiter; step rewards, normalised per group, are accumulated to the tokens "
-        "before them and added to the outcome advantage (0: outcome only)."
+        0.0, ge=0, description="Weight of process supervision: step rewards, normalised per group, are accumulated "
+        "to the tokens before them and added to the outcome advantage (0: outcome only). The process_reward_model "
+        "input (a prm stage's model) scores every step of a completion in one pass, at its own step delimiter; "
+        "without it the reward_model input scores the completion prefix at each step_delimiter."
     )
     step_delimiter: str = Field("\n", min_length=1, description="Where a reasoning step ends (process supervision).")
     dynamic_sampling: bool = Field(False, description="Drop groups whose rewards are all equal (DAPO).")

@@ -17,8 +17,11 @@ Departures from the papers, on purpose:
 - `old_logprobs: sampler` takes the trainer's old log-probs from the first epoch's own forward pass
   (the parameters do not change within an epoch, so they are exact) and multiplies each token's
   policy loss by the truncated IS weight min(pi_trainer / pi_sampler, tis_cap);
-- process supervision (`process_coef > 0`) adds the accumulated, group-normalised step rewards of
-  a reward model to the outcome advantage instead of replacing it, so verifiable rewards still count;
+- process supervision (`process_coef > 0`) adds the accumulated, group-normalised step rewards to the
+  outcome advantage instead of replacing it, so verifiable rewards still count. The step rewards come
+  from a process reward model (the `process_reward_model` input, the `prm` stage's: every step of a
+  completion scored in one forward pass) or, without one, from the outcome reward model scoring each
+  step prefix (one pass per prefix);
 - on N processes the step's prompts are split among them (prompts_per_step / N whole groups each;
   a dynamic-sampling refill draws from a per-process stream), every process rolls out and scores
   its own groups with its own sampling seed, the reward matrices are gathered so the advantages
@@ -64,7 +67,7 @@ from stages.training.rollouts import build_batch, pick_prompts, rollout_seed
 
 VERSION = "3"  # (max_minutes, default 0, changes nothing else.) 3: on a GPU, rollouts sample under the training precision (bf16 autocast), not in fp32. 2: sampler blocks of ceil(sqrt(V)) tokens (generation.BlockRaceSampler): other samples for the same seed
 CONFIG = GRPOConfig
-INPUTS = {"model": "model", "prompts": "prompts", "reward_model": "model?"}
+INPUTS = {"model": "model", "prompts": "prompts", "reward_model": "model?", "process_reward_model": "model?"}
 OUTPUTS = {"model": "model"}
 
 
@@ -229,13 +232,13 @@ def step_ends(pieces: list[str], delimiter: str = "\n") -> list[int]:
 
 def process_advantages(scorer, tokenizer, rows: list[dict], comps: list[list], delimiter: str
                        ) -> tuple[list[list[float]], dict[str, float]]:
-    """Process supervision: per-completion-token advantages from a reward model's step scores.
+    """Process supervision from an outcome reward model: per-completion-token advantages from its scores of
+    step prefixes.
 
     Each completion is cut into steps at `delimiter`; the reward model scores the prompt with the
-    completion prefix up to the end of each step; the step rewards of a group are normalised
-    together (`rl.normalize_step_rewards`) and every token gets the sum of the normalised rewards
-    of the steps ending at or after it (`rl.step_advantages`). Returns one list per completion
-    (flattened B*G, in order) and metrics.
+    completion prefix up to the end of each step (one pass per prefix); the step rewards of a group are
+    normalised together and every token gets the sum of the normalised rewards of the steps ending at or
+    after it (`step_advantages_of`). Returns one list per completion (flattened B*G, in order) and metrics.
     """
     ends = [[step_ends([tokenizer.decode([t], skip_special_tokens=True) for t in c.token_ids], delimiter)
              for c in cs] for cs in comps]
@@ -245,18 +248,62 @@ def process_advantages(scorer, tokenizer, rows: list[dict], comps: list[list], d
             for end in e:
                 convs.append(r["messages"])
                 texts.append(tokenizer.decode(list(c.token_ids[: end + 1]), skip_special_tokens=True))
-    flat = scorer.score(convs, texts) if texts else []
-    out, k, raw = [], 0, []
-    for cs, es in zip(comps, ends, strict=True):
+    flat = iter(scorer.score(convs, texts) if texts else [])
+    return step_advantages_of(comps, ends, [[[next(flat) for _ in e] for e in es] for es in ends])
+
+
+def token_ends_of(pieces: list[str], char_ends: list[int]) -> list[int]:
+    """The token holding each step's last character: for exclusive character ends `char_ends` of the text
+    "".join(pieces), the inclusive token index whose text covers character end - 1. E.g. pieces
+    ["ab", "c\n", "\nd"] with steps "abc" and "d" (ends 3, 6) -> [1, 2]."""
+    out, stop, i = [], 0, -1
+    for end in char_ends:
+        while stop < end and i + 1 < len(pieces):
+            i += 1
+            stop += len(pieces[i])
+        out.append(max(i, 0))
+    return out
+
+
+def prm_process_advantages(step_scorer, tokenizer, rows: list[dict], comps: list[list]
+                           ) -> tuple[list[list[float]], dict[str, float]]:
+    """Process supervision from a process reward model: its probability that each step is right, all steps of a
+    completion in one forward pass (`heads.StepScorer`, steps cut at the PRM's own delimiter), placed on the
+    token that ends each step (`token_ends_of`; two steps ending in one token keep the later score), then
+    normalised and accumulated as with a reward model (`step_advantages_of`)."""
+    pieces = [[[tokenizer.decode([t], skip_special_tokens=True) for t in c.token_ids] for c in cs] for cs in comps]
+    convs = [r["messages"] for r, cs in zip(rows, comps, strict=True) for _ in cs]
+    texts = ["".join(p) for ps in pieces for p in ps]
+    scored = iter(step_scorer.score_steps(convs, texts) if texts else [])
+    ends, scores = [], []
+    for ps in pieces:
+        e_group, s_group = [], []
+        for p in ps:
+            char_ends, probs = next(scored)
+            tok = token_ends_of(p, char_ends[: len(probs)])
+            keep = [j for j in range(len(tok)) if j + 1 == len(tok) or tok[j + 1] != tok[j]]
+            e_group.append([tok[j] for j in keep])
+            s_group.append([probs[j] for j in keep])
+        ends.append(e_group)
+        scores.append(s_group)
+    return step_advantages_of(comps, ends, scores)
+
+
+def step_advantages_of(comps: list[list], ends: list[list[list[int]]], scores: list[list[list[float]]]
+                       ) -> tuple[list[list[float]], dict[str, float]]:
+    """Per group: the step scores (each completion's, at its inclusive token ends) normalised together
+    (`rl.normalize_step_rewards`), and every token given the sum of the normalised scores of the steps ending
+    at or after it (`rl.step_advantages`). One list per completion (B*G, in order) and metrics."""
+    out, raw = [], []
+    for cs, es, ss in zip(comps, ends, scores, strict=True):
         g, s_max = len(cs), max(1, max(len(e) for e in es))
         t_max = max(1, max(c.num_tokens for c in cs))
         r = torch.zeros(g, s_max)
         e_t = torch.full((g, s_max), -1, dtype=torch.long)
-        for i, e in enumerate(es):
-            r[i, : len(e)] = torch.tensor(flat[k : k + len(e)])
+        for i, (e, s) in enumerate(zip(es, ss, strict=True)):
+            r[i, : len(e)] = torch.tensor(s, dtype=torch.float32)
             e_t[i, : len(e)] = torch.tensor(e, dtype=torch.long)
-            raw.extend(flat[k : k + len(e)])
-            k += len(e)
+            raw.extend(s)
         normed = rl.normalize_step_rewards(r, e_t >= 0)
         mask = torch.arange(t_max)[None, :] < torch.tensor([c.num_tokens for c in cs])[:, None]
         adv = rl.step_advantages(normed, e_t, mask)
@@ -290,6 +337,7 @@ class Session:
     held_out: list[dict]
     autocast_dtype: torch.dtype | None
     engine: bool  # a colocated vLLM engine samples; the trainer's weights are pushed into it before each rollout
+    step_scorer: object | None = None  # a heads.StepScorer (the process_reward_model input): process supervision
     synced: int | None = None  # the step whose weights the sampler holds (fsdp)
 
     @property
@@ -316,8 +364,12 @@ class Session:
 def open_session(cfg: GRPOConfig, inputs: dict[str, Input], ctx: StageContext) -> tuple[Session, bool]:
     """Load prompts, policy, reference, sampling copy, optimizer, sampler and scorer; (session, whether the input
     was an adapter)."""
+    prm = inputs.get("process_reward_model")
+    if prm is not None and cfg.process_coef <= 0:
+        raise ConfigError(f"grpo: the process_reward_model input ({prm.label}) is used only with process_coef > 0 "
+                          "(process supervision); set process_coef (e.g. 0.5) or leave the input out")
     rows, held_out, wants_rm, dist, engine = rollouts.start_run("grpo", cfg, inputs, ctx, (
-        ("process_coef > 0", cfg.process_coef > 0),
+        ("process_coef > 0", cfg.process_coef > 0 and prm is None),
         ("reward.weights.reward_model", cfg.reward.weights.get("reward_model", 0) != 0)))
     model, tokenizer, merged_input = load_trainable(inputs["model"], cfg, dist.load_device(ctx.device))
     is_lora = cfg.lora.r > 0
@@ -341,10 +393,16 @@ def open_session(cfg: GRPOConfig, inputs: dict[str, Input], ctx: StageContext) -
         from stages.modeling.heads import RewardScorer
 
         scorer = RewardScorer.from_input(inputs["reward_model"], device=ctx.device)
+    step_scorer = None
+    if prm is not None:
+        from stages.modeling.heads import StepScorer
+
+        step_scorer = StepScorer.from_input(prm, device=ctx.device)
     ctx.log_params({"train_prompts": len(rows), "trainable_parameters": counts["trainable"],
                     "total_parameters": counts["total"], "precision": str(autocast_dtype or "fp32")})
     return Session(cfg, ctx, dist, model, ref, sampler, trainable, optimizer, backend, tokenizer,
-                   rollouts.pad_token_id(tokenizer), scorer, rows, held_out, autocast_dtype, engine), merged_input
+                   rollouts.pad_token_id(tokenizer), scorer, rows, held_out, autocast_dtype, engine,
+                   step_scorer), merged_input
 
 
 # ---------------------------------------------------------------------------- rollout and scoring
@@ -474,10 +532,13 @@ def advantages(s: Session, g: Groups, rewards_by_rank: list[torch.Tensor], metri
 
 def process_supervision(s: Session, g: Groups, adv: torch.Tensor, prompt_lens: list[int], width: int,
                         metrics: dict[str, float]) -> torch.Tensor:
-    """The outcome advantages (B*G,) plus process_coef times the step advantages of the reward model
-    (`process_advantages`), per token (B*G, L-1); its metrics into `metrics`, its time counted as scoring."""
+    """The outcome advantages (B*G,) plus process_coef times the step advantages of the process reward model
+    (`prm_process_advantages`) or, without one, of the reward model (`process_advantages`), per token (B*G, L-1); its metrics into `metrics`, its time counted as scoring."""
     t_ps = time.perf_counter()
-    step_adv, ps_metrics = process_advantages(s.scorer, s.tokenizer, g.rows, g.comps, s.cfg.step_delimiter)
+    if s.step_scorer is not None:
+        step_adv, ps_metrics = prm_process_advantages(s.step_scorer, s.tokenizer, g.rows, g.comps)
+    else:
+        step_adv, ps_metrics = process_advantages(s.scorer, s.tokenizer, g.rows, g.comps, s.cfg.step_delimiter)
     metrics.update(ps_metrics)
     adv = adv[:, None] + s.cfg.process_coef * place(step_adv, prompt_lens, width)  # (B*G, L-1)
     metrics["time/scoring"] += time.perf_counter() - t_ps

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from schemas.configs import GenerationSpec, GRPOConfig, LoraSpec, RewardSpec
+from schemas.errors import ConfigError
 from stages import grpo
 from stages.base import LocalContext
 from stages.modeling import heads
@@ -179,6 +180,56 @@ def test_process_advantages_hand_computed():
     assert metrics["reward/steps_per_completion"] == 1.5
     assert metrics["reward/process_mean"] == pytest.approx(10 / 3)
 
+
+
+@pytest.mark.parametrize(("pieces", "char_ends", "want"), [
+    (["ab", "c\n", "\nd"], [3, 6], [1, 2]),  # "abc" ends inside token 1, "d" is token 2's last character
+    (["a\n\nb"], [1, 4], [0, 0]),  # two steps in one token
+    (["x", "y"], [], []),
+])
+def test_token_ends_of(pieces, char_ends, want):
+    assert grpo.token_ends_of(pieces, char_ends) == want
+
+
+class _ScriptedStepScorer:
+    """A stand-in process reward model: blank-line steps, a scripted probability per step; records its calls."""
+
+    def __init__(self, probs):
+        self.probs, self.calls = probs, []
+
+    def score_steps(self, conversations, completions):
+        from stages.math.steps import step_spans
+
+        self.calls.append(list(completions))
+        return [([e for _, e in step_spans(c, "blank_line")], self.probs[c]) for c in completions]
+
+
+def test_prm_process_advantages_place_each_step_score_on_its_last_token():
+    """A group of "ab" "\\n\\n" "c" (steps "ab", ending at token 0, and "c", token 2; PRM 0.9 and 0.1) and
+    "x\\n\\ny" in one token (two steps, both ending at token 0: the later score, 0.5, stands): the same advantages
+    as the reward-model path given those ends and scores, from ONE scorer call over both whole completions."""
+    from stages.sampling.generation import Completion
+
+    vocab = ["ab", "\n\n", "c", "x\n\ny"]
+
+    class PieceTokenizer:
+        def decode(self, ids, skip_special_tokens=False):
+            return "".join(vocab[i] for i in ids)
+
+    comps = [[Completion("ab\n\nc", 3, "stop", (0, 1, 2)), Completion("x\n\ny", 1, "stop", (3,))]]
+    scorer = _ScriptedStepScorer({"ab\n\nc": [0.9, 0.1], "x\n\ny": [0.2, 0.5]})
+    got_adv, got_metrics = grpo.prm_process_advantages(scorer, PieceTokenizer(), [{"messages": []}], comps)
+    assert scorer.calls == [["ab\n\nc", "x\n\ny"]]
+    want_adv, want_metrics = grpo.step_advantages_of(comps, [[[0, 2], [0]]], [[[0.9, 0.1], [0.5]]])
+    assert got_adv == want_adv and got_metrics == want_metrics
+    assert got_metrics["reward/steps_per_completion"] == 1.5
+
+
+def test_a_process_reward_model_needs_process_supervision(tmp_path, tiny_model_input, digit_prompts):
+    with pytest.raises(ConfigError, match="process_reward_model input .* used only with process_coef > 0"):
+        grpo.run(short_is_better(steps=1), {"model": tiny_model_input, "prompts": digit_prompts,
+                                            "process_reward_model": fake_input(tmp_path, "model", "process_reward_model")},
+                 LocalContext(tmp_path / "s"))
 
 def test_sampler_logprobs_match_the_trainer_and_tis_weights_are_one(tmp_path, tiny_model_input, digit_prompts):
     """On CPU in fp32 the sampler's log-probs (the generation engine's teacher-forced pass, left
