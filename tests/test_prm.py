@@ -240,7 +240,7 @@ def test_prm_recipe_end_to_end_cached_and_each_new_stage_reruns_alone(tmp_path):
         first = {s["node"]: s for s in json.loads(out.read_text())["stages"]}
         assert {n: s["status"] for n, s in first.items()} == dict.fromkeys(
             ["base", "prompts", "eval_base", "cold_start", "sft_cold", "eval_sft_cold", "samples", "step_labels",
-             "prm", "eval_prm"], "run")
+             "prm", "eval_prm", "grpo_prm", "eval_grpo_prm"], "run")
         steps_fp, prm_fp = first["step_labels"]["outputs"]["steps"], first["prm"]["outputs"]["model"]
         steps = json.loads((home / "artifacts" / steps_fp / "manifest.json").read_text())
         assert steps["schema"] == "steps" and steps["rows"] >= 1 and steps["metrics"]["rollouts"] > 0
