@@ -223,7 +223,7 @@ def run_stage(stage: str, inputs: dict[str, str], overrides: dict[str, Any] | No
                                 f"({manifest.schema_name}); stage {stage!r} takes a {declared[k].rstrip('?')}")
         resolved[k] = fp
     seed = seed if seed is not None else (recipe_seed if recipe_seed is not None else 0)
-    salt = module.cache_salt(config) if hasattr(module, "cache_salt") else ""
+    salt = module.cache_salt(module.CONFIG.model_validate(config)) if hasattr(module, "cache_salt") else ""
     key = cache_key(stage, module.VERSION, config, resolved, seed, salt)
     experiment = experiment_name(recipe or "stages")
     tracker = Tracker(s.tracking_uri, experiment, s.mlflow_artifact_location)

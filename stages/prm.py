@@ -81,10 +81,9 @@ def check(cfg: PRMConfig, node: str = "prm") -> None:
         read_steps_jsonl(f, cfg.neutral)
 
 
-def cache_salt(cfg: PRMConfig | dict) -> str:
-    """User step files are inputs too: their content is part of the cache key. (A pipeline node passes the
-    config, a single-stage run (`flows.deploy.run_stage`) its JSON dict: both give the same salt.)"""
-    files = cfg["files"] if isinstance(cfg, dict) else cfg.files
+def cache_salt(cfg: PRMConfig) -> str:
+    """User step files are inputs too: their content is part of the cache key."""
+    files = cfg.files
     h = hashlib.sha256()
     for f in files:
         h.update(Path(f).read_bytes())

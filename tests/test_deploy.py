@@ -209,6 +209,13 @@ def test_single_stage_rerun_from_references_joins_the_lineage(home, eval_run):
     assert same["outputs"] == _outputs(eval_run, "eval_base")
 
 
+
+def test_a_stage_that_salts_its_cache_key_runs_alone(home):
+    """prompts (like preference_data and prm) salts its cache key with the content of user files, reading the
+    config object: a single-stage run hands it the validated config, not the JSON dict (AttributeError before)."""
+    result = deploy.stage_flow(stage="prompts", inputs={}, profile="tiny")
+    assert result["status"] == "run" and set(result["outputs"]) == {"prompts"}
+
 @pytest.mark.slow
 def test_bad_references_fail_naming_the_input_before_compute(home, eval_run):
     prompts_fp = _outputs(eval_run, "prompts")["prompts"]
