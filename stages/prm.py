@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from schemas.configs import PRMConfig
 from schemas.datasets import read_steps_jsonl
@@ -57,20 +57,16 @@ from stages.modeling.heads import (
     step_logits,
 )
 from stages.runtime import distributed
-from stages.training.checkpoints import resume, save_checkpoint
-from stages.training.optim import (
-    clip_grad_norm,
-    lr_factor,
-    make_optimizer,
-    micro_batch_indices,
-    resolve_precision,
-    set_lr,
-)
+from stages.training.loop import Loop, StepResult, autocast, curve_tail, step_micro_batches
+from stages.training.optim import resolve_precision
 
 VERSION = "1"
 CONFIG = PRMConfig
 INPUTS = {"model": "model", "steps": "steps?"}
 OUTPUTS = {"model": "model"}
+
+
+# ---------------------------------------------------------------------------- data
 
 
 def check(cfg: PRMConfig, node: str = "prm") -> None:
@@ -100,6 +96,23 @@ def load_rows(data: Input | None, cfg: PRMConfig) -> list[dict]:
     return rows
 
 
+def split_rows(rows: list[dict], cfg: PRMConfig, seed: int) -> tuple[list[int], list[int]]:
+    """Seeded (train, held-out) indices, split by prompt: no held-out solution shares a prompt with a trained one."""
+    return split_by_group([json.dumps(r["messages"], sort_keys=True) for r in rows], cfg.eval_fraction, seed)
+
+
+def load_model(source: Input, device: str):
+    """(model, tokenizer, pad id): a PRM artifact to train further (head kept), or a causal LM's backbone with a
+    fresh `score` head."""
+    if source.manifest.schema_name == PRM_SCHEMA:
+        scorer = StepScorer.from_input(source, device)
+        return scorer.model, scorer.tokenizer, scorer.pad_id
+    return load_reward_model(source, device)
+
+
+# ---------------------------------------------------------------------------- tokens
+
+
 def encode(rows: list[dict], tokenizer, cfg: PRMConfig) -> list[dict]:
     """Per solution: token ids, step-end positions and the labels of the steps that fit in max_length."""
     out = []
@@ -112,11 +125,128 @@ def encode(rows: list[dict], tokenizer, cfg: PRMConfig) -> list[dict]:
     return out
 
 
+@dataclass(frozen=True)
+class Split:
+    """The encoded solutions with a step within max_length, split: the held-out share is never trained on."""
+
+    train: list[dict]
+    held_out: list[dict]
+    dropped_steps: int  # steps past max_length, of every solution
+
+    @property
+    def steps_train(self) -> int:
+        return sum(len(e["pos"]) for e in self.train)
+
+
+def split_encoded(rows: list[dict], train_idx: list[int], eval_idx: list[int], tokenizer, cfg: PRMConfig) -> Split:
+    """Encode every solution, then split them; refuses a run left with nothing to train on."""
+    examples = encode(rows, tokenizer, cfg)
+    dropped_steps = sum(e["dropped"] for e in examples)
+    train = [examples[i] for i in train_idx if examples[i]["pos"]]
+    held_out = [examples[i] for i in eval_idx if examples[i]["pos"]]
+    if not train:
+        raise SchemaError(f"prm: none of {len(train_idx)} training solution(s) has a step within "
+                          f"max_length={cfg.max_length} tokens")
+    return Split(train, held_out, dropped_steps)
+
+
 def pad_labels(labels: list[torch.Tensor], width: int) -> torch.Tensor:
     out = torch.zeros((len(labels), width))
     for i, lab in enumerate(labels):
         out[i, : len(lab)] = lab
     return out
+
+
+# ---------------------------------------------------------------------------- the training loop
+
+
+@dataclass
+class Session:
+    """What every step reads and what the run accumulates: config, solutions, loop, precision, the curves."""
+
+    cfg: PRMConfig
+    ctx: StageContext
+    data: Split
+    pad_id: int
+    loop: Loop
+    autocast_dtype: torch.dtype | None
+    losses: list[float] = field(default_factory=list)  # every step's loss so far
+    accuracies: list[float] = field(default_factory=list)  # every step's share of steps classified right
+
+
+def open_session(cfg: PRMConfig, ctx: StageContext, dist: distributed.Dist, model, data: Split,
+                 pad_id: int) -> Session:
+    """Build the optimizer, log the run's parameters (one process: the model is not sharded)."""
+    counts = models.count_parameters(model)
+    loop = Loop.open(cfg, ctx, dist, model)
+    autocast_dtype = resolve_precision(cfg.precision, ctx.device)
+    ctx.log_params({"solutions_train": len(data.train), "solutions_eval": len(data.held_out),
+                    "steps_train": data.steps_train, "steps_dropped_by_max_length": data.dropped_steps,
+                    "trainable_parameters": counts["trainable"], "total_parameters": counts["total"],
+                    "precision": str(autocast_dtype or "fp32")})
+    return Session(cfg, ctx, data, pad_id, loop, autocast_dtype)
+
+
+def resume_session(s: Session) -> int:
+    """Load the newest checkpoint and re-log its curves (the whole curve in MLflow); the step."""
+    state = s.loop.resume("prm")
+    s.losses, s.accuracies = state.get("losses", []), state.get("accuracies", [])
+    for i, (loss, acc) in enumerate(zip(s.losses, s.accuracies, strict=True)):
+        s.ctx.log_metrics({"train/loss": loss, "train/step_accuracy": acc}, step=i + 1)
+    return state["step"]
+
+
+def micro_batch_loss(s: Session, mb: list[dict], n_steps: int) -> tuple[float, int]:
+    """Backward of a micro-batch's BCE over its steps, weighted as its share of the optimizer step's reasoning
+    steps; (that loss, steps classified right)."""
+    device = s.ctx.device
+    ids, mask = collate([e["ids"] for e in mb], s.pad_id)  # (B, T)
+    pos, pmask = pad_positions([e["pos"] for e in mb])  # (B, S)
+    labels = pad_labels([e["labels"] for e in mb], pos.size(1))  # (B, S)
+    with autocast(device, s.autocast_dtype):
+        logits = step_logits(s.loop.model, ids.to(device), mask.to(device), pos.to(device))  # (B, S)
+    real = int(pmask.sum())
+    loss = prm_loss(logits, labels.to(device), pmask.to(device)) * (real / n_steps)
+    loss.backward()
+    on = pmask.bool()
+    return loss.item(), int(((logits.detach().cpu()[on] >= 0) == (labels[on] >= 0.5)).sum())
+
+
+def train_step(s: Session, step: int, lr: float) -> StepResult:
+    """One optimizer step: the step's micro-batches, the mean loss over all their reasoning steps, the update."""
+    train = s.data.train
+    micro = [[train[i] for i in idx] for idx in step_micro_batches(len(train), s.cfg, s.ctx.seed, step)]
+    n_steps = sum(len(e["pos"]) for mb in micro for e in mb)  # the optimizer step's reasoning steps
+    step_loss, step_correct = 0.0, 0
+    for mb in micro:
+        loss, correct = micro_batch_loss(s, mb, n_steps)
+        step_loss += loss
+        step_correct += correct
+    grad_norm = s.loop.update()
+    s.losses.append(step_loss)
+    s.accuracies.append(step_correct / n_steps)
+    return StepResult({"train/loss": step_loss, "train/step_accuracy": s.accuracies[-1], "train/lr": lr,
+                       "train/grad_norm": grad_norm},
+                      {"losses": s.losses, "accuracies": s.accuracies},
+                      {"loss": f"{step_loss:.4f}", "acc": f"{s.accuracies[-1]:.2f}"})
+
+
+# ---------------------------------------------------------------------------- results
+
+
+def summarize(s: Session, start: int, elapsed: float) -> dict[str, float]:
+    """The run's loss and step accuracy at its end, its data, its length and its time per step."""
+    cfg, data = s.cfg, s.data
+    return {
+        "train_loss_final": float(np.mean(curve_tail(s.losses))),
+        "train_step_accuracy_final": float(np.mean(curve_tail(s.accuracies))),
+        "solutions_train": float(len(data.train)),
+        "steps_train": float(data.steps_train),
+        "steps_dropped_by_max_length": float(data.dropped_steps),
+        "trained_steps": float(cfg.max_steps - start),
+        "resumed_from_step": float(start),
+        "seconds_per_step": elapsed / max(1, cfg.max_steps - start),
+    }
 
 
 def held_out_metrics(model, examples: list[dict], pad_id: int, batch_size: int, device: str) -> dict[str, float]:
@@ -140,100 +270,39 @@ def held_out_metrics(model, examples: list[dict], pad_id: int, batch_size: int, 
     }
 
 
-def run(cfg: PRMConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[str, Output]:
-    rows = load_rows(inputs.get("steps"), cfg)  # validates before loading the model
-    train_idx, eval_idx = split_by_group([json.dumps(r["messages"], sort_keys=True) for r in rows],
-                                         cfg.eval_fraction, ctx.seed)
-    dist = distributed.of(ctx)
-    seed_everything(ctx.seed)
-    source = inputs["model"]
-    if source.manifest.schema_name == PRM_SCHEMA:  # train a PRM further, head kept
-        scorer = StepScorer.from_input(source, ctx.device)
-        model, tokenizer, pad_id = scorer.model, scorer.tokenizer, scorer.pad_id
-    else:
-        model, tokenizer, pad_id = load_reward_model(source, ctx.device)
-    model = apply_reward_lora(model, cfg.lora)
-    examples = encode(rows, tokenizer, cfg)
-    dropped_steps = sum(e["dropped"] for e in examples)
-    train = [examples[i] for i in train_idx if examples[i]["pos"]]
-    held_out = [examples[i] for i in eval_idx if examples[i]["pos"]]
-    if not train:
-        raise SchemaError(f"prm: none of {len(train_idx)} training solution(s) has a step within "
-                          f"max_length={cfg.max_length} tokens")
+def log_held_out(ctx: StageContext, metrics: dict[str, float]) -> None:
+    ctx.log.info("prm: held-out step accuracy %.3f (majority baseline %.3f), AUROC %.3f, first-error accuracy %.3f",
+                 metrics["eval_step_accuracy"], metrics["eval_majority_baseline"], metrics["eval_auroc"],
+                 metrics["eval_first_error_accuracy"])
 
-    counts = models.count_parameters(model)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = make_optimizer(trainable, cfg.learning_rate, cfg.weight_decay)
-    warmup = int(cfg.warmup_ratio * cfg.max_steps)
-    autocast_dtype = resolve_precision(cfg.precision, ctx.device)
-    ctx.log_params({"solutions_train": len(train), "solutions_eval": len(held_out),
-                    "steps_train": sum(len(e["pos"]) for e in train), "steps_dropped_by_max_length": dropped_steps,
-                    "trainable_parameters": counts["trainable"], "total_parameters": counts["total"],
-                    "precision": str(autocast_dtype or "fp32")})
 
-    state = resume(ctx, model, optimizer, "prm", cfg.max_steps)
-    start, losses, accuracies = state["step"], state.get("losses", []), state.get("accuracies", [])
-    for i, (loss, acc) in enumerate(zip(losses, accuracies, strict=True)):  # the whole curve in MLflow
-        ctx.log_metrics({"train/loss": loss, "train/step_accuracy": acc}, step=i + 1)
-
-    model.train()
-    t0 = time.perf_counter()
-    bar = tqdm(total=cfg.max_steps, initial=start, desc="prm", unit="step")
-    for step in range(start, cfg.max_steps):
-        lr = set_lr(optimizer, cfg.learning_rate * lr_factor(step, cfg.max_steps, warmup, cfg.lr_scheduler))
-        micro = [[train[i] for i in micro_batch_indices(len(train), cfg.batch_size, ctx.seed, step * cfg.grad_accum + a)]
-                 for a in range(cfg.grad_accum)]
-        n_steps = sum(len(e["pos"]) for mb in micro for e in mb)  # the optimizer step's reasoning steps
-        step_loss, step_correct = 0.0, 0
-        for mb in micro:
-            ids, mask = collate([e["ids"] for e in mb], pad_id)  # (B, T)
-            pos, pmask = pad_positions([e["pos"] for e in mb])  # (B, S)
-            labels = pad_labels([e["labels"] for e in mb], pos.size(1))  # (B, S)
-            with torch.autocast(device_type=ctx.device.split(":")[0], dtype=autocast_dtype or torch.float32,
-                                enabled=autocast_dtype is not None):
-                logits = step_logits(model, ids.to(ctx.device), mask.to(ctx.device), pos.to(ctx.device))  # (B, S)
-            real = int(pmask.sum())
-            loss = prm_loss(logits, labels.to(ctx.device), pmask.to(ctx.device)) * (real / n_steps)
-            loss.backward()
-            step_loss += loss.item()
-            on = pmask.bool()
-            step_correct += int(((logits.detach().cpu()[on] >= 0) == (labels[on] >= 0.5)).sum())
-        grad_norm = clip_grad_norm(trainable, cfg.max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(step_loss)
-        accuracies.append(step_correct / n_steps)
-        done = step + 1
-        if done % cfg.checkpoint_every == 0 or done == cfg.max_steps:
-            save_checkpoint(ctx.checkpoint_dir, done, model, optimizer,
-                            {"step": done, "losses": losses, "accuracies": accuracies}, cfg.keep_checkpoints, dist)
-        ctx.log_metrics({"train/loss": step_loss, "train/step_accuracy": accuracies[-1], "train/lr": lr,
-                         "train/grad_norm": grad_norm}, step=done)
-        bar.set_postfix(loss=f"{step_loss:.4f}", acc=f"{accuracies[-1]:.2f}")
-        bar.update(1)
-    bar.close()
-    elapsed = time.perf_counter() - t0
-
-    tail = max(1, min(10, len(losses) // 5))
-    metrics = {
-        "train_loss_final": float(np.mean(losses[-tail:])),
-        "train_step_accuracy_final": float(np.mean(accuracies[-tail:])),
-        "solutions_train": float(len(train)),
-        "steps_train": float(sum(len(e["pos"]) for e in train)),
-        "steps_dropped_by_max_length": float(dropped_steps),
-        "trained_steps": float(cfg.max_steps - start),
-        "resumed_from_step": float(start),
-        "seconds_per_step": elapsed / max(1, cfg.max_steps - start),
-    }
-    if held_out:
-        metrics |= held_out_metrics(model, held_out, pad_id, cfg.batch_size, ctx.device)
-    ctx.log_metrics(metrics)
-    if held_out:
-        ctx.log.info("prm: held-out step accuracy %.3f (majority baseline %.3f), AUROC %.3f, first-error accuracy %.3f",
-                     metrics["eval_step_accuracy"], metrics["eval_majority_baseline"], metrics["eval_auroc"],
-                     metrics["eval_first_error_accuracy"])
-
+def save_prm(ctx: StageContext, model, tokenizer, cfg: PRMConfig) -> Path:
+    """Merged full weights with `prm.json` (delimiter, max_length) beside them; the artifact's staging directory."""
     out, model_dir = model_output_dir(ctx, "model")
     models.save_model(model, tokenizer, model_dir, merge=True)
     save_prm_settings(model_dir, cfg.delimiter, cfg.max_length)
+    return out
+
+
+# ---------------------------------------------------------------------------- the stage
+
+
+def run(cfg: PRMConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[str, Output]:
+    rows = load_rows(inputs.get("steps"), cfg)  # validates before loading the model
+    train_idx, eval_idx = split_rows(rows, cfg, ctx.seed)
+    dist = distributed.of(ctx)
+    seed_everything(ctx.seed)
+    model, tokenizer, pad_id = load_model(inputs["model"], ctx.device)
+    model = apply_reward_lora(model, cfg.lora)
+    data = split_encoded(rows, train_idx, eval_idx, tokenizer, cfg)
+    s = open_session(cfg, ctx, dist, model, data, pad_id)
+    start = resume_session(s)
+    elapsed = s.loop.train(start, "prm", partial(train_step, s))
+    metrics = summarize(s, start, elapsed)
+    if data.held_out:
+        metrics |= held_out_metrics(s.loop.model, data.held_out, pad_id, cfg.batch_size, ctx.device)
+    ctx.log_metrics(metrics)
+    if data.held_out:
+        log_held_out(ctx, metrics)
+    out = save_prm(ctx, s.loop.model, tokenizer, cfg)
     return {"model": Output("model", PRM_SCHEMA, out, metrics=metrics)}
