@@ -90,7 +90,8 @@ def layer_of(module: str) -> str | None:
 
 def stage_modules(modules: dict[str, Path]) -> set[str]:
     """The registered stages and every other module directly under stages/ that is not the stage API."""
-    direct = {m for m in modules if m.count(".") == 1 and m.startswith("stages.") and m != "stages.base"}
+    direct = {m for m, p in modules.items() if m.count(".") == 1 and m.startswith("stages.") and m != "stages.base"
+              and p.name != "__init__.py"}
     return set(STAGE_MODULES.values()) | {m for m in direct if not m.split(".")[1].startswith("_")}
 
 
@@ -174,3 +175,14 @@ def test_the_checker_sees_a_stage_importing_a_stage_and_a_cycle(tmp_path):
     src.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from stages.base import Input\n"
                    "def f():\n    from stages import sft, grpo\n    import flows.report\n")
     assert imports_of(src, KNOWN) == {"stages.sft", "stages.grpo", "flows.report"}
+
+
+RUN_MAX_LINES = 80  # a stage's run() reads top to bottom as a few named phases (issue 31)
+
+
+@pytest.mark.parametrize("stage", sorted(STAGES))
+def test_a_stage_run_reads_as_a_few_phases(stage):
+    tree = ast.parse(MODULES[stage].read_text())
+    (run,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "run"]
+    length = run.end_lineno - run.lineno + 1
+    assert length <= RUN_MAX_LINES, f"{stage}.run is {length} lines: split it into named phases (<= {RUN_MAX_LINES})"

@@ -197,7 +197,8 @@ def test_prm_from_files_with_lora_and_one_error_for_a_bad_file(tmp_path, tiny_mo
     assert (out.path / "model" / "prm.json").exists() and not (out.path / "model" / "adapter_config.json").exists()
     assert out.metrics["solutions_train"] + out.metrics["eval_solutions"] == 12
     assert prm.cache_salt(cfg) != prm.cache_salt(cfg.model_copy(update={"files": []})) == ""
-    assert prm.cache_salt(cfg) == prm.cache_salt(cfg.model_dump(mode="json"))  # a single-stage run passes the dict
+    # a single-stage run (flows.deploy.run_stage) validates its JSON config first: the same salt
+    assert prm.cache_salt(cfg) == prm.cache_salt(PRMConfig.model_validate(cfg.model_dump(mode="json")))
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text(good.read_text().split("\n")[0] + "\n" + json.dumps({"prompt": "q", "steps": ["a"], "labels": [2]}))
