@@ -57,7 +57,7 @@ from stages.modeling.heads import (
     step_logits,
 )
 from stages.runtime import distributed
-from stages.training.loop import Loop, StepResult, autocast, curve_tail, step_micro_batches
+from stages.training.loop import Curves, Loop, StepResult, autocast, curve_tail, step_micro_batches
 from stages.training.optim import resolve_precision
 
 VERSION = "1"
@@ -170,8 +170,7 @@ class Session:
     pad_id: int
     loop: Loop
     autocast_dtype: torch.dtype | None
-    losses: list[float] = field(default_factory=list)  # every step's loss so far
-    accuracies: list[float] = field(default_factory=list)  # every step's share of steps classified right
+    curves: Curves = field(default_factory=lambda: Curves("train/step_accuracy"))  # every step's loss and accuracy so far
 
 
 def open_session(cfg: PRMConfig, ctx: StageContext, dist: distributed.Dist, model, data: Split,
@@ -190,9 +189,7 @@ def open_session(cfg: PRMConfig, ctx: StageContext, dist: distributed.Dist, mode
 def resume_session(s: Session) -> int:
     """Load the newest checkpoint and re-log its curves (the whole curve in MLflow); the step."""
     state = s.loop.resume("prm")
-    s.losses, s.accuracies = state.get("losses", []), state.get("accuracies", [])
-    for i, (loss, acc) in enumerate(zip(s.losses, s.accuracies, strict=True)):
-        s.ctx.log_metrics({"train/loss": loss, "train/step_accuracy": acc}, step=i + 1)
+    s.curves.restore(state, s.ctx)
     return state["step"]
 
 
@@ -223,12 +220,7 @@ def train_step(s: Session, step: int, lr: float) -> StepResult:
         step_loss += loss
         step_correct += correct
     grad_norm = s.loop.update()
-    s.losses.append(step_loss)
-    s.accuracies.append(step_correct / n_steps)
-    return StepResult({"train/loss": step_loss, "train/step_accuracy": s.accuracies[-1], "train/lr": lr,
-                       "train/grad_norm": grad_norm},
-                      {"losses": s.losses, "accuracies": s.accuracies},
-                      {"loss": f"{step_loss:.4f}", "acc": f"{s.accuracies[-1]:.2f}"})
+    return s.curves.step(step_loss, step_correct / n_steps, lr, grad_norm)
 
 
 # ---------------------------------------------------------------------------- results
@@ -238,8 +230,8 @@ def summarize(s: Session, start: int, elapsed: float) -> dict[str, float]:
     """The run's loss and step accuracy at its end, its data, its length and its time per step."""
     cfg, data = s.cfg, s.data
     return {
-        "train_loss_final": float(np.mean(curve_tail(s.losses))),
-        "train_step_accuracy_final": float(np.mean(curve_tail(s.accuracies))),
+        "train_loss_final": float(np.mean(curve_tail(s.curves.losses))),
+        "train_step_accuracy_final": float(np.mean(curve_tail(s.curves.accuracies))),
         "solutions_train": float(len(data.train)),
         "steps_train": float(data.steps_train),
         "steps_dropped_by_max_length": float(data.dropped_steps),

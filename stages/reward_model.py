@@ -51,7 +51,7 @@ from stages.modeling.heads import (
     score_sequences,
 )
 from stages.runtime import distributed
-from stages.training.loop import Loop, StepResult, autocast, curve_tail, step_micro_batches
+from stages.training.loop import Curves, Loop, StepResult, autocast, curve_tail, step_micro_batches
 from stages.training.optim import resolve_precision
 from stages.training.pairs import split_pairs
 
@@ -129,8 +129,7 @@ class Session:
     pad_id: int
     loop: Loop
     autocast_dtype: torch.dtype | None
-    losses: list[float] = field(default_factory=list)  # every step's loss so far
-    accuracies: list[float] = field(default_factory=list)  # every step's share of pairs ranked right
+    curves: Curves = field(default_factory=lambda: Curves("train/accuracy"))  # every step's loss and accuracy so far
     pairs_seen: int = 0  # trained since the run (re)started, every process's
 
 
@@ -150,9 +149,7 @@ def open_session(cfg: RewardModelConfig, ctx: StageContext, dist: distributed.Di
 def resume_session(s: Session) -> int:
     """Load the newest checkpoint and re-log its curves (the whole curve in MLflow); the step."""
     state = s.loop.resume("reward_model")
-    s.losses, s.accuracies = state.get("losses", []), state.get("accuracies", [])
-    for i, (loss, acc) in enumerate(zip(s.losses, s.accuracies, strict=True)):
-        s.ctx.log_metrics({"train/loss": loss, "train/accuracy": acc}, step=i + 1)
+    s.curves.restore(state, s.ctx)
     return state["step"]
 
 
@@ -186,12 +183,7 @@ def train_step(s: Session, step: int, lr: float) -> StepResult:
     dist.sync_gradients(s.loop.trainable)
     step_loss, step_correct = dist.sum([step_loss, step_correct])
     grad_norm = s.loop.update()
-    s.losses.append(step_loss)
-    s.accuracies.append(step_correct / n_pairs)
-    return StepResult({"train/loss": step_loss, "train/accuracy": s.accuracies[-1], "train/lr": lr,
-                       "train/grad_norm": grad_norm},
-                      {"losses": s.losses, "accuracies": s.accuracies},
-                      {"loss": f"{step_loss:.4f}", "acc": f"{s.accuracies[-1]:.2f}"})
+    return s.curves.step(step_loss, step_correct / n_pairs, lr, grad_norm)
 
 
 # ---------------------------------------------------------------------------- results
@@ -201,8 +193,8 @@ def summarize(s: Session, start: int, elapsed: float) -> dict[str, float]:
     """The run's loss and accuracy at its end, its data, its length and its throughput."""
     cfg = s.cfg
     return {
-        "train_loss_final": float(np.mean(curve_tail(s.losses))),
-        "train_accuracy_final": float(np.mean(curve_tail(s.accuracies))),
+        "train_loss_final": float(np.mean(curve_tail(s.curves.losses))),
+        "train_accuracy_final": float(np.mean(curve_tail(s.curves.accuracies))),
         "pairs_train": float(len(s.pairs.train)),
         "pairs_eval": float(len(s.pairs.held_out)),
         "pairs_truncated": float(s.pairs.truncated),

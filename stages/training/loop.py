@@ -87,6 +87,29 @@ class Loop:
         return time.perf_counter() - t0
 
 
+
+@dataclasses.dataclass
+class Curves:
+    """A classifier's per-step loss and accuracy (reward_model: pairs ranked right; prm: steps classified right),
+    kept in the checkpoint state and re-logged whole after a resume, so MLflow shows one unbroken curve."""
+
+    accuracy_metric: str  # the accuracy's metric name, e.g. "train/accuracy"
+    losses: list[float] = dataclasses.field(default_factory=list)
+    accuracies: list[float] = dataclasses.field(default_factory=list)
+
+    def restore(self, state: dict, ctx: StageContext) -> None:
+        self.losses, self.accuracies = state.get("losses", []), state.get("accuracies", [])
+        for i, (loss, acc) in enumerate(zip(self.losses, self.accuracies, strict=True)):
+            ctx.log_metrics({"train/loss": loss, self.accuracy_metric: acc}, step=i + 1)
+
+    def step(self, loss: float, accuracy: float, lr: float, grad_norm: float) -> StepResult:
+        """Append a step's loss and accuracy; its metrics, checkpoint state and progress-bar text."""
+        self.losses.append(loss)
+        self.accuracies.append(accuracy)
+        return StepResult({"train/loss": loss, self.accuracy_metric: accuracy, "train/lr": lr, "train/grad_norm": grad_norm},
+                          {"losses": self.losses, "accuracies": self.accuracies},
+                          {"loss": f"{loss:.4f}", "acc": f"{accuracy:.2f}"})
+
 def step_micro_batches(n: int, cfg: TrainingConfig, seed: int, step: int) -> list[list[int]]:
     """The grad_accum global micro-batches of `step` over n examples (`micro_batch_indices`: seeded epochs)."""
     return [micro_batch_indices(n, cfg.batch_size, seed, step * cfg.grad_accum + a) for a in range(cfg.grad_accum)]
