@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from stages import logprobs, models  # noqa: E402
+from stages.modeling import logprobs, models  # noqa: E402
 
 SMALL = (8, [32, 64, 128])  # B rows (against 2B) and the row lengths
 LARGE = (2, [32, 64])

@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from schemas.configs import PromptsConfig  # noqa: E402
-from stages import grpo, logprobs, models  # noqa: E402
+from stages import grpo  # noqa: E402
+from stages.modeling import logprobs, models  # noqa: E402
 from stages.prompts import build_prompts  # noqa: E402
 from stages.sampling.generation import render_prompts  # noqa: E402
 

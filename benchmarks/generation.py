@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from schemas.configs import GenerationSpec, PromptsConfig  # noqa: E402
-from stages import models  # noqa: E402
+from stages.modeling import models  # noqa: E402
 from stages.prompts import build_prompts  # noqa: E402
 from stages.sampling.generation import TransformersBackend, render_prompts, stop_token_ids  # noqa: E402
 

@@ -39,7 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from stages import lifetime  # noqa: E402
+from stages.runtime import lifetime  # noqa: E402
 
 R1FLOW = [sys.executable, "-m", "flows.cli"]
 REFERENCE = {

@@ -265,8 +265,8 @@ class EvalConfig(Strict):
         description="Best-of-N at test time over the pass@k samples of each prompt (pass_k samples on the first "
         "pass_k_prompts prompts): majority (self-consistency: the most frequent answer), orm (the highest reward of "
         "the `scorer` input, a reward model) or prm (the best aggregated step score of the `scorer` input, a process "
-        "reward model). Reports rerank/<method>_accuracy beside rerank/majority_accuracy and rerank/pass_at_1 on the "
-        "same samples.",
+        "reward model). Reports rerank/orm_accuracy or rerank/prm_accuracy beside rerank/majority_accuracy and "
+        "rerank/pass_at_1 on the same samples.",
     )
     rerank_aggregate: Literal["min", "product", "last", "mean"] = Field(
         "min", description="How a process reward model's step scores make a completion's score (rerank=prm).")

@@ -213,7 +213,7 @@ def test_single_stage_rerun_from_references_joins_the_lineage(home, eval_run):
 def test_a_stage_that_salts_its_cache_key_runs_alone(home):
     """prompts (like preference_data and prm) salts its cache key with the content of user files, reading the
     config object: a single-stage run hands it the validated config, not the JSON dict (AttributeError before)."""
-    result = deploy.stage_flow(stage="prompts", inputs={}, profile="tiny")
+    result = deploy.stage_flow(stage="prompts", inputs={}, profile="tiny", force=True)
     assert result["status"] == "run" and set(result["outputs"]) == {"prompts"}
 
 @pytest.mark.slow

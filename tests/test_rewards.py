@@ -24,6 +24,7 @@ import pytest
 import reasoning_gym
 
 from schemas.configs import RewardSpec, SandboxLimits
+from stages.rewards import verifiers as rewards
 from stages.rewards.verifiers import (
     LANGUAGE_SCRIPTS,
     R1_FORMAT_EXAMPLE,
@@ -46,7 +47,6 @@ from stages.rewards.verifiers import (
     score,
     shutdown_math_pool,
 )
-from stages.rewards.verifiers import verifiers as rewards
 
 SPEC = RewardSpec()
 ACCURACY_ONLY = RewardSpec(weights={"accuracy": 1.0})

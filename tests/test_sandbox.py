@@ -29,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from schemas.configs import SandboxLimits
+from stages.rewards import sandbox
 from stages.rewards.sandbox import (
     SandboxResult,
     SandboxSetupError,
@@ -37,7 +38,6 @@ from stages.rewards.sandbox import (
     run_program,
     run_tests,
 )
-from stages.rewards.verifiers import sandbox
 
 LIMITS = SandboxLimits(wall_timeout_s=2.0, cpu_time_s=1, memory_mb=256, max_output_bytes=4096, max_processes=1)
 # Wall time a killed run may take beyond its limit: kill, namespace teardown, reaping, rmtree.
