@@ -522,6 +522,10 @@ class PPOConfig(MemoryOptions):
                                                      "(k1 = log pi/pi_ref, as InstructGPT and TRL).")
     whiten_advantages: bool = Field(True, description="Whiten the advantages over the step's valid tokens.")
     ppo_epochs: int = Field(2, ge=1, description="Epochs over each rollout batch (mu).")
+    critic_warmup_steps: int = Field(
+        0, ge=0, description="The first N steps train only the critic (the policy's loss is left out and its learning "
+        "rate is 0), so a fresh value head fits the returns before its advantages move the policy (OpenRLHF's "
+        "freezing_actor_steps). They count toward `steps`.")
     minibatch_size: int = Field(8, ge=1, description="Sequences per mini-batch (global); every mini-batch is one "
                                 "optimizer step, as in PPO (Schulman et al. 2017), so clipping matters from the "
                                 "second mini-batch on.")

@@ -71,6 +71,9 @@ def check(cfg: PPOConfig) -> None:
     if cfg.generation.temperature == 0:
         raise ConfigError("ppo.generation.temperature: must be > 0 (greedy rollouts explore nothing, and the ratio "
                           "and KL are computed for the policy's own distribution)")
+    if cfg.critic_warmup_steps >= cfg.steps:
+        raise ConfigError(f"ppo.critic_warmup_steps: {cfg.critic_warmup_steps} of {cfg.steps} steps would never train "
+                          "the policy; use fewer warmup steps or more steps")
 
 
 # ---------------------------------------------------------------------------- tensors
@@ -292,12 +295,16 @@ def set_lrs(s: Session, step: int) -> float:
     policy_group, critic_group = s.optimizer.param_groups
     policy_group["lr"] = s.cfg.learning_rate * factor
     critic_group["lr"] = (s.cfg.critic_learning_rate or s.cfg.learning_rate) * factor
+    if step < s.cfg.critic_warmup_steps:  # the critic alone
+        policy_group["lr"] = 0.0
     return policy_group["lr"]
 
 
-def minibatch_step(s: Session, ro: Rollout, old: dict, adv: dict, idx: torch.Tensor) -> dict[str, tuple[float, float]]:
+def minibatch_step(s: Session, ro: Rollout, old: dict, adv: dict, idx: torch.Tensor,
+                   policy_on: bool = True) -> dict[str, tuple[float, float]]:
     """One optimizer step on rows `idx`: clipped policy loss + vf_coef * clipped value loss, token means over the
-    mini-batch's tokens on every process. Returns stat name -> (value, weight) for token-weighted means."""
+    mini-batch's tokens on every process (the policy loss left out during critic warmup: `policy_on` false).
+    Returns stat name -> (value, weight) for token-weighted means."""
     cfg, m, dev = s.cfg, s.models, s.ctx.device
     ids, attn = ro.batch["input_ids"][idx].to(dev), ro.batch["attention_mask"][idx].to(dev)
     mask = ro.batch["loss_mask"][idx].to(dev)
@@ -311,7 +318,7 @@ def minibatch_step(s: Session, ro: Rollout, old: dict, adv: dict, idx: torch.Ten
                                   cfg.epsilon, cfg.epsilon)
     vf, vf_stats = rl.value_loss(values, old["old_values"][idx].to(dev), adv["returns"][idx].to(dev), mask,
                                  cfg.value_clip)
-    ((pg.sum() + cfg.vf_coef * vf.sum()) / total).backward()
+    ((pg.sum() * float(policy_on) + cfg.vf_coef * vf.sum()) / total).backward()
     s.dist.sync_gradients(m.policy_params + m.critic_params)
     grad_norm = clip_grad_norm(m.policy_params, cfg.max_grad_norm)
     critic_grad_norm = clip_grad_norm(m.critic_params, cfg.max_grad_norm)
@@ -338,7 +345,8 @@ def update(s: Session, ro: Rollout, old: dict, adv: dict, step: int) -> dict[str
     for epoch in range(cfg.ppo_epochs):
         order = torch.randperm(n, generator=torch.Generator().manual_seed(s.ctx.seed * 1_000_003 + step * 31 + epoch))
         for idx in chunks(n, cfg.minibatch_size // s.dist.world):
-            for k, (value, weight) in minibatch_step(s, ro, old, adv, order[idx]).items():
+            for k, (value, weight) in minibatch_step(s, ro, old, adv, order[idx],
+                                                     policy_on=step >= cfg.critic_warmup_steps).items():
                 acc = sums.setdefault(k, [0.0, 0.0])
                 acc[0], acc[1] = acc[0] + value * weight, acc[1] + weight
     keys = sorted(sums)

@@ -61,6 +61,18 @@ def test_config_defaults_follow_the_literature_and_fsdp_is_refused():
         ppo.check(small(generation=GenerationSpec(temperature=0.0)))
 
 
+
+def test_critic_warmup_trains_the_critic_alone_first(tmp_path, tiny_model_input, digit_prompts):
+    """critic_warmup_steps=1 of 2: step 1 moves only the critic (policy lr 0, policy gradient 0), step 2 both; and a
+    warmup as long as the run is refused before any compute."""
+    ctx = LocalContext(tmp_path / "run")
+    ppo.run(small(steps=2, critic_warmup_steps=1), {"model": tiny_model_input, "prompts": digit_prompts}, ctx)
+    lr, grad, critic_grad = (curve(ctx, k) for k in ("train/lr", "train/grad_norm", "train/critic_grad_norm"))
+    assert lr[1] == 0.0 and grad[1] == 0.0 and critic_grad[1] > 0
+    assert lr[2] > 0 and grad[2] > 0 and critic_grad[2] > 0
+    with pytest.raises(ConfigError, match="critic_warmup_steps: 2 of 2 steps"):
+        ppo.check(small(steps=2, critic_warmup_steps=2))
+
 def test_critic_learns_a_fixed_reward(tmp_path, tiny_model_input, digit_prompts, monkeypatch):
     """The score is the prompt's digit / 9 (read from the prompt, so the critic can know it from the first
     token on); with the policy all but frozen the returns are a fixed target: the value loss falls and the
