@@ -171,7 +171,8 @@ def run(cfg: EvalConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[st
                 metrics[f"{task}/{name}"] = value
     metrics["tokens_per_s"] = new_tokens / seconds if seconds else 0.0
     if cfg.rerank != "none":
-        scores = sampled_scores(cfg, rows, prompts, inputs["scorer"], ctx.device) if "scorer" in inputs else None
+        scored = cfg.rerank in ("orm", "prm")  # check_scorer made sure the scorer is wired then
+        scores = sampled_scores(cfg, rows, prompts, inputs["scorer"], ctx.device) if scored else None
         metrics.update(rerank_metrics(rows, scores, cfg.rerank))
     metrics["prompts"] = float(len(prompts))
     ctx.log_metrics({k: v for k, v in metrics.items() if v == v})  # MLflow rejects NaN
