@@ -259,13 +259,13 @@ def train_r1flow(plan: Plan, prep: dict, work: Path, at_step: int | None, algo: 
     from stages.base import LocalContext
     from stages.training.launch import run_stage
 
-    grpo = importlib.import_module(f"stages.{algo}")  # the stage module whose policy loading is observed
+    stage = importlib.import_module(f"stages.{algo}")  # the stage module whose policy loading is observed
     cfg = (ppo_config if algo == "ppo" else grpo_config)(plan, plan.max_steps, plan.minutes)
     if cfg.lora.r == 0:
         raise SystemExit("learning.py: LoRA only (snapshots are adapters); pass --lora-r > 0")
     snaps = Snapshots(plan, work / "snapshots", at_step)
     held: dict = {}
-    load_trainable = grpo.load_trainable
+    load_trainable = stage.load_trainable
 
     def observed_load(*args, **kwargs):  # the policy the stage trains, for the snapshots; changes nothing
         out = load_trainable(*args, **kwargs)
@@ -282,12 +282,12 @@ def train_r1flow(plan: Plan, prep: dict, work: Path, at_step: int | None, algo: 
                 snaps.after_step(held["model"], step, elapsed)
 
     curve: list[dict] = []
-    grpo.load_trainable = observed_load
+    stage.load_trainable = observed_load
     try:
-        out = run_stage(grpo, cfg, {"model": stage_input_of(prep["start"]), "prompts": stage_input_of(prep["prompts"])},
+        out = run_stage(stage, cfg, {"model": stage_input_of(prep["start"]), "prompts": stage_input_of(prep["prompts"])},
                         Clocked(work / "run", seed=SEED, device=plan.device))["model"]
     finally:
-        grpo.load_trainable = load_trainable
+        stage.load_trainable = load_trainable
     from schemas.artifacts import MODEL_DIR
 
     return {"curve": curve, "snapshots": snaps.saved, "steps": len(curve),
@@ -441,6 +441,14 @@ def with_ci(value: float, ci: list[float], signed: bool = False) -> str:
     return f"{head} [{100 * ci[0]:+.1f}, {100 * ci[1]:+.1f}]" if signed else f"{head} [{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]"
 
 
+def paired_diff(evals: dict, base: str, other: str) -> dict:
+    """`other` minus `base` in held-out accuracy on the same prompts, with its paired bootstrap interval."""
+    from stages.math.stats import paired_bootstrap_diff
+
+    diff, lo, hi = paired_bootstrap_diff(correct_vector(evals[base]["rows"], TASK), correct_vector(evals[other]["rows"], TASK))
+    return {"diff": diff, "ci": [lo, hi]}
+
+
 def summarize(plan: Plan, evals: dict, runs: dict) -> dict:
     """The rows of the table and the verdicts: every accuracy and gain with its interval."""
     start = evals["start"]["rows"]
@@ -470,23 +478,12 @@ def summarize(plan: Plan, evals: dict, runs: dict) -> dict:
         out["equal_time_met"] = bool(by["r1flow_end"]["gain"]["ci"][0] > 0 and (
             g_trl <= 0 or g_r1 >= GAIN_TARGET * g_trl))
     if "trl_end" in by and "r1flow_equal_steps" in by:
-        from stages.math.stats import paired_bootstrap_diff
-
-        diff, lo, hi = paired_bootstrap_diff(correct_vector(evals["trl_end"]["rows"], TASK),
-                                             correct_vector(evals["r1flow_equal_steps"]["rows"], TASK))
-        out["equal_steps_diff"] = {"diff": diff, "ci": [lo, hi], "not_worse": hi >= 0}
+        out["equal_steps_diff"] = paired_diff(evals, "trl_end", "r1flow_equal_steps")
+        out["equal_steps_diff"]["not_worse"] = out["equal_steps_diff"]["ci"][1] >= 0
     if "trl_end" in by and "r1flow_end" in by:
-        from stages.math.stats import paired_bootstrap_diff
-
-        diff, lo, hi = paired_bootstrap_diff(correct_vector(evals["trl_end"]["rows"], TASK),
-                                             correct_vector(evals["r1flow_end"]["rows"], TASK))
-        out["equal_time_diff"] = {"diff": diff, "ci": [lo, hi]}
+        out["equal_time_diff"] = paired_diff(evals, "trl_end", "r1flow_end")
     if "r1flow_end" in by and "r1flow_ppo_end" in by:
-        from stages.math.stats import paired_bootstrap_diff
-
-        diff, lo, hi = paired_bootstrap_diff(correct_vector(evals["r1flow_end"]["rows"], TASK),
-                                             correct_vector(evals["r1flow_ppo_end"]["rows"], TASK))
-        out["ppo_minus_grpo"] = {"diff": diff, "ci": [lo, hi]}
+        out["ppo_minus_grpo"] = paired_diff(evals, "r1flow_end", "r1flow_ppo_end")
     out["r1flow_only"] = dict(plan.r1flow_extra)
     return out
 
