@@ -501,13 +501,16 @@ class PPOConfig(MemoryOptions):
                                "on a completion's last token; routed per prompt by its verifier, as in grpo).")
     critic: Literal["policy_copy", "reward_model"] = Field(
         "policy_copy", description="What the value head sits on. policy_copy: a copy of the input model's decoder "
-        "with a fresh Linear(hidden, 1) head; reward_model: the reward_model input (its trained head as the value "
-        "head's start, InstructGPT's choice). The head reads the last hidden state at every token.")
+        "with a fresh Linear(hidden, 1) head at zero (values start at 0); reward_model: the "
+        "reward_model input (its trained head as the value head's start, InstructGPT's choice). The head reads the last "
+        "hidden state at every token.")
     critic_lora: LoraSpec = Field(default_factory=LoraSpec, description="LoRA settings of the critic (the value head "
                                   "always trains in full); critic_lora.r=0 trains every critic weight.")
     gamma: float = Field(1.0, ge=0, le=1, description="Discount gamma of GAE (1: undiscounted, as in LM RLHF).")
-    lam: float = Field(0.95, ge=0, le=1, description="GAE lambda: 1 is the Monte-Carlo return minus V, 0 the one-step "
-                       "TD error.")
+    lam: float = Field(1.0, ge=0, le=1, description="GAE lambda: 1 is the Monte-Carlo return minus V, 0 the one-step "
+                       "TD error. 1 by default (verl's default): the score sits on the last token, and below 1 an "
+                       "untrained critic passes it back decayed by lambda per token (0.95^60 = 0.05), so the early "
+                       "tokens of a long completion learn nothing (VAPO, Yue et al. 2025); InstructGPT and TRL use 0.95.")
     epsilon: float = Field(0.2, gt=0, description="Policy clip range: the ratio is clipped to [1-epsilon, 1+epsilon] "
                            "(the same clipped surrogate grpo uses, `rl.policy_loss` kind token).")
     value_clip: float | None = Field(0.2, gt=0, description="Value clip range around the rollout's values (PPO's "
@@ -529,6 +532,9 @@ class PPOConfig(MemoryOptions):
     minibatch_size: int = Field(8, ge=1, description="Sequences per mini-batch (global); every mini-batch is one "
                                 "optimizer step, as in PPO (Schulman et al. 2017), so clipping matters from the "
                                 "second mini-batch on.")
+    micro_batch_size: int | None = Field(None, ge=1, description="Sequences per forward and backward pass on each "
+                                         "process (null: the whole mini-batch); the mini-batch's gradient is "
+                                         "accumulated over them, so only memory changes.")
     learning_rate: float = Field(1e-5, gt=0, description="Peak learning rate of the policy.")
     critic_learning_rate: float | None = Field(None, gt=0, description="Peak learning rate of the critic (null: "
                                                "learning_rate).")

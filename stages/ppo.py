@@ -61,7 +61,7 @@ from stages.training.checkpoints import resume
 from stages.training.optim import clip_grad_norm, load_trainable, lr_factor, make_optimizer, resolve_precision
 from stages.training.rollouts import build_batch, pick_prompts
 
-VERSION = "1"
+VERSION = "2"  # 2: the policy_copy critic's value head starts at zero; lam defaults to 1 (was 0.95)
 CONFIG = PPOConfig
 INPUTS = {"model": "model", "prompts": "prompts", "reward_model": "model?"}
 OUTPUTS = {"model": "model"}
@@ -149,9 +149,26 @@ def load_critic(cfg: PPOConfig, inputs: dict[str, Input], tokenizer, device: str
             lm = lm.merge_and_unload()
         model = reward_model_from_causal_lm(lm, rollouts.pad_token_id(tokenizer)).to(device)
         del lm
+        init_value_head(model.score)
     if cfg.gradient_checkpointing:
         models.enable_activation_checkpointing(model, use_reentrant=False)
     return apply_reward_lora(model, cfg.critic_lora).train()
+
+
+def init_value_head(head: torch.nn.Linear) -> None:
+    """A fresh value head starts at zero (weights and bias): V = 0 at every token until the critic learns.
+
+    transformers' default head (std 0.02 on Llama-style models) reads SmolLM2's last hidden states (norm ~50, a
+    shared mean direction of norm ~38) as values of mean ~1.4 and spread ~0.8, against returns in [0, 1] whose
+    spread on the CPU profile is ~0.05: explained variance -4 to -9, and GAE advantages that were mostly the
+    head's noise. OpenRLHF's std 1 / (hidden + 1) still left a per-token spread on the reward's scale (explained
+    variance -1 to -3, flat training reward over 12 steps). At zero the first advantages are the returns
+    (REINFORCE with the whitening's mean as baseline) and the head grows from the gradient; the critic's LoRA
+    weights get gradient once the head is nonzero (after its first update)."""
+    with torch.no_grad():
+        head.weight.zero_()
+        if head.bias is not None:
+            head.bias.zero_()
 
 
 @dataclasses.dataclass
@@ -303,13 +320,33 @@ def set_lrs(s: Session, step: int) -> float:
 def minibatch_step(s: Session, ro: Rollout, old: dict, adv: dict, idx: torch.Tensor,
                    policy_on: bool = True) -> dict[str, tuple[float, float]]:
     """One optimizer step on rows `idx`: clipped policy loss + vf_coef * clipped value loss, token means over the
-    mini-batch's tokens on every process (the policy loss left out during critic warmup: `policy_on` false).
+    mini-batch's tokens on every process (the policy loss left out during critic warmup: `policy_on` false), its
+    forward and backward passes `micro_batch_size` rows at a time (the gradient is the same, the memory bounded).
     Returns stat name -> (value, weight) for token-weighted means."""
+    cfg, m = s.cfg, s.models
+    tokens = float(ro.batch["loss_mask"][idx].sum())
+    total = max(1.0, s.dist.sum([tokens])[0])
+    sums: dict[str, float] = {}
+    for sub in idx.split(cfg.micro_batch_size or len(idx)):
+        for k, v in micro_backward(s, ro, old, adv, sub, total, policy_on).items():
+            sums[k] = sums.get(k, 0.0) + v
+    s.dist.sync_gradients(m.policy_params + m.critic_params)
+    grad_norm = clip_grad_norm(m.policy_params, cfg.max_grad_norm)
+    critic_grad_norm = clip_grad_norm(m.critic_params, cfg.max_grad_norm)
+    s.optimizer.step()
+    s.optimizer.zero_grad(set_to_none=True)
+    n = max(tokens, 1.0)
+    return {**{k: (v / n, tokens) for k, v in sums.items()},
+            "grad_norm": (grad_norm, 1.0), "critic_grad_norm": (critic_grad_norm, 1.0)}
+
+
+def micro_backward(s: Session, ro: Rollout, old: dict, adv: dict, idx: torch.Tensor, total: float,
+                   policy_on: bool) -> dict[str, float]:
+    """Forward and backward of rows `idx`, the losses divided by the mini-batch's global token count `total`;
+    each statistic's sum over these rows' tokens."""
     cfg, m, dev = s.cfg, s.models, s.ctx.device
     ids, attn = ro.batch["input_ids"][idx].to(dev), ro.batch["attention_mask"][idx].to(dev)
     mask = ro.batch["loss_mask"][idx].to(dev)
-    tokens = float(mask.sum())
-    total = max(1.0, s.dist.sum([tokens])[0])
     with s.autocast():
         logp, entropy = logprobs.bucketed_token_logprobs(m.policy, ids, attn, cfg.logprob_chunk, with_entropy=True)
         values = token_values(m.critic, ids, attn)  # (B, T)
@@ -319,22 +356,15 @@ def minibatch_step(s: Session, ro: Rollout, old: dict, adv: dict, idx: torch.Ten
     vf, vf_stats = rl.value_loss(values, old["old_values"][idx].to(dev), adv["returns"][idx].to(dev), mask,
                                  cfg.value_clip)
     ((pg.sum() * float(policy_on) + cfg.vf_coef * vf.sum()) / total).backward()
-    s.dist.sync_gradients(m.policy_params + m.critic_params)
-    grad_norm = clip_grad_norm(m.policy_params, cfg.max_grad_norm)
-    critic_grad_norm = clip_grad_norm(m.critic_params, cfg.max_grad_norm)
-    s.optimizer.step()
-    s.optimizer.zero_grad(set_to_none=True)
-    mf, n = mask.float(), mask.sum().clamp(min=1)
+    mf, n = mask.float(), float(mask.sum())
 
-    def token_mean(x: torch.Tensor) -> float:
-        return float((x.detach().float() * mf).sum() / n)
+    def token_sum(x: torch.Tensor) -> float:
+        return float((x.detach().float() * mf).sum())
 
-    return {"policy_loss": (token_mean(pg), tokens), "value_loss": (token_mean(vf), tokens),
-            "clip_low": (float(pg_stats["clip_low"]), tokens), "clip_high": (float(pg_stats["clip_high"]), tokens),
-            "value_clipfrac": (float(vf_stats["value_clipfrac"]), tokens),
-            "approx_kl": (token_mean(rl.kl_k3(old_logp, logp.detach().float())), tokens),
-            "entropy": (token_mean(entropy), tokens), "grad_norm": (grad_norm, 1.0),
-            "critic_grad_norm": (critic_grad_norm, 1.0)}
+    return {"policy_loss": token_sum(pg), "value_loss": token_sum(vf),
+            "clip_low": float(pg_stats["clip_low"]) * n, "clip_high": float(pg_stats["clip_high"]) * n,
+            "value_clipfrac": float(vf_stats["value_clipfrac"]) * n,
+            "approx_kl": token_sum(rl.kl_k3(old_logp, logp.detach().float())), "entropy": token_sum(entropy)}
 
 
 def update(s: Session, ro: Rollout, old: dict, adv: dict, step: int) -> dict[str, float]:
