@@ -215,16 +215,20 @@ def grpo_config(plan: Plan, steps: int, max_minutes: float):
 
 def ppo_config(plan: Plan, steps: int, max_minutes: float):
     """r1flow's ppo stage on GRPO's budget: as many completions a step (prompts x samples_per_prompt = prompts x
-    group_size), one epoch over them in the same mini-batches, the same KL coefficient (here a penalty in the
-    per-token rewards), reward, LoRA and learning rate; the critic is a LoRA copy of the policy."""
+    group_size), one optimizer step over all of them a rollout (GRPO's mu=1; passes of GRPO's minibatch_size
+    sequences), the same KL coefficient (here a penalty in the per-token rewards), reward, LoRA and learning rate;
+    the critic is a LoRA copy of the policy at a tenth of the learning rate (the cpu profile's ratio: see its ppo
+    block)."""
     from schemas.configs import GenerationSpec, LoraSpec, PPOConfig, RewardSpec
 
     return PPOConfig(steps=steps, prompts_per_step=plan.prompts_per_step, samples_per_prompt=plan.group_size,
                      generation=GenerationSpec(max_new_tokens=plan.max_new_tokens, temperature=plan.temperature,
                                                top_p=1.0, top_k=0, batch_size=plan.prompts_per_step),
                      reward=RewardSpec(**plan.reward), lora=LoraSpec(r=plan.lora_r, alpha=2 * plan.lora_r),
-                     critic_lora=LoraSpec(r=plan.lora_r, alpha=2 * plan.lora_r), minibatch_size=plan.minibatch_size,
-                     ppo_epochs=1, beta=plan.beta, learning_rate=plan.learning_rate, checkpoint_every=100_000,
+                     critic_lora=LoraSpec(r=plan.lora_r, alpha=2 * plan.lora_r),
+                     minibatch_size=plan.prompts_per_step * plan.group_size, micro_batch_size=plan.minibatch_size,
+                     ppo_epochs=1, beta=plan.beta, learning_rate=plan.learning_rate,
+                     critic_learning_rate=plan.learning_rate / 10, checkpoint_every=100_000,
                      max_minutes=max_minutes)
 
 
