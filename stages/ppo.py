@@ -306,13 +306,18 @@ def advantages(s: Session, ro: Rollout, old: dict[str, torch.Tensor]) -> dict[st
 # ---------------------------------------------------------------------------- the update
 
 
+def critic_only(cfg: PPOConfig, step: int) -> bool:
+    """Whether `step` is one of the critic warmup's: the policy's loss left out and its learning rate 0."""
+    return step < cfg.critic_warmup_steps
+
+
 def set_lrs(s: Session, step: int) -> float:
     """The step's learning rates (warmup, then constant) into both parameter groups; the policy's back."""
     factor = lr_factor(step, s.cfg.steps, int(s.cfg.warmup_ratio * s.cfg.steps), "constant")
     policy_group, critic_group = s.optimizer.param_groups
     policy_group["lr"] = s.cfg.learning_rate * factor
     critic_group["lr"] = (s.cfg.critic_learning_rate or s.cfg.learning_rate) * factor
-    if step < s.cfg.critic_warmup_steps:  # the critic alone
+    if critic_only(s.cfg, step):
         policy_group["lr"] = 0.0
     return policy_group["lr"]
 
@@ -376,7 +381,7 @@ def update(s: Session, ro: Rollout, old: dict, adv: dict, step: int) -> dict[str
         order = torch.randperm(n, generator=torch.Generator().manual_seed(s.ctx.seed * 1_000_003 + step * 31 + epoch))
         for idx in chunks(n, cfg.minibatch_size // s.dist.world):
             for k, (value, weight) in minibatch_step(s, ro, old, adv, order[idx],
-                                                     policy_on=step >= cfg.critic_warmup_steps).items():
+                                                     policy_on=not critic_only(cfg, step)).items():
                 acc = sums.setdefault(k, [0.0, 0.0])
                 acc[0], acc[1] = acc[0] + value * weight, acc[1] + weight
     keys = sorted(sums)
