@@ -58,6 +58,7 @@ from stages.runtime import distributed
 from stages.sampling.generation import Completion, make_backend, render_prompts
 from stages.training import rollouts
 from stages.training.checkpoints import resume
+from stages.training.loop import autocast
 from stages.training.optim import clip_grad_norm, load_trainable, lr_factor, make_optimizer, resolve_precision
 from stages.training.rollouts import build_batch, pick_prompts
 
@@ -190,8 +191,7 @@ class Session:
     engine: bool  # a colocated vLLM engine samples; the policy's weights are pushed into it before each rollout
 
     def autocast(self):
-        return torch.autocast(device_type=self.ctx.device.split(":")[0], dtype=self.autocast_dtype or torch.float32,
-                              enabled=self.autocast_dtype is not None)
+        return autocast(self.ctx.device, self.autocast_dtype)
 
 
 def open_session(cfg: PPOConfig, inputs: dict[str, Input], ctx: StageContext) -> tuple[Session, bool]:
