@@ -689,6 +689,10 @@ class PRMConfig(TrainingConfig):
         "become 1, others 0.")
     eval_fraction: float = Field(0.2, ge=0, lt=1, description="Share of prompts whose solutions are held out for step "
                                  "accuracy, AUROC and first-error-step accuracy.")
+    validation_fraction: float = Field(
+        0.15, ge=0, lt=1, description="Share of the training prompts whose solutions choose the saved model instead "
+        "of being trained on: it is validated (BCE) at every checkpoint and the checkpoint with the lowest loss is "
+        "saved (0: the last step's model).")
     batch_size: int = Field(8, ge=1, description="Solutions per micro-batch.")
     learning_rate: float = Field(1e-4, gt=0, description="Peak learning rate.")
     max_length: int = Field(512, ge=8, description="Tokens per sequence (prompt + steps); steps past it are dropped.")

@@ -13,7 +13,9 @@ as input is trained further, head kept); LoRA on the backbone with the head full
 as merged full weights with `prm.json` (delimiter, max_length) beside them, which `StepScorer`
 reads so a completion is cut into steps as in training. Labels come from the `steps` input
 (e.g. step_labels) and/or user step files (`files`). The held-out share is split by prompt (no
-held-out solution shares a prompt with a trained one). The loss of an optimizer step is the mean
+held-out solution shares a prompt with a trained one); of the training prompts, `validation_fraction`
+choose the saved model: they are validated at every checkpoint and the lowest validation BCE's
+weights are saved (`Best`), so a run longer than its data supports stops mattering. The loss of an optimizer step is the mean
 over all its steps (all micro-batches), so batch 4 x accumulation 1 equals batch 2 x accumulation 2.
 One process only (the config refuses more).
 """
@@ -22,12 +24,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import os
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import load_file, save_file
 
 from schemas.configs import PRMConfig
 from schemas.datasets import read_steps_jsonl
@@ -60,7 +65,7 @@ from stages.runtime import distributed
 from stages.training.loop import Curves, Loop, StepResult, autocast, curve_tail, step_micro_batches
 from stages.training.optim import resolve_precision
 
-VERSION = "1"
+VERSION = "2"  # 2: a validation split chooses the saved checkpoint
 CONFIG = PRMConfig
 INPUTS = {"model": "model", "steps": "steps?"}
 OUTPUTS = {"model": "model"}
@@ -96,9 +101,13 @@ def load_rows(data: Input | None, cfg: PRMConfig) -> list[dict]:
     return rows
 
 
-def split_rows(rows: list[dict], cfg: PRMConfig, seed: int) -> tuple[list[int], list[int]]:
-    """Seeded (train, held-out) indices, split by prompt: no held-out solution shares a prompt with a trained one."""
-    return split_by_group([json.dumps(r["messages"], sort_keys=True) for r in rows], cfg.eval_fraction, seed)
+def split_rows(rows: list[dict], cfg: PRMConfig, seed: int) -> tuple[list[int], list[int], list[int]]:
+    """Seeded (train, validation, held-out) indices, split by prompt: no solution shares a prompt with one on
+    another side. The held-out share is drawn first, so it does not depend on `validation_fraction`."""
+    prompts = [json.dumps(r["messages"], sort_keys=True) for r in rows]
+    rest, held_out = split_by_group(prompts, cfg.eval_fraction, seed)
+    train, validation = split_by_group([prompts[i] for i in rest], cfg.validation_fraction, seed + 1)
+    return [rest[i] for i in train], [rest[i] for i in validation], held_out
 
 
 def load_model(source: Input, device: str):
@@ -132,22 +141,26 @@ class Split:
     train: list[dict]
     held_out: list[dict]
     dropped_steps: int  # steps past max_length, of every solution
+    validation: list[dict] = field(default_factory=list)  # choose the saved checkpoint, never trained on
 
     @property
     def steps_train(self) -> int:
         return sum(len(e["pos"]) for e in self.train)
 
 
-def split_encoded(rows: list[dict], train_idx: list[int], eval_idx: list[int], tokenizer, cfg: PRMConfig) -> Split:
+def split_encoded(rows: list[dict], train_idx: list[int], eval_idx: list[int], tokenizer, cfg: PRMConfig,
+                  val_idx: list[int] = ()) -> Split:
     """Encode every solution, then split them; refuses a run left with nothing to train on."""
     examples = encode(rows, tokenizer, cfg)
     dropped_steps = sum(e["dropped"] for e in examples)
-    train = [examples[i] for i in train_idx if examples[i]["pos"]]
-    held_out = [examples[i] for i in eval_idx if examples[i]["pos"]]
+
+    def kept(idx):
+        return [examples[i] for i in idx if examples[i]["pos"]]
+    train = kept(train_idx)
     if not train:
         raise SchemaError(f"prm: none of {len(train_idx)} training solution(s) has a step within "
                           f"max_length={cfg.max_length} tokens")
-    return Split(train, held_out, dropped_steps)
+    return Split(train, kept(eval_idx), dropped_steps, kept(val_idx))
 
 
 def pad_labels(labels: list[torch.Tensor], width: int) -> torch.Tensor:
@@ -155,6 +168,75 @@ def pad_labels(labels: list[torch.Tensor], width: int) -> torch.Tensor:
     for i, lab in enumerate(labels):
         out[i, : len(lab)] = lab
     return out
+
+
+# ---------------------------------------------------------------------------- checkpoint choice
+
+
+@dataclass
+class Best:
+    """The validated checkpoint with the lowest validation loss so far, resumable.
+
+    Its trainable weights are a file beside the checkpoints, `best-step-N.safetensors` (written atomically),
+    and its step and loss, with every validation so far, are in the checkpoint's state. The state's file is
+    kept; any other best file is deleted at the next validation or resume, after the checkpoint that
+    supersedes it is on disk, so a kill between the two never loses the best weights a resume refers to."""
+
+    root: Path
+    step: int = 0  # 0: none yet
+    loss: float = math.inf
+    history: list[list[float]] = field(default_factory=list)  # [step, loss, step accuracy] of every validation
+
+    def path(self, step: int) -> Path:
+        return self.root / f"best-step-{step:06d}.safetensors"
+
+    def prune(self) -> None:
+        """Delete every best file but this one's."""
+        for p in self.root.glob("best-step-*.safetensors"):
+            if p != self.path(self.step):
+                p.unlink(missing_ok=True)
+
+    def offer(self, step: int, loss: float, accuracy: float, model) -> bool:
+        """Record a validation; a lower loss than the best so far saves the model's trainable weights as the
+        new best. Whether it did."""
+        self.prune()
+        self.history.append([step, loss, accuracy])
+        if not loss < self.loss:
+            return False
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.root / f".best-{os.getpid()}.tmp"
+        save_file({n: p.detach().cpu().contiguous() for n, p in model.named_parameters() if p.requires_grad},
+                  str(tmp))
+        os.replace(tmp, self.path(step))
+        self.step, self.loss = step, loss
+        return True
+
+    def state(self) -> dict:
+        return {"best_step": self.step, "best_loss": self.loss if self.step else None, "validation": [list(v) for v in self.history]}
+
+    @classmethod
+    def restore(cls, root: Path, state: dict, ctx: StageContext) -> Best:
+        """The best of a resumed run's checkpoint state (its validations re-logged), other best files deleted;
+        a best file that is missing (an older checkpoint resumed) restarts the choice with a warning."""
+        best = cls(root, state.get("best_step", 0), state.get("best_loss") or math.inf,
+                   [list(v) for v in state.get("validation", [])])
+        for step, loss, acc in best.history:
+            ctx.log_metrics({"val/loss": loss, "val/step_accuracy": acc}, step=int(step))
+        if best.step and not best.path(best.step).exists():
+            ctx.log.warning("prm: the best checkpoint's weights (step %d) are missing; choosing among the "
+                            "checkpoints from here on", best.step)
+            best.step, best.loss = 0, math.inf
+        best.prune()
+        return best
+
+    def load_into(self, model) -> None:
+        """Put the best weights back into the model's trainable parameters."""
+        weights = load_file(str(self.path(self.step)))
+        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+        if set(weights) != trainable:
+            raise RuntimeError(f"prm: the best checkpoint's weights do not match the model's trainable parameters "
+                               f"({len(weights)} against {len(trainable)})")
+        model.load_state_dict(weights, strict=False)  # the frozen parameters are not in the file
 
 
 # ---------------------------------------------------------------------------- the training loop
@@ -171,6 +253,7 @@ class Session:
     loop: Loop
     autocast_dtype: torch.dtype | None
     curves: Curves = field(default_factory=lambda: Curves("train/step_accuracy"))  # every step's loss and accuracy so far
+    best: Best | None = None  # with a validation split: the checkpoint to save
 
 
 def open_session(cfg: PRMConfig, ctx: StageContext, dist: distributed.Dist, model, data: Split,
@@ -180,6 +263,7 @@ def open_session(cfg: PRMConfig, ctx: StageContext, dist: distributed.Dist, mode
     loop = Loop.open(cfg, ctx, dist, model)
     autocast_dtype = resolve_precision(cfg.precision, ctx.device)
     ctx.log_params({"solutions_train": len(data.train), "solutions_eval": len(data.held_out),
+                    "solutions_validation": len(data.validation),
                     "steps_train": data.steps_train, "steps_dropped_by_max_length": data.dropped_steps,
                     "trainable_parameters": counts["trainable"], "total_parameters": counts["total"],
                     "precision": str(autocast_dtype or "fp32")})
@@ -190,6 +274,8 @@ def resume_session(s: Session) -> int:
     """Load the newest checkpoint and re-log its curves (the whole curve in MLflow); the step."""
     state = s.loop.resume("prm")
     s.curves.restore(state, s.ctx)
+    if s.data.validation:
+        s.best = Best.restore(s.ctx.checkpoint_dir, state, s.ctx)
     return state["step"]
 
 
@@ -220,7 +306,20 @@ def train_step(s: Session, step: int, lr: float) -> StepResult:
         step_loss += loss
         step_correct += correct
     grad_norm = s.loop.update()
-    return s.curves.step(step_loss, step_correct / n_steps, lr, grad_norm)
+    result = s.curves.step(step_loss, step_correct / n_steps, lr, grad_norm)
+    done = step + 1
+    if s.best is not None and (done % s.cfg.checkpoint_every == 0 or done == s.cfg.max_steps):
+        validate(s, done, result)
+    return result
+
+
+def validate(s: Session, done: int, result: StepResult) -> None:
+    """At a checkpoint: the validation solutions' loss and step accuracy into the step's metrics, and the
+    weights kept if the loss is the lowest so far; the choice into the checkpoint's state."""
+    m = held_out_metrics(s.loop.model, s.data.validation, s.pad_id, s.cfg.batch_size, s.ctx.device)
+    s.best.offer(done, m["eval_loss"], m["eval_step_accuracy"], s.loop.model)
+    result.metrics |= {"val/loss": m["eval_loss"], "val/step_accuracy": m["eval_step_accuracy"]}
+    result.state |= s.best.state()
 
 
 # ---------------------------------------------------------------------------- results
@@ -238,7 +337,8 @@ def summarize(s: Session, start: int, elapsed: float) -> dict[str, float]:
         "trained_steps": float(cfg.max_steps - start),
         "resumed_from_step": float(start),
         "seconds_per_step": elapsed / max(1, cfg.max_steps - start),
-    }
+    } | ({"solutions_validation": float(len(data.validation)), "best_step": float(s.best.step),
+          "val_loss_best": s.best.loss} if s.best is not None and s.best.step else {})
 
 
 def held_out_metrics(model, examples: list[dict], pad_id: int, batch_size: int, device: str) -> dict[str, float]:
@@ -281,15 +381,19 @@ def save_prm(ctx: StageContext, model, tokenizer, cfg: PRMConfig) -> Path:
 
 def run(cfg: PRMConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[str, Output]:
     rows = load_rows(inputs.get("steps"), cfg)  # validates before loading the model
-    train_idx, eval_idx = split_rows(rows, cfg, ctx.seed)
+    train_idx, val_idx, eval_idx = split_rows(rows, cfg, ctx.seed)
     dist = distributed.of(ctx)
     seed_everything(ctx.seed)
     model, tokenizer, pad_id = load_model(inputs["model"], ctx.device)
     model = apply_reward_lora(model, cfg.lora)
-    data = split_encoded(rows, train_idx, eval_idx, tokenizer, cfg)
+    data = split_encoded(rows, train_idx, eval_idx, tokenizer, cfg, val_idx)
     s = open_session(cfg, ctx, dist, model, data, pad_id)
     start = resume_session(s)
     elapsed = s.loop.train(start, "prm", partial(train_step, s))
+    if s.best is not None and s.best.step:
+        s.best.load_into(s.loop.model)
+        ctx.log.info("prm: saving step %d of %d, the lowest validation loss (%.4f on %d solutions)", s.best.step,
+                     cfg.max_steps, s.best.loss, len(data.validation))
     metrics = summarize(s, start, elapsed)
     if data.held_out:
         metrics |= held_out_metrics(s.loop.model, data.held_out, pad_id, cfg.batch_size, ctx.device)

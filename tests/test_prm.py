@@ -142,7 +142,7 @@ def rule_steps(tmp_path):
 
 
 PRM_CFG = dict(max_steps=25, batch_size=8, learning_rate=3e-3, max_length=128, lora={"r": 0}, eval_fraction=0.25,
-               checkpoint_every=20, warmup_ratio=0.1)
+               validation_fraction=0.0, checkpoint_every=20, warmup_ratio=0.1)
 
 
 def test_prm_learns_a_step_rule_above_the_majority_baseline(tmp_path, rule_steps, tiny_model_input):
@@ -172,6 +172,80 @@ def test_prm_learns_a_step_rule_above_the_majority_baseline(tmp_path, rule_steps
     assert prods[0] == pytest.approx(probs[0] * probs[1], abs=1e-5)
     with pytest.raises(ValueError, match="unknown step-score aggregation"):
         scorer.score([conv], ["a"], aggregation="max")
+
+
+def test_split_rows_keeps_prompts_on_one_side_and_the_held_out_share_fixed():
+    """train / validation / held-out never share a prompt; adding a validation share takes it from the training
+    prompts and leaves the held-out solutions as they were."""
+    rows = rule_rows(40)
+    rows += [dict(r, id=r["id"] + "b") for r in rows[:20]]  # 20 prompts with two solutions each
+    prompt = [json.dumps(r["messages"]) for r in rows]
+    train0, val0, held0 = prm.split_rows(rows, PRMConfig(eval_fraction=0.25, validation_fraction=0.0), seed=3)
+    train, val, held = prm.split_rows(rows, PRMConfig(eval_fraction=0.25, validation_fraction=0.2), seed=3)
+    assert val0 == [] and held == held0 and sorted(train + val) == sorted(train0)
+    assert sorted(train + val + held) == list(range(len(rows)))
+    sides = [{prompt[i] for i in side} for side in (train, val, held)]
+    assert not (sides[0] & sides[1] or sides[0] & sides[2] or sides[1] & sides[2])
+    assert len(sides[2]) == 10 and len(sides[1]) == 6  # round(0.25 * 40) prompts held out; round(0.2 * 30) validate
+
+
+def test_best_keeps_the_lowest_validation_loss_and_resumes(tmp_path):
+    """`Best` saves the weights of the lowest validation loss, loads them back, and after a resume keeps only
+    the best file its checkpoint state names (an orphan written after that checkpoint is deleted); a named
+    file that is missing restarts the choice."""
+    net = torch.nn.Linear(2, 1)
+    frozen = torch.nn.Linear(2, 1)
+    model = torch.nn.ModuleDict({"net": net, "frozen": frozen})
+    frozen.requires_grad_(False)
+    ctx = LocalContext(tmp_path / "ctx")
+    best = prm.Best(tmp_path / "ck")
+    with torch.no_grad():
+        net.weight.fill_(1.0)
+    assert best.offer(10, 0.5, 0.7, model)
+    with torch.no_grad():
+        net.weight.fill_(2.0)
+    assert not best.offer(20, 0.6, 0.6, model) and best.step == 10
+    with torch.no_grad():
+        net.weight.fill_(3.0)
+        frozen.weight.fill_(5.0)
+    best.load_into(model)
+    assert net.weight.eq(1.0).all() and frozen.weight.eq(5.0).all()  # only the trainable weights come back
+    state = best.state()
+    assert state == {"best_step": 10, "best_loss": 0.5, "validation": [[10, 0.5, 0.7], [20, 0.6, 0.6]]}
+
+    assert best.offer(30, 0.4, 0.8, model)  # a new best; the checkpoint at 30 never got written: a kill
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["best-step-000010.safetensors",
+                                                                   "best-step-000030.safetensors"]
+    resumed = prm.Best.restore(tmp_path / "ck", {"step": 20, **state}, ctx)
+    assert (resumed.step, resumed.loss) == (10, 0.5)
+    assert [p.name for p in (tmp_path / "ck").iterdir()] == ["best-step-000010.safetensors"]
+    assert [m for s, m in ctx.metrics if s is not None] == [{"val/loss": 0.5, "val/step_accuracy": 0.7},
+                                                           {"val/loss": 0.6, "val/step_accuracy": 0.6}]
+    (tmp_path / "ck" / "best-step-000010.safetensors").unlink()
+    lost = prm.Best.restore(tmp_path / "ck", state, ctx)
+    assert (lost.step, lost.loss) == (0, float("inf")) and len(lost.history) == 2
+
+
+def test_prm_saves_the_checkpoint_with_the_lowest_validation_loss(tmp_path, rule_steps, tiny_model_input):
+    """With a validation split the run is validated at every checkpoint, and the saved PRM is the one with the
+    lowest validation loss: scoring the validation solutions with the artifact gives that loss again."""
+    from stages.modeling.heads import StepScorer
+
+    cfg = PRMConfig(**dict(PRM_CFG, max_steps=12, checkpoint_every=4, validation_fraction=0.2))
+    ctx = LocalContext(tmp_path / "run")
+    out = prm.run(cfg, {"model": tiny_model_input, "steps": rule_steps}, ctx)["model"]
+    m = out.metrics
+    val = {s: x["val/loss"] for s, x in ctx.metrics if s is not None and "val/loss" in x}
+    assert sorted(val) == [4, 8, 12]
+    assert m["best_step"] == min(val, key=val.get) and m["val_loss_best"] == min(val.values())
+    assert m["solutions_validation"] == 9 and m["solutions_train"] == 36 and m["eval_solutions"] == 15
+
+    rows = rule_steps.table("steps").to_pylist()
+    _, val_idx, _ = prm.split_rows(rows, cfg, ctx.seed)
+    scorer = StepScorer.from_input(fake_input(out.path, "model", out.schema))
+    examples = prm.encode([rows[i] for i in val_idx], scorer.tokenizer, cfg)
+    again = prm.held_out_metrics(scorer.model, examples, scorer.pad_id, 8, "cpu")
+    assert again["eval_loss"] == pytest.approx(m["val_loss_best"], abs=1e-4)
 
 
 def test_prm_loss_is_the_same_for_batch_4x1_and_2x2(tmp_path, rule_steps, tiny_model_input):
