@@ -13,10 +13,11 @@ as input is trained further, head kept); LoRA on the backbone with the head full
 as merged full weights with `prm.json` (delimiter, max_length) beside them, which `StepScorer`
 reads so a completion is cut into steps as in training. Labels come from the `steps` input
 (e.g. step_labels) and/or user step files (`files`). The held-out share is split by prompt (no
-held-out solution shares a prompt with a trained one); of the training prompts, `validation_fraction`
-choose the saved model: they are validated at every checkpoint and the lowest validation BCE's
-weights are saved (`Best`), so a run longer than its data supports stops mattering. The loss of an optimizer step is the mean
-over all its steps (all micro-batches), so batch 4 x accumulation 1 equals batch 2 x accumulation 2.
+held-out solution shares a prompt with a trained one); the solutions of `validation_fraction` of the
+training prompts choose the saved model: they are validated at every checkpoint and the weights of
+the lowest validation BCE are saved (`Best`), so a run longer than its data supports does not harm.
+The loss of an optimizer step is the mean over all its steps (all micro-batches), so batch 4 x
+accumulation 1 equals batch 2 x accumulation 2.
 One process only (the config refuses more).
 """
 
@@ -32,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from schemas.configs import PRMConfig
@@ -62,6 +64,7 @@ from stages.modeling.heads import (
     step_logits,
 )
 from stages.runtime import distributed
+from stages.training.checkpoints import fsync_dir, write_synced
 from stages.training.loop import Curves, Loop, StepResult, autocast, curve_tail, step_micro_batches
 from stages.training.optim import resolve_precision
 
@@ -177,7 +180,7 @@ def pad_labels(labels: list[torch.Tensor], width: int) -> torch.Tensor:
 class Best:
     """The validated checkpoint with the lowest validation loss so far, resumable.
 
-    Its trainable weights are a file beside the checkpoints, `best-step-N.safetensors` (written atomically),
+    Its trainable weights are a file beside the checkpoints, `best-step-N.safetensors` (fsync'ed, renamed),
     and its step and loss, with every validation so far, are in the checkpoint's state. The state's file is
     kept; any other best file is deleted at the next validation or resume, after the checkpoint that
     supersedes it is on disk, so a kill between the two never loses the best weights a resume refers to."""
@@ -205,26 +208,29 @@ class Best:
             return False
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = self.root / f".best-{os.getpid()}.tmp"
-        save_file({n: p.detach().cpu().contiguous() for n, p in model.named_parameters() if p.requires_grad},
-                  str(tmp))
+        weights = {n: p.detach().cpu().contiguous() for n, p in model.named_parameters() if p.requires_grad}
+        write_synced(tmp, lambda path: save_file(weights, str(path)))
         os.replace(tmp, self.path(step))
+        fsync_dir(self.root)
         self.step, self.loss = step, loss
         return True
 
     def state(self) -> dict:
-        return {"best_step": self.step, "best_loss": self.loss if self.step else None, "validation": [list(v) for v in self.history]}
+        return {"best_step": self.step, "best_loss": self.loss if self.step else None,
+                "validation": [list(v) for v in self.history]}
 
     @classmethod
     def restore(cls, root: Path, state: dict, ctx: StageContext) -> Best:
         """The best of a resumed run's checkpoint state (its validations re-logged), other best files deleted;
-        a best file that is missing (an older checkpoint resumed) restarts the choice with a warning."""
+        a best file that is missing (an older checkpoint resumed) or unreadable restarts the choice with a
+        warning."""
         best = cls(root, state.get("best_step", 0), state.get("best_loss") or math.inf,
                    [list(v) for v in state.get("validation", [])])
         for step, loss, acc in best.history:
             ctx.log_metrics({"val/loss": loss, "val/step_accuracy": acc}, step=int(step))
-        if best.step and not best.path(best.step).exists():
-            ctx.log.warning("prm: the best checkpoint's weights (step %d) are missing; choosing among the "
-                            "checkpoints from here on", best.step)
+        if best.step and not readable(best.path(best.step)):
+            ctx.log.warning("prm: the best checkpoint's weights (step %d) are missing or unreadable; choosing "
+                            "among the checkpoints from here on", best.step)
             best.step, best.loss = 0, math.inf
         best.prune()
         return best
@@ -237,6 +243,16 @@ class Best:
             raise RuntimeError(f"prm: the best checkpoint's weights do not match the model's trainable parameters "
                                f"({len(weights)} against {len(trainable)})")
         model.load_state_dict(weights, strict=False)  # the frozen parameters are not in the file
+
+
+def readable(path: Path) -> bool:
+    """Whether a safetensors file exists and its header reads."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            f.keys()
+    except (OSError, SafetensorError):
+        return False
+    return True
 
 
 # ---------------------------------------------------------------------------- the training loop

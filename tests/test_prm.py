@@ -192,7 +192,7 @@ def test_split_rows_keeps_prompts_on_one_side_and_the_held_out_share_fixed():
 def test_best_keeps_the_lowest_validation_loss_and_resumes(tmp_path):
     """`Best` saves the weights of the lowest validation loss, loads them back, and after a resume keeps only
     the best file its checkpoint state names (an orphan written after that checkpoint is deleted); a named
-    file that is missing restarts the choice."""
+    file that is torn or missing restarts the choice."""
     net = torch.nn.Linear(2, 1)
     frozen = torch.nn.Linear(2, 1)
     model = torch.nn.ModuleDict({"net": net, "frozen": frozen})
@@ -221,7 +221,11 @@ def test_best_keeps_the_lowest_validation_loss_and_resumes(tmp_path):
     assert [p.name for p in (tmp_path / "ck").iterdir()] == ["best-step-000010.safetensors"]
     assert [m for s, m in ctx.metrics if s is not None] == [{"val/loss": 0.5, "val/step_accuracy": 0.7},
                                                            {"val/loss": 0.6, "val/step_accuracy": 0.6}]
-    (tmp_path / "ck" / "best-step-000010.safetensors").unlink()
+    f = tmp_path / "ck" / "best-step-000010.safetensors"
+    f.write_bytes(f.read_bytes()[:20])  # a torn write: unreadable
+    torn = prm.Best.restore(tmp_path / "ck", state, ctx)
+    assert (torn.step, torn.loss) == (0, float("inf")) and len(torn.history) == 2
+    assert not f.exists()  # the unreadable file is not kept either
     lost = prm.Best.restore(tmp_path / "ck", state, ctx)
     assert (lost.step, lost.loss) == (0, float("inf")) and len(lost.history) == 2
 

@@ -45,7 +45,8 @@ def latest_checkpoint(root: Path) -> Path | None:
     return done[0] if done else None
 
 
-def _write_synced(path: Path, write) -> None:
+def write_synced(path: Path, write) -> None:
+    """`write(path)`, then fsync the file: on disk before anything that refers to it is written."""
     write(path)
     with open(path, "rb+") as f:
         os.fsync(f.fileno())
@@ -72,14 +73,14 @@ def save_checkpoint(root: Path, step: int, model, optimizer, state: dict, keep: 
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".tmp-{uuid.uuid4().hex}"
     tmp.mkdir()
-    _write_synced(tmp / "trainable.safetensors", lambda p: save_file(trainable, p))
-    _write_synced(tmp / "optimizer.pt", lambda p: torch.save({**optim, "rng": torch.get_rng_state()}, p))
+    write_synced(tmp / "trainable.safetensors", lambda p: save_file(trainable, p))
+    write_synced(tmp / "optimizer.pt", lambda p: torch.save({**optim, "rng": torch.get_rng_state()}, p))
     sizes = {name: (tmp / name).stat().st_size for name in CHECKPOINT_FILES}
-    _write_synced(tmp / "state.json", lambda p: p.write_text(json.dumps({**state, "_file_sizes": sizes})))
+    write_synced(tmp / "state.json", lambda p: p.write_text(json.dumps({**state, "_file_sizes": sizes})))
     final = root / f"step-{step:06d}"
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
-    _fsync_dir(root)
+    fsync_dir(root)
     steps = sorted((p for p in root.glob("step-*") if _STEP_DIR.match(p.name)), key=lambda p: p.name)
     for old in steps[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
@@ -89,7 +90,8 @@ def save_checkpoint(root: Path, step: int, model, optimizer, state: dict, keep: 
     return final
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """fsync a directory: the renames and deletions in it are durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
