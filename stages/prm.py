@@ -64,7 +64,7 @@ from stages.modeling.heads import (
     step_logits,
 )
 from stages.runtime import distributed
-from stages.training.checkpoints import fsync_dir, write_synced
+from stages.training.checkpoints import fsync_dir, trainable_state, write_synced
 from stages.training.loop import Curves, Loop, StepResult, autocast, curve_tail, step_micro_batches
 from stages.training.optim import resolve_precision
 
@@ -208,7 +208,7 @@ class Best:
             return False
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = self.root / f".best-{os.getpid()}.tmp"
-        weights = {n: p.detach().cpu().contiguous() for n, p in model.named_parameters() if p.requires_grad}
+        weights = trainable_state(model)
         write_synced(tmp, lambda path: save_file(weights, str(path)))
         os.replace(tmp, self.path(step))
         fsync_dir(self.root)

@@ -45,6 +45,11 @@ def latest_checkpoint(root: Path) -> Path | None:
     return done[0] if done else None
 
 
+def trainable_state(model) -> dict[str, torch.Tensor]:
+    """The model's trainable parameters by name, as contiguous CPU tensors (what a checkpoint saves)."""
+    return {n: p.detach().cpu().contiguous() for n, p in model.named_parameters() if p.requires_grad}
+
+
 def write_synced(path: Path, write) -> None:
     """`write(path)`, then fsync the file: on disk before anything that refers to it is written."""
     write(path)
@@ -68,7 +73,7 @@ def save_checkpoint(root: Path, step: int, model, optimizer, state: dict, keep: 
     elif not dist.is_main:
         return None
     else:
-        trainable = {n: p.detach().cpu().contiguous() for n, p in model.named_parameters() if p.requires_grad}
+        trainable = trainable_state(model)
         optim = {"optimizer": optimizer.state_dict()}
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".tmp-{uuid.uuid4().hex}"
