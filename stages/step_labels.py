@@ -19,9 +19,9 @@ Departures from the paper, on purpose:
 - rollouts the verifier cannot score are left out of the share; a step none of whose rollouts
   could be scored ends the solution's labelled steps there (a label is never a silent 0).
 
-Cost: rollouts = K x (steps - 1) per solution at most. Each prefix is one generate call whose
-prompt (chat template + prefix) is prefilled once for its K samples; prefixes are not batched
-together, since the generation backends take one prefill text per call.
+Cost: rollouts = K x (steps - 1) per solution at most. The prefixes of several solutions are rolled
+out in one generate call (a prefill per prompt), each prompt (chat template + prefix) prefilled once
+for its K samples, so the decode runs `generation.batch_size` prefixes x K rows at a time.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from stages.math.steps import cap_spans, mc_labels, step_spans
 from stages.rewards.verifiers import score
 from stages.sampling.generation import make_backend
 
-VERSION = "1"
+VERSION = "2"  # 2: prefixes batched across solutions (other random draws than 1)
 CONFIG = StepLabelsConfig
 INPUTS = {"model": "model", "prompts": "prompts", "solutions": "samples|sft?"}
 OUTPUTS = {"steps": "steps"}
@@ -96,35 +96,79 @@ def select(solutions: list[Solution], max_solutions: int, seed: int) -> list[Sol
     return [solutions[i] for i in sorted(keep.tolist())]
 
 
-def rollout_seed(seed: int, solution: int, step: int) -> int:
-    return seed * 1_000_003 + solution * 1_009 + step
+def rollout_seed(seed: int, chunk: int) -> int:
+    return seed * 1_000_003 + chunk * 1_009
 
 
-def label_solution(sol: Solution, backend, cfg: StepLabelsConfig, seed: int) -> tuple[list[str], list[float], dict]:
-    """(steps, labels, details) of one solution; no steps when it has none or its first step has no label.
+@dataclass(frozen=True)
+class Plan:
+    """One solution's steps (character spans of its text), its own verdict, and the steps to roll out."""
 
-    Step i < last (or the last of a solution cut by the token limit): K rollouts from the prefix
-    text[:end_i], each verified as prefix + continuation. The last step of a finished solution:
-    its own verdict.
-    """
+    spans: list[tuple[int, int]]
+    own: bool | None
+    rolled: list[int]  # indices of the steps whose prefixes are rolled out (all but a finished solution's last)
+
+
+def plan_solution(sol: Solution, cfg: StepLabelsConfig) -> Plan:
+    """Step i < last (or the last of a solution cut by the token limit) is labelled from K rollouts of the
+    prefix text[:end_i]; the last step of a finished solution by its own verdict."""
     spans = cap_spans(step_spans(sol.text, cfg.delimiter), cfg.max_steps) if sol.text.strip() else []
-    own = verdict(sol.prompt, sol.text, cfg)
-    outcomes: list[list[bool | None]] = []
-    rolled: list[int] = []  # rollouts per step (0: labelled by the solution's own verdict)
-    for i, (_, end) in enumerate(spans):
-        if i == len(spans) - 1 and sol.finish_reason == "stop":
-            outcomes.append([own])
-            rolled.append(0)
-            continue
-        spec = cfg.generation.model_copy(update={"prefill": sol.text[:end]})
-        comps, _ = backend.generate([sol.prompt["messages"]], spec, n=cfg.rollouts, seed=seed + i, progress=False)
-        outcomes.append([verdict(sol.prompt, c.text, cfg) for c in comps[0]])
-        rolled.append(len(comps[0]))
+    last_own = sol.finish_reason == "stop"
+    rolled = [i for i in range(len(spans)) if not (last_own and i == len(spans) - 1)]
+    return Plan(spans, verdict(sol.prompt, sol.text, cfg), rolled)
+
+
+def label_plan(sol: Solution, plan: Plan, rollouts: dict[int, list[str]],
+               cfg: StepLabelsConfig) -> tuple[list[str], list[float], dict]:
+    """(steps, labels, details) of one solution from the texts of its prefixes' rollouts (`rollouts[i]`:
+    prefix i + continuation, K of them); no steps when it has none or its first step has no label."""
+    outcomes = [[verdict(sol.prompt, t, cfg) for t in rollouts[i]] if i in rollouts else [plan.own]
+                for i in range(len(plan.spans))]
+    rolled = [len(rollouts[i]) if i in rollouts else 0 for i in range(len(plan.spans))]
     labels = mc_labels(outcomes, cfg.label)
     n = next((i for i, lab in enumerate(labels) if lab is None), len(labels))  # labelled prefix of the steps
-    details = {"correct": own, "rollouts": rolled[:n], "rollouts_correct": [sum(x is True for x in o) for o in outcomes[:n]],
-               "unlabelled_steps": len(spans) - n, "rollouts_generated": sum(rolled)}
-    return [sol.text[s:e] for s, e in spans[:n]], [float(x) for x in labels[:n]], details
+    details = {"correct": plan.own, "rollouts": rolled[:n], "rollouts_correct": [sum(x is True for x in o) for o in outcomes[:n]],
+               "unlabelled_steps": len(plan.spans) - n, "rollouts_generated": sum(rolled)}
+    return [sol.text[s:e] for s, e in plan.spans[:n]], [float(x) for x in labels[:n]], details
+
+
+def chunks(plans: list[Plan], prefixes: int) -> list[range]:
+    """Consecutive solutions grouped so that each group has at least `prefixes` prefixes to roll out (the last
+    group: whatever is left): one generate call per group, its prefixes batched together."""
+    out, start, count = [], 0, 0
+    for k, plan in enumerate(plans):
+        count += len(plan.rolled)
+        if count >= prefixes:
+            out.append(range(start, k + 1))
+            start, count = k + 1, 0
+    if start < len(plans):
+        out.append(range(start, len(plans)))
+    return out
+
+
+def label_solutions(solutions: list[Solution], backend, cfg: StepLabelsConfig,
+                    seed: int) -> list[tuple[list[str], list[float], dict]]:
+    """(steps, labels, details) per solution. The step prefixes of several solutions go through one generate
+    call (`prefills`, one per prefix; each prefilled once for its K rollouts), so the decode runs batches of
+    `generation.batch_size` prefixes x K rows rather than K rows at a time."""
+    plans = [plan_solution(sol, cfg) for sol in solutions]
+    out: list[tuple[list[str], list[float], dict]] = []
+    bar = tqdm(total=len(solutions), desc="step_labels: rollouts", unit="solution")
+    for c, group in enumerate(chunks(plans, 4 * cfg.generation.batch_size)):
+        jobs = [(k, i) for k in group for i in plans[k].rolled]
+        texts: list[list[str]] = []
+        if jobs:
+            comps, _ = backend.generate([solutions[k].prompt["messages"] for k, _ in jobs], cfg.generation,
+                                        n=cfg.rollouts, seed=rollout_seed(seed, c), progress=False,
+                                        prefills=[solutions[k].text[: plans[k].spans[i][1]] for k, i in jobs])
+            texts = [[x.text for x in cs] for cs in comps]
+        by_solution: dict[int, dict[int, list[str]]] = {k: {} for k in group}
+        for (k, i), ts in zip(jobs, texts, strict=True):
+            by_solution[k][i] = ts
+        out.extend(label_plan(solutions[k], plans[k], by_solution[k], cfg) for k in group)
+        bar.update(len(group))
+    bar.close()
+    return out
 
 
 def run(cfg: StepLabelsConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[str, Output]:
@@ -146,8 +190,7 @@ def run(cfg: StepLabelsConfig, inputs: dict[str, Input], ctx: StageContext) -> d
     solutions = select(solutions, cfg.max_solutions, ctx.seed)
 
     rows, dropped, n_rollouts, correct = [], 0, 0, []
-    for k, sol in enumerate(tqdm(solutions, desc="step_labels: rollouts", unit="solution")):
-        steps, labels, details = label_solution(sol, backend, cfg, rollout_seed(ctx.seed, k, 0))
+    for sol, (steps, labels, details) in zip(solutions, label_solutions(solutions, backend, cfg, ctx.seed), strict=True):
         n_rollouts += details["rollouts_generated"]
         correct.append(details["correct"])
         if not steps:

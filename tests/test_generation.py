@@ -126,6 +126,21 @@ def test_prefill_starts_the_assistant_turn_and_is_returned_not_counted(backend, 
         assert list(c.token_ids) == ref[0, ids.shape[1]:].tolist()[: c.num_tokens]
 
 
+def test_a_prefill_per_conversation_in_one_call_equals_one_call_per_prefill(backend):
+    """prefills (step_labels' step prefixes, batched): each conversation continues its own prefill, with the
+    greedy tokens of a call that gives that prefill to all; the texts start with their own prefill, and a
+    prefills list of the wrong length is refused."""
+    prefills = ["<think>", "Step 1: two", "", "<answer>"]
+    spec = GenerationSpec(max_new_tokens=5, temperature=0.0, batch_size=4)
+    out, _ = backend.generate(CONVS, spec, n=2, progress=False, prefills=prefills)
+    for conv, prefill, comps in zip(CONVS, prefills, out, strict=True):
+        alone, _ = backend.generate([conv], spec.model_copy(update={"prefill": prefill}), n=2, progress=False)
+        assert [c.token_ids for c in comps] == [c.token_ids for c in alone[0]]
+        assert all(c.text == a.text and c.text.startswith(prefill) for c, a in zip(comps, alone[0], strict=True))
+    with pytest.raises(ValueError, match="prefills: 1 for 4 conversations"):
+        backend.generate(CONVS, spec, progress=False, prefills=["x"])
+
+
 def test_static_cache_gives_the_same_greedy_completions_and_logprobs(backend):
     """cache: static (preallocated, compiled on GPU; prompts padded to a 64-token bucket) changes
     speed, not results: the same greedy tokens and log-probs as the dynamic cache."""

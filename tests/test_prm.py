@@ -28,13 +28,19 @@ class ScriptedBackend:
 
     def __init__(self, script: dict[str, list[str]]):
         self.script = script
-        self.calls: list[tuple[str, int]] = []
+        self.calls: list[tuple[str, int]] = []  # (prefix, K) per prefix rolled out
+        self.batches: list[int] = []  # prefixes per generate call
 
-    def generate(self, conversations, spec, n=1, seed=0, logprobs=False, desc="", progress=True):
-        self.calls.append((spec.prefill, n))
-        conts = self.script[spec.prefill]
-        assert len(conversations) == 1 and len(conts) == n
-        return [[Completion(spec.prefill + c, 3, "stop") for c in conts]], None
+    def generate(self, conversations, spec, n=1, seed=0, logprobs=False, desc="", progress=True, prefills=None):
+        assert prefills is not None and len(prefills) == len(conversations)
+        self.batches.append(len(prefills))
+        out = []
+        for prefix in prefills:
+            self.calls.append((prefix, n))
+            conts = self.script[prefix]
+            assert len(conts) == n
+            out.append([Completion(prefix + c, 3, "stop") for c in conts])
+        return out, None
 
 
 def samples_input(tmp_path, rows):
@@ -80,10 +86,19 @@ def test_step_labels_from_scripted_rollouts_soft(tmp_path, monkeypatch, digit_pr
     assert by_id["p5-0"]["labels"] == [0.0, 0.0]
     assert by_id["p7-0"]["labels"] == [0.5, 0.75]
     assert sorted(backend.calls) == sorted([(p, 4) for p in SCRIPT])  # each prefix once, K rollouts
+    assert backend.batches == [5]  # the 5 prefixes of the 3 solutions in one generate call
     meta = json.loads(by_id["p3-0"]["metadata"])
     assert meta["rollouts"] == [4, 4, 0] and meta["rollouts_correct"] == [3, 1, 1] and meta["correct"] is True
     assert metrics["rollouts"] == 20 and metrics["steps"] == 7 and metrics["solutions"] == 3
     assert metrics["solution_accuracy"] == pytest.approx(1 / 3)
+
+
+def test_chunks_group_solutions_by_prefixes_to_roll_out():
+    """Solutions with 3, 0, 3, 3, 1 prefixes, at least 4 per generate call: [3, 0, 3] then [3, 1]; the rest
+    (fewer than 4) is a last group of its own."""
+    plans = [step_labels.Plan([], None, list(range(k))) for k in (3, 0, 3, 3, 1, 2)]
+    assert step_labels.chunks(plans, 4) == [range(0, 3), range(3, 5), range(5, 6)]
+    assert step_labels.chunks(plans, 100) == [range(0, 6)] and step_labels.chunks([], 4) == []
 
 
 def test_step_labels_hard_and_max_steps(tmp_path, monkeypatch, digit_prompts, tiny_model_input):

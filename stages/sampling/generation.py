@@ -153,14 +153,26 @@ class _StepCounter(StoppingCriteria):
 
 class GenerationBackend(Protocol):
     def generate(self, conversations: list[list[dict]], spec: GenerationSpec, n: int = 1, seed: int = 0,
-                 logprobs: bool = False, desc: str = "generate",
-                 progress: bool = True) -> tuple[list[list[Completion]], GenerationStats]: ...
+                 logprobs: bool = False, desc: str = "generate", progress: bool = True,
+                 prefills: list[str] | None = None) -> tuple[list[list[Completion]], GenerationStats]: ...
 
 
-def render_prompts(tokenizer, conversations: list[list[dict]], prefill: str = "") -> list[str]:
-    """Chat-templated prompts ending with the assistant turn's header, then `prefill` (if any)."""
-    return [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) + prefill
-            for c in conversations]
+def row_prefills(conversations: list[list[dict]], spec: GenerationSpec, prefills: list[str] | None) -> list[str]:
+    """Each conversation's prefill: `prefills[i]` when given (one per conversation: e.g. step_labels' step
+    prefixes, all rolled out in one call), else `spec.prefill` for all."""
+    if prefills is None:
+        return [spec.prefill] * len(conversations)
+    if len(prefills) != len(conversations):
+        raise ValueError(f"prefills: {len(prefills)} for {len(conversations)} conversations (one each)")
+    return list(prefills)
+
+
+def render_prompts(tokenizer, conversations: list[list[dict]], prefill: str | list[str] = "") -> list[str]:
+    """Chat-templated prompts ending with the assistant turn's header, then `prefill` (if any; a list: one per
+    conversation)."""
+    prefills = [prefill] * len(conversations) if isinstance(prefill, str) else prefill
+    return [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) + p
+            for c, p in zip(conversations, prefills, strict=True)]
 
 
 def stop_token_ids(tokenizer) -> list[int]:
@@ -612,10 +624,11 @@ class TransformersBackend:
 
     @torch.no_grad()
     def generate(self, conversations: list[list[dict]], spec: GenerationSpec, n: int = 1, seed: int = 0,
-                 logprobs: bool = False, desc: str = "generate",
-                 progress: bool = True) -> tuple[list[list[Completion]], GenerationStats]:
+                 logprobs: bool = False, desc: str = "generate", progress: bool = True,
+                 prefills: list[str] | None = None) -> tuple[list[list[Completion]], GenerationStats]:
         model, tokenizer = self.model, self.tokenizer
-        texts = render_prompts(tokenizer, conversations, spec.prefill)
+        prefills = row_prefills(conversations, spec, prefills)
+        texts = render_prompts(tokenizer, conversations, prefills)
         order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
         eos_ids = stop_token_ids(tokenizer)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
@@ -660,7 +673,7 @@ class TransformersBackend:
             for j, (ids, text, finish) in enumerate(rows):
                 stats.new_tokens += len(ids)
                 lp = tuple(lps[j][: len(ids)]) if lps is not None else None
-                results[idx[j // n]].append(Completion(spec.prefill + text, len(ids), finish, tuple(ids), lp))
+                results[idx[j // n]].append(Completion(prefills[idx[j // n]] + text, len(ids), finish, tuple(ids), lp))
         bar.close()
         stats.completions = len(texts) * n
         stats.seconds = time.perf_counter() - t0
@@ -768,24 +781,25 @@ class VLLMBackend:
         self.llm.reset_prefix_cache()
 
     def generate(self, conversations: list[list[dict]], spec: GenerationSpec, n: int = 1, seed: int = 0,
-                 logprobs: bool = False, desc: str = "generate",
-                 progress: bool = True) -> tuple[list[list[Completion]], GenerationStats]:
+                 logprobs: bool = False, desc: str = "generate", progress: bool = True,
+                 prefills: list[str] | None = None) -> tuple[list[list[Completion]], GenerationStats]:
         from vllm import SamplingParams
 
         params = SamplingParams(n=n, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k or -1,
                                 max_tokens=spec.max_new_tokens, stop=list(spec.stop) or None, seed=seed,
                                 include_stop_str_in_output=True, logprobs=0 if logprobs else None)
         t0 = time.perf_counter()
+        prefills = row_prefills(conversations, spec, prefills)
         prompts = [{"prompt_token_ids": self.tokenizer(text, add_special_tokens=False)["input_ids"]}
-                   for text in render_prompts(self.tokenizer, conversations, spec.prefill)]
+                   for text in render_prompts(self.tokenizer, conversations, prefills)]
         outs = self.llm.generate(prompts, params, use_tqdm=progress)
         stats = GenerationStats(prompts=len(conversations), completions=len(conversations) * n)
         results = []
-        for o in outs:
+        for o, prefill in zip(outs, prefills, strict=True):
             comps = []
             for c in o.outputs:
                 lp = tuple(next(iter(d.values())).logprob for d in c.logprobs) if logprobs and c.logprobs else None
-                comps.append(Completion(spec.prefill + c.text, len(c.token_ids), "length" if c.finish_reason == "length" else "stop",
+                comps.append(Completion(prefill + c.text, len(c.token_ids), "length" if c.finish_reason == "length" else "stop",
                                         tuple(c.token_ids), lp))
                 stats.new_tokens += len(c.token_ids)
             results.append(comps)
