@@ -672,6 +672,8 @@ class StepLabelsConfig(Strict):
         "step prefix; the configured prefill only starts sampled solutions).")
     reward: RewardSpec = Field(default_factory=RewardSpec, description="How answers are verified (only correctness "
                                "is used).")
+    precision: Precision = Field("auto", description="Sampling precision (autocast; the weights stay as loaded). "
+                                 "auto: bf16 on GPUs that support it, else fp32.")
 
 
 class PRMConfig(TrainingConfig):

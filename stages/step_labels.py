@@ -39,6 +39,7 @@ from stages.base import Input, Output, StageContext, seed_everything, write_data
 from stages.math.steps import cap_spans, mc_labels, step_spans
 from stages.rewards.verifiers import score
 from stages.sampling.generation import make_backend
+from stages.training.optim import resolve_precision
 
 VERSION = "2"  # 2: prefixes batched across solutions (other random draws than 1)
 CONFIG = StepLabelsConfig
@@ -181,7 +182,8 @@ def run(cfg: StepLabelsConfig, inputs: dict[str, Input], ctx: StageContext) -> d
     seed_everything(ctx.seed)
     model, tokenizer = inputs["model"].load_model()
     model.to(ctx.device)
-    backend = make_backend(cfg.generation, model, tokenizer, inputs["model"].model_dir)
+    backend = make_backend(cfg.generation, model, tokenizer, inputs["model"].model_dir,
+                           autocast_dtype=resolve_precision(cfg.precision, ctx.device))
     if solutions is None:
         comps, _ = backend.generate([p["messages"] for p in prompts], cfg.generation, n=cfg.solutions_per_prompt,
                                     seed=ctx.seed, desc="step_labels: solutions")

@@ -66,7 +66,8 @@ SCRIPT = {
 
 def run_scripted(tmp_path, monkeypatch, digit_prompts, tiny_model_input, **cfg):
     backend = ScriptedBackend(SCRIPT)
-    monkeypatch.setattr(step_labels, "make_backend", lambda *a, **k: backend)
+    monkeypatch.setattr(step_labels, "make_backend", lambda *a, **k: backend.made.append(k) or backend)
+    backend.made = []
     data = samples_input(tmp_path, [{"prompt_id": "p3", "completion": RIGHT}, {"prompt_id": "p5", "completion": WRONG},
                                     {"prompt_id": "p7", "completion": CUT, "finish": "length"}])
     ctx = LocalContext(tmp_path / cfg.get("label", "soft"))
@@ -91,6 +92,14 @@ def test_step_labels_from_scripted_rollouts_soft(tmp_path, monkeypatch, digit_pr
     assert meta["rollouts"] == [4, 4, 0] and meta["rollouts_correct"] == [3, 1, 1] and meta["correct"] is True
     assert metrics["rollouts"] == 20 and metrics["steps"] == 7 and metrics["solutions"] == 3
     assert metrics["solution_accuracy"] == pytest.approx(1 / 3)
+
+
+def test_step_labels_samples_at_its_precision(tmp_path, monkeypatch, digit_prompts, tiny_model_input):
+    """precision: auto samples in the weights' dtype on a CPU (no autocast); bf16 asks the backend for it."""
+    backend, _, _ = run_scripted(tmp_path, monkeypatch, digit_prompts, tiny_model_input)
+    assert backend.made[0]["autocast_dtype"] is None
+    backend, _, _ = run_scripted(tmp_path / "bf16", monkeypatch, digit_prompts, tiny_model_input, precision="bf16")
+    assert backend.made[0]["autocast_dtype"] is torch.bfloat16
 
 
 def test_chunks_group_solutions_by_prefixes_to_roll_out():
