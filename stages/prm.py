@@ -40,6 +40,7 @@ from schemas.configs import PRMConfig
 from schemas.datasets import read_steps_jsonl
 from schemas.errors import ConfigError, SchemaError
 from stages.base import Input, Output, StageContext, model_output_dir, seed_everything
+from stages.math.stats import cluster_bootstrap_ratio
 from stages.math.steps import (
     auroc,
     first_error_accuracy,
@@ -68,7 +69,7 @@ from stages.training.checkpoints import fsync_dir, trainable_state, write_synced
 from stages.training.loop import Curves, Loop, StepResult, autocast, curve_tail, step_micro_batches
 from stages.training.optim import resolve_precision
 
-VERSION = "2"  # 2: a validation split chooses the saved checkpoint
+VERSION = "3"  # 2: a validation split chooses the saved checkpoint; 3: the gain over the majority label, with its CI
 CONFIG = PRMConfig
 INPUTS = {"model": "model", "steps": "steps?"}
 OUTPUTS = {"model": "model"}
@@ -133,7 +134,7 @@ def encode(rows: list[dict], tokenizer, cfg: PRMConfig) -> list[dict]:
         ids, pos = encode_steps(tokenizer, r["messages"], text, ends, cfg.max_length)
         labels = torch.tensor(r["labels"][: len(pos)], dtype=torch.float32)
         out.append({"ids": ids, "pos": pos, "labels": hard_labels(labels) if cfg.targets == "hard" else labels,
-                    "dropped": len(ends) - len(pos)})
+                    "dropped": len(ends) - len(pos), "prompt": json.dumps(r["messages"], sort_keys=True)})
     return out
 
 
@@ -357,21 +358,38 @@ def summarize(s: Session, start: int, elapsed: float) -> dict[str, float]:
           "val_loss_best": s.best.loss} if s.best is not None and s.best.step else {})
 
 
+def accuracy_gain(probs: list[torch.Tensor], labels: list[torch.Tensor], prompts: list[str],
+                  seed: int = 0) -> tuple[float, float, float]:
+    """(step accuracy minus the majority label's, 95% low, high) over solutions (probs[i], labels[i]: one solution's
+    steps), the interval a bootstrap over prompts: a prompt's solutions share its difficulty, so they are resampled
+    together (`cluster_bootstrap_ratio`)."""
+    majority = float((torch.cat(labels) >= 0.5).float().mean()) >= 0.5
+    diff = [float(((p >= 0.5) == (y >= 0.5)).sum() - ((y >= 0.5) == majority).sum()) for p, y in zip(probs, labels, strict=True)]
+    return cluster_bootstrap_ratio(diff, [float(len(y)) for y in labels], prompts, seed=seed)
+
+
 def held_out_metrics(model, examples: list[dict], pad_id: int, batch_size: int, device: str) -> dict[str, float]:
-    """Step accuracy (with the held-out labels' majority class as its baseline), AUROC, first-error-step
-    accuracy and BCE of the held-out solutions, labels thresholded at 0.5 where a metric needs classes."""
+    """Step accuracy (with the held-out labels' majority class as its baseline, and the gain over it with a 95%
+    bootstrap interval over prompts), AUROC, first-error-step accuracy and BCE of the held-out solutions, labels
+    thresholded at 0.5 where a metric needs classes."""
     logits = batched_step_logits(model, [e["ids"] for e in examples], [e["pos"] for e in examples], pad_id,
                                  batch_size, device)
     flat_logits, flat_labels = torch.cat(logits), torch.cat([e["labels"] for e in examples])
     width = max(len(lg) for lg in logits)
     mask = pad_labels([torch.ones(len(lg)) for lg in logits], width)
     probs = pad_labels([torch.sigmoid(lg) for lg in logits], width)
+    gain, low, high = accuracy_gain([torch.sigmoid(lg) for lg in logits], [e["labels"] for e in examples],
+                                    [e["prompt"] for e in examples])
     return {
         "eval_solutions": float(len(examples)),
         "eval_steps": float(flat_labels.numel()),
         "eval_loss": float(prm_loss(flat_logits, flat_labels)),
         "eval_step_accuracy": step_accuracy(torch.sigmoid(flat_logits), flat_labels),
         "eval_majority_baseline": majority_baseline(flat_labels),
+        "eval_accuracy_gain": gain,
+        "eval_accuracy_gain_low": low,
+        "eval_accuracy_gain_high": high,
+        "eval_prompts": float(len({e["prompt"] for e in examples})),
         "eval_auroc": auroc(flat_logits, flat_labels),
         "eval_first_error_accuracy": first_error_accuracy(probs, pad_labels([e["labels"] for e in examples], width),
                                                           mask),
@@ -379,8 +397,10 @@ def held_out_metrics(model, examples: list[dict], pad_id: int, batch_size: int, 
 
 
 def log_held_out(ctx: StageContext, metrics: dict[str, float]) -> None:
-    ctx.log.info("prm: held-out step accuracy %.3f (majority baseline %.3f), AUROC %.3f, first-error accuracy %.3f",
-                 metrics["eval_step_accuracy"], metrics["eval_majority_baseline"], metrics["eval_auroc"],
+    ctx.log.info("prm: held-out step accuracy %.3f (majority baseline %.3f; gain %+.3f, 95%% CI over %d prompts "
+                 "[%+.3f, %+.3f]), AUROC %.3f, first-error accuracy %.3f", metrics["eval_step_accuracy"],
+                 metrics["eval_majority_baseline"], metrics["eval_accuracy_gain"], metrics["eval_prompts"],
+                 metrics["eval_accuracy_gain_low"], metrics["eval_accuracy_gain_high"], metrics["eval_auroc"],
                  metrics["eval_first_error_accuracy"])
 
 

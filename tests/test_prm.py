@@ -179,6 +179,8 @@ def test_prm_learns_a_step_rule_above_the_majority_baseline(tmp_path, rule_steps
     m = out.metrics
     assert m["eval_solutions"] == 15 and m["solutions_train"] == 45
     assert m["eval_step_accuracy"] > m["eval_majority_baseline"] + 0.1, m
+    assert m["eval_accuracy_gain"] == pytest.approx(m["eval_step_accuracy"] - m["eval_majority_baseline"])
+    assert 0 < m["eval_accuracy_gain_low"] < m["eval_accuracy_gain"] < m["eval_accuracy_gain_high"] and m["eval_prompts"] == 15
     assert m["eval_auroc"] > 0.9 and m["eval_first_error_accuracy"] > 0.6, m
     assert m["train_loss_final"] < 0.5
     assert out.schema == "process_reward_model"
@@ -373,3 +375,13 @@ def test_prm_recipe_end_to_end_cached_and_each_new_stage_reruns_alone(tmp_path):
         assert scorer.delimiter == "newline"
         [(ends, probs)] = scorer.score_steps([[{"role": "user", "content": "1+1?"}]], ["1 + 1 = 2\n<answer>2</answer>"])
         assert ends == [9, 28] and len(probs) == 2 and all(0.0 < p < 1.0 for p in probs)
+
+
+def test_accuracy_gain_over_the_majority_label_hand_worked():
+    """Prompt A's solution: probs 0.9, 0.2 for labels 1, 0 (both right); prompt B's: 0.8 for label 0 (wrong). The
+    labels' majority class is 0 (1 of 3 positive), right on A's second step and on B's: the PRM's 2 of 3 minus the
+    majority's 2 of 3 is 0. Resampling the 2 prompts: AA (4 - 2) / 4 = +0.5, AB 0, BB (0 - 1) / 1 = -1, each
+    with probability >= 1/4, so the 95% interval is [-1, +0.5]."""
+    gain, low, high = prm.accuracy_gain([torch.tensor([0.9, 0.2]), torch.tensor([0.8])],
+                                        [torch.tensor([1.0, 0.0]), torch.tensor([0.0])], ["A", "B"])
+    assert (gain, low, high) == (0.0, -1.0, 0.5)

@@ -101,3 +101,19 @@ def test_pairing_narrows_the_interval_when_models_agree_on_most_prompts():
 def test_paired_diff_rejects_mismatched_lengths():
     with pytest.raises(ValueError, match=r"a has 3 values and b has 2"):
         paired_bootstrap_diff([0, 1, 1], [1, 1])
+
+
+def test_cluster_bootstrap_ratio_hand_worked():
+    """Group a: 1 of 2 (as two units, 1 of 1 and 0 of 1), group b: 0 of 1. The ratio is 1/3. A resample of two
+    groups is aa (2/4 = 0.5, probability 1/4), ab or ba (1/3, 1/2) or bb (0, 1/4): the 95% interval is [0, 0.5].
+    The units of a group move together: a's two units are never split."""
+    ratio, low, high = stats.cluster_bootstrap_ratio([1, 0, 0], [1, 1, 1], ["a", "a", "b"], resamples=4000, seed=3)
+    assert ratio == pytest.approx(1 / 3) and (low, high) == (0.0, 0.5)
+    assert stats.cluster_bootstrap_ratio([1, 0], [1, 1], ["a", "a"]) == (0.5, 0.5, 0.5)  # one group: no spread
+    # as three groups of one unit each: three draws of the right unit (3/3) have probability 1/27 = 3.7% > 2.5%,
+    # so the interval reaches 1, where keeping a's units together never gives more than 0.5
+    _, _, high3 = stats.cluster_bootstrap_ratio([1, 0, 0], [1, 1, 1], ["a", "c", "b"], resamples=4000, seed=3)
+    assert high3 == 1.0
+    assert all(math.isnan(v) for v in stats.cluster_bootstrap_ratio([], [], []))
+    with pytest.raises(ValueError, match="2 num, 2 den and 1 groups"):
+        stats.cluster_bootstrap_ratio([1, 0], [1, 1], ["a"])

@@ -86,3 +86,37 @@ def paired_bootstrap_diff(a: Sequence[float] | np.ndarray, b: Sequence[float] | 
     d = y - x
     low, high = bootstrap_ci(d, confidence, resamples, seed)
     return float(d.mean()), low, high
+
+
+def cluster_bootstrap_ratio(num: Sequence[float] | np.ndarray, den: Sequence[float] | np.ndarray,
+                            groups: Sequence, confidence: float = 0.95, resamples: int = 10_000,
+                            seed: int = 0) -> tuple[float, float, float]:
+    """(sum(num) / sum(den), low, high): a ratio of sums and its percentile bootstrap interval, resampling whole
+    groups (e.g. the held-out steps of one prompt, which share its difficulty) rather than single values.
+
+    num[i], den[i], groups[i]: one unit (e.g. a solution: its steps scored right, its steps) and its group. The
+    units of a group are summed first; each resample draws as many groups as there are, with replacement, and
+    takes the ratio of their sums. Empty input: (nan, nan, nan). den must sum to more than 0 in every group.
+    """
+    _check(confidence, resamples)
+    x, y = _as_1d(num, "num"), _as_1d(den, "den")
+    if not len(x) == len(y) == len(groups):
+        raise ValueError(f"cluster_bootstrap_ratio: {len(x)} num, {len(y)} den and {len(groups)} groups (one each)")
+    if len(x) == 0:
+        return float("nan"), float("nan"), float("nan")
+    keys = {g: k for k, g in enumerate(dict.fromkeys(groups))}
+    index = np.array([keys[g] for g in groups])
+    gn, gd = np.bincount(index, x, len(keys)), np.bincount(index, y, len(keys))
+    if (gd <= 0).any():
+        raise ValueError("cluster_bootstrap_ratio: every group needs den > 0")
+    n = len(keys)
+    rng = np.random.default_rng(seed)
+    chunk = max(1, min(resamples, CHUNK_ELEMENTS // n))
+    ratios = np.empty(resamples, dtype=np.float64)
+    for start in range(0, resamples, chunk):
+        stop = min(start + chunk, resamples)
+        idx = rng.integers(0, n, size=(stop - start, n))
+        ratios[start:stop] = gn[idx].sum(axis=1) / gd[idx].sum(axis=1)
+    alpha = 1.0 - confidence
+    low, high = np.quantile(ratios, [alpha / 2, 1 - alpha / 2])
+    return float(gn.sum() / gd.sum()), float(low), float(high)
