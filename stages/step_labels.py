@@ -21,13 +21,17 @@ Departures from the paper, on purpose:
 
 Cost: rollouts = K x (steps - 1) per solution at most. The prefixes of several solutions are rolled
 out in one generate call (a prefill per prompt), each prompt (chat template + prefix) prefilled once
-for its K samples, so the decode runs `generation.batch_size` prefixes x K rows at a time.
+for its K samples, so the decode runs `generation.batch_size` prefixes x K rows at a time. Each
+group of solutions is journaled when labelled (`Journal`): a killed run resumes where it stopped.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -39,6 +43,7 @@ from stages.base import Input, Output, StageContext, seed_everything, write_data
 from stages.math.steps import cap_spans, mc_labels, step_spans
 from stages.rewards.verifiers import score
 from stages.sampling.generation import make_backend
+from stages.training.checkpoints import fsync_dir, write_synced
 from stages.training.optim import resolve_precision
 
 VERSION = "2"  # 2: prefixes batched across solutions (other random draws than 1)
@@ -147,15 +152,72 @@ def chunks(plans: list[Plan], prefixes: int) -> list[range]:
     return out
 
 
-def label_solutions(solutions: list[Solution], backend, cfg: StepLabelsConfig,
-                    seed: int) -> list[tuple[list[str], list[float], dict]]:
+class Journal:
+    """The labels of each finished group of solutions, one file per group under the stage's checkpoint directory,
+    so a killed run resumes at the first unfinished group. A group's rollouts are drawn from its own seed
+    (`rollout_seed(seed, group)`), so a resumed run labels exactly what an unbroken one does.
+
+    Each file is written to a temporary name, fsync'ed and renamed (a kill leaves a whole file or none); it
+    names its solutions (prompt id, index and a hash of the texts), and one that does not match the group, or
+    cannot be read, is labelled again. The pipeline deletes the directory once the artifact is published."""
+
+    def __init__(self, root: Path | None, log=None):
+        self.root = root / "step_labels" if root is not None else None
+        self.log = log
+        if self.root is not None:
+            self.root.mkdir(parents=True, exist_ok=True)
+
+    def path(self, group: int) -> Path:
+        return self.root / f"group-{group:05d}.json"
+
+    @staticmethod
+    def names(solutions: list[Solution]) -> dict:
+        digest = hashlib.sha256("\0".join(s.text for s in solutions).encode()).hexdigest()
+        return {"solutions": [f"{s.prompt['id']}-{s.index}" for s in solutions], "texts_sha256": digest}
+
+    def load(self, group: int, solutions: list[Solution]) -> list | None:
+        if self.root is None or not self.path(group).exists():
+            return None
+        try:
+            saved = json.loads(self.path(group).read_text())
+        except (OSError, ValueError) as e:
+            saved = {"error": str(e)}
+        if {k: saved.get(k) for k in ("solutions", "texts_sha256")} != self.names(solutions):
+            if self.log is not None:
+                self.log.warning("step_labels: %s does not match its solutions (%s); labelling them again",
+                                 self.path(group), saved.get("error", "other solutions"))
+            return None
+        return [(r["steps"], r["labels"], r["details"]) for r in saved["results"]]
+
+    def save(self, group: int, solutions: list[Solution], results: list) -> None:
+        if self.root is None:
+            return
+        body = self.names(solutions) | {"results": [{"steps": st, "labels": lb, "details": d} for st, lb, d in results]}
+        tmp = self.path(group).with_suffix(".tmp")
+        write_synced(tmp, lambda p: p.write_text(json.dumps(body)))
+        os.replace(tmp, self.path(group))
+        fsync_dir(self.root)
+
+
+def label_solutions(solutions: list[Solution], backend, cfg: StepLabelsConfig, seed: int,
+                    journal: Journal | None = None) -> list[tuple[list[str], list[float], dict]]:
     """(steps, labels, details) per solution. The step prefixes of several solutions go through one generate
     call (`prefills`, one per prefix; each prefilled once for its K rollouts), so the decode runs batches of
-    `generation.batch_size` prefixes x K rows rather than K rows at a time."""
+    `generation.batch_size` prefixes x K rows rather than K rows at a time. Groups already in `journal` are
+    read back, not rolled out again."""
+    journal = journal or Journal(None)
     plans = [plan_solution(sol, cfg) for sol in solutions]
     out: list[tuple[list[str], list[float], dict]] = []
     bar = tqdm(total=len(solutions), desc="step_labels: rollouts", unit="solution")
+    resumed = 0
     for c, group in enumerate(chunks(plans, 4 * cfg.generation.batch_size)):
+        sols = [solutions[k] for k in group]
+        done = journal.load(c, sols)
+        if done is not None:
+            out.extend(done)
+            resumed += len(group)
+            bar.update(len(group))
+            continue
         jobs = [(k, i) for k in group for i in plans[k].rolled]
         texts: list[list[str]] = []
         if jobs:
@@ -166,9 +228,13 @@ def label_solutions(solutions: list[Solution], backend, cfg: StepLabelsConfig,
         by_solution: dict[int, dict[int, list[str]]] = {k: {} for k in group}
         for (k, i), ts in zip(jobs, texts, strict=True):
             by_solution[k][i] = ts
-        out.extend(label_plan(solutions[k], plans[k], by_solution[k], cfg) for k in group)
+        results = [label_plan(solutions[k], plans[k], by_solution[k], cfg) for k in group]
+        journal.save(c, sols, results)
+        out.extend(results)
         bar.update(len(group))
     bar.close()
+    if resumed and journal.log is not None:
+        journal.log.info("step_labels: resumed: %d of %d solutions were labelled before", resumed, len(solutions))
     return out
 
 
@@ -192,7 +258,8 @@ def run(cfg: StepLabelsConfig, inputs: dict[str, Input], ctx: StageContext) -> d
     solutions = select(solutions, cfg.max_solutions, ctx.seed)
 
     rows, dropped, n_rollouts, correct = [], 0, 0, []
-    for sol, (steps, labels, details) in zip(solutions, label_solutions(solutions, backend, cfg, ctx.seed), strict=True):
+    labelled = label_solutions(solutions, backend, cfg, ctx.seed, Journal(ctx.checkpoint_dir, ctx.log))
+    for sol, (steps, labels, details) in zip(solutions, labelled, strict=True):
         n_rollouts += details["rollouts_generated"]
         correct.append(details["correct"])
         if not steps:

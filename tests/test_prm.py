@@ -102,6 +102,50 @@ def test_step_labels_samples_at_its_precision(tmp_path, monkeypatch, digit_promp
     assert backend.made[0]["autocast_dtype"] is torch.bfloat16
 
 
+class CrashingBackend:
+    """The real backend, killed at its `crash_at`-th generate call (0: the solutions)."""
+
+    def __init__(self, real, crash_at: int | None):
+        self.real, self.crash_at, self.calls = real, crash_at, 0
+
+    def generate(self, *args, **kwargs):
+        if self.calls == self.crash_at:
+            raise KeyboardInterrupt("killed")
+        self.calls += 1
+        return self.real.generate(*args, **kwargs)
+
+
+def test_step_labels_resume_after_a_kill_labels_what_an_unbroken_run_does(tmp_path, monkeypatch, digit_prompts,
+                                                                        tiny_model_input):
+    """Killed while rolling out its second group, then run again in the same place: the first group is read from
+    the journal (one generate call fewer) and the rows equal those of an unbroken run. A journal file of other
+    solutions is not trusted."""
+    cfg = StepLabelsConfig(rollouts=2, solutions_per_prompt=2, max_prompts=8, delimiter="newline", max_steps=3,
+                           generation={"max_new_tokens": 12, "temperature": 1.0, "batch_size": 1})
+    inputs = {"model": tiny_model_input, "prompts": digit_prompts}
+    real = step_labels.make_backend
+    made: list[CrashingBackend] = []
+
+    def run(root, crash_at=None):
+        monkeypatch.setattr(step_labels, "make_backend",
+                            lambda *a, **k: made.append(CrashingBackend(real(*a, **k), crash_at)) or made[-1])
+        out = step_labels.run(cfg, inputs, LocalContext(root))["steps"]
+        return fake_input(out.path, "dataset", "steps").table("steps").to_pylist()
+
+    unbroken = run(tmp_path / "a")
+    groups = made[-1].calls - 1  # one generate call per group, after the solutions
+    assert groups >= 3
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path / "b", crash_at=2)  # the solutions, group 0, then killed at group 1
+    journal = tmp_path / "b" / "checkpoints" / "step_labels"
+    assert sorted(p.name for p in journal.iterdir()) == ["group-00000.json"]
+    assert run(tmp_path / "b") == unbroken and made[-1].calls == groups  # group 0 read back, not rolled out
+    # a group file naming other solutions is labelled again
+    (journal / "group-00001.json").write_text(json.dumps({"solutions": ["x-0"], "texts_sha256": "0", "results": []}))
+    (journal / "group-00002.json").write_text("{torn")
+    assert run(tmp_path / "b") == unbroken and made[-1].calls == 1 + 2
+
+
 def test_chunks_group_solutions_by_prefixes_to_roll_out():
     """Solutions with 3, 0, 3, 3, 1 prefixes, at least 4 per generate call: [3, 0, 3] then [3, 1]; the rest
     (fewer than 4) is a last group of its own."""
