@@ -180,14 +180,17 @@ class Journal:
             return None
         try:
             saved = json.loads(self.path(group).read_text())
-        except (OSError, ValueError) as e:
-            saved = {"error": str(e)}
-        if {k: saved.get(k) for k in ("solutions", "texts_sha256")} != self.names(solutions):
+            if {k: saved.get(k) for k in ("solutions", "texts_sha256")} != self.names(solutions):
+                raise ValueError("other solutions")
+            results = [(r["steps"], r["labels"], r["details"]) for r in saved["results"]]
+            if len(results) != len(solutions):
+                raise ValueError(f"{len(results)} results for {len(solutions)} solutions")
+            return results
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             if self.log is not None:
-                self.log.warning("step_labels: %s does not match its solutions (%s); labelling them again",
-                                 self.path(group), saved.get("error", "other solutions"))
+                self.log.warning("step_labels: %s is not this group's labels (%s); labelling it again",
+                                 self.path(group), e)
             return None
-        return [(r["steps"], r["labels"], r["details"]) for r in saved["results"]]
 
     def save(self, group: int, solutions: list[Solution], results: list) -> None:
         if self.root is None:

@@ -144,6 +144,9 @@ def test_step_labels_resume_after_a_kill_labels_what_an_unbroken_run_does(tmp_pa
     (journal / "group-00001.json").write_text(json.dumps({"solutions": ["x-0"], "texts_sha256": "0", "results": []}))
     (journal / "group-00002.json").write_text("{torn")
     assert run(tmp_path / "b") == unbroken and made[-1].calls == 1 + 2
+    saved = json.loads((journal / "group-00000.json").read_text())
+    (journal / "group-00000.json").write_text(json.dumps(saved | {"results": saved["results"][:-1]}))  # one short
+    assert run(tmp_path / "b") == unbroken and made[-1].calls == 1 + 1
 
 
 def test_chunks_group_solutions_by_prefixes_to_roll_out():
