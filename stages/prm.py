@@ -26,7 +26,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -65,7 +64,7 @@ from stages.modeling.heads import (
     step_logits,
 )
 from stages.runtime import distributed
-from stages.training.checkpoints import fsync_dir, trainable_state, write_synced
+from stages.training.checkpoints import replace_synced, trainable_state
 from stages.training.loop import Curves, Loop, StepResult, autocast, curve_tail, step_micro_batches
 from stages.training.optim import resolve_precision
 
@@ -105,10 +104,15 @@ def load_rows(data: Input | None, cfg: PRMConfig) -> list[dict]:
     return rows
 
 
+def prompt_key(row: dict) -> str:
+    """What the splits group a solution by, and the bootstrap of the held-out gain resamples: its prompt turns."""
+    return json.dumps(row["messages"], sort_keys=True)
+
+
 def split_rows(rows: list[dict], cfg: PRMConfig, seed: int) -> tuple[list[int], list[int], list[int]]:
     """Seeded (train, validation, held-out) indices, split by prompt: no solution shares a prompt with one on
     another side. The held-out share is drawn first, so it does not depend on `validation_fraction`."""
-    prompts = [json.dumps(r["messages"], sort_keys=True) for r in rows]
+    prompts = [prompt_key(r) for r in rows]
     rest, held_out = split_by_group(prompts, cfg.eval_fraction, seed)
     train, validation = split_by_group([prompts[i] for i in rest], cfg.validation_fraction, seed + 1)
     return [rest[i] for i in train], [rest[i] for i in validation], held_out
@@ -134,7 +138,7 @@ def encode(rows: list[dict], tokenizer, cfg: PRMConfig) -> list[dict]:
         ids, pos = encode_steps(tokenizer, r["messages"], text, ends, cfg.max_length)
         labels = torch.tensor(r["labels"][: len(pos)], dtype=torch.float32)
         out.append({"ids": ids, "pos": pos, "labels": hard_labels(labels) if cfg.targets == "hard" else labels,
-                    "dropped": len(ends) - len(pos), "prompt": json.dumps(r["messages"], sort_keys=True)})
+                    "dropped": len(ends) - len(pos), "prompt": prompt_key(r)})
     return out
 
 
@@ -208,11 +212,8 @@ class Best:
         if not loss < self.loss:
             return False
         self.root.mkdir(parents=True, exist_ok=True)
-        tmp = self.root / f".best-{os.getpid()}.tmp"
         weights = trainable_state(model)
-        write_synced(tmp, lambda path: save_file(weights, str(path)))
-        os.replace(tmp, self.path(step))
-        fsync_dir(self.root)
+        replace_synced(self.path(step), lambda path: save_file(weights, str(path)))
         self.step, self.loss = step, loss
         return True
 
@@ -377,9 +378,9 @@ def held_out_metrics(model, examples: list[dict], pad_id: int, batch_size: int, 
     flat_logits, flat_labels = torch.cat(logits), torch.cat([e["labels"] for e in examples])
     width = max(len(lg) for lg in logits)
     mask = pad_labels([torch.ones(len(lg)) for lg in logits], width)
-    probs = pad_labels([torch.sigmoid(lg) for lg in logits], width)
-    gain, low, high = accuracy_gain([torch.sigmoid(lg) for lg in logits], [e["labels"] for e in examples],
-                                    [e["prompt"] for e in examples])
+    solution_probs = [torch.sigmoid(lg) for lg in logits]
+    probs = pad_labels(solution_probs, width)
+    gain, low, high = accuracy_gain(solution_probs, [e["labels"] for e in examples], [e["prompt"] for e in examples])
     return {
         "eval_solutions": float(len(examples)),
         "eval_steps": float(flat_labels.numel()),

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,7 +42,7 @@ from stages.base import Input, Output, StageContext, seed_everything, write_data
 from stages.math.steps import cap_spans, mc_labels, step_spans
 from stages.rewards.verifiers import score
 from stages.sampling.generation import make_backend
-from stages.training.checkpoints import fsync_dir, write_synced
+from stages.training.checkpoints import replace_synced
 from stages.training.optim import resolve_precision
 
 VERSION = "2"  # 2: prefixes batched across solutions (other random draws than 1)
@@ -196,10 +195,7 @@ class Journal:
         if self.root is None:
             return
         body = self.names(solutions) | {"results": [{"steps": st, "labels": lb, "details": d} for st, lb, d in results]}
-        tmp = self.path(group).with_suffix(".tmp")
-        write_synced(tmp, lambda p: p.write_text(json.dumps(body)))
-        os.replace(tmp, self.path(group))
-        fsync_dir(self.root)
+        replace_synced(self.path(group), lambda p: p.write_text(json.dumps(body)))
 
 
 def label_solutions(solutions: list[Solution], backend, cfg: StepLabelsConfig, seed: int,

@@ -57,6 +57,15 @@ def write_synced(path: Path, write) -> None:
         os.fsync(f.fileno())
 
 
+def replace_synced(path: Path, write) -> None:
+    """Write `path` whole or not at all: `write(tmp)` to a temporary name beside it, fsync, rename over `path`,
+    fsync the folder (a kill leaves the old file or the new one, never part of one)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    write_synced(tmp, write)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
 def save_checkpoint(root: Path, step: int, model, optimizer, state: dict, keep: int,
                     dist: distributed.Dist = distributed.SINGLE) -> Path | None:
     """Write step-N atomically and durably, and prune old ones.
