@@ -27,7 +27,14 @@ run: setup
 lint: setup
 	$(VENV)/bin/ruff check .
 
-test: lint
+# The test suite also covers cluster mode (a real Ray cluster on loopback, an s3:// store on moto): the `cluster`
+# extra and moto go into the same .venv here; `make run` never installs them.
+$(VENV)/.cluster-installed: $(VENV)/.installed
+	$(PY) -m pip install -q -e ".[cluster-test]"
+	$(PY) -m compileall -q -j 2 $(VENV)/lib > /dev/null 2>&1 || true
+	touch $@
+
+test: lint $(VENV)/.cluster-installed
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=40
 
 # Benchmarks against TRL (benchmarks/suite.py). TRL is not an r1flow dependency: it lives in its own venv

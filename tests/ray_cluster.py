@@ -1,0 +1,202 @@
+"""A real multi-node Ray cluster on this machine, every listener on loopback, for tests.
+
+Ray binds the machine's external interface by default (even with --node-ip-address=127.0.0.1), so
+the cluster lives in a network namespace the test creates (`ip netns add`): inside it the only
+interface is `lo`, Ray finds 127.0.0.1 and nothing it starts can be reached from, or reach, any
+other address. Every command that talks to the cluster (the r1flow CLI, a driver script, the Prefect
+and MLflow servers) runs in the same namespace through `run()` / `popen()`.
+
+Each node is a `ray start --block` process in a session of its own: stopping a node (or losing it,
+`kill_node`) signals that process group, never `ray stop` (which would stop every Ray process on
+the machine, another test's included). Each cluster has its own --temp-dir.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+VENV_BIN = Path(sys.executable).parent
+RAY = str(VENV_BIN / "ray")
+STOP_GRACE_S = 10.0
+
+
+def ray_installed() -> bool:
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        return False
+    return Path(RAY).exists()
+
+
+def netns_available() -> bool:
+    return os.geteuid() == 0 and subprocess.run(["ip", "netns", "list"], capture_output=True).returncode == 0
+
+
+@dataclass
+class RayNode:
+    name: str
+    proc: subprocess.Popen
+    resources: dict[str, float]
+    log: Path
+    node_id: str = ""
+
+
+@dataclass
+class LoopbackCluster:
+    """Head plus workers in one network namespace. `nodes` are (name, cpus, custom resources)."""
+
+    root: Path
+    nodes: list[tuple[str, int, dict[str, float]]] = field(
+        default_factory=lambda: [("head", 1, {"head": 1}), ("worker", 1, {"worker": 1})])
+    port: int = 6379
+    object_store_bytes: int = 100_000_000
+    env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.ns = f"r1flow-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.temp_dir = Path("/tmp") / f"ray-{self.ns}"  # Ray's socket paths must stay short: not under tmp_path
+        self.running: dict[str, RayNode] = {}
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    # ------------------------------------------------------------------ namespace
+    def _prefix(self) -> list[str]:
+        return ["ip", "netns", "exec", self.ns]
+
+    def _env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | self.env | (extra or {})
+        env["RAY_USAGE_STATS_ENABLED"] = "0"
+        # Ray 2.60's `ray start --head --block` turns token authentication on and writes ~/.ray/auth_token, which
+        # every cluster on this machine would share: off here, where the namespace already keeps others out.
+        env["RAY_AUTH_MODE"] = "disabled"
+        return env
+
+    def run(self, cmd: list[str], *, timeout: float = 600, env: dict[str, str] | None = None,
+            check: bool = False, **kw) -> subprocess.CompletedProcess:
+        """Run a command inside the namespace (stdout and stderr captured as text)."""
+        out = subprocess.run([*self._prefix(), *cmd], capture_output=True, text=True, timeout=timeout,
+                             env=self._env(env), stdin=subprocess.DEVNULL, **kw)
+        if check and out.returncode != 0:
+            raise AssertionError(f"{' '.join(cmd)} exited {out.returncode}:\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}")
+        return out
+
+    def popen(self, cmd: list[str], *, log: Path, env: dict[str, str] | None = None, **kw) -> subprocess.Popen:
+        """Start a command inside the namespace in a session of its own, output to `log`."""
+        f = open(log, "ab")
+        return subprocess.Popen([*self._prefix(), *cmd], stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=self._env(env), start_new_session=True, **kw)
+
+    def python(self, code: str, *, timeout: float = 300, env: dict[str, str] | None = None) -> str:
+        """Run Python code in the namespace as a driver of this cluster; its stdout (check: exit 0)."""
+        return self.run([sys.executable, "-c", code], timeout=timeout, env={"RAY_ADDRESS": self.address, **(env or {})},
+                        check=True).stdout
+
+    # ------------------------------------------------------------------ nodes
+    def start(self) -> LoopbackCluster:
+        self.root.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["ip", "netns", "add", self.ns], check=True)
+        subprocess.run([*self._prefix(), "ip", "link", "set", "lo", "up"], check=True)
+        try:
+            for i, (name, cpus, resources) in enumerate(self.nodes):
+                self.start_node(name, cpus, resources, head=i == 0)
+                self.wait_for_nodes(i + 1)  # a worker started before the head's GCS answers fails to join
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def start_node(self, name: str, cpus: int, resources: dict[str, float], head: bool = False) -> RayNode:
+        log = self.root / f"ray-{name}.log"
+        common = [f"--num-cpus={cpus}", f"--resources={json.dumps(resources)}",
+                  f"--object-store-memory={self.object_store_bytes}", "--disable-usage-stats", "--block"]
+        if head:
+            cmd = [RAY, "start", "--head", f"--port={self.port}", "--include-dashboard=false",
+                   f"--temp-dir={self.temp_dir}", *common]
+        else:
+            cmd = [RAY, "start", f"--address={self.address}", f"--temp-dir={self.temp_dir}", *common]
+        node = RayNode(name, self.popen(cmd, log=log), resources, log)
+        self.running[name] = node
+        return node
+
+    def nodes_alive(self) -> list[dict]:
+        code = ("import json, ray; ray.init(logging_level='ERROR'); "
+                "print(json.dumps([{'id': n['NodeID'], 'alive': n['Alive'], 'resources': n['Resources']} "
+                "for n in ray.nodes()]))")
+        return json.loads(self.python(code).strip().splitlines()[-1])
+
+    def wait_for_nodes(self, n: int, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            for name, node in self.running.items():
+                if node.proc.poll() is not None:
+                    raise AssertionError(f"ray node {name} exited {node.proc.returncode}: {node.log.read_text()[-3000:]}")
+            try:
+                alive = [n for n in self.nodes_alive() if n["alive"]]
+            except AssertionError:
+                alive = []
+            if len(alive) >= n:
+                for node in self.running.values():
+                    for a in alive:
+                        if all(a["resources"].get(k) == v for k, v in node.resources.items()):
+                            node.node_id = a["id"]
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{len(alive)} of {n} ray nodes up after {timeout:.0f} s")
+            time.sleep(1.0)
+
+    def node_of(self, node_id: str) -> str:
+        """The name of the node with this Ray node id."""
+        return next(name for name, n in self.running.items() if n.node_id == node_id)
+
+    def kill_node(self, name: str) -> None:
+        """Lose a node: SIGKILL its raylet, then its whole process group (what a machine's loss looks like)."""
+        node = self.running[name]
+        pids = subprocess.run(["pgrep", "-g", str(node.proc.pid)], capture_output=True, text=True).stdout.split()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+                if b"raylet" in cmdline.split(b"\0")[0]:
+                    os.kill(int(pid), signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(node.proc.pid, signal.SIGKILL)
+        node.proc.wait(timeout=30)
+
+    def processes(self) -> list[int]:
+        """Pids of every process still running inside the namespace."""
+        out = subprocess.run(["ip", "netns", "pids", self.ns], capture_output=True, text=True)
+        return [int(p) for p in out.stdout.split()]
+
+    def stop(self) -> None:
+        """SIGTERM every node's process group (workers first), SIGKILL what is left, delete the namespace."""
+        for node in reversed(list(self.running.values())):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(node.proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for node in self.running.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                node.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        for node in self.running.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(node.proc.pid, signal.SIGKILL)
+        for pid in self.processes():  # anything else the tests started in the namespace
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        subprocess.run(["ip", "netns", "delete", self.ns], capture_output=True)
+        subprocess.run(["rm", "-rf", str(self.temp_dir)], capture_output=True)
+
+    def __enter__(self) -> LoopbackCluster:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
