@@ -412,7 +412,12 @@ def cmd_up(args: argparse.Namespace) -> int:
     from flows import servers
 
     home = _servers_home()
-    print(f"r1flow: starting Prefect and MLflow servers on 127.0.0.1 for {home} ...", flush=True)
+    warning = servers.exposure_warning(args.host)
+    if warning:
+        print(f"r1flow: {warning}", file=sys.stderr, flush=True)
+    advertised = servers.advertised_host(args.host, args.advertise)
+    where = args.host if advertised == args.host else f"{args.host} (advertised as {advertised})"
+    print(f"r1flow: starting Prefect and MLflow servers on {where} for {home} ...", flush=True)
 
     def _interrupt(signum, frame):
         raise KeyboardInterrupt
@@ -421,7 +426,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         signal.signal(sig, _interrupt)
     try:
         info = servers.start(home, prefect_port=args.prefect_port, mlflow_port=args.mlflow_port,
-                             timeout=args.timeout)
+                             timeout=args.timeout, host=args.host, advertise=args.advertise)
     except KeyboardInterrupt:  # start() has stopped whatever it had spawned
         print("r1flow: interrupted while starting; nothing is left running", file=sys.stderr)
         return 130
@@ -759,7 +764,16 @@ def build_parser() -> argparse.ArgumentParser:
                      "artifact given, or every artifact (exit code 1 if any is damaged)")
     art.set_defaults(func=cmd_artifacts)
     sub.add_parser("models", help="list builtin models and model artifacts").set_defaults(func=cmd_models)
-    up = sub.add_parser("up", help="start local Prefect and MLflow servers (127.0.0.1) for this R1FLOW_HOME")
+    up = sub.add_parser("up", help="start Prefect and MLflow servers (on 127.0.0.1 unless --host) for this "
+                        "R1FLOW_HOME")
+    up.add_argument("--host", default="127.0.0.1", metavar="ADDRESS",
+                    help="address both servers bind (default 127.0.0.1: this machine only). Another address lets "
+                    "the machines of a cluster connect, without authentication (a warning says so): prefer a "
+                    "private network's address; 0.0.0.0 binds every interface")
+    up.add_argument("--advertise", metavar="ADDRESS",
+                    help="address written into the recorded URLs (servers.json, PREFECT_API_URL, "
+                    "MLFLOW_TRACKING_URI) for other machines to use; default: the --host address, or this "
+                    "machine's hostname when --host is 0.0.0.0 or ::")
     up.add_argument("--prefect-port", type=int, help="default: a free port")
     up.add_argument("--mlflow-port", type=int, help="default: a free port")
     up.add_argument("--detach", action="store_true", help="return once both answer; stop them with `r1flow down`")

@@ -1,6 +1,13 @@
 """Local Prefect and MLflow servers for a team on one machine (`r1flow up` / `r1flow down`).
 
-Both servers bind 127.0.0.1 only, keep their state under `<home>/servers/` (their own sqlite
+Both servers bind 127.0.0.1 by default. `r1flow up --host ADDRESS` binds them elsewhere on purpose, for the
+machines of a cluster (issue 43): neither server has authentication, so anyone who can reach the address can
+read and write runs, artifacts and flow runs (`widened` decides when to say so). The URLs recorded and printed
+use an address other machines can use (`advertised_host`): the bind address itself, or for a wildcard bind
+(0.0.0.0, ::) this machine's hostname, or `--advertise ADDRESS`. MLflow 3 refuses requests whose Host header is
+not localhost or a private IP (DNS rebinding protection): an advertised name outside those is added to its
+allowed hosts (MLFLOW_SERVER_ALLOWED_HOSTS, unless already set). Both keep their state under
+`<home>/servers/` (their own sqlite
 databases: both create an `alembic_version` table), run in their own sessions (a Ctrl-C in the
 terminal does not reach them; `stop` signals their process groups) and are recorded in
 `<home>/servers/servers.json`. Runners/workers that serve deployments against these servers
@@ -29,6 +36,7 @@ from pathlib import Path
 from schemas.errors import R1FlowError
 
 HOST = "127.0.0.1"
+WILDCARDS = ("0.0.0.0", "::", "")
 MLFLOW_UI_QUERY = "?workflowType=machine_learning"  # MLflow 3's UI: open experiments on the runs table (tracking.py)
 STOP_GRACE_S = 10.0
 LOG_TAIL_LINES = 25
@@ -45,6 +53,7 @@ class Server:
     log: str
     start_ticks: int | None = None  # process start time (Linux /proc), guards against pid reuse
     startup_s: float | None = None  # seconds from spawn to a healthy answer
+    bind: str = HOST  # the address it listens on (url names the advertised one)
 
 
 @dataclass
@@ -200,24 +209,89 @@ def _terminate(pid: int, pgid: int | None, grace: float = STOP_GRACE_S) -> str:
     return "SIGKILL"
 
 
-def _free_ports(n: int) -> list[int]:
-    """n distinct free ports on 127.0.0.1 (the sockets stay open until all are chosen)."""
+# ---------------------------------------------------------------------------------------------
+# addresses
+
+
+def is_loopback(host: str) -> bool:
+    """127.0.0.0/8, ::1 or the name localhost: only this machine can connect."""
+    import ipaddress
+
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # another name: it may resolve to anything
+
+
+def widened(host: str) -> bool:
+    """Does binding `host` let other machines connect (so `r1flow up` must warn)? Everything but loopback."""
+    return not is_loopback(host)
+
+
+def exposure_warning(host: str) -> str | None:
+    """The warning `r1flow up --host HOST` prints, or None when only this machine can connect."""
+    if not widened(host):
+        return None
+    return (f"warning: the Prefect and MLflow servers will listen on {host or '0.0.0.0'} and accept connections from "
+            "other machines WITHOUT authentication: anyone who can reach this address can read and change runs, "
+            "artifacts and flow runs; bind a private network's address or firewall the ports")
+
+
+def advertised_host(host: str, advertise: str | None = None) -> str:
+    """The address written into the recorded URLs: --advertise, else the bind address, else for a wildcard bind
+    (0.0.0.0, ::) this machine's hostname (the name other machines most likely know it by)."""
+    if advertise:
+        return advertise
+    return socket.gethostname() if host in WILDCARDS else host
+
+
+def _connect_host(host: str) -> str:
+    """Where this machine itself reaches a server bound to `host` (health checks while starting)."""
+    if host in WILDCARDS:
+        return "::1" if host == "::" else HOST
+    return host
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _family(host: str) -> int:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def mlflow_allowed_hosts(advertise: str) -> str | None:
+    """MLFLOW_SERVER_ALLOWED_HOSTS for an advertised address that MLflow's defaults (localhost, 127.0.0.1 and the
+    private IPv4 ranges) would refuse; None when the defaults accept it."""
+    private = ("10.", "192.168.", *(f"172.{i}." for i in range(16, 32)))
+    if advertise in ("localhost", "127.0.0.1", "0.0.0.0") or advertise.startswith(private):
+        return None
+    name = f"[{advertise}]" if ":" in advertise else advertise
+    escaped = name.replace("[", "[[]", 1)  # MLflow matches patterns with fnmatch
+    return ",".join(["localhost", "localhost:*", "127.0.0.1", "127.0.0.1:*", "10.*", "192.168.*",
+                     *(f"172.{i}.*" for i in range(16, 32)), name, f"{escaped}:*"])
+
+
+def _free_ports(n: int, host: str = HOST) -> list[int]:
+    """n distinct free ports on host (the sockets stay open until all are chosen)."""
     with contextlib.ExitStack() as stack:
         ports = []
         for _ in range(n):
-            s = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-            s.bind((HOST, 0))
+            s = stack.enter_context(socket.socket(_family(host), socket.SOCK_STREAM))
+            s.bind((host, 0))
             ports.append(s.getsockname()[1])
         return ports
 
 
-def _check_port_free(port: int, what: str) -> None:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+def _check_port_free(port: int, what: str, host: str = HOST) -> None:
+    with socket.socket(_family(host), socket.SOCK_STREAM) as s:
         try:
-            s.bind((HOST, port))
+            s.bind((host, port))
         except OSError as e:
-            raise R1FlowError(f"cannot start the {what} server: port {HOST}:{port} is in use ({e.strerror}); "
-                              f"pick another with --{what}-port or leave it out for a free one") from None
+            raise R1FlowError(f"cannot start the {what} server: port {host}:{port} is in use or the address cannot "
+                              f"be bound ({e.strerror}); pick another with --{what}-port or --host") from None
 
 
 def console_script(name: str) -> list[str]:
@@ -251,13 +325,22 @@ def _prefect_command(port: int) -> list[str]:
     return console_script("prefect") + ["server", "start", "--host", HOST, "--port", str(port)]
 
 
-def _prefect_env(home: Path, port: int) -> dict[str, str]:
-    api = f"http://{HOST}:{port}/api"
+def _with_host(cmd: list[str], host: str) -> list[str]:
+    """The command with the value after --host replaced (commands are built for 127.0.0.1)."""
+    out = list(cmd)
+    for i, arg in enumerate(out[:-1]):
+        if arg == "--host":
+            out[i + 1] = host
+    return out
+
+
+def _prefect_env(home: Path, port: int, host: str = HOST, advertise: str = HOST) -> dict[str, str]:
+    api = f"{_url(advertise, port)}/api"
     return {
         "PREFECT_HOME": str(home / "prefect-server"),
         "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{servers_dir(home) / 'prefect.db'}",
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "PREFECT_SERVER_API_HOST": HOST,
+        "PREFECT_SERVER_API_HOST": host,
         "PREFECT_SERVER_API_PORT": str(port),
         # the UI runs in the browser and calls this URL; without it, an inherited PREFECT_API_URL
         # (another server) would be served to it
@@ -275,9 +358,13 @@ def _mlflow_command(home: Path, port: int) -> list[str]:
     ]
 
 
-def _mlflow_env(home: Path, port: int) -> dict[str, str]:
+def _mlflow_env(home: Path, port: int, advertise: str = HOST) -> dict[str, str]:
     # the job executor adds a consumer pool: 15 processes and ~80 s to start (DESIGN.md §6)
-    return {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    env = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    allowed = mlflow_allowed_hosts(advertise)
+    if allowed and not os.environ.get("MLFLOW_SERVER_ALLOWED_HOSTS"):
+        env["MLFLOW_SERVER_ALLOWED_HOSTS"] = allowed
+    return env
 
 
 def _spawn(cmd: list[str], env: dict[str, str], log: Path, cwd: Path) -> subprocess.Popen:
@@ -343,9 +430,12 @@ def dead(info: ServerInfo) -> list[Server]:
 
 
 def start(home: str | Path, prefect_port: int | None = None, mlflow_port: int | None = None,
-          timeout: float = 120) -> ServerInfo:
-    """Start both servers on 127.0.0.1, wait until both answer their health check, record them."""
+          timeout: float = 120, host: str = HOST, advertise: str | None = None) -> ServerInfo:
+    """Start both servers bound to `host` (127.0.0.1 unless asked), wait until both answer their health check on
+    this machine, record them with URLs on `advertised_host(host, advertise)`."""
     home = Path(home).expanduser().resolve()
+    adv = advertised_host(host, advertise)
+    local = _connect_host(host)
     d = servers_dir(home)
     d.mkdir(parents=True, exist_ok=True)
     (home / "prefect-server").mkdir(parents=True, exist_ok=True)
@@ -359,25 +449,26 @@ def start(home: str | Path, prefect_port: int | None = None, mlflow_port: int | 
                                   f"use them, or stop them with `R1FLOW_HOME={home} r1flow down`")
             _stop_locked(home, old, grace=STOP_GRACE_S)  # stale record: clean up leftover children, runners
         if prefect_port is not None:
-            _check_port_free(prefect_port, "prefect")
+            _check_port_free(prefect_port, "prefect", host)
         if mlflow_port is not None:
-            _check_port_free(mlflow_port, "mlflow")
-        free = [p for p in _free_ports(3) if p not in (prefect_port, mlflow_port)]
+            _check_port_free(mlflow_port, "mlflow", host)
+        free = [p for p in _free_ports(3, host) if p not in (prefect_port, mlflow_port)]
         prefect_port = prefect_port or free.pop()
         mlflow_port = mlflow_port or free.pop()
         if prefect_port == mlflow_port:
             raise R1FlowError(f"--prefect-port and --mlflow-port are both {prefect_port}")
 
         specs = {
-            "prefect": (_prefect_command(prefect_port), _prefect_env(home, prefect_port), prefect_port,
-                        f"http://{HOST}:{prefect_port}", f"http://{HOST}:{prefect_port}/api/health"),
-            "mlflow": (_mlflow_command(home, mlflow_port), _mlflow_env(home, mlflow_port), mlflow_port,
-                       f"http://{HOST}:{mlflow_port}", f"http://{HOST}:{mlflow_port}/health"),
+            "prefect": (_with_host(_prefect_command(prefect_port), host), _prefect_env(home, prefect_port, host, adv),
+                        prefect_port, _url(adv, prefect_port), "/api/health"),
+            "mlflow": (_with_host(_mlflow_command(home, mlflow_port), host), _mlflow_env(home, mlflow_port, adv),
+                       mlflow_port, _url(adv, mlflow_port), "/health"),
         }
         procs: dict[str, subprocess.Popen] = {}
         started: dict[str, float] = {}
         servers: dict[str, Server] = {}
         try:
+            checks: dict[str, str] = {}
             for name, (cmd, env, port, url, health) in specs.items():
                 log = d / f"{name}.log"
                 started[name] = time.monotonic()
@@ -385,8 +476,10 @@ def start(home: str | Path, prefect_port: int | None = None, mlflow_port: int | 
                 procs[name] = p
                 # start_new_session: the server leads its own session and process group
                 servers[name] = Server(name=name, pid=p.pid, pgid=p.pid, port=port, url=url,
-                                       health_url=health, log=str(log), start_ticks=_start_ticks(p.pid))
-            _wait_healthy(procs, servers, started, timeout)
+                                       health_url=url + health, log=str(log), start_ticks=_start_ticks(p.pid),
+                                       bind=host)
+                checks[name] = _url(local, port) + health
+            _wait_healthy(procs, servers, started, timeout, checks)
         except BaseException:
             for name, p in procs.items():
                 _terminate(p.pid, servers[name].pgid if name in servers else None, grace=5)
@@ -400,23 +493,28 @@ def start(home: str | Path, prefect_port: int | None = None, mlflow_port: int | 
 
 
 def _wait_healthy(procs: dict[str, subprocess.Popen], servers: dict[str, Server], started: dict[str, float],
-                  timeout: float) -> None:
+                  timeout: float, checks: dict[str, str] | None = None) -> None:
+    """Wait until each answers its health check at `checks[name]` (this machine's address for it; default: the
+    recorded health_url)."""
     pending = set(procs)
     deadline = time.monotonic() + timeout
+    checks = checks or {}
     while pending:
         for name in sorted(pending):
             s = servers[name]
+            check = checks.get(name, s.health_url)
             code = procs[name].poll()
             if code is not None:
-                raise R1FlowError(f"the {name} server exited with code {code} before answering {s.health_url}; "
+                raise R1FlowError(f"the {name} server exited with code {code} before answering {check}; "
                                   f"last lines of {s.log}:\n{_log_tail(Path(s.log))}")
-            if _healthy(s.health_url) and procs[name].poll() is None:  # our process, not a port thief
+            if _healthy(check) and procs[name].poll() is None:  # our process, not a port thief
                 s.startup_s = round(time.monotonic() - started[name], 2)
                 pending.discard(name)
         if pending and time.monotonic() > deadline:
             name = sorted(pending)[0]
             s = servers[name]
-            raise R1FlowError(f"the {name} server did not answer {s.health_url} within {timeout:.0f} s; "
+            raise R1FlowError(f"the {name} server did not answer {checks.get(name, s.health_url)} within "
+                              f"{timeout:.0f} s; "
                               f"last lines of {s.log}:\n{_log_tail(Path(s.log))}")
         if pending:
             time.sleep(0.25)

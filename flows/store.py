@@ -14,6 +14,19 @@ run killed with kill -9 leaves nothing behind for good, and a live run's folders
 Publishing is atomic: files are staged in a temp directory on the same filesystem, the manifest
 is written last, and the directory is renamed into place. On object stores (no atomic rename)
 the manifest is uploaded last, so an artifact without a manifest is treated as absent.
+
+Object stores (s3://, gs://, ... through fsspec; s3:// is tested against moto's S3 server in
+tests/test_s3_store.py) hold weaker guarantees than a POSIX path, and the code relies only on these:
+  * one object is written whole or not at all (a PUT), and a read after a write sees it (S3 has been
+    strongly read-after-write consistent since 2020): a manifest or cache record is never seen torn;
+  * an artifact is several objects: until its manifest (uploaded last) exists, readers treat it as
+    absent; a publisher killed mid-upload leaves a manifest-less prefix that the next publish replaces;
+  * verify() on a remote store checks that every file in the manifest exists (one listing), not its hash;
+    get() downloads and re-hashes every file before a stage sees it;
+  * there is no atomic rename or compare-and-swap: the cross-machine lock is flows/lease.py's lease, whose
+    exclusive create on s3:// is a conditional PUT (If-None-Match: *);
+  * listings are not cached (fsspec's directory cache would hide what other machines published after a
+    listing, for the life of the process): every lookup asks the store.
 """
 
 from __future__ import annotations
@@ -163,6 +176,8 @@ class ArtifactStore:
         self.uri = str(root)
         self.fs, base = fsspec.core.url_to_fs(self.uri)
         self.is_local = isinstance(self.fs, LocalFileSystem)
+        if not self.is_local:  # a cached listing would hide what other machines publish (see the docstring)
+            self.fs, base = fsspec.core.url_to_fs(self.uri, use_listings_cache=False)
         self.base = base.rstrip("/")
         # Local working space (staging, checkpoints, downloads of remote artifacts).
         self.home = Path(home) if home is not None else (Path(self.base) if self.is_local else Path(".r1flow"))
@@ -338,8 +353,13 @@ class ArtifactStore:
                 if sha256_file(p) != digest:
                     raise ArtifactError(f"artifact {fingerprint[:12]}: file {rel} does not match its hash")
         else:
+            root = self.artifact_path(fingerprint)
+            try:
+                present = {p.removeprefix(f"{root}/") for p in self.fs.find(root)}
+            except FileNotFoundError:
+                present = set()
             for rel in manifest.files:
-                if not self.fs.exists(f"{self.artifact_path(fingerprint)}/{rel}"):
+                if rel not in present:
                     raise ArtifactError(f"artifact {fingerprint[:12]}: file {rel} is missing in {self.uri}")
         return manifest
 
@@ -364,14 +384,19 @@ class ArtifactStore:
                     raise ArtifactError(f"artifact {fingerprint[:12]}: downloaded files do not match their hashes")
                 (tmp / MANIFEST_FILE).write_text(manifest.to_json())
                 shutil.rmtree(local, ignore_errors=True)
-                os.replace(tmp, local)
+                try:
+                    os.replace(tmp, local)
+                except OSError:  # another process of this home downloaded it meanwhile: use theirs if whole
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    if hash_files(local) != manifest.files:
+                        raise ArtifactError(f"artifact {fingerprint[:12]}: the download in {local} does not "
+                                            "match its hashes") from None
             return Input(local, manifest)
         return Input(Path(self.artifact_path(fingerprint)), manifest)
 
     def resolve_prefix(self, prefix: str) -> str:
         """Full fingerprint from a unique prefix (as shown by `r1flow artifacts`)."""
-        names = [Path(p).name for p in self.fs.ls(f"{self.base}/artifacts", detail=False)]
-        matches = [n for n in names if n.startswith(prefix) and not n.startswith(".")]
+        matches = [n for n in self._artifact_names() if n.startswith(prefix)]
         if not matches:
             raise ArtifactError(f"no artifact with fingerprint starting {prefix!r} in {self.uri}")
         if len(matches) > 1:
@@ -381,8 +406,12 @@ class ArtifactStore:
     def _artifact_names(self) -> list[str]:
         """Every artifact directory's name; incoming and set-aside directories (names starting with '.') are not
         artifacts."""
-        names = (Path(p).name for p in self.fs.ls(f"{self.base}/artifacts", detail=False))
-        return sorted(n for n in names if not n.startswith("."))
+        try:
+            listed = self.fs.ls(f"{self.base}/artifacts", detail=False)
+        except FileNotFoundError:  # an object store has no empty folders: nothing published yet
+            return []
+        names = (p.rstrip("/").rsplit("/", 1)[-1] for p in listed)
+        return sorted(n for n in names if n and not n.startswith("."))
 
     def verify_all(self) -> list[tuple[str, str | None]]:
         """(name, None if it verifies else why not) for every artifact directory, those without a manifest
