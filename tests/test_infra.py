@@ -1,12 +1,13 @@
-"""infra/: the docker-compose stack, the worker Dockerfile, the Kubernetes work-pool job template and
-the screenshot script. Static checks (no Docker daemon needed), plus `docker compose config -q` where
-the compose plugin exists."""
+"""infra/: the docker-compose stack, the worker Dockerfile, the Kubernetes work-pool job template, the Ray
+cluster files (KubeRay RayCluster, Slurm batch script) and the screenshot script. Static checks (no Docker
+daemon, Kubernetes or Slurm needed), plus `docker compose config -q` where the compose plugin exists."""
 
 from __future__ import annotations
 
 import fnmatch
 import importlib.util
 import json
+import os
 import re
 import shlex
 import shutil
@@ -26,6 +27,9 @@ COMPOSE_FILE = INFRA / "docker-compose.yml"
 DOCKERFILE = INFRA / "Dockerfile"
 TEMPLATE_FILE = INFRA / "k8s" / "work-pool-job-template.json"
 SCREENSHOT = INFRA / "screenshot.py"
+RAYCLUSTER_FILE = INFRA / "ray" / "raycluster.yaml"
+SBATCH_FILE = INFRA / "ray" / "ray-cluster.sbatch"
+RAY_DOCKERFILE = INFRA / "ray" / "Dockerfile"
 
 # Prefect's placeholder syntax (prefect.utilities.templating): `{{ name }}`, names of word characters,
 # dots, dashes, brackets and `$` (environment variables).
@@ -112,6 +116,14 @@ def pyproject_pin(name: str) -> str:
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     pins = [d.split("==", 1)[1].strip() for d in deps if re.match(rf"{re.escape(name)}\s*==", d)]
     assert len(pins) == 1, f"pyproject.toml should pin {name} exactly once with =="
+    return pins[0]
+
+
+def extra_pin(extra: str, name: str) -> str:
+    """The exact version an optional-dependency group pins for a package (`ray[default]==2.60.0` -> 2.60.0)."""
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"][extra]
+    pins = [d.split("==", 1)[1].strip() for d in deps if re.match(rf"{re.escape(name)}(\[[\w,]+\])?\s*==", d)]
+    assert len(pins) == 1, f"the {extra} extra should pin {name} exactly once with =="
     return pins[0]
 
 
@@ -484,3 +496,110 @@ def test_screenshot_urls_and_command(monkeypatch, tmp_path):
                 "--virtual-time-budget=15000", f"--screenshot={tmp_path / 'a.png'}"):
         assert arg in cmd
     assert cmd[-1] == "http://x"
+
+
+# ---------------------------------------------------------------------------------------- ray/: KubeRay
+
+
+@pytest.fixture(scope="module")
+def ray_objects() -> dict[str, dict]:
+    """The documents of raycluster.yaml by kind (one of each)."""
+    docs = [d for d in yaml.safe_load_all(RAYCLUSTER_FILE.read_text()) if d]
+    kinds = [d["kind"] for d in docs]
+    assert sorted(kinds) == ["ConfigMap", "PersistentVolumeClaim", "RayCluster"], kinds
+    return {d["kind"]: d for d in docs}
+
+
+def _groups(raycluster: dict) -> dict[str, dict]:
+    spec = raycluster["spec"]
+    return {"head": spec["headGroupSpec"], **{g["groupName"]: g for g in spec["workerGroupSpecs"]}}
+
+
+def test_raycluster_has_a_head_a_cpu_and_a_gpu_group_on_one_image(ray_objects):
+    rc = ray_objects["RayCluster"]
+    assert (rc["apiVersion"], rc["kind"]) == ("ray.io/v1", "RayCluster")
+    assert rc["spec"]["rayVersion"] == extra_pin("cluster", "ray")  # the image's Ray is the cluster extra's
+    groups = _groups(rc)
+    assert set(groups) == {"head", "cpu", "gpu"}
+    # No stage on the head (it hosts the GCS and the driver); KubeRay takes the workers' CPUs from their limits.
+    assert groups["head"]["rayStartParams"]["num-cpus"] == "0"
+    for name in ("cpu", "gpu"):
+        g = groups[name]
+        assert g["minReplicas"] <= g["replicas"] <= g["maxReplicas"] and g["replicas"] >= 1
+    containers = {name: g["template"]["spec"]["containers"][0] for name, g in groups.items()}
+    assert len({c["image"] for c in containers.values()}) == 1, "every node needs the same r1flow install"
+    for name, c in containers.items():
+        limits = c["resources"]["limits"]
+        assert limits["cpu"] and limits["memory"], name
+        # the image (python:3.11-slim) has no wget for KubeRay's default exec probes: HTTP probes instead
+        for probe in ("readinessProbe", "livenessProbe"):
+            assert c[probe]["httpGet"]["port"] == 52365, (name, probe)
+    assert containers["gpu"]["resources"]["limits"]["nvidia.com/gpu"] >= 1
+    assert "nvidia.com/gpu" not in containers["cpu"]["resources"]["limits"]
+    assert any(t["key"] == "nvidia.com/gpu" for t in groups["gpu"]["template"]["spec"]["tolerations"])
+
+
+def test_raycluster_mounts_one_rwx_claim_at_r1flow_home_in_every_pod(ray_objects):
+    pvc, config = ray_objects["PersistentVolumeClaim"], ray_objects["ConfigMap"]
+    assert "ReadWriteMany" in pvc["spec"]["accessModes"]
+    home = config["data"]["R1FLOW_HOME"]
+    assert home == re.search(r"^\s*R1FLOW_HOME=(\S+)", DOCKERFILE.read_text(), re.M).group(1)  # the image's
+    for name, g in _groups(ray_objects["RayCluster"]).items():
+        pod = g["template"]["spec"]
+        claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"]
+                  if "persistentVolumeClaim" in v}
+        container = pod["containers"][0]
+        mounts = [m for m in container["volumeMounts"] if m["name"] in claims]
+        assert [(m["mountPath"], claims[m["name"]]) for m in mounts] == [(home, pvc["metadata"]["name"])], name
+        assert {"configMapRef": {"name": config["metadata"]["name"]}} in container["envFrom"], name
+
+
+def test_raycluster_settings_and_one_ray_token_everywhere(ray_objects):
+    data = ray_objects["ConfigMap"]["data"]
+    assert urlsplit(data["PREFECT_API_URL"]).path == "/api"
+    assert urlsplit(data["MLFLOW_TRACKING_URI"]).scheme == "http"  # a server: sqlite on a shared volume is not safe
+    secrets = set()
+    for name, g in _groups(ray_objects["RayCluster"]).items():
+        env = {e["name"]: e for e in g["template"]["spec"]["containers"][0]["env"]}
+        assert env["RAY_AUTH_MODE"]["value"] == "token", name
+        ref = env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]
+        secrets.add((ref["name"], ref["key"]))
+    assert len(secrets) == 1
+
+
+def test_ray_dockerfile_adds_the_cluster_extra_to_the_worker_image():
+    text = RAY_DOCKERFILE.read_text()
+    assert re.search(r"^FROM \$\{BASE\}$", text, re.M) and re.search(r"^ARG BASE=\S+$", text, re.M)
+    assert re.search(r'^RUN pip install -e "/opt/r1flow\[cluster\]"', text, re.M)
+    assert "COPY" not in text  # the project comes from the base image: the same install as the worker image
+    assert text.rstrip().splitlines()[-1] == "USER r1flow"
+
+
+# ---------------------------------------------------------------------------------------- ray/: Slurm
+
+
+def test_sbatch_script_is_valid_bash_and_runs_r1flow_on_the_cluster():
+    proc = subprocess.run(["bash", "-n", str(SBATCH_FILE)], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    text = SBATCH_FILE.read_text()
+    assert text.startswith("#!/bin/bash\n") and "set -euo pipefail" in text
+    directives = re.findall(r"^#SBATCH (--[\w-]+)", text, re.M)
+    assert "--nodes" in directives and "--ntasks-per-node" in directives
+    code = [ln for ln in text.splitlines() if not ln.lstrip().startswith("#")]
+    body = "\n".join(code)
+    assert re.search(r"^r1flow run --cluster \"\$address\" \"\$@\"$", body, re.M)
+    # the head and the workers are srun steps; the script stops those steps, never `ray stop` (every Ray of the user)
+    assert re.search(r"srun .*ray start --head", body) and re.search(r"srun .*ray start --address=", body)
+    assert "ray stop" not in body and "kill -TERM \"${steps[@]}\"" in body
+
+
+def test_sbatch_script_needs_a_shared_home_and_an_install(tmp_path):
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path)}
+    proc = subprocess.run(["bash", str(SBATCH_FILE)], capture_output=True, text=True, timeout=30, env=env,
+                          cwd=tmp_path)
+    assert proc.returncode != 0 and "R1FLOW_HOME" in proc.stderr
+    env.update(R1FLOW_HOME=str(tmp_path / "home"), R1FLOW_VENV=str(tmp_path / "no-venv"), PATH="/usr/bin:/bin")
+    proc = subprocess.run(["bash", str(SBATCH_FILE)], capture_output=True, text=True, timeout=30, env=env,
+                          cwd=tmp_path)
+    assert proc.returncode == 2 and "not found" in proc.stderr and "[cluster]" in proc.stderr
+
