@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 
 
 class Strict(BaseModel):
@@ -68,18 +68,28 @@ Precision = Literal["auto", "fp32", "bf16", "fp16"]
 
 
 class ResourcesSpec(Strict):
-    """How many processes a training stage runs on (data parallel, one node).
+    """How many processes a training stage runs on (data parallel), on one machine or several.
 
-    With num_processes > 1 the pipeline launches the stage under `accelerate launch` (torchrun
-    underneath): every process loads the model, takes its share of each micro-batch (or of each
-    step's prompts, GRPO) and the gradients are summed across processes before every optimizer step,
-    normalised by the global batch, so the update is the single-process one. Batch sizes in the
-    stage config stay *global*: the same config trains the same way on 1 or N processes. With
-    distributed_type fsdp each process holds 1/N of the model instead of all of it (same updates).
+    With num_processes > 1 (and nodes 1) the pipeline launches the stage under `accelerate launch`
+    (torchrun underneath) on its own machine. With nodes > 1 it runs nodes × num_processes ranks as
+    Ray actors, num_processes on each of `nodes` machines of a Ray cluster (a STRICT_SPREAD placement
+    group; needs `r1flow run --cluster ADDRESS` or RAY_ADDRESS, and R1FLOW_HOME on a filesystem every
+    machine shares); the ranks run the same code and join one torch.distributed group (gloo on CPU,
+    nccl on GPU). Either way every process loads the model, takes its share of each micro-batch (or of
+    each step's prompts, GRPO) and the gradients are summed across processes before every optimizer
+    step, normalised by the global batch, so the update is the single-process one. Batch sizes in the
+    stage config stay *global*: the same config trains the same way on 1 or N processes, on one machine
+    or several. With distributed_type fsdp each process holds 1/N of the model instead of all of it
+    (same updates).
     """
 
-    num_processes: int = Field(1, ge=1, description="Processes (one per GPU; on CPU, gloo processes). 1 runs the "
-                               "stage inside the pipeline's own process, as before.")
+    nodes: int = Field(1, ge=1, description="Machines to train across. 1: this machine, as before. More: the stage's "
+                       "ranks run as Ray actors, num_processes on each of this many machines of the Ray cluster "
+                       "(`r1flow run --cluster ADDRESS`), which need R1FLOW_HOME on a shared filesystem.")
+    num_processes: int = Field(1, ge=1, validation_alias=AliasChoices("num_processes", "processes_per_node"),
+                               description="Processes on each machine (one per GPU; on CPU, gloo processes); also "
+                               "accepted as processes_per_node. The stage trains on nodes × num_processes processes. "
+                               "1 with nodes 1 runs the stage inside the pipeline's own process, as before.")
     distributed_type: Literal["ddp", "fsdp"] = Field(
         "ddp", description="ddp: every process holds the whole model; gradients are all-reduced once per optimizer "
         "step. fsdp: the model is sharded (torch FSDP2 fully_shard per decoder layer, ZeRO-3 style: parameters, "
@@ -90,6 +100,11 @@ class ResourcesSpec(Strict):
     backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="torch.distributed backend; auto: nccl when every process gets a CUDA device, else gloo."
     )
+
+    @property
+    def world_size(self) -> int:
+        """All processes the stage trains on: nodes × num_processes."""
+        return self.nodes * self.num_processes
 
 
 class SandboxLimits(Strict):
