@@ -39,16 +39,20 @@ def cmd_run(args: argparse.Namespace) -> int:
     plan = load_plan(recipe, profile, args.set)  # every config error surfaces here, before any compute
     for name in (args.only or []) + (args.force or []):
         plan.node(name)
-    make_home()
+    from flows.placement import Execution, check_driver, cluster_address
+
+    execution = Execution(parallel=args.parallel, cluster=cluster_address(args.cluster))
     settings = Settings.from_env()
+    check_driver(execution, settings.store, settings.tracking_uri)  # before anything is written
+    make_home()
     print(f"r1flow: recipe {plan.recipe!r}, profile {plan.profile!r}, model {plan.model!r}, "
-          f"{len(plan.nodes)} stages; home {settings.home}", flush=True)
+          f"{len(plan.nodes)} stages, {execution.describe()}; home {settings.home}", flush=True)
     _print_servers_used(args)
     from flows.pipeline import pipeline
 
     t_flow = time.perf_counter()
     result = pipeline(recipe=recipe, profile=profile, overrides=list(args.set), only=args.only, force=args.force,
-                      settings=settings.to_dict())
+                      settings=settings.to_dict(), parallel=execution.parallel, cluster=execution.cluster)
     total = time.perf_counter() - _T_START
     if args.json:  # first: a reader of the summary that goes away (`| head`) must not lose it
         with open(args.json, "w") as f:
@@ -473,18 +477,36 @@ def cmd_down(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     from flows import servers
+    from flows.placement import cluster_address
 
     home = _servers_home()
     info = servers.status(home)
+    address = cluster_address(args.cluster)
+    if address:
+        _print_cluster(address)
     if info is None:
         print(f"r1flow: no servers running for {home} (start them with `r1flow up`)")
-        return 1
+        return 0 if address else 1  # the cluster was what was asked for
     _print_servers(info)
     for s in servers.dead(info):
         print(f"warning: the {s.name} server (pid {s.pid}) is not running; see {s.log}")
     for r in info.runners:
         print(f"runner pid {r['pid']} ({r.get('name', 'runner')}, registered {r.get('registered_at', '?')})")
     return 0
+
+
+def _print_cluster(address: str) -> None:
+    from flows.placement import cluster_nodes
+
+    nodes = cluster_nodes(address)
+    alive = [n for n in nodes if n["alive"]]
+    print(f"Ray cluster {address}: {len(alive)} of {len(nodes)} nodes alive")
+    rows = [[n["id"][:12], n["address"], "alive" if n["alive"] else "dead",
+             ", ".join(f"{k}={v / 2**30:.1f} GiB" if k == "memory" else f"{k}={v:g}"
+                       for k, v in sorted(n["resources"].items()) if k != "object_store_memory")]
+            for n in nodes]
+    for line in text_table(["node", "address", "state", "resources"], rows):
+        print(line)
 
 
 def _port_free(port: int) -> bool:
@@ -752,6 +774,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--only", action="append", metavar="NODE", help="run only this node (upstream from cache)")
     run.add_argument("--force", action="append", metavar="NODE", help="re-run this node even if cached")
     run.add_argument("--json", metavar="FILE", help="also write the run summary as JSON")
+    run.add_argument("--parallel", type=int, default=1, metavar="N", help="run up to N independent stages at once on "
+                     "this machine, each in its own process (default 1: one after another, as the plan lists them)")
+    run.add_argument("--cluster", metavar="ADDRESS", help="run the stages on the Ray cluster at ADDRESS (host:port of "
+                     "its head, or ray://host:10001; default: RAY_ADDRESS when set); needs the cluster extra, a shared "
+                     "R1FLOW_HOME and servers every node reaches (README: Run on a cluster)")
     run.set_defaults(func=cmd_run)
     st = sub.add_parser("stages", help="list stages, their inputs, outputs (and config with -v)")
     st.add_argument("-v", "--verbose", action="store_true")
@@ -786,8 +813,10 @@ def build_parser() -> argparse.ArgumentParser:
     ui.set_defaults(func=cmd_ui)
     sub.add_parser("down", help="stop registered runners, then the servers started by `r1flow up`"
                    ).set_defaults(func=cmd_down)
-    sub.add_parser("status", help="show the servers started by `r1flow up` (exit code 1 if none)"
-                   ).set_defaults(func=cmd_status)
+    status = sub.add_parser("status", help="show the servers started by `r1flow up` (exit code 1 if none), and the Ray "
+                            "cluster's nodes and resources when one is configured")
+    status.add_argument("--cluster", metavar="ADDRESS", help="a Ray cluster to show (default: RAY_ADDRESS when set)")
+    status.set_defaults(func=cmd_status)
     stg = sub.add_parser("stage", help="run one stage on existing artifacts (fingerprints, MLflow runs, latest:)")
     stg.add_argument("name", help="stage name (r1flow stages)")
     stg.add_argument("--input", action="append", default=[], metavar="NAME=REF",

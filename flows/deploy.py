@@ -389,7 +389,8 @@ def schedule_kwargs(cron: str | None, interval: float | None) -> dict[str, Any]:
 
 @flow(name="r1flow-pipeline", persist_result=True, log_prints=True)
 def recipe_pipeline(recipe: RecipeName, profile: ProfileName, overrides: list[str] | None = None,
-                    only: list[str] | None = None, force: list[str] | None = None) -> dict[str, Any]:
+                    only: list[str] | None = None, force: list[str] | None = None, parallel: int = 1,
+                    cluster: str | None = None) -> dict[str, Any]:
     """Run a recipe: every stage node in dependency order, reusing cached outputs where valid.
 
     Args:
@@ -398,11 +399,16 @@ def recipe_pipeline(recipe: RecipeName, profile: ProfileName, overrides: list[st
         overrides: Config overrides KEY=VALUE, e.g. sft.learning_rate=1e-4, dpo.beta=0.2, model=PATH, seed=1.
         only: Run only these nodes; their upstream nodes must be cached.
         force: Re-run these nodes even when cached.
+        parallel: Run up to this many independent stages at once on the worker's machine (each in its own process).
+        cluster: Ray cluster address (host:port of its head): run the stages there, independent ones at the same
+            time (default: the worker's RAY_ADDRESS, if any).
     """
     from flows.pipeline import run_plan
+    from flows.placement import Execution, cluster_address
 
     plan = load_plan(recipe, profile, overrides or [])
-    return run_plan(plan, Settings.from_env(), only=set(only or []), force=set(force or []))
+    return run_plan(plan, Settings.from_env(), only=set(only or []), force=set(force or []),
+                    execution=Execution(parallel=parallel, cluster=cluster_address(cluster)))
 
 
 def _stage_base(stage: str, recipes: list[str], profile: str) -> dict[str, Any]:

@@ -49,7 +49,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from flows.store import ArtifactStore, process_owner
+from flows.store import ArtifactStore, owner_gone, parse_owner, process_owner
 from schemas.errors import R1FlowError
 
 LEASES = "leases"
@@ -117,6 +117,13 @@ def still_ours(record: LeaseRecord | None, holder: str, now: float) -> bool:
     """May this holder renew or delete the lease? Only its own record, and only before it expired (afterwards a
     waiter may be taking it over)."""
     return record is not None and record.holder == holder and not is_expired(record.expires_at, now)
+
+
+def holder_gone(record: LeaseRecord | None) -> bool:
+    """The holder is a process on this host that is provably gone (kill -9, a lost Ray worker on a machine that
+    runs several nodes): no need to wait for its lease to expire. Holders on other hosts are judged by expiry."""
+    parsed = parse_owner(f"{record.owner}-") if record is not None else None
+    return parsed is not None and owner_gone(*parsed)
 
 
 def wait_message(record: LeaseRecord | None, key: str) -> str:
@@ -286,7 +293,7 @@ class Lease:
         if current is not None and current.holder == self.holder:  # a read-back after a slow create
             self.record = current
             return True
-        if not is_expired(expires_at, time.time(), self.skew_s):
+        if not (is_expired(expires_at, time.time(), self.skew_s) or holder_gone(current)):
             return False
         return self._take_over(current, expires_at)
 
@@ -315,7 +322,7 @@ class Lease:
             again, expiry_again, exists = self._current()
             if exists:
                 same = again.holder == stale.holder if (again and stale) else (again is None and stale is None)
-                if not (same and is_expired(expiry_again, time.time(), self.skew_s)):
+                if not (same and (is_expired(expiry_again, time.time(), self.skew_s) or holder_gone(again))):
                     return False  # renewed or replaced meanwhile
                 self.files.delete(self.name)
             if self._create_now():

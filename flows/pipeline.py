@@ -22,8 +22,10 @@ from typing import Any
 from prefect import flow, get_run_logger, task
 from prefect.context import get_run_context
 
+from flows import lease, placement
 from flows.cache import cache_key, config_hash
 from flows.context import FlowContext
+from flows.placement import Execution
 from flows.recipes import Plan, load_plan
 from flows.report import build_report, publish_report, register_models, report_location
 from flows.results import StageResult, fmt_metric
@@ -31,7 +33,7 @@ from flows.settings import Settings
 from flows.store import ArtifactStore, CacheRecord, host_id, owner_gone, process_owner
 from flows.tracking import Tracker, run_name
 from schemas.artifacts import DATA_FILE, Producer
-from schemas.errors import ArtifactError, ConfigError, R1FlowError
+from schemas.errors import ArtifactError, ConfigError, R1FlowError, StageError
 from stages import get_stage
 from stages.base import Input
 from stages.runtime import lifetime
@@ -122,19 +124,26 @@ def execute_stage(
     """Run one stage (or reuse its recorded outputs) and publish its artifacts. Plain function:
     the Prefect task wraps it, tests call it directly."""
     s = Settings(**settings)
-    with stage_lock(s.home, key):
+    log = log or logging.getLogger("r1flow")
+    if placement.on_cluster():  # one clear line, before any compute, when this node cannot reach what the run uses
+        from flows.reach import check_reachable, describe_node
+
+        check_reachable(s, os.environ.get("PREFECT_API_URL"), describe_node(placement.where()["ray_node_id"]))
+    # this machine's processes queue on the lock; other machines sharing the store on the lease (flows/lease.py)
+    with stage_lock(s.home, key), lease.hold(ArtifactStore(s.store, home=s.home), key, log=log):
         return _execute_stage(node=node, stage=stage, config=config, inputs=inputs, seed=seed, key=key,
                               parent_run_id=parent_run_id, s=s, experiment=experiment, flow_run_id=flow_run_id,
-                              log=log or logging.getLogger("r1flow"), refresh=refresh)
+                              log=log, refresh=refresh)
 
 
 def _execute_stage(*, node, stage, config, inputs, seed, key, parent_run_id, s: Settings, experiment, flow_run_id,
                    log, refresh) -> dict[str, Any]:
+    started_at, here = time.time(), placement.where()
     store = ArtifactStore(s.store, home=s.home)
     record = None if refresh else store.lookup(key)
     if record is not None:
         return {"outputs": record.outputs, "metrics": record.metrics, "seconds": 0.0, "reused": True,
-                "mlflow_run_id": record.mlflow_run_id}
+                "mlflow_run_id": record.mlflow_run_id, "started_at": started_at, "ended_at": time.time(), **here}
 
     module = get_stage(stage)
     cfg = module.CONFIG.model_validate(config)
@@ -142,7 +151,8 @@ def _execute_stage(*, node, stage, config, inputs, seed, key, parent_run_id, s: 
     tracker = Tracker(s.tracking_uri, experiment, s.mlflow_artifact_location)
     run_id = tracker.start_run(node, {"r1flow.stage": stage, "r1flow.node": node, "r1flow.stage_version": module.VERSION,
                                        "r1flow.cache_key": key, "r1flow.cache_hit": "false",
-                                       "r1flow.flow_run_id": flow_run_id or "",
+                                       "r1flow.flow_run_id": flow_run_id or "", "r1flow.host": here["host"],
+                                       "r1flow.ray_node_id": here["ray_node_id"],
                                        **{f"r1flow.input.{k}": v for k, v in inputs.items()}}, parent_run_id)
     tracker.log_params(run_id, {"config": config, "seed": seed,
                                 "inputs": {k: v[:16] for k, v in inputs.items()}})
@@ -156,7 +166,8 @@ def _execute_stage(*, node, stage, config, inputs, seed, key, parent_run_id, s: 
             raise ArtifactError(f"stage {stage!r} returned outputs {sorted(outputs)}, declared {sorted(module.OUTPUTS)}")
         seconds = time.perf_counter() - t0
         producer = Producer(stage=stage, node=node, stage_version=module.VERSION, config_hash=config_hash(config),
-                            cache_key=key, mlflow_run_id=run_id, flow_run_id=flow_run_id)
+                            cache_key=key, mlflow_run_id=run_id, flow_run_id=flow_run_id, host=here["host"],
+                            ray_node_id=here["ray_node_id"] or None)
         published, metrics = {}, {}
         for name, out in outputs.items():
             manifest = store.publish(out.path, kind=out.kind, schema=out.schema, producer=producer,
@@ -175,7 +186,8 @@ def _execute_stage(*, node, stage, config, inputs, seed, key, parent_run_id, s: 
                                  duration_s=seconds, metrics={k: float(v) for k, v in metrics.items()}))
         shutil.rmtree(ctx.checkpoint_dir, ignore_errors=True)  # published: the checkpoints are spent
         ok = True
-        return {"outputs": published, "metrics": metrics, "seconds": seconds, "reused": False, "mlflow_run_id": run_id}
+        return {"outputs": published, "metrics": metrics, "seconds": seconds, "reused": False, "mlflow_run_id": run_id,
+                "started_at": started_at, "ended_at": time.time(), **here}
     finally:
         shutil.rmtree(ctx.staging, ignore_errors=True)
         tracker.end(run_id, ok)
@@ -242,7 +254,8 @@ def experiment_name(recipe: str) -> str:
 
 @flow(name="r1flow-pipeline", persist_result=True, log_prints=True)
 def pipeline(recipe: str, profile: str, overrides: list[str] | None = None, only: list[str] | None = None,
-             force: list[str] | None = None, settings: dict[str, str] | None = None) -> dict[str, Any]:
+             force: list[str] | None = None, settings: dict[str, str] | None = None, parallel: int = 1,
+             cluster: str | None = None) -> dict[str, Any]:
     """Run a recipe: every stage node in dependency order, reusing cached outputs where valid.
 
     Args:
@@ -252,10 +265,14 @@ def pipeline(recipe: str, profile: str, overrides: list[str] | None = None, only
         only: Run only these nodes; their upstream nodes must be cached.
         force: Re-run these nodes even when cached.
         settings: Storage and tracking locations (default: R1FLOW_HOME, R1FLOW_STORE, MLFLOW_TRACKING_URI).
+        parallel: Run up to this many independent stages at once on this machine (each in its own process).
+        cluster: Ray cluster address (host:port or ray://host:10001): every stage runs on the cluster where its
+            resources fit; independent stages run at the same time.
     """
     plan = load_plan(recipe, profile, overrides or [])
     s = Settings(**settings) if settings else Settings.from_env()
-    return run_plan(plan, s, only=set(only or []), force=set(force or []))
+    return run_plan(plan, s, only=set(only or []), force=set(force or []),
+                    execution=Execution(parallel=parallel, cluster=placement.cluster_address(cluster)))
 
 
 PREFECT_HOST_TAG = "r1flow.host:"  # + flows.store.host_id(): a flow run an r1flow process on this host runs
@@ -333,9 +350,11 @@ def reclaim_abandoned(store: ArtifactStore, tracker: Tracker, flow_run_id: str |
     return counts
 
 
-def run_plan(plan: Plan, s: Settings, only: set[str] = frozenset(), force: set[str] = frozenset()) -> dict[str, Any]:
+def run_plan(plan: Plan, s: Settings, only: set[str] = frozenset(), force: set[str] = frozenset(),
+             execution: Execution = Execution()) -> dict[str, Any]:
     for name in only | force:
         plan.node(name)  # raises a clear error for unknown names
+    placement.check_driver(execution, s.store, s.tracking_uri)
     lifetime.reinstall()  # SIGTERM stops the run within seconds, not Prefect's bridge (stages/runtime/lifetime.py)
     store = ArtifactStore(s.store, home=s.home)
     experiment = experiment_name(plan.recipe)
@@ -343,63 +362,18 @@ def run_plan(plan: Plan, s: Settings, only: set[str] = frozenset(), force: set[s
     flow_run_id = _flow_run_id()
     reclaim_abandoned(store, tracker, flow_run_id)
     parent = tracker.start_run(run_name(f"{plan.recipe} {plan.profile}", flow_run_id), {"r1flow.recipe": plan.recipe, "r1flow.profile": plan.profile,
-                                                                 "r1flow.flow_run_id": flow_run_id or ""})
+                                                                 "r1flow.flow_run_id": flow_run_id or "",
+                                                                 "r1flow.execution": execution.describe()})
     tracker.log_params(parent, {"recipe": plan.recipe, "profile": plan.profile, "model": plan.model, "seed": plan.seed,
                                 "overrides": " ".join(plan.overrides), "only": ",".join(sorted(only)),
-                                "force": ",".join(sorted(force)), "options": plan.options})
+                                "force": ",".join(sorted(force)), "options": plan.options,
+                                "parallel": execution.parallel, "cluster": execution.cluster or ""})
     selected = set(only) if only else {n.name for n in plan.nodes}
-    needed = plan.ancestors(selected)
-    forced = set(force)
-    upstream: dict[str, dict[str, str]] = {}
-    results: list[StageResult] = []
-    progress = NodeProgress(sum(n.name in needed for n in plan.nodes))
+    runner = _NodeRunner(plan, s, store, tracker, parent, experiment, flow_run_id, selected, plan.ancestors(selected),
+                         set(force), execution)
     ok = False
     try:
-        for node in plan.nodes:
-            if node.name not in needed:
-                results.append(StageResult(node.name, node.stage, "skipped", 0.0, ""))
-                continue
-            key, inputs, _ = node_key(node, upstream)
-            t0 = time.perf_counter()
-            if node.name not in selected:  # an upstream of --only: must come from the cache
-                rec = store.lookup(key)
-                if rec is None:
-                    raise ConfigError(f"--only {','.join(sorted(selected))}: upstream node {node.name!r} has no valid "
-                                      f"cached outputs for this config; run it first (or drop --only)")
-                upstream[node.name] = rec.outputs
-                results.append(StageResult(node.name, node.stage, "cached", time.perf_counter() - t0, "",
-                                           rec.outputs, rec.metrics, rec.mlflow_run_id))
-                progress.end(node.name, node.stage, "cached", results[-1].seconds)
-                continue
-            record = None if node.name in forced else store.lookup(key)  # verified: every output file re-hashed
-            if record is None:  # it computes (a cached node gets its end line only)
-                progress.start(node.name, node.stage)
-            state = stage_task.with_options(refresh_cache=record is None)(
-                node=node.name, stage=node.stage, config=node.config_dict, inputs=inputs, seed=node.seed, key=key,
-                parent_run_id=parent, settings=s.to_dict(), experiment=experiment, refresh=node.name in forced,
-                return_state=True)
-            out = state.result()
-            cached = state.name == "Cached" or out["reused"]
-            seconds = time.perf_counter() - t0
-            if cached:
-                if record is not None and out["outputs"] != record.outputs:
-                    # Prefect's result for this key is older than ours (a --force since); ours was verified.
-                    out = {**out, "outputs": record.outputs, "metrics": record.metrics,
-                           "mlflow_run_id": record.mlflow_run_id}
-                run_id = tracker.start_run(node.name, {"r1flow.stage": node.stage, "r1flow.node": node.name,
-                                                       "r1flow.cache_key": key, "r1flow.cache_hit": "true",
-                                                       "r1flow.source_run_id": out.get("mlflow_run_id") or "",
-                                                       "r1flow.flow_run_id": flow_run_id or ""}, parent)
-                tracker.log_params(run_id, {"config": node.config_dict, "seed": node.seed})
-                tracker.log_metrics(run_id, {k: v for k, v in out["metrics"].items() if k != "stage_seconds"})
-                tracker.set_tags(run_id, {f"r1flow.output.{k}": v for k, v in out["outputs"].items()})
-                tracker.end(run_id)
-            else:
-                run_id = out["mlflow_run_id"]
-            upstream[node.name] = out["outputs"]
-            results.append(StageResult(node.name, node.stage, "cached" if cached else "run", seconds, state.name,
-                                       out["outputs"], out["metrics"], run_id))
-            progress.end(node.name, node.stage, results[-1].status, seconds)
+        results = runner.run()
         summary = {f"{r.node}/{k}": v for r in results for k, v in r.key_metrics().items()}
         summary.update({f"{r.node}/seconds": r.seconds for r in results if r.status != "skipped"})
         tracker.log_metrics(parent, summary)
@@ -412,9 +386,159 @@ def run_plan(plan: Plan, s: Settings, only: set[str] = frozenset(), force: set[s
         tracker.end(parent, ok)
     return {"recipe": plan.recipe, "profile": plan.profile, "parent_run_id": parent,
             "experiment_id": tracker.experiment_id, "link": tracker.run_link(parent), "flow_run_id": flow_run_id,
-            "stages": [r.__dict__ for r in results],
+            "execution": execution.describe(), "stages": [r.__dict__ for r in results],
             # the end of `r1flow run` prints these: the comparison table (None: no eval rows) and where the report is
             "comparison": report.comparison, "report": report_location(tracker, parent, published["mlflow_artifacts"])}
+
+
+class _NodeRunner:
+    """Runs a plan's needed nodes: each when its inputs are published. One at a time in this process (the default:
+    plan order, fail at the first error), or several at once through a Prefect task runner (`Execution`): a node
+    starts as soon as its upstream nodes are done; a failed node's descendants are skipped while the other branches
+    finish, and the run then fails naming every error."""
+
+    def __init__(self, plan: Plan, s: Settings, store: ArtifactStore, tracker: Tracker, parent: str, experiment: str,
+                 flow_run_id: str | None, selected: set[str], needed: set[str], forced: set[str], execution: Execution):
+        self.plan, self.s, self.store, self.tracker, self.parent = plan, s, store, tracker, parent
+        self.experiment, self.flow_run_id, self.execution = experiment, flow_run_id, execution
+        self.selected, self.needed, self.forced = selected, needed, forced
+        self.upstream: dict[str, dict[str, str]] = {}
+        self.results: dict[str, StageResult] = {}
+        self.progress = NodeProgress(sum(n.name in needed for n in plan.nodes))
+
+    def run(self) -> list[StageResult]:
+        for node in self.plan.nodes:
+            if node.name not in self.needed:
+                self.results[node.name] = StageResult(node.name, node.stage, "skipped", 0.0, "")
+        if self.execution.concurrent:
+            self._run_concurrently()
+        else:
+            for node in self.plan.nodes:
+                if node.name in self.needed:
+                    submitted = self._start(node, submit=None)
+                    if submitted is not None:
+                        state, key, record, t0 = submitted
+                        self._finish(node, key, record, t0, state, state.result())
+        return [self.results[n.name] for n in self.plan.nodes]
+
+    def _start(self, node, submit):
+        """Reuse an upstream-of-`--only` node from the cache, or hand the node's stage task to Prefect: called now
+        (submit None: its final state) or submitted (its future). None when nothing was submitted."""
+        key, inputs, _ = node_key(node, self.upstream)
+        t0 = time.perf_counter()
+        if node.name not in self.selected:  # an upstream of --only: must come from the cache
+            rec = self.store.lookup(key)
+            if rec is None:
+                raise ConfigError(f"--only {','.join(sorted(self.selected))}: upstream node {node.name!r} has no valid "
+                                  f"cached outputs for this config; run it first (or drop --only)")
+            self.upstream[node.name] = rec.outputs
+            self.results[node.name] = StageResult(node.name, node.stage, "cached", time.perf_counter() - t0, "",
+                                                  rec.outputs, rec.metrics, rec.mlflow_run_id)
+            self.progress.end(node.name, node.stage, "cached", self.results[node.name].seconds)
+            return None
+        record = None if node.name in self.forced else self.store.lookup(key)  # verified: every output file re-hashed
+        if record is None:  # it computes (a cached node gets its end line only)
+            self.progress.start(node.name, node.stage)
+        task_ = stage_task.with_options(refresh_cache=record is None)
+        params = dict(node=node.name, stage=node.stage, config=node.config_dict, inputs=inputs, seed=node.seed, key=key,
+                      parent_run_id=self.parent, settings=self.s.to_dict(), experiment=self.experiment,
+                      refresh=node.name in self.forced)
+        if submit is None:
+            return task_(**params, return_state=True), key, record, t0
+        return submit(node, task_, params), key, record, t0
+
+    def _finish(self, node, key: str, record: CacheRecord | None, t0: float, state, out: dict[str, Any]) -> None:
+        cached = state.name == "Cached" or out["reused"]
+        seconds = time.perf_counter() - t0
+        if cached:
+            if record is not None and out["outputs"] != record.outputs:
+                # Prefect's result for this key is older than ours (a --force since); ours was verified.
+                out = {**out, "outputs": record.outputs, "metrics": record.metrics, "mlflow_run_id": record.mlflow_run_id}
+            run_id = self.tracker.start_run(node.name, {"r1flow.stage": node.stage, "r1flow.node": node.name,
+                                                        "r1flow.cache_key": key, "r1flow.cache_hit": "true",
+                                                        "r1flow.source_run_id": out.get("mlflow_run_id") or "",
+                                                        "r1flow.flow_run_id": self.flow_run_id or "",
+                                                        "r1flow.host": out.get("host", ""),
+                                                        "r1flow.ray_node_id": out.get("ray_node_id", "")}, self.parent)
+            self.tracker.log_params(run_id, {"config": node.config_dict, "seed": node.seed})
+            self.tracker.log_metrics(run_id, {k: v for k, v in out["metrics"].items() if k != "stage_seconds"})
+            self.tracker.set_tags(run_id, {f"r1flow.output.{k}": v for k, v in out["outputs"].items()})
+            self.tracker.end(run_id)
+        else:
+            run_id = out["mlflow_run_id"]
+        self.upstream[node.name] = out["outputs"]
+        self.results[node.name] = StageResult(
+            node.name, node.stage, "cached" if cached else "run", seconds, state.name, out["outputs"], out["metrics"],
+            run_id, out.get("started_at"), out.get("ended_at"), out.get("host", ""), out.get("ray_node_id", ""))
+        self.progress.end(node.name, node.stage, self.results[node.name].status, seconds)
+
+    def _run_concurrently(self) -> None:
+        import queue
+
+        runner = placement.task_runner(self.execution, self.s.to_dict())
+        limit = self.execution.parallel if not self.execution.cluster else len(self.plan.nodes)
+        done: queue.Queue[str] = queue.Queue()
+        running: dict[str, tuple[Any, str, CacheRecord | None, float]] = {}
+        errors: dict[str, BaseException] = {}
+        blocked: set[str] = set()  # not run: an upstream node failed
+        waiting = [n for n in self.plan.nodes if n.name in self.needed]
+        deps = {n.name: {up for up, _ in n.inputs.values()} for n in waiting}
+
+        def submit(node, task_, params):
+            options = placement.ray_options(node.resources, node.config, self.execution)
+            if options:
+                from prefect_ray.context import remote_options
+
+                with remote_options(**options):
+                    future = runner.submit(task_, params)
+            else:
+                future = runner.submit(task_, params)
+            future.add_done_callback(lambda _f, name=node.name: done.put(name))
+            return future
+
+        with runner:
+            while waiting or running:
+                for node in list(waiting):
+                    failed_up = sorted(deps[node.name] & (set(errors) | blocked))
+                    if failed_up:
+                        waiting.remove(node)
+                        blocked.add(node.name)
+                        self.results[node.name] = StageResult(node.name, node.stage, "skipped", 0.0,
+                                                              f"not run: {', '.join(failed_up)} failed")
+                        continue
+                    if len(running) >= limit or not deps[node.name] <= set(self.upstream):
+                        continue
+                    waiting.remove(node)
+                    try:
+                        submitted = self._start(node, submit)
+                    except R1FlowError as e:
+                        errors[node.name] = e
+                        self.results[node.name] = StageResult(node.name, node.stage, "failed", 0.0, type(e).__name__)
+                        continue
+                    if submitted is not None:
+                        running[node.name] = submitted
+                if not running:
+                    if waiting and not any(deps[n.name] <= set(self.upstream) for n in waiting):
+                        raise RuntimeError(f"internal error: nodes {[n.name for n in waiting]} wait for nothing running")
+                    continue
+                name = done.get()
+                future, key, record, t0 = running.pop(name)
+                future.wait()
+                state = future.state
+                node = self.plan.node(name)
+                try:
+                    out = state.result()
+                except Exception as e:  # noqa: BLE001 - named at the end, after the other branches finish
+                    errors[name] = e
+                    self.results[name] = StageResult(name, node.stage, "failed", time.perf_counter() - t0, state.name)
+                    _run_logger().error("%s (%s) failed: %s: %s", name, node.stage, type(e).__name__, e)
+                    continue
+                self._finish(node, key, record, t0, state, out)
+        if errors:
+            if len(errors) == 1:
+                raise next(iter(errors.values()))
+            raise StageError(f"{len(errors)} stages failed: " + "; ".join(
+                f"{name}: {type(e).__name__}: {e}" for name, e in errors.items()))
 
 
 def render_markdown(plan: Plan, results: list[StageResult]) -> str:

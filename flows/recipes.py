@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from schemas.configs import STAGE_CONFIGS, ProfileConfig, RecipeConfig, RecipeOverlay
+from schemas.configs import STAGE_CONFIGS, NodeResources, ProfileConfig, RecipeConfig, RecipeOverlay
 from schemas.errors import ConfigError
 from stages import STAGE_MODULES, get_stage
 from stages.math import preference as pl
@@ -163,6 +163,7 @@ class Node:
     config: BaseModel
     inputs: dict[str, tuple[str, str]]  # input name -> (upstream node, output name)
     seed: int
+    resources: NodeResources = field(default_factory=NodeResources)  # where it runs (placement; not in the cache key)
 
     @property
     def config_dict(self) -> dict[str, Any]:
@@ -447,6 +448,8 @@ def load_plan(recipe: str = DEFAULT_RECIPE, profile: str = "cpu", overrides: lis
                 raise ConfigError(f"node {name!r} input {inp!r}: every source ({', '.join([sources] if isinstance(sources, str) else sources)}) "
                                   f"is disabled by its `when`; add an enabled alternative or disable {name!r} too")
 
+    resources = {name: node_resources(name, rec.nodes[name].stage, rec.nodes[name].resources, prof, node_cfgs)
+                 for name in wiring}
     cfgs = {}
     for name in wiring:
         try:
@@ -480,8 +483,28 @@ def load_plan(recipe: str = DEFAULT_RECIPE, profile: str = "cpu", overrides: lis
             inputs[inp] = (up, out)
         if run_checks:
             check_node(module, cfg, name)
-        nodes.append(Node(name, spec.stage, cfg, inputs, node_seeds[name] if node_seeds[name] is not None else seed))
+        nodes.append(Node(name, spec.stage, cfg, inputs, node_seeds[name] if node_seeds[name] is not None else seed,
+                          resources[name]))
     return Plan(rec.name, prof.name, rec.description, model, seed, nodes, tuple(overrides), dict(rec.options), dropped)
+
+
+def node_resources(name: str, stage: str, declared: dict[str, Any], prof: ProfileConfig,
+                   node_cfgs: dict[str, dict]) -> NodeResources:
+    """A node's NodeResources: defaults < the recipe node's `resources` < the profile's for its stage type < the
+    profile's for its name. A training topology given here (nodes, processes_per_node) is written into the node's
+    config (`resources.nodes`, `resources.num_processes`), where it is part of the cache key."""
+    merged = deep_merge(deep_merge(declared, prof.resources.get(stage, {})), prof.resources.get(name, {}))
+    try:
+        res = NodeResources.model_validate(merged)
+    except ValidationError as e:
+        raise ConfigError(pydantic_message(e, f"node {name!r} resources", NodeResources)) from None
+    topology = {k: v for k, v in (("nodes", res.nodes), ("num_processes", res.processes_per_node)) if v is not None}
+    if topology:
+        if "resources" not in STAGE_CONFIGS[stage].model_fields:
+            raise ConfigError(f"node {name!r} resources: nodes and processes_per_node apply to training stages; "
+                              f"stage {stage!r} runs in one process")
+        node_cfgs[name] = deep_merge(node_cfgs[name], {"resources": topology})
+    return res
 
 
 def check_node(module, cfg, node: str) -> None:

@@ -35,6 +35,10 @@ class StageResult:
     outputs: dict[str, str] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
     mlflow_run_id: str | None = None
+    started_at: float | None = None  # wall clock (epoch seconds) where the stage task ran: overlap is visible
+    ended_at: float | None = None
+    host: str = ""  # the machine it ran on
+    ray_node_id: str = ""  # and the Ray node, in cluster mode
 
     def key_metrics(self) -> dict[str, float]:
         return key_metrics(self.stage, self.metrics)

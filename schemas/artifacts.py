@@ -24,6 +24,8 @@ class Producer(BaseModel):
     cache_key: str = ""
     mlflow_run_id: str | None = None
     flow_run_id: str | None = None
+    host: str | None = None  # the machine the stage ran on
+    ray_node_id: str | None = None  # its Ray node, when the run was on a cluster
 
 
 class Manifest(BaseModel):

@@ -746,6 +746,34 @@ STAGE_CONFIGS: dict[str, type[Strict]] = {
 # ---------------------------------------------------------------------------- recipes
 
 
+class NodeResources(Strict):
+    """What one node of a recipe needs on a cluster (`resources:` in a recipe node or a profile).
+
+    cpus, gpus, memory_gb and labels say where the node may run: with `r1flow run --cluster` they are
+    the Ray resources its stage task reserves, so it goes to a machine where they fit (`--parallel` on
+    one machine does not read them: its stages share the machine). They change nothing a stage computes and are not part of its cache key. nodes and
+    processes_per_node say how a training stage trains (they become its `config.resources.nodes` and
+    `config.resources.num_processes`, which are part of the key).
+    """
+
+    cpus: float = Field(1, ge=0, description="CPU cores the node reserves per training process on the machine it "
+                        "runs on (Ray num_cpus; a stage on M processes reserves M times this).")
+    gpus: float = Field(0, ge=0, description="GPUs the node reserves per training process (Ray num_gpus); the gpu "
+                        "profile gives every stage that runs a model 1.")
+    memory_gb: float | None = Field(None, gt=0, description="Memory the node reserves per training process, in GiB "
+                                    "(Ray memory); unset: no reservation.")
+    labels: dict[str, float] = Field(default_factory=dict, description="Custom resources the machine must offer, e.g. "
+                                     "{a100: 1} for a node started with `ray start --resources='{\"a100\": 1}'`.")
+    nodes: int | None = Field(None, ge=1, description="Training stages: machines the stage trains across (ranks in a Ray "
+                              "placement group; needs --cluster). Unset: the stage config's resources.nodes.")
+    processes_per_node: int | None = Field(None, ge=1, description="Training stages: processes on each machine (one per "
+                                           "GPU). Unset: the stage config's resources.num_processes.")
+
+    def placement(self) -> dict[str, Any]:
+        """The placement part (what Ray reserves), without the training topology."""
+        return self.model_dump(exclude={"nodes", "processes_per_node"})
+
+
 class NodeSpec(Strict):
     """One node of a recipe DAG: a stage, where its inputs come from, and its config."""
 
@@ -759,6 +787,8 @@ class NodeSpec(Strict):
     seed: int | None = Field(None, description="Seed for this node (default: the recipe seed).")
     when: bool = Field(True, description="Whether the node is part of the plan (usually `${option}`); a disabled "
                        "node is dropped, and inputs that name it fall through to their next alternative.")
+    resources: dict[str, Any] = Field(default_factory=dict, description="What the node needs on a cluster (NodeResources: "
+                                      "cpus, gpus, memory_gb, labels, nodes, processes_per_node); profiles overlay it.")
 
 
 Scalar = str | int | float | bool
@@ -812,4 +842,8 @@ class ProfileConfig(Strict):
     nodes: dict[str, dict[str, Any]] = Field(default_factory=dict, description="Node name -> config overlay.")
     recipes: dict[str, RecipeOverlay] = Field(
         default_factory=dict, description="Recipe name -> overlays for that recipe only (options, stages, nodes)."
+    )
+    resources: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="Stage type or node name -> NodeResources overlay (a node name wins over its "
+        "stage type), e.g. {sft: {gpus: 1}}: where nodes run with --cluster."
     )

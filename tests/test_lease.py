@@ -138,7 +138,9 @@ def test_racing_takeovers_of_one_expired_lease(store):
     for t in threads:
         t.join(timeout=20)
     assert overlaps == [] and len(took) == 3
-    assert took.count("dead-1") == 1  # only one replaced the dead holder's lease
+    # At most one replaced the dead holder's lease. Possibly none by name: in the gap between the winner's delete of
+    # the expired file and its create, another waiter's plain create may succeed (the winner then waits its turn).
+    assert took.count("dead-1") <= 1 and set(took) <= {"dead-1", None}
     assert sorted(p.name for p in leases.iterdir()) == []  # no leftover lease, token or temporary file
 
 
@@ -211,7 +213,8 @@ def test_two_processes_never_compute_at_once(store, tmp_path):
     assert _read(store, "contended") is None
 
 
-def test_killed_holder_is_taken_over_after_its_ttl(store, tmp_path):
+def test_a_killed_holder_on_this_host_is_taken_over_at_once(store, tmp_path):
+    """Its process is provably gone (flows.store.owner_gone): waiting for the expiry would only waste the ttl."""
     p = _spawn(_HOLD_FOREVER, store.uri, str(tmp_path / "home-killed"))
     try:
         holder = p.stdout.readline().strip()
@@ -221,13 +224,26 @@ def test_killed_holder_is_taken_over_after_its_ttl(store, tmp_path):
         os.kill(p.pid, signal.SIGKILL)
         killed_at = time.time()
         p.wait(timeout=10)
-        with L.hold(store, "killed", ttl_s=2, renew_every_s=0.5, poll_s=0.05, skew_s=0, timeout_s=10) as held:
+        with L.hold(store, "killed", ttl_s=30, renew_every_s=5, poll_s=0.05, skew_s=0, timeout_s=10) as held:
             taken = time.time()
             assert held.took_over == holder
     finally:
         if p.poll() is None:
             p.kill()
             p.wait()
-    # taken over once the last renewal's expiry passed: not before the ttl less one renewal period (0.75 s), and
-    # soon after the ttl (1 s; the bound leaves room for a loaded machine)
-    assert 0.7 <= taken - killed_at <= 2.5, taken - killed_at
+    assert taken - killed_at < 5, taken - killed_at  # far sooner than the 30 s its last renewal promised
+
+
+def test_a_silent_holder_on_another_host_is_taken_over_after_its_expiry(store):
+    """A holder elsewhere cannot be judged by its pid: only its lease's expiry says it is gone."""
+    now = time.time()
+    other = L.LeaseRecord(key="remote", holder="4242-99-0badc0de-abc", owner="4242-99-0badc0de", host="elsewhere",
+                          pid=4242, acquired_at=now - 5, expires_at=now + 1.0, ttl_s=2)
+    leases = Path(store.base) / "leases"
+    leases.mkdir(parents=True, exist_ok=True)
+    (leases / "remote.json").write_bytes(other.to_bytes())
+    assert not L.holder_gone(other)
+    with L.hold(store, "remote", ttl_s=2, renew_every_s=0.5, poll_s=0.05, skew_s=0, timeout_s=10) as held:
+        taken = time.time()
+        assert held.took_over == other.holder
+    assert 0.9 <= taken - now <= 3.0, taken - now

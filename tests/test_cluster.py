@@ -1,0 +1,229 @@
+"""Cluster mode on a real multi-node Ray cluster (tests/ray_cluster.py: every node, server and driver in a
+network namespace of this test's own, loopback only), driven through the CLI as a user drives it:
+`r1flow up` for the servers, `r1flow run --cluster`, `r1flow status --cluster`.
+
+- The tiny `r1` recipe on two Ray nodes: every fingerprint equals the run without a cluster, its stages ran on
+  both nodes (manifest and MLflow tag), and independent stages overlapped in time.
+- `--parallel 2` on one machine: the same fingerprints as the sequential run.
+- A machine lost mid-stage (its raylet and workers SIGKILLed): the stage is retried on another node, resumes
+  from its checkpoint under the shared home, and the run's fingerprints equal an unbroken run's.
+- The driver killed mid-stage: nothing of the run keeps running on the cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.ray_cluster import LoopbackCluster, netns_available, ray_installed
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not ray_installed(), reason="the cluster extra is not installed: pip install -e .[cluster]"),
+              pytest.mark.skipif(not netns_available(), reason="needs root and `ip netns` (a loopback-only namespace)")]
+
+R1FLOW = str(Path(sys.executable).parent / "r1flow")
+TINY = ["--profile", "tiny"]
+# The fault test's SFT: long enough (about 20 s on one core) to be killed after its first checkpoint.
+FAULT_SETS = ["--recipe", "sft-eval", "--set", "sft.max_steps=40", "--set", "sft.checkpoint_every=4"]
+
+
+def _env(home: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "R1FLOW_", "RAY_"))}
+    env.update({"R1FLOW_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"})
+    return env
+
+
+def run_local(home: Path, *args: str) -> dict:
+    """`r1flow run` on this machine, without a cluster (a temporary Prefect server of its own)."""
+    out = home / "run.json"
+    r = subprocess.run([R1FLOW, "run", *args, "--json", str(out)], env=_env(home), capture_output=True, text=True,
+                       timeout=900, stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    return json.loads(out.read_text())
+
+
+def fingerprints(result: dict) -> dict[str, dict[str, str]]:
+    return {s["node"]: s["outputs"] for s in result["stages"]}
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cluster-home")  # shared by every node: one machine's filesystem
+
+
+@pytest.fixture(scope="module")
+def cluster(home, tmp_path_factory):
+    """Head and worker, 1 CPU each, and `r1flow up` servers, all in the namespace; stopped by PID at the end."""
+    nodes = [("head", 1, {"head": 1}), ("worker", 1, {"worker": 1, "trainer": 1})]
+    with LoopbackCluster(tmp_path_factory.mktemp("ray"), nodes=nodes, env=_env(home)) as c:
+        up = c.run([R1FLOW, "up", "--detach"], timeout=240)
+        assert up.returncode == 0, up.stdout + up.stderr
+        try:
+            yield c
+        finally:
+            c.run([R1FLOW, "down"], timeout=120)
+
+
+@pytest.fixture(scope="module")
+def sequential(tmp_path_factory) -> dict:
+    return run_local(tmp_path_factory.mktemp("sequential"), *TINY)
+
+
+def run_on(cluster: LoopbackCluster, home: Path, *args: str) -> tuple[dict, str]:
+    out = home / f"run-{time.time_ns()}.json"
+    r = cluster.run([R1FLOW, "run", *args, "--cluster", cluster.address, "--json", str(out)], timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    return json.loads(out.read_text()), r.stdout + r.stderr
+
+
+def test_only_loopback_exists_where_the_cluster_runs(cluster):
+    links = cluster.run(["ip", "-o", "link", "show"], check=True).stdout.splitlines()
+    assert [line.split(":")[1].strip() for line in links] == ["lo"]
+    listening = cluster.run(["ss", "-Hltn"], check=True).stdout.split("\n")
+    local = [line.split()[3] for line in listening if line.strip()]
+    assert local and all(a.rsplit(":", 1)[0] in ("127.0.0.1", "[::1]", "[::ffff:127.0.0.1]") for a in local), local
+
+
+def test_status_shows_the_clusters_nodes_and_resources(cluster):
+    out = cluster.run([R1FLOW, "status", "--cluster", cluster.address], check=True).stdout
+    assert "2 of 2 nodes alive" in out, out
+    for node in cluster.running.values():
+        line = next(x for x in out.splitlines() if x.startswith(node.node_id[:12]))
+        assert "alive" in line and all(f"{k}={v:g}" in line for k, v in node.resources.items()), line
+
+
+def test_tiny_r1_on_two_ray_nodes_equals_the_run_without_a_cluster(cluster, home, sequential):
+    from mlflow.tracking import MlflowClient
+
+    from flows.store import ArtifactStore
+
+    result, _ = run_on(cluster, home, *TINY)
+    assert fingerprints(result) == fingerprints(sequential)
+    ran = [s for s in result["stages"] if s["status"] == "run"]
+    assert len(ran) == len(result["stages"]) == 23
+    node_ids = {n.node_id for n in cluster.running.values()}
+    assert {s["ray_node_id"] for s in ran} == node_ids  # both nodes did work, and only they
+
+    store, client = ArtifactStore(home, home=home), MlflowClient(f"sqlite:///{home}/servers/mlflow.db")
+    for s in ran:
+        for fp in s["outputs"].values():
+            assert store.read_manifest(fp).producer.ray_node_id == s["ray_node_id"], s["node"]
+        assert client.get_run(s["mlflow_run_id"]).data.tags["r1flow.ray_node_id"] == s["ray_node_id"], s["node"]
+
+    # independent stages overlapped: some two stages that ran at the same time on different nodes
+    overlaps = [(a["node"], b["node"]) for a in ran for b in ran
+                if a["node"] < b["node"] and a["ray_node_id"] != b["ray_node_id"]
+                and a["started_at"] < b["ended_at"] and b["started_at"] < a["ended_at"]]
+    assert overlaps, [(s["node"], s["started_at"], s["ended_at"]) for s in ran]
+
+
+def test_parallel_two_on_one_machine_gives_the_sequential_fingerprints(tmp_path, sequential):
+    result = run_local(tmp_path, *TINY, "--parallel", "2")
+    assert fingerprints(result) == fingerprints(sequential)
+    ran = [s for s in result["stages"] if s["status"] == "run"]
+    assert any(a["started_at"] < b["ended_at"] and b["started_at"] < a["ended_at"]
+               for a in ran for b in ran if a["node"] < b["node"])  # it did run stages side by side
+
+
+def _lock_holders(path: Path) -> list[int]:
+    """Pids of processes with `path` open (the stage lock a running stage task holds)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if any(os.readlink(f"/proc/{entry}/fd/{fd}") == str(path) for fd in os.listdir(f"/proc/{entry}/fd")):
+                    pids.append(int(entry))
+            except OSError:
+                continue
+    return pids
+
+
+def _running_checkpoint(home: Path, timeout: float = 240) -> str:
+    """The cache key of the first stage that has written a checkpoint."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for d in (home / "checkpoints").glob("*/step-*"):
+            return d.parent.name
+        time.sleep(0.2)
+    raise AssertionError(f"no checkpoint under {home / 'checkpoints'} after {timeout:.0f} s")
+
+
+def _node_of(cluster: LoopbackCluster, pid: int) -> str:
+    """The node whose `ray start` process is an ancestor of pid."""
+    starts = {n.proc.pid: name for name, n in cluster.running.items()}
+    while pid > 1:
+        if pid in starts:
+            return starts[pid]
+        pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    raise AssertionError("not a process of any cluster node")
+
+
+def test_a_node_lost_mid_stage_retries_it_elsewhere_from_its_checkpoint(cluster, home, tmp_path):
+    """The SFT stage may run only where `trainer` is offered (the worker and a spare started here). Once it has
+    written a checkpoint, the machine running it is lost; Ray retries the stage on the other, which resumes."""
+    unbroken = run_local(tmp_path / "unbroken", *TINY, *FAULT_SETS)
+    cluster.start_node("spare", 1, {"spare": 1, "trainer": 1})
+    cluster.wait_for_nodes(3)
+    profile = tmp_path / "tiny-trainer.yaml"
+    tiny = (Path(__file__).parents[1] / "flows" / "profiles" / "tiny.yaml").read_text()
+    profile.write_text(tiny + "\nresources:\n  sft: {labels: {trainer: 1}}\n")
+    out = home / "fault.json"
+    log = tmp_path / "fault.log"
+    driver = cluster.popen([R1FLOW, "run", "--profile", str(profile), *FAULT_SETS, "--cluster", cluster.address,
+                            "--json", str(out)], log=log)
+    try:
+        key = _running_checkpoint(home)
+        holders = _lock_holders(home / "locks" / f"{key}.lock")
+        assert holders, "the stage that checkpoints holds its lock"
+        lost = _node_of(cluster, holders[0])
+        assert lost in ("worker", "spare")
+        cluster.kill_node(lost)
+        assert driver.wait(timeout=600) == 0, log.read_text()[-6000:]
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    result = json.loads(out.read_text())
+    assert fingerprints(result) == fingerprints(unbroken)
+    sft = next(s for s in result["stages"] if s["node"] == "sft")
+    survivor = cluster.running["spare" if lost == "worker" else "worker"].node_id
+    assert sft["ray_node_id"] == survivor
+    assert sft["metrics"]["resumed_from_step"] > 0  # from the lost node's checkpoint, not from scratch
+
+
+def test_a_killed_driver_leaves_nothing_running_on_the_cluster(cluster, home, tmp_path):
+    log = tmp_path / "driver.log"
+    before = set(cluster.processes())
+    driver = cluster.popen([R1FLOW, "run", *TINY, *FAULT_SETS, "--set", "seed=7", "--cluster", cluster.address],
+                           log=log)
+    try:
+        key = _running_checkpoint(home)
+        assert _lock_holders(home / "locks" / f"{key}.lock"), "a stage task is running on the cluster"
+        os.kill(driver.pid, signal.SIGKILL)
+        driver.wait(timeout=30)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    deadline = time.monotonic() + 60
+    while True:
+        left = [p for p in set(cluster.processes()) - before if _task_process(p)]
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert not left, [Path(f"/proc/{p}/cmdline").read_bytes() for p in left]
+    assert not _lock_holders(home / "locks" / f"{key}.lock")
+
+
+def _task_process(pid: int) -> bool:
+    """A process that runs a stage task or a training rank (Ray titles a worker `ray::<task or actor>`)."""
+    try:
+        title = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]
+    except OSError:
+        return False
+    return title.startswith(b"ray::") and not title.startswith((b"ray::IDLE", b"ray::RuntimeEnv", b"ray::DashboardA"))

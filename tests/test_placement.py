@@ -1,0 +1,154 @@
+"""Where nodes run (flows/placement.py) and what they declare (`resources:` in recipes and profiles): fast checks
+without a cluster. The cluster itself is exercised in tests/test_cluster.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from flows import placement
+from flows.placement import Execution
+from flows.recipes import load_plan
+from schemas.configs import NodeResources
+from schemas.errors import ConfigError
+
+
+def _recipe(tmp_path, node_resources: str = "", profile_resources: str = ""):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"""
+name: r
+model: tiny-random
+nodes:
+  base: {{stage: import_model, config: {{ref: tiny-random}}}}
+  prompts: {{stage: prompts}}
+  sft:
+    stage: sft
+    inputs: {{model: base.model, data: prompts.prompts}}
+    {node_resources}
+  eval_sft: {{stage: eval, inputs: {{model: sft.model, prompts: prompts.prompts}}}}
+""")
+    profile = tmp_path / "p.yaml"
+    profile.write_text("name: p\nmodel: tiny-random\nstages: {sft: {max_steps: 2, batch_size: 2}}\n" + profile_resources)
+    return str(recipe), str(profile)
+
+
+def test_defaults_one_cpu_no_gpu_and_nothing_in_the_config(tmp_path):
+    recipe, profile = _recipe(tmp_path)
+    plan = load_plan(recipe, profile)
+    assert all(n.resources == NodeResources() for n in plan.nodes)
+    assert plan.node("sft").config.resources.num_processes == 1
+
+
+def test_profile_by_name_beats_stage_type_beats_recipe(tmp_path):
+    recipe, profile = _recipe(tmp_path, node_resources="resources: {cpus: 3, labels: {a100: 1}}",
+                              profile_resources="resources:\n  sft: {cpus: 2, gpus: 1}\n  eval_sft: {memory_gb: 4}\n"
+                                                "  eval: {cpus: 0.5}\n")
+    plan = load_plan(recipe, profile)
+    assert plan.node("sft").resources == NodeResources(cpus=2, gpus=1, labels={"a100": 1})
+    assert plan.node("eval_sft").resources == NodeResources(cpus=0.5, memory_gb=4)
+
+
+def test_the_placement_is_not_part_of_the_cache_key(tmp_path):
+    from flows.pipeline import node_key
+
+    recipe, profile = _recipe(tmp_path)
+    plain = load_plan(recipe, profile)
+    recipe2, _ = _recipe(tmp_path, node_resources="resources: {cpus: 4, gpus: 2, memory_gb: 10, labels: {x: 1}}")
+    placed = load_plan(recipe2, profile)
+    upstream = {"base": {"model": "m" * 64}, "prompts": {"prompts": "p" * 64}}
+    assert node_key(plain.node("sft"), upstream)[0] == node_key(placed.node("sft"), upstream)[0]
+
+
+def test_processes_per_node_becomes_the_training_topology(tmp_path):
+    recipe, profile = _recipe(tmp_path, node_resources="resources: {processes_per_node: 2}")
+    assert load_plan(recipe, profile).node("sft").config.resources.num_processes == 2
+
+
+def test_a_training_topology_on_a_stage_that_does_not_train_is_refused(tmp_path):
+    recipe, profile = _recipe(tmp_path, profile_resources="resources:\n  eval: {nodes: 2}\n")
+    with pytest.raises(ConfigError, match="node 'eval_sft' resources: nodes and processes_per_node apply to training"):
+        load_plan(recipe, profile)
+
+
+def test_a_bad_resource_names_the_node_and_field(tmp_path):
+    recipe, profile = _recipe(tmp_path, node_resources="resources: {cpu: 2}")
+    with pytest.raises(ConfigError, match=r"node 'sft' resources\.cpu: unknown key \(did you mean cpus\?\)"):
+        load_plan(recipe, profile)
+    recipe, profile = _recipe(tmp_path, node_resources="resources: {gpus: -1}")
+    with pytest.raises(ConfigError, match=r"node 'sft' resources\.gpus"):
+        load_plan(recipe, profile)
+
+
+def test_every_shipped_profile_and_recipe_resolves_resources():
+    from flows.recipes import PROFILE_DIR, RECIPE_DIR, available
+
+    for profile in available(PROFILE_DIR):
+        for recipe in available(RECIPE_DIR):
+            plan = load_plan(recipe, profile, run_checks=False)
+            assert all(isinstance(n.resources, NodeResources) for n in plan.nodes)
+    gpu = load_plan("r1", "gpu", run_checks=False)
+    assert gpu.node("sft").resources.gpus == 1 and gpu.node("prompts").resources.gpus == 0
+
+
+class _Cfg:
+    def __init__(self, nodes=1, num_processes=1):
+        self.resources = type("R", (), {"nodes": nodes, "num_processes": num_processes})()
+
+
+def test_ray_options_reserve_per_process_and_nothing_for_a_multi_machine_stage():
+    on = Execution(cluster="127.0.0.1:6379")
+    res = NodeResources(cpus=2, gpus=1, memory_gb=1.5, labels={"a100": 1})
+    assert placement.ray_options(res, _Cfg(), on) == {
+        "num_cpus": 2, "num_gpus": 1, "max_retries": placement.NODE_RETRIES, "memory": int(1.5 * 2**30),
+        "resources": {"a100": 1}}
+    two = placement.ray_options(res, _Cfg(num_processes=2), on)
+    assert (two["num_cpus"], two["num_gpus"], two["memory"]) == (4, 2, 3 * 2**30)
+    spread = placement.ray_options(res, _Cfg(nodes=2, num_processes=2), on)  # its ranks reserve, in a placement group
+    assert (spread["num_cpus"], spread["num_gpus"], "memory" in spread) == (0, 0, False)
+    assert placement.ray_options(res, object(), on)["num_cpus"] == 2  # a stage without resources: one process
+    assert placement.ray_options(res, _Cfg(), Execution(parallel=2)) == {}
+
+
+def test_execution_modes():
+    assert not Execution().concurrent and Execution(parallel=2).concurrent and Execution(cluster="h:1").concurrent
+    with pytest.raises(ConfigError, match="--parallel 0"):
+        Execution(parallel=0)
+    assert "Ray cluster at h:1" in Execution(cluster="h:1").describe()
+
+
+def test_cluster_address_from_the_flag_or_ray_address(monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert placement.cluster_address(None) is None
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    assert placement.cluster_address(None) == "10.0.0.1:6379"
+    assert placement.cluster_address("h:2") == "h:2"
+
+
+def test_the_driver_refuses_a_cluster_run_it_cannot_serve(monkeypatch):
+    on = Execution(cluster="127.0.0.1:6379")
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    with pytest.raises(ConfigError, match="needs a Prefect server that every cluster node can reach"):
+        placement.check_driver(on, "/shared/home", "sqlite:////shared/home/mlflow.db")
+    monkeypatch.setenv("PREFECT_API_URL", "http://10.0.0.1:4200/api")
+    with pytest.raises(ConfigError, match="relative path"):
+        placement.check_driver(on, "home", "http://10.0.0.1:5000")
+    with pytest.raises(ConfigError, match="not an absolute path"):
+        placement.check_driver(on, "/shared/home", "sqlite:///mlflow.db")
+    placement.check_driver(on, "s3://bucket/r1flow", "http://10.0.0.1:5000")
+    monkeypatch.delenv("PREFECT_API_URL")
+    placement.check_driver(Execution(parallel=2), "home", "sqlite:///x.db")  # one machine: nothing to check
+
+
+def test_workers_get_the_runs_settings_and_the_cluster_marker(monkeypatch):
+    monkeypatch.setenv("PREFECT_API_URL", "http://10.0.0.1:4200/api")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    monkeypatch.delenv("AWS_SESSION_TOKEN", raising=False)
+    env = placement.worker_env({"home": "/shared/h", "store": "s3://b/p", "tracking_uri": "http://10.0.0.1:5000"})
+    assert env["R1FLOW_HOME"] == "/shared/h" and env["R1FLOW_STORE"] == "s3://b/p"
+    assert env["MLFLOW_TRACKING_URI"] == "http://10.0.0.1:5000" and env["PREFECT_API_URL"].endswith(":4200/api")
+    assert env[placement.CLUSTER_VAR] == "1" and env["AWS_SECRET_ACCESS_KEY"] == "s" and "AWS_SESSION_TOKEN" not in env
+
+
+def test_a_run_outside_a_cluster_records_its_host_only(monkeypatch):
+    monkeypatch.delenv(placement.CLUSTER_VAR, raising=False)
+    here = placement.where()
+    assert here["host"] and here["ray_node_id"] == ""
