@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 
 class Strict(BaseModel):
@@ -105,6 +105,15 @@ class ResourcesSpec(Strict):
     def world_size(self) -> int:
         """All processes the stage trains on: nodes × num_processes."""
         return self.nodes * self.num_processes
+
+    @model_serializer(mode="wrap")
+    def _one_machine_as_before(self, handler):
+        """`nodes` is left out while it is 1: configs (and so cache keys) of every stage trained on one machine stay
+        what they were before multi-machine training existed."""
+        data = handler(self)
+        if self.nodes == 1 and isinstance(data, dict):
+            data.pop("nodes", None)
+        return data
 
 
 class SandboxLimits(Strict):

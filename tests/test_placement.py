@@ -152,3 +152,13 @@ def test_a_run_outside_a_cluster_records_its_host_only(monkeypatch):
     monkeypatch.delenv(placement.CLUSTER_VAR, raising=False)
     here = placement.where()
     assert here["host"] and here["ray_node_id"] == ""
+
+
+def test_one_machine_configs_keep_the_keys_they_had_before_multi_machine_training():
+    """`resources.nodes` enters a config (and its cache key) only when it is not 1: every key computed before the
+    field existed still finds its cached outputs."""
+    from schemas.configs import ResourcesSpec
+
+    assert ResourcesSpec().model_dump() == {"num_processes": 1, "distributed_type": "ddp", "backend": "auto"}
+    assert ResourcesSpec(nodes=2).model_dump()["nodes"] == 2
+    assert ResourcesSpec.model_validate(ResourcesSpec(nodes=3, processes_per_node=2).model_dump()).world_size == 6
