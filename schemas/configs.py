@@ -251,10 +251,10 @@ class TrainingConfig(MemoryOptions):
 
     @model_validator(mode="after")
     def _batch_divides_among_processes(self) -> TrainingConfig:
-        n = self.resources.num_processes
+        n = self.resources.world_size
         if self.batch_size % n:
-            raise ValueError(f"batch_size={self.batch_size} does not split evenly among resources.num_processes={n}: "
-                             f"every process takes batch_size / num_processes of each micro-batch")
+            raise ValueError(f"batch_size={self.batch_size} does not split evenly among the {n} processes "
+                             f"(resources.nodes x num_processes): every process takes batch_size / {n} of each micro-batch")
         return self
 
 
@@ -498,10 +498,10 @@ class GRPOConfig(MemoryOptions):
 
     @model_validator(mode="after")
     def _prompts_divide_among_processes(self) -> GRPOConfig:
-        n = self.resources.num_processes
+        n = self.resources.world_size
         if self.prompts_per_step % n:
-            raise ValueError(f"prompts_per_step={self.prompts_per_step} does not split evenly among "
-                             f"resources.num_processes={n}: every process rolls out whole groups for an equal share")
+            raise ValueError(f"prompts_per_step={self.prompts_per_step} does not split evenly among the {n} processes "
+                             f"(resources.nodes x num_processes): every process rolls out whole groups for an equal share")
         if self.generation.backend == "vllm" and self.resources.distributed_type == "fsdp":
             raise ValueError("generation.backend=vllm with resources.distributed_type=fsdp is not built (the engine "
                              "would need the sharded weights gathered for every sync): use ddp, or the transformers "
@@ -583,10 +583,10 @@ class PPOConfig(MemoryOptions):
 
     @model_validator(mode="after")
     def _batches_divide_among_processes(self) -> PPOConfig:
-        n = self.resources.num_processes
+        n = self.resources.world_size
         if self.prompts_per_step % n or self.minibatch_size % n:
             raise ValueError(f"prompts_per_step={self.prompts_per_step} and minibatch_size={self.minibatch_size} must "
-                             f"split evenly among resources.num_processes={n}")
+                             f"split evenly among the {n} processes (resources.nodes x num_processes)")
         if self.resources.distributed_type == "fsdp" and n > 1:
             raise ValueError("ppo with resources.distributed_type=fsdp is not built (policy and critic would both need "
                              "sharding and an unsharded sampling copy): use ddp")
@@ -727,8 +727,8 @@ class PRMConfig(TrainingConfig):
 
     @model_validator(mode="after")
     def _one_process(self) -> PRMConfig:
-        if self.resources.num_processes != 1:
-            raise ValueError("prm: resources.num_processes > 1 is not built yet (one process)")
+        if self.resources.world_size != 1:
+            raise ValueError("prm: more than one process (resources.nodes, num_processes) is not built yet")
         return self
 
 

@@ -76,6 +76,11 @@ def test_batch_sizes_must_split_evenly_among_processes():
     with pytest.raises(ValueError, match="prompts_per_step=5"):
         GRPOConfig(prompts_per_step=5, resources=TWO)
     assert SFTConfig(batch_size=4, resources=TWO).resources.num_processes == 2
+    # across machines the split is over every rank: 2 nodes x 2 processes
+    with pytest.raises(ValueError, match="batch_size=6 does not split evenly among the 4 processes"):
+        SFTConfig(batch_size=6, resources={"nodes": 2, "num_processes": 2})
+    with pytest.raises(ValueError, match="prompts_per_step=6 does not split evenly among the 4 processes"):
+        GRPOConfig(prompts_per_step=6, resources={"nodes": 2, "processes_per_node": 2})
 
 
 # ---------------------------------------------------------------------------- GRPO: groups on several ranks
