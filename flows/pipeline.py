@@ -496,7 +496,7 @@ class _NodeRunner:
             future.add_done_callback(lambda _f, name=node.name: done.put(name))
             return future
 
-        with runner:
+        with _children_share_this_api(), runner:
             while waiting or running:
                 for node in list(waiting):
                     failed_up = sorted(deps[node.name] & (set(errors) | blocked))
@@ -539,6 +539,24 @@ class _NodeRunner:
                 raise next(iter(errors.values()))
             raise StageError(f"{len(errors)} stages failed: " + "; ".join(
                 f"{name}: {type(e).__name__}: {e}" for name, e in errors.items()))
+
+
+@contextlib.contextmanager
+def _children_share_this_api():
+    """Without a configured Prefect server, --parallel's worker processes would each start a temporary server of
+    their own (seconds and hundreds of MB each): point them at this process's instead, for the flow's duration
+    (the task runner hands its children the settings in force when it starts)."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    if PREFECT_API_URL.value():
+        yield
+        return
+    from prefect import get_client
+
+    with get_client(sync_client=True) as client:
+        url = str(client.api_url).rstrip("/")
+    with temporary_settings(updates={PREFECT_API_URL: url}):
+        yield
 
 
 def render_markdown(plan: Plan, results: list[StageResult]) -> str:

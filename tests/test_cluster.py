@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,11 +39,14 @@ def _env(home: Path) -> dict[str, str]:
     return env
 
 
-def run_local(home: Path, *args: str) -> dict:
-    """`r1flow run` on this machine, without a cluster (a temporary Prefect server of its own)."""
+def run_local(cluster: LoopbackCluster, home: Path, *args: str) -> dict:
+    """`r1flow run` without a cluster, in its own home, reporting to the module's servers (in the namespace: a
+    temporary Prefect server per run would only add start-up time)."""
     out = home / "run.json"
-    r = subprocess.run([R1FLOW, "run", *args, "--json", str(out)], env=_env(home), capture_output=True, text=True,
-                       timeout=900, stdin=subprocess.DEVNULL)
+    servers = json.loads((Path(cluster.env["R1FLOW_HOME"]) / "servers" / "servers.json").read_text())
+    env = {**_env(home), "PREFECT_API_URL": servers["prefect_api_url"],
+           "MLFLOW_TRACKING_URI": servers["mlflow_tracking_uri"]}
+    r = cluster.run([R1FLOW, "run", *args, "--json", str(out)], env=env, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     return json.loads(out.read_text())
 
@@ -72,8 +74,8 @@ def cluster(home, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def sequential(tmp_path_factory) -> dict:
-    return run_local(tmp_path_factory.mktemp("sequential"), *TINY)
+def sequential(cluster, tmp_path_factory) -> dict:
+    return run_local(cluster, tmp_path_factory.mktemp("sequential"), *TINY)
 
 
 def run_on(cluster: LoopbackCluster, home: Path, *args: str) -> tuple[dict, str]:
@@ -124,8 +126,8 @@ def test_tiny_r1_on_two_ray_nodes_equals_the_run_without_a_cluster(cluster, home
     assert overlaps, [(s["node"], s["started_at"], s["ended_at"]) for s in ran]
 
 
-def test_parallel_two_on_one_machine_gives_the_sequential_fingerprints(tmp_path, sequential):
-    result = run_local(tmp_path, *TINY, "--parallel", "2")
+def test_parallel_two_on_one_machine_gives_the_sequential_fingerprints(cluster, tmp_path, sequential):
+    result = run_local(cluster, tmp_path, *TINY, "--parallel", "2")
     assert fingerprints(result) == fingerprints(sequential)
     ran = [s for s in result["stages"] if s["status"] == "run"]
     assert any(a["started_at"] < b["ended_at"] and b["started_at"] < a["ended_at"]
@@ -168,7 +170,8 @@ def _node_of(cluster: LoopbackCluster, pid: int) -> str:
 def test_a_node_lost_mid_stage_retries_it_elsewhere_from_its_checkpoint(cluster, home, tmp_path):
     """The SFT stage may run only where `trainer` is offered (the worker and a spare started here). Once it has
     written a checkpoint, the machine running it is lost; Ray retries the stage on the other, which resumes."""
-    unbroken = run_local(tmp_path / "unbroken", *TINY, *FAULT_SETS)
+    (tmp_path / "unbroken").mkdir()
+    unbroken = run_local(cluster, tmp_path / "unbroken", *TINY, *FAULT_SETS)
     cluster.start_node("spare", 1, {"spare": 1, "trainer": 1})
     cluster.wait_for_nodes(3)
     profile = tmp_path / "tiny-trainer.yaml"
