@@ -135,6 +135,16 @@ def wait_message(record: LeaseRecord | None, key: str) -> str:
 # ---------------------------------------------------------------------------------------------- storage
 
 
+def _synced_temp(path: str, data: bytes) -> str:
+    """`data` in a new temporary file beside `path`, on disk (fsync'ed): ready to be linked or renamed onto it."""
+    tmp = f"{path}.{uuid.uuid4().hex}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return tmp
+
+
 class _Files:
     """create-exclusive, read, overwrite, delete of small files under the store's leases/ folder."""
 
@@ -162,11 +172,7 @@ class _Files:
         """Create `name` with `data` unless it exists. True if this call created it."""
         path = self.path(name)
         if self.local:
-            tmp = f"{path}.{uuid.uuid4().hex}.tmp"
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
+            tmp = _synced_temp(path, data)
             try:
                 os.link(tmp, path)
                 return True
@@ -213,12 +219,7 @@ class _Files:
     def overwrite(self, name: str, data: bytes) -> None:
         path = self.path(name)
         if self.local:
-            tmp = f"{path}.{uuid.uuid4().hex}.tmp"
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
+            os.replace(_synced_temp(path, data), path)
         else:
             self.fs.pipe_file(path, data)
 

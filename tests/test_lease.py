@@ -191,9 +191,9 @@ def _spawn(code: str, *args: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, text=True)
 
 
-def test_two_processes_never_compute_at_once(store, tmp_path):
-    log = tmp_path / "intervals.jsonl"
-    procs = [_spawn(_WORKER, store.uri, str(tmp_path / f"home{i}"), str(log), "3") for i in range(2)]
+def assert_taking_turns(procs: list[subprocess.Popen], log: Path, computations: int) -> list[list[float]]:
+    """Start contenders together (each says "ready", then waits for "go"), wait for them, and check that the
+    [start, end] intervals they logged never overlap. Returns the intervals, sorted."""
     try:
         for p in procs:
             assert p.stdout.readline().strip() == "ready"
@@ -207,9 +207,16 @@ def test_two_processes_never_compute_at_once(store, tmp_path):
             if p.poll() is None:
                 p.kill()
     intervals = sorted(json.loads(line) for line in log.read_text().splitlines())
-    assert len(intervals) == 6
+    assert len(intervals) == computations
     for (_, end), (start, _) in zip(intervals, intervals[1:], strict=False):
         assert start >= end, f"overlapping computations: {intervals}"
+    return intervals
+
+
+def test_two_processes_never_compute_at_once(store, tmp_path):
+    log = tmp_path / "intervals.jsonl"
+    assert_taking_turns([_spawn(_WORKER, store.uri, str(tmp_path / f"home{i}"), str(log), "3") for i in range(2)],
+                        log, 6)
     assert _read(store, "contended") is None
 
 

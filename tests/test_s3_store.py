@@ -196,25 +196,13 @@ _S3_WORKER = textwrap.dedent("""
 def test_two_processes_share_one_s3_lease(uri, s3_env, tmp_path):
     import os
 
+    from tests.test_lease import assert_taking_turns
+
     ArtifactStore(uri, home=tmp_path / "home")  # makes the bucket
     log = tmp_path / "intervals.jsonl"
     env = {**os.environ, **s3_env}
     procs = [subprocess.Popen([sys.executable, "-c", _S3_WORKER, uri, str(tmp_path / f"h{i}"), str(log)], cwd=REPO,
                               env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for i in range(2)]
-    try:
-        for p in procs:
-            assert p.stdout.readline().strip() == "ready"
-        t0 = time.time()
-        for p in procs:
-            p.stdin.write("go\n")
-            p.stdin.flush()
-        for p in procs:
-            assert p.wait(timeout=60) == 0
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    intervals = sorted(json.loads(line) for line in log.read_text().splitlines())
-    assert len(intervals) == 4 and intervals[0][0] >= t0
-    for (_, end), (start, _) in zip(intervals, intervals[1:], strict=False):
-        assert start >= end, f"overlapping computations: {intervals}"
+    t0 = time.time()
+    intervals = assert_taking_turns(procs, log, 4)
+    assert intervals[0][0] >= t0
