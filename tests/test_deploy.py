@@ -49,6 +49,8 @@ def test_the_run_forms_offer_recipes_and_profiles_as_choices_and_hide_internals(
     assert _enum(props["recipe"], defs) == available(RECIPE_DIR) and "r1" in available(RECIPE_DIR)
     assert _enum(props["profile"], defs) == available(PROFILE_DIR) == ["cpu", "gpu", "tiny"]
     assert "settings" not in props and set(schema["required"]) == {"recipe", "profile"}
+    # where the run goes: a Ray cluster's address, or stages at once on the worker's machine (issue 43)
+    assert "Ray cluster address" in props["cluster"]["description"] and props["parallel"]["default"] == 1
     stage = parameter_schema(deploy.STAGE_FLOWS["sft"].fn).model_dump()
     assert _enum(stage["properties"]["recipe"], stage["definitions"]) == available(RECIPE_DIR)
     assert _enum(stage["properties"]["profile"], stage["definitions"]) == available(PROFILE_DIR)
