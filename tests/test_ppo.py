@@ -93,7 +93,13 @@ def test_critic_warmup_trains_the_critic_alone_first(tmp_path, tiny_model_input,
 def test_critic_learns_a_fixed_reward(tmp_path, tiny_model_input, digit_prompts, monkeypatch):
     """The score is the prompt's digit / 9 (read from the prompt, so the critic can know it from the first
     token on); with the policy all but frozen the returns are a fixed target: the value loss falls and the
-    explained variance rises over 64 steps."""
+    explained variance rises from about 0 to well above it.
+
+    How fast it rises depends on the CPU's float kernels (the first steps agree to 4 digits, then the runs part):
+    on an Intel Xeon (AVX-512) the explained variance reached 0.72 by step 64, on an AMD EPYC it stayed near 0 until
+    step ~60 and averaged 0.43 over steps 97-128 (value loss 0.315 over the first 3 steps, 0.025 over the last 32).
+    So 128 steps, and averages over the last quarter rather than the last 3 steps (single steps swing by +-0.3).
+    """
     real = ppo.score
 
     def digit_score(row, text, spec=None, **kw):
@@ -101,15 +107,19 @@ def test_critic_learns_a_fixed_reward(tmp_path, tiny_model_input, digit_prompts,
 
     monkeypatch.setattr(ppo, "score", digit_score)
     ctx = LocalContext(tmp_path / "run")
-    cfg = small(steps=64, beta=0.0, learning_rate=1e-9, critic_learning_rate=1e-2)
+    steps = 128
+    cfg = small(steps=steps, beta=0.0, learning_rate=1e-9, critic_learning_rate=1e-2)
     out = ppo.run(cfg, {"model": tiny_model_input, "prompts": digit_prompts}, ctx)["model"]
     vloss, ev = list(curve(ctx, "train/value_loss").values()), list(curve(ctx, "train/explained_variance").values())
-    assert len(vloss) == len(ev) == 64
-    # seen (the head starts at zero, so the backbone gets gradient only after the head's first update): value loss
-    # 0.12, 0.79, 0.04 ... 0.010, 0.011, 0.011; explained variance 0.0, -0.08, 0.0 ... 0.72, 0.73 (24 steps: 0.12)
-    assert sum(vloss[-3:]) / 3 < 0.2 * sum(vloss[:3]) / 3, vloss
-    assert sum(ev[:3]) / 3 < 0.1 and sum(ev[-3:]) / 3 > 0.5, ev
-    assert out.metrics["explained_variance_last"] > out.metrics["explained_variance_first"]
+    assert len(vloss) == len(ev) == steps
+
+    def mean(xs):
+        return sum(xs) / len(xs)
+
+    last = steps // 4
+    assert mean(vloss[-last:]) < 0.2 * mean(vloss[:3]), vloss
+    assert mean(ev[:8]) < 0.1 and mean(ev[-last:]) > 0.3, ev  # an untrained critic explains nothing (about 0)
+    assert out.metrics["explained_variance_last"] > out.metrics["explained_variance_first"]  # the stage's summary
     logged = {k for _, m in ctx.metrics for k in m}
     for key in ("reward/mean", "train/kl", "train/value_loss", "train/explained_variance", "train/clip_low",
                 "train/clip_high", "train/value_clipfrac", "train/approx_kl", "train/entropy",
