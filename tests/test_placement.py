@@ -162,3 +162,27 @@ def test_one_machine_configs_keep_the_keys_they_had_before_multi_machine_trainin
     assert ResourcesSpec().model_dump() == {"num_processes": 1, "distributed_type": "ddp", "backend": "auto"}
     assert ResourcesSpec(nodes=2).model_dump()["nodes"] == 2
     assert ResourcesSpec.model_validate(ResourcesSpec(nodes=3, processes_per_node=2).model_dump()).world_size == 6
+
+
+def test_a_cluster_node_that_cannot_reach_a_server_fails_before_any_compute(tmp_path, monkeypatch):
+    """What a stage task on a cluster node does first (flows.pipeline.execute_stage): one line naming the node and
+    the server it could not reach; no lock, lease, MLflow run or artifact was made."""
+    import socket
+
+    from flows.pipeline import execute_stage
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    monkeypatch.setenv(placement.CLUSTER_VAR, "1")
+    monkeypatch.setenv("PREFECT_API_URL", f"http://127.0.0.1:{closed}/api")
+    home = tmp_path / "home"
+    home.mkdir()
+    settings = {"home": str(home), "store": str(home), "tracking_uri": f"sqlite:///{home}/mlflow.db"}
+    with pytest.raises(ConfigError) as e:
+        execute_stage(node="prompts", stage="prompts", config={}, inputs={}, seed=0, key="k" * 64,
+                      parent_run_id=None, settings=settings, experiment="r1flow/x")
+    message = str(e.value)
+    assert "\n" not in message and f"node {socket.gethostname()}" in message
+    assert f"cannot reach the Prefect API http://127.0.0.1:{closed}/api" in message
+    assert sorted(p.name for p in home.iterdir()) == []  # before anything: nothing written
