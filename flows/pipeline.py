@@ -130,16 +130,16 @@ def execute_stage(
 
         check_reachable(s, os.environ.get("PREFECT_API_URL"), describe_node(placement.where()["ray_node_id"]))
     # this machine's processes queue on the lock; other machines sharing the store on the lease (flows/lease.py)
-    with stage_lock(s.home, key), lease.hold(ArtifactStore(s.store, home=s.home), key, log=log):
-        return _execute_stage(node=node, stage=stage, config=config, inputs=inputs, seed=seed, key=key,
-                              parent_run_id=parent_run_id, s=s, experiment=experiment, flow_run_id=flow_run_id,
-                              log=log, refresh=refresh)
-
-
-def _execute_stage(*, node, stage, config, inputs, seed, key, parent_run_id, s: Settings, experiment, flow_run_id,
-                   log, refresh) -> dict[str, Any]:
-    started_at, here = time.time(), placement.where()
     store = ArtifactStore(s.store, home=s.home)
+    with stage_lock(s.home, key), lease.hold(store, key, log=log):
+        return _execute_stage(node=node, stage=stage, config=config, inputs=inputs, seed=seed, key=key,
+                              parent_run_id=parent_run_id, s=s, store=store, experiment=experiment,
+                              flow_run_id=flow_run_id, log=log, refresh=refresh)
+
+
+def _execute_stage(*, node, stage, config, inputs, seed, key, parent_run_id, s: Settings, store: ArtifactStore,
+                   experiment, flow_run_id, log, refresh) -> dict[str, Any]:
+    started_at, here = time.time(), placement.where()
     record = None if refresh else store.lookup(key)
     if record is not None:
         return {"outputs": record.outputs, "metrics": record.metrics, "seconds": 0.0, "reused": True,

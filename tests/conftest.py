@@ -41,6 +41,14 @@ def harness_home(path: Path):
             os.environ["R1FLOW_HOME"] = old
 
 
+def clean_env(home: Path) -> dict[str, str]:
+    """This process's environment for a CLI subprocess, without the servers, home or Ray cluster of the shell that
+    runs the tests, with R1FLOW_HOME=home."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "R1FLOW_", "RAY_"))}
+    env.update({"R1FLOW_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"})
+    return env
+
+
 @pytest.fixture(scope="session")
 def session_dir() -> Path:
     return _SESSION

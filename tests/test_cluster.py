@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import clean_env
 from tests.ray_cluster import LoopbackCluster, netns_available, ray_installed
 
 pytestmark = [pytest.mark.slow,
@@ -33,18 +34,12 @@ TINY = ["--profile", "tiny"]
 FAULT_SETS = ["--recipe", "sft-eval", "--set", "sft.max_steps=40", "--set", "sft.checkpoint_every=4"]
 
 
-def _env(home: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "R1FLOW_", "RAY_"))}
-    env.update({"R1FLOW_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"})
-    return env
-
-
 def run_local(cluster: LoopbackCluster, home: Path, *args: str) -> dict:
     """`r1flow run` without a cluster, in its own home, reporting to the module's servers (in the namespace: a
     temporary Prefect server per run would only add start-up time)."""
     out = home / "run.json"
     servers = json.loads((Path(cluster.env["R1FLOW_HOME"]) / "servers" / "servers.json").read_text())
-    env = {**_env(home), "PREFECT_API_URL": servers["prefect_api_url"],
+    env = {**clean_env(home), "PREFECT_API_URL": servers["prefect_api_url"],
            "MLFLOW_TRACKING_URI": servers["mlflow_tracking_uri"]}
     r = cluster.run([R1FLOW, "run", *args, "--json", str(out)], env=env, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
@@ -64,7 +59,7 @@ def home(tmp_path_factory) -> Path:
 def cluster(home, tmp_path_factory):
     """Head and worker, 1 CPU each, and `r1flow up` servers, all in the namespace; stopped by PID at the end."""
     nodes = [("head", 1, {"head": 1}), ("worker", 1, {"worker": 1, "trainer": 1})]
-    with LoopbackCluster(tmp_path_factory.mktemp("ray"), nodes=nodes, env=_env(home)) as c:
+    with LoopbackCluster(tmp_path_factory.mktemp("ray"), nodes=nodes, env=clean_env(home)) as c:
         up = c.run([R1FLOW, "up", "--detach"], timeout=240)
         assert up.returncode == 0, up.stdout + up.stderr
         try:

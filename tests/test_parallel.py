@@ -3,12 +3,13 @@ branches finish, and the run then fails naming every error (tests/test_cluster.p
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import clean_env
 
 pytestmark = pytest.mark.slow
 
@@ -37,8 +38,7 @@ nodes:
 def test_a_failed_branch_skips_its_descendants_and_the_others_finish(tmp_path):
     recipe = tmp_path / "branches.yaml"
     recipe.write_text(RECIPE)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "R1FLOW_", "RAY_"))}
-    env.update({"R1FLOW_HOME": str(tmp_path / "home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"})
+    env = clean_env(tmp_path / "home")
     diverge = [f"--set={node}.{key}" for node in ("sft_a", "sft_b") for key in ("learning_rate=1e30", "max_steps=6")]
     r = subprocess.run([R1FLOW, "run", "--recipe", str(recipe), "--profile", "tiny", "--parallel", "2", *diverge], env=env,
                        capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
