@@ -891,6 +891,10 @@ def main(argv: list[str] | None = None) -> int:
     (exit code 141) when the reader of its output goes away (`r1flow stages -v | head -1`)."""
     args = build_parser().parse_args(argv)
     supervised = argv is None and args.command in RUN_COMMANDS
+    if argv is None:
+        from stages.runtime.lifetime import exit_without_final_collection
+
+        exit_without_final_collection()
     try:
         if supervised or (argv is None and args.command == "ui"):
             from stages.runtime import lifetime

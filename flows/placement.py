@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from dataclasses import dataclass
 from typing import Any
 
 from schemas.errors import ConfigError
 
+THREADS_VAR = "R1FLOW_THREADS"  # threads per stage process under --parallel (default: an equal share of the cores)
 CLUSTER_VAR = "R1FLOW_CLUSTER"  # set in the environment of every Ray worker of a cluster run
 NODE_RETRIES = 2  # a stage whose machine was lost is retried this many times on another one (Ray max_retries)
 INSTALL_HINT = "install the cluster extra: pip install -e '.[cluster]'"
@@ -46,6 +48,8 @@ class Execution:
     def __post_init__(self):
         if self.parallel < 1:
             raise ConfigError(f"--parallel {self.parallel}: expected 1 or more")
+        if self.parallel > 1:
+            thread_share(self.parallel, available_cpus(), os.environ.get(THREADS_VAR))  # a bad R1FLOW_THREADS: now
 
     @property
     def concurrent(self) -> bool:
@@ -54,7 +58,43 @@ class Execution:
     def describe(self) -> str:
         if self.cluster:
             return f"on the Ray cluster at {self.cluster}"
-        return f"{self.parallel} stages at a time on this machine" if self.parallel > 1 else "one stage at a time"
+        if self.parallel > 1:
+            threads = thread_share(self.parallel, available_cpus(), os.environ.get(THREADS_VAR))
+            return f"{self.parallel} stages at a time on this machine, {threads} thread(s) each"
+        return "one stage at a time"
+
+
+def available_cpus() -> int:
+    """The cores this process may run on (its affinity mask, which a container or taskset narrows)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def thread_share(processes: int, cpus: int, override: str | None = None) -> int:
+    """Threads for each of `processes` stage processes sharing `cpus` cores: an equal share, at least one (torch's
+    default of one thread per core in every process makes N processes spin-wait on each other's cores). override:
+    R1FLOW_THREADS, a positive integer, wins."""
+    if override:
+        try:
+            n = int(override)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise ConfigError(f"{THREADS_VAR}={override!r}: expected a positive number of threads")
+        return n
+    return max(1, cpus // max(1, processes))
+
+
+def use_threads(n: int) -> None:
+    """Run in each `--parallel` worker process before its first stage: torch (and the OpenMP/MKL pools of any
+    process it launches) use n threads, and the process exits without a final collection (stages.runtime.lifetime)."""
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[var] = str(n)
+    os.environ[THREADS_VAR] = str(n)
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(n)
+    from stages.runtime.lifetime import exit_without_final_collection
+
+    exit_without_final_collection()  # the pool's shutdown waits for every worker to exit
 
 
 def cluster_address(explicit: str | None = None) -> str | None:
@@ -106,7 +146,8 @@ def task_runner(execution: Execution, settings: dict[str, str]):
     if execution.parallel > 1:
         from prefect.task_runners import ProcessPoolTaskRunner
 
-        return ProcessPoolTaskRunner(max_workers=execution.parallel)
+        threads = thread_share(execution.parallel, available_cpus(), os.environ.get(THREADS_VAR))
+        return ProcessPoolTaskRunner(max_workers=execution.parallel, initializer=use_threads, initargs=(threads,))
     return None
 
 

@@ -20,7 +20,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -105,17 +104,39 @@ class LoopbackCluster:
 
     # ------------------------------------------------------------------ nodes
     def start(self) -> LoopbackCluster:
+        self.create_namespace()
+        return self.start_nodes()
+
+    def create_namespace(self) -> LoopbackCluster:
+        """The namespace alone (commands can start in it while the nodes come up: start_nodes)."""
         self.root.mkdir(parents=True, exist_ok=True)
         subprocess.run(["ip", "netns", "add", self.ns], check=True)
         subprocess.run([*self._prefix(), "ip", "link", "set", "lo", "up"], check=True)
+        return self
+
+    def start_nodes(self) -> LoopbackCluster:
         try:
-            for i, (name, cpus, resources) in enumerate(self.nodes):
-                self.start_node(name, cpus, resources, head=i == 0)
-                self.wait_for_nodes(i + 1)  # a worker started before the head's GCS answers fails to join
+            head, *workers = self.nodes
+            self.start_node(*head, head=True)
+            self._wait_for_gcs()  # a worker started before the head's GCS answers fails to join
+            for name, cpus, resources in workers:
+                self.start_node(name, cpus, resources)
+            self.wait_for_nodes(len(self.nodes))
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _wait_for_gcs(self, timeout: float = 120) -> None:
+        """Until the head's GCS accepts connections on its port (a socket probe in the namespace: no Ray driver)."""
+        head = next(iter(self.running.values()))
+        probe = (f"import socket, sys, time\nend = time.monotonic() + {timeout}\n"
+                 "while time.monotonic() < end:\n"
+                 f"    try: socket.create_connection(('127.0.0.1', {self.port}), 1).close(); sys.exit(0)\n"
+                 "    except OSError: time.sleep(0.2)\nsys.exit(1)")
+        if self.run([sys.executable, "-S", "-c", probe], timeout=timeout + 10).returncode != 0:
+            raise AssertionError(f"the head's GCS is not listening on {self.address} after {timeout:.0f} s: "
+                                 f"{head.log.read_text()[-3000:]}")
 
     def start_node(self, name: str, cpus: int, resources: dict[str, float], head: bool = False) -> RayNode:
         log = self.root / f"ray-{name}.log"
@@ -130,31 +151,28 @@ class LoopbackCluster:
         self.running[name] = node
         return node
 
-    def nodes_alive(self) -> list[dict]:
-        code = ("import json, ray; ray.init(logging_level='ERROR'); "
+    def nodes_alive(self, wait_for: int = 0, timeout: float = 0) -> list[dict]:
+        """Every node Ray knows of, from one driver in the namespace; wait_for: first poll (up to timeout seconds)
+        until that many are alive."""
+        code = ("import json, time, ray; ray.init(logging_level='ERROR')\n"
+                f"end = time.monotonic() + {timeout}\n"
+                f"while sum(n['Alive'] for n in ray.nodes()) < {wait_for} and time.monotonic() < end: time.sleep(0.5)\n"
                 "print(json.dumps([{'id': n['NodeID'], 'alive': n['Alive'], 'resources': n['Resources']} "
                 "for n in ray.nodes()]))")
-        return json.loads(self.python(code).strip().splitlines()[-1])
+        return json.loads(self.python(code, timeout=timeout + 120).strip().splitlines()[-1])
 
     def wait_for_nodes(self, n: int, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            for name, node in self.running.items():
-                if node.proc.poll() is not None:
-                    raise AssertionError(f"ray node {name} exited {node.proc.returncode}: {node.log.read_text()[-3000:]}")
-            try:
-                alive = [n for n in self.nodes_alive() if n["alive"]]
-            except AssertionError:
-                alive = []
-            if len(alive) >= n:
-                for node in self.running.values():
-                    for a in alive:
-                        if all(a["resources"].get(k) == v for k, v in node.resources.items()):
-                            node.node_id = a["id"]
-                return
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{len(alive)} of {n} ray nodes up after {timeout:.0f} s")
-            time.sleep(1.0)
+        for name, node in self.running.items():
+            if node.proc.poll() is not None:
+                raise AssertionError(f"ray node {name} exited {node.proc.returncode}: {node.log.read_text()[-3000:]}")
+        alive = [a for a in self.nodes_alive(wait_for=n, timeout=timeout) if a["alive"]]
+        if len(alive) < n:
+            raise AssertionError(f"{len(alive)} of {n} ray nodes up after {timeout:.0f} s: " + " | ".join(
+                f"{name}: {node.log.read_text()[-1000:]}" for name, node in self.running.items()))
+        for node in self.running.values():
+            for a in alive:
+                if all(a["resources"].get(k) == v for k, v in node.resources.items()):
+                    node.node_id = a["id"]
 
     def node_of(self, node_id: str) -> str:
         """The name of the node with this Ray node id."""

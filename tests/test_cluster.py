@@ -30,8 +30,16 @@ pytestmark = [pytest.mark.slow,
 
 R1FLOW = str(Path(sys.executable).parent / "r1flow")
 TINY = ["--profile", "tiny"]
-# The fault test's SFT: long enough (about 20 s on one core) to be killed after its first checkpoint.
-FAULT_SETS = ["--recipe", "sft-eval", "--set", "sft.max_steps=40", "--set", "sft.checkpoint_every=4"]
+# The fault tests' run: the model, the prompts and an SFT long enough (about 20 s on one core) to be killed after
+# its first checkpoint; nothing after it (sft-eval's two evals would only add time).
+FAULT_RECIPE = """
+name: sft-only
+model: tiny-random
+nodes:
+  base: {stage: import_model, config: {ref: tiny-random}}
+  prompts: {stage: prompts}
+  sft: {stage: sft, inputs: {model: base.model, data: prompts.prompts}}
+"""
 
 
 def run_local(cluster: LoopbackCluster, home: Path, *args: str) -> dict:
@@ -56,16 +64,29 @@ def home(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def fault_recipe(tmp_path_factory) -> list[str]:
+    path = tmp_path_factory.mktemp("recipes") / "sft-only.yaml"
+    path.write_text(FAULT_RECIPE)
+    return ["--recipe", str(path), "--set", "sft.max_steps=40", "--set", "sft.checkpoint_every=4"]
+
+
+@pytest.fixture(scope="module")
 def cluster(home, tmp_path_factory):
-    """Head and worker, 1 CPU each, and `r1flow up` servers, all in the namespace; stopped by PID at the end."""
+    """Head and worker, 1 CPU each, and `r1flow up` servers (started while the nodes come up), all in the
+    namespace; stopped by PID at the end."""
+    root = tmp_path_factory.mktemp("ray")
     nodes = [("head", 1, {"head": 1}), ("worker", 1, {"worker": 1, "trainer": 1})]
-    with LoopbackCluster(tmp_path_factory.mktemp("ray"), nodes=nodes, env=clean_env(home)) as c:
-        up = c.run([R1FLOW, "up", "--detach"], timeout=240)
-        assert up.returncode == 0, up.stdout + up.stderr
+    c = LoopbackCluster(root, nodes=nodes, env=clean_env(home)).create_namespace()
+    try:
+        up = c.popen([R1FLOW, "up", "--detach"], log=root / "up.log")
+        c.start_nodes()
+        assert up.wait(timeout=240) == 0, (root / "up.log").read_text()
         try:
             yield c
         finally:
             c.run([R1FLOW, "down"], timeout=120)
+    finally:
+        c.stop()
 
 
 @pytest.fixture(scope="module")
@@ -162,11 +183,11 @@ def _node_of(cluster: LoopbackCluster, pid: int) -> str:
     raise AssertionError("not a process of any cluster node")
 
 
-def test_a_node_lost_mid_stage_retries_it_elsewhere_from_its_checkpoint(cluster, home, tmp_path):
+def test_a_node_lost_mid_stage_retries_it_elsewhere_from_its_checkpoint(cluster, home, tmp_path, fault_recipe):
     """The SFT stage may run only where `trainer` is offered (the worker and a spare started here). Once it has
     written a checkpoint, the machine running it is lost; Ray retries the stage on the other, which resumes."""
     (tmp_path / "unbroken").mkdir()
-    unbroken = run_local(cluster, tmp_path / "unbroken", *TINY, *FAULT_SETS)
+    unbroken = run_local(cluster, tmp_path / "unbroken", *TINY, *fault_recipe)
     cluster.start_node("spare", 1, {"spare": 1, "trainer": 1})
     cluster.wait_for_nodes(3)
     profile = tmp_path / "tiny-trainer.yaml"
@@ -174,7 +195,7 @@ def test_a_node_lost_mid_stage_retries_it_elsewhere_from_its_checkpoint(cluster,
     profile.write_text(tiny + "\nresources:\n  sft: {labels: {trainer: 1}}\n")
     out = home / "fault.json"
     log = tmp_path / "fault.log"
-    driver = cluster.popen([R1FLOW, "run", "--profile", str(profile), *FAULT_SETS, "--cluster", cluster.address,
+    driver = cluster.popen([R1FLOW, "run", "--profile", str(profile), *fault_recipe, "--cluster", cluster.address,
                             "--json", str(out)], log=log)
     try:
         key = _running_checkpoint(home)
@@ -195,10 +216,10 @@ def test_a_node_lost_mid_stage_retries_it_elsewhere_from_its_checkpoint(cluster,
     assert sft["metrics"]["resumed_from_step"] > 0  # from the lost node's checkpoint, not from scratch
 
 
-def test_a_killed_driver_leaves_nothing_running_on_the_cluster(cluster, home, tmp_path):
+def test_a_killed_driver_leaves_nothing_running_on_the_cluster(cluster, home, tmp_path, fault_recipe):
     log = tmp_path / "driver.log"
     before = set(cluster.processes())
-    driver = cluster.popen([R1FLOW, "run", *TINY, *FAULT_SETS, "--set", "seed=7", "--cluster", cluster.address],
+    driver = cluster.popen([R1FLOW, "run", *TINY, *fault_recipe, "--set", "seed=7", "--cluster", cluster.address],
                            log=log)
     try:
         key = _running_checkpoint(home)

@@ -204,3 +204,18 @@ def test_sigterm_stops_a_run_and_its_prefect_server_within_seconds(tmp_path):
     assert code == 128 + signal.SIGTERM and stopped_s < lifetime.EXIT_GRACE_S + 2
     assert left == [], f"still running after the run ended: {left}"
     assert "stopping (SIGTERM)" in cli.stderr.read()
+
+
+def test_a_process_exits_without_collecting_what_is_still_alive():
+    """exit_without_final_collection: objects alive at exit (here a reference cycle whose finaliser would print)
+    are not collected in the interpreter's final pass, which costs seconds with torch and Prefect loaded; exit
+    handlers registered later still run first."""
+    code = ("import atexit, sys; from stages.runtime.lifetime import exit_without_final_collection\n"
+            "class Cycle:\n    def __del__(self): print('collected', flush=True)\n"
+            "c = Cycle(); c.me = c; del c\n"
+            "if sys.argv[1] == 'skip': exit_without_final_collection()\n"
+            "atexit.register(lambda: print('handler', flush=True))\n")
+    outputs = {mode: subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True, check=True,
+                                    cwd=Path(__file__).resolve().parents[1]).stdout.split()
+               for mode in ("collect", "skip")}
+    assert outputs == {"collect": ["handler", "collected"], "skip": ["handler"]}

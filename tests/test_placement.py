@@ -3,6 +3,10 @@ without a cluster. The cluster itself is exercised in tests/test_cluster.py."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from flows import placement
@@ -186,3 +190,27 @@ def test_a_cluster_node_that_cannot_reach_a_server_fails_before_any_compute(tmp_
     assert "\n" not in message and f"node {socket.gethostname()}" in message
     assert f"cannot reach the Prefect API http://127.0.0.1:{closed}/api" in message
     assert sorted(p.name for p in home.iterdir()) == []  # before anything: nothing written
+
+
+def test_parallel_stage_processes_share_the_cores_between_them(monkeypatch):
+    """--parallel N: each stage process gets an equal share of the cores (torch's default, one thread per core in
+    every process, makes them spin-wait on each other's cores), at least one; R1FLOW_THREADS overrides it."""
+    share = placement.thread_share
+    assert [share(n, 2) for n in (1, 2, 3)] == [2, 1, 1]
+    assert [share(n, 16) for n in (2, 3, 4, 5)] == [8, 5, 4, 3]
+    assert share(4, 16, "6") == 6
+    for bad in ("0", "-1", "two"):
+        with pytest.raises(ConfigError, match="R1FLOW_THREADS"):
+            share(2, 16, bad)
+    monkeypatch.setenv("R1FLOW_THREADS", "zero")
+    with pytest.raises(ConfigError, match="R1FLOW_THREADS='zero'"):
+        Execution(parallel=2)  # before any compute
+    assert Execution(parallel=1).parallel == 1  # one process: torch's own default, the variable unused
+
+
+def test_a_parallel_worker_runs_torch_and_its_children_with_its_share():
+    code = ("import os, torch; from flows.placement import use_threads; use_threads(3); "
+            "print(torch.get_num_threads(), os.environ['OMP_NUM_THREADS'], os.environ['R1FLOW_THREADS'])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={k: v for k, v in os.environ.items() if not k.endswith("_NUM_THREADS")})
+    assert out.stdout.split() == ["3", "3", "3"]

@@ -393,6 +393,7 @@ def _output_spec(out: Output) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     """`python -m stages.training.launch SPEC`: one rank under `accelerate launch`."""
+    lifetime.exit_without_final_collection()  # the launcher waits for every rank to exit
     run_rank(Path((argv or sys.argv[1:])[0]))
 
 
