@@ -30,7 +30,7 @@ from flows.recipes import Plan, load_plan
 from flows.report import build_report, publish_report, register_models, report_location
 from flows.results import StageResult, fmt_metric
 from flows.settings import Settings
-from flows.store import ArtifactStore, CacheRecord, host_id, owner_gone, process_owner
+from flows.store import ArtifactStore, CacheRecord, host_id, owner_gone, process_owner, raise_if_disk_full
 from flows.tracking import Tracker, run_name
 from schemas.artifacts import DATA_FILE, Producer
 from schemas.errors import ArtifactError, ConfigError, R1FlowError, StageError
@@ -161,7 +161,11 @@ def _execute_stage(*, node, stage, config, inputs, seed, key, parent_run_id, s: 
     t0 = time.perf_counter()
     ok = False
     try:
-        outputs = run_stage(module, cfg, resolved, ctx)  # in this process, or under accelerate launch (resources)
+        try:
+            outputs = run_stage(module, cfg, resolved, ctx)  # in this process, or under accelerate launch (resources)
+        except Exception as e:  # a full disk: one line naming the file (else the staging folder) and the store
+            raise_if_disk_full(e, ctx.staging, store.uri)
+            raise
         if set(outputs) != set(module.OUTPUTS):
             raise ArtifactError(f"stage {stage!r} returned outputs {sorted(outputs)}, declared {sorted(module.OUTPUTS)}")
         seconds = time.perf_counter() - t0

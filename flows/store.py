@@ -157,6 +157,54 @@ def fingerprint_of(files: dict[str, str]) -> str:
     return h.hexdigest()
 
 
+# ---------------------------------------------------------------------------------------------- a full disk
+# ENOSPC (or EDQUOT) while an artifact is written reaches us in several shapes: an OSError (errno 28, sometimes
+# with the file's name), shutil.Error (copytree's list of (src, dst, message) triples, errno None), safetensors'
+# SafetensorError ("I/O error: No space left on device (os error 28)") or pyarrow's OSError with the errno only
+# in its text. All become one ArtifactError line naming the path and the store, raised from None.
+_DISK_FULL_ERRNOS = {28: "no space left on device", 122: "disk quota exceeded"}  # ENOSPC, EDQUOT
+_DISK_FULL_TEXT = {"No space left on device": "no space left on device", "Disk quota exceeded": "disk quota exceeded"}
+
+
+def _disk_full(exc: BaseException | None) -> tuple[str, str | None] | None:
+    """(what, the file being written if known) when exc, or an exception it was raised from, says the disk is full."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, shutil.Error) and exc.args and isinstance(exc.args[0], list):
+            for entry in exc.args[0]:  # copytree: (src, dst, why) per file that failed
+                why = next((w for t, w in _DISK_FULL_TEXT.items() if len(entry) == 3 and t in str(entry[2])), None)
+                if why:
+                    return why, str(entry[1])
+        if isinstance(exc, OSError) and exc.errno in _DISK_FULL_ERRNOS:
+            return _DISK_FULL_ERRNOS[exc.errno], exc.filename2 or exc.filename
+        why = next((w for t, w in _DISK_FULL_TEXT.items() if t in str(exc)), None)
+        if why:
+            return why, None
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def raise_if_disk_full(exc: BaseException, writing: str | os.PathLike, store: str) -> None:
+    """Raise one ArtifactError line if `exc` is a full disk (or quota) while writing under `writing` for `store`:
+    the file (or, where the error does not name it, the folder being written), the store, the space left there
+    and what to do. Else return, and the caller re-raises `exc`. The caller has removed what it half wrote."""
+    found = _disk_full(exc)
+    if found is None:
+        return
+    why, path = found
+    path = str(path or writing)
+    where = Path(path)
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    try:
+        free = f"{shutil.disk_usage(where).free / 2**20:,.1f} MB free there"
+    except OSError:
+        free = "free space unknown"
+    raise ArtifactError(f"{why} writing {path} (store {store}; {free}); nothing was published: free space, or point "
+                        f"R1FLOW_HOME (or R1FLOW_STORE) at a larger disk, and run again") from None
+
+
 @dataclass(frozen=True)
 class CacheRecord:
     key: str
@@ -249,8 +297,9 @@ class ArtifactStore:
                 if set_aside:  # an incomplete or corrupt leftover: move it aside, never overwrite in place
                     os.replace(final, f"{self.base}/artifacts/.corrupt-{fp[:12]}-{time.time_ns()}-{uuid.uuid4().hex[:6]}")
                 os.replace(incoming, final)
-            except BaseException:
+            except BaseException as e:
                 shutil.rmtree(incoming, ignore_errors=True)
+                raise_if_disk_full(e, incoming, self.uri)
                 raise
             if set_aside:
                 self._cap_corrupt()
@@ -450,8 +499,14 @@ class ArtifactStore:
         path = self._cache_path(rec.key)
         if self.is_local:
             tmp = f"{path}.{uuid.uuid4().hex}.tmp"
-            Path(tmp).write_text(rec.to_json())
-            os.replace(tmp, path)
+            try:
+                Path(tmp).write_text(rec.to_json())
+                os.replace(tmp, path)
+            except BaseException as e:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise_if_disk_full(e, tmp, self.uri)
+                raise
         else:
             with self.fs.open(path, "w") as f:
                 f.write(rec.to_json())

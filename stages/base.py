@@ -112,6 +112,23 @@ def check_finite_losses(metrics: dict[str, float], step: int | None) -> None:
                          + "; nothing was published (a lower learning_rate or max_grad_norm usually helps)")
 
 
+JSON_BLOCK_BYTES = 1 << 20  # pyarrow's default JSON block
+
+
+def read_json_lines(path: Path) -> pa.Table:
+    """A user's JSON-lines file as a table. pyarrow reads JSON in blocks and refuses an object that
+    straddles two block boundaries ("straddling object ... try to increase block size?"): with its
+    default 1 MB block a prompt line of a few MB could not be read at all. The block is made larger
+    than the file's longest line, so a long row reads and the caller's own checks (its length
+    against `max_prompt_chars`) can name it. Raises OSError and pyarrow's errors as read_json does."""
+    import pyarrow.json as pajson
+
+    with open(path, "rb") as f:
+        longest = max(map(len, f), default=0)
+    block = min(max(JSON_BLOCK_BYTES, longest + 1), 2**31 - 1)  # block_size is an int32
+    return pajson.read_json(path, read_options=pajson.ReadOptions(block_size=block))
+
+
 def write_dataset(ctx: StageContext, name: str, table: pa.Table, kind: str, metrics: dict | None = None) -> Output:
     """Validate `table` as `kind` and stage it as output `name`."""
     table = validate(table, kind, where=f"output {name!r}")

@@ -19,7 +19,7 @@ import pyarrow as pa
 from schemas.configs import PreferenceDataConfig
 from schemas.datasets import from_rows
 from schemas.errors import ConfigError, SchemaError
-from stages.base import Input, Output, StageContext, write_dataset
+from stages.base import Input, Output, StageContext, read_json_lines, write_dataset
 
 VERSION = "1"
 CONFIG = PreferenceDataConfig
@@ -85,11 +85,10 @@ def balance(pairs: list[dict], seed: int) -> list[dict]:
 
 
 def read_table(path: Path) -> pa.Table:
-    import pyarrow.json as pajson
     import pyarrow.parquet as pq
 
     try:
-        return pq.read_table(path) if path.suffix == ".parquet" else pajson.read_json(path)
+        return pq.read_table(path) if path.suffix == ".parquet" else read_json_lines(path)
     except (pa.ArrowInvalid, OSError) as e:
         raise SchemaError(f"{path}: cannot read ({e})") from None
 

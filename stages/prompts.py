@@ -19,7 +19,7 @@ import pyarrow as pa
 from schemas.configs import PromptsConfig
 from schemas.datasets import from_rows
 from schemas.errors import ConfigError, SchemaError
-from stages.base import Output, StageContext, write_dataset
+from stages.base import Output, StageContext, read_json_lines, write_dataset
 from stages.rewards.verifiers import R1_SYSTEM_PROMPT, VERIFIERS
 
 VERSION = "1"
@@ -127,13 +127,12 @@ def reasoning_gym_rows(task: str, opts: dict, size: int, seed: int, system: str,
 
 
 def read_user_file(path: Path) -> pa.Table:
-    import pyarrow.json as pajson
     import pyarrow.parquet as pq
 
     try:
         if path.suffix == ".parquet":
             return pq.read_table(path)
-        return pajson.read_json(path)
+        return read_json_lines(path)  # lines of any length: an over-long prompt is then named by check_lengths
     except (pa.ArrowException, OSError, UnicodeDecodeError) as e:  # not JSON lines / parquet, bad UTF-8, ...
         raise SchemaError(f"{path}: cannot read ({type(e).__name__}: {e})") from None
 

@@ -73,3 +73,13 @@ def test_no_pairs_is_a_clear_error(tmp_path):
     data = write_dataset(LocalContext(tmp_path / "d"), "s", from_rows(samples, "samples"), "samples")
     with pytest.raises(SchemaError, match="no preference pairs"):
         pd.run(PreferenceDataConfig(), {"samples": fake_input(data.path, "dataset", "samples")}, LocalContext(tmp_path / "r"))
+
+
+def test_a_pairs_file_with_a_line_of_megabytes_reads(tmp_path):
+    # pyarrow's JSON reader refused a line over two of its 1 MB blocks ("straddling object")
+    user = tmp_path / "long.jsonl"
+    user.write_text(json.dumps({"prompt": "hi", "chosen": "c" * 3_000_000, "rejected": "no"}) + "\n"
+                    + json.dumps({"prompt": "ho", "chosen": "yes", "rejected": "n"}) + "\n")
+    pd.check(PreferenceDataConfig(files=[str(user)]))
+    pairs = pd.user_pairs(pd.read_table(user), str(user))
+    assert [len(p["chosen"]) for p in pairs] == [3_000_000, 3]

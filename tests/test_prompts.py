@@ -160,3 +160,28 @@ def test_the_plan_names_the_node_that_holds_the_file(tmp_path):
     f.write_text(json.dumps({"question": "x" * 70_000, "answer": "1"}) + "\n")
     with pytest.raises(SchemaError, match=r"--set new_prompts\.max_prompt_chars="):
         load_plan("nightly-preferences", "tiny", [f"new_prompts.files=[{f}]"])
+
+
+def test_a_2mb_prompt_line_through_the_cli_is_one_error_naming_file_line_length_and_limit(tmp_path, monkeypatch,
+                                                                                         capsys):
+    """Issue 44 item 14: a JSON line over pyarrow's 1 MB blocks gave "cannot read (ArrowInvalid: straddling
+    object straddles two block boundaries...)". Now the file reads, and the over-long row is the one error,
+    printed by `r1flow run` (its entry point, in this process) before anything is computed."""
+    from flows.cli import main
+
+    f = tmp_path / "big.jsonl"
+    f.write_text(json.dumps({"question": "What is 2+2?", "answer": "4"}) + "\n"
+                 + json.dumps({"question": "x" * 2_000_000, "answer": "1"}) + "\n")
+    n = len(R1_SYSTEM_PROMPT) + 2_000_000
+    home = tmp_path / "home"
+    monkeypatch.setenv("R1FLOW_HOME", str(home))
+    assert main(["run", "--recipe", "sft-eval", "--profile", "tiny", "--set", f"prompts.files=[{f}]"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"r1flow: error: {f}: line 2: the prompt is {n:,} characters, over the limit of "
+                          f"65,536 (prompts.max_prompt_chars"), err
+    assert err.rstrip().endswith(f"--set prompts.max_prompt_chars={n}") and err.count("\n") == 1
+    assert not (home / "artifacts").exists() or not any((home / "artifacts").iterdir())  # nothing computed
+    # within the limit, the 2 MB line is read (a 4 MB line too: the block grows with the longest line)
+    assert len(prompts.file_rows(f, R1_SYSTEM_PROMPT, n)) == 2
+    f.write_text(json.dumps({"question": "y" * 4_000_000}) + "\n" + json.dumps({"question": "z"}) + "\n")
+    assert [len(r["messages"][1]["content"]) for r in prompts.file_rows(f, R1_SYSTEM_PROMPT)] == [4_000_000, 1]

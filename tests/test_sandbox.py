@@ -12,12 +12,14 @@ without R1FLOW_SANDBOX_ALLOW_WEAK=1: where it is the mode of this machine, every
 from __future__ import annotations
 
 import ast
+import errno
 import json
 import logging
 import os
 import re
 import shutil
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -59,7 +61,8 @@ def run(code: str, stdin: str = "", limits: SandboxLimits = LIMITS) -> SandboxRe
 
 
 def processes_of_run(base: str) -> list[str]:
-    """Live processes (not zombies) whose command line or cwd lies in one run's directory."""
+    """Live processes (not zombies) whose command line names one run's directory (the launcher
+    and init name it without its path) or whose cwd lies in it."""
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -70,7 +73,7 @@ def processes_of_run(base: str) -> list[str]:
             cwd = os.readlink(f"/proc/{pid}/cwd")
         except OSError:  # exited meanwhile, or a kernel thread
             continue
-        if state != "Z" and (base in cmdline or cwd.startswith(base)):
+        if state != "Z" and (os.path.basename(base) in cmdline or cwd.startswith(base)):
             found.append(f"{pid} [{state}] {cmdline[:80]}")
     return found
 
@@ -449,6 +452,171 @@ def test_minimal_root_still_runs_ordinary_programs():
     """, stdin="from stdin")
     assert result.status == "ok", result.stderr
     assert result.stdout.splitlines() == ["from stdin UTC", "child", "42"]
+
+# ---------------------------------------------------------------------------- namespaces, mounts, the launcher
+
+
+NAMESPACE_ATTEMPTS = """
+    import ctypes, os, threading
+    libc = ctypes.CDLL(None, use_errno=True)
+    CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWNET, SIGCHLD = 0x20000, 0x10000000, 0x40000000, 17
+
+    def attempt(name, ret):
+        print(name, "refused" if ret == -1 else "done", os.strerror(ctypes.get_errno()) if ret == -1 else ret)
+
+    attempt("unshare(user|mount)", libc.unshare(CLONE_NEWUSER | CLONE_NEWNS))
+    attempt("mount tmpfs", libc.mount(b"none", os.getcwd().encode(), b"tmpfs", 0, None))
+    attempt("unshare(net)", libc.unshare(CLONE_NEWNET))
+    attempt("unshare(user)", libc.unshare(CLONE_NEWUSER))
+    pid = libc.syscall({clone}, CLONE_NEWUSER | SIGCHLD, 0, 0, 0, 0)  # clone() into a new user namespace
+    if pid == 0:
+        os._exit(0)
+    if pid > 0:
+        os.waitpid(pid, 0)
+    attempt("clone(user)", -1 if pid < 0 else 0)
+    with open("/proc/self/ns/mnt") as f:
+        attempt("setns(mnt)", libc.setns(f.fileno(), 0))
+    # What a program needs still works: fork, threads (clone3, refused, falls back to clone), exec.
+    pid = os.fork()
+    if pid == 0:
+        os._exit(7)
+    status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    results = []
+    thread = threading.Thread(target=lambda: results.append("thread ran"))
+    thread.start(), thread.join()
+    print(status, results[0])
+"""
+
+
+@needs_namespaces
+def test_program_cannot_create_namespaces_or_mount():
+    # Without the seccomp filter an unprivileged program can unshare a user and a mount namespace
+    # and mount in it (root of its own user namespace): kernel surface no reward program needs.
+    result = run(NAMESPACE_ATTEMPTS.format(clone=56 if os.uname().machine == "x86_64" else 220))
+    assert result.status == "ok", result.stderr
+    *attempts, last = result.stdout.splitlines()
+    assert attempts == [f"{name} refused Operation not permitted" for name in
+                        ("unshare(user|mount)", "mount tmpfs", "unshare(net)", "unshare(user)", "clone(user)", "setns(mnt)")]
+    assert last == "7 thread ran"
+
+
+@needs_namespaces
+def test_launcher_configuration_is_not_visible_to_the_program():
+    # pid 1 of the sandbox is the launcher's init: its command line once held the whole launcher
+    # configuration as JSON (the host paths of the interpreter, the checkout, R1FLOW_HOME masks).
+    result = run("""
+        import os
+        print(open("/proc/1/cmdline", "rb").read().replace(b"\\0", b" ").decode())
+        fds = []
+        for fd in range(3, 256):
+            try:
+                os.fstat(fd)
+                fds.append(fd)
+            except OSError:
+                pass
+        print(fds)
+    """, limits=LIMITS.model_copy(update={"max_output_bytes": 2**20}))
+    assert result.status == "ok", result.stderr
+    *lines, fds = result.stdout.splitlines()
+    cmdline = "\n".join(lines)
+    assert "/" not in cmdline and "root_plan" not in cmdline and "{" not in cmdline, cmdline
+    assert fds == "[]"  # nor an inherited descriptor (the configuration, the status pipe)
+
+
+SECCOMP_MACHINES = ["aarch64", "riscv64", "x86_64"]  # the architectures the filter knows
+# The errno the filter gives in test_seccomp_filter_in_the_kernel: no syscall returns it by itself.
+TEST_ERRNO = 131  # ENOTRECOVERABLE
+
+
+def bpf_verdict(program: bytes, arch: int, nr: int, args: tuple[int, ...] = ()) -> int:
+    """Run a classic BPF seccomp program (the few opcodes the sandbox uses) on one seccomp_data."""
+    data = struct.pack("<iIQ6Q", nr, arch, 0, *(list(args) + [0] * 6)[:6])
+    insns = [struct.unpack_from("HBBI", program, i) for i in range(0, len(program), 8)]
+    pc, acc = 0, 0
+    while True:
+        code, jt, jf, k = insns[pc]
+        if code == 0x20:  # ld [k]
+            acc, pc = struct.unpack_from("<I", data, k)[0], pc + 1
+        elif code in (0x15, 0x35, 0x45):  # jeq, jge, jset
+            hit = acc == k if code == 0x15 else acc >= k if code == 0x35 else bool(acc & k)
+            pc += 1 + (jt if hit else jf)
+        elif code == 0x06:  # ret k
+            return k
+        else:
+            raise AssertionError(f"unexpected BPF opcode {code:#x}")
+
+
+@pytest.mark.parametrize("machine", SECCOMP_MACHINES)
+def test_seccomp_filter_program(machine):
+    arch, numbers = sandbox.SECCOMP_ARCHES[machine]
+    program = sandbox.seccomp_filter(machine)
+    allow, kill = 0x7FFF0000, 0x80000000
+    eperm, enosys = 0x50000 | errno.EPERM, 0x50000 | errno.ENOSYS
+    for name, nr in numbers.items():
+        if name == "clone":
+            assert bpf_verdict(program, arch, nr, (17,)) == allow  # fork
+            assert bpf_verdict(program, arch, nr, (0x003D0F00,)) == allow  # a thread
+            for flag in (0x20000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000):
+                assert bpf_verdict(program, arch, nr, (flag | 17,)) == eperm, hex(flag)
+        else:
+            assert bpf_verdict(program, arch, nr) == (enosys if name == "clone3" else eperm), name
+    assert set(numbers) >= {"unshare", "setns", "clone", "clone3", "mount", "umount2", "pivot_root", "chroot",
+                            "fsopen", "fsmount", "move_mount", "open_tree", "mount_setattr"}
+    denied = set(numbers.values())
+    for nr in range(0, 500):  # every other syscall passes, read, write, mmap, execve, ... included
+        if nr not in denied:
+            assert bpf_verdict(program, arch, nr, (0x10000000,)) == allow, nr
+    assert bpf_verdict(program, arch ^ 1, 0) == kill  # another ABI (i386 on x86_64): the process dies
+    if machine == "x86_64":  # the x32 ABI numbers syscalls from 0x40000000: refused as unknown
+        assert bpf_verdict(program, arch, 0x40000000 | numbers["unshare"]) == enosys
+        assert bpf_verdict(program, arch, 0x40000000 | 39) == enosys
+    assert sandbox.seccomp_filter("pdp11") is None
+
+
+SECCOMP_PROBE = """
+import ctypes, json, os, sys, threading
+libc = ctypes.CDLL(None, use_errno=True)
+program = bytes.fromhex(sys.argv[1])
+numbers = json.loads(sys.argv[2])
+buf = ctypes.create_string_buffer(program, len(program))
+class Fprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+fprog = Fprog(len(program) // 8, ctypes.addressof(buf))
+assert libc.prctl(38, 1, 0, 0, 0) == 0  # no_new_privs
+assert libc.prctl(22, 2, ctypes.byref(fprog), 0, 0) == 0, os.strerror(ctypes.get_errno())  # SECCOMP_MODE_FILTER
+out = {}
+for name, nr in numbers.items():
+    flags = 0x10000000 | 17 if name == "clone" else 0  # clone into a new user namespace
+    ret = libc.syscall(nr, ctypes.c_long(flags), 0, 0, 0, 0, 0)
+    if ret == 0 and name == "clone":
+        os._exit(0)
+    out[name] = ctypes.get_errno() if ret == -1 else "ok"
+pid = os.fork()
+if pid == 0:
+    os._exit(3)
+out["fork"] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+t = threading.Thread(target=lambda: out.setdefault("thread", "ran"))
+t.start(), t.join()
+out["pid"] = os.getpid() > 0
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(os.uname().machine not in SECCOMP_MACHINES, reason="no seccomp filter for this architecture")
+def test_seccomp_filter_in_the_kernel():
+    # The filter this machine's sandbox installs, with a distinctive errno, in a real process:
+    # every listed syscall fails with that errno (clone only with CLONE_NEW* flags, clone3 with
+    # ENOSYS so that glibc falls back to clone), while fork, threads and the rest work.
+    machine = os.uname().machine
+    numbers = sandbox.SECCOMP_ARCHES[machine][1]
+    program = sandbox.seccomp_filter(machine, deny_errno=TEST_ERRNO)
+    proc = subprocess.run([sys.executable, "-c", SECCOMP_PROBE, program.hex(), json.dumps(numbers)],
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    expected = {name: errno.ENOSYS if name == "clone3" else TEST_ERRNO for name in numbers}
+    assert out == {**expected, "fork": 3, "thread": "ran", "pid": True}
+
 
 # ---------------------------------------------------------------------------- network, environment
 

@@ -165,3 +165,77 @@ def test_verify_all_and_the_cli_report_every_damaged_artifact(tmp_path, monkeypa
     shutil.rmtree(tmp_path / "artifacts" / gone.fingerprint)
     assert main(["artifacts", "--verify"]) == 0
     assert "2 of 2 artifact(s)" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------- a full disk (issue 44 item 14)
+
+
+@pytest.fixture()
+def small_fs():
+    """mount(path, size): a tmpfs of `size` at `path` (real ENOSPC, no mock), unmounted at teardown. Needs
+    root (CI runs as root); skips where a tmpfs cannot be mounted."""
+    import subprocess
+
+    mounted = []
+
+    def mount(path, size: str):
+        path.mkdir(parents=True, exist_ok=True)
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", str(path)],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()} (a full filesystem needs root)")
+        mounted.append(path)
+        return path
+
+    yield mount
+    for path in reversed(mounted):
+        subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+def test_a_full_disk_while_a_stage_saves_its_model_is_one_line_naming_path_and_store(tmp_path, small_fs,
+                                                                                      tiny_model_input):
+    """The issue: a raw `SafetensorError ... No space left on device` with tracebacks and no path. A stage
+    (import_model re-saving a local model as bfloat16: save_pretrained, safetensors) writes its output into
+    a staging folder on a filesystem with room for the config but not the weights."""
+    from flows.pipeline import execute_stage
+    from schemas.artifacts import MODEL_DIR
+
+    home = tmp_path / "home"
+    staging = small_fs(home / "tmp", "48k")
+    settings = {"home": str(home), "store": str(home), "tracking_uri": f"sqlite:///{home}/mlflow.db"}
+    with pytest.raises(ArtifactError) as e:
+        execute_stage(node="base", stage="import_model", config={"ref": str(tiny_model_input.path / MODEL_DIR),
+                                                                 "dtype": "bfloat16"},
+                      inputs={}, seed=0, key="d" * 64, parent_run_id=None, settings=settings,
+                      experiment="r1flow/disk-full")
+    message = str(e.value)
+    assert "\n" not in message, message
+    assert message.startswith(f"no space left on device writing {staging}/"), message
+    assert f"store {home}" in message and "nothing was published" in message, message
+    assert e.value.__suppress_context__  # the CLI prints this one line, no chained traceback
+    store = ArtifactStore(home, home=home)
+    assert os.listdir(staging) == [] and store.list() == [] and store.lookup("d" * 64) is None  # nothing half-written
+    assert os.listdir(home / "artifacts") == []
+
+
+def test_a_full_store_while_publishing_leaves_no_half_artifact(tmp_path, small_fs):
+    home = tmp_path / "home"
+    root = small_fs(tmp_path / "store", "256k")
+    store = ArtifactStore(root, home=home)  # staging on the home's disk, the artifacts on the full one
+    staged = stage(store, {"small.txt": "x", "data/big.bin": "y" * 1_000_000})
+    with pytest.raises(ArtifactError) as e:
+        store.publish(staged, kind="dataset", schema="prompts", producer=PRODUCER, parents=[])
+    message = str(e.value)
+    assert "\n" not in message and message.startswith(f"no space left on device writing {root}/artifacts/"), message
+    assert f"store {root}" in message and "nothing was published" in message, message
+    assert os.listdir(root / "artifacts") == [] and store.list() == []  # no .incoming-* left behind
+    # a cache record into a store whose disk is full: the same line, and no temporary file left
+    with open(root / "filler", "wb") as f, pytest.raises(OSError):
+        while True:
+            f.write(b"z" * 65536)
+            f.flush()
+    rec = CacheRecord(key="e" * 64, node="n", stage="s", outputs={}, mlflow_run_id="r", duration_s=1.0,
+                      metrics={"m": 1.0})
+    with pytest.raises(ArtifactError, match=rf"^no space left on device writing {root}/cache/"):
+        store.record(rec)
+    assert os.listdir(root / "cache") == []
