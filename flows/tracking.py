@@ -115,6 +115,21 @@ class Tracker:
             tags["mlflow.parentRunId"] = parent_run_id
         return self.client.create_run(self.experiment_id, run_name=name, tags=tags).info.run_id
 
+    def record_cache_hit(self, parent_run_id: str, *, node: str, stage: str, key: str, config: dict[str, Any],
+                         seed: int, outputs: dict[str, str], metrics: dict[str, Any], source_run_id: str | None,
+                         flow_run_id: str | None, host: str = "", ray_node_id: str = "") -> str:
+        """A cached stage's own nested run: its config, its recorded metrics and outputs, and the run that produced
+        them (`r1flow.source_run_id`), so a cached stage reads like one that ran. Returns its run id."""
+        run_id = self.start_run(node, {"r1flow.stage": stage, "r1flow.node": node, "r1flow.cache_key": key,
+                                       "r1flow.cache_hit": "true", "r1flow.source_run_id": source_run_id or "",
+                                       "r1flow.flow_run_id": flow_run_id or "", "r1flow.host": host,
+                                       "r1flow.ray_node_id": ray_node_id}, parent_run_id)
+        self.log_params(run_id, {"config": config, "seed": seed})
+        self.log_metrics(run_id, {k: v for k, v in metrics.items() if k != "stage_seconds"})
+        self.set_tags(run_id, {f"r1flow.output.{k}": v for k, v in outputs.items()})
+        self.end(run_id)
+        return run_id
+
     def mark_abandoned(self, max_runs: int = 1000) -> int:
         """End as KILLED the r1flow runs still RUNNING whose process (on this host) is provably gone: a run killed
         with kill -9 closes none of its MLflow runs. Runs of live processes (concurrent runs on this home) are left
