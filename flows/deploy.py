@@ -252,7 +252,7 @@ def run_stage(stage: str, inputs: dict[str, str], overrides: dict[str, Any] | No
     tracker = Tracker(s.tracking_uri, experiment, s.mlflow_artifact_location)
     flow_run_id = _flow_run_id()
     reclaim_abandoned(store, tracker, flow_run_id)  # and tags this flow run with its process, as a pipeline run does
-    parent = tracker.start_run(run_name(f"stage {name}", flow_run_id), {"r1flow.single_stage": "true", "r1flow.recipe": recipe or "",
+    parent = tracker.start_run(run_name(f"{name} (stage)", flow_run_id), {"r1flow.single_stage": "true", "r1flow.recipe": recipe or "",
                                                  "r1flow.profile": profile or "", "r1flow.flow_run_id": flow_run_id or "",
                                                  **{f"r1flow.input.{k}": v for k, v in resolved.items()}})
     ok = False
@@ -495,7 +495,9 @@ def serve(specs: list[dict[str, Any]], limit: int | None = None) -> None:
                                            description=s["description"],
                                            **{k: s[k] for k in ("cron", "interval") if k in s})
                    for s in specs]
-    prefect_serve(*deployments, limit=limit, print_starting_message=True)
+    # Prefect's starting message suggests `prefect deployment run ...`, which fails without the exports r1flow does not
+    # need: the CLI prints commands that work instead (cli.serve_hints)
+    prefect_serve(*deployments, limit=limit, print_starting_message=False)
 
 
 def ensure_work_pool(name: str, kind: str = "process") -> None:

@@ -48,9 +48,10 @@ def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def run_name(what: str, flow_run_id: str | None) -> str:
-    """An MLflow parent run name that tells runs apart: what ran, when (UTC, to the minute) and a short id."""
+    """An MLflow parent run name that tells runs apart: when (UTC, to the minute), what ran and a short id. The UI's
+    name column shows ~22 characters, so the part that differs between runs of one experiment comes first."""
     short = (flow_run_id or uuid.uuid4().hex)[:6]
-    return f"{what} {datetime.now(UTC):%m-%d %H:%M} {short}"  # short: the UI's name column shows ~25 characters
+    return f"{datetime.now(UTC):%m-%d %H:%M} {what} {short}"
 
 
 @contextlib.contextmanager
@@ -79,6 +80,9 @@ _READY: set[str] = set()
 
 def mlflow_client(uri: str) -> MlflowClient:
     """An MlflowClient whose store is created (tables made or migrated) by one process at a time."""
+    # MlflowClient prints "View run ... / View experiment ..." links for a tracking server on every run it ends; they
+    # open MLflow 3's GenAI view (no workflowType). r1flow prints its own links (Tracker.run_url).
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
     if uri in _READY:
         return MlflowClient(uri)
     with sqlite_lock(uri):  # the client's store (built in the constructor or at the first call) runs the migration
