@@ -399,12 +399,36 @@ def _servers_home() -> str:
     return Settings.from_env().home
 
 
-def _print_servers(info) -> None:
-    from flows.servers import MLFLOW_UI_QUERY, env_for
+def mlflow_ui_links(url: str) -> list[str]:
+    """Where to open MLflow's UI: each r1flow experiment's runs table (`<name>: <url>`). Not the experiments list:
+    MLflow 3 opens an experiment clicked there on its GenAI overview (the list's links drop `workflowType`), so
+    the list is given only while the server has no r1flow experiment (or cannot be asked)."""
+    import json
+    import urllib.parse
+    import urllib.request
 
-    for s, what, page in ((info.prefect, "Prefect UI", ""), (info.mlflow, "MLflow UI ", f"/#/experiments{MLFLOW_UI_QUERY}")):
+    from flows.servers import MLFLOW_UI_QUERY
+
+    base = url.rstrip("/")
+    query = urllib.parse.urlencode({"filter": "name LIKE 'r1flow/%'", "max_results": 100})
+    try:
+        with urllib.request.urlopen(f"{base}/api/2.0/mlflow/experiments/search?{query}", timeout=10) as r:
+            experiments = json.load(r).get("experiments", [])
+    except (OSError, ValueError):
+        experiments = []
+    links = [f"{e['name']}: {base}/#/experiments/{e['experiment_id']}/runs{MLFLOW_UI_QUERY}"
+             for e in sorted(experiments, key=lambda e: e["name"])]
+    return links or [f"{base}/#/experiments{MLFLOW_UI_QUERY}"]
+
+
+def _print_servers(info) -> None:
+    from flows.servers import env_for
+
+    for s, what in ((info.prefect, "Prefect UI"), (info.mlflow, "MLflow UI ")):
         took = f", up in {s.startup_s:.1f} s" if s.startup_s is not None else ""
-        print(f"{what}  {s.url}{page}   (pid {s.pid}{took}; log {s.log})")
+        print(f"{what}  {s.url}   (pid {s.pid}{took}; log {s.log})")
+    for link in mlflow_ui_links(info.mlflow.url):
+        print(f"  {link}")
     print(f"r1flow commands with R1FLOW_HOME={info.home} use them without exports; for notebooks and the plain "
           "prefect/mlflow CLIs:")
     print("export " + " ".join(f"{k}={v}" for k, v in env_for(info).items()), flush=True)
@@ -532,7 +556,7 @@ def cmd_ui(args: argparse.Namespace) -> int:
     from urllib.parse import urlparse
 
     from flows import servers
-    from flows.servers import HOST, MLFLOW_UI_QUERY
+    from flows.servers import HOST
     from flows.settings import Settings
     from schemas.errors import ConfigError
 
@@ -544,7 +568,7 @@ def cmd_ui(args: argparse.Namespace) -> int:
         source = (f"the `r1flow up` server of {home}" if up is not None and up.mlflow.url.rstrip("/") == uri.rstrip("/")
                   else "MLFLOW_TRACKING_URI")
         print(f"r1flow: MLflow tracking goes to {source}; its UI:")
-        print(f"{uri.rstrip('/')}/#/experiments{MLFLOW_UI_QUERY}")
+        print("\n".join(mlflow_ui_links(uri)))
         if prefect:
             print("Prefect UI:")
             print(prefect.rstrip("/").removesuffix("/api"))
@@ -584,7 +608,7 @@ def cmd_ui(args: argparse.Namespace) -> int:
                 return 1
             time.sleep(0.3)
         print(f"MLflow UI for {home} (up in {time.monotonic() - t0:.1f} s), open:")
-        print(f"{url}/#/experiments{MLFLOW_UI_QUERY}")
+        print("\n".join(mlflow_ui_links(url)))
         if prefect:
             print("Prefect UI:")
             print(prefect.rstrip("/").removesuffix("/api"))
@@ -729,6 +753,29 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     return 0
 
 
+def serve_hints(specs: list[dict], url: str) -> list[str]:
+    """How to start the served deployments, as commands that work in a shell with nothing exported (Prefect's own
+    hint, `prefect deployment run ...`, would go to a temporary server without PREFECT_API_URL)."""
+    import shlex
+
+    from flows import servers
+    from flows.deploy import REF_HELP, full_name
+    from stages import get_stage
+
+    prefect = " ".join(shlex.quote(p) for p in servers.console_script("prefect"))
+    lines = [f"start a run from the Prefect UI ({url.rstrip('/').removesuffix('/api')}/deployments) or a shell:"]
+    for spec in specs:
+        cmd = f"PREFECT_API_URL={shlex.quote(url)} {prefect} deployment run {shlex.quote(full_name(spec))}"
+        if "inputs" not in spec["parameters"] and spec["entrypoint"].endswith("_stage"):  # a stage's inputs: no default
+            stage = spec["entrypoint"].rsplit(":", 1)[1].removesuffix("_stage")
+            refs = json.dumps({k: "REF" for k, kind in get_stage(stage).INPUTS.items() if not kind.endswith("?")})
+            cmd += f" --param inputs={shlex.quote(refs)}"
+        lines.append(f"  {cmd}")
+    if any("--param inputs=" in line for line in lines):
+        lines.append(f"  (REF: {REF_HELP})")
+    return lines
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from flows.settings import Settings, make_home, require_prefect_server
 
@@ -742,6 +789,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     registered = servers.register_runner(home, name="serve")
     for spec in specs:
         print(f"serving {full_name(spec)} on {url}", flush=True)
+    for line in serve_hints(specs, url):
+        print(line, flush=True)
     try:
         serve(specs, limit=args.limit)
     finally:

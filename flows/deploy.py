@@ -48,7 +48,7 @@ from flows.recipes import (
 )
 from flows.settings import Settings
 from flows.store import ArtifactStore
-from flows.tracking import run_name
+from flows.tracking import flatten, run_name
 from schemas.configs import STAGE_CONFIGS, ProfileConfig
 from schemas.errors import ArtifactError, ConfigError
 from stages import STAGE_MODULES, STAGE_SUMMARIES, get_stage
@@ -145,17 +145,37 @@ def _kinds(spec: str) -> set[str]:
 # ---------------------------------------------------------------------------- config
 
 
+def _recipe_node(plan, stage: str, producers: dict[str, str] | None) -> str:
+    """The recipe's node of `stage` a single-stage run with a blank node is: the only one, else the one whose inputs
+    come from the nodes that made the given artifacts (`producers`: input name -> producing node). A model made by
+    sft-eval's `sft` is evaluated as `eval_sft`, never under `eval_base`'s name. None: the first (the form's shown
+    config, before any input is known)."""
+    candidates = [n for n in plan.nodes if n.stage == stage]
+    if not candidates:
+        raise ConfigError(f"recipe {plan.recipe!r} has no {stage!r} node; name one with node=")
+    if len(candidates) == 1 or producers is None:
+        return candidates[0].name
+    matching = [n.name for n in candidates
+                if all(n.inputs[k][0] == made_by for k, made_by in producers.items() if k in n.inputs)]
+    if len(matching) == 1:
+        return matching[0]
+    given = ", ".join(f"{k} made by node {v!r}" for k, v in sorted(producers.items())) or "inputs made by no node"
+    raise ConfigError(f"recipe {plan.recipe!r} has {len(candidates)} {stage!r} nodes "
+                      f"({', '.join(n.name for n in candidates)}) and the inputs ({given}) fit "
+                      f"{'none' if not matching else 'several'} of them; name one with node=")
+
+
 def stage_config(stage: str, recipe: str | None, profile: str | None, node: str | None,
-                 overrides: dict[str, Any]) -> tuple[dict[str, Any], str, int | None]:
-    """(validated config dict, node name, seed from the recipe or None) for a single-stage run."""
+                 overrides: dict[str, Any],
+                 producers: dict[str, str] | None = None) -> tuple[dict[str, Any], str, int | None]:
+    """(validated config dict, node name, seed from the recipe or None) for a single-stage run. A blank node with a
+    recipe: `_recipe_node` (`producers`: the node that made each given input artifact)."""
     if stage not in STAGE_MODULES:
         raise ConfigError(f"unknown stage {stage!r}; known: {', '.join(STAGE_MODULES)}")
     seed = None
     if recipe:
         plan = load_plan(recipe, profile or "cpu")
-        name = node or next((n.name for n in plan.nodes if n.stage == stage), None)
-        if name is None:
-            raise ConfigError(f"recipe {recipe!r} has no {stage!r} node; name one with node=")
+        name = node or _recipe_node(plan, stage, producers)
         n = plan.node(name)
         if n.stage != stage:
             raise ConfigError(f"recipe {recipe!r} node {name!r} is a {n.stage!r} stage, not {stage!r}")
@@ -202,7 +222,7 @@ def run_stage(stage: str, inputs: dict[str, str], overrides: dict[str, Any] | No
     lifetime.reinstall()  # SIGTERM stops the run within seconds, not Prefect's bridge (stages/runtime/lifetime.py)
 
     s = Settings(**settings) if settings else Settings.from_env()
-    config, name, recipe_seed = stage_config(stage, recipe, profile, node, overrides or {})
+    stage_config(stage, recipe, profile, node, overrides or {})  # config errors before the inputs are read
     module = get_stage(stage)
     declared = module.INPUTS
     unknown = set(inputs) - set(declared)
@@ -212,7 +232,7 @@ def run_stage(stage: str, inputs: dict[str, str], overrides: dict[str, Any] | No
     if missing:
         raise ConfigError(f"stage {stage!r}: missing input(s) {sorted(missing)}; give each as a {REF_HELP}")
     store = ArtifactStore(s.store, home=s.home)
-    resolved = {}
+    resolved, producers = {}, {}
     for k, ref in inputs.items():
         if not ref:
             continue
@@ -222,6 +242,9 @@ def run_stage(stage: str, inputs: dict[str, str], overrides: dict[str, Any] | No
             raise ArtifactError(f"input {k!r} ({ref}): artifact {fp[:12]} is a {manifest.kind} "
                                 f"({manifest.schema_name}); stage {stage!r} takes a {declared[k].rstrip('?')}")
         resolved[k] = fp
+        if manifest.producer.node:
+            producers[k] = manifest.producer.node
+    config, name, recipe_seed = stage_config(stage, recipe, profile, node, overrides or {}, producers)
     seed = seed if seed is not None else (recipe_seed if recipe_seed is not None else 0)
     salt = module.cache_salt(module.CONFIG.model_validate(config)) if hasattr(module, "cache_salt") else ""
     key = cache_key(stage, module.VERSION, config, resolved, seed, salt)
@@ -229,7 +252,7 @@ def run_stage(stage: str, inputs: dict[str, str], overrides: dict[str, Any] | No
     tracker = Tracker(s.tracking_uri, experiment, s.mlflow_artifact_location)
     flow_run_id = _flow_run_id()
     reclaim_abandoned(store, tracker, flow_run_id)  # and tags this flow run with its process, as a pipeline run does
-    parent = tracker.start_run(run_name(f"stage {name}", flow_run_id), {"r1flow.single_stage": "true", "r1flow.recipe": recipe or "",
+    parent = tracker.start_run(run_name(f"{name} (stage)", flow_run_id), {"r1flow.single_stage": "true", "r1flow.recipe": recipe or "",
                                                  "r1flow.profile": profile or "", "r1flow.flow_run_id": flow_run_id or "",
                                                  **{f"r1flow.input.{k}": v for k, v in resolved.items()}})
     ok = False
@@ -243,13 +266,24 @@ def run_stage(stage: str, inputs: dict[str, str], overrides: dict[str, Any] | No
         cached = state.name == "Cached" or out["reused"]
         if cached and record is not None:
             out = {**out, "outputs": record.outputs, "metrics": record.metrics, "mlflow_run_id": record.mlflow_run_id}
-        tracker.set_tags(parent, {f"r1flow.output.{k}": v for k, v in out["outputs"].items()})
+        source_run_id = out.get("mlflow_run_id")
+        if cached:  # a nested run of its own, as a cached pipeline node gets, naming the run that produced it
+            out = {**out, "mlflow_run_id": tracker.record_cache_hit(
+                parent, node=name, stage=stage, key=key, config=config, seed=seed, outputs=out["outputs"],
+                metrics=out["metrics"], source_run_id=source_run_id, flow_run_id=flow_run_id,
+                host=out.get("host", ""), ray_node_id=out.get("ray_node_id", ""))}
+        # the run the CLI and the Prefect artifact link to shows what ran (or was reused), not only tags
+        tracker.log_params(parent, {"config": config, "seed": seed, "changed": flatten(overrides or {}) or "none"})
+        tracker.log_metrics(parent, {k: v for k, v in out["metrics"].items() if k != "stage_seconds"})
+        tracker.set_tags(parent, {**{f"r1flow.output.{k}": v for k, v in out["outputs"].items()},
+                                  "r1flow.cache_hit": str(cached).lower(), "r1flow.source_run_id": source_run_id or ""})
         ok = True
     finally:
         tracker.end(parent, ok)
     result = {"stage": stage, "node": name, "status": "cached" if cached else "run", "seconds": time.perf_counter() - t0,
               "inputs": resolved, "outputs": out["outputs"], "metrics": out["metrics"], "config": config, "seed": seed,
-              "cache_key": key, "mlflow_run_id": out.get("mlflow_run_id"), "parent_run_id": parent,
+              "changed": flatten(overrides or {}), "cache_key": key, "mlflow_run_id": out.get("mlflow_run_id"),
+              "source_run_id": source_run_id, "parent_run_id": parent,
               "link": tracker.run_link(parent), "flow_run_id": flow_run_id}
     if flow_run_id:
         result["prefect_artifact_id"] = publish_stage_result(result, recipe, profile)
@@ -263,6 +297,7 @@ def stage_result_markdown(result: dict[str, Any], recipe: str | None, profile: s
     where = ", ".join(f"{k} `{v}`" for k, v in (("recipe", recipe), ("profile", profile)) if v) or "stage defaults"
     lines = [f"# Stage re-run: {result['node']} ({result['stage']})", "",
              f"**{result['status']}** in {result['seconds']:.1f} s; config from {where}, seed {result['seed']}.", "",
+             "Fields changed: " + (", ".join(f"`{k}={v}`" for k, v in result["changed"].items()) or "nothing"), "",
              "| | name | fingerprint |", "|---|---|---|"]
     lines += [f"| input | {k} | `{v}` |" for k, v in result["inputs"].items()]
     lines += [f"| output | {k} | `{v}` |" for k, v in result["outputs"].items()]
@@ -460,7 +495,9 @@ def serve(specs: list[dict[str, Any]], limit: int | None = None) -> None:
                                            description=s["description"],
                                            **{k: s[k] for k in ("cron", "interval") if k in s})
                    for s in specs]
-    prefect_serve(*deployments, limit=limit, print_starting_message=True)
+    # Prefect's starting message suggests `prefect deployment run ...`, which fails without the exports r1flow does not
+    # need: the CLI prints commands that work instead (cli.serve_hints)
+    prefect_serve(*deployments, limit=limit, print_starting_message=False)
 
 
 def ensure_work_pool(name: str, kind: str = "process") -> None:

@@ -279,19 +279,20 @@ def pipeline(recipe: str, profile: str, overrides: list[str] | None = None, only
                     execution=Execution(parallel=parallel, cluster=placement.cluster_address(cluster)))
 
 
-PREFECT_HOST_TAG = "r1flow.host:"  # + flows.store.host_id(): a flow run an r1flow process on this host runs
-PREFECT_PROCESS_TAG = "r1flow.process:"  # + "<pid>:<start ticks>" of that process
+# Flow run labels (not tags: the UI shows tags in every flow run's header; this is bookkeeping)
+PREFECT_HOST_LABEL = "r1flow.host"  # flows.store.host_id(): a flow run an r1flow process on this host runs
+PREFECT_PROCESS_LABEL = "r1flow.process"  # "<pid>:<start ticks>" of that process
 ABANDONED_FLOW_STATES = ("PENDING", "RUNNING", "CANCELLING")
 ABANDONED_TASK_STATES = ("SCHEDULED", "PENDING", "RUNNING", "CANCELLING", "PAUSED")
 
 
-def _owner_tags() -> list[str]:
+def _owner_labels() -> dict[str, str]:
     pid, ticks, host = process_owner().split("-")
-    return [f"{PREFECT_HOST_TAG}{host}", f"{PREFECT_PROCESS_TAG}{pid}:{ticks}"]
+    return {PREFECT_HOST_LABEL: host, PREFECT_PROCESS_LABEL: f"{pid}:{ticks}"}
 
 
 def mark_abandoned_flow_runs(flow_run_id: str | None = None) -> tuple[int, int]:
-    """Tag this flow run with the process that runs it; set Crashed the flow runs (and their unfinished task runs)
+    """Label this flow run with the process that runs it; set Crashed the flow runs (and their unfinished task runs)
     that another r1flow process on this host left unfinished and that is provably gone (kill -9 leaves them
     RUNNING for ever). Flow runs of live processes, of other hosts, or without the tags are left alone. Returns
     (flow runs, task runs) marked."""
@@ -300,19 +301,18 @@ def mark_abandoned_flow_runs(flow_run_id: str | None = None) -> tuple[int, int]:
     from prefect.client.schemas.objects import StateType
     from prefect.states import Crashed
 
-    mine = _owner_tags()
+    mine = _owner_labels()
     with get_client(sync_client=True) as client:
         if flow_run_id:
-            current = client.read_flow_run(flow_run_id)
-            client.update_flow_run(current.id, tags=sorted(set(current.tags) | set(mine)))
-        found = client.read_flow_runs(flow_run_filter=f.FlowRunFilter(
-            tags=f.FlowRunFilterTags(all_=[mine[0]]),
+            client.update_flow_run_labels(flow_run_id, mine)  # merged into its labels
+        found = client.read_flow_runs(flow_run_filter=f.FlowRunFilter(  # (no label filter in Prefect's API)
             state=f.FlowRunFilterState(type=f.FlowRunFilterStateType(any_=[StateType(t) for t in ABANDONED_FLOW_STATES]))),
             limit=200)
         dead: dict[Any, str] = {}
         for run in found:
-            owner = next((t.removeprefix(PREFECT_PROCESS_TAG) for t in run.tags if t.startswith(PREFECT_PROCESS_TAG)), "")
-            pid, _, ticks = owner.partition(":")
+            if (run.labels or {}).get(PREFECT_HOST_LABEL) != mine[PREFECT_HOST_LABEL]:
+                continue
+            pid, _, ticks = str(run.labels.get(PREFECT_PROCESS_LABEL, "")).partition(":")
             if str(run.id) != flow_run_id and pid.isdigit() and ticks.isdigit() and owner_gone(int(pid), int(ticks),
                                                                                                  host_id()):
                 dead[run.id] = f"abandoned: process {pid} on {socket.gethostname()} is gone (found by {os.getpid()})"

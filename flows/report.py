@@ -1,8 +1,8 @@
 """Run visibility: the report of a pipeline run, and the recipe's models in the MLflow Model Registry.
 
 **Report.** `build_report` turns the stage results of one pipeline run into markdown (one table
-row per stage node: status run/cached/skipped, seconds, key metrics, a link to the stage's MLflow
-run; the model comparison table; the registry entry) and PNG plots, only where there is data:
+row per stage node: a link to the stage's MLflow run, status run/cached/skipped, seconds, key
+metrics; the model comparison table; the registry entry) and PNG plots, only where there is data:
 
 - `training_loss.png`: `train/loss` over steps, one panel per node of a loss-trained stage (sft,
   distill, reward_model, preference_optimization; their scales differ too much for one axis). Not
@@ -623,7 +623,9 @@ def build_report(plan: Plan, results: list[StageResult], tracker: Tracker, paren
     md = [f"# r1flow run: recipe `{plan.recipe}`, profile `{plan.profile}`", "",
           f"MLflow parent run: {_link(tracker, parent_run_id, tracker.experiment_id)}; this report and its "
           f"plots are artifacts of that run under `{REPORT_DIR}/`.", "",
-          "| stage (kind) | status | s | key metrics | MLflow run |",
+          # the link before the metrics: a long metrics cell widens the table past a Prefect or MLflow pane (1269 px
+          # in 868 px), and what sits right of it is off-screen
+          "| stage (kind) | MLflow run | status | s | key metrics |",
           "|---|---|---|---|---|"]
     outputs = ["", "## Outputs", "", "Artifact fingerprints (`r1flow artifacts PREFIX` shows one).", "",
                "| stage | output | fingerprint |", "|---|---|---|"]
@@ -636,7 +638,7 @@ def build_report(plan: Plan, results: list[StageResult], tracker: Tracker, paren
             link = _link(tracker, sr.run_id, sr.experiment_id)
             if sr.source_run_id and sr.source_run_id != sr.run_id:
                 link += f" (produced by {_link(tracker, sr.source_run_id, sr.source_experiment_id)})"
-        md.append(f"| {r.node} ({r.stage}) | {r.status} | {r.seconds:.1f} | {metrics} | {link} |")
+        md.append(f"| {r.node} ({r.stage}) | {link} | {r.status} | {r.seconds:.1f} | {metrics} |")
 
     md += ["", LOAD_NOTE]
 

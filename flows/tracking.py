@@ -48,9 +48,10 @@ def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def run_name(what: str, flow_run_id: str | None) -> str:
-    """An MLflow parent run name that tells runs apart: what ran, when (UTC, to the minute) and a short id."""
+    """An MLflow parent run name that tells runs apart: when (UTC, to the minute), what ran and a short id. The UI's
+    name column shows ~22 characters, so the part that differs between runs of one experiment comes first."""
     short = (flow_run_id or uuid.uuid4().hex)[:6]
-    return f"{what} {datetime.now(UTC):%m-%d %H:%M} {short}"  # short: the UI's name column shows ~25 characters
+    return f"{datetime.now(UTC):%m-%d %H:%M} {what} {short}"
 
 
 @contextlib.contextmanager
@@ -79,6 +80,9 @@ _READY: set[str] = set()
 
 def mlflow_client(uri: str) -> MlflowClient:
     """An MlflowClient whose store is created (tables made or migrated) by one process at a time."""
+    # MlflowClient prints "View run ... / View experiment ..." links for a tracking server on every run it ends; they
+    # open MLflow 3's GenAI view (no workflowType). r1flow prints its own links (Tracker.run_url).
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
     if uri in _READY:
         return MlflowClient(uri)
     with sqlite_lock(uri):  # the client's store (built in the constructor or at the first call) runs the migration
@@ -114,6 +118,21 @@ class Tracker:
         if parent_run_id:
             tags["mlflow.parentRunId"] = parent_run_id
         return self.client.create_run(self.experiment_id, run_name=name, tags=tags).info.run_id
+
+    def record_cache_hit(self, parent_run_id: str, *, node: str, stage: str, key: str, config: dict[str, Any],
+                         seed: int, outputs: dict[str, str], metrics: dict[str, Any], source_run_id: str | None,
+                         flow_run_id: str | None, host: str = "", ray_node_id: str = "") -> str:
+        """A cached stage's own nested run: its config, its recorded metrics and outputs, and the run that produced
+        them (`r1flow.source_run_id`), so a cached stage reads like one that ran. Returns its run id."""
+        run_id = self.start_run(node, {"r1flow.stage": stage, "r1flow.node": node, "r1flow.cache_key": key,
+                                       "r1flow.cache_hit": "true", "r1flow.source_run_id": source_run_id or "",
+                                       "r1flow.flow_run_id": flow_run_id or "", "r1flow.host": host,
+                                       "r1flow.ray_node_id": ray_node_id}, parent_run_id)
+        self.log_params(run_id, {"config": config, "seed": seed})
+        self.log_metrics(run_id, {k: v for k, v in metrics.items() if k != "stage_seconds"})
+        self.set_tags(run_id, {f"r1flow.output.{k}": v for k, v in outputs.items()})
+        self.end(run_id)
+        return run_id
 
     def mark_abandoned(self, max_runs: int = 1000) -> int:
         """End as KILLED the r1flow runs still RUNNING whose process (on this host) is provably gone: a run killed

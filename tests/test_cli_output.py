@@ -223,7 +223,9 @@ def test_r1flow_ui_serves_this_homes_runs_on_127_0_0_1_until_sigint(tmp_path):
                             env=_env(home), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        lines = _read_until(proc, re.compile(re.escape(url) + r"/#/experiments\?workflowType=machine_learning"), 180)
+        # the experiment's runs table (the list's links open MLflow 3's GenAI view)
+        lines = _read_until(proc, re.compile("r1flow/ui-test: " + re.escape(url) +
+                                             r"/#/experiments/\d+/runs\?workflowType=machine_learning"), 180)
         with urllib.request.urlopen(f"{url}/health", timeout=10) as r:
             assert r.status == 200
         api = f"{url}/ajax-api/2.0/mlflow/runs/get?run_id={run.info.run_id}"

@@ -299,3 +299,86 @@ def test_nightly_recipe_new_prompts_leave_the_sft_model_cached(tmp_path):
     assert plan.descendants({"new_prompts"}) == {"new_prompts", "rejection_sampling", "preference_data", "reward_model",
                                                  "dpo_reference", "dpo", "eval_dpo"}
     assert set(plan.ancestors({"sft"})) == {"sft", "base", "prompts"}
+
+
+# ---------------------------------------------------------------------------- issue 44: the stage form's results
+
+
+def _prefect_artifact(artifact_id: str) -> str:
+    from uuid import UUID
+
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterId
+
+    with get_client(sync_client=True) as client:
+        (found,) = client.read_artifacts(artifact_filter=ArtifactFilter(id=ArtifactFilterId(any_=[UUID(artifact_id)])))
+        return found.data
+
+
+@pytest.mark.slow
+def test_a_blank_node_in_the_stage_form_is_named_after_the_model_it_evaluates(home, eval_run):
+    """The eval form with recipe sft-eval (nodes eval_base and eval_sft), node left blank, given a model that
+    sft-eval's `sft` node made: it runs as eval_sft (artifact, MLflow run, task), not eval_base; the stage-<node>
+    artifact lists the field the submission changed. Several candidates the inputs do not tell apart: one error."""
+    from mlflow.tracking import MlflowClient
+
+    from flows.store import ArtifactStore
+
+    prompts_fp, base_fp = _outputs(eval_run, "prompts")["prompts"], _outputs(eval_run, "base")["model"]
+    sft = deploy.STAGE_FLOWS["sft"](inputs={"model": base_fp, "data": prompts_fp}, config={"max_steps": 2},
+                                   recipe="sft-eval", profile="tiny")
+    assert sft["node"] == "sft"
+    result = deploy.STAGE_FLOWS["eval"](inputs={"model": sft["outputs"]["model"], "prompts": prompts_fp},
+                                        config={"max_prompts": 2}, recipe="sft-eval", profile="tiny")
+    assert result["node"] == "eval_sft"
+    store = ArtifactStore(str(home), home=str(home))
+    assert store.verify(result["outputs"]["results"]).producer.node == "eval_sft"
+    run = MlflowClient(f"sqlite:///{home}/mlflow.db").get_run(result["mlflow_run_id"])
+    assert run.data.tags["r1flow.node"] == "eval_sft" and run.info.run_name == "eval_sft"
+    shown = _prefect_artifact(result["prefect_artifact_id"])
+    assert "# Stage re-run: eval_sft (eval)" in shown
+    assert "`max_prompts=2`" in shown  # what the submission changed
+    assert "`max_prompts=2`" not in _prefect_artifact(sft["prefect_artifact_id"])  # (each lists its own)
+    assert "`max_steps=2`" in _prefect_artifact(sft["prefect_artifact_id"])
+
+    # a model no eval node of sft-eval reads (made by a node `mine`): one error naming the choices
+    mine = deploy.STAGE_FLOWS["sft"](inputs={"model": base_fp, "data": prompts_fp}, config={"max_steps": 1},
+                                    profile="tiny", node="mine")
+    with pytest.raises(ConfigError, match=r"recipe 'sft-eval' has 2 'eval' nodes \(eval_base, eval_sft\).*"
+                                          r"made by node 'mine'.*node="):
+        deploy.run_stage("eval", {"model": mine["outputs"]["model"], "prompts": prompts_fp}, recipe="sft-eval",
+                         profile="tiny")
+
+
+@pytest.mark.slow
+def test_a_cached_single_stage_rerun_gets_a_nested_run_like_a_cached_pipeline_node(home, eval_run):
+    """The pipeline's eval_base, re-run alone with the same config and inputs: cached, and its MLflow run (the link
+    printed) has a nested run with the config, the metrics and the run that produced the outputs, as a cached
+    pipeline node has."""
+    from mlflow.tracking import MlflowClient
+
+    model_fp, prompts_fp = _outputs(eval_run, "base")["model"], _outputs(eval_run, "prompts")["prompts"]
+    source = next(s for s in eval_run["stages"] if s["node"] == "eval_base")
+    result = deploy.stage_flow(stage="eval", inputs={"model": model_fp, "prompts": prompts_fp}, recipe="eval",
+                               profile="tiny")
+    assert result["status"] == "cached" and result["outputs"] == source["outputs"]
+    client = MlflowClient(f"sqlite:///{home}/mlflow.db")
+    parent = client.get_run(result["parent_run_id"])
+    children = client.search_runs([parent.info.experiment_id],
+                                  f"tags.mlflow.parentRunId = '{result['parent_run_id']}'")
+    assert len(children) == 1
+    child = children[0]
+    assert child.info.run_id == result["mlflow_run_id"] and child.info.run_name == "eval_base"
+    tags = child.data.tags
+    assert tags["r1flow.cache_hit"] == "true" and tags["r1flow.source_run_id"] == source["mlflow_run_id"]
+    assert tags["r1flow.output.results"] == source["outputs"]["results"]
+    assert child.data.params["config.max_prompts"] == str(source_config_max_prompts(eval_run))
+    assert child.data.metrics["accuracy"] == pytest.approx(source["metrics"]["accuracy"])
+    assert parent.data.tags["r1flow.source_run_id"] == source["mlflow_run_id"]
+    assert parent.data.metrics["accuracy"] == pytest.approx(source["metrics"]["accuracy"])  # the link is not empty
+
+
+def source_config_max_prompts(run: dict) -> int:
+    from flows.recipes import load_plan
+
+    return load_plan(run["recipe"], run["profile"]).node("eval_base").config.max_prompts

@@ -131,7 +131,7 @@ def test_the_next_run_closes_a_killed_runs_prefect_and_mlflow_runs_and_folders(t
     from prefect.client.schemas import filters as f
     from prefect.states import Running
 
-    from flows.pipeline import PREFECT_HOST_TAG, PREFECT_PROCESS_TAG, pipeline
+    from flows.pipeline import PREFECT_HOST_LABEL, PREFECT_PROCESS_LABEL, pipeline
     from flows.settings import Settings
     from flows.store import _proc_stat
     from flows.tracking import Tracker
@@ -146,8 +146,8 @@ def test_the_next_run_closes_a_killed_runs_prefect_and_mlflow_runs_and_folders(t
     dead_staging = _folder(home / "tmp", f"{dead_pid}-{dead_ticks}-{host_id()}-{uuid.uuid4().hex}")
     live_staging = _folder(home / "tmp", f"{live_pid}-{live_ticks}-{host_id()}-{uuid.uuid4().hex}")
 
-    def owner(pid: int, ticks: int, host: str = host_id()) -> list[str]:
-        return [f"{PREFECT_HOST_TAG}{host}", f"{PREFECT_PROCESS_TAG}{pid}:{ticks}"]
+    def owner(pid: int, ticks: int, host: str = host_id()) -> dict[str, str]:
+        return {PREFECT_HOST_LABEL: host, PREFECT_PROCESS_LABEL: f"{pid}:{ticks}"}
 
     tracker = Tracker(s.tracking_uri, "r1flow/sft-eval")
     assert tracker.client.get_run(tracker.start_run("mine", {})).data.tags["r1flow.process"] == \
@@ -169,12 +169,17 @@ def test_the_next_run_closes_a_killed_runs_prefect_and_mlflow_runs_and_folders(t
         pass
 
     with harness_home(home), get_client(sync_client=True) as client:
-        killed = client.create_flow_run(fabricated, state=Running(), tags=owner(dead_pid, dead_ticks))
+        def flow_run(labels: dict[str, str]):
+            run = client.create_flow_run(fabricated, state=Running())
+            client.update_flow_run_labels(run.id, labels)
+            return run
+
+        killed = flow_run(owner(dead_pid, dead_ticks))
         killed_task = client.create_task_run(stage, killed.id, "0", state=Running())
-        untouched = [client.create_flow_run(fabricated, state=Running(), tags=tags) for tags in (
+        untouched = [flow_run(labels) for labels in (
             owner(live_pid, live_ticks),  # a concurrent run on this home
             owner(dead_pid, dead_ticks, other_host),  # another machine's: its pids mean nothing here
-            [])]  # made before runs named their owner
+            {})]  # made before runs named their owner
         untouched_task = client.create_task_run(stage, untouched[0].id, "0", state=Running())
 
         # The next run (its only stage's upstream is not cached: it stops with a ConfigError once started).
@@ -186,9 +191,10 @@ def test_the_next_run_closes_a_killed_runs_prefect_and_mlflow_runs_and_folders(t
         assert client.read_task_run(killed_task.id).state.type.value == "CRASHED"
         assert [client.read_flow_run(r.id).state.type.value for r in untouched] == ["RUNNING"] * 3
         assert client.read_task_run(untouched_task.id).state.type.value == "RUNNING"
-        me = client.read_flow_runs(flow_run_filter=f.FlowRunFilter(
-            tags=f.FlowRunFilterTags(all_=owner(os.getpid(), _proc_stat(os.getpid())[1]))))
+        me = [r for r in client.read_flow_runs(flow_run_filter=f.FlowRunFilter())
+              if owner(os.getpid(), _proc_stat(os.getpid())[1]).items() <= r.labels.items()]
         assert [r.state.type.value for r in me] == ["FAILED"]  # the next run named its own process
+        assert not [t for r in me for t in r.tags if t.startswith("r1flow.")]  # in labels, not in the UI's tags
     mlflow = MlflowClient(s.tracking_uri)
     assert [mlflow.get_run(r).info.status for r in dead_mlflow] == ["KILLED", "KILLED"]
     assert [mlflow.get_run(r).info.status for r in live_mlflow] == ["RUNNING", "RUNNING"]

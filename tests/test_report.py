@@ -98,14 +98,38 @@ def cached_rerun(tracker: Tracker, parent: str, first: list[StageResult]) -> lis
 
 
 def table_rows(markdown: str) -> dict[str, list[str]]:
-    """The stage table (the first table) by node: node, stage, status, seconds, key metrics, MLflow run."""
-    rows = {}
+    """The stage table (the first table) by node: node, stage, status, seconds, key metrics, MLflow run (whatever
+    the column order of the table)."""
+    rows, header = {}, None
     for line in markdown.split("\n## ")[0].splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if line.startswith("| ") and cells[0] not in ("stage (kind)", "---"):
-            node, _, stage = cells[0].partition(" (")
-            rows[node] = [node, stage.rstrip(")"), *cells[1:]]
+        if not line.startswith("| ") or cells[0] == "---":
+            continue
+        if cells[0] == "stage (kind)":
+            header = cells
+            continue
+        by = dict(zip(header, cells, strict=True))
+        node, _, stage = by["stage (kind)"].partition(" (")
+        rows[node] = [node, stage.rstrip(")"), by["status"], by["s"], by["key metrics"], by["MLflow run"]]
     return rows
+
+
+def test_the_stage_tables_mlflow_links_come_before_the_long_cells(tracker):
+    """The report's MLflow column was off-screen (a 1269 px table in an 868 px pane): the stage table puts each
+    stage's link, and a cached stage's source run, right after the node's name, before the metrics. What precedes
+    the link in a row is the node, its kind and the link's 8-character label: within the first 60 characters
+    (about 420 px of text) of the row as shown."""
+    import re
+
+    plan = load_plan("sft-eval", "tiny")
+    first = sft_eval_results(tracker, tracker.start_run("parent-1", {}))
+    parent = tracker.start_run("parent-2", {})
+    report = build_report(plan, cached_rerun(tracker, parent, first), tracker, parent)
+    table = [line for line in report.markdown.split("\n## ")[0].splitlines() if line.startswith("| ")]
+    assert table[0] == "| stage (kind) | MLflow run | status | s | key metrics |"
+    for line in table[2:]:
+        shown = re.sub(r"\]\([^)]*\)", "]", line)  # a link shows as its label
+        assert shown.index("produced by [") < 60, shown
 
 
 def test_report_has_one_row_per_stage_with_status_and_link_and_plots_with_data(tracker):

@@ -141,10 +141,39 @@ def test_single_stage_rerun_through_its_deployment_joins_the_lineage(team):
     form_run = client.search_runs([exp.experiment_id], f"tags.`r1flow.flow_run_id` = '{run.id}' and "
                                   "tags.`r1flow.node` = 'eval_base'")
     assert len(form_run) == 1 and form_run[0].data.metrics["prompts"] == 6
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+
+    with _prefect_client(team["info"]) as prefect:  # the flow run's artifact says what the submission changed
+        (artifact,) = prefect.read_artifacts(artifact_filter=ArtifactFilter(
+            flow_run_id=ArtifactFilterFlowRunId(any_=[run.id]), key=ArtifactFilterKey(any_=["stage-eval-base"])))
+    assert "Fields changed: `max_prompts=6`" in artifact.data, artifact.data
     from flows.tracking import flatten
 
     logged = {k: v for k, v in form_run[0].data.params.items() if k.startswith("config.")}
     assert logged and logged == {k: str(v) for k, v in flatten({"config": expected}).items()}
+
+
+def test_serve_prints_commands_that_start_its_deployments_without_exports(team):
+    """`r1flow serve` prints how to start each served deployment from a shell; in a shell with nothing exported
+    (the README's promise for `r1flow up` servers), the printed command creates the flow run on the served server.
+    Prefect's own hint (`prefect deployment run ...`) went to a temporary server there and failed."""
+    import shlex
+
+    log = (team["home"] / "serve.log").read_text()
+    commands = [line.strip() for line in log.splitlines() if "deployment run" in line]
+    recipe = [c for c in commands if "r1flow-pipeline/eval-served" in c]
+    assert len(recipe) == 1 and any("r1flow-eval/eval-served" in c and "--param inputs=" in c for c in commands), log
+    env = _bare_env(team["home"])
+    # (scheduled a day ahead: proves the command reaches the server and finds the deployment, runs nothing)
+    out = subprocess.run(["bash", "-c", recipe[0] + " --start-in " + shlex.quote("1 day")], cwd="/", env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    created = re.search(r"UUID: ([0-9a-f-]{36})", out.stdout)
+    assert created, out.stdout
+    with _prefect_client(team["info"]) as client:
+        flow_run = client.read_flow_run(created.group(1))
+        assert flow_run.state.is_scheduled()
+        client.delete_flow_run(flow_run.id)
 
 
 def test_cron_deployment_lists_scheduled_runs(team, tmp_path):
@@ -258,13 +287,25 @@ def test_every_command_uses_the_up_servers_without_exports(live_servers, session
     out = _r1flow(["run", "--recipe", "eval", "--profile", "tiny", "--json", str(tmp_path / "run.json")], env)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert f"Prefect {info.prefect_api_url}" in out.stdout and "r1flow up servers" in out.stdout
+    assert "View run" not in out.stdout and "View experiment" not in out.stdout  # MLflow's links open its GenAI view
     run = json.loads((tmp_path / "run.json").read_text())
     with _prefect_client(info) as client:
-        assert client.read_flow_run(run["flow_run_id"]).state.is_completed()
+        flow_run = client.read_flow_run(run["flow_run_id"])
+        assert flow_run.state.is_completed()
+        # which process runs it is bookkeeping (labels), not tags the flow run's header shows
+        assert not [t for t in flow_run.tags if t.startswith("r1flow.")], flow_run.tags
+        assert flow_run.labels["r1flow.host"] and flow_run.labels["r1flow.process"]
     parent = mlflow.get_run(run["parent_run_id"])  # on the server, not in a sqlite file under the home
-    assert parent.data.tags["r1flow.recipe"] == "eval" and re.fullmatch(r"eval tiny \d\d-\d\d \d\d:\d\d [0-9a-f]{6}", parent.info.run_name)
+    # the runs table shows ~22 characters of a name: the time that tells runs apart first
+    assert parent.data.tags["r1flow.recipe"] == "eval" and re.fullmatch(r"\d\d-\d\d \d\d:\d\d eval tiny [0-9a-f]{6}",
+                                                                        parent.info.run_name)
     exp = mlflow.get_experiment(parent.info.experiment_id)
     assert exp.tags["mlflow.experimentKind"] == "custom_model_development"  # MLflow 3 opens the runs table
+    # the MLflow link status (and up) print opens the experiment's runs table, not the list whose clicks go to GenAI
+    out = _r1flow(["status"], env)
+    assert f"r1flow/eval: {info.mlflow.url}/#/experiments/{exp.experiment_id}/runs?workflowType=machine_learning" \
+        in out.stdout, out.stdout
+    assert "#/experiments?" not in out.stdout, out.stdout
     assert not (home / "mlflow.db").exists()
     outputs = {s["node"]: s["outputs"] for s in run["stages"]}
 
@@ -272,8 +313,11 @@ def test_every_command_uses_the_up_servers_without_exports(live_servers, session
                    "--input", "prompts=latest:prompts", "--set", "max_prompts=3", "--json", str(tmp_path / "st.json")],
                   env)
     assert out.returncode == 0, out.stderr[-3000:]
+    assert "View run" not in out.stdout and "View experiment" not in out.stdout
     stage = json.loads((tmp_path / "st.json").read_text())
-    assert mlflow.get_run(stage["parent_run_id"]).data.tags["r1flow.output.results"] == stage["outputs"]["results"]
+    stage_parent = mlflow.get_run(stage["parent_run_id"])
+    assert stage_parent.data.tags["r1flow.output.results"] == stage["outputs"]["results"]
+    assert re.fullmatch(r"\d\d-\d\d \d\d:\d\d eval \(stage\) [0-9a-f]{6}", stage_parent.info.run_name)
     with _prefect_client(info) as client:
         assert client.read_flow_run(stage["flow_run_id"]).state.is_completed()
         arts = client.read_artifacts(artifact_filter=ArtifactFilter(
@@ -281,6 +325,7 @@ def test_every_command_uses_the_up_servers_without_exports(live_servers, session
     keyed = [a for a in arts if a.key]  # (Prefect adds unkeyed ones of its own, e.g. for persisted results)
     assert [a.key for a in keyed] == ["stage-eval"] and keyed[0].type == "markdown", [(a.key, a.type) for a in arts]
     assert stage["outputs"]["results"] in keyed[0].data and info.mlflow.url in keyed[0].data
+    assert "Fields changed: `max_prompts=3`" in keyed[0].data  # what the --set changed
 
     out = _r1flow(["deploy", "--recipe", "rejection-rounds", "--profile", "tiny", "--cron", "0 3 * * *", "--pool", "up-pool"],
                   env)
