@@ -451,9 +451,11 @@ def _prefect_env(home: Path, port: int, host: str = HOST, advertise: str = HOST)
         # (another server) would be served to it
         "PREFECT_UI_API_URL": api,
         "PREFECT_API_URL": api,
-        # names a browser may use besides IP literals and localhost (flows/prefect_server.py)
+        # names a browser may use besides IP literals and localhost (flows/prefect_server.py): the advertised one,
+        # the hostname for a wildcard bind, and any the user exported
         "R1FLOW_PREFECT_ALLOWED_HOSTS": ",".join(dict.fromkeys(
-            [advertise] + ([socket.gethostname()] if host in WILDCARDS else []))),
+            [advertise] + ([socket.gethostname()] if host in WILDCARDS else [])
+            + [n for n in os.environ.get("R1FLOW_PREFECT_ALLOWED_HOSTS", "").split(",") if n.strip()])),
     }
 
 
@@ -492,7 +494,7 @@ def _locked(home: str | Path):
     import fcntl
 
     d = servers_dir(home)
-    d.mkdir(parents=True, exist_ok=True)
+    private_dir(d)
     with open(d / "servers.lock", "w") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
