@@ -32,7 +32,7 @@ def _print_servers_used(args: argparse.Namespace) -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from flows.recipes import DEFAULT_RECIPE, load_plan
-    from flows.settings import Settings, make_home
+    from flows.settings import Settings, make_home, start_temporary_prefect
 
     recipe = args.recipe or DEFAULT_RECIPE
     profile = args.profile or _default_profile()
@@ -45,6 +45,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     settings = Settings.from_env()
     check_driver(execution, settings.store, settings.tracking_uri)  # before anything is written
     make_home()
+    start_temporary_prefect()
     print(f"r1flow: recipe {plan.recipe!r}, profile {plan.profile!r}, model {plan.model!r}, "
           f"{len(plan.nodes)} stages, {execution.describe()}; home {settings.home}", flush=True)
     _print_servers_used(args)
@@ -62,7 +63,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 SUMMARY_WIDTH = 100  # columns of the end-of-run summary when stdout is not a terminal and COLUMNS is not set
-MLFLOW_UI_PORT = 5000  # `r1flow ui` takes MLflow's usual port when it is free (else a free one, which it prints)
+from flows.servers import MLFLOW_UI_PORT  # noqa: E402  (`r1flow ui`'s first choice; a home keeps the one it got)
 
 
 def _console(width: int | None = None):
@@ -238,7 +239,7 @@ def print_summary(result: dict, total: float, before_flow: float, console=None) 
 
     from rich.text import Text
 
-    from flows.servers import MLFLOW_UI_QUERY
+    from flows.servers import MLFLOW_UI_QUERY, ui_port
     from flows.settings import Settings
 
     console = console or _console()
@@ -287,10 +288,11 @@ def print_summary(result: dict, total: float, before_flow: float, console=None) 
         console.print("MLflow UI: the tracking server; parent run:")
         line(link)
     else:
-        console.print(f"MLflow UI (on 127.0.0.1:{MLFLOW_UI_PORT}, or a free port it prints; Ctrl-C stops it):")
+        port = ui_port(home)
+        console.print(f"MLflow UI (on 127.0.0.1:{port}, this home's; Ctrl-C stops it):")
         line(ui_command(home))
         console.print("then the parent run:")
-        line(f"http://127.0.0.1:{MLFLOW_UI_PORT}/#/experiments/{result['experiment_id']}/runs/"
+        line(f"http://127.0.0.1:{port}/#/experiments/{result['experiment_id']}/runs/"
              f"{result['parent_run_id']}{MLFLOW_UI_QUERY}")
     prefect = os.environ.get("PREFECT_API_URL", "")
     if prefect and result.get("flow_run_id"):
@@ -533,17 +535,66 @@ def _print_cluster(address: str) -> None:
         print(line)
 
 
-def _port_free(port: int) -> bool:
-    import socket
+def _ui_store(home) -> tuple[str, object, object, int | None]:
+    """What `r1flow ui` serves when tracking goes to no server: (tracking URI, artifacts folder, the database
+    when it is a local sqlite file, the port it belongs on when the home has one). MLFLOW_TRACKING_URI when set;
+    else `r1flow up`'s store once the servers are down (`<home>/servers/mlflow.db`, on up's MLflow port, so
+    the links of its runs open), else the home's own (`<home>/mlflow.db`, on the home's ui port)."""
+    import os
+    from pathlib import Path
 
-    from flows.servers import HOST
+    from flows import servers
 
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind((HOST, port))
-        except OSError:
-            return False
-    return True
+    uri = os.environ.get("MLFLOW_TRACKING_URI")
+    if uri:
+        db = Path(uri.removeprefix("sqlite:///")) if uri.startswith("sqlite:///") else None
+        return uri, home / "mlartifacts", db, None
+    up_db, own_db = servers.store_db(home), home / "mlflow.db"
+    if up_db.exists() and (not own_db.exists() or up_db.stat().st_mtime >= own_db.stat().st_mtime):
+        if own_db.exists():
+            print(f"r1flow: also here, older: {own_db} (runs without `r1flow up`); open it with "
+                  f"MLFLOW_TRACKING_URI=sqlite:///{own_db} r1flow ui", flush=True)
+        return f"sqlite:///{up_db}", servers.servers_dir(home) / "mlartifacts", up_db, \
+            servers.recorded_ports(home).get("mlflow")
+    if up_db.exists():
+        print(f"r1flow: also here, older: {up_db} (runs with `r1flow up`); `r1flow up` serves it", flush=True)
+    return f"sqlite:///{own_db}", home / "mlartifacts", own_db, None
+
+
+def _ui_port(home, asked: int | None, kept: int | None) -> int:
+    """--port, else the store's kept port (taken: an error naming what holds it), else the home's ui port
+    (MLflow's usual 5000 the first time; when that is taken, a free one, said loudly, kept for next time)."""
+    from flows import servers
+    from schemas.errors import ConfigError
+
+    host = servers.HOST
+    if asked is not None:
+        e = servers.bind_error(asked, host)
+        if e is not None:
+            raise ConfigError(servers.port_taken_message(asked, host, e, "--port") + "; pick another with --port")
+        return asked
+    if kept is not None:
+        e = servers.bind_error(kept, host)
+        if e is not None:
+            raise ConfigError(servers.port_taken_message(kept, host, e, f"this home's, in {servers.ports_path(home)}")
+                              + "; stop what holds it, or pick another with --port")
+        return kept
+    with servers._locked(home):
+        recorded = servers.recorded_ports(home).get("ui")
+        port = recorded or servers.MLFLOW_UI_PORT
+        e = servers.bind_error(port, host)
+        if e is not None:
+            if recorded:
+                raise ConfigError(servers.port_taken_message(port, host, e, f"this home's, in {servers.ports_path(home)}")
+                                  + "; stop what holds it, or pick another with --port")
+            moved = servers._free_ports(1)[0]
+            print(f"r1flow: WARNING: {servers.port_taken_message(port, host, e, 'MLflow UI default')}; serving on "
+                  f"{host}:{moved} instead, from now on for this home: links to :{port} printed before do not open "
+                  "here", file=sys.stderr, flush=True)
+            port = moved
+        if not recorded:
+            servers.record_ports(home, ui=port)
+    return port
 
 
 def cmd_ui(args: argparse.Namespace) -> int:
@@ -553,7 +604,6 @@ def cmd_ui(args: argparse.Namespace) -> int:
     import signal
     import subprocess
     from pathlib import Path
-    from urllib.parse import urlparse
 
     from flows import servers
     from flows.servers import HOST
@@ -573,17 +623,15 @@ def cmd_ui(args: argparse.Namespace) -> int:
             print("Prefect UI:")
             print(prefect.rstrip("/").removesuffix("/api"))
         return 0
-    parsed = urlparse(uri)
-    if parsed.scheme == "sqlite" and not Path(parsed.path).exists():
-        raise ConfigError(f"no MLflow store at {parsed.path} yet: nothing has run with R1FLOW_HOME={home} "
+    uri, artifacts, db, kept = _ui_store(home)
+    if db is not None and not db.exists():
+        raise ConfigError(f"no MLflow store at {db} yet: nothing has run with R1FLOW_HOME={home} "
                           "(run `r1flow run` first, or set R1FLOW_HOME to the home of your runs)")
-    if args.port is not None and not _port_free(args.port):
-        raise ConfigError(f"port {HOST}:{args.port} is in use; pick another with --port or leave it out")
-    port = args.port or (MLFLOW_UI_PORT if _port_free(MLFLOW_UI_PORT) else servers._free_ports(1)[0])
+    port = _ui_port(home, args.port, kept)
     log = home / "logs" / f"mlflow-ui-{port}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     cmd = [*servers.console_script("mlflow"), "server", "--host", HOST, "--port", str(port), "--workers", "1",
-           "--backend-store-uri", uri, "--artifacts-destination", str(home / "mlartifacts")]
+           "--backend-store-uri", uri, "--artifacts-destination", str(artifacts)]
     url = f"http://{HOST}:{port}"
 
     def _interrupt(signum, frame):
@@ -653,12 +701,13 @@ def _input_refs(pairs: list[str]) -> dict[str, str]:
 
 def cmd_stage(args: argparse.Namespace) -> int:
     from flows.deploy import stage_config, stage_flow
-    from flows.settings import Settings, make_home
+    from flows.settings import Settings, make_home, start_temporary_prefect
 
     overrides = _overrides_dict(args.set)
     stage_config(args.name, args.recipe, args.profile, args.node, overrides)  # config errors before Prefect starts
     refs = _input_refs(args.input)
     make_home()
+    start_temporary_prefect()
     _print_servers_used(args)
 
     result = stage_flow(stage=args.name, inputs=refs, overrides=overrides, node=args.node, seed=args.seed,
@@ -857,7 +906,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.set_defaults(func=cmd_up)
     ui = sub.add_parser("ui", help="MLflow's UI on 127.0.0.1 for this R1FLOW_HOME's runs (foreground, Ctrl-C "
                         "stops it); with a tracking server, its URL")
-    ui.add_argument("--port", type=int, help=f"default: {MLFLOW_UI_PORT} when free, else a free port")
+    ui.add_argument("--port", type=int, help=f"default: the home's (the first time {MLFLOW_UI_PORT}, or a free "
+                    "port when that is taken; after `r1flow up`, up's MLflow port)")
     ui.add_argument("--timeout", type=float, default=120, help="seconds to wait for it to answer (default 120)")
     ui.set_defaults(func=cmd_ui)
     sub.add_parser("down", help="stop registered runners, then the servers started by `r1flow up`"

@@ -326,7 +326,7 @@ def publish_stage_result(result: dict[str, Any], recipe: str | None, profile: st
 
 
 
-@flow(name="r1flow-stage", persist_result=True, log_prints=True)
+@flow(name="r1flow-stage", persist_result=True, result_serializer="json", log_prints=True)
 def stage_flow(stage: str, inputs: dict[str, str], overrides: dict[str, Any] | None = None, node: str | None = None,
                seed: int | None = None, recipe: str | None = None, profile: str | None = None,
                settings: dict[str, str] | None = None, force: bool = False) -> dict[str, Any]:
@@ -398,7 +398,8 @@ def _make_stage_flow(stage: str):
     """
     rerun.__name__ = rerun.__qualname__ = f"{stage}_stage"
     rerun.__module__ = __name__
-    return flow(name=f"r1flow-{stage.replace('_', '-')}", persist_result=True, log_prints=True)(rerun)
+    return flow(name=f"r1flow-{stage.replace('_', '-')}", persist_result=True, result_serializer="json",
+                log_prints=True)(rerun)
 
 
 STAGE_FLOWS = {stage: _make_stage_flow(stage) for stage in STAGE_MODULES}
@@ -422,7 +423,7 @@ def schedule_kwargs(cron: str | None, interval: float | None) -> dict[str, Any]:
     return {"interval": interval} if interval else {}
 
 
-@flow(name="r1flow-pipeline", persist_result=True, log_prints=True)
+@flow(name="r1flow-pipeline", persist_result=True, result_serializer="json", log_prints=True)
 def recipe_pipeline(recipe: RecipeName, profile: ProfileName, overrides: list[str] | None = None,
                     only: list[str] | None = None, force: list[str] | None = None, parallel: int = 1,
                     cluster: str | None = None) -> dict[str, Any]:

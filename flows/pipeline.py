@@ -256,7 +256,7 @@ def experiment_name(recipe: str) -> str:
     return f"r1flow/{recipe}"
 
 
-@flow(name="r1flow-pipeline", persist_result=True, log_prints=True)
+@flow(name="r1flow-pipeline", persist_result=True, result_serializer="json", log_prints=True)
 def pipeline(recipe: str, profile: str, overrides: list[str] | None = None, only: list[str] | None = None,
              force: list[str] | None = None, settings: dict[str, str] | None = None, parallel: int = 1,
              cluster: str | None = None) -> dict[str, Any]:

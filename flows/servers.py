@@ -6,13 +6,18 @@ read and write runs, artifacts and flow runs (`widened` decides when to say so).
 use an address other machines can use (`advertised_host`): the bind address itself, or for a wildcard bind
 (0.0.0.0, ::) this machine's hostname, or `--advertise ADDRESS`. MLflow 3 refuses requests whose Host header is
 not localhost or a private IP (DNS rebinding protection): an advertised name outside those is added to its
-allowed hosts (MLFLOW_SERVER_ALLOWED_HOSTS, unless already set). Both keep their state under
-`<home>/servers/` (their own sqlite
-databases: both create an `alembic_version` table), run in their own sessions (a Ctrl-C in the
+allowed hosts (MLFLOW_SERVER_ALLOWED_HOSTS, unless already set); Prefect has no such setting, so its server runs
+behind the same check (flows/prefect_server.py). Both keep their state under `<home>/servers/` (their own sqlite
+databases, 0600 in a 0700 home: both create an `alembic_version` table), run in their own sessions (a Ctrl-C in the
 terminal does not reach them; `stop` signals their process groups) and are recorded in
 `<home>/servers/servers.json`. Runners/workers that serve deployments against these servers
 register their pids here so that `stop` ends them first: they pause schedules through the API
 and hang if it is gone (DESIGN.md §6).
+
+Ports are the home's: chosen once and kept in `<home>/servers/ports.json` (which `stop` keeps), so the links
+in earlier reports (MLflow runs, plot images) still open after `down` and `up`; a port that is taken is an
+error naming it and, when this user can see it, the process that holds it. `r1flow ui` serves the store of
+`up` on the same port once the servers are down.
 
 Standard library only: `r1flow up` must not pay for importing Prefect or MLflow.
 """
@@ -20,6 +25,7 @@ Standard library only: `r1flow up` must not pay for importing Prefect or MLflow.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import signal
@@ -38,6 +44,7 @@ from schemas.errors import R1FlowError
 HOST = "127.0.0.1"
 WILDCARDS = ("0.0.0.0", "::", "")
 MLFLOW_UI_QUERY = "?workflowType=machine_learning"  # MLflow 3's UI: open experiments on the runs table (tracking.py)
+MLFLOW_UI_PORT = 5000  # `r1flow ui`'s first choice for a home's local store: MLflow's usual port
 STOP_GRACE_S = 10.0
 LOG_TAIL_LINES = 25
 
@@ -91,6 +98,58 @@ def servers_dir(home: str | Path) -> Path:
 
 def info_path(home: str | Path) -> Path:
     return servers_dir(home) / "servers.json"
+
+
+def ports_path(home: str | Path) -> Path:
+    return servers_dir(home) / "ports.json"
+
+
+def store_db(home: str | Path) -> Path:
+    """The sqlite database of `r1flow up`'s MLflow server (kept after `down`; `r1flow ui` serves it then)."""
+    return servers_dir(home) / "mlflow.db"
+
+
+def recorded_ports(home: str | Path) -> dict[str, int]:
+    """The home's ports by name (prefect, mlflow: `r1flow up`; ui: `r1flow ui` on the home's local store)."""
+    try:
+        d = json.loads(ports_path(home).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+    return {k: v for k, v in d.items() if isinstance(v, int) and 0 < v < 65536}
+
+
+def record_ports(home: str | Path, **ports: int) -> None:
+    """Keep these ports for the home (callers hold `_locked(home)`)."""
+    path = ports_path(home)
+    merged = {**recorded_ports(home), **ports}
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(merged, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def ui_port(home: str | Path) -> int:
+    """The port `r1flow ui` serves the home's local store on (what `r1flow run` prints for it)."""
+    return recorded_ports(home).get("ui", MLFLOW_UI_PORT)
+
+
+def private_dir(path: Path) -> None:
+    """Create `path` (and missing parents) readable by this user only; an existing one loses group and other
+    access: it holds the databases, models and runs."""
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    mode = path.stat().st_mode & 0o777
+    if mode & 0o077:
+        os.chmod(path, mode & 0o700)
+
+
+def private_file(path: Path) -> None:
+    """Create `path` empty (an empty file is an empty sqlite database) or tighten it to 0600, before a server
+    opens it: sqlite gives its -wal, -shm and journal files the database's mode."""
+    os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))
+    if path.stat().st_mode & 0o077:
+        os.chmod(path, 0o600)
+    for side in ("-wal", "-shm", "-journal"):
+        with contextlib.suppress(FileNotFoundError):
+            os.chmod(f"{path}{side}", 0o600)
 
 
 def env_for(info: ServerInfo) -> dict[str, str]:
@@ -285,13 +344,58 @@ def _free_ports(n: int, host: str = HOST) -> list[int]:
         return ports
 
 
-def _check_port_free(port: int, what: str, host: str = HOST) -> None:
+def bind_error(port: int, host: str = HOST) -> OSError | None:
+    """Why a server could not listen on host:port now, or None when it could. SO_REUSEADDR as the servers set it
+    (uvicorn): connections of a stopped server in TIME-WAIT (a minute on Linux) do not count, a listener does."""
     with socket.socket(_family(host), socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError as e:
-            raise R1FlowError(f"cannot start the {what} server: port {host}:{port} is in use or the address cannot "
-                              f"be bound ({e.strerror}); pick another with --{what}-port or --host") from None
+            return e
+    return None
+
+
+def port_holder(port: int) -> str | None:
+    """`pid N (command)` of the process listening on this TCP port, when this user can see it (Linux /proc)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            if len(f) > 9 and f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(f"socket:[{f[9]}]")
+    if not inodes:
+        return None
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            for fd in (proc / "fd").iterdir():
+                if os.readlink(fd) in inodes:
+                    cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+                    return f"pid {proc.name} ({cmd[:80]}{'...' if len(cmd) > 80 else ''})"
+        except OSError:
+            continue
+    return None
+
+
+def port_taken_message(port: int, host: str, e: OSError, whose: str) -> str:
+    """One line: which port, whose it is (`whose`), and what holds it when known."""
+    holder = port_holder(port) if e.errno == errno.EADDRINUSE else None
+    why = f"in use by {holder}" if holder else f"not available ({e.strerror})"
+    return f"port {host}:{port} ({whose}) is {why}"
+
+
+def _check_port_free(port: int, what: str, host: str = HOST, whose: str | None = None) -> None:
+    e = bind_error(port, host)
+    if e is not None:
+        raise R1FlowError(f"cannot start the {what} server: "
+                          + port_taken_message(port, host, e, whose or f"--{what}-port")
+                          + f"; stop what holds it, or pick another with --{what}-port (this home keeps it)")
 
 
 def console_script(name: str) -> list[str]:
@@ -322,7 +426,8 @@ def _healthy(url: str) -> bool:
 
 
 def _prefect_command(port: int) -> list[str]:
-    return console_script("prefect") + ["server", "start", "--host", HOST, "--port", str(port)]
+    # `prefect server start` behind a Host-header check (flows/prefect_server.py)
+    return [sys.executable, "-m", "flows.prefect_server", "server", "start", "--host", HOST, "--port", str(port)]
 
 
 def _with_host(cmd: list[str], host: str) -> list[str]:
@@ -346,6 +451,11 @@ def _prefect_env(home: Path, port: int, host: str = HOST, advertise: str = HOST)
         # (another server) would be served to it
         "PREFECT_UI_API_URL": api,
         "PREFECT_API_URL": api,
+        # names a browser may use besides IP literals and localhost (flows/prefect_server.py): the advertised one,
+        # the hostname for a wildcard bind, and any the user exported
+        "R1FLOW_PREFECT_ALLOWED_HOSTS": ",".join(dict.fromkeys(
+            [advertise] + ([socket.gethostname()] if host in WILDCARDS else [])
+            + [n for n in os.environ.get("R1FLOW_PREFECT_ALLOWED_HOSTS", "").split(",") if n.strip()])),
     }
 
 
@@ -384,7 +494,7 @@ def _locked(home: str | Path):
     import fcntl
 
     d = servers_dir(home)
-    d.mkdir(parents=True, exist_ok=True)
+    private_dir(d)
     with open(d / "servers.lock", "w") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
@@ -437,8 +547,9 @@ def start(home: str | Path, prefect_port: int | None = None, mlflow_port: int | 
     adv = advertised_host(host, advertise)
     local = _connect_host(host)
     d = servers_dir(home)
-    d.mkdir(parents=True, exist_ok=True)
-    (home / "prefect-server").mkdir(parents=True, exist_ok=True)
+    private_dir(home)
+    private_dir(d)
+    private_dir(home / "prefect-server")
     with _locked(home):
         old = _read(home)
         if old is not None:
@@ -448,15 +559,24 @@ def start(home: str | Path, prefect_port: int | None = None, mlflow_port: int | 
                 raise R1FlowError(f"servers for {home} are already running: {names}; "
                                   f"use them, or stop them with `R1FLOW_HOME={home} r1flow down`")
             _stop_locked(home, old, grace=STOP_GRACE_S)  # stale record: clean up leftover children, runners
+        kept = recorded_ports(home)
+        whose = {}
+        for name, asked in (("prefect", prefect_port), ("mlflow", mlflow_port)):
+            whose[name] = f"--{name}-port" if asked else f"this home's {name} port, kept in {ports_path(home)}"
+        prefect_port = prefect_port or kept.get("prefect")
+        mlflow_port = mlflow_port or kept.get("mlflow")
+        if prefect_port is not None and prefect_port == mlflow_port:
+            raise R1FlowError(f"the prefect and mlflow servers would both listen on port {prefect_port}; "
+                              "pick others with --prefect-port and --mlflow-port")
         if prefect_port is not None:
-            _check_port_free(prefect_port, "prefect", host)
+            _check_port_free(prefect_port, "prefect", host, whose["prefect"])
         if mlflow_port is not None:
-            _check_port_free(mlflow_port, "mlflow", host)
+            _check_port_free(mlflow_port, "mlflow", host, whose["mlflow"])
         free = [p for p in _free_ports(3, host) if p not in (prefect_port, mlflow_port)]
         prefect_port = prefect_port or free.pop()
         mlflow_port = mlflow_port or free.pop()
-        if prefect_port == mlflow_port:
-            raise R1FlowError(f"--prefect-port and --mlflow-port are both {prefect_port}")
+        for db in ("prefect.db", "mlflow.db"):
+            private_file(d / db)
 
         specs = {
             "prefect": (_with_host(_prefect_command(prefect_port), host), _prefect_env(home, prefect_port, host, adv),
@@ -489,6 +609,7 @@ def start(home: str | Path, prefect_port: int | None = None, mlflow_port: int | 
         info = ServerInfo(home=str(home), started_at=datetime.now(UTC).isoformat(timespec="seconds"),
                           prefect=servers["prefect"], mlflow=servers["mlflow"])
         _write(home, info)
+        record_ports(home, prefect=prefect_port, mlflow=mlflow_port)
         return info
 
 

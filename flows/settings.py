@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -66,11 +68,52 @@ def prepare_environment(home: str | None = None) -> str:
 
 
 def make_home() -> None:
-    """Create R1FLOW_HOME and PREFECT_HOME (Prefect's temporary server cannot create its database's folder).
-    Commands call it once their input is validated: a command that fails validation writes nothing."""
+    """Create R1FLOW_HOME and PREFECT_HOME, readable by this user only (Prefect's temporary server cannot create
+    its database's folder). Commands call it once their input is validated: a command that fails validation
+    writes nothing."""
+    from flows.servers import private_dir
+
     for key in ("R1FLOW_HOME", "PREFECT_HOME"):
         if os.environ.get(key):
-            Path(os.environ[key]).mkdir(parents=True, exist_ok=True)
+            private_dir(Path(os.environ[key]))
+
+
+@contextlib.contextmanager
+def file_lock(path: str | Path) -> Iterator[None]:
+    """An exclusive lock on `path` (created, with its folder) across processes, released on exit."""
+    import fcntl
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def start_temporary_prefect() -> None:
+    """Without a Prefect server (no PREFECT_API_URL), start this command's temporary one now, one process at a
+    time per database: each runs Prefect's migrations on `$PREFECT_HOME/prefect.db` as it starts, and commands
+    started together on a new home ran them at once (`duplicate column name: last_polled`, issue 44), as they
+    did MLflow's (flows/tracking.py: `sqlite_lock`). The lock is `<db>.lock`, like MLflow's; the database is
+    created 0600 first. Prefect then uses this server (one per process) for the command's flow."""
+    if os.environ.get("PREFECT_API_URL"):
+        return
+    from prefect.server.api.server import SubprocessASGIServer
+    from prefect.settings import get_current_settings
+
+    from flows.servers import private_file
+
+    url = get_current_settings().server.database.connection_url
+    url = url.get_secret_value() if url is not None else ""
+    if not url.startswith("sqlite+aiosqlite:///") or ":memory:" in url:
+        SubprocessASGIServer().start()
+        return
+    db = Path(url.removeprefix("sqlite+aiosqlite:///").split("?", 1)[0])
+    with file_lock(f"{db}.lock"):
+        private_file(db)
+        SubprocessASGIServer().start()
 
 
 def _check_prefect_not_fixed() -> None:

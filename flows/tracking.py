@@ -7,7 +7,6 @@ MLflow's fluent "active run" is thread-local and Prefect runs tasks in worker th
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import math
 import os
 import socket
@@ -23,7 +22,8 @@ from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from flows.servers import MLFLOW_UI_QUERY
+from flows.servers import MLFLOW_UI_QUERY, private_file
+from flows.settings import file_lock
 from flows.store import host_id, owner_gone, process_owner
 
 PARAM_MAX = 6000
@@ -65,14 +65,8 @@ def sqlite_lock(uri: str) -> Iterator[None]:
     if not uri.startswith("sqlite:///"):
         yield
         return
-    db = Path(uri.removeprefix("sqlite:///"))
-    db.parent.mkdir(parents=True, exist_ok=True)
-    with open(f"{db}.lock", "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    with file_lock(f"{Path(uri.removeprefix('sqlite:///'))}.lock"):
+        yield
 
 
 _READY: set[str] = set()
@@ -86,6 +80,8 @@ def mlflow_client(uri: str) -> MlflowClient:
     if uri in _READY:
         return MlflowClient(uri)
     with sqlite_lock(uri):  # the client's store (built in the constructor or at the first call) runs the migration
+        if uri.startswith("sqlite:///"):
+            private_file(Path(uri.removeprefix("sqlite:///")))  # 0600 before MLflow creates it
         client = MlflowClient(uri)
         client.search_experiments(max_results=1)
     _READY.add(uri)

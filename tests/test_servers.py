@@ -210,6 +210,28 @@ def test_port_in_use_is_refused_before_spawning(tmp_path, monkeypatch):
             servers.start(tmp_path, prefect_port=busy.getsockname()[1])
 
 
+def test_prefect_host_guard_accepts_ip_literals_localhost_and_the_advertised_name():
+    from flows.prefect_server import host_allowed
+
+    names = frozenset({"head"})
+    for ok in ("127.0.0.1:4200", "localhost:4200", "[::1]:4200", "10.0.0.5", "head:4200", "HEAD", "LocalHost"):
+        assert host_allowed(ok, names), ok
+    for bad in ("rebind.example:4200", "", "127.0.0.1.nip.io:4200", "headx", "localhost.evil:80", "[::1"):
+        assert not host_allowed(bad, names), bad
+
+
+def test_a_taken_port_names_what_holds_it(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        e = servers.bind_error(port)
+        assert e is not None
+        message = servers.port_taken_message(port, "127.0.0.1", e, "mine")
+        assert message.startswith(f"port 127.0.0.1:{port} (mine) is in use by pid {os.getpid()} ("), message
+    assert servers.bind_error(port) is None  # closed: free again
+
+
 # ---------------------------------------------------------------------------------------------
 # the CLI: up --detach, a registered runner, status, down
 
