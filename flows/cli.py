@@ -40,6 +40,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     for name in (args.only or []) + (args.force or []):
         plan.node(name)
     from flows.placement import Execution, check_driver, cluster_address
+    from stages.runtime import threads
 
     execution = Execution(parallel=args.parallel, cluster=cluster_address(args.cluster))
     settings = Settings.from_env()
@@ -47,7 +48,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     make_home()
     start_temporary_prefect()
     print(f"r1flow: recipe {plan.recipe!r}, profile {plan.profile!r}, model {plan.model!r}, "
-          f"{len(plan.nodes)} stages, {execution.describe()}; home {settings.home}", flush=True)
+          f"{len(plan.nodes)} stages, {execution.describe()}; home {settings.home}; {threads.describe()}", flush=True)
     _print_servers_used(args)
     from flows.pipeline import pipeline
 
@@ -990,6 +991,9 @@ def main(argv: list[str] | None = None) -> int:
     (exit code 141) when the reader of its output goes away (`r1flow stages -v | head -1`)."""
     args = build_parser().parse_args(argv)
     supervised = argv is None and args.command in RUN_COMMANDS
+    from stages.runtime.threads import yield_when_idle
+
+    yield_when_idle()  # before anything loads torch (stages.runtime.threads)
     if argv is None:
         from stages.runtime.lifetime import exit_without_final_collection
 

@@ -32,7 +32,7 @@ NODE_RETRIES = 2  # a stage whose machine was lost is retried this many times on
 INSTALL_HINT = "install the cluster extra: pip install -e '.[cluster]'"
 # What a stage task on a Ray worker must see as the driver does (Ray workers start from the raylet's environment).
 FORWARDED_ENV = ("R1FLOW_HOME", "R1FLOW_STORE", "MLFLOW_TRACKING_URI", "PREFECT_API_URL", "PREFECT_HOME",
-                 "PREFECT_SERVER_ANALYTICS_ENABLED", "TOKENIZERS_PARALLELISM", "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR",
+                 "PREFECT_SERVER_ANALYTICS_ENABLED", "TOKENIZERS_PARALLELISM", "OMP_WAIT_POLICY", "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR",
                  "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_DEFAULT_REGION",
                  "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "FSSPEC_S3_ENDPOINT_URL", "GOOGLE_APPLICATION_CREDENTIALS")
 

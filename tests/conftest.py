@@ -14,6 +14,7 @@ os.environ["PREFECT_HOME"] = str(_SESSION / "prefect")
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the CLI does (stages/runtime/threads.py): before torch loads
 os.environ.pop("MLFLOW_TRACKING_URI", None)
 os.environ.pop("R1FLOW_STORE", None)
 

@@ -214,3 +214,19 @@ def test_a_parallel_worker_runs_torch_and_its_children_with_its_share():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={k: v for k, v in os.environ.items() if not k.endswith("_NUM_THREADS")})
     assert out.stdout.split() == ["3", "3", "3"]
+
+
+def test_openmp_threads_sleep_when_idle_unless_the_user_chose_a_policy(tmp_path):
+    """Every r1flow command sets OMP_WAIT_POLICY=PASSIVE before torch loads libgomp (stages/runtime/threads.py:
+    spinning idle threads slowed concurrent processes ~9x here), and leaves a policy the user set alone."""
+    from stages.runtime.threads import yield_when_idle
+
+    env: dict[str, str] = {}
+    assert yield_when_idle(env) == "PASSIVE" and env == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert yield_when_idle({"OMP_WAIT_POLICY": "ACTIVE"}) == "ACTIVE"
+    code = "import os, sys; from flows.cli import main; main(['artifacts']); print(os.environ.get('OMP_WAIT_POLICY'))"
+    base = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"} | {"R1FLOW_HOME": str(tmp_path)}
+    for env_extra, policy in (({}, "PASSIVE"), ({"OMP_WAIT_POLICY": "active"}, "active")):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                             env={**base, **env_extra})
+        assert out.stdout.split()[-1] == policy, out.stdout[-500:]
