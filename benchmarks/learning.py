@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import CACHE_DIR, MODEL_REFS, SEED, ensure_model_dir  # noqa: E402
+from benchmarks.common import CACHE_DIR, MODEL_REFS, SEED, Snapshots, ensure_model_dir  # noqa: E402
 
 RESULT_MARK = "LEARN-RESULT "
 SIDES = ("trl", "r1flow", "r1flow_ppo")  # r1flow_ppo: `--algo ppo`, r1flow's ppo stage on the same plan
@@ -232,30 +232,6 @@ def ppo_config(plan: Plan, steps: int, max_minutes: float):
                      max_minutes=max_minutes)
 
 
-class Snapshots:
-    """Saves the policy's adapter after the steps that cross each curve time, and after step `at_step`."""
-
-    def __init__(self, plan: Plan, out: Path, at_step: int | None):
-        self.times, self.out, self.at_step = list(plan.curve_times()), out, at_step
-        self.saved: list[dict] = []
-        self.crossed = 0
-
-    def after_step(self, model, step: int, elapsed: float) -> None:
-        names = []
-        while self.times and elapsed >= self.times[0]:
-            self.times.pop(0)
-            self.crossed += 1
-            names.append(f"t{self.crossed}")
-        if self.at_step is not None and step == self.at_step:
-            names.append("equal_steps")
-        for name in names:
-            path = self.out / name
-            t0 = time.perf_counter()
-            model.save_pretrained(str(path))
-            self.saved.append({"name": name, "step": step, "elapsed_s": elapsed, "adapter": str(path),
-                               "save_s": time.perf_counter() - t0})
-
-
 def train_r1flow(plan: Plan, prep: dict, work: Path, at_step: int | None, algo: str = "grpo") -> dict:
     """r1flow's grpo (or ppo) stage through `run_stage`, as the pipeline runs it, with `max_minutes` as the budget."""
     import importlib
@@ -267,7 +243,7 @@ def train_r1flow(plan: Plan, prep: dict, work: Path, at_step: int | None, algo: 
     cfg = (ppo_config if algo == "ppo" else grpo_config)(plan, plan.max_steps, plan.minutes)
     if cfg.lora.r == 0:
         raise SystemExit("learning.py: LoRA only (snapshots are adapters); pass --lora-r > 0")
-    snaps = Snapshots(plan, work / "snapshots", at_step)
+    snaps = Snapshots(plan.curve_times(), work / "snapshots", at_step)
     held: dict = {}
     load_trainable = stage.load_trainable
 

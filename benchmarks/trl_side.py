@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-from benchmarks.common import PeakMemory, Shape
+from benchmarks.common import PeakMemory, Shape, Snapshots
 from schemas.artifacts import MODEL_DIR
 from schemas.configs import RewardSpec
 from stages.modeling import models
@@ -261,7 +261,6 @@ def run_grpo_learning(plan, prep: dict, work: Path) -> dict:
     import pyarrow.parquet as pq
     from trl import GRPOConfig, GRPOTrainer
 
-    from benchmarks.learning import Snapshots
     from schemas.artifacts import DATA_FILE
 
     spec = RewardSpec(**plan.reward)
@@ -274,7 +273,7 @@ def run_grpo_learning(plan, prep: dict, work: Path) -> dict:
         pending.append((sum(out) / len(out), sum(correct) / len(correct)))
         return out
 
-    snaps = Snapshots(plan, work / "snapshots", None)
+    snaps = Snapshots(plan.curve_times(), work / "snapshots", None)
     curve: list[dict] = []
 
     class Budget(TrainerCallback):

@@ -65,7 +65,7 @@ def test_snapshots_follow_the_curve_times_and_the_equal_steps_point(tmp_path):
             Path(path).mkdir(parents=True)
 
     plan = learning.Plan(minutes=4.0, curve_points=3)  # curve at 60, 120, 180 s
-    snaps = learning.Snapshots(plan, tmp_path, at_step=2)
+    snaps = learning.Snapshots(plan.curve_times(), tmp_path, at_step=2)
     for step, t in ((1, 50.0), (2, 130.0), (3, 170.0), (4, 250.0)):
         snaps.after_step(Model(), step, t)
     got = [(s["name"], s["step"]) for s in snaps.saved]
