@@ -471,7 +471,7 @@ def export_smollm2_config(dest: Path = SMOLLM2_CONFIG_DIR) -> Path:
 def build_smollm2_random(dest: Path, config_dir: Path | None = None) -> Path:
     """SmolLM2-135M's exact config and real tokenizer with random weights (seed 0), saved as a model directory.
 
-    Speed needs no trained weights (DESIGN.md §6): a GPU machine builds this from the carried config
+    Speed needs no trained weights (docs/design.md §6): a GPU machine builds this from the carried config
     directory (`SMOLLM2_CONFIG_DIR`, made by `make gpu-wheels`); elsewhere the config is exported from the
     GGUF conversion first. The weights are near-uniform over the vocabulary, so sampled completions stop at
     an EOS only rarely (about max_new_tokens / vocabulary per row) and run to their maximum length.
