@@ -64,13 +64,13 @@ def peft_config(lora_r: int, alpha: float | None = None):
                       task_type="CAUSAL_LM")
 
 
-def model_dir(prep: dict) -> Path:
+def start_model_dir(prep: dict) -> Path:
     return Path(prep["model"]["path"]) / MODEL_DIR  # the import_model artifact r1flow's side trains from
 
 
 def load(prep: dict):
     """(model, tokenizer) exactly as r1flow loads them: fp32, pad token set, left padding."""
-    return models.load_model(model_dir(prep))
+    return models.load_model(start_model_dir(prep))
 
 
 def table_rows(prep: dict, name: str) -> list[dict]:
