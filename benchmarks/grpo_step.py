@@ -1,6 +1,6 @@
 """GRPO step time split into generation / scoring / training.
 
-    .venv/bin/python benchmarks/grpo_step.py --model smollm2-135m-instruct            # the issue's shape:
+    .venv/bin/python benchmarks/grpo_step.py --model smollm2-135m-instruct            # the reference shape:
         16 prompts x 8 completions x 128 new tokens (slow on CPU: minutes per step)
     .venv/bin/python benchmarks/grpo_step.py --model tiny-random --steps 3
 

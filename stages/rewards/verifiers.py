@@ -21,7 +21,7 @@ raises in any thread but the main one, and cannot interrupt sympy busy inside on
 So math-verify is called with `parsing_timeout=None` and `timeout_seconds=None`, in a process
 pool (`_math_check`): the caller's thread waits `RewardSpec.math_timeout_s` for the answer, and
 on a miss scores None and kills the pool's workers (a pathological answer such as
-`10^{10^{10^{10}}}` kept sympy busy for over 20 s, when we stopped it). Identical answers and
+`10^{10^{10^{10}}}` keeps sympy busy for over 20 s). Identical answers and
 equal plain numbers are scored in-process without the pool (`_math_fast_path`).
 
 Code rows (verifier "code") judge a program (`extract_program`) by the fraction of the row's
