@@ -14,6 +14,7 @@ import random
 import resource
 import statistics
 import sys
+import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -53,6 +54,34 @@ def stage_input(output, parents: list[str] | None = None):
 
 def path_fingerprint(path: Path | str) -> str:
     return hashlib.sha256(str(Path(path).resolve()).encode()).hexdigest()
+
+
+# ---------------------------------------------------------------------------- learning curves
+
+
+class Snapshots:
+    """Saves the policy's adapter after the steps that cross each curve time (seconds of training), and after
+    step `at_step`. Both sides of `learning.py` use it: r1flow's stage and TRL's trainer (trl_side.py)."""
+
+    def __init__(self, curve_times: list[float], out: Path, at_step: int | None):
+        self.times, self.out, self.at_step = list(curve_times), out, at_step
+        self.saved: list[dict] = []
+        self.crossed = 0
+
+    def after_step(self, model, step: int, elapsed: float) -> None:
+        names = []
+        while self.times and elapsed >= self.times[0]:
+            self.times.pop(0)
+            self.crossed += 1
+            names.append(f"t{self.crossed}")
+        if self.at_step is not None and step == self.at_step:
+            names.append("equal_steps")
+        for name in names:
+            path = self.out / name
+            t0 = time.perf_counter()
+            model.save_pretrained(str(path))
+            self.saved.append({"name": name, "step": step, "elapsed_s": elapsed, "adapter": str(path),
+                               "save_s": time.perf_counter() - t0})
 
 
 # ---------------------------------------------------------------------------- memory
@@ -442,7 +471,7 @@ def export_smollm2_config(dest: Path = SMOLLM2_CONFIG_DIR) -> Path:
 def build_smollm2_random(dest: Path, config_dir: Path | None = None) -> Path:
     """SmolLM2-135M's exact config and real tokenizer with random weights (seed 0), saved as a model directory.
 
-    Speed needs no trained weights (DESIGN.md §6): a GPU machine builds this from the carried config
+    Speed needs no trained weights (docs/design.md §6): a GPU machine builds this from the carried config
     directory (`SMOLLM2_CONFIG_DIR`, made by `make gpu-wheels`); elsewhere the config is exported from the
     GGUF conversion first. The weights are near-uniform over the vocabulary, so sampled completions stop at
     an EOS only rarely (about max_new_tokens / vocabulary per row) and run to their maximum length.

@@ -39,7 +39,7 @@ def _pairs(n: int, seed: int = 0) -> list[dict]:
              "rejected": text(80), "chosen_score": 1.0, "rejected_score": 0.0, "source": "bench"} for i in range(n)]
 
 
-def child(args: argparse.Namespace) -> None:
+def dpo_child(args: argparse.Namespace) -> None:
     import torch
 
     from benchmarks.common import stage_input
@@ -88,7 +88,7 @@ def main() -> None:
     ap.add_argument("--mode", choices=["cached", "inline"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.mode:
-        return child(args)
+        return dpo_child(args)
     rows = []
     for mode in ("cached", "inline"):
         cmd = [sys.executable, __file__, *sys.argv[1:], "--mode", mode]

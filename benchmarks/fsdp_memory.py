@@ -27,7 +27,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 
-def child(args: argparse.Namespace) -> None:
+def fsdp_child(args: argparse.Namespace) -> None:
     from benchmarks.common import stage_input
     from benchmarks.r1flow_side import TimedContext
     from schemas.configs import LoraSpec, ResourcesSpec, SFTConfig
@@ -53,7 +53,7 @@ def child(args: argparse.Namespace) -> None:
     }))
 
 
-def prepare(model: str, rows: int, work: Path) -> Path:
+def prepare_sft_data(model: str, rows: int, work: Path) -> Path:
     from transformers import AutoTokenizer
 
     from benchmarks.common import CACHE_DIR, MODEL_REFS, sft_rows
@@ -86,9 +86,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prep", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        return child(args)
+        return fsdp_child(args)
     work = Path(args.work or tempfile.mkdtemp(prefix="r1flow-fsdp-mem-"))
-    prep = prepare(args.model, max(16, args.batch * args.steps), work)
+    prep = prepare_sft_data(args.model, max(16, args.batch * args.steps), work)
     results = {}
     for kind in ("ddp", "fsdp"):  # each in a fresh process: RUSAGE_CHILDREN is per process tree
         cmd = [sys.executable, __file__, "--child", kind, "--prep", str(prep), "--work", str(work),

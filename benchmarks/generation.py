@@ -38,7 +38,7 @@ from stages.sampling.generation import TransformersBackend, render_prompts, stop
 RESULT_MARK = "GEN-RESULT "
 
 
-def model_dir(name: str, cache_dir: Path) -> Path | str:
+def bench_model_dir(name: str, cache_dir: Path) -> Path | str:
     """A benchmark model name (benchmarks.common.MODEL_REFS: tiny, smollm2, smollm2-random, 1b) or a builtin/ref."""
     from benchmarks.common import MODEL_REFS, ensure_model_dir
 
@@ -51,7 +51,7 @@ def compare(args: argparse.Namespace) -> None:
 
     name = args.models.split(",")[0]
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-    model, tok = models.load_model(model_dir(name, Path(args.cache_dir)), dtype=dtype, device=args.device)
+    model, tok = models.load_model(bench_model_dir(name, Path(args.cache_dir)), dtype=dtype, device=args.device)
     model.eval()
     convs = [r["messages"] for r in build_prompts(PromptsConfig(size=args.rows * 2, eval_fraction=0.0), seed=0)]
     convs = convs[: args.rows]

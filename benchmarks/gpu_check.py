@@ -263,7 +263,7 @@ def suite_numbers(raw: dict, tasks: list[str], model: str) -> dict:
         if not entry:
             continue
         results = entry["results"]
-        out[fw] = {t: suite.summarize(t, results.get(f"{t}/{fw}")) for t in tasks}
+        out[fw] = {t: suite.summarize_speed(t, results.get(f"{t}/{fw}")) for t in tasks}
         out.setdefault("info", entry.get("info"))
         out.setdefault("shape", entry.get("shapes", entry.get("shape")))
         if data.get("allocator"):

@@ -4,9 +4,9 @@
     .venv/bin/python benchmarks/gpu_wheels.py download      # .whl/ and .gpu/smollm2-config/, then the size check
     python3 benchmarks/gpu_wheels.py install --target /tmp/site   # on the GPU machine (stdlib only)
 
-The GPU machines (DESIGN.md §6, /work/.library/device/KINDS.md) have Python 3.12, torch 2.11,
-transformers 5.17, accelerate, peft, pyarrow, pandas, but not pydantic, datasets, TRL, gguf,
-reasoning-gym, math-verify, and they cannot reach a package index. So this downloads exactly those
+The GPU machines (docs/design.md §6) have Python 3.12, torch 2.11, transformers 5.17, accelerate, peft,
+pyarrow, pandas, but not pydantic, datasets, TRL, gguf, reasoning-gym, math-verify, and they cannot reach a
+package index. So this downloads exactly those
 (the versions the benchmark venv pins, benchmarks/requirements.txt) and their dependencies the
 machine lacks, as cp312 manylinux wheels (`pip download --no-deps`), and checks every carried
 wheel's Requires-Dist against the carried wheels and the machine's known packages. Nothing the
@@ -227,7 +227,7 @@ def install(wheel_dir: Path, target: Path) -> None:
     if wheels:
         subprocess.run(pip + wheels, check=True)
     print(f"  installed {len(wheels)} wheels into {target}")
-    # bytecode once, on all cores: every process of the check imports these (DESIGN.md §6, PYTHONDONTWRITEBYTECODE)
+    # bytecode once, on all cores: every process of the check imports these (docs/design.md §6, PYTHONDONTWRITEBYTECODE)
     subprocess.run([sys.executable, "-m", "compileall", "-q", "-j", "0", str(target)], capture_output=True)
     for sdist in sorted((wheel_dir / "sdist").glob("*.tar.gz")):
         name = sdist.name.rsplit("-", 1)[0]

@@ -1,11 +1,11 @@
 """GRPO step time split into generation / scoring / training.
 
-    .venv/bin/python benchmarks/grpo_step.py --model smollm2-135m-instruct            # the issue's shape:
+    .venv/bin/python benchmarks/grpo_step.py --model smollm2-135m-instruct            # the reference shape:
         16 prompts x 8 completions x 128 new tokens (slow on CPU: minutes per step)
     .venv/bin/python benchmarks/grpo_step.py --model tiny-random --steps 3
 
 Runs the real `grpo` stage (LocalContext, no Prefect/MLflow) on basic_arithmetic prompts and prints
-the per-step times it logs. Reference (DESIGN.md §6, one H100): TRL GRPOTrainer with transformers
+the per-step times it logs. Reference (docs/design.md §6, one H100): TRL GRPOTrainer with transformers
 generation takes about 5.7-6 s per step for the SmolLM2 shape.
 """
 

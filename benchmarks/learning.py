@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import CACHE_DIR, MODEL_REFS, SEED, ensure_model_dir  # noqa: E402
+from benchmarks.common import CACHE_DIR, MODEL_REFS, SEED, Snapshots, ensure_model_dir  # noqa: E402
 
 RESULT_MARK = "LEARN-RESULT "
 SIDES = ("trl", "r1flow", "r1flow_ppo")  # r1flow_ppo: `--algo ppo`, r1flow's ppo stage on the same plan
@@ -129,7 +129,7 @@ def entry_of(output) -> dict:
     return {"kind": output.kind, "schema": output.schema, "path": str(output.path), "rows": output.rows}
 
 
-def prepare(plan: Plan, work: Path) -> dict:
+def prepare_start_and_prompts(plan: Plan, work: Path) -> dict:
     """The prompts, the held-out sets and the start model (cold start by r1flow's stages, LoRA merged)."""
     import pyarrow.parquet as pq
 
@@ -232,30 +232,6 @@ def ppo_config(plan: Plan, steps: int, max_minutes: float):
                      max_minutes=max_minutes)
 
 
-class Snapshots:
-    """Saves the policy's adapter after the steps that cross each curve time, and after step `at_step`."""
-
-    def __init__(self, plan: Plan, out: Path, at_step: int | None):
-        self.times, self.out, self.at_step = list(plan.curve_times()), out, at_step
-        self.saved: list[dict] = []
-        self.crossed = 0
-
-    def after_step(self, model, step: int, elapsed: float) -> None:
-        names = []
-        while self.times and elapsed >= self.times[0]:
-            self.times.pop(0)
-            self.crossed += 1
-            names.append(f"t{self.crossed}")
-        if self.at_step is not None and step == self.at_step:
-            names.append("equal_steps")
-        for name in names:
-            path = self.out / name
-            t0 = time.perf_counter()
-            model.save_pretrained(str(path))
-            self.saved.append({"name": name, "step": step, "elapsed_s": elapsed, "adapter": str(path),
-                               "save_s": time.perf_counter() - t0})
-
-
 def train_r1flow(plan: Plan, prep: dict, work: Path, at_step: int | None, algo: str = "grpo") -> dict:
     """r1flow's grpo (or ppo) stage through `run_stage`, as the pipeline runs it, with `max_minutes` as the budget."""
     import importlib
@@ -267,7 +243,7 @@ def train_r1flow(plan: Plan, prep: dict, work: Path, at_step: int | None, algo: 
     cfg = (ppo_config if algo == "ppo" else grpo_config)(plan, plan.max_steps, plan.minutes)
     if cfg.lora.r == 0:
         raise SystemExit("learning.py: LoRA only (snapshots are adapters); pass --lora-r > 0")
-    snaps = Snapshots(plan, work / "snapshots", at_step)
+    snaps = Snapshots(plan.curve_times(), work / "snapshots", at_step)
     held: dict = {}
     load_trainable = stage.load_trainable
 
@@ -321,7 +297,7 @@ def materialize(start_dir: str, adapter: str | None, dest: Path) -> Path:
     return dest
 
 
-def evaluate(plan: Plan, prep: dict, jobs: list[dict], work: Path) -> dict:
+def evaluate_jobs(plan: Plan, prep: dict, jobs: list[dict], work: Path) -> dict:
     """r1flow's eval stage for every job {name, dir | adapter, prompts: "prompts" | "curve_prompts"}: per-prompt
     correctness and format, in a fixed prompt order."""
     import pyarrow.parquet as pq
@@ -355,7 +331,7 @@ def evaluate(plan: Plan, prep: dict, jobs: list[dict], work: Path) -> dict:
 # ---------------------------------------------------------------------------- child entry
 
 
-def child_main(args: argparse.Namespace) -> None:
+def learning_child_main(args: argparse.Namespace) -> None:
     import torch
 
     plan = Plan(**json.loads(Path(args.plan).read_text()))
@@ -363,7 +339,7 @@ def child_main(args: argparse.Namespace) -> None:
     work.mkdir(parents=True, exist_ok=True)
     prep = json.loads(Path(args.prep).read_text()) if args.prep else None
     if args.child == "prep":
-        result = prepare(plan, work)
+        result = prepare_start_and_prompts(plan, work)
     elif args.child in ("r1flow", "r1flow_ppo"):
         result = train_r1flow(plan, prep, work, args.at_step, "ppo" if args.child == "r1flow_ppo" else "grpo")
     elif args.child == "trl":
@@ -371,7 +347,7 @@ def child_main(args: argparse.Namespace) -> None:
 
         result = trl_side.run_grpo_learning(plan, prep, work)
     elif args.child == "eval":
-        result = evaluate(plan, prep, json.loads(Path(args.jobs).read_text()), work)
+        result = evaluate_jobs(plan, prep, json.loads(Path(args.jobs).read_text()), work)
     else:
         raise SystemExit(f"unknown child {args.child}")
     result["threads"] = torch.get_num_threads()
@@ -379,8 +355,8 @@ def child_main(args: argparse.Namespace) -> None:
     print(RESULT_MARK + args.result, flush=True)
 
 
-def run_child(what: str, plan_file: Path, work: Path, log: Path, allocator: str, quiet_wait: float = 0.0,
-              **extra) -> dict:
+def run_learning_child(what: str, plan_file: Path, work: Path, log: Path, allocator: str, quiet_wait: float = 0.0,
+                       **extra) -> dict:
     from benchmarks.suite import _children_cpu, child_env, cpu_busy_seconds, wait_until_quiet
 
     result_file = work / f"{what}-result.json"
@@ -453,7 +429,7 @@ def paired_diff(evals: dict, base: str, other: str) -> dict:
     return {"diff": diff, "ci": [lo, hi]}
 
 
-def summarize(plan: Plan, evals: dict, runs: dict) -> dict:
+def summarize_learning(plan: Plan, evals: dict, runs: dict) -> dict:
     """The rows of the table and the verdicts: every accuracy and gain with its interval."""
     start = evals["start"]["rows"]
     rows = []
@@ -658,7 +634,7 @@ def main() -> None:
     ap.add_argument("--at-step", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        return child_main(args)
+        return learning_child_main(args)
     sides = [s for s in args.sides.split(",") if s]
     algos = [a for a in args.algo.split(",") if a]
     if unknown := [a for a in algos if a not in ("grpo", "ppo")]:
@@ -699,7 +675,7 @@ def run_learning(plan: Plan, sides: list[str], args: argparse.Namespace) -> dict
               flush=True)
         tmp = prep_dir.with_name(prep_dir.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        result = run_child("prep", plan_file, tmp, run_dir / "prep.log", args.allocator)
+        result = run_learning_child("prep", plan_file, tmp, run_dir / "prep.log", args.allocator)
         if tmp.exists():
             shutil.rmtree(prep_dir, ignore_errors=True)
             tmp.rename(prep_dir)
@@ -713,8 +689,8 @@ def run_learning(plan: Plan, sides: list[str], args: argparse.Namespace) -> dict
     evals: dict = {}
     jobs = [{"name": "start", "dir": prep["start_dir"], "prompts": "prompts"}]
     (run_dir / "jobs-start.json").write_text(json.dumps(jobs))
-    evals.update({k: v for k, v in run_child("eval", plan_file, run_dir / "eval", run_dir / "eval-start.log",
-                                             args.allocator, prep=prep_file, jobs=run_dir / "jobs-start.json").items()
+    evals.update({k: v for k, v in run_learning_child("eval", plan_file, run_dir / "eval", run_dir / "eval-start.log",
+                                                      args.allocator, prep=prep_file, jobs=run_dir / "jobs-start.json").items()
                   if isinstance(v, dict) and "rows" in v})
     start_acc = accuracy_entry(evals["start"]["rows"], TASK)
     print(f"[2/4] start model: {TASK} {with_ci(start_acc['accuracy'], start_acc['ci'])} on {start_acc['n']} held-out "
@@ -737,8 +713,8 @@ def run_learning(plan: Plan, sides: list[str], args: argparse.Namespace) -> dict
     for side in [s for s in SIDES if s in sides and s not in runs]:
         print(f"[3/4] {side}: {'PPO' if side == 'r1flow_ppo' else 'GRPO'} for {plan.minutes:g} min", flush=True)
         at_step = runs["trl"]["steps"] if side == "r1flow" and "trl" in runs else None
-        runs[side] = run_child(side, plan_file, run_dir / side, run_dir / f"{side}.log", args.allocator,
-                               quiet_wait=args.quiet_wait, prep=prep_file, at_step=at_step)
+        runs[side] = run_learning_child(side, plan_file, run_dir / side, run_dir / f"{side}.log", args.allocator,
+                                        quiet_wait=args.quiet_wait, prep=prep_file, at_step=at_step)
         r = runs[side]
         print(f"  {side}: {r['steps']} steps in {r['train_s'] / 60:.1f} min ({r['train_s'] / max(1, r['steps']):.1f} s a "
               f"step), other processes used {100 * (r['foreign_cpu'] or 0):.0f}% of the CPUs", flush=True)
@@ -756,17 +732,17 @@ def run_learning(plan: Plan, sides: list[str], args: argparse.Namespace) -> dict
                          "adapter": snap["adapter"], "prompts": "prompts" if full else "curve_prompts"})
     print(f"[4/4] evaluating {len(jobs)} models", flush=True)
     (run_dir / "jobs.json").write_text(json.dumps(jobs))
-    evals.update({k: v for k, v in run_child("eval", plan_file, run_dir / "eval", run_dir / "eval.log", args.allocator,
-                                             prep=prep_file, jobs=run_dir / "jobs.json").items()
+    evals.update({k: v for k, v in run_learning_child("eval", plan_file, run_dir / "eval", run_dir / "eval.log", args.allocator,
+                                                      prep=prep_file, jobs=run_dir / "jobs.json").items()
                   if isinstance(v, dict) and "rows" in v})
 
-    summary = summarize(plan, evals, runs)
+    summary = summarize_learning(plan, evals, runs)
     plot_path = Path(args.plot or run_dir / "learning.png")
     plot(plot_path, plan, prep, evals, runs)
     raw = {"plan": dataclasses.asdict(plan), "summary": summary, "runs": runs, "prep": prep, "device": info,
            "evals": {k: {"seconds": v["seconds"], "rows": v["rows"]} for k, v in evals.items()}}
     Path(args.json or run_dir / "learning.json").write_text(json.dumps(raw, indent=1))
-    section = markdown_section(plan, command, info, code_version(), summary, runs, prep, plot_path)
+    section = learning_markdown_section(plan, command, info, code_version(), summary, runs, prep, plot_path)
     if args.markdown:
         with open(args.markdown, "a") as fh:
             fh.write(section)
@@ -790,8 +766,8 @@ def reuse_trl(path: Path, plan: Plan) -> dict:
     return raw
 
 
-def markdown_section(plan: Plan, command: str, info: dict, code: str, summary: dict, runs: dict, prep: dict,
-                     plot_path: Path) -> str:
+def learning_markdown_section(plan: Plan, command: str, info: dict, code: str, summary: dict, runs: dict, prep: dict,
+                              plot_path: Path) -> str:
     threads = {side: r.get("threads") for side, r in runs.items()}
     extra = f"; r1flow only: {json.dumps(plan.r1flow_extra)}" if plan.r1flow_extra else ""
     lines = [f"### Learning efficacy, {plan.model}, {plan.minutes:g} min a side ({info['device_name']}, code {code})",

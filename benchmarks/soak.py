@@ -63,7 +63,7 @@ class RunRecord:
     error_tail: str = ""
 
 
-def env_for(home: Path) -> dict[str, str]:
+def soak_env(home: Path) -> dict[str, str]:
     env = dict(os.environ, R1FLOW_HOME=str(home), PYTHONPATH=str(ROOT))
     for key in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "PREFECT_HOME", lifetime.TOKEN_VAR, lifetime.PARENT_VAR):
         env.pop(key, None)
@@ -88,7 +88,7 @@ def reference(args, work: Path) -> dict[str, dict[str, dict[str, str]]]:
         home = work / f"ref-{variant}"
         out = work / f"ref-{variant}.json"
         t0 = time.monotonic()
-        done = subprocess.run(run_command(args.recipe, args.profile, variant, out), cwd=work, env=env_for(home),
+        done = subprocess.run(run_command(args.recipe, args.profile, variant, out), cwd=work, env=soak_env(home),
                               capture_output=True, text=True)
         if done.returncode != 0:
             sys.exit(f"reference run {variant} failed:\n{done.stderr[-3000:]}")
@@ -117,7 +117,7 @@ def soak(args, work: Path, home: Path) -> list[RunRecord]:
                 rec.signal = signals[(kills_landed + len(running)) % 2].name
                 rec.delay_s = round(rng.uniform(3.0, args.max_delay), 1)
             log = open(work / f"run-{rec.index}.log", "w")
-            proc = subprocess.Popen(run_command(args.recipe, args.profile, rec.variant), cwd=work, env=env_for(home),
+            proc = subprocess.Popen(run_command(args.recipe, args.profile, rec.variant), cwd=work, env=soak_env(home),
                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
             rec.pid = proc.pid
             running.append((rec, proc, time.monotonic(), log))
@@ -198,7 +198,7 @@ def main() -> int:
     final, mismatched = {}, {}
     for variant in REFERENCE:
         out = work / f"final-{variant}.json"
-        done = subprocess.run(run_command(args.recipe, args.profile, variant, out), cwd=work, env=env_for(home),
+        done = subprocess.run(run_command(args.recipe, args.profile, variant, out), cwd=work, env=soak_env(home),
                               capture_output=True, text=True)
         final[variant] = done.returncode
         if done.returncode == 0:
@@ -209,7 +209,7 @@ def main() -> int:
         print(f"final {variant}: exit {done.returncode}; nodes differing from the reference: "
               f"{mismatched[variant] or 'none'}", flush=True)
 
-    verify = subprocess.run([*R1FLOW, "artifacts", "--verify"], cwd=work, env=env_for(home), capture_output=True,
+    verify = subprocess.run([*R1FLOW, "artifacts", "--verify"], cwd=work, env=soak_env(home), capture_output=True,
                             text=True)
     orphans = sorted({p for r in records for p in lifetime.processes_started_by(r.pid)})
     report = {

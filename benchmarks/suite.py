@@ -134,7 +134,7 @@ def child_env(allocator: str, environ: dict[str, str] | None = None) -> dict[str
 # ---------------------------------------------------------------------------- preparation (parent)
 
 
-def prepare(name: str, shape: Shape, work: Path, grpo_shapes: dict[str, Shape] | None = None) -> dict:
+def prepare_shared_inputs(name: str, shape: Shape, work: Path, grpo_shapes: dict[str, Shape] | None = None) -> dict:
     """Model artifact and datasets both sides read: written once, before any measured process starts.
 
     grpo_shapes: GRPO task -> its shape; for each, `grpo_step_prompts[task]` lists the prompt ids of every
@@ -191,7 +191,7 @@ def grpo_step_prompts(prompts_dir: Path, shape: Shape) -> list[list[str]]:
 # ---------------------------------------------------------------------------- children
 
 
-def child_main(args: argparse.Namespace) -> None:
+def speed_child_main(args: argparse.Namespace) -> None:
     import torch
 
     prep = json.loads(Path(args.prep).read_text())
@@ -272,9 +272,9 @@ def wait_until_quiet(max_wait: float, threshold: float = 0.2) -> float:
         time.sleep(4.0)
 
 
-def run_child(what: str, device: str, prep_file: Path, shape: Shape, work: Path, log: Path,
-              reference: Path | None = None, timeout: float = 3600, quiet_wait: float = 0.0,
-              keep_artifacts: bool = False, allocator: str = "tuned") -> dict | None:
+def run_speed_child(what: str, device: str, prep_file: Path, shape: Shape, work: Path, log: Path,
+                    reference: Path | None = None, timeout: float = 3600, quiet_wait: float = 0.0,
+                    keep_artifacts: bool = False, allocator: str = "tuned") -> dict | None:
     """One (framework, task) in a fresh process under `child_env(allocator)`; its result, or None if it failed."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", what, "--prep", str(prep_file),
            "--shape", json.dumps(shape.to_dict()), "--device", device, "--work", str(work)]
@@ -315,7 +315,7 @@ def _children_cpu() -> float:
 # ---------------------------------------------------------------------------- summary
 
 
-def summarize(task: str, r: dict | None) -> dict | None:
+def summarize_speed(task: str, r: dict | None) -> dict | None:
     """The reported numbers of one run: medians over its warm steps."""
     if r is None:
         return None
@@ -358,14 +358,14 @@ def repeat_ratios(task: str, ours: dict | None, theirs: dict | None) -> list[flo
     for a, b in zip(ours["repeats"], theirs["repeats"], strict=False):
         if a is None or b is None:  # a failed run: its repeat has no ratio
             continue
-        x = speed_ratio(task, summarize(task, a), summarize(task, b))
+        x = speed_ratio(task, summarize_speed(task, a), summarize_speed(task, b))
         if x is not None:
             out.append(x)
     return out
 
 
 def speed_ratio(task: str, ours: dict | None, theirs: dict | None) -> float | None:
-    """How many times faster r1flow is, from two `summarize` results: tokens or pairs per second for
+    """How many times faster r1flow is, from two `summarize_speed` results: tokens or pairs per second for
     sft/dpo, the step time for grpo."""
     key, higher_is_better = ("rate", True) if task in ("sft", "dpo") else ("total", False)
     return ratio(ours and ours[key], theirs and theirs[key], higher_is_better)
@@ -381,7 +381,7 @@ def fmt_ratio(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.2f}x"
 
 
-def verdict(name: str, kind: str, task: str, x: float | None) -> str:
+def target_cell(name: str, kind: str, task: str, x: float | None) -> str:
     """The target cell of a speed row: 'smoke run' for a smoke model, '-' without a target."""
     if name in SMOKE_MODELS:
         return "smoke run"
@@ -414,7 +414,7 @@ def report(name: str, device: str, shapes: dict[str, Shape], res: dict) -> list[
     """Print the table of one model; return its rows (measurement, r1flow, TRL, ratio, target), each ratio cell
     starting with the word `ratio`."""
     kind = "cuda" if device.startswith("cuda") else "cpu"
-    s = {(t, f): summarize(t, res.get((t, f))) for t in TASKS for f in FRAMEWORKS}
+    s = {(t, f): summarize_speed(t, res.get((t, f))) for t in TASKS for f in FRAMEWORKS}
     rows: list[tuple[str, str, str, str, str]] = []
 
     def contended(task: str) -> str:
@@ -447,7 +447,7 @@ def report(name: str, device: str, shapes: dict[str, Shape], res: dict) -> list[
         if a is None and b is None:
             continue
         x = speed_ratio(task, a, b)
-        line(task, label, num(a and a["rate"]), num(b and b["rate"]), x, verdict(name, kind, task, x), spread(task),
+        line(task, label, num(a and a["rate"]), num(b and b["rate"]), x, target_cell(name, kind, task, x), spread(task),
              headline=True)
     for task in GRPO_TASKS:
         a, b = s[(task, "r1flow")], s[(task, "trl")]
@@ -456,7 +456,7 @@ def report(name: str, device: str, shapes: dict[str, Shape], res: dict) -> list[
         g = grpo_label(shapes[task])
         x = speed_ratio(task, a, b)
         line(task, f"{g} step", num(a and a["total"], "{:.2f} s"), num(b and b["total"], "{:.2f} s"), x,
-             verdict(name, kind, task, x), spread(task), headline=True)
+             target_cell(name, kind, task, x), spread(task), headline=True)
         for part in ("generation", "scoring", "training"):
             line(task, f"{g} {part}", num(a and a[part], "{:.3f} s"), num(b and b[part], "{:.3f} s"),
                  ratio(a and a[part], b and b[part], False))
@@ -495,8 +495,8 @@ def environment_line(allocator: str, alloc: dict, info: dict) -> str:
             f"{info.get('threads')} threads; each (framework, task) in its own process, HF offline")
 
 
-def markdown_section(command: str, device_name: str, code: str, environment: str,
-                     tables: list[tuple[str, list[tuple[str, str, str, str, str]]]], when: str | None = None) -> str:
+def speed_markdown_section(command: str, device_name: str, code: str, environment: str,
+                           tables: list[tuple[str, list[tuple[str, str, str, str, str]]]], when: str | None = None) -> str:
     """One run as a RESULTS.md section: heading, command and environment once, then a table per model."""
     when = when or datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     out = [f"## {when}, {device_name}, r1flow {code}", "", f"Command: `{command}`", "", f"Environment: {environment}"]
@@ -581,7 +581,7 @@ def main() -> None:
     if args.repeats < 1:
         ap.error("--repeats must be at least 1")
     if args.child:
-        return child_main(args)
+        return speed_child_main(args)
     try:
         child_env(args.allocator)
     except UnfairComparison as e:
@@ -618,7 +618,7 @@ def main() -> None:
     except UnfairComparison as e:
         sys.exit(f"benchmark stopped, the two sides did not run under the same conditions: {e}")
     environment = environment_line(args.allocator, alloc, info)
-    section = markdown_section(command, info["device_name"], info.get("code", "unknown"), environment, tables)
+    section = speed_markdown_section(command, info["device_name"], info.get("code", "unknown"), environment, tables)
     if args.json:
         for entry in raw.values():
             entry.update(allocator=alloc, environment=environment)
@@ -649,7 +649,7 @@ def run_models(args: argparse.Namespace, device: str, names: list[str], tasks: l
         prep_file = work / "prep.json"
         work.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
-        prep = prepare(name, shape, work, {t: shapes[t] for t in model_tasks if t in GRPO_TASKS})
+        prep = prepare_shared_inputs(name, shape, work, {t: shapes[t] for t in model_tasks if t in GRPO_TASKS})
         prep_file.write_text(json.dumps(prep))
         print(f"[{name}] prepared model and data in {time.perf_counter() - t0:.1f} s", flush=True)
 
@@ -657,7 +657,7 @@ def run_models(args: argparse.Namespace, device: str, names: list[str], tasks: l
         for task in model_tasks:
             reference = None
             if task == "dpo" and "r1flow" in frameworks:
-                ref = fair.check(f"{name} r1flow:reference", run_child(
+                ref = fair.check(f"{name} r1flow:reference", run_speed_child(
                     "r1flow:reference", device, prep_file, shape, work, work / "r1flow-reference.log",
                     quiet_wait=args.quiet_wait, keep_artifacts=args.keep_artifacts, allocator=args.allocator))
                 if ref is not None:
@@ -672,7 +672,7 @@ def run_models(args: argparse.Namespace, device: str, names: list[str], tasks: l
                     tag = f" (repeat {rep + 1}/{args.repeats})" if args.repeats > 1 else ""
                     print(f"[{name}] {task} / {fw}{tag} ...", flush=True)
                     suffix = f"-{rep + 1}" if args.repeats > 1 else ""
-                    out = fair.check(f"{name} {fw}:{task}{suffix}", run_child(
+                    out = fair.check(f"{name} {fw}:{task}{suffix}", run_speed_child(
                         f"{fw}:{task}", device, prep_file, shapes[task], work, work / f"{fw}-{task}{suffix}.log",
                         reference=reference if fw == "r1flow" else None,
                         quiet_wait=args.quiet_wait if not device.startswith("cuda") else 0.0,

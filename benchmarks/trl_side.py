@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-from benchmarks.common import PeakMemory, Shape
+from benchmarks.common import PeakMemory, Shape, Snapshots
 from schemas.artifacts import MODEL_DIR
 from schemas.configs import RewardSpec
 from stages.modeling import models
@@ -64,13 +64,13 @@ def peft_config(lora_r: int, alpha: float | None = None):
                       task_type="CAUSAL_LM")
 
 
-def model_dir(prep: dict) -> Path:
+def start_model_dir(prep: dict) -> Path:
     return Path(prep["model"]["path"]) / MODEL_DIR  # the import_model artifact r1flow's side trains from
 
 
 def load(prep: dict):
     """(model, tokenizer) exactly as r1flow loads them: fp32, pad token set, left padding."""
-    return models.load_model(model_dir(prep))
+    return models.load_model(start_model_dir(prep))
 
 
 def table_rows(prep: dict, name: str) -> list[dict]:
@@ -261,7 +261,6 @@ def run_grpo_learning(plan, prep: dict, work: Path) -> dict:
     import pyarrow.parquet as pq
     from trl import GRPOConfig, GRPOTrainer
 
-    from benchmarks.learning import Snapshots
     from schemas.artifacts import DATA_FILE
 
     spec = RewardSpec(**plan.reward)
@@ -274,7 +273,7 @@ def run_grpo_learning(plan, prep: dict, work: Path) -> dict:
         pending.append((sum(out) / len(out), sum(correct) / len(correct)))
         return out
 
-    snaps = Snapshots(plan, work / "snapshots", None)
+    snaps = Snapshots(plan.curve_times(), work / "snapshots", None)
     curve: list[dict] = []
 
     class Budget(TrainerCallback):

@@ -1,4 +1,5 @@
-"""Cache keys (DESIGN.md §2): sha256 of stage name, VERSION, canonical config, input fingerprints, seed."""
+"""Cache keys (docs/design.md §2): sha256 of stage name, VERSION, canonical config, input fingerprints, seed
+and salt."""
 
 from __future__ import annotations
 

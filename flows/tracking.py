@@ -1,7 +1,7 @@
 """MLflow tracking through MlflowClient with explicit run ids.
 
 MLflow's fluent "active run" is thread-local and Prefect runs tasks in worker threads
-(DESIGN.md §6), so every call here names its run id; nothing relies on a current run.
+(docs/design.md §6), so every call here names its run id; nothing relies on a current run.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Arrow schemas of every dataset kind (DESIGN.md §2) and `validate(table, kind)`.
+"""Arrow schemas of every dataset kind (docs/design.md §2) and `validate(table, kind)`.
 
 Chat turns are `list<struct<role: string, content: string>>`. `metadata` columns hold a JSON
 string so that heterogeneous per-task details survive Arrow's fixed schema.

@@ -41,7 +41,7 @@ CI_SEED = 0  # fixed, not the run's seed: the same rows always give the same int
 PER_TASK = ("accuracy", "accuracy_ci_low", "accuracy_ci_high", "accuracy_lenient", "format_rate", "mean_length")
 
 
-def select_prompts(table: pa.Table, split: str, max_prompts: int) -> list[dict]:
+def round_robin_prompts(table: pa.Table, split: str, max_prompts: int) -> list[dict]:
     """Rows of `split`, round-robin over tasks so every task is represented in the first N."""
     rows = [r for r in table.to_pylist() if r["split"] == split]
     by_task: dict[str, list[dict]] = defaultdict(list)
@@ -128,7 +128,7 @@ def sampled_scores(cfg: EvalConfig, rows: list[dict], prompts: list[dict], score
 
 
 def run(cfg: EvalConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[str, Output]:
-    prompts = select_prompts(inputs["prompts"].table("prompts"), cfg.split, cfg.max_prompts)
+    prompts = round_robin_prompts(inputs["prompts"].table("prompts"), cfg.split, cfg.max_prompts)
     if not prompts:
         raise SchemaError(f"{inputs['prompts'].label}: no prompts with split={cfg.split!r} to evaluate")
     check_scorer(cfg, inputs)

@@ -322,7 +322,7 @@ def train_step(s: Session, loop: Loop, step: int, lr: float) -> StepResult:
     if s.units.eval and cfg.eval_every and done % cfg.eval_every == 0 and done != cfg.max_steps:
         net = dist.full_model(s.model, s.ctx.device)  # rank 0 evaluates (fsdp: an unsharded copy, gathered)
         if dist.is_main:
-            metrics.update(evaluate(net, s.units.eval, partial(s.forward, net=net), cfg.batch_size))
+            metrics.update(held_out_preference_metrics(net, s.units.eval, partial(s.forward, net=net), cfg.batch_size))
         del net
     s.history.append(metrics)
     return StepResult(metrics, {"history": s.history}, {"loss": f"{loss_total:.4f}"})
@@ -333,7 +333,7 @@ def final_metrics(s: Session, plain, model_input: Input, merged_input: bool) -> 
     cfg, units = s.cfg, s.units
     final: dict[str, float] = {}
     if units.eval and s.dist.is_main:
-        final.update(evaluate(plain, units.eval, partial(s.forward, net=plain), cfg.batch_size))
+        final.update(held_out_preference_metrics(plain, units.eval, partial(s.forward, net=plain), cfg.batch_size))
     if cfg.kl_prompts and s.dist.is_main:
         final.update(heldout_kl(plain, s.tokenizer, model_input, s.examples, units.eval or units.train, cfg, s.ctx,
                                 s.pad_id, merged_input))
@@ -390,7 +390,7 @@ def extras_means(outs: list[pl.PreferenceLoss]) -> dict[str, float]:
 
 
 @torch.no_grad()
-def evaluate(model, units: list[int], forward, batch_size: int) -> dict[str, float]:
+def held_out_preference_metrics(model, units: list[int], forward, batch_size: int) -> dict[str, float]:
     """Reward accuracy, rewards, margin and log-probs on the held-out pairs (eval/*)."""
     was_training = model.training
     model.eval()

@@ -56,13 +56,13 @@ from stages.modeling.heads import (
     StepScorer,
     apply_reward_lora,
     batched_step_logits,
-    collate,
     encode_steps,
     load_reward_model,
     pad_positions,
     save_prm_settings,
     step_logits,
 )
+from stages.modeling.logprobs import right_padded
 from stages.runtime import distributed
 from stages.training.checkpoints import replace_synced, trainable_state
 from stages.training.loop import Curves, Loop, StepResult, autocast, curve_tail, step_micro_batches
@@ -118,7 +118,7 @@ def split_rows(rows: list[dict], cfg: PRMConfig, seed: int) -> tuple[list[int], 
     return [rest[i] for i in train], [rest[i] for i in validation], held_out
 
 
-def load_model(source: Input, device: str):
+def load_prm_or_backbone(source: Input, device: str):
     """(model, tokenizer, pad id): a PRM artifact to train further (head kept), or a causal LM's backbone with a
     fresh `score` head."""
     if source.manifest.schema_name == PRM_SCHEMA:
@@ -301,7 +301,7 @@ def micro_batch_loss(s: Session, mb: list[dict], n_steps: int) -> tuple[float, i
     """Backward of a micro-batch's BCE over its steps, weighted as its share of the optimizer step's reasoning
     steps; (that loss, steps classified right)."""
     device = s.ctx.device
-    ids, mask = collate([e["ids"] for e in mb], s.pad_id)  # (B, T)
+    ids, mask = right_padded([e["ids"] for e in mb], s.pad_id)  # (B, T)
     pos, pmask = pad_positions([e["pos"] for e in mb])  # (B, S)
     labels = pad_labels([e["labels"] for e in mb], pos.size(1))  # (B, S)
     with autocast(device, s.autocast_dtype):
@@ -327,14 +327,14 @@ def train_step(s: Session, step: int, lr: float) -> StepResult:
     result = s.curves.step(step_loss, step_correct / n_steps, lr, grad_norm)
     done = step + 1
     if s.best is not None and (done % s.cfg.checkpoint_every == 0 or done == s.cfg.max_steps):
-        validate(s, done, result)
+        validate_checkpoint(s, done, result)
     return result
 
 
-def validate(s: Session, done: int, result: StepResult) -> None:
+def validate_checkpoint(s: Session, done: int, result: StepResult) -> None:
     """At a checkpoint: the validation solutions' loss and step accuracy into the step's metrics, and the
     weights kept if the loss is the lowest so far; the choice into the checkpoint's state."""
-    m = held_out_metrics(s.loop.model, s.data.validation, s.pad_id, s.cfg.batch_size, s.ctx.device)
+    m = held_out_step_metrics(s.loop.model, s.data.validation, s.pad_id, s.cfg.batch_size, s.ctx.device)
     s.best.offer(done, m["eval_loss"], m["eval_step_accuracy"], s.loop.model)
     result.metrics |= {"val/loss": m["eval_loss"], "val/step_accuracy": m["eval_step_accuracy"]}
     result.state |= s.best.state()
@@ -369,7 +369,7 @@ def accuracy_gain(probs: list[torch.Tensor], labels: list[torch.Tensor], prompts
     return cluster_bootstrap_ratio(diff, [float(len(y)) for y in labels], prompts, seed=seed)
 
 
-def held_out_metrics(model, examples: list[dict], pad_id: int, batch_size: int, device: str) -> dict[str, float]:
+def held_out_step_metrics(model, examples: list[dict], pad_id: int, batch_size: int, device: str) -> dict[str, float]:
     """Step accuracy (with the held-out labels' majority class as its baseline, and the gain over it with a 95%
     bootstrap interval over prompts), AUROC, first-error-step accuracy and BCE of the held-out solutions, labels
     thresholded at 0.5 where a metric needs classes."""
@@ -421,7 +421,7 @@ def run(cfg: PRMConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[str
     train_idx, val_idx, eval_idx = split_rows(rows, cfg, ctx.seed)
     dist = distributed.of(ctx)
     seed_everything(ctx.seed)
-    model, tokenizer, pad_id = load_model(inputs["model"], ctx.device)
+    model, tokenizer, pad_id = load_prm_or_backbone(inputs["model"], ctx.device)
     model = apply_reward_lora(model, cfg.lora)
     data = split_encoded(rows, train_idx, eval_idx, tokenizer, cfg, val_idx)
     s = open_session(cfg, ctx, dist, model, data, pad_id)
@@ -433,7 +433,7 @@ def run(cfg: PRMConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[str
                      cfg.max_steps, s.best.loss, len(data.validation))
     metrics = summarize(s, start, elapsed)
     if data.held_out:
-        metrics |= held_out_metrics(s.loop.model, data.held_out, pad_id, cfg.batch_size, ctx.device)
+        metrics |= held_out_step_metrics(s.loop.model, data.held_out, pad_id, cfg.batch_size, ctx.device)
     ctx.log_metrics(metrics)
     if data.held_out:
         log_held_out(ctx, metrics)

@@ -44,12 +44,12 @@ from stages.modeling import models
 from stages.modeling.heads import (
     REWARD_MODEL_SCHEMA,
     apply_reward_lora,
-    collate,
     format_sequence,
     load_reward_model,
     pooled_rewards,
     score_sequences,
 )
+from stages.modeling.logprobs import right_padded
 from stages.runtime import distributed
 from stages.training.loop import Curves, Loop, StepResult, autocast, curve_tail, step_micro_batches
 from stages.training.optim import resolve_precision
@@ -157,7 +157,7 @@ def micro_batch_loss(s: Session, mb: list[Pair], real: bool, n_pairs: int) -> tu
     """Backward of a micro-batch's BT loss, weighted as its share of the step's pairs; (that loss, pairs ranked
     right)."""
     device = s.ctx.device
-    ids, mask = collate([p.chosen for p in mb] + [p.rejected for p in mb], s.pad_id)  # (2B, T)
+    ids, mask = right_padded([p.chosen for p in mb] + [p.rejected for p in mb], s.pad_id)  # (2B, T)
     margin = torch.tensor([p.margin for p in mb], device=device)
     with autocast(device, s.autocast_dtype):
         rewards = pooled_rewards(s.loop.model, ids.to(device), mask.to(device))  # (2B,)
@@ -205,7 +205,7 @@ def summarize(s: Session, start: int, elapsed: float) -> dict[str, float]:
     }
 
 
-def held_out_metrics(plain, held_out: list[Pair], pad_id: int, batch_size: int, device: str) -> dict[str, float]:
+def held_out_pair_metrics(plain, held_out: list[Pair], pad_id: int, batch_size: int, device: str) -> dict[str, float]:
     """Pairwise accuracy, margin, BT loss and the rewards' spread on the held-out pairs."""
     bs = 2 * batch_size
     r_chosen = score_sequences(plain, [p.chosen for p in held_out], pad_id, bs, device)
@@ -238,7 +238,7 @@ def run(cfg: RewardModelConfig, inputs: dict[str, Input], ctx: StageContext) -> 
     metrics = summarize(s, start, elapsed)
     plain = dist.full_model(s.loop.model, ctx.device)  # rank 0's evaluation and save (fsdp: gathered, unsharded)
     if pairs.held_out and dist.is_main:
-        metrics |= held_out_metrics(plain, pairs.held_out, pad_id, cfg.batch_size, ctx.device)
+        metrics |= held_out_pair_metrics(plain, pairs.held_out, pad_id, cfg.batch_size, ctx.device)
     ctx.log_metrics({k: v for k, v in metrics.items() if k != "steps"})
 
     out, model_dir = model_output_dir(ctx, "model")

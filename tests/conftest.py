@@ -1,5 +1,5 @@
 """Test session setup: every test session gets its own R1FLOW_HOME and PREFECT_HOME (set before
-Prefect is imported; prefect_test_harness does not isolate result storage, DESIGN.md §6)."""
+Prefect is imported; prefect_test_harness does not isolate result storage, docs/design.md §6)."""
 
 from __future__ import annotations
 

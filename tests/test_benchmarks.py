@@ -32,18 +32,18 @@ def test_synthetic_rows_validate_as_their_dataset_kinds():
 
 
 def test_summaries_take_medians_of_warm_steps():
-    s = suite.summarize("sft", {"step_s": [1.0, 3.0, 2.0], "batch": 4, "seq_len": 100.0, "peak_delta_mib": 10.0,
+    s = suite.summarize_speed("sft", {"step_s": [1.0, 3.0, 2.0], "batch": 4, "seq_len": 100.0, "peak_delta_mib": 10.0,
                                 "peak_mib": 50.0})
     assert s["step_s"] == 2.0 and s["rate"] == pytest.approx(200.0)  # 4 x 100 tokens / 2 s
-    d = suite.summarize("dpo", {"step_s": [0.5, 0.25], "batch": 2, "seq_len": 10.0, "peak_delta_mib": 1.0,
+    d = suite.summarize_speed("dpo", {"step_s": [0.5, 0.25], "batch": 2, "seq_len": 10.0, "peak_delta_mib": 1.0,
                                 "peak_mib": 2.0, "reference_s": 3.0})
     assert d["rate"] == pytest.approx(2 / 0.375)
     steps = [{"generation": g, "scoring": 0.1, "training": 1.0, "total": g + 1.1, "completion_tokens": 64.0}
              for g in (1.0, 2.0, 4.0)]
-    g = suite.summarize("grpo", {"steps": steps, "completions": 16, "peak_delta_mib": 1.0, "peak_mib": 2.0})
+    g = suite.summarize_speed("grpo", {"steps": steps, "completions": 16, "peak_delta_mib": 1.0, "peak_mib": 2.0})
     assert g["generation"] == 2.0 and g["total"] == pytest.approx(3.1)
     assert g["mean_length"] == 4.0 and g["gen_tokens_per_s"] == 32.0
-    assert suite.summarize("grpo", None) is None
+    assert suite.summarize_speed("grpo", None) is None
 
 
 def test_repeats_pool_their_steps_and_keep_each_repeats_ratio():
@@ -53,7 +53,7 @@ def test_repeats_pool_their_steps_and_keep_each_repeats_ratio():
     ours = suite.pool([sft([1.0, 1.0], 10.0), sft([2.0, 2.0, 2.0], 12.0)])
     theirs = suite.pool([sft([4.0], 9.0), None, sft([3.0], 8.0)])
     assert ours["step_s"] == [1.0, 1.0, 2.0, 2.0, 2.0] and ours["peak_delta_mib"] == 12.0
-    assert suite.summarize("sft", ours)["step_s"] == 2.0  # the median of all five warm steps
+    assert suite.summarize_speed("sft", ours)["step_s"] == 2.0  # the median of all five warm steps
     assert theirs["step_s"] == [4.0, 3.0] and theirs["peak_mib"] == 14.0
     # repeat 1: 4.0 / 1.0; repeat 2: TRL failed, no ratio; repeat 3 has no r1flow run
     assert suite.repeat_ratios("sft", ours, theirs) == [4.0]
@@ -69,12 +69,12 @@ def test_ratios_say_how_many_times_better_r1flow_is():
 
 
 def test_targets_are_smollm2s_and_the_tiny_model_is_a_smoke_run():
-    assert suite.verdict("smollm2", "cpu", "grpo", 3.2) == ">= 3x: met"
-    assert suite.verdict("smollm2", "cpu", "grpo_long", 2.9) == ">= 3x: MISSED"  # both GRPO shapes carry 3x
-    assert suite.verdict("smollm2", "cpu", "sft", 1.2) == ">= 1.5x: MISSED"
-    assert suite.verdict("smollm2", "cpu", "dpo", None) == ">= 1.5x: n/a"
-    assert suite.verdict("tiny", "cpu", "grpo", 1.0) == "smoke run"
-    assert suite.verdict("1b", "cuda", "sft", 9.0) == "-"
+    assert suite.target_cell("smollm2", "cpu", "grpo", 3.2) == ">= 3x: met"
+    assert suite.target_cell("smollm2", "cpu", "grpo_long", 2.9) == ">= 3x: MISSED"  # both GRPO shapes carry 3x
+    assert suite.target_cell("smollm2", "cpu", "sft", 1.2) == ">= 1.5x: MISSED"
+    assert suite.target_cell("smollm2", "cpu", "dpo", None) == ">= 1.5x: n/a"
+    assert suite.target_cell("tiny", "cpu", "grpo", 1.0) == "smoke run"
+    assert suite.target_cell("1b", "cuda", "sft", 9.0) == "-"
     assert {model for model, _, _ in suite.TARGETS} == {"smollm2"}
 
 
@@ -112,8 +112,8 @@ def test_results_section_states_command_and_environment_once_then_a_table_per_mo
     report = {"env": {"MALLOC_MMAP_THRESHOLD_": "1073741824", "R1FLOW_MALLOC_TUNING": "0"},
               "in_process_tuning": False, "heap_serves_48MiB": True, "heap_serves_160MiB": True}
     env = suite.environment_line("tuned", report, {"torch": "2.13", "threads": 2})
-    text = suite.markdown_section('make bench ARGS="--models smollm2"', "cpu (2 cores)", "abc1234", env,
-                                  [(suite.shape_line("smollm2", "cpu", shapes), rows)], when="2026-11-26 08:00 UTC")
+    text = suite.speed_markdown_section('make bench ARGS="--models smollm2"', "cpu (2 cores)", "abc1234", env,
+                                        [(suite.shape_line("smollm2", "cpu", shapes), rows)], when="2026-11-26 08:00 UTC")
     lines = text.splitlines()
     assert lines[0] == "## 2026-11-26 08:00 UTC, cpu (2 cores), r1flow abc1234"
     assert sum("Command: `make bench" in ln for ln in lines) == 1
@@ -146,7 +146,7 @@ def test_the_second_grpo_shape_samples_longer_and_is_cpus_only():
 
 
 def test_every_child_gets_the_same_allocator_variables(monkeypatch, tmp_path):
-    """run_child gives r1flow's and TRL's processes one environment: the mode's variables, r1flow's own
+    """run_speed_child gives r1flow's and TRL's processes one environment: the mode's variables, r1flow's own
     in-process tuning off (host_memory then leaves glibc alone), the caller's other variables kept."""
     import subprocess
 
@@ -161,7 +161,7 @@ def test_every_child_gets_the_same_allocator_variables(monkeypatch, tmp_path):
     shape = common.shape_for("cpu", "tiny")
     for mode in ("tuned", "glibc"):
         for what in ("r1flow:sft", "trl:sft", "r1flow:reference"):
-            suite.run_child(what, "cpu", tmp_path / "prep.json", shape, tmp_path, tmp_path / "log", allocator=mode)
+            suite.run_speed_child(what, "cpu", tmp_path / "prep.json", shape, tmp_path, tmp_path / "log", allocator=mode)
         assert seen["r1flow:sft"] == seen["trl:sft"] == seen["r1flow:reference"]
         env = seen["trl:sft"]
         assert env["SOME_SETTING"] == "kept" and env["R1FLOW_MALLOC_TUNING"] == "0"
@@ -217,8 +217,8 @@ def test_child_processes_report_the_same_allocator_on_both_sides(tmp_path, mode)
     shape = common.shape_for("cpu", "tiny")
     fair = suite.SameConditions()
     for fw in suite.FRAMEWORKS:
-        out = suite.run_child(f"{fw}:allocator", "cpu", prep, shape, tmp_path, tmp_path / f"{fw}.log",
-                              timeout=300, allocator=mode)
+        out = suite.run_speed_child(f"{fw}:allocator", "cpu", prep, shape, tmp_path, tmp_path / f"{fw}.log",
+                                    timeout=300, allocator=mode)
         assert out is not None, (tmp_path / f"{fw}.log").read_text()
         fair.check(f"tiny {fw}:allocator", out)
     alloc = fair.allocator
@@ -261,7 +261,7 @@ def test_learning_summary_has_a_ppo_row_and_its_paired_difference_with_grpo():
              "r1flow_ppo_end": {"rows": rows([1, 0, 0, 0])}}
     runs = {"r1flow": {"snapshots": [], "steps": 10, "train_s": 60.0},
             "r1flow_ppo": {"snapshots": [], "steps": 4, "train_s": 60.0}}
-    summary = learning.summarize(learning.Plan(), evals, runs)
+    summary = learning.summarize_learning(learning.Plan(), evals, runs)
     assert [r["label"] for r in summary["rows"]] == ["start model", "r1flow, budget", "r1flow PPO, budget"]
     assert summary["rows"][2]["steps"] == 4 and summary["rows"][2]["gain"]["gain"] == 0.25
     assert summary["ppo_minus_grpo"]["diff"] == -0.5

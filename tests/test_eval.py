@@ -64,13 +64,13 @@ def test_summarize_interval_is_over_the_scored_greedy_rows_only():
     assert eval_stage.summarize([row("a", "greedy", True)] * 5, k=0)["accuracy_ci_low"] == 1.0
 
 
-def test_select_prompts_round_robin_over_tasks():
+def test_round_robin_prompts_over_tasks():
     import pyarrow as pa
 
     rows = [{"id": f"{t}{i}", "task": t, "split": s} for t in ("a", "b") for i, s in enumerate(["eval"] * 5 + ["train"])]
-    picked = eval_stage.select_prompts(pa.Table.from_pylist(rows), "eval", 4)
+    picked = eval_stage.round_robin_prompts(pa.Table.from_pylist(rows), "eval", 4)
     assert [r["id"] for r in picked] == ["a0", "b0", "a1", "b1"]
-    assert len(eval_stage.select_prompts(pa.Table.from_pylist(rows), "train", 10)) == 2
+    assert len(eval_stage.round_robin_prompts(pa.Table.from_pylist(rows), "train", 10)) == 2
 
 
 def test_eval_stage_on_tiny_model(tmp_path, tiny_model_input):

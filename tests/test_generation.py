@@ -7,7 +7,12 @@ import pytest
 import torch
 
 from schemas.configs import GenerationSpec
-from stages.sampling.generation import TransformersBackend, completion_logprobs, cut_at_stop, make_backend
+from stages.sampling.generation import (
+    TransformersBackend,
+    cut_at_stop,
+    make_backend,
+    sampled_completion_logprobs,
+)
 
 CONVS = [[{"role": "user", "content": q}] for q in ("hi", "a much longer question here?", "2+2", "x")]
 
@@ -79,8 +84,8 @@ def test_completion_logprobs_masks_padding():
             logits = torch.tensor([0.0, 0.0, float(torch.log(torch.tensor(2.0)))]).expand(*input_ids.shape, 3)
             return type("O", (), {"logits": logits})()
 
-    lp = completion_logprobs(Fixed(), torch.tensor([[1, 1]]), torch.tensor([[1, 1]]), torch.tensor([[2, 0, 0]]),
-                             torch.tensor([[1, 1, 0]]))
+    lp = sampled_completion_logprobs(Fixed(), torch.tensor([[1, 1]]), torch.tensor([[1, 1]]), torch.tensor([[2, 0, 0]]),
+                                     torch.tensor([[1, 1, 0]]))
     torch.testing.assert_close(lp, torch.log(torch.tensor([[0.5, 0.25, 1.0]])) * torch.tensor([[1.0, 1.0, 0.0]]))
 
 

@@ -1,4 +1,4 @@
-"""Every module imports, and the layering of DESIGN.md §1 holds: schemas/ and stages/ never
+"""Every module imports, and the layering of docs/design.md §1 holds: schemas/ and stages/ never
 import Prefect or MLflow (so stages run by hand, in tests, and on GPU boxes without them)."""
 
 import ast

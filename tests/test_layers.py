@@ -1,5 +1,6 @@
 """The architecture, enforced: stage modules never import each other, each layer under `stages/`
-imports only the layers beneath it, and flows/, stages/ and schemas/ have no import cycles.
+imports only the layers beneath it, flows/, stages/, schemas/ and benchmarks/ have no import cycles, and
+nothing beneath benchmarks/ imports it (docs/design.md, "Layers").
 
 Imports are read from the source (every import statement, also inside functions), not by importing,
 so a lazy import counts like a top-level one. Imports under `if TYPE_CHECKING:` are annotations
@@ -16,7 +17,7 @@ import pytest
 from stages import STAGE_MODULES
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("schemas", "stages", "flows")
+PACKAGES = ("schemas", "stages", "flows", "benchmarks")
 
 # What each layer under stages/ may import (besides the standard library, third-party packages and
 # itself). The stage API, stages.base, sits between sampling and training.
@@ -157,6 +158,12 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
         if v not in index:
             visit(v)
     return out
+
+
+def test_nothing_beneath_benchmarks_imports_them():
+    wrong = {m: sorted(d for d in deps if d.startswith("benchmarks"))
+             for m, deps in GRAPH.items() if not m.startswith("benchmarks")}
+    assert not {m: d for m, d in wrong.items() if d}
 
 
 def test_no_import_cycles():

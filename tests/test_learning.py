@@ -42,7 +42,7 @@ def test_summary_compares_equal_steps_and_equal_time():
     runs = {"trl": {"steps": 30, "train_s": 1200.0},
             "r1flow": {"steps": 80, "train_s": 1190.0, "snapshots": [{"name": "equal_steps", "step": 30,
                                                                        "elapsed_s": 450.0}]}}
-    s = learning.summarize(learning.Plan(), evals, runs)
+    s = learning.summarize_learning(learning.Plan(), evals, runs)
     by = {r["name"]: r for r in s["rows"]}
     assert [r["name"] for r in s["rows"]] == ["start", "trl_end", "r1flow_equal_steps", "r1flow_end"]
     assert by["r1flow_end"]["gain"]["gain"] == pytest.approx(0.25)
@@ -55,7 +55,7 @@ def test_summary_compares_equal_steps_and_equal_time():
     assert "2.50x TRL's gain" in text and "met" in text
     # half TRL's gain at equal time: missed, and said so
     evals["r1flow_end"] = evaluation([1] * 2 + [0] * (n - 2), [0] * n)
-    s = learning.summarize(learning.Plan(), evals, runs)
+    s = learning.summarize_learning(learning.Plan(), evals, runs)
     assert s["equal_time_met"] is False and "MISSED" in "\n".join(learning.verdict_lines(s))
 
 
@@ -65,7 +65,7 @@ def test_snapshots_follow_the_curve_times_and_the_equal_steps_point(tmp_path):
             Path(path).mkdir(parents=True)
 
     plan = learning.Plan(minutes=4.0, curve_points=3)  # curve at 60, 120, 180 s
-    snaps = learning.Snapshots(plan, tmp_path, at_step=2)
+    snaps = learning.Snapshots(plan.curve_times(), tmp_path, at_step=2)
     for step, t in ((1, 50.0), (2, 130.0), (3, 170.0), (4, 250.0)):
         snaps.after_step(Model(), step, t)
     got = [(s["name"], s["step"]) for s in snaps.saved]

@@ -321,7 +321,7 @@ def test_prm_saves_the_checkpoint_with_the_lowest_validation_loss(tmp_path, rule
     _, val_idx, _ = prm.split_rows(rows, cfg, ctx.seed)
     scorer = StepScorer.from_input(fake_input(out.path, "model", out.schema))
     examples = prm.encode([rows[i] for i in val_idx], scorer.tokenizer, cfg)
-    again = prm.held_out_metrics(scorer.model, examples, scorer.pad_id, 8, "cpu")
+    again = prm.held_out_step_metrics(scorer.model, examples, scorer.pad_id, 8, "cpu")
     assert again["eval_loss"] == pytest.approx(m["val_loss_best"], abs=1e-4)
 
 

@@ -14,7 +14,7 @@ from stages import reward_model as rm
 from stages import sft
 from stages.base import Input, LocalContext, write_dataset
 from stages.math import supervised
-from stages.modeling import heads
+from stages.modeling import heads, logprobs
 from stages.training import checkpoints, pairs
 from tests.conftest import fake_input
 from tests.test_sft import CrashingContext, SimulatedCrash
@@ -94,10 +94,10 @@ def test_pooling_reads_the_last_real_token_even_when_pad_is_eos(tiny_rm, tiny_to
     eos = tiny_tokenizer.eos_token_id
     seqs = [heads.format_sequence(tiny_tokenizer, PROMPT, c, 512) for c in ("5", "<answer>5</answer>", "it is five")]
     assert eos in seqs[0][:-1]  # EOS inside the text: pad-id detection would stop there or skip the end
-    ids, mask = heads.collate(seqs, pad_id=eos)
+    ids, mask = logprobs.right_padded(seqs, pad_id=eos)
     with torch.no_grad():
         batched = heads.pooled_rewards(tiny_rm, ids, mask)
-        alone = torch.cat([heads.pooled_rewards(tiny_rm, *heads.collate([s], eos)) for s in seqs])
+        alone = torch.cat([heads.pooled_rewards(tiny_rm, *logprobs.right_padded([s], eos)) for s in seqs])
         torch.testing.assert_close(batched, alone, atol=1e-5, rtol=1e-5)
 
         scrambled = ids.clone()
@@ -113,7 +113,7 @@ def test_pooling_reads_the_last_real_token_even_when_pad_is_eos(tiny_rm, tiny_to
 
 
 def test_a_model_without_a_score_head_is_refused(tiny_model):
-    ids, mask = heads.collate([[5, 6, 7]], 0)
+    ids, mask = logprobs.right_padded([[5, 6, 7]], 0)
     with pytest.raises(ModelError, match="no `score` head"):
         heads.pooled_rewards(tiny_model, ids, mask)
 

@@ -173,11 +173,11 @@ def test_aggregation_of_step_scores():
     mask = torch.tensor([[1, 1, 1], [1, 1, 0], [0, 0, 0]])
     expected = {"min": [0.5, 0.6], "product": [0.36, 0.42], "last": [0.8, 0.7], "mean": [2.2 / 3, 0.65]}
     for how, want in expected.items():
-        got = st.aggregate(scores, mask, how)
+        got = st.aggregate_step_scores(scores, mask, how)
         torch.testing.assert_close(got[:2], torch.tensor(want, dtype=torch.float64), atol=1e-6, rtol=0, msg=how)
         assert math.isnan(got[2]), how
     with pytest.raises(ValueError, match="unknown step-score aggregation 'max'"):
-        st.aggregate(scores, mask, "max")
+        st.aggregate_step_scores(scores, mask, "max")
 
 
 # ---------------------------------------------------------------------------- the steps kind and step files

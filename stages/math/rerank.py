@@ -4,7 +4,7 @@
   (answers compared after whitespace is stripped; unanswered completions never vote; a tie goes to
   the answer seen first, so the pick is a pure function of the samples' order);
 - `best_pick`: the completion with the highest score (an outcome reward model's reward, or a process
-  reward model's step scores aggregated by `stages.math.steps.aggregate`); a tie goes to the first,
+  reward model's step scores aggregated by `stages.math.steps.aggregate_step_scores`); a tie goes to the first,
   and a NaN score (a completion without steps) never wins over a number;
 - `rerank_accuracy`: the share of prompts whose picked completion is correct.
 """

@@ -371,7 +371,7 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
 # ---------------------------------------------------------------------------- PPO with a critic
 
 
-def last_token_index(mask: Tensor) -> Tensor:
+def last_masked_index(mask: Tensor) -> Tensor:
     """(B,) index of each row's last masked-in token (0 for an empty row). mask (B, T)."""
     t = mask.shape[-1]
     return (t - 1 - mask.bool().flip(-1).to(torch.long).argmax(-1)).clamp(min=0)
@@ -390,7 +390,7 @@ def kl_penalized_rewards(scores: Tensor, logp: Tensor, ref_logp: Tensor, mask: T
     rows = torch.arange(mask.shape[0], device=mask.device)
     has = m.any(-1)
     score = scores.to(rewards.dtype)
-    rewards[rows, last_token_index(m)] += torch.where(has, score, torch.zeros_like(score))
+    rewards[rows, last_masked_index(m)] += torch.where(has, score, torch.zeros_like(score))
     return rewards, kl_t
 
 

@@ -222,7 +222,7 @@ AGGREGATIONS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = 
 }
 
 
-def aggregate(scores: torch.Tensor, mask: torch.Tensor, how: str = "min") -> torch.Tensor:
+def aggregate_step_scores(scores: torch.Tensor, mask: torch.Tensor, how: str = "min") -> torch.Tensor:
     """(B,) solution scores from step scores (probabilities): min, product, last or mean over the
     real steps. scores, mask: (B, S). A solution without steps scores NaN (cannot be scored)."""
     if how not in AGGREGATIONS:

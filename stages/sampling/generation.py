@@ -192,8 +192,8 @@ def cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
     return text[: pos + len(stop)], True
 
 
-def completion_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
-                        completion_mask: torch.Tensor, chunk_rows: int = 8) -> torch.Tensor:
+def sampled_completion_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
+                                completion_mask: torch.Tensor, chunk_rows: int = 8) -> torch.Tensor:
     """Log-prob of every completion token given the prompt and the tokens before it.
 
     prompt_ids/prompt_mask: (B, P), left padded; completion_ids/completion_mask: (B, C), right
@@ -668,8 +668,8 @@ class TransformersBackend:
             if logprobs:
                 lens = torch.tensor([len(r[0]) for r in rows], device=device)
                 cmask = (torch.arange(new.shape[1], device=device)[None, :] < lens[:, None]).long()
-                lps = completion_logprobs(model, enc["input_ids"].repeat_interleave(n, 0),
-                                          enc["attention_mask"].repeat_interleave(n, 0), new * cmask, cmask).tolist()
+                lps = sampled_completion_logprobs(model, enc["input_ids"].repeat_interleave(n, 0),
+                                                  enc["attention_mask"].repeat_interleave(n, 0), new * cmask, cmask).tolist()
             for j, (ids, text, finish) in enumerate(rows):
                 stats.new_tokens += len(ids)
                 lp = tuple(lps[j][: len(ids)]) if lps is not None else None
