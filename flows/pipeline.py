@@ -1,6 +1,6 @@
 """The Prefect layer: one cached task per stage, a flow that orders them, and the run summary.
 
-Caching (DESIGN.md §2, §6): each stage is a task whose `cache_key_fn` returns our cache key and
+Caching (docs/design.md §2, §5, §6): each stage is a task whose `cache_key_fn` returns our cache key and
 whose result (a small JSON of output fingerprints) is persisted. Before submitting, the flow
 checks the store's own record for that key and verifies every output file; if anything is missing
 or corrupt it sets `refresh_cache=True`, so a stale Prefect cache can never hand a deleted

@@ -12,7 +12,7 @@ databases, 0600 in a 0700 home: both create an `alembic_version` table), run in 
 terminal does not reach them; `stop` signals their process groups) and are recorded in
 `<home>/servers/servers.json`. Runners/workers that serve deployments against these servers
 register their pids here so that `stop` ends them first: they pause schedules through the API
-and hang if it is gone (DESIGN.md §6).
+and hang if it is gone (docs/design.md §6).
 
 Ports are the home's: chosen once and kept in `<home>/servers/ports.json` (which `stop` keeps), so the links
 in earlier reports (MLflow runs, plot images) still open after `down` and `up`; a port that is taken is an
@@ -469,7 +469,7 @@ def _mlflow_command(home: Path, port: int) -> list[str]:
 
 
 def _mlflow_env(home: Path, port: int, advertise: str = HOST) -> dict[str, str]:
-    # the job executor adds a consumer pool: 15 processes and ~80 s to start (DESIGN.md §6)
+    # the job executor adds a consumer pool: 15 processes and ~80 s to start (docs/design.md §6)
     env = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     allowed = mlflow_allowed_hosts(advertise)
     if allowed and not os.environ.get("MLFLOW_SERVER_ALLOWED_HOSTS"):

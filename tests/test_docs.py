@@ -10,9 +10,6 @@ ROOT = Path(__file__).resolve().parent.parent
 DESIGN = ROOT / "docs" / "design.md"
 SOURCES = ("schemas", "stages", "flows", "benchmarks", "tests", "infra")
 TOP = ("README.md", "pyproject.toml", "Makefile")
-# flows: left for after issue 44's merge (these files are being edited there; their `DESIGN.md §N` keep the
-# numbering of docs/design.md)
-OLD_NAME_LEFT = {"flows/servers.py", "flows/pipeline.py"}
 
 
 def _files() -> list[Path]:
@@ -35,4 +32,4 @@ def test_every_cited_section_of_the_design_exists():
 def test_nothing_cites_a_design_file_outside_the_repository():
     bare = re.compile(r"(?<![/\w])DESIGN\.md")
     found = [str(p.relative_to(ROOT)) for p in _files() if p.name != "test_docs.py" and bare.search(p.read_text(errors="replace"))]
-    assert sorted(set(found) - OLD_NAME_LEFT) == [], "cite docs/design.md instead"
+    assert found == [], "cite docs/design.md instead"

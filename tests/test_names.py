@@ -34,7 +34,8 @@ def public_functions() -> dict[str, set[str]]:
 
 
 STAGES = set(STAGE_MODULES.values())
-SCRIPTS = {_module(p) for p in (ROOT / "benchmarks").glob("*.py")} | {"stages.training.launch", "flows.cli"}
+SCRIPTS = {_module(p) for p in (ROOT / "benchmarks").glob("*.py")} | {"stages.training.launch", "flows.cli",
+                                                                       "flows.prefect_server"}
 
 # Interfaces: one meaning implemented by several modules, each called through its module.
 INTERFACES: dict[str, set[str]] = {
