@@ -48,8 +48,7 @@ class Execution:
     def __post_init__(self):
         if self.parallel < 1:
             raise ConfigError(f"--parallel {self.parallel}: expected 1 or more")
-        if self.parallel > 1:
-            thread_share(self.parallel, available_cpus(), os.environ.get(THREADS_VAR))  # a bad R1FLOW_THREADS: now
+        thread_share(self.parallel, available_cpus(), os.environ.get(THREADS_VAR))  # a bad R1FLOW_THREADS: now
 
     @property
     def concurrent(self) -> bool:

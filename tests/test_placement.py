@@ -205,7 +205,10 @@ def test_parallel_stage_processes_share_the_cores_between_them(monkeypatch):
     monkeypatch.setenv("R1FLOW_THREADS", "zero")
     with pytest.raises(ConfigError, match="R1FLOW_THREADS='zero'"):
         Execution(parallel=2)  # before any compute
-    assert Execution(parallel=1).parallel == 1  # one process: torch's own default, the variable unused
+    with pytest.raises(ConfigError, match="R1FLOW_THREADS='zero'"):
+        Execution(parallel=1)
+    monkeypatch.delenv("R1FLOW_THREADS")
+    assert Execution(parallel=1).parallel == 1
 
 
 def test_a_parallel_worker_runs_torch_and_its_children_with_its_share():
