@@ -421,6 +421,11 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"r1flow: {warning}", file=sys.stderr, flush=True)
     advertised = servers.advertised_host(args.host, args.advertise)
     where = args.host if advertised == args.host else f"{args.host} (advertised as {advertised})"
+    recorded = servers.status(home)
+    gone = servers.broken(recorded) if recorded else []
+    if gone:  # start() stops what is left of them and starts both afresh
+        print(f"r1flow: the recorded {' and '.join(f'{s.name} server (pid {s.pid}, {s.url})' for s in gone)} "
+              f"{'is' if len(gone) == 1 else 'are'} gone; stopping what is left and starting fresh", flush=True)
     print(f"r1flow: starting Prefect and MLflow servers on {where} for {home} ...", flush=True)
 
     def _interrupt(signum, frame):
@@ -903,6 +908,10 @@ def main(argv: list[str] | None = None) -> int:
             from flows.settings import prepare_environment
 
             args.servers_source = prepare_environment()
+        if supervised:  # a Prefect or MLflow server lost mid-run: one line and the run ends (flows/watchdog.py)
+            from flows import watchdog
+
+            watchdog.watch(watchdog.watched())
         code = args.func(args)
         sys.stdout.flush()  # here, not at exit: a closed pipe is then a BrokenPipeError we handle
         return code

@@ -223,7 +223,40 @@ def exit_soon(code: int, grace: float | None = None) -> None:
     timer.start()
 
 
+_stop_code: int | None = None  # set by stop(): the code the main thread exits with
+
+
+def stopping() -> bool:
+    """Is this process on its way out (a signal, or stop())? Retries and clean-ups then give up at once."""
+    return _stopping.is_set()
+
+
+def stop(message: str, code: int = 1, grace: float | None = None) -> bool:
+    """From any thread: end the run as SIGTERM would, with one line of our own. Writes `message` to stderr, then
+    points stderr at /dev/null (what a dying run's libraries print next, retries of the server that is gone,
+    would only bury the line), arms the os._exit backstop and raises SystemExit(code) in the main thread (a
+    SIGTERM sent to it: a sleep or a blocking call there is interrupted). False when already stopping.
+    Needs terminate_on_signals (the handler that raises); without it, the backstop alone ends the process."""
+    global _stop_code
+    if _stopping.is_set():
+        return False
+    _stopping.set()
+    _stop_code = code
+    sys.stderr.write(message + "\n")
+    sys.stderr.flush()
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    os.close(devnull)
+    exit_soon(code, grace)
+    signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
+    return True
+
+
 def _terminate(signum, frame):
+    global _stop_code
+    if _stop_code is not None and threading.current_thread() is threading.main_thread():
+        code, _stop_code = _stop_code, None  # stop()'s: raised once, its line already written
+        raise SystemExit(code)
     code = 128 + signum
     if _stopping.is_set():
         return  # already on its way out
