@@ -7,7 +7,9 @@ import time
 _T_START = time.perf_counter()
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import json  # noqa: E402
+import os  # noqa: E402
 import sys  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
@@ -922,6 +924,17 @@ def main(argv: list[str] | None = None) -> int:
     except R1FlowError as e:
         print(f"r1flow: error: {e}", file=sys.stderr)
         return 2
+    except SystemExit as e:
+        from stages.runtime import lifetime
+
+        if not (supervised and lifetime.stopping()):
+            raise
+        # SIGTERM/SIGHUP or a lost server (its line is written): skip the interpreter's exit, whose atexit hooks
+        # wait for Prefect's temporary server (up to 5 s) among others; the sentinel ends our children
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(e.code if isinstance(e.code, int) else 1)
     except KeyboardInterrupt:
         print("r1flow: interrupted; completed stages are cached and training resumes from its last checkpoint",
               file=sys.stderr)
