@@ -754,7 +754,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     finally:
         if registered:
             servers.unregister_runner(home)
-    return 0
+    # stopped (SIGTERM): its schedules are paused; the interpreter's exit (draining Prefect's log and event workers,
+    # module teardown) took seconds more under load, past `r1flow down`'s grace
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def _add_deploy_args(p: argparse.ArgumentParser) -> None:

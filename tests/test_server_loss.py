@@ -191,3 +191,56 @@ def test_mlflow_server_killed_mid_run_one_line_naming_it_and_the_run_ends_crashe
         assert _flow_run_states(info) == ["Crashed"]
     finally:
         servers.stop(home)
+
+
+# ---------------------------------------------------------------------------- r1flow down under load (item 8)
+
+
+def test_down_under_load_stops_serve_and_worker_with_sigterm_within_the_grace(tmp_path):
+    """Item 8: under load `r1flow down` SIGKILLed `r1flow serve` and `r1flow worker` after its grace (12.5 s,
+    23.5 s), and serve printed "coroutine 'Runner.astop' was never awaited"."""
+    from tests.test_lifetime import cpu_load
+
+    home = tmp_path / "home"
+    servers.start(home)
+    env = _env(home)
+    logs = {name: tmp_path / f"{name}.log" for name in ("serve", "worker")}
+    cmds = {"serve": ["serve", "--recipe", "eval", "--all-stages", "--profile", "tiny"],
+            "worker": ["worker", "--pool", "down-pool"]}
+    procs = {}
+    try:
+        for name, args in cmds.items():
+            with open(logs[name], "w") as f:
+                procs[name] = subprocess.Popen([*R1FLOW, *args], cwd=tmp_path, env=env, stdout=f,
+                                               stderr=subprocess.STDOUT, start_new_session=True)
+
+        def ready() -> bool:  # both registered with `r1flow up`'s record, serving and polling
+            runners = {r["name"] for r in servers.status(home).runners}
+            return ({"serve", "worker down-pool"} <= runners and "started!" in logs["worker"].read_text()
+                    and "being served and polling" in logs["serve"].read_text())
+
+        deadline = time.monotonic() + 240
+        while not ready():
+            for name, p in procs.items():
+                assert p.poll() is None, f"{name} exited:\n{logs[name].read_text()[-3000:]}"
+            assert time.monotonic() < deadline, "serve and worker not ready:\n" + "\n".join(
+                logs[n].read_text()[-1500:] for n in logs)
+            time.sleep(0.5)
+        with cpu_load():
+            t0 = time.monotonic()
+            down = subprocess.run([*R1FLOW, "down"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                                  timeout=120)
+            down_s = time.monotonic() - t0
+        assert down.returncode == 0, down.stdout + down.stderr
+        runner_lines = [line for line in down.stdout.splitlines() if line.startswith("stopped runner")]
+        assert len(runner_lines) == 2 and all(line.endswith("(SIGTERM)") for line in runner_lines), (
+            down.stdout, down_s, {n: logs[n].read_text()[-2000:] for n in logs})
+        for name, p in procs.items():
+            p.wait(timeout=10)
+            assert "never awaited" not in logs[name].read_text(), logs[name].read_text()[-3000:]
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        servers.stop(home)
