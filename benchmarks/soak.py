@@ -134,6 +134,8 @@ def kill_server(args, work: Path, home: Path, running: list, records: list, kill
     print(f"server kill {len(kills) + 1}: {name} (pid {server.pid}, {server.url}) with {len(running)} runs live",
           flush=True)
     for rec, proc, _, log in list(running):
+        if rec.signal and rec.returncode is None:  # its signal was not sent yet, and will not be
+            rec.signal, rec.delay_s = None, None
         try:
             proc.wait(timeout=LOST_WITHIN_S + 60)
         except subprocess.TimeoutExpired:
@@ -321,7 +323,7 @@ def finish(args, work: Path, home: Path, refs, records: list[RunRecord], server_
                                  and any(o.index > r.index and o.variant == r.variant for o in records)),
         "sigkill": sum(1 for r in records if r.signal == "SIGKILL"),
         "sigterm": sum(1 for r in records if r.signal == "SIGTERM"),
-        "unharmed_failures": [asdict(r) for r in records if not r.signal and r.returncode != 0],
+        "unharmed_failures": [asdict(r) for r in records if not r.signal and not r.server_lost and r.returncode != 0],
         "sigterm_exit_codes": sorted({r.returncode for r in records if r.signal == "SIGTERM"}),
         "leftover_processes_after_a_run": sum(len(r.leftover) for r in records),
         "orphans_at_end": orphans,

@@ -927,6 +927,16 @@ def main(argv: list[str] | None = None) -> int:
     except R1FlowError as e:
         print(f"r1flow: error: {e}", file=sys.stderr)
         return 2
+    except Exception:
+        if not supervised:
+            raise
+        from flows import watchdog
+
+        gone = watchdog.not_answering(watchdog.watched())
+        if not gone:
+            raise
+        print(watchdog.lost_message(gone[0]), file=sys.stderr)  # the cause, not the traceback it caused
+        return watchdog.EXIT_CODE
     except SystemExit as e:
         from stages.runtime import lifetime
 

@@ -53,10 +53,17 @@ def answers(url: str, timeout: float = PROBE_TIMEOUT_S) -> bool:
         return False
 
 
-def lost_message(server: Watched, silent_s: float) -> str:
-    return (f"r1flow: error: {server.name} server at {server.url} stopped responding (no answer for {silent_s:.0f} s); "
+def lost_message(server: Watched, silent_s: float | None = None) -> str:
+    silent = f" (no answer for {silent_s:.0f} s)" if silent_s is not None else ""
+    return (f"r1flow: error: {server.name} server at {server.url} stopped responding{silent}; "
             "the run stops. Finished stages are kept: start the server again (`r1flow up`) and re-run, they are "
             "reused")
+
+
+def not_answering(servers: list[Watched]) -> list[Watched]:
+    """Those of `servers` that do not answer now: what an error raised while one is gone is really about (a
+    server killed as a run starts fails it at once, with Prefect's "Failed to reach API" traceback)."""
+    return [s for s in servers if not answers(s.health)]
 
 
 def _on_lost(server: Watched, silent_s: float) -> None:

@@ -171,6 +171,29 @@ def test_prefect_server_killed_mid_run_one_line_then_up_recovers_and_the_next_ru
         servers.stop(home)
 
 
+def test_prefect_server_killed_as_a_run_starts_is_the_same_one_line(tmp_path):
+    """Found by the soak with server kills: killed while the run was still starting, before its flow run existed,
+    the run failed at once with Prefect's traceback ("RuntimeError: Failed to reach API at ...")."""
+    home = tmp_path / "home"
+    info = servers.start(home)
+    try:
+        cli = subprocess.Popen([*R1FLOW, *RUN], cwd=tmp_path, env=_env(home), start_new_session=True, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        _STARTED.append(cli)
+        out, err = _Lines(cli.stdout), _Lines(cli.stderr)
+        _wait_for("the servers line", lambda: any(line.startswith("servers (") for _, line in out.lines), 120, cli,
+                  err)
+        killed_at = time.monotonic()
+        _kill_server(info.prefect)
+        code = cli.wait(timeout=120)
+        out.join()
+        err.join()
+        _the_one_line(err, killed_at, info.prefect.url)
+        assert code == 1
+    finally:
+        servers.stop(home)
+
+
 def test_mlflow_server_killed_mid_run_one_line_naming_it_and_the_run_ends_crashed(tmp_path):
     """Item 12: the run hung at the start of SFT for over 7 minutes with only urllib3 retry warnings."""
     home = tmp_path / "home"
