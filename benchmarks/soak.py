@@ -18,6 +18,14 @@
    no process left from any run (processes carry R1FLOW_RUN_PROCESS=<the CLI's pid>:...); the sqlite
    databases pass `PRAGMA integrity_check`; litter (staging, incoming, launch work folders) counted.
 
+With `--server-kills N` (issue 44) the soak runs against `r1flow up` servers of the soaked home (the CLI finds
+them, nothing exported) and kills one N times, Prefect and MLflow in turn, by process group with SIGKILL while
+runs are live: each live run must end with the one line naming the server within 30 s (they are queued again),
+then `r1flow up --detach` must recover the home, and the soak goes on. The checks add: no Prefect flow run and no
+MLflow run left RUNNING, and both servers' databases (`servers/prefect.db`, `servers/mlflow.db`) intact.
+
+    .venv/bin/python benchmarks/soak.py --runs 24 --kills 12 --server-kills 2   # issue 44's acceptance
+
 Prints a report and writes it as JSON. Not part of CI (tens of minutes on 2 cores).
 """
 
@@ -39,6 +47,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from flows import servers  # noqa: E402
 from stages.runtime import lifetime  # noqa: E402
 
 R1FLOW = [sys.executable, "-m", "flows.cli"]
@@ -48,6 +57,8 @@ REFERENCE = {
     "grpo_final_lr": ["grpo_final.learning_rate=5e-4"],
 }
 VARIANTS = dict(REFERENCE)  # plus the soak's new variants
+LOST_LINE = "stopped responding"  # flows/watchdog.py's line for a server that went away
+LOST_WITHIN_S = 30.0
 
 
 @dataclass
@@ -61,6 +72,21 @@ class RunRecord:
     seconds: float = 0.0
     leftover: list[int] = field(default_factory=list)
     error_tail: str = ""
+    server_lost: str | None = None  # the server killed while it ran, when its run ended saying so
+    ended_after_kill_s: float | None = None
+
+
+@dataclass
+class ServerKill:
+    server: str
+    at_run: int
+    live_runs: int
+    runs_ended_s: list[float] = field(default_factory=list)  # each live run: kill to exit
+    runs_saying_so: int = 0  # of those, how many printed the one line naming the server
+    runs_succeeded: int = 0  # ...and how many finished before it mattered (exit 0)
+    up_exit: int | None = None
+    up_s: float | None = None
+    up_tail: str = ""
 
 
 def soak_env(home: Path) -> dict[str, str]:
@@ -97,12 +123,53 @@ def reference(args, work: Path) -> dict[str, dict[str, dict[str, str]]]:
     return refs
 
 
-def soak(args, work: Path, home: Path) -> list[RunRecord]:
+def kill_server(args, work: Path, home: Path, running: list, records: list, kills: list[ServerKill]) -> None:
+    """SIGKILL a server's process group while runs are live; wait for each live run to end, then `r1flow up`."""
+    info = servers.status(home)
+    name = ("prefect", "mlflow")[len(kills) % 2]
+    server = getattr(info, name)
+    kill = ServerKill(name, len(records), len(running))
+    t0 = time.monotonic()
+    os.killpg(server.pgid, signal.SIGKILL)
+    print(f"server kill {len(kills) + 1}: {name} (pid {server.pid}, {server.url}) with {len(running)} runs live",
+          flush=True)
+    for rec, proc, _, log in list(running):
+        if rec.signal and rec.returncode is None:  # its signal was not sent yet, and will not be
+            rec.signal, rec.delay_s = None, None
+        try:
+            proc.wait(timeout=LOST_WITHIN_S + 60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        ended = round(time.monotonic() - t0, 1)
+        kill.runs_ended_s.append(ended)
+        log.flush()
+        if LOST_LINE in (work / f"run-{rec.index}.log").read_text(errors="replace"):
+            kill.runs_saying_so += 1
+            rec.server_lost, rec.ended_after_kill_s = name, ended
+        elif proc.returncode == 0:
+            kill.runs_succeeded += 1
+    t1 = time.monotonic()
+    up = subprocess.run([*R1FLOW, "up", "--detach"], cwd=work, env=soak_env(home), capture_output=True, text=True)
+    kill.up_exit, kill.up_s = up.returncode, round(time.monotonic() - t1, 1)
+    kill.up_tail = (up.stdout + up.stderr)[-1500:]
+    print(f"  live runs ended in {kill.runs_ended_s} s, {kill.runs_saying_so} saying so; r1flow up: exit "
+          f"{up.returncode} in {kill.up_s} s", flush=True)
+    kills.append(kill)
+
+
+def soak(args, work: Path, home: Path, server_kills: list[ServerKill] | None = None) -> list[RunRecord]:
     rng = random.Random(args.seed)
     signals = [signal.SIGKILL, signal.SIGTERM]
     records, running, queue, requeued = [], [], [], set()
     kills_landed = 0
+    # server kills at evenly spaced run indices, once a run has been live a while
+    kill_at = [round((i + 1) * args.runs / (args.server_kills + 1)) for i in range(args.server_kills)]
     while len(records) < args.runs or running:
+        if (server_kills is not None and kill_at and len(records) >= kill_at[0]
+                and any(time.monotonic() - t0 > 10 for _, _, t0, _ in running)):
+            kill_at.pop(0)
+            kill_server(args, work, home, running, records, server_kills)
         while len(records) < args.runs and len(running) < args.concurrency:
             if queue:
                 variant = queue.pop(0)
@@ -133,17 +200,19 @@ def soak(args, work: Path, home: Path) -> list[RunRecord]:
                 log.close()
                 time.sleep(lifetime.SENTINEL_GRACE_S + 2)  # the sentinel's SIGTERM, grace, SIGKILL
                 rec.leftover = lifetime.processes_started_by(rec.pid)
-                if rec.signal and rec.returncode == 0:
+                if rec.server_lost:  # its server was killed: run it again, as a user would after `r1flow up`
+                    queue.append(rec.variant)
+                elif rec.signal and rec.returncode == 0:
                     rec.signal += " (after it finished)"
                 elif rec.signal:
                     kills_landed += 1
                     if rec.variant not in requeued:
                         queue.append(rec.variant)
                         requeued.add(rec.variant)
-                if rec.returncode != 0 and not rec.signal:
+                if rec.returncode != 0 and not rec.signal and not rec.server_lost:
                     rec.error_tail = (work / f"run-{rec.index}.log").read_text(errors="replace")[-2000:]
                 running.remove(item)
-                print(f"run {rec.index:2d} {rec.variant:28s} {rec.signal or 'unharmed':28s} exit {rec.returncode:4d} "
+                print(f"run {rec.index:2d} {rec.variant:28s} {rec.signal or rec.server_lost and rec.server_lost + ' lost' or 'unharmed':28s} exit {rec.returncode:4d} "
                       f"in {rec.seconds:6.1f} s; leftover processes: {len(rec.leftover)}", flush=True)
     return records
 
@@ -157,6 +226,26 @@ def integrity(home: Path) -> dict[str, str]:
         except sqlite3.Error as e:
             out[str(db.relative_to(home))] = f"error: {e}"
     return out
+
+
+def running_records(home: Path) -> dict[str, list[str]]:
+    """Prefect flow runs and MLflow runs still RUNNING (or PENDING) on the home's `r1flow up` servers."""
+    info = servers.status(home)
+    if info is None:
+        return {"error": ["no servers running for the home"]}
+    os.environ.update(servers.soak_env(info))
+    from mlflow.tracking import MlflowClient
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas import filters as f
+    from prefect.client.schemas.objects import StateType
+
+    with get_client(sync_client=True) as client:
+        flows = client.read_flow_runs(flow_run_filter=f.FlowRunFilter(state=f.FlowRunFilterState(
+            type=f.FlowRunFilterStateType(any_=[StateType.RUNNING, StateType.PENDING]))))
+    mlflow = MlflowClient(info.mlflow_tracking_uri)
+    exps = [e.experiment_id for e in mlflow.search_experiments()]
+    runs = mlflow.search_runs(exps, "attributes.status = 'RUNNING'") if exps else []
+    return {"prefect_flow_runs": [str(r.id) for r in flows], "mlflow_runs": [r.info.run_id for r in runs]}
 
 
 def litter(home: Path) -> dict[str, int]:
@@ -180,6 +269,8 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-delay", type=float, default=40.0, help="signals land 3 s to this many seconds into a run")
+    ap.add_argument("--server-kills", type=int, default=0, help="run against `r1flow up` servers and kill one this "
+                    "many times (Prefect and MLflow in turn), each followed by `r1flow up --detach`")
     ap.add_argument("--work", type=Path, default=None, help="work folder (default: a new temp folder)")
     ap.add_argument("--report", type=Path, default=Path("soak.json"))
     args = ap.parse_args()
@@ -193,7 +284,19 @@ def main() -> int:
 
     t0 = time.monotonic()
     refs = reference(args, work)
-    records = soak(args, work, home)
+    server_kills: list[ServerKill] | None = None
+    if args.server_kills:
+        servers.start(home)
+        server_kills = []
+    try:
+        return finish(args, work, home, refs, soak(args, work, home, server_kills), server_kills, t0)
+    finally:
+        if server_kills is not None:
+            servers.stop(home)
+
+
+def finish(args, work: Path, home: Path, refs, records: list[RunRecord], server_kills: list[ServerKill] | None,
+           t0: float) -> int:
 
     final, mismatched = {}, {}
     for variant in REFERENCE:
@@ -212,6 +315,7 @@ def main() -> int:
     verify = subprocess.run([*R1FLOW, "artifacts", "--verify"], cwd=work, env=soak_env(home), capture_output=True,
                             text=True)
     orphans = sorted({p for r in records for p in lifetime.processes_started_by(r.pid)})
+    still_running = running_records(home) if server_kills is not None else {}
     report = {
         "runs": len(records),
         "kills": sum(1 for r in records if r.signal and "after" not in r.signal),
@@ -219,7 +323,7 @@ def main() -> int:
                                  and any(o.index > r.index and o.variant == r.variant for o in records)),
         "sigkill": sum(1 for r in records if r.signal == "SIGKILL"),
         "sigterm": sum(1 for r in records if r.signal == "SIGTERM"),
-        "unharmed_failures": [asdict(r) for r in records if not r.signal and r.returncode != 0],
+        "unharmed_failures": [asdict(r) for r in records if not r.signal and not r.server_lost and r.returncode != 0],
         "sigterm_exit_codes": sorted({r.returncode for r in records if r.signal == "SIGTERM"}),
         "leftover_processes_after_a_run": sum(len(r.leftover) for r in records),
         "orphans_at_end": orphans,
@@ -227,6 +331,9 @@ def main() -> int:
         "nodes_differing_from_reference": mismatched,
         "artifacts_verify_exit": verify.returncode,
         "artifacts_verify_tail": verify.stdout.splitlines()[-3:] + verify.stderr.splitlines()[-3:],
+        "server_kills": [asdict(k) for k in server_kills or []],
+        "runs_lost_to_a_server": sum(1 for r in records if r.server_lost),
+        "running_records_at_end": still_running,
         "databases": integrity(home),
         "litter": litter(home),
         "minutes": round((time.monotonic() - t0) / 60, 1),
@@ -237,7 +344,11 @@ def main() -> int:
     print(json.dumps({k: v for k, v in report.items() if k != "records"}, indent=2))
     ok = (not report["unharmed_failures"] and not orphans and not report["leftover_processes_after_a_run"]
           and all(c == 0 for c in final.values()) and verify.returncode == 0
-          and all(v == "ok" for v in report["databases"].values()))
+          and all(v == "ok" for v in report["databases"].values())
+          and not any(still_running.values())
+          and all(k.up_exit == 0 and k.runs_saying_so + k.runs_succeeded == k.live_runs
+                  and max(k.runs_ended_s, default=0) < LOST_WITHIN_S
+                  for k in server_kills or []))
     print("soak:", "PASSED" if ok else "FAILED", f"(report: {args.report})")
     return 0 if ok else 1
 

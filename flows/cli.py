@@ -7,7 +7,9 @@ import time
 _T_START = time.perf_counter()
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import json  # noqa: E402
+import os  # noqa: E402
 import sys  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
@@ -448,6 +450,11 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"r1flow: {warning}", file=sys.stderr, flush=True)
     advertised = servers.advertised_host(args.host, args.advertise)
     where = args.host if advertised == args.host else f"{args.host} (advertised as {advertised})"
+    recorded = servers.status(home)
+    gone = servers.broken(recorded) if recorded else []
+    if gone:  # start() stops what is left of them and starts both afresh
+        print(f"r1flow: the recorded {' and '.join(f'{s.name} server (pid {s.pid}, {s.url})' for s in gone)} "
+              f"{'is' if len(gone) == 1 else 'are'} gone; stopping what is left and starting fresh", flush=True)
     print(f"r1flow: starting Prefect and MLflow servers on {where} for {home} ...", flush=True)
 
     def _interrupt(signum, frame):
@@ -846,7 +853,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     finally:
         if registered:
             servers.unregister_runner(home)
-    return 0
+    # stopped (SIGTERM): its schedules are paused; the interpreter's exit (draining Prefect's log and event workers,
+    # module teardown) took seconds more under load, past `r1flow down`'s grace
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def _add_deploy_args(p: argparse.ArgumentParser) -> None:
@@ -1010,6 +1020,10 @@ def main(argv: list[str] | None = None) -> int:
             from flows.settings import prepare_environment
 
             args.servers_source = prepare_environment()
+        if supervised:  # a Prefect or MLflow server lost mid-run: one line and the run ends (flows/watchdog.py)
+            from flows import watchdog
+
+            watchdog.watch(watchdog.watched())
         code = args.func(args)
         sys.stdout.flush()  # here, not at exit: a closed pipe is then a BrokenPipeError we handle
         return code
@@ -1020,6 +1034,27 @@ def main(argv: list[str] | None = None) -> int:
     except R1FlowError as e:
         print(f"r1flow: error: {e}", file=sys.stderr)
         return 2
+    except Exception:
+        if not supervised:
+            raise
+        from flows import watchdog
+
+        gone = watchdog.not_answering(watchdog.watched())
+        if not gone:
+            raise
+        print(watchdog.lost_message(gone[0]), file=sys.stderr)  # the cause, not the traceback it caused
+        return watchdog.EXIT_CODE
+    except SystemExit as e:
+        from stages.runtime import lifetime
+
+        if not (supervised and lifetime.stopping()):
+            raise
+        # SIGTERM/SIGHUP or a lost server (its line is written): skip the interpreter's exit, whose atexit hooks
+        # wait for Prefect's temporary server (up to 5 s) among others; the sentinel ends our children
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(e.code if isinstance(e.code, int) else 1)
     except KeyboardInterrupt:
         print("r1flow: interrupted; completed stages are cached and training resumes from its last checkpoint",
               file=sys.stderr)

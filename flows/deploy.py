@@ -488,17 +488,50 @@ def deployment_specs(recipes: list[str], stages: list[str], profile: str, overri
     return specs
 
 
+RUNNER_STOP_GRACE_S = 8.0  # SIGTERM to exit, whatever is left undone; `r1flow down` waits 10 s (servers.STOP_GRACE_S)
+
+
 def serve(specs: list[dict[str, Any]], limit: int | None = None) -> None:
-    """Serve the deployments from this process (a Prefect runner; flow runs in subprocesses)."""
-    from prefect import serve as prefect_serve
+    """Serve the deployments from this process (a Prefect runner; flow runs in subprocesses) until SIGTERM, which
+    cancels its runs in progress and pauses its schedules (`r1flow down` sends it before stopping the servers)."""
+    import asyncio
 
     deployments = [s["flow"].to_deployment(name=s["name"], parameters=s["parameters"], tags=s["tags"],
                                            description=s["description"],
                                            **{k: s[k] for k in ("cron", "interval") if k in s})
                    for s in specs]
-    # Prefect's starting message suggests `prefect deployment run ...`, which fails without the exports r1flow does not
-    # need: the CLI prints commands that work instead (cli.serve_hints)
-    prefect_serve(*deployments, limit=limit, print_starting_message=False)
+    runner = _runner_class()(pause_on_shutdown=True, limit=limit)
+    for deployment in deployments:
+        runner.add_deployment(deployment)
+    # no Prefect starting message: it suggests `prefect deployment run ...`, which fails without the exports r1flow
+    # does not need; the CLI prints commands that work instead (cli.serve_hints)
+    asyncio.run(runner.start())
+
+
+def _runner_class():
+    import asyncio
+    import signal
+    import sys
+
+    from prefect.runner import Runner
+
+    from stages.runtime import lifetime
+
+    class StoppingRunner(Runner):
+        """Prefect's SIGTERM handler calls the sync `stop()` inside the running loop, where it only creates the
+        coroutine ("coroutine 'Runner.astop' was never awaited") and then raises SystemExit through the loop:
+        under load the runner took 12-23 s to exit and `r1flow down` SIGKILLed it (issue 44 item 8). Here the
+        stop runs in the loop, and the process exits RUNNER_STOP_GRACE_S after the signal at the latest."""
+
+        def handle_sigterm(self, *args: Any, **kwargs: Any) -> None:
+            lifetime.exit_soon(128 + signal.SIGTERM, RUNNER_STOP_GRACE_S)
+            if not self.started:
+                sys.exit(0)
+            self._logger.info("SIGTERM received: cancelling runs in progress, pausing schedules, stopping")
+            loop = asyncio.get_running_loop()
+            loop.call_soon_threadsafe(lambda: setattr(self, "_r1flow_stop", loop.create_task(self.astop())))
+
+    return StoppingRunner
 
 
 def ensure_work_pool(name: str, kind: str = "process") -> None:

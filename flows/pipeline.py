@@ -95,6 +95,8 @@ def is_transient(exc: BaseException | None) -> bool:
 
 
 def _retry_transient(task, task_run, state) -> bool:
+    if lifetime.stopping():  # a signal, or a server the run's watchdog found gone: no retry, the run is ending
+        return False
     try:
         exc = state.result(raise_on_failure=False)
     except Exception as e:  # the result itself could not be read: treat what was raised

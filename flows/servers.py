@@ -539,6 +539,24 @@ def dead(info: ServerInfo) -> list[Server]:
     return [s for s in (info.prefect, info.mlflow) if not _alive(s.pid, s.start_ticks)]
 
 
+def _refuses(host: str, port: int) -> bool:
+    """Does nothing listen on host:port (a refused connection; a slow answer is a busy server, not a dead one)?"""
+    try:
+        with socket.create_connection((host, port), timeout=2):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+
+
+def broken(info: ServerInfo) -> list[Server]:
+    """The recorded servers that are gone: the process has exited, or its port refuses connections (a killed
+    uvicorn child under a live `prefect server start`)."""
+    return [s for s in (info.prefect, info.mlflow)
+            if not _alive(s.pid, s.start_ticks) or _refuses(_connect_host(s.bind), s.port)]
+
+
 def start(home: str | Path, prefect_port: int | None = None, mlflow_port: int | None = None,
           timeout: float = 120, host: str = HOST, advertise: str | None = None) -> ServerInfo:
     """Start both servers bound to `host` (127.0.0.1 unless asked), wait until both answer their health check on
@@ -554,11 +572,13 @@ def start(home: str | Path, prefect_port: int | None = None, mlflow_port: int | 
         old = _read(home)
         if old is not None:
             live = _live_servers(old)
-            if live:
+            if live and not broken(old):
                 names = ", ".join(f"{s.name} (pid {s.pid}, {s.url})" for s in live)
                 raise R1FlowError(f"servers for {home} are already running: {names}; "
                                   f"use them, or stop them with `R1FLOW_HOME={home} r1flow down`")
-            _stop_locked(home, old, grace=STOP_GRACE_S)  # stale record: clean up leftover children, runners
+            # a stale record, or a home whose servers died in part: stop what is left (children, runners, the
+            # survivor), start both afresh on the home's ports
+            _stop_locked(home, old, grace=STOP_GRACE_S)
         kept = recorded_ports(home)
         whose = {}
         for name, asked in (("prefect", prefect_port), ("mlflow", mlflow_port)):

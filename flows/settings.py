@@ -50,6 +50,12 @@ def prepare_environment(home: str | None = None) -> str:
     # test suite: "Timed out while attempting to connect to ephemeral Prefect API server").
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    # MLflow retries a request 7 times with backoff up to 120 s and waits 120 s for an answer: a lost tracking
+    # server hung a run for over 7 minutes. About 30 s of retries here; the run's watchdog (flows/watchdog.py)
+    # says a server is gone after 15 s of silence, before these give up and print their tracebacks.
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "4")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "2")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "60")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     source = "environment"
     if not (os.environ.get("PREFECT_API_URL") and os.environ.get("MLFLOW_TRACKING_URI")):

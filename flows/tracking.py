@@ -7,6 +7,7 @@ MLflow's fluent "active run" is thread-local and Prefect runs tasks in worker th
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import socket
@@ -171,7 +172,16 @@ class Tracker:
         self.client.log_text(run_id, text, name)
 
     def end(self, run_id: str, ok: bool = True) -> None:
-        self.client.set_terminated(run_id, "FINISHED" if ok else "FAILED")
+        """FINISHED, or FAILED while an error is on its way up: then a failure to say so (the server is what
+        failed) is a warning, never the error that replaces the real one; the next run ends the run as KILLED
+        (mark_abandoned)."""
+        try:
+            self.client.set_terminated(run_id, "FINISHED" if ok else "FAILED")
+        except Exception as e:
+            if ok:
+                raise
+            logging.getLogger("r1flow").warning("could not mark MLflow run %s FAILED: %s: %s", run_id,
+                                                type(e).__name__, str(e)[:200])
 
     def log_dir(self, run_id: str, path: Path, subdir: str = "") -> None:
         """Every file under `path`, as artifacts of the run under `subdir`."""

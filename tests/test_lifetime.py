@@ -5,6 +5,7 @@ remaining steps (the in-process tests in test_sft.py check the loss at every cra
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -185,23 +186,41 @@ def test_sigkill_of_a_run_on_two_processes_leaves_no_process_and_a_rerun_resumes
     assert not list(Path(os.environ.get("TMPDIR", "/tmp")).glob(f"{launch.WORK_PREFIX}sft-{cli.pid}-*"))
 
 
+@contextlib.contextmanager
+def cpu_load():
+    """Three busy processes per core (the soak's load: runs training side by side)."""
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(3 * (os.cpu_count() or 1))]
+    try:
+        yield
+    finally:
+        for b in burners:
+            b.kill()
+            b.wait()
+
+
+SIGTERM_WITHIN_S = 10.0  # README: SIGTERM ends a run within 10 s, under load too
+
+
 @pytest.mark.slow
-def test_sigterm_stops_a_run_and_its_prefect_server_within_seconds(tmp_path):
-    """Item 7: SIGTERM (as `timeout` sends it) exited 143 but left Prefect's temporary server listening for
-    minutes. One process here (the SIGKILL test covers launched ranks; the sentinel is the same)."""
+def test_sigterm_stops_a_run_and_its_prefect_server_within_seconds_under_load(tmp_path):
+    """Item 7 of issue 28: SIGTERM (as `timeout` sends it) exited 143 but left Prefect's temporary server listening
+    for minutes. Issue 44 item 13: under load it took 17-23 s (the backstop counted from when the handler got to
+    run, and the interpreter's exit, Prefect's 5 s wait for its server included, came after it). One process here
+    (the SIGKILL test covers launched ranks; the sentinel is the same)."""
     home = tmp_path / "home"
     cli, procs = _start_and_wait_for_a_checkpoint(home, tmp_path, ARGS)
     try:
         assert procs  # Prefect's temporary server at least
-        t0 = time.monotonic()
-        cli.send_signal(signal.SIGTERM)
-        code = cli.wait(timeout=30)
-        stopped_s = time.monotonic() - t0
+        with cpu_load():
+            t0 = time.monotonic()
+            cli.send_signal(signal.SIGTERM)
+            code = cli.wait(timeout=60)
+            stopped_s = time.monotonic() - t0
         left = _wait_gone(procs, lifetime.SENTINEL_GRACE_S + 10)
     finally:
         for p in lifetime.processes_started_by(cli.pid):
             os.kill(p, signal.SIGKILL)
-    assert code == 128 + signal.SIGTERM and stopped_s < lifetime.EXIT_GRACE_S + 2
+    assert code == 128 + signal.SIGTERM and stopped_s < SIGTERM_WITHIN_S, (code, stopped_s)
     assert left == [], f"still running after the run ended: {left}"
     assert "stopping (SIGTERM)" in cli.stderr.read()
 

@@ -29,6 +29,7 @@ this one (flows/pipeline.py).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
@@ -43,7 +44,7 @@ from pathlib import Path
 TOKEN_VAR = "R1FLOW_RUN_TOKEN"
 PARENT_VAR = "R1FLOW_RUN_PROCESS"  # "pid:start_ticks" of the CLI process, for watch_parent
 SENTINEL_GRACE_S = 3.0
-EXIT_GRACE_S = 10.0
+EXIT_GRACE_S = 8.0  # from the signal's arrival; README: a run ends within 10 s of SIGTERM
 
 
 def exit_without_final_collection() -> None:
@@ -201,12 +202,44 @@ def watch_parent(on_exit: Callable[[], None] | None = None) -> bool:
 
 
 def terminate_on_signals(message: str = "r1flow: stopping ({name})") -> None:
-    """SIGTERM/SIGHUP: SystemExit(128+signum) in the main thread now, os._exit after EXIT_GRACE_S.
-    Call from the main thread."""
+    """SIGTERM/SIGHUP: SystemExit(128+signum) in the main thread now, os._exit EXIT_GRACE_S after the signal
+    arrived. Call from the main thread."""
     signal.signal(signal.SIGTERM, _terminate)
     signal.signal(signal.SIGHUP, _terminate)
     global _MESSAGE, _INSTALLED
     _MESSAGE, _INSTALLED = message, True
+    _watch_arrivals()
+
+
+_arrival_pipe: tuple[int, int] | None = None
+
+
+def _watch_arrivals() -> None:
+    """Arm the backstop when SIGTERM/SIGHUP arrives, not when the main thread gets to run its handler: Python runs
+    a handler between bytecodes only, and a main thread inside one long C call (a training step on a loaded
+    machine) ran it seconds late; the backstop counted from there and SIGTERM took 17-23 s (issue 44 item 13).
+    The interpreter's C-level handler writes the signal number to the wakeup fd at once; a thread reads it.
+    Another wakeup fd already set (an asyncio loop's) is left in place."""
+    global _arrival_pipe
+    if _arrival_pipe is None:
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        _arrival_pipe = (r, w)
+        threading.Thread(target=_arrivals, args=(r,), name="r1flow-signal-arrivals", daemon=True).start()
+    old = signal.set_wakeup_fd(_arrival_pipe[1], warn_on_full_buffer=False)
+    if old not in (-1, _arrival_pipe[1]):
+        signal.set_wakeup_fd(old)
+
+
+def _arrivals(fd: int) -> None:
+    while True:
+        try:
+            data = os.read(fd, 64)
+        except OSError:
+            return
+        for signum in data:
+            if signum in (signal.SIGTERM, signal.SIGHUP):
+                exit_soon(128 + signum)  # no-op when stop() or the handler armed it already
 
 
 def reinstall() -> None:
@@ -217,6 +250,7 @@ def reinstall() -> None:
     if _INSTALLED and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _terminate)
         signal.signal(signal.SIGHUP, _terminate)
+        _watch_arrivals()
 
 
 _MESSAGE = "r1flow: stopping ({name})"
@@ -224,10 +258,22 @@ _INSTALLED = False
 _stopping = threading.Event()
 
 
+_backstop = threading.Lock()
+_backstop_armed = False
+
+
 def exit_soon(code: int, grace: float | None = None) -> None:
-    """os._exit(code) in `grace` (default EXIT_GRACE_S) seconds unless the process has exited by then."""
+    """os._exit(code) in `grace` (default EXIT_GRACE_S) seconds unless the process has exited by then. Once per
+    process: the first call's code and time stand."""
+    global _backstop_armed
+    with _backstop:
+        if _backstop_armed:
+            return
+        _backstop_armed = True
+
     def force():
-        sys.stderr.flush()
+        with contextlib.suppress(Exception):
+            sys.stderr.flush()
         os._exit(code)
 
     timer = threading.Timer(EXIT_GRACE_S if grace is None else grace, force)
@@ -235,7 +281,40 @@ def exit_soon(code: int, grace: float | None = None) -> None:
     timer.start()
 
 
+_stop_code: int | None = None  # set by stop(): the code the main thread exits with
+
+
+def stopping() -> bool:
+    """Is this process on its way out (a signal, or stop())? Retries and clean-ups then give up at once."""
+    return _stopping.is_set()
+
+
+def stop(message: str, code: int = 1, grace: float | None = None) -> bool:
+    """From any thread: end the run as SIGTERM would, with one line of our own. Writes `message` to stderr, then
+    points stderr at /dev/null (what a dying run's libraries print next, retries of the server that is gone,
+    would only bury the line), arms the os._exit backstop and raises SystemExit(code) in the main thread (a
+    SIGTERM sent to it: a sleep or a blocking call there is interrupted). False when already stopping.
+    Needs terminate_on_signals (the handler that raises); without it, the backstop alone ends the process."""
+    global _stop_code
+    if _stopping.is_set():
+        return False
+    _stopping.set()
+    _stop_code = code
+    sys.stderr.write(message + "\n")
+    sys.stderr.flush()
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    os.close(devnull)
+    exit_soon(code, grace)
+    signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
+    return True
+
+
 def _terminate(signum, frame):
+    global _stop_code
+    if _stop_code is not None and threading.current_thread() is threading.main_thread():
+        code, _stop_code = _stop_code, None  # stop()'s: raised once, its line already written
+        raise SystemExit(code)
     code = 128 + signum
     if _stopping.is_set():
         return  # already on its way out
