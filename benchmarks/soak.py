@@ -233,7 +233,7 @@ def running_records(home: Path) -> dict[str, list[str]]:
     info = servers.status(home)
     if info is None:
         return {"error": ["no servers running for the home"]}
-    os.environ.update(servers.soak_env(info))
+    os.environ.update(servers.env_for(info))
     from mlflow.tracking import MlflowClient
     from prefect.client.orchestration import get_client
     from prefect.client.schemas import filters as f
