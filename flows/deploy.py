@@ -504,8 +504,20 @@ def serve(specs: list[dict[str, Any]], limit: int | None = None) -> None:
     for deployment in deployments:
         runner.add_deployment(deployment)
     # no Prefect starting message: it suggests `prefect deployment run ...`, which fails without the exports r1flow
-    # does not need; the CLI prints commands that work instead (cli.serve_hints)
-    asyncio.run(runner.start())
+    # does not need; the CLI prints commands that work instead (cli.serve_hints), and this line once they are served
+    asyncio.run(_start_and_say_so(runner, len(deployments)))
+
+
+async def _start_and_say_so(runner: Any, n: int) -> None:
+    import asyncio
+
+    started = asyncio.create_task(runner.start())
+    while not (runner.started or started.done()):
+        await asyncio.sleep(0.2)
+    if runner.started:
+        print(f"r1flow serve: {n} deployment(s) being served and polling for runs; `r1flow down` or SIGTERM stops",
+              flush=True)
+    await started
 
 
 def _runner_class():

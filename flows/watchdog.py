@@ -3,7 +3,7 @@
 Left to themselves, Prefect's client retried a killed server for about 6 minutes, printing a traceback per try,
 and MLflow's retried for over 7 minutes in silence. A daemon thread of `r1flow run` and `r1flow stage` asks each
 server's health route every WATCH_EVERY_S; once one has not answered for SILENT_S it writes one line naming the
-server and its URL and ends the run as SIGTERM does (`lifetime.stop`): the stage in progress stops (its
+server and its URL and ends the run as SIGTERM does (`lifetime.stop_run`): the stage in progress stops (its
 checkpoints stay), MLflow and Prefect record the end where they still can, and the process exits within
 lifetime's grace. Finished stages are artifacts and cache records under the home: the next run reuses them.
 
@@ -72,7 +72,7 @@ def _on_lost(server: Watched, silent_s: float) -> None:
     # what the run does on its way out (close its MLflow runs) must not retry the lost server for minutes
     os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = "0"
     os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] = "5"
-    lifetime.stop(lost_message(server, silent_s), EXIT_CODE)
+    lifetime.stop_run(lost_message(server, silent_s), EXIT_CODE)
 
 
 def watch(servers: list[Watched], on_lost=_on_lost, every_s: float = WATCH_EVERY_S,

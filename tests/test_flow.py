@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -90,7 +91,8 @@ def test_first_run_runs_every_stage_and_tracks_it(home, caplog, recwarn):
         # an empty task-run filter would exclude flow-level artifacts
         artifacts = prefect_client.request("POST", "/artifacts/filter", json={"artifacts": {
             "key": {"any_": ["r1flow-report-sft-eval"]}, "flow_run_id": {"any_": [result["flow_run_id"]]}}}).json()
-    assert len(artifacts) == 1 and "| eval_sft (eval) | run |" in artifacts[0]["data"]
+    assert len(artifacts) == 1 and re.search(r"\| eval_sft \(eval\) \| \[[0-9a-f]{8}\]\([^)]*\) \| run \|",
+                                             artifacts[0]["data"]), artifacts[0]["data"][-3000:]
     final = client.get_model_version_by_alias("r1flow-sft-eval", "final")
     sft_fp = next(s for s in result["stages"] if s["node"] == "sft")["outputs"]["model"]
     assert final.tags["r1flow.node"] == "sft" and final.tags["r1flow.fingerprint"] == sft_fp

@@ -285,11 +285,11 @@ _stop_code: int | None = None  # set by stop(): the code the main thread exits w
 
 
 def stopping() -> bool:
-    """Is this process on its way out (a signal, or stop())? Retries and clean-ups then give up at once."""
+    """Is this process on its way out (a signal, or stop_run())? Retries and clean-ups then give up at once."""
     return _stopping.is_set()
 
 
-def stop(message: str, code: int = 1, grace: float | None = None) -> bool:
+def stop_run(message: str, code: int = 1, grace: float | None = None) -> bool:
     """From any thread: end the run as SIGTERM would, with one line of our own. Writes `message` to stderr, then
     points stderr at /dev/null (what a dying run's libraries print next, retries of the server that is gone,
     would only bury the line), arms the os._exit backstop and raises SystemExit(code) in the main thread (a
