@@ -47,6 +47,7 @@ from stages.math import rl
 from stages.modeling import logprobs, models
 from stages.rewards.verifiers import Verdict, score
 from stages.runtime import distributed
+from stages.runtime.seeds import seed_stream
 from stages.sampling.generation import (
     Completion,
     TransformersBackend,
@@ -65,7 +66,7 @@ from stages.training.optim import (
 )
 from stages.training.rollouts import build_batch, pick_prompts, rollout_seed
 
-VERSION = "3"  # (max_minutes, default 0, changes nothing else.) 3: on a GPU, rollouts sample under the training precision (bf16 autocast), not in fp32. 2: sampler blocks of ceil(sqrt(V)) tokens (generation.BlockRaceSampler): other samples for the same seed
+VERSION = "4"  # 4: every random draw seeded by seed_stream (stages/runtime/seeds.py)
 CONFIG = GRPOConfig
 INPUTS = {"model": "model", "prompts": "prompts", "reward_model": "model?", "process_reward_model": "model?"}
 OUTPUTS = {"model": "model"}
@@ -576,7 +577,7 @@ def update(s: Session, u: Update, step: int) -> tuple[dict[str, list[float]], fl
     total_tokens = max(1.0, total_tokens)
     train_stats: dict[str, list[float]] = {k: [] for k in TRAIN_STATS}
     for epoch in range(cfg.mu):
-        generator = torch.Generator().manual_seed(s.ctx.seed + step * 31 + epoch)
+        generator = torch.Generator().manual_seed(seed_stream(s.ctx.seed, "minibatch_order", step, epoch))
         for idx in even_passes(minibatch_rows(u.n, cfg.group_size, cfg.minibatch_size, u.n > 0 and u.shared,
                                               generator), dist):
             if idx is None:  # fsdp: a weight-0 pass, so every rank runs as many forwards and backwards

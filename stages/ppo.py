@@ -55,6 +55,7 @@ from stages.modeling.heads import (
 )
 from stages.rewards.verifiers import Verdict, score
 from stages.runtime import distributed
+from stages.runtime.seeds import seed_stream
 from stages.sampling.generation import Completion, make_backend, render_prompts
 from stages.training import rollouts
 from stages.training.checkpoints import resume
@@ -62,7 +63,7 @@ from stages.training.loop import autocast
 from stages.training.optim import clip_grad_norm, load_trainable, lr_factor, make_optimizer, resolve_precision
 from stages.training.rollouts import build_batch, pick_prompts
 
-VERSION = "2"  # 2: the policy_copy critic's value head starts at zero; lam defaults to 1 (was 0.95)
+VERSION = "3"  # 3: every random draw seeded by seed_stream (stages/runtime/seeds.py)
 CONFIG = PPOConfig
 INPUTS = {"model": "model", "prompts": "prompts", "reward_model": "model?"}
 OUTPUTS = {"model": "model"}
@@ -378,7 +379,8 @@ def update(s: Session, ro: Rollout, old: dict, adv: dict, step: int) -> dict[str
     cfg, n = s.cfg, len(ro.comps)
     sums: dict[str, list[float]] = {}
     for epoch in range(cfg.ppo_epochs):
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(s.ctx.seed * 1_000_003 + step * 31 + epoch))
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed_stream(s.ctx.seed, "minibatch_order",
+                                                                                       step, epoch)))
         for idx in chunks(n, cfg.minibatch_size // s.dist.world):
             for k, (value, weight) in minibatch_step(s, ro, old, adv, order[idx],
                                                      policy_on=not critic_only(cfg, step)).items():

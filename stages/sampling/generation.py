@@ -69,6 +69,7 @@ from transformers.generation.stopping_criteria import (
 from schemas.configs import GenerationSpec
 from schemas.errors import ModelError
 from stages.modeling import logprobs, models
+from stages.runtime.seeds import seed_stream
 from stages.sampling import lean_decode
 
 
@@ -647,7 +648,7 @@ class TransformersBackend:
             enc = tokenizer([texts[i] for i in idx], return_tensors="pt", add_special_tokens=False,
                             **({"padding": True} if spec.cache != "static" else
                                {"padding": True, "pad_to_multiple_of": STATIC_BUCKET})).to(device)
-            torch.manual_seed(seed * 1_000_003 + b)
+            torch.manual_seed(seed_stream(seed, "generate_batch", b))
             with rows_first_linears(model), self._precision(device):
                 if spec.cache in ("dynamic", "graph") and supports_decode_rows(model):
                     p_ids, p_mask, cache = prefill_prompts(model, enc["input_ids"], enc["attention_mask"], n,

@@ -30,6 +30,7 @@ from stages.base import Input, Output, StageContext, model_output_dir, seed_ever
 from stages.modeling import logprobs, models
 from stages.rewards.verifiers import Verdict, score
 from stages.runtime import distributed
+from stages.runtime.seeds import seed_stream
 from stages.sampling.generation import Completion, check_vllm_model_dir
 from stages.training.checkpoints import save_checkpoint
 
@@ -82,19 +83,16 @@ def pad_token_id(tokenizer) -> int:
 # ---------------------------------------------------------------------------- a step's rollout
 
 
-def pick_prompts(n_prompts: int, k: int, seed: int, step: int, attempt: int | None = None, rank: int = 0) -> list[int]:
-    """k prompt indices of a step: a pure function of (seed, step), so a resumed run draws the same. grpo passes
-    its rollout `attempt` (dynamic sampling's refills); rank > 0 draws from its own stream (refills)."""
-    if attempt is None:
-        key = [seed, step]
-    else:
-        key = [seed, step, attempt, rank] if rank else [seed, step, attempt]
-    return np.random.default_rng(key).choice(n_prompts, size=k, replace=n_prompts < k).tolist()
+def pick_prompts(n_prompts: int, k: int, seed: int, step: int, attempt: int = 0, rank: int = 0) -> list[int]:
+    """k prompt indices of a step: a pure function of (seed, step, attempt, rank), so a resumed run draws the same.
+    grpo passes its rollout `attempt` (dynamic sampling's refills, each rank > 0 from its own stream)."""
+    rng = np.random.default_rng(seed_stream(seed, "prompts", step, attempt, rank))
+    return rng.choice(n_prompts, size=k, replace=n_prompts < k).tolist()
 
 
 def rollout_seed(seed: int, step: int, attempt: int = 0, rank: int = 0) -> int:
-    """Sampling seed of one process's rollout of a step's attempt (rank 0: the single-process seed)."""
-    return seed * 1_000_003 + step * 101 + attempt + rank * 1_000_000_007
+    """Sampling seed of one process's rollout of a step's attempt."""
+    return seed_stream(seed, "rollout", step, attempt, rank)
 
 
 def build_batch(prompt_ids: list[list[int]], completion_ids: list[list[int]], pad_id: int,
