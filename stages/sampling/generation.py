@@ -663,7 +663,7 @@ class TransformersBackend:
                                  progress=steps)
                 else:
                     new = self._generate(enc, n, spec, eos_ids, pad_id, steps)
-            rows = self._rows(new.tolist(), eos_ids, spec.stop)
+            rows = self._rows(new.tolist(), eos_ids, spec.stop, pad_id)
             bar.batch_done([len(ids) for ids, _, _ in rows])
             lps = None
             if logprobs:
@@ -708,8 +708,9 @@ class TransformersBackend:
         out = self.model.generate(**{k: v.repeat_interleave(n, 0) for k, v in enc.items()}, **kwargs)
         return out[:, enc["input_ids"].shape[1] :]
 
-    def _rows(self, generated: list[list[int]], eos_ids: list[int], stops: list[str]):
-        """(token ids up to and including EOS, text, finish reason) per generated row."""
+    def _rows(self, generated: list[list[int]], eos_ids: list[int], stops: list[str], pad_id: int):
+        """(token ids up to and including EOS or the token that completes a stop string, text, finish reason) per
+        generated row (rows are padded with `pad_id` after they end, up to the batch's longest)."""
         out = []
         for row in generated:
             end = next((k + 1 for k, t in enumerate(row) if t in eos_ids), None)
@@ -719,6 +720,9 @@ class TransformersBackend:
             if stops:
                 # generate() stops on the token completing a stop string; cut any characters after it.
                 text, stopped = cut_at_stop(text, stops)
+                if stopped and end is None:  # the padding after that token is no part of the completion
+                    while ids and ids[-1] == pad_id:
+                        ids = ids[:-1]
                 finish = "stop" if stopped else finish
             out.append((ids, text, finish))
         return out
