@@ -189,7 +189,7 @@ def step_prompts(prompts_dir: Path, plan: Plan) -> list[list[str]]:
     import pyarrow.parquet as pq
 
     from schemas.artifacts import DATA_FILE
-    from stages.grpo import pick_prompts
+    from stages.training.rollouts import pick_prompts
 
     rows = [r for r in pq.read_table(Path(prompts_dir) / DATA_FILE, columns=["id", "split", "answer"]).to_pylist()
             if r["split"] == "train" and r["answer"] is not None]
@@ -214,20 +214,19 @@ def grpo_config(plan: Plan, steps: int, max_minutes: float):
 
 
 def ppo_config(plan: Plan, steps: int, max_minutes: float):
-    """r1flow's ppo stage on GRPO's budget: as many completions a step (prompts x samples_per_prompt = prompts x
-    group_size), one optimizer step over all of them a rollout (GRPO's mu=1; passes of GRPO's minibatch_size
+    """r1flow's ppo stage on GRPO's budget: as many completions a step (prompts x group_size, as grpo's), one optimizer step over all of them a rollout (GRPO's mu=1; passes of GRPO's minibatch_size
     sequences), the same KL coefficient (here a penalty in the per-token rewards), reward, LoRA and learning rate;
     the critic is a LoRA copy of the policy at a tenth of the learning rate (the cpu profile's ratio: see its ppo
     block)."""
     from schemas.configs import GenerationSpec, LoraSpec, PPOConfig, RewardSpec
 
-    return PPOConfig(steps=steps, prompts_per_step=plan.prompts_per_step, samples_per_prompt=plan.group_size,
+    return PPOConfig(steps=steps, prompts_per_step=plan.prompts_per_step, group_size=plan.group_size,
                      generation=GenerationSpec(max_new_tokens=plan.max_new_tokens, temperature=plan.temperature,
                                                top_p=1.0, top_k=0, batch_size=plan.prompts_per_step),
                      reward=RewardSpec(**plan.reward), lora=LoraSpec(r=plan.lora_r, alpha=2 * plan.lora_r),
                      critic_lora=LoraSpec(r=plan.lora_r, alpha=2 * plan.lora_r),
                      minibatch_size=plan.prompts_per_step * plan.group_size, micro_batch_size=plan.minibatch_size,
-                     ppo_epochs=1, beta=plan.beta, learning_rate=plan.learning_rate,
+                     mu=1, beta=plan.beta, learning_rate=plan.learning_rate,
                      critic_learning_rate=plan.learning_rate / 10, checkpoint_every=100_000,
                      max_minutes=max_minutes)
 

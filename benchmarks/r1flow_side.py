@@ -103,10 +103,11 @@ def run_dpo(prep: dict, shape: Shape, device: str, work: Path, reference: dict) 
 
 
 def run_grpo(prep: dict, shape: Shape, device: str, work: Path) -> dict:
-    """The stage picks each step's prompts itself (`grpo.pick_prompts`, context seed SEED: the list the suite gives
+    """The stage picks each step's prompts itself (`rollouts.pick_prompts`, context seed SEED: the list the suite gives
     TRL); the ids it samples for are recorded (`step_prompts`) for the suite to compare with that list."""
     from schemas.configs import GenerationSpec, GRPOConfig, LoraSpec
     from stages import grpo
+    from stages.training import groups
 
     inp = inputs_from(prep, "model", "prompts")
     n = shape.grpo_prompts * shape.grpo_group
@@ -120,18 +121,19 @@ def run_grpo(prep: dict, shape: Shape, device: str, work: Path) -> dict:
     meter = PeakMemory(device)
     ctx = TimedContext(work / "grpo", seed=SEED, device=device)
     sampled: list[list[str]] = []  # each rollout's prompt ids, in order (one rollout a step: no dynamic sampling)
-    rollout = grpo.rollout
+    sample_groups = groups.sample_groups
 
-    def recorded_rollout(backend, tokenizer, rows, *args, **kwargs):
-        sampled.append([r["id"] for r in rows])
-        return rollout(backend, tokenizer, rows, *args, **kwargs)
+    def recorded_sample_groups(*args, **kwargs):
+        g = sample_groups(*args, **kwargs)
+        sampled.append([r["id"] for r in g.rows])
+        return g
 
-    grpo.rollout = recorded_rollout  # observes the stage's own calls; changes nothing
+    groups.sample_groups = recorded_sample_groups  # observes the stage's own calls; changes nothing
     meter.start()
     try:
         run_stage(grpo, cfg, {"model": inp["model"], "prompts": inp["prompts"]}, ctx)
     finally:
-        grpo.rollout = rollout
+        groups.sample_groups = sample_groups
     mem = meter.result()
     steps = []
     for step, m in sorted((s, m) for s, m in ctx.metrics if s is not None and "time/step" in m):

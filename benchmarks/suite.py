@@ -47,7 +47,7 @@ What is equal on both sides (benchmarks/common.py SHAPES and LONG_GRPO hold the 
 - GRPO, two shapes: `grpo` (CPU: 4 prompts x 4 completions x <= 32 tokens; CUDA: 16 x 8 x 128) and
   `grpo_long` (CPU: 4 x 8 x <= 128 tokens, closer to real use: prefix sharing saves less there; one
   warm-up and two timed steps a run). The same prompts, in the same order, each step: the parent lists
-  every step's prompt ids (r1flow's own seeded pick, `stages.grpo.pick_prompts`), TRL's trainer reads
+  every step's prompt ids (r1flow's own seeded pick, `stages.training.rollouts.pick_prompts`), TRL's trainer reads
   exactly that list, unshuffled, and both sides record the ids they sampled for; the suite stops if
   either differs from the list. So completion lengths differ by sampling only (both printed).
   `grpo_prompts` prompts x `grpo_group` completions x at most `grpo_new_tokens` new tokens,
@@ -179,7 +179,7 @@ def grpo_step_prompts(prompts_dir: Path, shape: Shape) -> list[list[str]]:
 
     from schemas.artifacts import DATA_FILE
     from schemas.configs import GRPOConfig
-    from stages.grpo import pick_prompts
+    from stages.training.rollouts import pick_prompts
 
     split = GRPOConfig.model_fields["split"].default
     rows = [r for r in pq.read_table(Path(prompts_dir) / DATA_FILE, columns=["id", "split", "answer"]).to_pylist()

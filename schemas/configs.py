@@ -2,6 +2,8 @@
 
 The recipe YAML, the CLI's `--set` and the Prefect UI forms all validate through these models,
 so a field is declared (with its default and description) exactly once. Unknown keys are errors.
+The shared pieces live in `schemas.specs`, the RL stages' configs in `schemas.rl_configs`; every
+name is importable from here.
 """
 
 from __future__ import annotations
@@ -9,163 +11,26 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic import Field, model_validator
 
+from schemas.rl_configs import DEFAULT_EPSILON_LOW, GRPOConfig, PPOConfig, RLConfig
+from schemas.specs import (
+    GenerationSpec,
+    LoraSpec,
+    MemoryOptions,
+    Precision,
+    ResourcesSpec,
+    RewardSpec,
+    SandboxLimits,
+    StepDelimiter,
+    Strict,
+    TrainingConfig,
+)
 
-class Strict(BaseModel):
-    # allow_inf_nan=False: `--set sft.learning_rate=.inf` is a config error, not a run that trains to NaN
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
-
-
-# ---------------------------------------------------------------------------- shared pieces
-
-
-class LoraSpec(Strict):
-    """LoRA adapter settings (peft). `r = 0` means full fine-tuning."""
-
-    r: int = Field(16, ge=0, description="LoRA rank; 0 trains all weights (full fine-tuning).")
-    alpha: float = Field(32.0, gt=0, description="LoRA scaling numerator (scale = alpha / r).")
-    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA branch.")
-    target_modules: list[str] | Literal["all-linear"] = Field(
-        "all-linear", description="Module names to adapt, or 'all-linear'."
-    )
-    merge: bool = Field(
-        False,
-        description="Save merged full weights instead of an adapter (adapter artifacts are smaller "
-        "and record the base model's fingerprint).",
-    )
-
-
-class GenerationSpec(Strict):
-    """How completions are sampled."""
-
-    max_new_tokens: int = Field(128, ge=1, description="Maximum tokens generated per completion.")
-    temperature: float = Field(1.0, ge=0, description="Sampling temperature; 0 means greedy.")
-    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
-    top_k: int = Field(0, ge=0, description="Top-k sampling; 0 disables.")
-    batch_size: int = Field(16, ge=1, description="Prompts per generate() call.")
-    stop: list[str] = Field(default_factory=list, description="Extra stop strings (EOS always stops).")
-    backend: Literal["transformers", "vllm"] = Field(
-        "transformers", description="Generation backend; vllm needs the optional extra and a GPU. grpo and distill "
-        "on_policy run it colocated (in the trainer's process, the trained weights pushed into it in place before "
-        "every rollout)."
-    )
-    prefill: str = Field(
-        "", description="Text the assistant turn starts with, e.g. `<think>\\n` (R1-Zero's template ends the prompt "
-        "there). Part of the prompt, never trained; completions are returned and scored as prefill + generated text."
-    )
-    cache: Literal["dynamic", "static", "graph"] = Field(
-        "dynamic", description="KV cache and decode loop. dynamic: r1flow's decode loop (finished rows dropped). "
-        "static: transformers' generate() with its static cache; on a GPU transformers compiles the decode step; "
-        "prompts are then left-padded to a multiple of 64 tokens so few shapes compile. graph: r1flow's decode step "
-        "over preallocated KV buffers with fixed shapes, captured once per batch as a CUDA graph and replayed for "
-        "every token (Llama, Mistral, Qwen2 with sdpa; other models use dynamic; on CPU it runs eagerly, correct but "
-        "not faster). Same tokens either way, up to float rounding.",
-    )
-
-
-Precision = Literal["auto", "fp32", "bf16", "fp16"]
-
-
-class ResourcesSpec(Strict):
-    """How many processes a training stage runs on (data parallel), on one machine or several.
-
-    With num_processes > 1 (and nodes 1) the pipeline launches the stage under `accelerate launch`
-    (torchrun underneath) on its own machine. With nodes > 1 it runs nodes × num_processes ranks as
-    Ray actors, num_processes on each of `nodes` machines of a Ray cluster (a STRICT_SPREAD placement
-    group; needs `r1flow run --cluster ADDRESS` or RAY_ADDRESS, and R1FLOW_HOME on a filesystem every
-    machine shares); the ranks run the same code and join one torch.distributed group (gloo on CPU,
-    nccl on GPU). Either way every process loads the model, takes its share of each micro-batch (or of
-    each step's prompts, GRPO) and the gradients are summed across processes before every optimizer
-    step, normalised by the global batch, so the update is the single-process one. Batch sizes in the
-    stage config stay *global*: the same config trains the same way on 1 or N processes, on one machine
-    or several. With distributed_type fsdp each process holds 1/N of the model instead of all of it
-    (same updates).
-    """
-
-    nodes: int = Field(1, ge=1, description="Machines to train across. 1: this machine, as before. More: the stage's "
-                       "ranks run as Ray actors, num_processes on each of this many machines of the Ray cluster "
-                       "(`r1flow run --cluster ADDRESS`), which need R1FLOW_HOME on a shared filesystem.")
-    num_processes: int = Field(1, ge=1, validation_alias=AliasChoices("num_processes", "processes_per_node"),
-                               description="Processes on each machine (one per GPU; on CPU, gloo processes); also "
-                               "accepted as processes_per_node. The stage trains on nodes × num_processes processes. "
-                               "1 with nodes 1 runs the stage inside the pipeline's own process, as before.")
-    distributed_type: Literal["ddp", "fsdp"] = Field(
-        "ddp", description="ddp: every process holds the whole model; gradients are all-reduced once per optimizer "
-        "step. fsdp: the model is sharded (torch FSDP2 fully_shard per decoder layer, ZeRO-3 style: parameters, "
-        "gradients and optimizer state split across the processes), for models that do not fit one device; the "
-        "same updates as ddp. Supported by every training stage; grpo and distill on_policy sample from an unsharded "
-        "copy per process, refreshed from the shards before each rollout. DeepSpeed is not supported."
-    )
-    backend: Literal["auto", "gloo", "nccl"] = Field(
-        "auto", description="torch.distributed backend; auto: nccl when every process gets a CUDA device, else gloo."
-    )
-
-    @property
-    def world_size(self) -> int:
-        """All processes the stage trains on: nodes × num_processes."""
-        return self.nodes * self.num_processes
-
-    @model_serializer(mode="wrap")
-    def _one_machine_as_before(self, handler):
-        """`nodes` is left out while it is 1: configs (and so cache keys) of every stage trained on one machine stay
-        what they were before multi-machine training existed."""
-        data = handler(self)
-        if self.nodes == 1 and isinstance(data, dict):
-            data.pop("nodes", None)
-        return data
-
-
-class SandboxLimits(Strict):
-    """Limits of the sandboxed subprocess that runs untrusted code (code-task rewards)."""
-
-    wall_timeout_s: float = Field(10.0, gt=0, description="Wall-clock limit for one program run.")
-    cpu_time_s: int = Field(5, ge=1, description="RLIMIT_CPU seconds.")
-    memory_mb: int = Field(512, ge=32, description="RLIMIT_AS address-space limit in MiB.")
-    max_output_bytes: int = Field(65536, ge=1024, description="Stdout/stderr kept; more is a failure.")
-    max_processes: int = Field(1, ge=1, description="Extra processes the program may create (fork bombs stop here).")
-
-
-class RewardSpec(Strict):
-    """How a completion is scored: weighted components, routed per prompt by its `verifier`.
-
-    Components: accuracy (1/0 from the verifier), format (R1 tags well formed), tags (0.25 per R1
-    tag present exactly once: partial format credit), overlong (DAPO's
-    soft overlong punishment, ≤ 0), repetition (n-gram repetition penalty, ≤ 0), cosine (accuracy
-    scaled by length, Demystifying Long CoT), language (share of the thinking's words written in
-    `language_script`: R1's language-consistency reward, §2.3.2), reward_model (score of a trained
-    reward model).
-    """
-
-    weights: dict[str, float] = Field(
-        default_factory=lambda: {"accuracy": 1.0, "format": 0.2},
-        description="Component name -> weight. Known: accuracy, format, tags, overlong, repetition, cosine, "
-        "language, reward_model, or a verifier's raw score by its name (e.g. reasoning_gym).",
-    )
-    strict_answer: bool = Field(
-        False,
-        description="Reward-hacking guard for answer verifiers (all but code): accuracy counts only an answer given "
-        "in exactly one `<answer>…</answer>` block outside the thinking; no \\boxed{} fallback, and several answer "
-        "blocks (hedging) score as no answer. Lenient (evaluation) correctness is unaffected.",
-    )
-    # The scripts of stages.rewards.verifiers.LANGUAGE_SCRIPTS (tests check the two agree).
-    language_script: Literal["latin", "cyrillic", "greek", "arabic", "cjk"] = Field(
-        "latin",
-        description="Target script of the language component (R1 §2.3.2 language consistency): the share of the "
-        "thinking's words all of whose letters are in it. latin, cyrillic, greek, arabic, or cjk (Han ideographs, "
-        "kana and hangul together: Chinese, Japanese, Korean).",
-    )
-    overlong_max_tokens: int = Field(512, ge=1, description="DAPO L_max: completions longer are penalised fully.")
-    overlong_buffer: int = Field(128, ge=0, description="DAPO L_cache: the soft penalty ramps over this many tokens.")
-    repetition_ngram: int = Field(3, ge=1, description="n of the n-gram repetition penalty.")
-    repetition_max_penalty: float = Field(-1.0, le=0, description="Penalty when every n-gram repeats.")
-    cosine_max_len: int = Field(512, ge=1, description="Length at which the cosine schedule ends.")
-    cosine_min_value_wrong: float = Field(-0.5, description="Cosine reward of a wrong answer at length 0.")
-    cosine_max_value_wrong: float = Field(0.0, description="Cosine reward of a wrong answer at max length.")
-    cosine_min_value_correct: float = Field(0.5, description="Cosine reward of a correct answer at max length.")
-    cosine_max_value_correct: float = Field(1.0, description="Cosine reward of a correct answer at length 0.")
-    math_timeout_s: float = Field(5.0, gt=0, description="Deadline for one math-verify check (process pool).")
-    sandbox: SandboxLimits = Field(default_factory=SandboxLimits, description="Limits for code rewards.")
+__all__ = [
+    "DEFAULT_EPSILON_LOW", "GRPOConfig", "PPOConfig", "RLConfig", "GenerationSpec", "LoraSpec", "MemoryOptions",
+    "Precision", "ResourcesSpec", "RewardSpec", "SandboxLimits", "StepDelimiter", "Strict", "TrainingConfig",
+]
 
 
 # ---------------------------------------------------------------------------- stages
@@ -214,48 +79,6 @@ class PromptsConfig(Strict):
         "before any compute, naming its file and line; a longer generated prompt fails the stage. The longest "
         "built-in reasoning-gym prompts (arc_agi, codeio at default options) are under 18,000.",
     )
-
-
-class MemoryOptions(Strict):
-    """Memory-for-compute trades shared by every training loop (the supervised ones and GRPO)."""
-
-    gradient_checkpointing: bool = Field(
-        False, description="Recompute activations in the backward pass: less memory for longer sequences or bigger "
-        "batches, ~30% more compute (sft, preference_optimization, grpo, distill; not reward_model yet).")
-    logprob_chunk: int = Field(
-        4096, ge=0, description="Token positions whose logits exist at once when computing log-probs (up to one "
-        "chunk of scored positions the logits are kept for the backward pass; beyond that the output head is "
-        "recomputed per chunk in it); 0 materialises the full [batch, seq, vocab] logits. "
-        "sft, preference_optimization and grpo; distill's KD needs whole distributions and reward_model scores "
-        "with a scalar head, so they ignore it.")
-
-
-class TrainingConfig(MemoryOptions):
-    """The fields of a supervised training loop, shared by the stages that run one (sft, reward_model)."""
-
-    max_steps: int = Field(100, ge=1, description="Optimizer steps.")
-    batch_size: int = Field(8, ge=1, description="Sequences per micro-batch.")
-    grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
-    learning_rate: float = Field(2e-4, gt=0, description="Peak learning rate.")
-    lr_scheduler: Literal["cosine", "linear", "constant"] = Field("cosine", description="Decay after warmup.")
-    warmup_ratio: float = Field(0.05, ge=0, lt=1, description="Share of steps with linear warmup.")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
-    max_length: int = Field(512, ge=8, description="Tokens per sequence; longer examples are truncated.")
-    lora: LoraSpec = Field(default_factory=LoraSpec, description="LoRA settings; lora.r=0 is full fine-tuning.")
-    precision: Precision = Field("auto", description="auto: bf16 on GPUs that support it, else fp32.")
-    checkpoint_every: int = Field(25, ge=1, description="Save a resumable checkpoint every N steps.")
-    keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept on disk.")
-    resources: ResourcesSpec = Field(default_factory=ResourcesSpec, description="Processes to train on; batch_size "
-                                     "is global and must divide evenly among them.")
-
-    @model_validator(mode="after")
-    def _batch_divides_among_processes(self) -> TrainingConfig:
-        n = self.resources.world_size
-        if self.batch_size % n:
-            raise ValueError(f"batch_size={self.batch_size} does not split evenly among the {n} processes "
-                             f"(resources.nodes x num_processes): every process takes batch_size / {n} of each micro-batch")
-        return self
 
 
 class SFTConfig(TrainingConfig):
@@ -406,193 +229,6 @@ class PreferenceOptimizationConfig(TrainingConfig):
     kl_max_new_tokens: int = Field(64, ge=1, description="Tokens sampled per prompt for the KL estimate.")
 
 
-# The clip range below 1 each policy loss uses when epsilon_low is unset: PPO's 0.2 for the ratio-clipping
-# kinds; none for CISPO, whose paper (MiniMax-M1) bounds the importance weight from above only.
-DEFAULT_EPSILON_LOW: dict[str, float | None] = {"token": 0.2, "gspo": 0.2, "cispo": None}
-
-
-class GRPOConfig(MemoryOptions):
-    """`grpo` stage: group-relative policy optimisation with verifiable rewards (and variants)."""
-
-    steps: int = Field(50, ge=1, description="Rollout steps (each: sample, score, update).")
-    prompts_per_step: int = Field(8, ge=1, description="Prompts per rollout batch.")
-    group_size: int = Field(8, ge=2, description="G: completions per prompt.")
-    generation: GenerationSpec = Field(
-        default_factory=lambda: GenerationSpec(temperature=1.0, max_new_tokens=128), description="Rollout sampling."
-    )
-    reward: RewardSpec = Field(default_factory=RewardSpec, description="How completions are scored.")
-    advantage: Literal["grpo", "dr_grpo", "rloo", "batch"] = Field(
-        "grpo", description="grpo: (r-mean)/std per group; dr_grpo: r-mean; rloo: r-mean of the others; "
-        "batch: r-group mean scaled by the batch std."
-    )
-    std: Literal["population", "sample"] = Field("population", description="Std estimator for grpo advantages.")
-    policy_loss: Literal["token", "gspo", "cispo"] = Field(
-        "token", description="token: PPO-clipped token ratios; gspo: sequence-level ratio; cispo: clipped IS weights."
-    )
-    aggregation: Literal["seq_mean", "token_mean", "constant"] = Field(
-        "seq_mean", description="seq_mean (GRPO), token_mean (DAPO), constant normaliser (Dr. GRPO)."
-    )
-    epsilon_low: float | None = Field(
-        None, ge=0, description="Clip range below 1. Unset: 0.2 for token and gspo; no lower bound for cispo "
-        "(MiniMax-M1 clips its IS weights from above only; set a number to clip them below at 1 - epsilon_low).")
-    epsilon_high: float = Field(0.2, ge=0, description="Clip range above 1 (DAPO clip-higher when > epsilon_low).")
-    beta: float = Field(0.0, ge=0, description="KL coefficient; 0 drops the reference model entirely.")
-    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator (Schulman's k1/k2/k3).")
-    mu: int = Field(1, ge=1, description="Optimisation epochs per rollout batch.")
-    minibatch_size: int = Field(16, ge=1, description="Sequences per forward/backward pass (per process; bounds "
-                                "memory only: the mini-batches of an epoch accumulate into one optimizer step). With "
-                                "prefix_sharing, whole groups: max(1, minibatch_size // group_size) prompts.")
-    prefix_sharing: bool = Field(
-        True, description="Training passes run each group's prompt through the decoder once: the same values and "
-        "gradients at about (P + G*C) / (G*(P+C)) of the decoder's cost for prompt length P and completion length "
-        "C. Llama/Mistral/Qwen2 models (full attention, sdpa attention) pack the prompts and their completions in one "
-        "decoder call under a mask that keeps the completions apart, where that costs less than running the G "
-        "completions against the prompt's KV cache (gradients flow through the cache), which other models with a "
-        "plain output head do; with gradient_checkpointing (no KV cache) only packing shares, other models run "
-        "whole rows. What every prompt of a mini-batch starts with (system prompt, chat template; at least 32 "
-        "tokens) runs once for all of them. "
-        "(Rollout generation always prefills each prompt once for its G samples, and a batch's common part once.)")
-    old_logprobs: Literal["trainer", "sampler"] = Field(
-        "trainer", description="trainer: recompute old log-probs with the trainer's forward pass before the update; "
-        "sampler: take the sampler's log-probs, read the trainer's from the first epoch's own pass (no extra pass) "
-        "and correct the mismatch by truncated importance sampling, logging the log-prob gap."
-    )
-    tis_cap: float = Field(2.0, gt=0, description="Truncated importance sampling cap C (old_logprobs: sampler).")
-    process_coef: float = Field(
-        0.0, ge=0, description="Weight of process supervision: step rewards, normalised per group, are accumulated "
-        "to the tokens before them and added to the outcome advantage (0: outcome only). The process_reward_model "
-        "input (a prm stage's model) scores every step of a completion in one pass, at its own step delimiter; "
-        "without it the reward_model input scores the completion prefix at each step_delimiter."
-    )
-    step_delimiter: str = Field("\n", min_length=1, description="Where a reasoning step ends (process supervision).")
-    dynamic_sampling: bool = Field(False, description="Drop groups whose rewards are all equal (DAPO).")
-    mask_truncated: bool = Field(False, description="Exclude completions cut at max_new_tokens from the loss.")
-    ref_refresh_every: int = Field(0, ge=0, description="Copy the policy into the reference every N steps (0: never).")
-    learning_rate: float = Field(1e-5, gt=0, description="Peak learning rate.")
-    warmup_ratio: float = Field(0.0, ge=0, lt=1, description="Share of steps with linear warmup.")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
-    lora: LoraSpec = Field(default_factory=LoraSpec, description="LoRA settings; lora.r=0 is full fine-tuning.")
-    precision: Precision = Field("auto", description="auto: bf16 on GPUs that support it, else fp32.")
-    checkpoint_every: int = Field(10, ge=1, description="Save a resumable checkpoint every N steps.")
-    keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept on disk.")
-    max_refill_rounds: int = Field(2, ge=0, description="Dynamic sampling: extra rollouts to refill dropped groups.")
-    eval_every: int = Field(0, ge=0, description="Greedy held-out eval every N steps (0: off).")
-    eval_prompts: int = Field(32, ge=1, description="Held-out prompts for the periodic eval.")
-    split: Literal["train", "eval"] = Field("train", description="Prompts split to train on.")
-    max_minutes: float = Field(
-        0.0, ge=0, allow_inf_nan=False, description="Wall-clock budget of the training loop in minutes (0: none): "
-        "once a step ends past it, no further step starts; that step is checkpointed and the model saved, so "
-        "`steps` becomes a maximum. Counted from the first step of this attempt (a resumed run gets the budget "
-        "afresh); the number of steps done, and so the output, then depends on the machine's speed.")
-    resources: ResourcesSpec = Field(default_factory=ResourcesSpec, description="Processes to train on; each takes "
-                                     "prompts_per_step / num_processes whole groups per step.")
-
-    @model_validator(mode="after")
-    def _eps_low_of_the_policy_loss(self) -> GRPOConfig:
-        # filled in (not left None) for token/gspo so their configs, and cache keys, read as before
-        default = DEFAULT_EPSILON_LOW[self.policy_loss]
-        if self.epsilon_low is None and default is not None:  # (assigning re-runs this validator)
-            self.epsilon_low = default
-        return self
-
-    @model_validator(mode="after")
-    def _prompts_divide_among_processes(self) -> GRPOConfig:
-        n = self.resources.world_size
-        if self.prompts_per_step % n:
-            raise ValueError(f"prompts_per_step={self.prompts_per_step} does not split evenly among the {n} processes "
-                             f"(resources.nodes x num_processes): every process rolls out whole groups for an equal share")
-        if self.generation.backend == "vllm" and self.resources.distributed_type == "fsdp":
-            raise ValueError("generation.backend=vllm with resources.distributed_type=fsdp is not built (the engine "
-                             "would need the sharded weights gathered for every sync): use ddp, or the transformers "
-                             "backend")
-        return self
-
-
-
-class PPOConfig(MemoryOptions):
-    """`ppo` stage: PPO with a learned critic and GAE (InstructGPT-style RLHF; GRPO is PPO without the critic)."""
-
-    steps: int = Field(50, ge=1, description="Rollout steps (each: sample, score, values, advantages, ppo_epochs "
-                       "epochs of mini-batch updates).")
-    prompts_per_step: int = Field(8, ge=1, description="Prompts per rollout batch (global).")
-    samples_per_prompt: int = Field(1, ge=1, description="Completions sampled per prompt. PPO needs no groups (the "
-                                    "critic is the baseline); more samples per prompt only widen the batch.")
-    generation: GenerationSpec = Field(
-        default_factory=lambda: GenerationSpec(temperature=1.0, max_new_tokens=128), description="Rollout sampling."
-    )
-    reward: RewardSpec = Field(default_factory=RewardSpec, description="How completions are scored (the score lands "
-                               "on a completion's last token; routed per prompt by its verifier, as in grpo).")
-    critic: Literal["policy_copy", "reward_model"] = Field(
-        "policy_copy", description="What the value head sits on. policy_copy: a copy of the input model's decoder "
-        "with a fresh Linear(hidden, 1) head at zero (values start at 0); reward_model: the "
-        "reward_model input (its trained head as the value head's start, InstructGPT's choice). The head reads the last "
-        "hidden state at every token.")
-    critic_lora: LoraSpec = Field(default_factory=LoraSpec, description="LoRA settings of the critic (the value head "
-                                  "always trains in full); critic_lora.r=0 trains every critic weight.")
-    gamma: float = Field(1.0, ge=0, le=1, description="Discount gamma of GAE (1: undiscounted, as in LM RLHF).")
-    lam: float = Field(1.0, ge=0, le=1, description="GAE lambda: 1 is the Monte-Carlo return minus V, 0 the one-step "
-                       "TD error. 1 by default (verl's default): the score sits on the last token, and below 1 an "
-                       "untrained critic passes it back decayed by lambda per token (0.95^60 = 0.05), so the early "
-                       "tokens of a long completion learn nothing (VAPO, Yue et al. 2025); InstructGPT and TRL use 0.95.")
-    epsilon: float = Field(0.2, gt=0, description="Policy clip range: the ratio is clipped to [1-epsilon, 1+epsilon] "
-                           "(the same clipped surrogate grpo uses, `rl.policy_loss` kind token).")
-    value_clip: float | None = Field(0.2, gt=0, description="Value clip range around the rollout's values (PPO's "
-                                     "clipped value loss); null: plain squared error.")
-    vf_coef: float = Field(0.1, ge=0, description="Weight of the value loss beside the policy loss (one backward over "
-                           "both). The critic shares no weights with the policy, so this only scales the critic's "
-                           "gradient: under AdamW that matters little (through max_grad_norm and Adam's epsilon); "
-                           "critic_learning_rate is the knob of the critic's pace.")
-    beta: float = Field(0.05, ge=0, description="KL penalty coefficient in the per-token rewards (-beta * KL_t on "
-                        "every completion token, InstructGPT); 0 drops the reference model.")
-    kl_estimator: Literal["k1", "k2", "k3"] = Field("k1", description="Per-token KL estimator in the rewards "
-                                                     "(k1 = log pi/pi_ref, as InstructGPT and TRL).")
-    whiten_advantages: bool = Field(True, description="Whiten the advantages over the step's valid tokens.")
-    ppo_epochs: int = Field(2, ge=1, description="Epochs over each rollout batch (mu).")
-    critic_warmup_steps: int = Field(
-        0, ge=0, description="The first N steps train only the critic (the policy's loss is left out and its learning "
-        "rate is 0), so a fresh value head fits the returns before its advantages move the policy (OpenRLHF's "
-        "freezing_actor_steps). They count toward `steps`.")
-    minibatch_size: int = Field(8, ge=1, description="Sequences per mini-batch (global); every mini-batch is one "
-                                "optimizer step, as in PPO (Schulman et al. 2017), so clipping matters from the "
-                                "second mini-batch on.")
-    micro_batch_size: int | None = Field(None, ge=1, description="Sequences per forward and backward pass on each "
-                                         "process (null: the whole mini-batch); the mini-batch's gradient is "
-                                         "accumulated over them, so only memory changes.")
-    learning_rate: float = Field(1e-5, gt=0, description="Peak learning rate of the policy.")
-    critic_learning_rate: float | None = Field(None, gt=0, description="Peak learning rate of the critic (null: "
-                                               "learning_rate).")
-    warmup_ratio: float = Field(0.0, ge=0, lt=1, description="Share of steps with linear warmup.")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm, applied to the policy and the critic "
-                                 "separately.")
-    lora: LoraSpec = Field(default_factory=LoraSpec, description="LoRA settings of the policy; lora.r=0 is full "
-                           "fine-tuning (the reference is then a frozen copy, else the adapter disabled).")
-    precision: Precision = Field("auto", description="auto: bf16 on GPUs that support it, else fp32.")
-    checkpoint_every: int = Field(10, ge=1, description="Save a resumable checkpoint (policy, critic, optimizer) "
-                                  "every N steps.")
-    keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept on disk.")
-    eval_every: int = Field(0, ge=0, description="Greedy held-out eval every N steps (0: off).")
-    eval_prompts: int = Field(32, ge=1, description="Held-out prompts for the periodic eval.")
-    split: Literal["train", "eval"] = Field("train", description="Prompts split to train on.")
-    max_minutes: float = Field(
-        0.0, ge=0, allow_inf_nan=False, description="Wall-clock budget of the training loop in minutes (0: none), "
-        "as in grpo: once a step ends past it no further step starts; that step is checkpointed and the model saved.")
-    resources: ResourcesSpec = Field(default_factory=ResourcesSpec, description="Processes to train on (ddp); each "
-                                     "takes prompts_per_step / num_processes prompts per step.")
-
-    @model_validator(mode="after")
-    def _batches_divide_among_processes(self) -> PPOConfig:
-        n = self.resources.world_size
-        if self.prompts_per_step % n or self.minibatch_size % n:
-            raise ValueError(f"prompts_per_step={self.prompts_per_step} and minibatch_size={self.minibatch_size} must "
-                             f"split evenly among the {n} processes (resources.nodes x num_processes)")
-        if self.resources.distributed_type == "fsdp" and n > 1:
-            raise ValueError("ppo with resources.distributed_type=fsdp is not built (policy and critic would both need "
-                             "sharding and an unsharded sampling copy): use ddp")
-        return self
-
-
 class DistillTracesConfig(Strict):
     """`distill_traces` stage: the teacher's reasoning traces on prompts, as a re-usable sft dataset."""
 
@@ -666,9 +302,6 @@ class DistillConfig(TrainingConfig):
                              "is not built (the engine would need the sharded weights gathered for every sync): use "
                              "ddp, or the transformers backend")
         return self
-
-
-StepDelimiter = Literal["blank_line", "newline", "step_k"]
 
 
 class StepLabelsConfig(Strict):

@@ -30,7 +30,7 @@ Departures, on purpose:
   their end (as in sft);
 - on N processes each process takes 1/N of every micro-batch and divides by the step's global
   token count (gradients summed, `stages.runtime.distributed`); on_policy splits the step's student
-  prompts among the processes (rank r samples with seed base + r) and gathers the samples, so
+  prompts among the processes (each rank from its own seed stream) and gathers the samples, so
   every rank sees the whole step. The held-out NLL and saving run on rank 0. Under fsdp the student
   samples through an unsharded copy on every rank (`Dist.copy_weights` refreshes it from the shards
   before each step's sampling): the sharding saves the gradients' and optimizer's memory, not the
@@ -57,6 +57,7 @@ from stages.math.distill import distill_loss
 from stages.math.supervised import IGNORE, masked_token_loss
 from stages.modeling import models
 from stages.runtime import distributed
+from stages.runtime.seeds import seed_stream
 from stages.sampling.generation import check_vllm_model_dir, generate, make_backend, render_prompts
 from stages.training.checkpoints import resume, save_checkpoint
 from stages.training.optim import (
@@ -71,7 +72,7 @@ from stages.training.optim import (
 from stages.training.pairs import split_pairs
 from stages.training.sequences import Example, collate, tokenize_conversation
 
-VERSION = "3"  # 3: on a GPU, on-policy samples under the training precision (bf16 autocast), not in fp32. 2: sampler blocks of ceil(sqrt(V)) tokens (generation.BlockRaceSampler): other samples for the same seed
+VERSION = "4"  # 4: every random draw seeded by seed_stream (stages/runtime/seeds.py)
 CONFIG = DistillConfig
 INPUTS = {"teacher": "model", "student": "model", "traces": "sft?", "prompts": "prompts?"}
 OUTPUTS = {"model": "model"}
@@ -381,11 +382,12 @@ def sample_student(s: Session, step: int, n: int) -> tuple[list[tuple[Example, i
     """n student samples on the step's seeded prompts, gathered from every process: ((example, completion
     tokens) per sample, this process's generation stats)."""
     cfg, dist = s.cfg, s.dist
-    picked = np.random.default_rng([s.ctx.seed, step, 2]).choice(len(s.prompts), n, replace=len(s.prompts) < n)
+    rng = np.random.default_rng(seed_stream(s.ctx.seed, "prompts", step))
+    picked = rng.choice(len(s.prompts), n, replace=len(s.prompts) < n)
     convs = dist.part([s.prompts[i]["messages"] for i in picked])  # N processes: each samples a part
     if s.sampler is not None:
         dist.copy_weights(s.student, s.sampler)  # a collective: every rank, every step
-    seed = s.ctx.seed * 1_000_003 + step * dist.world + dist.rank
+    seed = seed_stream(s.ctx.seed, "rollout", step, 0, dist.rank)
     if s.backend is not None:  # the student's current weights into the engine, in place (LoRA folded in)
         s.backend.sync(s.student, step)
         comps, stats = s.backend.generate(convs, cfg.generation, n=1, seed=seed, progress=False)
@@ -408,7 +410,7 @@ def step_batches(s: Session, step: int) -> tuple[list[list[Example]], dict[str, 
                 for a in range(cfg.grad_accum)], {}
     total = cfg.batch_size * cfg.grad_accum
     n_teacher = round(cfg.teacher_fraction * total) if train else 0
-    examples = [train[i] for i in np.random.default_rng([s.ctx.seed, step, 1]).choice(
+    examples = [train[i] for i in np.random.default_rng(seed_stream(s.ctx.seed, "teacher_traces", step)).choice(
         len(train), n_teacher, replace=len(train) < n_teacher)] if n_teacher else []
     info = {"train/teacher_sequences": float(n_teacher)}
     if total - n_teacher:

@@ -32,7 +32,7 @@ from stages.modeling import heads
 from stages.rewards.verifiers import pass_at_k, score
 from stages.sampling.generation import generate
 
-VERSION = "4"  # 4: accuracy_ci_low/accuracy_ci_high metrics (95% bootstrap), overall and per task; 3: sampler blocks of ceil(sqrt(V)) tokens (generation.BlockRaceSampler): other samples for the same seed; 2: correct_lenient column and accuracy_lenient metric
+VERSION = "5"  # 5: generate() seeds each batch by seed_stream (stages/runtime/seeds.py)
 CONFIG = EvalConfig
 INPUTS = {"model": "model", "prompts": "prompts", "scorer": "model?"}
 OUTPUTS = {"results": "eval"}

@@ -5,7 +5,7 @@ et al. 2017, https://arxiv.org/abs/1707.06347): sample completions for B prompts
 score each (verifiers, the learned reward model, shaping: routed per prompt as in grpo), compute the old
 policy's and the reference's log-probs and the critic's values, spread the score over the tokens with a
 KL penalty (`rl.kl_penalized_rewards`), estimate advantages by GAE (`rl.gae`, Schulman et al. 2016),
-whiten them (`rl.whiten`), then run `ppo_epochs` epochs over shuffled mini-batches, each one optimizer
+whiten them (`rl.whiten`), then run `mu` epochs (PPO's epochs) over shuffled mini-batches, each one optimizer
 step on the clipped surrogate (`rl.policy_loss`, the one grpo uses, with per-token advantages) plus
 `vf_coef` times the clipped value loss (`rl.value_loss`). GRPO is this with the critic replaced by the
 group mean. The math lives in `stages/math/rl.py`; this module only orders it.
@@ -53,16 +53,17 @@ from stages.modeling.heads import (
     load_reward_model,
     reward_model_from_causal_lm,
 )
-from stages.rewards.verifiers import Verdict, score
+from stages.rewards.verifiers import Verdict
 from stages.runtime import distributed
+from stages.runtime.seeds import seed_stream
 from stages.sampling.generation import Completion, make_backend, render_prompts
-from stages.training import rollouts
+from stages.training import groups, rl_loop, rollouts
 from stages.training.checkpoints import resume
 from stages.training.loop import autocast
 from stages.training.optim import clip_grad_norm, load_trainable, lr_factor, make_optimizer, resolve_precision
-from stages.training.rollouts import build_batch, pick_prompts
+from stages.training.rollouts import build_batch
 
-VERSION = "2"  # 2: the policy_copy critic's value head starts at zero; lam defaults to 1 (was 0.95)
+VERSION = "3"  # 3: every random draw seeded by seed_stream (stages/runtime/seeds.py)
 CONFIG = PPOConfig
 INPUTS = {"model": "model", "prompts": "prompts", "reward_model": "model?"}
 OUTPUTS = {"model": "model"}
@@ -226,42 +227,32 @@ def open_session(cfg: PPOConfig, inputs: dict[str, Input], ctx: StageContext) ->
 
 @dataclasses.dataclass
 class Rollout:
-    """One process's rollouts of a step: N = prompts x samples_per_prompt sequences, as training tensors."""
+    """One process's rollouts of a step, scored: N = prompts x group_size sequences, as training tensors."""
 
     rows: list[dict]  # the prompts row of each sequence
     comps: list[Completion]
     batch: dict[str, torch.Tensor]
-    seconds: float
-    verdicts: list[Verdict] = dataclasses.field(default_factory=list)
-    scores: torch.Tensor | None = None  # (N,)
-    score_seconds: float = 0.0
+    verdicts: list[Verdict]
+    scores: torch.Tensor  # (N,)
+    seconds: float  # sampling
+    score_seconds: float
 
 
 def rollout(s: Session, step: int) -> Rollout:
-    """Sample this process's share of the step's prompts from the current policy."""
-    cfg, dist = s.cfg, s.dist
+    """Sample this process's share of the step's prompts from the current policy and score each completion (the
+    reward's weighted components; unscorable: 0), as the groups of grpo (`groups.sample_groups`)."""
+    cfg = s.cfg
     if s.engine:
         s.backend.sync(s.models.policy, step)
-    picked = [s.rows[i] for i in dist.shard(pick_prompts(len(s.rows), cfg.prompts_per_step, s.ctx.seed, step))]
-    seed = rollouts.rollout_seed(s.ctx.seed, step, rank=dist.rank)
-    comps, stats = s.backend.generate([r["messages"] for r in picked], cfg.generation, n=cfg.samples_per_prompt,
-                                      seed=seed, progress=False)
-    texts = render_prompts(s.tokenizer, [r["messages"] for r in picked], cfg.generation.prefill)
+    g = groups.sample_groups(s.backend, s.rows, cfg, s.ctx.seed, step, s.dist, s.scorer)
+    texts = render_prompts(s.tokenizer, [r["messages"] for r in g.rows], cfg.generation.prefill)
     prompt_ids = [s.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
-    k = cfg.samples_per_prompt
-    flat = [c for cs in comps for c in cs]
+    k = cfg.group_size
+    flat = [c for cs in g.comps for c in cs]
     batch = build_batch([p for p in prompt_ids for _ in range(k)], [list(c.token_ids) for c in flat], s.pad_id)
-    return Rollout([r for r in picked for _ in range(k)], flat, batch, stats.seconds)
-
-
-def score_rollout(s: Session, ro: Rollout) -> None:
-    """Each completion's score (the reward's weighted components; unscorable: 0) into `ro.scores`."""
-    t0 = time.perf_counter()
-    rm = s.scorer.score([r["messages"] for r in ro.rows], [c.text for c in ro.comps]) if s.scorer else None
-    ro.verdicts = [score(r, c.text, s.cfg.reward, num_tokens=c.num_tokens, rm_score=rm[i] if rm else None)
-                   for i, (r, c) in enumerate(zip(ro.rows, ro.comps, strict=True))]
-    ro.scores = torch.tensor([v.reward if v.reward is not None else 0.0 for v in ro.verdicts])
-    ro.score_seconds = time.perf_counter() - t0
+    scores = torch.cat(g.rewards) if g.rewards else torch.zeros(0)
+    return Rollout([r for r in g.rows for _ in range(k)], flat, batch, [v for vs in g.verdicts for v in vs], scores,
+                   g.seconds, g.score_seconds)
 
 
 # ---------------------------------------------------------------------------- values and advantages
@@ -373,12 +364,13 @@ def micro_backward(s: Session, ro: Rollout, old: dict, adv: dict, idx: torch.Ten
 
 
 def update(s: Session, ro: Rollout, old: dict, adv: dict, step: int) -> dict[str, float]:
-    """`ppo_epochs` epochs over the rollout in shuffled mini-batches (one optimizer step each; the order a pure
+    """`mu` epochs over the rollout in shuffled mini-batches (one optimizer step each; the order a pure
     function of seed, step and epoch). Token-weighted means of the mini-batch statistics over every process."""
     cfg, n = s.cfg, len(ro.comps)
     sums: dict[str, list[float]] = {}
-    for epoch in range(cfg.ppo_epochs):
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(s.ctx.seed * 1_000_003 + step * 31 + epoch))
+    for epoch in range(cfg.mu):
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed_stream(s.ctx.seed, "minibatch_order",
+                                                                                       step, epoch)))
         for idx in chunks(n, cfg.minibatch_size // s.dist.world):
             for k, (value, weight) in minibatch_step(s, ro, old, adv, order[idx],
                                                      policy_on=not critic_only(cfg, step)).items():
@@ -435,7 +427,6 @@ def train_step(s: Session, step: int) -> dict[str, float]:
     """One PPO step: rollout, score, old log-probs / reference / values, advantages, update epochs; its metrics."""
     t_step = time.perf_counter()
     ro = rollout(s, step)
-    score_rollout(s, ro)
     t_train = time.perf_counter()
     old = old_passes(s, ro)
     adv = advantages(s, ro, old)
@@ -448,20 +439,22 @@ def train_step(s: Session, step: int) -> dict[str, float]:
     return metrics
 
 
+def evaluate(s: Session, done: int) -> dict[str, float]:
+    """Greedy accuracy on the held-out prompts after step `done` (rank 0; the others return {})."""
+    if not s.dist.is_main:
+        return {}
+    if s.engine:
+        s.backend.sync(s.models.policy, done)
+    return rl_loop.held_out_eval(s.backend, s.held_out, s.cfg.generation, s.ctx.seed)
+
+
 def run(cfg: PPOConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[str, Output]:
     s, merged_input = open_session(cfg, inputs, ctx)
-    loop = rollouts.StepLoop("ppo", cfg, ctx, s.dist, resume(ctx, s.models.trained, s.optimizer, "ppo", cfg.steps))
+    state = resume(ctx, s.models.trained, s.optimizer, "ppo", cfg.steps)
+    loop = rl_loop.StepLoop("ppo", cfg, ctx, s.dist, state, s.models.trained, s.optimizer, s.held_out)
     for step in range(loop.start, cfg.steps):
         metrics = train_step(s, step)
-        done = step + 1
-        out_of_time = loop.out_of_time(done)
-        if rollouts.eval_due(cfg, s.held_out, done) and s.dist.is_main:
-            if s.engine:
-                s.backend.sync(s.models.policy, done)
-            metrics.update(rollouts.held_out_eval(s.backend, s.held_out, cfg.generation, ctx.seed))
-        if loop.finish_step(metrics, done, out_of_time, s.models.trained, s.optimizer,
-                            reward=f"{metrics['reward/mean']:.3f}", value_loss=f"{metrics['train/value_loss']:.3g}"):
+        if loop.end_step(metrics, step + 1, lambda d: evaluate(s, d), reward=f"{metrics['reward/mean']:.3f}",
+                         value_loss=f"{metrics['train/value_loss']:.3g}"):
             break
-    loop.bar.close()
-    return rollouts.save_policy(ctx, inputs, cfg, s.models.policy, s.tokenizer, merged_input, s.dist,
-                                rollouts.summarize(loop.history, SUMMARY_CURVES))
+    return loop.finish(inputs, s.models.policy, s.tokenizer, merged_input, SUMMARY_CURVES)

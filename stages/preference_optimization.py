@@ -46,7 +46,7 @@ from stages.training.loop import Loop, StepResult, autocast, curve_tail, policy_
 from stages.training.optim import load_trainable, resolve_precision
 from stages.training.pairs import DESIRABLE, Example, examples_from, split_pairs, tokenize
 
-VERSION = "4"  # 4: KTO's KL pairs take the next row under another prompt. 3: ipo averages token log-probs by default (logprob_reduction); orpo's log odds bounded. 2: sampler blocks of ceil(sqrt(V)) tokens (generation.BlockRaceSampler): other samples for the same seed
+VERSION = "5"  # 5: generate() seeds each batch by seed_stream (stages/runtime/seeds.py)
 CONFIG = PreferenceOptimizationConfig
 INPUTS = {"model": "model", "preferences": "preferences|unpaired", "reference": "ref_logprobs?"}
 OUTPUTS = {"model": "model"}

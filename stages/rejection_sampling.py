@@ -26,7 +26,7 @@ from stages.base import Input, Output, StageContext, seed_everything, write_data
 from stages.rewards.verifiers import Verdict, extract_answer_lenient, reformat_r1, score
 from stages.sampling.generation import sample_with
 
-VERSION = "2"  # 2: sampler blocks of ceil(sqrt(V)) tokens (generation.BlockRaceSampler): other samples for the same seed
+VERSION = "3"  # 3: generate() seeds each batch by seed_stream (stages/runtime/seeds.py)
 CONFIG = RejectionSamplingConfig
 INPUTS = {"model": "model", "prompts": "prompts", "reward_model": "model?"}
 OUTPUTS = {"samples": "samples", "data": "sft"}

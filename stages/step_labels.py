@@ -41,16 +41,15 @@ from schemas.errors import SchemaError
 from stages.base import Input, Output, StageContext, seed_everything, write_dataset
 from stages.math.steps import cap_spans, mc_labels, step_spans
 from stages.rewards.verifiers import score
+from stages.runtime.seeds import seed_stream
 from stages.sampling.generation import make_backend
 from stages.training.checkpoints import replace_synced
 from stages.training.optim import resolve_precision
 
-VERSION = "2"  # 2: prefixes batched across solutions (other random draws than 1)
+VERSION = "3"  # 3: every random draw seeded by seed_stream (stages/runtime/seeds.py)
 CONFIG = StepLabelsConfig
 INPUTS = {"model": "model", "prompts": "prompts", "solutions": "samples|sft?"}
 OUTPUTS = {"steps": "steps"}
-
-_SELECT_STREAM = 7  # RNG stream of the max_solutions subset
 
 
 @dataclass(frozen=True)
@@ -97,12 +96,8 @@ def select(solutions: list[Solution], max_solutions: int, seed: int) -> list[Sol
     """At most `max_solutions`, a seeded subset kept in input order."""
     if len(solutions) <= max_solutions:
         return solutions
-    keep = np.random.default_rng([seed, _SELECT_STREAM]).permutation(len(solutions))[:max_solutions]
+    keep = np.random.default_rng(seed_stream(seed, "select_solutions")).permutation(len(solutions))[:max_solutions]
     return [solutions[i] for i in sorted(keep.tolist())]
-
-
-def rollout_seed(seed: int, chunk: int) -> int:
-    return seed * 1_000_003 + chunk * 1_009
 
 
 @dataclass(frozen=True)
@@ -154,7 +149,7 @@ def chunks(plans: list[Plan], prefixes: int) -> list[range]:
 class Journal:
     """The labels of each finished group of solutions, one file per group under the stage's checkpoint directory,
     so a killed run resumes at the first unfinished group. A group's rollouts are drawn from its own seed
-    (`rollout_seed(seed, group)`), so a resumed run labels exactly what an unbroken one does.
+    (`seed_stream(seed, "step_rollouts", group)`), so a resumed run labels exactly what an unbroken one does.
 
     Each file is written to a temporary name, fsync'ed and renamed (a kill leaves a whole file or none); it
     names its solutions (prompt id, index and a hash of the texts), and one that does not match the group, or
@@ -221,7 +216,7 @@ def label_solutions(solutions: list[Solution], backend, cfg: StepLabelsConfig, s
         texts: list[list[str]] = []
         if jobs:
             comps, _ = backend.generate([solutions[k].prompt["messages"] for k, _ in jobs], cfg.generation,
-                                        n=cfg.rollouts, seed=rollout_seed(seed, c), progress=False,
+                                        n=cfg.rollouts, seed=seed_stream(seed, "step_rollouts", c), progress=False,
                                         prefills=[solutions[k].text[: plans[k].spans[i][1]] for k, i in jobs])
             texts = [[x.text for x in cs] for cs in comps]
         by_solution: dict[int, dict[int, list[str]]] = {k: {} for k in group}

@@ -530,3 +530,14 @@ def test_backend_samples_under_the_trainers_autocast_and_leaves_the_callers_alon
     with torch.autocast("cpu", dtype=torch.bfloat16):
         TransformersBackend(model, tiny_tokenizer).generate(CONVS[:2], spec, n=2, progress=False)
     assert seen and all(on for on, _ in seen)
+
+
+def test_a_stop_string_row_ends_at_the_token_that_completes_it(backend, tiny_tokenizer):
+    """Decoding pads a row that a stop string ended up to the batch's longest row; that padding is no part of the
+    completion (its token ids, and so num_tokens), as for a row that EOS ended."""
+    pad = tiny_tokenizer.pad_token_id
+    ids = tiny_tokenizer("xa", add_special_tokens=False)["input_ids"]
+    assert pad not in ids and tiny_tokenizer.eos_token_id != pad
+    assert backend._rows([ids + [pad, pad]], [tiny_tokenizer.eos_token_id], ["a"], pad) == [(ids, "xa", "stop")]
+    assert backend._rows([ids + [pad, pad]], [tiny_tokenizer.eos_token_id], [], pad) == [(ids + [pad, pad], "xa",
+                                                                                           "length")]

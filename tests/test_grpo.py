@@ -9,20 +9,25 @@ from schemas.errors import ConfigError
 from stages import grpo
 from stages.base import LocalContext
 from stages.modeling import heads
+from stages.training import process_rewards
+from stages.training.rollout_batch import RolloutBatch, minibatch_rows, place
+from stages.training.rollouts import build_batch
 from tests.conftest import assert_matches_whole_rows, fake_input
 
 
 def test_build_batch_masks_exactly_the_completion_predictions():
-    b = grpo.build_batch([[5, 6, 7], [5]], [[8, 9], [4, 4, 4]], pad_id=0, keep=[True, False])
+    b = build_batch([[5, 6, 7], [5]], [[8, 9], [4, 4, 4]], pad_id=0, keep=[True, False])
     assert b["input_ids"].tolist() == [[5, 6, 7, 8, 9], [5, 4, 4, 4, 0]]
     assert b["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]]
     # row 0: positions 2 and 3 predict tokens 8 and 9; row 1 is masked out (keep=False)
     assert b["loss_mask"].tolist() == [[0, 0, 1, 1], [0, 0, 0, 0]]
 
 
-def test_token_logprobs_match_a_manual_forward(tiny_model, tiny_tokenizer):
+def test_rollout_batch_logprobs_match_a_manual_forward(tiny_model, tiny_tokenizer):
     ids = torch.tensor([[5, 6, 7, 8]])
-    lp, ent = grpo.token_logprobs(tiny_model, ids, torch.ones_like(ids), with_entropy=True)
+    rb = RolloutBatch({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, [[5]], [[6, 7, 8]], 1, 0, False,
+                      "cpu", 4096)
+    lp, ent = rb.logprobs(tiny_model, torch.tensor([0]), with_entropy=True)
     logits = tiny_model(input_ids=ids).logits[0, :-1]
     expected = torch.log_softmax(logits, -1)[torch.arange(3), ids[0, 1:]]
     torch.testing.assert_close(lp[0], expected)
@@ -129,22 +134,10 @@ def test_time_budget_stops_after_the_step_that_spends_it(tmp_path, tiny_model_in
 
 
 def test_place_puts_completion_values_where_loss_mask_is():
-    b = grpo.build_batch([[5, 6, 7], [5]], [[8, 9], [4, 4, 4]], pad_id=0, keep=[True, True])
-    placed = grpo.place([[0.1, 0.2], [0.3, 0.4, 0.5]], [3, 1], b["input_ids"].shape[1])
+    b = build_batch([[5, 6, 7], [5]], [[8, 9], [4, 4, 4]], pad_id=0, keep=[True, True])
+    placed = place([[0.1, 0.2], [0.3, 0.4, 0.5]], [3, 1], b["input_ids"].shape[1])
     assert torch.equal(placed != 0, b["loss_mask"].bool())
     torch.testing.assert_close(placed, torch.tensor([[0, 0, 0.1, 0.2], [0.3, 0.4, 0.5, 0]]))
-
-
-@pytest.mark.parametrize("pieces,ends", [
-    (["a", "\n", "\n", "b"], [1, 3]),      # a blank line is not a step; trailing text is one
-    (["ab\n", "c"], [0, 1]),
-    (["a", "b\nc"], [1]),                  # the token ending "ab\n" is also the last: one step per token
-    (["x\ny", "\n"], [0, 1]),
-    (["\n", " ", "\n"], []),               # nothing but blanks: no step
-    ([], []),
-])
-def test_step_ends(pieces, ends):
-    assert grpo.step_ends(pieces) == ends
 
 
 class _CharTokenizer:
@@ -164,31 +157,23 @@ class _LengthScorer:
 
 
 def test_process_advantages_hand_computed():
-    """One group: "a\\nbcd" has steps ending at tokens 1 ("a\\n", reward 2) and 4 ("a\\nbcd", 5); "xyz"
-    one step (3). Rewards [2, 5, 3]: mean 10/3, population std sqrt(42/27) = 1.247219, normalised
-    -1.069045, 1.336306, -0.267261. Tokens 0-1 of the first get -1.069045 + 1.336306 = 0.267261, its
-    tokens 2-4 get 1.336306; every token of "xyz" gets -0.267261."""
+    """One group, newline steps (`steps.step_spans`): "a\\nbcd" has steps "a" (ends at token 0, prefix "a", reward
+    1) and "bcd" (token 4, prefix "a\\nbcd", 5); "xy" one step (token 1, 2). Rewards [1, 5, 2]: mean 8/3,
+    population std sqrt(78/27) = 1.699673, plus eps 1e-4: 1.699773; normalised -0.980523, 1.372732, -0.392209.
+    Token 0 of the first gets -0.980523 + 1.372732 = 0.392209, its tokens 1-4 get 1.372732; both tokens of "xy"
+    get -0.392209."""
     from stages.sampling.generation import Completion
 
-    comps = [[Completion(t, len(t), "stop", tuple(ord(ch) for ch in t)) for t in ("a\nbcd", "xyz")]]
+    comps = [[Completion(t, len(t), "stop", tuple(ord(ch) for ch in t)) for t in ("a\nbcd", "xy")]]
     scorer = _LengthScorer()
-    adv, metrics = grpo.process_advantages(scorer, _CharTokenizer(), [{"messages": []}], comps, "\n")
-    assert scorer.calls == ["a\n", "a\nbcd", "xyz"]
-    torch.testing.assert_close(torch.tensor(adv[0]), torch.tensor([0.267261, 0.267261, 1.336306, 1.336306, 1.336306]),
-                               atol=2e-4, rtol=0)
-    torch.testing.assert_close(torch.tensor(adv[1]), torch.full((3,), -0.267261), atol=2e-4, rtol=0)
+    adv, metrics = process_rewards.process_advantages(scorer, _CharTokenizer(), [{"messages": []}], comps, "newline")
+    assert scorer.calls == ["a", "a\nbcd", "xy"]
+    torch.testing.assert_close(torch.tensor(adv[0]), torch.tensor([0.392209, 1.372732, 1.372732, 1.372732, 1.372732]),
+                               atol=2e-6, rtol=0)
+    torch.testing.assert_close(torch.tensor(adv[1]), torch.full((2,), -0.392209), atol=2e-6, rtol=0)
     assert metrics["reward/steps_per_completion"] == 1.5
-    assert metrics["reward/process_mean"] == pytest.approx(10 / 3)
+    assert metrics["reward/process_mean"] == pytest.approx(8 / 3)
 
-
-
-@pytest.mark.parametrize(("pieces", "char_ends", "want"), [
-    (["ab", "c\n", "\nd"], [3, 6], [1, 2]),  # "abc" ends inside token 1, "d" is token 2's last character
-    (["a\n\nb"], [1, 4], [0, 0]),  # two steps in one token
-    (["x", "y"], [], []),
-])
-def test_token_ends_of(pieces, char_ends, want):
-    assert grpo.token_ends_of(pieces, char_ends) == want
 
 
 class _ScriptedStepScorer:
@@ -218,9 +203,9 @@ def test_prm_process_advantages_place_each_step_score_on_its_last_token():
 
     comps = [[Completion("ab\n\nc", 3, "stop", (0, 1, 2)), Completion("x\n\ny", 1, "stop", (3,))]]
     scorer = _ScriptedStepScorer({"ab\n\nc": [0.9, 0.1], "x\n\ny": [0.2, 0.5]})
-    got_adv, got_metrics = grpo.prm_process_advantages(scorer, PieceTokenizer(), [{"messages": []}], comps)
+    got_adv, got_metrics = process_rewards.prm_process_advantages(scorer, PieceTokenizer(), [{"messages": []}], comps)
     assert scorer.calls == [["ab\n\nc", "x\n\ny"]]
-    want_adv, want_metrics = grpo.step_advantages_of(comps, [[[0, 2], [0]]], [[[0.9, 0.1], [0.5]]])
+    want_adv, want_metrics = process_rewards.step_advantages_of(comps, [[[0, 2], [0]]], [[[0.9, 0.1], [0.5]]])
     assert got_adv == want_adv and got_metrics == want_metrics
     assert got_metrics["reward/steps_per_completion"] == 1.5
 
@@ -261,7 +246,7 @@ def _tiny_reward_model(root, tiny_tokenizer):
 
 def test_process_supervision_and_reward_model_reward_run(tmp_path, tiny_model_input, digit_prompts, tiny_tokenizer):
     rm_input = _tiny_reward_model(tmp_path / "rm", tiny_tokenizer)
-    cfg = short_is_better(steps=2, process_coef=0.5, step_delimiter=" ",
+    cfg = short_is_better(steps=2, process_coef=0.5, step_delimiter="newline",
                           reward=RewardSpec(weights={"overlong": 1.0, "reward_model": 0.1}, overlong_max_tokens=6,
                                             overlong_buffer=5))
     ctx = LocalContext(tmp_path / "run")
@@ -303,31 +288,31 @@ def test_shared_prefix_logprobs_equal_whole_rows_in_value_and_gradient(tiny_toke
     prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
     comps = [[20, 21, 22], [23], [24, 25, 26, 27], [28, 29], [], [30, 31, 32, 33, 34]]
     flat_prompts = [p for p in prompts for _ in range(3)]
-    batch = grpo.build_batch(flat_prompts, comps, pad_id=0, keep=[True] * 6)
-    width = batch["input_ids"].shape[1]
+    batch = build_batch(flat_prompts, comps, pad_id=0, keep=[True] * 6)
     mask = batch["loss_mask"]
 
-    ref, ref_ent = grpo.token_logprobs(model, batch["input_ids"], batch["attention_mask"], with_entropy=True)
+    ref, ref_ent = logprobs.bucketed_token_logprobs(model, batch["input_ids"], batch["attention_mask"],
+                                                    with_entropy=True)
     (ref * mask).sum().backward()
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
     model.zero_grad()
 
     assert logprobs.can_share_prefix(model)
-    got, ent = grpo.shared_prefix_logprobs(model, prompts, comps, 3, pad_id=0, width=width, device="cpu",
-                                           with_entropy=True)
+    rb = RolloutBatch(batch, prompts, comps, 3, 0, True, "cpu", 4096)
+    got, ent = rb.logprobs(model, torch.arange(6), with_entropy=True)
     assert_matches_whole_rows(model, got, ent, ref, ref_ent, mask, ref_grads)
 
 
 def test_minibatch_rows_keep_groups_whole_and_cover_every_row():
     g = torch.Generator().manual_seed(0)
-    mbs = grpo.minibatch_rows(12, 3, 7, True, g)  # 7 // 3 = 2 groups per mini-batch
+    mbs = minibatch_rows(12, 3, 7, True, g)  # 7 // 3 = 2 groups per mini-batch
     assert [len(m) for m in mbs] == [6, 6]
     for m in mbs:
         rows = m.view(-1, 3)
         assert (rows[:, 1:] - rows[:, :-1] == 1).all() and (rows[:, 0] % 3 == 0).all()
     assert sorted(torch.cat(mbs).tolist()) == list(range(12))
-    assert [len(m) for m in grpo.minibatch_rows(12, 3, 2, True, g)] == [3] * 4  # at least one group
-    assert [len(m) for m in grpo.minibatch_rows(12, 3, 5, False, g)] == [5, 5, 2]
+    assert [len(m) for m in minibatch_rows(12, 3, 2, True, g)] == [3] * 4  # at least one group
+    assert [len(m) for m in minibatch_rows(12, 3, 5, False, g)] == [5, 5, 2]
 
 
 @pytest.mark.parametrize(("beta", "minibatch", "min_common", "path"),
@@ -383,8 +368,70 @@ def test_prefix_sharing_trains_the_same_model(tmp_path, tiny_model_input, digit_
     torch.testing.assert_close(torch.tensor(curve_s), torch.tensor(curve_u), rtol=1e-4, atol=1e-5)
     initial = models.build_tiny_model(models.build_tiny_tokenizer(), seed=0).state_dict()
     moved = max(float((weights_u[k] - initial[k]).abs().max()) for k in weights_u)
-    assert moved > 5e-3  # three steps of lr 3e-3 moved the weights
+    assert moved > 2.9e-3  # trained: Adam's first step alone moves every weight with a gradient by lr (3e-3)
     for k in weights_u:
         update = (weights_u[k] - initial[k]).norm()
         assert update > 0, k
         assert (weights_s[k] - weights_u[k]).norm() <= 1e-3 * update, k
+
+
+def test_minibatch_share_hand_computed():
+    """A step of 3 sequences with 2, 3 and 5 completion tokens whose per-token losses are 1, 2 and 1 (row sums 2, 6,
+    5), split into mini-batches {0, 1} and {2}. Whole step: seq_mean (1 + 2 + 1) / 3 = 4/3; token_mean 13 / 10 = 1.3;
+    constant (max_tokens 5) 13 / 15. Mini-batch {0, 1}: seq_mean 1.5 with share 2/3 (of the sequences) -> 1.0, and
+    {2}: 1 with share 1/3 -> 1/3, 4/3 in all; token_mean (8 / 5) * 5/10 (of the tokens) + (5 / 5) * 5/10 = 1.3;
+    constant (8 / 10) * 2/3 + (5 / 5) * 1/3 = 13/15."""
+    from stages.math import rl
+
+    mask = torch.tensor([[1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.float32)
+    loss = torch.tensor([[1.0] * 5, [2.0] * 5, [1.0] * 5]) * mask
+    assert rl.minibatch_share("seq_mean", 2, 5.0, 3, 10.0) == pytest.approx(2 / 3)
+    assert rl.minibatch_share("constant", 1, 5.0, 3, 10.0) == pytest.approx(1 / 3)
+    assert rl.minibatch_share("token_mean", 2, 5.0, 3, 10.0) == pytest.approx(0.5)
+    for kind, whole in (("seq_mean", 4 / 3), ("token_mean", 1.3), ("constant", 13 / 15)):
+        torch.testing.assert_close(rl.aggregate(loss, mask, kind, max_tokens=5), torch.tensor(whole))
+        split = sum(rl.aggregate(loss[idx], mask[idx], kind, max_tokens=5)
+                    * rl.minibatch_share(kind, len(idx), float(mask[idx].sum()), 3, 10.0) for idx in ([0, 1], [2]))
+        torch.testing.assert_close(split, torch.tensor(whole))
+    with pytest.raises(ValueError, match="unknown aggregation"):
+        rl.minibatch_share("mean", 1, 1.0, 1, 1.0)
+
+
+def _one_update(tmp_path, tiny_tokenizer, aggregation: str, minibatch_size: int, shared: bool) -> dict[str, torch.Tensor]:
+    """The parameter change of one grpo update (mu 1, SGD with lr 1: minus the accumulated gradient) of the tiny
+    model on 8 fixed rows (2 groups of 4, completions of 1 to 7 tokens, mixed-sign advantages)."""
+    from stages.modeling import models
+    from stages.runtime import distributed
+    from stages.training.rollout_batch import RolloutBatch
+    from stages.training.rollouts import build_batch
+
+    model = models.build_tiny_model(tiny_tokenizer, seed=0).train()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 60, (n,), generator=g).tolist() for n in (5, 3)]
+    comps = [torch.randint(3, 60, (1 + (3 * i) % 7,), generator=g).tolist() for i in range(8)]
+    batch = build_batch([prompts[i // 4] for i in range(8)], comps, pad_id=0)
+    cfg = GRPOConfig(group_size=4, prompts_per_step=2, minibatch_size=minibatch_size, aggregation=aggregation,
+                     max_grad_norm=1e9, learning_rate=1.0, lora=LoraSpec(r=0),
+                     generation=GenerationSpec(max_new_tokens=8))
+    trainable = list(model.parameters())
+    s = grpo.Session(cfg, LocalContext(tmp_path, seed=0), distributed.SINGLE, model, None, None, trainable,
+                     torch.optim.SGD(trainable, lr=1.0), None, tiny_tokenizer, 0, None, [], [], None, False)
+    rb = RolloutBatch(batch, prompts, comps, 4, 0, shared, "cpu", 4096)
+    u = grpo.Update(torch.tensor([1.0, -0.5, 0.25, -0.75, 0.6, -1.2, 0.3, 0.3]), 8, batch, rb, shared,
+                    old_logp=torch.zeros_like(batch["loss_mask"]))
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    grpo.update(s, u, step=0)
+    return {k: v.detach() - before[k] for k, v in model.named_parameters()}
+
+
+@pytest.mark.parametrize("aggregation", ["seq_mean", "token_mean", "constant"])
+@pytest.mark.parametrize(("minibatch_size", "shared"), [(3, False), (4, True)], ids=["rows-3-3-2", "one-group-each"])
+def test_minibatches_leave_the_update_unchanged(tmp_path, tiny_tokenizer, aggregation, minibatch_size, shared):
+    """One update over the step's 8 rows at once equals the same update in mini-batches (of 3, 3 and 2 rows, or of
+    one group each through the shared-prefix path), within fp32 rounding: the mini-batches of an epoch accumulate
+    into one optimizer step, each weighted by `rl.minibatch_share`."""
+    whole = _one_update(tmp_path / "whole", tiny_tokenizer, aggregation, 8, shared)
+    split = _one_update(tmp_path / "split", tiny_tokenizer, aggregation, minibatch_size, shared)
+    assert max(float(d.abs().max()) for d in whole.values()) > 1e-3  # the update moved the weights
+    for k in whole:
+        torch.testing.assert_close(split[k], whole[k])

@@ -17,6 +17,7 @@ from schemas.errors import ConfigError
 from stages import ppo
 from stages.base import LocalContext
 from stages.math import rl
+from stages.training import rollouts
 from tests.conftest import fake_input
 
 
@@ -67,7 +68,7 @@ def test_policy_copy_critic_starts_at_zero(tiny_model_input, tiny_tokenizer, mon
 
 def test_config_defaults_follow_the_literature_and_fsdp_is_refused():
     cfg = PPOConfig()
-    assert (cfg.gamma, cfg.lam, cfg.epsilon, cfg.value_clip, cfg.vf_coef, cfg.beta, cfg.ppo_epochs) == (
+    assert (cfg.gamma, cfg.lam, cfg.epsilon, cfg.value_clip, cfg.vf_coef, cfg.beta, cfg.mu) == (
         1.0, 1.0, 0.2, 0.2, 0.1, 0.05, 2)
     assert all(f.description for f in PPOConfig.model_fields.values())
     with pytest.raises(ValueError, match="fsdp is not built"):
@@ -100,12 +101,12 @@ def test_critic_learns_a_fixed_reward(tmp_path, tiny_model_input, digit_prompts,
     step ~60 and averaged 0.43 over steps 97-128 (value loss 0.315 over the first 3 steps, 0.025 over the last 32).
     So 128 steps, and averages over the last quarter rather than the last 3 steps (single steps swing by +-0.3).
     """
-    real = ppo.score
+    real = rollouts.score
 
     def digit_score(row, text, spec=None, **kw):
         return dataclasses.replace(real(row, text, spec, **kw), reward=int(row["answer"]) / 9)
 
-    monkeypatch.setattr(ppo, "score", digit_score)
+    monkeypatch.setattr(rollouts, "score", digit_score)
     ctx = LocalContext(tmp_path / "run")
     steps = 128
     cfg = small(steps=steps, beta=0.0, learning_rate=1e-9, critic_learning_rate=1e-2)
@@ -170,8 +171,8 @@ def test_micro_batches_give_the_mini_batch_gradient(tmp_path, tiny_model_input, 
     mini-batch's: one step on one mini-batch of 8 logs the same losses and gradient norms (measured before the
     optimizer step) with micro-batches of 3, 3 and 2. (Later steps are not compared: Adam's first update is about
     lr * sign(g), so float noise in near-zero gradient entries flips whole entries.)"""
-    real = ppo.score
-    monkeypatch.setattr(ppo, "score", lambda row, text, spec=None, **kw: dataclasses.replace(
+    real = rollouts.score
+    monkeypatch.setattr(rollouts, "score", lambda row, text, spec=None, **kw: dataclasses.replace(
         real(row, text, spec, **kw), reward=int(row["answer"]) / 9))  # rewards that differ: a nonzero policy gradient
     logged = {}
     for micro in (None, 3):
@@ -214,7 +215,7 @@ def test_lora_policy_on_a_reward_model_critic(tmp_path, tiny_model_input, digit_
     """LoRA policy (reference: the adapter disabled), LoRA critic on the reward model, the reward model as a reward
     component, 2 samples per prompt, periodic held-out eval: the run logs every metric and saves an adapter."""
     ctx = LocalContext(tmp_path / "lora")
-    cfg = small(steps=2, prompts_per_step=4, samples_per_prompt=2, lora=LoraSpec(r=4, alpha=8),
+    cfg = small(steps=2, prompts_per_step=4, group_size=2, lora=LoraSpec(r=4, alpha=8),
                 critic_lora=LoraSpec(r=4, alpha=8), critic="reward_model", beta=0.1, eval_every=2, eval_prompts=4,
                 reward=RewardSpec(weights={"format": 0.5, "reward_model": 0.5}))
     inputs = {"model": tiny_model_input, "prompts": digit_prompts, "reward_model": tiny_reward_model_input}
@@ -255,7 +256,7 @@ def test_rl_compare_gives_both_algorithms_the_same_budget(profile):
     grpo, ppo_cfg = plan.node("grpo"), plan.node("ppo")
     assert grpo.inputs == ppo_cfg.inputs and grpo.seed == ppo_cfg.seed
     g, p = grpo.config, ppo_cfg.config
-    assert g.prompts_per_step * g.group_size == p.prompts_per_step * p.samples_per_prompt
+    assert g.prompts_per_step * g.group_size == p.prompts_per_step * p.group_size
     assert (g.steps, g.generation.max_new_tokens) == (p.steps, p.generation.max_new_tokens)
     assert {n.inputs["model"][0] for n in plan.nodes if n.stage == "eval"} == {"base", "grpo", "ppo"}
 

@@ -95,3 +95,44 @@ def test_ref_logprobs_roles_are_checked():
     assert ok.num_rows == 1
     with pytest.raises(SchemaError, match="role"):
         from_rows([{"id": "a", "role": "winner", "logp": -3.5, "tokens": 4}], "ref_logprobs")
+
+
+def test_grpo_and_ppo_share_one_name_per_idea():
+    """What both RL stages have is declared once (RLConfig); none of the old second names survives."""
+    from schemas.configs import GRPOConfig, PPOConfig, RLConfig
+
+    shared = set(RLConfig.model_fields)
+    assert {"steps", "prompts_per_step", "group_size", "mu", "generation", "reward", "beta", "lora"} <= shared
+    assert shared <= set(GRPOConfig.model_fields) & set(PPOConfig.model_fields)
+    assert not {"ppo_epochs", "samples_per_prompt", "max_steps"} & (set(GRPOConfig.model_fields)
+                                                                     | set(PPOConfig.model_fields))
+    assert (GRPOConfig().mu, PPOConfig().mu, GRPOConfig().group_size, PPOConfig().group_size) == (1, 2, 8, 1)
+
+
+def test_old_ppo_names_are_accepted_with_a_deprecation_message():
+    from schemas.configs import PPOConfig
+
+    with pytest.warns(FutureWarning) as caught:
+        cfg = PPOConfig(ppo_epochs=3, samples_per_prompt=2)
+    assert sorted(str(w.message).split(" (")[0] for w in caught) == [
+        "ppo.ppo_epochs is deprecated: it is now ppo.mu", "ppo.samples_per_prompt is deprecated: it is now ppo.group_size"]
+    assert (cfg.mu, cfg.group_size) == (3, 2)
+    dumped = cfg.model_dump(mode="json")  # what the cache key hashes: the current names only
+    assert (dumped["mu"], dumped["group_size"]) == (3, 2) and "ppo_epochs" not in dumped
+    # a profile's old name under a --set of the new one: the new one stands, the old one is reported ignored
+    with pytest.warns(FutureWarning, match=r"ppo\.ppo_epochs=1 is ignored: ppo\.mu=4 is set"):
+        assert PPOConfig(ppo_epochs=1, mu=4).mu == 4
+
+
+def test_grpo_step_delimiter_is_a_named_delimiter():
+    from pydantic import ValidationError
+
+    from schemas.configs import GRPOConfig
+
+    assert GRPOConfig().step_delimiter == "newline"
+    with pytest.warns(FutureWarning, match="name it 'newline'"):
+        assert GRPOConfig(step_delimiter="\n").step_delimiter == "newline"
+    with pytest.warns(FutureWarning, match="name it 'blank_line'"):
+        assert GRPOConfig(step_delimiter="\n\n").step_delimiter == "blank_line"
+    with pytest.raises(ValidationError, match="step_delimiter"):
+        GRPOConfig(step_delimiter=" ")

@@ -279,3 +279,12 @@ def test_split_by_group_keeps_a_prompt_on_one_side():
     assert st.split_by_group(groups, 0.4, seed=0) == (train, held)
     assert st.split_by_group(groups, 0.0, seed=0) == (list(range(8)), [])
     assert st.split_by_group(["a", "a"], 0.5, seed=0) == ([0, 1], [])  # one prompt: nothing to hold out
+
+
+@pytest.mark.parametrize(("pieces", "char_ends", "want"), [
+    (["ab", "c\n", "\nd"], [3, 6], [1, 2]),  # "abc" ends inside token 1, "d" is token 2's last character
+    (["a\n\nb"], [1, 4], [0, 0]),  # two steps in one token
+    (["x", "y"], [], []),
+])
+def test_token_ends_of(pieces, char_ends, want):
+    assert st.token_ends_of(pieces, char_ends) == want

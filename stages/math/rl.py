@@ -321,6 +321,17 @@ AGGREGATIONS: dict[str, Callable[..., Tensor]] = {
 }
 
 
+def minibatch_share(kind: str, rows: int, tokens: float, step_rows: float, step_tokens: float) -> float:
+    """The weight of one mini-batch's `aggregate`d loss in its step's loss: accumulated over the step's
+    mini-batches, the weighted losses (and gradients) equal the whole step's aggregated at once. token_mean
+    divides by the batch's tokens, so a mini-batch weighs its share of the step's tokens; seq_mean and constant
+    average over sequences, so it weighs its share of the step's sequences. rows, tokens: the mini-batch's
+    sequences and completion tokens; step_rows, step_tokens: the step's (every process's)."""
+    if kind not in AGGREGATIONS:
+        raise ValueError(f"unknown aggregation {kind!r}; expected one of {sorted(AGGREGATIONS)}")
+    return tokens / step_tokens if kind == "token_mean" else rows / step_rows
+
+
 def aggregate(per_token_loss: Tensor, mask: Tensor, kind: str = "seq_mean", max_tokens: int | None = None) -> Tensor:
     """Reduce a (B, T) per-token loss to a scalar; masked tokens count for nothing, empty rows add 0."""
     if kind not in AGGREGATIONS:

@@ -109,6 +109,20 @@ def boundary_positions(offsets: Sequence[tuple[int, int]], char_ends: Sequence[i
     return out
 
 
+def token_ends_of(pieces: Sequence[str], char_ends: Sequence[int]) -> list[int]:
+    """The token holding each step's last character, from each token's decoded text: for exclusive character
+    ends `char_ends` of the text "".join(pieces), the inclusive token index whose text covers character end - 1
+    (two steps may end in one token; `boundary_positions` does this from a tokenizer's offsets and refuses that).
+    E.g. pieces ["ab", "c\n", "\nd"] with steps "abc" and "d" (ends 3, 6) -> [1, 2]."""
+    out, stop, i = [], 0, -1
+    for end in char_ends:
+        while stop < end and i + 1 < len(pieces):
+            i += 1
+            stop += len(pieces[i])
+        out.append(max(i, 0))
+    return out
+
+
 # ---------------------------------------------------------------------------- labels
 
 

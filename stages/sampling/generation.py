@@ -69,6 +69,7 @@ from transformers.generation.stopping_criteria import (
 from schemas.configs import GenerationSpec
 from schemas.errors import ModelError
 from stages.modeling import logprobs, models
+from stages.runtime.seeds import seed_stream
 from stages.sampling import lean_decode
 
 
@@ -647,7 +648,7 @@ class TransformersBackend:
             enc = tokenizer([texts[i] for i in idx], return_tensors="pt", add_special_tokens=False,
                             **({"padding": True} if spec.cache != "static" else
                                {"padding": True, "pad_to_multiple_of": STATIC_BUCKET})).to(device)
-            torch.manual_seed(seed * 1_000_003 + b)
+            torch.manual_seed(seed_stream(seed, "generate_batch", b))
             with rows_first_linears(model), self._precision(device):
                 if spec.cache in ("dynamic", "graph") and supports_decode_rows(model):
                     p_ids, p_mask, cache = prefill_prompts(model, enc["input_ids"], enc["attention_mask"], n,
@@ -662,7 +663,7 @@ class TransformersBackend:
                                  progress=steps)
                 else:
                     new = self._generate(enc, n, spec, eos_ids, pad_id, steps)
-            rows = self._rows(new.tolist(), eos_ids, spec.stop)
+            rows = self._rows(new.tolist(), eos_ids, spec.stop, pad_id)
             bar.batch_done([len(ids) for ids, _, _ in rows])
             lps = None
             if logprobs:
@@ -707,8 +708,9 @@ class TransformersBackend:
         out = self.model.generate(**{k: v.repeat_interleave(n, 0) for k, v in enc.items()}, **kwargs)
         return out[:, enc["input_ids"].shape[1] :]
 
-    def _rows(self, generated: list[list[int]], eos_ids: list[int], stops: list[str]):
-        """(token ids up to and including EOS, text, finish reason) per generated row."""
+    def _rows(self, generated: list[list[int]], eos_ids: list[int], stops: list[str], pad_id: int):
+        """(token ids up to and including EOS or the token that completes a stop string, text, finish reason) per
+        generated row (rows are padded with `pad_id` after they end, up to the batch's longest)."""
         out = []
         for row in generated:
             end = next((k + 1 for k, t in enumerate(row) if t in eos_ids), None)
@@ -718,6 +720,9 @@ class TransformersBackend:
             if stops:
                 # generate() stops on the token completing a stop string; cut any characters after it.
                 text, stopped = cut_at_stop(text, stops)
+                if stopped and end is None:  # the padding after that token is no part of the completion
+                    while ids and ids[-1] == pad_id:
+                        ids = ids[:-1]
                 finish = "stop" if stopped else finish
             out.append((ids, text, finish))
         return out

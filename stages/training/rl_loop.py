@@ -1,0 +1,129 @@
+"""The step loop of the on-policy RL stages (`grpo`, `ppo`): everything around a step that both do alike.
+
+`StepLoop` replays a resumed run's history into the metrics log, keeps the progress bar and the
+max_minutes budget, and ends every step the same way (`end_step`: the held-out eval when due, the
+checkpoint, the log, the bar; a step that trained nothing: `skipped_step`); `finish` saves the policy
+(`training.loop.save_policy`, the one the supervised stages use) with the run's summary (`summarize_curves`).
+The stages differ only in what a step does.
+
+May import: `schemas`, `stages.base`, `stages.rewards`, `stages.runtime`, and the rest of `stages.training`;
+never a stage module.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from schemas.configs import GenerationSpec
+from stages.base import Input, Output, StageContext
+from stages.rewards.verifiers import score
+from stages.runtime import distributed
+from stages.training.checkpoints import save_checkpoint
+from stages.training.loop import policy_output, save_policy
+
+if TYPE_CHECKING:
+    from schemas.configs import RLConfig
+
+
+def eval_due(cfg: RLConfig, held_out: list[dict], done: int) -> bool:
+    """Whether the held-out prompts are evaluated after step `done` (every eval_every steps, if there are any)."""
+    return bool(cfg.eval_every and held_out and done % cfg.eval_every == 0)
+
+
+def held_out_eval(backend, rows: list[dict], generation: GenerationSpec, seed: int) -> dict[str, float]:
+    """Greedy accuracy and format rate on held-out prompts, scored as the eval stage scores."""
+    spec = GenerationSpec(max_new_tokens=generation.max_new_tokens, temperature=0.0, prefill=generation.prefill,
+                          batch_size=generation.batch_size)
+    comps, _ = backend.generate([r["messages"] for r in rows], spec, seed=seed, progress=False)
+    verdicts = [score(r, cs[0].text) for r, cs in zip(rows, comps, strict=True)]
+    scored = [v.correct for v in verdicts if v.correct is not None]
+    return {"eval/accuracy": float(np.mean(scored)) if scored else 0.0,
+            "eval/format_rate": float(np.mean([v.format_ok for v in verdicts]))}
+
+
+def summarize_curves(history: list[dict], curves: dict[str, str]) -> dict[str, float]:
+    """First/last-tenth means of each curve (`curves`: summary name -> metric), so a run's progress is a few
+    numbers in the summary table: `<name>_first`, `<name>_last`; and the last held-out eval, the time per step."""
+    k = max(1, len(history) // 10)
+    out = {"steps": float(len(history))}
+    for name, key in curves.items():
+        xs = [h[key] for h in history if key in h]
+        out[f"{name}_first"], out[f"{name}_last"] = (float(np.mean(xs[:k])), float(np.mean(xs[-k:]))) if xs else (0.0, 0.0)
+    evals = [h for h in history if "eval/accuracy" in h]
+    if evals:
+        out["eval_accuracy_last"] = evals[-1]["eval/accuracy"]
+        out["eval_format_rate_last"] = evals[-1]["eval/format_rate"]
+    out["time_per_step"] = float(np.mean([h.get("time/step", 0.0) for h in history])) if history else 0.0
+    return out
+
+
+class StepLoop:
+    """The bookkeeping around a run's steps. `state`: what `checkpoints.resume` returned; `module` and `optimizer`:
+    what a checkpoint holds (every trained model as one module); `held_out`: the prompts of the periodic eval."""
+
+    def __init__(self, stage: str, cfg: RLConfig, ctx: StageContext, dist: distributed.Dist, state: dict,
+                 module: torch.nn.Module, optimizer: torch.optim.Optimizer, held_out: list[dict]) -> None:
+        self.stage, self.cfg, self.ctx, self.dist = stage, cfg, ctx, dist
+        self.module, self.optimizer, self.held_out = module, optimizer, held_out
+        self.start: int = state["step"]
+        self.history: list[dict] = state.get("history", [])
+        for i, m in enumerate(self.history):
+            ctx.log_metrics(m, step=i + 1)
+        self.bar = tqdm(total=cfg.steps, initial=self.start, desc=stage, unit="step", disable=not dist.is_main)
+        self.t_loop = time.perf_counter()
+
+    def out_of_time(self, done: int) -> bool:
+        """max_minutes: whether no further step may start; every process stops after the same step."""
+        if not self.cfg.max_minutes or done >= self.cfg.steps:
+            return False
+        return self.dist.sum([float(time.perf_counter() - self.t_loop >= 60.0 * self.cfg.max_minutes)])[0] > 0
+
+    def checkpoint(self, done: int, extra: dict | None = None) -> None:
+        """Every process (gathered under fsdp): weights, optimizer, RNG, the step and the history so far."""
+        save_checkpoint(self.ctx.checkpoint_dir, done, self.module, self.optimizer,
+                        {"step": done, "history": self.history, **(extra or {})}, self.cfg.keep_checkpoints, self.dist)
+
+    def end_step(self, metrics: dict[str, float], done: int, evaluate: Callable[[int], dict[str, float]],
+                 extra: dict | None = None, **postfix: str) -> bool:
+        """After step `done`: `evaluate(done)`'s held-out metrics when due (every process calls it; it returns {}
+        where it does not evaluate), history, checkpoint (every checkpoint_every steps, the last one, and the one
+        that spends the budget), log, progress bar; whether the run stops here (the budget is spent)."""
+        out_of_time = self.out_of_time(done)
+        if eval_due(self.cfg, self.held_out, done):
+            metrics.update(evaluate(done))
+        self.history.append(metrics)
+        if done % self.cfg.checkpoint_every == 0 or done == self.cfg.steps or out_of_time:
+            self.checkpoint(done, extra)
+        self.ctx.log_metrics(metrics, step=done)
+        self.bar.set_postfix(**postfix)
+        self.bar.update(1)
+        if out_of_time:
+            self.ctx.log.info(f"{self.stage}: the %.4g-minute budget is spent after step %d of %d; saving the model "
+                              "as it is", self.cfg.max_minutes, done, self.cfg.steps)
+        return out_of_time
+
+    def skipped_step(self, metrics: dict[str, float], done: int, extra: dict | None = None) -> bool:
+        """A step that trained nothing: logged, not checkpointed unless it spends the budget; whether to stop."""
+        self.history.append(metrics)
+        self.ctx.log_metrics(metrics, step=done)
+        self.bar.update(1)
+        if self.out_of_time(done):
+            self.checkpoint(done, extra)
+            return True
+        return False
+
+    def finish(self, inputs: dict[str, Input], policy: torch.nn.Module, tokenizer, merged_input: bool,
+               curves: dict[str, str]) -> dict[str, Output]:
+        """The trained policy (`policy`: whole, unsharded) as the stage's `model` output with the run's summary of
+        `curves` (`summarize_curves`), logged with it."""
+        self.bar.close()
+        summary = summarize_curves(self.history, curves)
+        out, is_adapter = save_policy(self.ctx, self.dist, policy, tokenizer, self.cfg.lora, merged_input)
+        self.ctx.log_metrics(summary)
+        return {"model": policy_output(out, is_adapter, inputs["model"], summary)}
