@@ -42,7 +42,8 @@ INTERFACES: dict[str, set[str]] = {
     # the stage API every runner calls on a stage module (docs/design.md, "Stages")
     **dict.fromkeys(("run", "check", "cache_salt"), STAGES),
     # the phases a training stage's run() reads as; a stage module never imports another (test_layers.py)
-    **dict.fromkeys(("open_session", "resume_session", "micro_batch_loss", "train_step", "summarize"), STAGES),
+    **dict.fromkeys(("open_session", "resume_session", "micro_batch_loss", "train_step", "evaluate", "summarize"),
+                    STAGES),
     "main": SCRIPTS,  # a script's or `python -m` module's entry point
     # the two sides of the speed suite, chosen as a module (`side = r1flow_side or trl_side`)
     **dict.fromkeys(("run_sft", "run_dpo", "run_grpo"), {"benchmarks.r1flow_side", "benchmarks.trl_side"}),
@@ -51,17 +52,11 @@ INTERFACES: dict[str, set[str]] = {
 # Clashes left to the change that owns the modules involved: name -> exactly the modules that define it now.
 ALLOWED: dict[str, set[str]] = {
     # merged by the RL skeleton (issue 45)
-    "save_policy": {"stages.training.loop", "stages.training.rollouts"},
     "autocast": {"stages.training.loop", "stages.distill"},
-    "rollout_seed": {"stages.training.rollouts", "stages.step_labels"},
     "rollout_metrics": {"stages.training.rollouts", "stages.ppo"},
-    "summarize": {"stages.training.rollouts"},  # beside the stages' own summarize phase
     "advantages": {"stages.grpo", "stages.ppo"},
-    "rollout": {"stages.grpo", "stages.ppo"},
     "update": {"stages.grpo", "stages.ppo"},
     "chunks": {"stages.ppo", "stages.step_labels"},
-    "token_logprobs": {"stages.grpo", "stages.modeling.logprobs"},
-    "shared_prefix_logprobs": {"stages.grpo", "stages.modeling.logprobs"},
     # flows: left for after issue 44's merge (deploy.run_stage is issue 45's one submit path for a node)
     "run_stage": {"flows.deploy", "stages.training.launch"},
 }
