@@ -10,7 +10,6 @@ artifact downstream. Tasks pass fingerprints and run ids, never tensors or table
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import os
 import shutil
@@ -29,7 +28,7 @@ from flows.placement import Execution
 from flows.recipes import Plan, load_plan
 from flows.report import build_report, publish_report, register_models, report_location
 from flows.results import StageResult, fmt_metric
-from flows.settings import Settings
+from flows.settings import Settings, file_lock
 from flows.store import ArtifactStore, CacheRecord, host_id, owner_gone, process_owner, raise_if_disk_full
 from flows.tracking import Tracker, run_name
 from schemas.artifacts import DATA_FILE, Producer
@@ -108,14 +107,8 @@ def _retry_transient(task, task_run, state) -> bool:
 def stage_lock(home: str, key: str):
     """One process at a time per cache key on this R1FLOW_HOME: a schedule firing while a user
     triggers the same stage from the UI waits here, then finds the other's published result."""
-    path = Path(home) / "locks" / f"{key}.lock"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    with file_lock(Path(home) / "locks" / f"{key}.lock"):
+        yield
 
 
 def execute_stage(
