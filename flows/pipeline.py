@@ -35,7 +35,7 @@ from schemas.artifacts import DATA_FILE, Producer
 from schemas.errors import ArtifactError, ConfigError, R1FlowError, StageError
 from stages import get_stage
 from stages.base import Input
-from stages.runtime import lifetime
+from stages.runtime import lifetime, threads
 from stages.training.launch import run_stage
 
 LOG_DATA_MAX_BYTES = 50 << 20  # datasets up to this size are copied into MLflow; larger ones by pointer
@@ -157,7 +157,10 @@ def _execute_stage(*, node, stage, config, inputs, seed, key, parent_run_id, s: 
     ok = False
     try:
         try:
-            outputs = run_stage(module, cfg, resolved, ctx)  # in this process, or under accelerate launch (resources)
+            # in this process, or under accelerate launch (resources); on a cluster Ray sets the threads per task
+            share = contextlib.nullcontext() if placement.on_cluster() else threads.stage_share(log)
+            with share:
+                outputs = run_stage(module, cfg, resolved, ctx)
         except Exception as e:  # a full disk: one line naming the file (else the staging folder) and the store
             raise_if_disk_full(e, ctx.staging, store.uri)
             raise

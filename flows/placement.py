@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from schemas.errors import ConfigError
+from stages.runtime.threads import THREADS_VAR, available_cpus, thread_share
 
-THREADS_VAR = "R1FLOW_THREADS"  # threads per stage process under --parallel (default: an equal share of the cores)
 CLUSTER_VAR = "R1FLOW_CLUSTER"  # set in the environment of every Ray worker of a cluster run
 NODE_RETRIES = 2  # a stage whose machine was lost is retried this many times on another one (Ray max_retries)
 INSTALL_HINT = "install the cluster extra: pip install -e '.[cluster]'"
@@ -61,26 +61,6 @@ class Execution:
             threads = thread_share(self.parallel, available_cpus(), os.environ.get(THREADS_VAR))
             return f"{self.parallel} stages at a time on this machine, {threads} thread(s) each"
         return "one stage at a time"
-
-
-def available_cpus() -> int:
-    """The cores this process may run on (its affinity mask, which a container or taskset narrows)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def thread_share(processes: int, cpus: int, override: str | None = None) -> int:
-    """Threads for each of `processes` stage processes sharing `cpus` cores: an equal share, at least one (torch's
-    default of one thread per core in every process makes N processes spin-wait on each other's cores). override:
-    R1FLOW_THREADS, a positive integer, wins."""
-    if override:
-        try:
-            n = int(override)
-        except ValueError:
-            n = 0
-        if n < 1:
-            raise ConfigError(f"{THREADS_VAR}={override!r}: expected a positive number of threads")
-        return n
-    return max(1, cpus // max(1, processes))
 
 
 def use_threads(n: int) -> None:

@@ -233,3 +233,43 @@ def test_openmp_threads_sleep_when_idle_unless_the_user_chose_a_policy(tmp_path)
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                              env={**base, **env_extra})
         assert out.stdout.split()[-1] == policy, out.stdout[-500:]
+
+
+def test_a_stage_takes_its_share_of_the_cores_among_the_stage_processes_running_on_the_host(tmp_path, monkeypatch,
+                                                                                            caplog):
+    """stages.runtime.threads.stage_share: alone, a stage gets every core (as before); beside another live stage
+    process, half; entries of dead processes, and of a pid reused by a new process (another start time), are not
+    counted and are removed; R1FLOW_THREADS wins; the choice is logged and the entry removed afterwards."""
+    import logging
+
+    import torch
+
+    from stages.runtime import threads
+
+    monkeypatch.delenv("R1FLOW_THREADS", raising=False)
+    monkeypatch.setattr(threads, "available_cpus", lambda: 4)
+    registry = tmp_path / "stages"
+    log = logging.getLogger("r1flow.test")
+    before = torch.get_num_threads()
+    with threads.stage_share(log, registry) as n:
+        assert n == 4 and torch.get_num_threads() == 4 and (registry / f"{os.getpid()}.pid").exists()
+    assert list(registry.iterdir()) == [] and torch.get_num_threads() == before
+
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (registry / f"{other.pid}.pid").write_text(threads._start_time(other.pid))
+        dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+        (registry / f"{int(dead.stdout)}.pid").write_text("123")  # exited: not counted, removed
+        (registry / "1.pid").write_text("not-the-start-time-of-pid-1")  # pid reused by another process
+        with caplog.at_level(logging.INFO, logger="r1flow.test"), threads.stage_share(log, registry) as n:
+            assert n == 2 and torch.get_num_threads() == 2
+            assert threads.running_stage_processes(registry) == 2
+        assert "threads: 2 (2 r1flow stage process(es) on 4 cores" in caplog.text
+        assert sorted(p.name for p in registry.iterdir()) == [f"{other.pid}.pid"]
+        monkeypatch.setenv("R1FLOW_THREADS", "3")
+        with threads.stage_share(log, registry) as n:
+            assert n == 3
+    finally:
+        other.kill()
+        other.wait()
+    assert threads.running_stage_processes(registry) == 0 and list(registry.iterdir()) == []

@@ -9,15 +9,28 @@ CPU-seconds with the default, 55 s and 29 CPU-seconds with the threads told to s
 process and everything it starts, unless the user chose one; libgomp reads it once, when torch first loads it,
 so it must run before `import torch` (the CLI's first step; tests/conftest.py).
 
-How many threads each process gets when several stage processes run at once (`--parallel N`) is
-flows.placement.thread_share.
+How many threads a stage process uses (`stage_share`): an equal share of the cores among the r1flow processes
+running a stage on this host at the moment it starts (each registers its pid in a per-user folder while its stage
+runs), so two runs or two evals side by side take half the cores each instead of all of them twice over. A run
+alone gets every core, as before. R1FLOW_THREADS wins; under `--parallel N` each worker's share of the pool is
+that override (flows.placement.use_threads). A process keeps its share until its next stage starts: one that
+started alone does not shrink when another arrives mid-stage (its idle threads sleep, so the cost is bounded).
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from schemas.errors import ConfigError
 
 WAIT_POLICY_VAR = "OMP_WAIT_POLICY"
+THREADS_VAR = "R1FLOW_THREADS"  # threads per stage process (default: an equal share of the cores)
+REGISTRY_VAR = "R1FLOW_STAGE_PROCESSES"  # the folder of running stage processes (default: per user, in /dev/shm)
 
 
 def yield_when_idle(env: dict[str, str] | os._Environ = os.environ) -> str:
@@ -29,3 +42,100 @@ def yield_when_idle(env: dict[str, str] | os._Environ = os.environ) -> str:
 def describe() -> str:
     """For a run's header: the wait policy in effect."""
     return f"{WAIT_POLICY_VAR}={os.environ.get(WAIT_POLICY_VAR) or 'unset'}"
+
+
+def thread_share(processes: int, cpus: int, override: str | None = None) -> int:
+    """Threads for each of `processes` stage processes sharing `cpus` cores: an equal share, at least one (torch's
+    default of one thread per core in every process makes N processes spin-wait on each other's cores). override:
+    R1FLOW_THREADS, a positive integer, wins."""
+    if override:
+        try:
+            n = int(override)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise ConfigError(f"{THREADS_VAR}={override!r}: expected a positive number of threads")
+        return n
+    return max(1, cpus // max(1, processes))
+
+
+def available_cpus() -> int:
+    """The cores this process may run on (its affinity mask, which a container or taskset narrows)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def registry_dir() -> Path:
+    """Where running stage processes register: R1FLOW_STAGE_PROCESSES, else a per-user folder in /dev/shm (the
+    temp folder where there is none). Host-wide on purpose: runs in different homes share the same cores."""
+    base = os.environ.get(REGISTRY_VAR)
+    if base:
+        return Path(base)
+    shm = Path("/dev/shm")
+    root = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+    return root / f"r1flow-{os.getuid() if hasattr(os, 'getuid') else 'user'}-stages"
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (/proc/<pid>/stat field 22): tells a live registrant from
+    a new process that reuses a dead one's pid. None: no such process (or no /proc: then liveness by signal 0)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat.rsplit(")", 1)[1].split()[19]
+    except FileNotFoundError:
+        return None
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            pass
+        return "?"
+
+
+def running_stage_processes(directory: Path) -> int:
+    """How many processes are registered in `directory` and still alive; entries of dead processes are removed."""
+    live = 0
+    for entry in directory.glob("*.pid"):
+        try:
+            pid, started = int(entry.stem), entry.read_text().strip()
+        except (ValueError, OSError):
+            continue
+        now = _start_time(pid)
+        if now is not None and (now == started or "?" in (now, started)):
+            live += 1
+        else:
+            entry.unlink(missing_ok=True)
+    return live
+
+
+@contextlib.contextmanager
+def stage_share(log: logging.Logger | logging.LoggerAdapter | None = None,
+                directory: Path | None = None) -> Iterator[int]:
+    """While a stage runs in this process: register it, set torch's intra-op threads to this process's share of
+    the cores (thread_share over the stage processes running on this host, this one included) and log the choice.
+    Yields the thread count; deregisters on the way out. A registry that cannot be written (read-only /dev/shm)
+    counts this process alone."""
+    import torch
+
+    directory = directory or registry_dir()
+    entry = directory / f"{os.getpid()}.pid"
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        entry.write_text(_start_time(os.getpid()) or "?")
+        processes = max(1, running_stage_processes(directory))
+    except OSError:
+        entry, processes = None, 1
+    cpus = available_cpus()
+    threads = thread_share(processes, cpus, os.environ.get(THREADS_VAR))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    if log is not None:
+        chosen = f"{THREADS_VAR}" if os.environ.get(THREADS_VAR) else f"{processes} r1flow stage process(es) on {cpus} cores"
+        log.info("threads: %d (%s; set %s to choose)", threads, chosen, THREADS_VAR)
+    try:
+        yield threads
+    finally:
+        torch.set_num_threads(before)
+        if entry is not None:
+            entry.unlink(missing_ok=True)
