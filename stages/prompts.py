@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -200,7 +201,7 @@ def file_rows(path: Path, system: str, max_chars: int | None = None, node: str =
         raise SchemaError(f"{path}: cannot read (not UTF-8 text: {e})") from None
     if max_chars is not None:
         check_lengths(path, records, system, max_chars, node)
-    rows = []
+    rows, first_seen = [], {}
     for i, rec in enumerate(records):
         if rec.get("messages"):
             messages = _file_messages(path, i, rec["messages"])
@@ -228,10 +229,27 @@ def file_rows(path: Path, system: str, max_chars: int | None = None, node: str =
             "split": split,
             "metadata": json.dumps(rec.get("metadata") or {}, default=str, sort_keys=True),
         })
+        seen = first_seen.setdefault(rows[-1]["id"], i)
+        if seen != i and _content(rows[seen]) != _content(rows[-1]):
+            raise SchemaError(f"{_row_where(path, seen, len(records))} and {_row_where(path, i, len(records)).split(': ', 1)[1]}"
+                              f": id {rows[-1]['id']!r} names two different prompts; give each its own id")
     return rows
 
 
-def build_prompts(cfg: PromptsConfig, seed: int) -> list[dict]:
+def _content(row: dict) -> tuple:
+    return row["messages"], row["answer"], row["verifier"], row["task"], row["split"], row["metadata"]
+
+
+def without_repeats(rows: list[dict]) -> tuple[list[dict], int]:
+    """The rows with each id once (the first kept) and how many repeats were dropped. Repeats are the same prompt
+    twice in a file (an id derives from the task and the messages, or is the file's own); file_rows has already
+    refused an id that names two different prompts."""
+    seen: set[str] = set()
+    kept = [r for r in rows if not (r["id"] in seen or seen.add(r["id"]))]
+    return kept, len(rows) - len(kept)
+
+
+def build_prompts(cfg: PromptsConfig, seed: int, log: logging.Logger | logging.LoggerAdapter | None = None) -> list[dict]:
     system = cfg.system_prompt or R1_SYSTEM_PROMPT
     rows: list[dict] = []
     for task, opts in cfg.tasks.items():
@@ -245,7 +263,9 @@ def build_prompts(cfg: PromptsConfig, seed: int) -> list[dict]:
         rows += [dict(r, split="eval") for r in reasoning_gym_rows(task, opts, cfg.eval_size, seed, system,
                                                                    cfg.max_prompt_chars, f"prompts.eval_tasks.{task}")]
     for f in cfg.files:
-        frows = file_rows(Path(f), system, cfg.max_prompt_chars)
+        frows, repeats = without_repeats(file_rows(Path(f), system, cfg.max_prompt_chars))
+        if repeats and log is not None:
+            log.info("prompts: %s: %d repeated prompt(s) dropped (kept the first of each)", f, repeats)
         unsplit = [r for r in frows if r["split"] is None]
         for row, is_eval in zip(unsplit, _split(len(unsplit), cfg.eval_fraction, stable_seed(seed, f, "split")), strict=True):
             row["split"] = "eval" if is_eval else "train"
@@ -254,7 +274,7 @@ def build_prompts(cfg: PromptsConfig, seed: int) -> list[dict]:
 
 
 def run(cfg: PromptsConfig, inputs: dict, ctx: StageContext) -> dict[str, Output]:
-    rows = build_prompts(cfg, ctx.seed)
+    rows = build_prompts(cfg, ctx.seed, ctx.log)
     if not rows:
         raise ConfigError("prompts: the config produced no prompts (no tasks and no files)")
     table = from_rows(rows, "prompts", where="prompts output")

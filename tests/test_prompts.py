@@ -185,3 +185,29 @@ def test_a_2mb_prompt_line_through_the_cli_is_one_error_naming_file_line_length_
     assert len(prompts.file_rows(f, R1_SYSTEM_PROMPT, n)) == 2
     f.write_text(json.dumps({"question": "y" * 4_000_000}) + "\n" + json.dumps({"question": "z"}) + "\n")
     assert [len(r["messages"][1]["content"]) for r in prompts.file_rows(f, R1_SYSTEM_PROMPT)] == [4_000_000, 1]
+
+
+def test_a_repeated_question_in_a_user_file_is_dropped_with_a_count_and_a_clashing_id_is_refused(tmp_path, caplog):
+    """Issue 47 item 6: a file with a repeated question failed after the stage ran ("prompts output: column 'id'
+    has duplicate value ...", no file, no line). Now the repeat is dropped (the first kept) and the log counts it;
+    an id of the file's own that names two different prompts is refused before compute, naming both lines."""
+    import logging
+
+    f = tmp_path / "mine.jsonl"
+    rows = [{"question": "What is 2+2?", "answer": "4"}, {"question": "What is 3+3?", "answer": "6"},
+            {"question": "What is 2+2?", "answer": "4"}, {"question": "What is 5+5?", "answer": "10"}]
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = PromptsConfig(tasks={}, files=[str(f)], eval_fraction=0.5)
+    prompts.check(cfg)
+    ctx = LocalContext(tmp_path / "out", seed=0)
+    with caplog.at_level(logging.INFO):
+        out = prompts.run(cfg, {}, ctx)["prompts"]
+    got = pq.read_table(out.path / "data.parquet").to_pylist()
+    assert [r["messages"][1]["content"] for r in got] == ["What is 2+2?", "What is 3+3?", "What is 5+5?"]
+    assert f"prompts: {f}: 1 repeated prompt(s) dropped" in caplog.text
+    assert prompts.without_repeats([{"id": "a"}, {"id": "b"}, {"id": "a"}, {"id": "a"}]) == ([{"id": "a"}, {"id": "b"}], 2)
+
+    rows[3]["id"] = rows[1]["id"] = "q7"
+    f.write_text("\n" + "".join(json.dumps(r) + "\n" for r in rows))  # a blank first line: lines count it
+    with pytest.raises(SchemaError, match=rf"^{f}: line 3 and line 5: id 'q7' names two different prompts"):
+        prompts.check(cfg)
