@@ -744,15 +744,10 @@ def _specs(args: argparse.Namespace, served: bool):
                             args.tag or [], served=served)
 
 
-WORKER_STOP_GRACE_S = 8.0  # SIGTERM, then SIGKILL of the worker's process group (its flow runs included)
-
-
 def cmd_worker(args: argparse.Namespace) -> int:
-    """`prefect worker start` with r1flow's environment, registered with `r1flow up` so `r1flow down` stops it."""
-    import contextlib
+    """A Prefect worker (flows.worker) with r1flow's environment, registered with `r1flow up` so `r1flow down` stops
+    it."""
     import os
-    import signal
-    import subprocess
 
     from flows import servers
     from flows.settings import Settings, make_home, require_prefect_server
@@ -760,39 +755,14 @@ def cmd_worker(args: argparse.Namespace) -> int:
     url = require_prefect_server("worker", "polls a work pool")
     make_home()
     home = Settings.from_env().home
-    cmd = [*servers.console_script("prefect"), "worker", "start", "--pool", args.pool, "--type", args.type]
-    if args.limit:
-        cmd += ["--limit", str(args.limit)]
     print(f"r1flow: worker for work pool {args.pool!r} on {url}; Prefect state and results under "
           f"{os.environ['PREFECT_HOME']}, artifacts under {home}", flush=True)
-    child = subprocess.Popen(cmd, start_new_session=True)  # its own group: `r1flow down` ends it and its flow runs
-    stopping: list[float] = []
+    registered = servers.register_runner(home, name=f"worker {args.pool}")
+    from flows.worker import run_worker
 
-    def _forward(signum, frame):
-        stopping.append(time.monotonic())
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(child.pid, signal.SIGTERM)
-
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, _forward)
-    registered = servers.register_runner(home, pid=child.pid, name=f"worker {args.pool}")
-    try:
-        while True:
-            try:
-                code = child.wait(timeout=0.5)
-                break
-            except subprocess.TimeoutExpired:
-                # a worker with a flow run in progress can take minutes to stop: its group is killed after a grace
-                if stopping and time.monotonic() - stopping[0] > WORKER_STOP_GRACE_S:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(child.pid, signal.SIGKILL)
-            except KeyboardInterrupt:
-                _forward(signal.SIGINT, None)
-    finally:
-        if registered:
-            servers.unregister_runner(home, pid=child.pid)
-    stopped_by_us = bool(stopping) and code in (-signal.SIGTERM, 128 + signal.SIGTERM, -signal.SIGKILL)
-    return 0 if code == 0 or stopped_by_us else code
+    run_worker(args.pool, args.type, args.limit,
+               on_exit=(lambda: servers.unregister_runner(home)) if registered else None)  # never returns
+    return 0
 
 
 def cmd_deploy(args: argparse.Namespace) -> int:
