@@ -10,6 +10,7 @@ artifact downstream. Tasks pass fingerprints and run ids, never tensors or table
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -289,28 +290,53 @@ def _owner_labels() -> dict[str, str]:
     return {PREFECT_HOST_LABEL: host, PREFECT_PROCESS_LABEL: f"{pid}:{ticks}"}
 
 
-def mark_abandoned_flow_runs(flow_run_id: str | None = None) -> tuple[int, int]:
+def _owner_files(owners: Path | None, found: list) -> dict[str, dict[str, str]]:
+    """The owner labels recorded on this host's disk for the unfinished flow runs `found`; files of runs no longer
+    unfinished are removed."""
+    if owners is None or not owners.is_dir():
+        return {}
+    unfinished = {str(run.id) for run in found}
+    recorded = {}
+    for path in owners.iterdir():
+        if path.name not in unfinished:
+            path.unlink(missing_ok=True)
+            continue
+        with contextlib.suppress(OSError, ValueError):
+            recorded[path.name] = json.loads(path.read_text())
+    return recorded
+
+
+def mark_abandoned_flow_runs(flow_run_id: str | None = None, owners: Path | None = None) -> tuple[int, int]:
     """Label this flow run with the process that runs it; set Crashed the flow runs (and their unfinished task runs)
     that another r1flow process on this host left unfinished and that is provably gone (kill -9 leaves them
-    RUNNING for ever). Flow runs of live processes, of other hosts, or without the tags are left alone. Returns
-    (flow runs, task runs) marked."""
+    RUNNING for ever). Flow runs of live processes, of other hosts, or without an owner are left alone. Returns
+    (flow runs, task runs) marked.
+
+    `owners`: a folder on this host where the labels are also written, first, as a file named by the flow run:
+    a Prefect server lost between creating the flow run and the label update leaves a run without labels that
+    only this file ties to its (dead) process."""
     from prefect import get_client
     from prefect.client.schemas import filters as f
     from prefect.client.schemas.objects import StateType
     from prefect.states import Crashed
 
     mine = _owner_labels()
+    if owners is not None and flow_run_id:
+        owners.mkdir(parents=True, exist_ok=True)
+        (owners / flow_run_id).write_text(json.dumps(mine))
     with get_client(sync_client=True) as client:
         if flow_run_id:
             client.update_flow_run_labels(flow_run_id, mine)  # merged into its labels
         found = client.read_flow_runs(flow_run_filter=f.FlowRunFilter(  # (no label filter in Prefect's API)
             state=f.FlowRunFilterState(type=f.FlowRunFilterStateType(any_=[StateType(t) for t in ABANDONED_FLOW_STATES]))),
             limit=200)
+        recorded = _owner_files(owners, found)
         dead: dict[Any, str] = {}
         for run in found:
-            if (run.labels or {}).get(PREFECT_HOST_LABEL) != mine[PREFECT_HOST_LABEL]:
+            labels = run.labels if (run.labels or {}).get(PREFECT_HOST_LABEL) else recorded.get(str(run.id), {})
+            if labels.get(PREFECT_HOST_LABEL) != mine[PREFECT_HOST_LABEL]:
                 continue
-            pid, _, ticks = str(run.labels.get(PREFECT_PROCESS_LABEL, "")).partition(":")
+            pid, _, ticks = str(labels.get(PREFECT_PROCESS_LABEL, "")).partition(":")
             if str(run.id) != flow_run_id and pid.isdigit() and ticks.isdigit() and owner_gone(int(pid), int(ticks),
                                                                                                  host_id()):
                 dead[run.id] = f"abandoned: process {pid} on {socket.gethostname()} is gone (found by {os.getpid()})"
@@ -335,7 +361,8 @@ def reclaim_abandoned(store: ArtifactStore, tracker: Tracker, flow_run_id: str |
     t0 = time.perf_counter()
     counts: dict[str, Any] = {}
     for what, fn in (("folders", store.sweep),
-                     ("prefect", lambda: mark_abandoned_flow_runs(flow_run_id) if flow_run_id else (0, 0)),
+                     ("prefect", lambda: mark_abandoned_flow_runs(flow_run_id, store.home / "flow-runs")
+                      if flow_run_id else (0, 0)),
                      ("mlflow", tracker.mark_abandoned)):
         try:
             counts[what] = fn()

@@ -4,6 +4,7 @@ dead process owned, keeps the newest few set-aside copies, and never touches wha
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -182,6 +183,12 @@ def test_the_next_run_closes_a_killed_runs_prefect_and_mlflow_runs_and_folders(t
             owner(dead_pid, dead_ticks, other_host),  # another machine's: its pids mean nothing here
             {})]  # made before runs named their owner
         untouched_task = client.create_task_run(stage, untouched[0].id, "0", state=Running())
+        # a run whose Prefect server died before its labels were written: only the owner file on disk names it
+        unlabelled = client.create_flow_run(fabricated, state=Running())
+        owners = home / "flow-runs"
+        owners.mkdir(parents=True)
+        (owners / str(unlabelled.id)).write_text(json.dumps(owner(dead_pid, dead_ticks)))
+        (owners / str(uuid.uuid4())).write_text(json.dumps(owner(dead_pid, dead_ticks)))  # a finished run's: removed
 
         # The next run (its only stage's upstream is not cached: it stops with a ConfigError once started).
         with pytest.raises(ConfigError, match="no valid cached outputs"):
@@ -190,11 +197,14 @@ def test_the_next_run_closes_a_killed_runs_prefect_and_mlflow_runs_and_folders(t
         crashed = client.read_flow_run(killed.id).state
         assert crashed.type.value == "CRASHED" and f"abandoned: process {dead_pid} on" in crashed.message
         assert client.read_task_run(killed_task.id).state.type.value == "CRASHED"
+        assert client.read_flow_run(unlabelled.id).state.type.value == "CRASHED"
         assert [client.read_flow_run(r.id).state.type.value for r in untouched] == ["RUNNING"] * 3
         assert client.read_task_run(untouched_task.id).state.type.value == "RUNNING"
         me = [r for r in client.read_flow_runs(flow_run_filter=f.FlowRunFilter())
               if owner(os.getpid(), _proc_stat(os.getpid())[1]).items() <= r.labels.items()]
         assert [r.state.type.value for r in me] == ["FAILED"]  # the next run named its own process
+        # on disk too, first; the finished run's file is gone (the next scan removes the next run's and the crashed)
+        assert {p.name for p in owners.iterdir()} == {str(unlabelled.id), str(me[0].id)}
         assert not [t for r in me for t in r.tags if t.startswith("r1flow.")]  # in labels, not in the UI's tags
     mlflow = MlflowClient(s.tracking_uri)
     assert [mlflow.get_run(r).info.status for r in dead_mlflow] == ["KILLED", "KILLED"]
