@@ -985,8 +985,9 @@ def learning_markdown_section(plan: Plan, command: str, info: dict, code: str, s
                 f"beta as the KL penalty in the per-token rewards, the critic a LoRA copy of the policy. "
                 if "r1flow_ppo" in runs else "")
              + f"Training seeds {seeds} on each side (prompt order, sampling, LoRA initialisation; seed k of one side "
-             f"has seed k's prompt order on the other); r1flow trains first for even k, TRL for odd k. "
-             f"One environment for every side (threads {threads}). "
+             f"has seed k's prompt order on the other)"
+             + ("; r1flow trains first for even k, TRL for odd k. " if {"r1flow", "trl"} <= set(runs) else ". ")
+             + f"One environment for every side (threads {threads}). "
              f"Evaluation: r1flow's eval stage, greedy, strict accuracy. Pooled rows: the mean over seeds, 95% "
              f"intervals from a bootstrap that resamples the seeds and the prompts (one prompt draw shared by every "
              f"seed and side: stages/math/stats.py, seed_prompt_means); gains and differences paired (seed k with "

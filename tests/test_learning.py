@@ -218,3 +218,51 @@ def test_a_reused_trl_run_must_have_trained_on_the_same_plan(tmp_path):
     (tmp_path / "learning.json").write_text(json.dumps(raw))
     with pytest.raises(SystemExit, match="one-seed version"):
         learning.reuse_trl(tmp_path, plan)
+
+
+def test_the_parent_alternates_sides_and_settles_equal_steps(tmp_path, monkeypatch):
+    """run_learning with its children faked (no compute): seed 0 runs r1flow first, which saves every step since
+    TRL's step count is not known yet, and keeps TRL's step 3 afterwards; seed 1 runs TRL first and r1flow saves
+    step 3 only. Every seed's end and equal-steps models are evaluated, and the summary pairs them."""
+    import argparse
+
+    calls = []
+    right = {"start": 0, "trl_end": 8, "r1flow_end": 20, "r1flow_equal_steps": 8}
+
+    class Model:
+        def save_pretrained(self, path):
+            Path(path).mkdir(parents=True)
+
+    def fake_child(what, plan_file, work, log, allocator, quiet_wait=0.0, **extra):
+        calls.append((what, extra.get("seed"), extra.get("at_step"), extra.get("every_step")))
+        if what == "prep":
+            Path(work).mkdir(parents=True)  # the child's work dir, renamed into the cache
+            return {"start_dir": str(tmp_path / "start")}
+        if what == "eval":
+            names = [j["name"] for j in json.loads(Path(extra["jobs"]).read_text())]
+            ones = {n: right.get(n.rsplit("_s", 1)[0], 0) for n in names}  # "r1flow_end_s1" -> r1flow_end's
+            return {n: evaluation([1] * k + [0] * (40 - k), [0] * 40) for n, k in ones.items()}
+        steps = {"trl": 3, "r1flow": 5}[what]
+        snaps = learning.Snapshots([], Path(work) / "snapshots", extra.get("at_step"), bool(extra.get("every_step")))
+        for step in range(1, steps + 1):
+            snaps.after_step(Model(), step, 10.0 * step)
+        return {"steps": steps, "train_s": 10.0 * steps, "snapshots": snaps.saved, "final": str(work), "final_kind":
+                "adapter", "curve": [], "foreign_cpu": 0.0, "threads": 2}
+
+    monkeypatch.setattr(learning, "run_learning_child", fake_child)
+    monkeypatch.setattr(learning, "plot", lambda *a, **k: None)
+    args = argparse.Namespace(work_dir=str(tmp_path / "w"), allocator="tuned", quiet_wait=0.0, trl_from=None,
+                              start_only=False, plot=None, json=None, markdown=None)
+    raw = learning.run_learning(learning.Plan(seeds=2), ["trl", "r1flow"], args)
+    assert [c for c in calls if c[0] in ("trl", "r1flow")] == [("r1flow", 0, None, 1), ("trl", 0, None, None),
+                                                               ("trl", 1, None, None), ("r1flow", 1, 3, None)]
+    for run in raw["runs"]["r1flow"]:
+        assert [(s["name"], s["step"]) for s in run["snapshots"]] == [("equal_steps", 3)]
+        assert Path(run["snapshots"][0]["adapter"]).is_dir()
+    assert not list((tmp_path / "w").glob("run-*/seed0/r1flow/snapshots/step[1245]"))  # the others deleted
+    assert [r["first"] for r in raw["runs"]["r1flow"]] == [True, False]
+    assert [r["first"] for r in raw["runs"]["trl"]] == [False, True]
+    assert {"r1flow_equal_steps_s0", "r1flow_equal_steps_s1", "trl_end_s1", "r1flow_end_s0"} <= set(raw["evals"])
+    s = raw["summary"]
+    assert s["equal_time"]["verdict"] == "met" and s["equal_time"]["diff"] == pytest.approx(0.3)
+    assert s["equal_steps"]["verdict"] == "same" and s["equal_steps"]["seeds"] == 2
