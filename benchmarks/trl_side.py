@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import TrainerCallback
+from transformers import TrainerCallback, set_seed
 
 from benchmarks.common import PeakMemory, Shape, Snapshots
 from schemas.artifacts import MODEL_DIR
@@ -325,6 +325,9 @@ def run_grpo_learning(plan, prep: dict, work: Path, seed: int, step_prompts: lis
     by_id = {r["id"]: r for r in pq.read_table(Path(prep["prompts"]["path"]) / DATA_FILE).to_pylist()}
     rows = [by_id[i] for step in step_prompts for i in step]
     data = grpo_dataset(rows)
+    # GRPOTrainer wraps the model in LoRA before Trainer.__init__ seeds from args.seed: seed first, as r1flow's stage
+    # seeds every RNG with its context seed before loading, so the seed sets the LoRA initialisation on both sides
+    set_seed(seed)
     model, tokenizer = models.load_model(prep["start_dir"])
     budget = Budget()
     # scale_rewards="group": TRL divides by the group's sample std (torch.std, ddof 1); learning.grpo_config sets
