@@ -496,7 +496,7 @@ def equal_time_verdict(c: dict) -> str:
     least GAIN_TARGET, "MISSED" otherwise."""
     if c["diff_ci"][0] <= 0:
         return "MISSED"
-    if c["ratio_ci"] is None:
+    if c["ratio"] is None or c["ratio_ci"] is None:
         return "undetermined"
     return "met" if c["ratio"] >= GAIN_TARGET else "MISSED"
 

@@ -127,6 +127,7 @@ def test_equal_time_verdict_rules():
     assert learning.equal_time_verdict(c(0.01, 1.9, [1.1, 5.0])) == "MISSED"
     assert learning.equal_time_verdict(c(0.0, 3.0, [2.1, 5.0])) == "MISSED"  # the difference not above 0
     assert learning.equal_time_verdict(c(0.01, 9.0, None)) == "undetermined"
+    assert learning.equal_time_verdict(c(0.01, None, None)) == "undetermined"  # TRL gained nothing at all
 
 
 def test_sides_take_turns_to_run_first():
