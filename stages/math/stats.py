@@ -143,7 +143,8 @@ def seed_prompt_means(values, resamples: int = 10_000, seed: int = 0) -> np.ndar
 
     The prompts are crossed with the seeds (every seed's model is scored on the same P prompts), so each replicate
     draws S seeds and P prompts with replacement once and takes the mean over all (seed, prompt) pairs drawn: the
-    pigeonhole bootstrap of a crossed design (Owen 2007, https://arxiv.org/abs/0903.0470). Drawing the prompts
+    pigeonhole bootstrap of a crossed design (Owen 2007, https://doi.org/10.1214/07-AOAS122; mildly conservative:
+    it tends to overstate the variance). Drawing the prompts
     afresh under each drawn seed (a nested bootstrap) would average a prompt's difficulty away over the seeds and
     give too narrow an interval. The same draw serves all K arrays, so seed i of one and seed i of another are
     paired (seed i: the same training seed, e.g. the same prompt order) and so are their prompts.
