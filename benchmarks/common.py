@@ -61,10 +61,12 @@ def path_fingerprint(path: Path | str) -> str:
 
 class Snapshots:
     """Saves the policy's adapter after the steps that cross each curve time (seconds of training), and after
-    step `at_step`. Both sides of `learning.py` use it: r1flow's stage and TRL's trainer (trl_side.py)."""
+    step `at_step`, or with `every_step` after every step as "step<N>" (the equal-steps point of a run made before
+    the run that sets it; learning.py keeps the one it needs and deletes the rest). Both sides of `learning.py`
+    use it: r1flow's stage and TRL's trainer (trl_side.py)."""
 
-    def __init__(self, curve_times: list[float], out: Path, at_step: int | None):
-        self.times, self.out, self.at_step = list(curve_times), out, at_step
+    def __init__(self, curve_times: list[float], out: Path, at_step: int | None, every_step: bool = False):
+        self.times, self.out, self.at_step, self.every_step = list(curve_times), out, at_step, every_step
         self.saved: list[dict] = []
         self.crossed = 0
 
@@ -76,6 +78,8 @@ class Snapshots:
             names.append(f"t{self.crossed}")
         if self.at_step is not None and step == self.at_step:
             names.append("equal_steps")
+        if self.every_step:
+            names.append(f"step{step}")
         for name in names:
             path = self.out / name
             t0 = time.perf_counter()

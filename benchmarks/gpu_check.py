@@ -232,7 +232,7 @@ class Check:
             self.record("learning", {"status": "skipped", "reason": "benchmarks/learning.py does not exist"})
             return
         if self.cuda and not self.quick:
-            args = ["--model", self.model, "--minutes", "0.5", "--cold-steps", "0", "--eval-prompts", "64",
+            args = ["--model", self.model, "--minutes", "0.5", "--seeds", "1", "--cold-steps", "0", "--eval-prompts", "64",
                     "--transfer-prompts", "32", "--curve-prompts", "32", "--curve-points", "1"]
         else:
             args = ["--model", "tiny", "--quick"]
@@ -244,8 +244,9 @@ class Check:
         numbers = {}
         if raw.is_file():
             data = json.loads(raw.read_text())
-            numbers = {side: {"steps": r["steps"], "train_s": r["train_s"],
-                              "step_s": r["train_s"] / max(1, r["steps"])} for side, r in data["runs"].items()}
+            numbers = {side: {"steps": sum(r["steps"] for r in rs), "train_s": sum(r["train_s"] for r in rs),
+                              "step_s": sum(r["train_s"] for r in rs) / max(1, sum(r["steps"] for r in rs))}
+                       for side, rs in data["runs"].items()}  # every seed's run together
             numbers["table"] = [{"model": r["label"], "steps": r["steps"], "accuracy": r["task"]["accuracy"],
                                  "ci": r["task"]["ci"]} for r in data["summary"]["rows"]]
         self.record("learning", res, numbers)
@@ -344,7 +345,7 @@ def markdown(summary: dict) -> str:
                   "|---|---|---|---|"]
         lines += [f"| {side} | {n['steps']} | {n['train_s']:.1f} | {n['step_s']:.2f} |" for side, n in learning.items()
                   if side != "table"]
-        lines += [f"- {r['model']}: {r['steps']} steps, held-out accuracy {r['accuracy']:.3f} "
+        lines += [f"- {r['model']}: {', '.join(map(str, r['steps']))} steps, held-out accuracy {r['accuracy']:.3f} "
                   f"[{r['ci'][0]:.3f}, {r['ci'][1]:.3f}]" for r in learning.get("table", [])]
     return "\n".join(lines) + "\n"
 

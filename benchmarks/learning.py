@@ -2,6 +2,7 @@
 
     make learn                                   # SmolLM2-135M, 20 minutes a side on the CPU
     make learn ARGS="--minutes 5 --device cuda"  # a lent GPU
+    make learn ARGS="--seeds 1"                  # one seed a side (intervals over prompts only)
     make learn ARGS="--algo grpo,ppo"             # adds r1flow's PPO on the same budget (row "r1flow PPO")
     .venv/bin/python benchmarks/learning.py --model tiny --quick --sides r1flow   # the CI smoke run
 
@@ -10,21 +11,29 @@ allocator variables and offline flags for every child):
 
 1. **Start model** (`prep`, cached in the work dir by its settings): SmolLM2-135M-Instruct after a short
    R1-format cold start made by r1flow's own stages: `rejection_sampling` (read leniently, rewritten into
-   <think>/<answer>) and a LoRA `sft`, merged. Both sides start from this HF directory.
+   <think>/<answer>) and a LoRA `sft`, merged. Both sides and all seeds start from this HF directory.
 2. **Task**: reasoning-gym `basic_arithmetic` (train and held-out prompts) at `--task` difficulty, and
    `chain_sum` as a transfer task nothing trains on.
-3. **GRPO on both sides** with the same hyper-parameters (`Plan`: reward, group size, prompts per step,
-   max tokens, temperature, learning rate, LoRA, beta, the same prompts in the same order) for
+3. **GRPO on both sides**, `--seeds` training seeds each (default 3), with the same hyper-parameters (`Plan`:
+   reward, group size, prompts per step, max tokens, temperature, learning rate, LoRA, beta, advantages divided
+   by the group's sample std as TRL's GRPOTrainer does, and for seed k the same prompts in the same order) for
    `--minutes` of training each (model loading excluded on both: the clock starts when the trainer
-   starts its first step; a side stops after the first step that ends past the budget). TRL runs first;
-   r1flow saves its policy after as many steps as TRL did (equal steps) and runs on to the budget
-   (equal wall-clock). Both save snapshots at fixed fractions of the budget for the learning curve.
+   starts its first step; a side stops after the first step that ends past the budget). The sides take turns
+   to run first (seed k: r1flow first for even k, TRL for odd k). r1flow keeps its policy after as many steps as
+   TRL's run of the same seed took (equal steps; when r1flow ran first it saved every step and keeps that one)
+   and runs on to the budget (equal wall-clock). Both save snapshots at fixed fractions of the budget for the
+   learning curve, and time each step's generation, scoring and training.
 4. **One evaluator** for every model, r1flow's `eval` stage: greedy, strict accuracy (the answer in the
    <answer> block) and format rate, on `--eval-prompts` held-out basic_arithmetic prompts and
-   `--transfer-prompts` chain_sum prompts; snapshots on the first `--curve-prompts` of them. Each
-   accuracy gets a 95% bootstrap interval, and each gain over the start a paired one (the same prompts).
-5. A table (stdout and `--markdown`), the raw numbers (`--json`, default in the work dir) and a plot of
-   held-out accuracy and training reward against wall-clock minutes for both sides (`--plot`).
+   `--transfer-prompts` chain_sum prompts; snapshots on the first `--curve-prompts` of them.
+5. **Statistics** (`stages/math/stats.py`): the mean over seeds of each kind of model, every interval from a
+   bootstrap that resamples the seeds and the prompts (one prompt draw shared by every seed and both sides,
+   seed k of r1flow paired with seed k of TRL). The headline is the paired difference r1flow's gain minus
+   TRL's at equal wall-clock, and their ratio with its interval, reported unbounded when TRL's gain interval
+   reaches 0. The equal-steps check is two-sided: a difference beyond the noise either way says "investigate".
+6. A table (stdout and `--markdown`), one row a seed, the seconds a step by phase, the raw numbers (`--json`,
+   default in the work dir) and a plot of held-out accuracy and training reward against wall-clock minutes for
+   both sides (`--plot`).
 """
 
 from __future__ import annotations
@@ -42,6 +51,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -75,6 +86,7 @@ class Plan:
     transfer_prompts: int = 256
     curve_prompts: int = 128
     curve_points: int = 3  # snapshots at 1/(n+1) .. n/(n+1) of the budget
+    seeds: int = 3  # training seeds a side (SEED, SEED + 1, ...): prompt order, sampling, LoRA initialisation
     # the cold start (0 steps: the imported model is the start, e.g. the tiny random model)
     cold_prompts: int = 256
     cold_samples: int = 4
@@ -109,7 +121,7 @@ class Plan:
         return [self.budget_s() * (i + 1) / (self.curve_points + 1) for i in range(self.curve_points)]
 
 
-QUICK = {"minutes": 0.1, "max_steps": 200, "train_prompts": 32, "eval_prompts": 8, "transfer_prompts": 8,
+QUICK = {"seeds": 2, "minutes": 0.1, "max_steps": 200, "train_prompts": 32, "eval_prompts": 8, "transfer_prompts": 8,
          "curve_prompts": 4, "curve_points": 1, "cold_steps": 0, "prompts_per_step": 2, "group_size": 2,
          "minibatch_size": 4, "max_new_tokens": 8, "eval_batch": 8}
 
@@ -180,12 +192,11 @@ def prepare_start_and_prompts(plan: Plan, work: Path) -> dict:
         cold_info = {"cold_examples": cold.rows, "rejection_sampling": rs_cfg.model_dump(mode="json"),
                      "sft": sft_cfg.model_dump(mode="json")}
     return {"prompts": entry_of(prm), "curve_prompts": entry_of(curve), "start": entry_of(start),
-            "start_dir": str(Path(start.path) / MODEL_DIR), "step_prompts": step_prompts(prm.path, plan),
-            "seconds": time.perf_counter() - t0, **cold_info}
+            "start_dir": str(Path(start.path) / MODEL_DIR), "seconds": time.perf_counter() - t0, **cold_info}
 
 
-def step_prompts(prompts_dir: Path, plan: Plan) -> list[list[str]]:
-    """The prompt ids of every GRPO step as r1flow's stage picks them (context seed SEED): TRL reads this list."""
+def step_prompts(prompts_dir: Path, plan: Plan, seed: int) -> list[list[str]]:
+    """The prompt ids of every GRPO step as r1flow's stage picks them with context seed `seed`: TRL reads this list."""
     import pyarrow.parquet as pq
 
     from schemas.artifacts import DATA_FILE
@@ -193,7 +204,7 @@ def step_prompts(prompts_dir: Path, plan: Plan) -> list[list[str]]:
 
     rows = [r for r in pq.read_table(Path(prompts_dir) / DATA_FILE, columns=["id", "split", "answer"]).to_pylist()
             if r["split"] == "train" and r["answer"] is not None]
-    return [[rows[i]["id"] for i in pick_prompts(len(rows), plan.prompts_per_step, SEED, step, 0)]
+    return [[rows[i]["id"] for i in pick_prompts(len(rows), plan.prompts_per_step, seed, step, 0)]
             for step in range(plan.max_steps)]
 
 
@@ -201,13 +212,15 @@ def step_prompts(prompts_dir: Path, plan: Plan) -> list[list[str]]:
 
 
 def grpo_config(plan: Plan, steps: int, max_minutes: float):
+    """r1flow's GRPOConfig on the plan. std "sample": TRL's GRPOTrainer divides a group's centred rewards by
+    torch.std (ddof 1), so r1flow does the same here (its default is the population std)."""
     from schemas.configs import GenerationSpec, GRPOConfig, LoraSpec, RewardSpec
 
     shared = dict(steps=steps, prompts_per_step=plan.prompts_per_step, group_size=plan.group_size,
                   generation=GenerationSpec(max_new_tokens=plan.max_new_tokens, temperature=plan.temperature, top_p=1.0,
                                             top_k=0, batch_size=plan.prompts_per_step),
                   reward=RewardSpec(**plan.reward), lora=LoraSpec(r=plan.lora_r, alpha=2 * plan.lora_r),
-                  minibatch_size=plan.minibatch_size, mu=1, beta=plan.beta, advantage="grpo", std="population",
+                  minibatch_size=plan.minibatch_size, mu=1, beta=plan.beta, advantage="grpo", std="sample",
                   aggregation="seq_mean", learning_rate=plan.learning_rate, checkpoint_every=100_000,
                   max_minutes=max_minutes)
     return GRPOConfig(**{**shared, **plan.r1flow_extra})
@@ -231,8 +244,10 @@ def ppo_config(plan: Plan, steps: int, max_minutes: float):
                      max_minutes=max_minutes)
 
 
-def train_r1flow(plan: Plan, prep: dict, work: Path, at_step: int | None, algo: str = "grpo") -> dict:
-    """r1flow's grpo (or ppo) stage through `run_stage`, as the pipeline runs it, with `max_minutes` as the budget."""
+def train_r1flow(plan: Plan, prep: dict, work: Path, at_step: int | None, algo: str = "grpo", seed: int = SEED,
+                 every_step: bool = False) -> dict:
+    """r1flow's grpo (or ppo) stage through `run_stage`, as the pipeline runs it, with `max_minutes` as the budget,
+    context seed `seed`. `at_step` or `every_step`: the equal-steps snapshot (`Snapshots`)."""
     import importlib
 
     from stages.base import LocalContext
@@ -242,7 +257,7 @@ def train_r1flow(plan: Plan, prep: dict, work: Path, at_step: int | None, algo: 
     cfg = (ppo_config if algo == "ppo" else grpo_config)(plan, plan.max_steps, plan.minutes)
     if cfg.lora.r == 0:
         raise SystemExit("learning.py: LoRA only (snapshots are adapters); pass --lora-r > 0")
-    snaps = Snapshots(plan.curve_times(), work / "snapshots", at_step)
+    snaps = Snapshots(plan.curve_times(), work / "snapshots", at_step, every_step)
     held: dict = {}
     load_trainable = stage.load_trainable
 
@@ -257,21 +272,23 @@ def train_r1flow(plan: Plan, prep: dict, work: Path, at_step: int | None, algo: 
             if step is not None and "reward/mean" in metrics:
                 elapsed = time.perf_counter() - held["t0"]
                 curve.append({"step": step, "elapsed_s": elapsed, "reward": metrics["reward/mean"],
-                              "accuracy": metrics.get("reward/accuracy"), "step_s": metrics.get("time/step")})
+                              "accuracy": metrics.get("reward/accuracy"), "step_s": metrics.get("time/step"),
+                              **{f"{phase}_s": metrics.get(f"time/{phase}")
+                                 for phase in ("generation", "scoring", "training")}})
                 snaps.after_step(held["model"], step, elapsed)
 
     curve: list[dict] = []
     stage.load_trainable = observed_load
     try:
         out = run_stage(stage, cfg, {"model": stage_input_of(prep["start"]), "prompts": stage_input_of(prep["prompts"])},
-                        Clocked(work / "run", seed=SEED, device=plan.device))["model"]
+                        Clocked(work / "run", seed=seed, device=plan.device))["model"]
     finally:
         stage.load_trainable = load_trainable
     from schemas.artifacts import MODEL_DIR
 
     return {"curve": curve, "snapshots": snaps.saved, "steps": len(curve),
             "train_s": curve[-1]["elapsed_s"] if curve else 0.0, "final": str(Path(out.path) / MODEL_DIR),
-            "final_kind": out.schema, "config": cfg.model_dump(mode="json")}
+            "final_kind": out.schema, "config": cfg.model_dump(mode="json"), "seed": seed}
 
 
 # ---------------------------------------------------------------------------- children: evaluation
@@ -340,11 +357,13 @@ def learning_child_main(args: argparse.Namespace) -> None:
     if args.child == "prep":
         result = prepare_start_and_prompts(plan, work)
     elif args.child in ("r1flow", "r1flow_ppo"):
-        result = train_r1flow(plan, prep, work, args.at_step, "ppo" if args.child == "r1flow_ppo" else "grpo")
+        result = train_r1flow(plan, prep, work, args.at_step, "ppo" if args.child == "r1flow_ppo" else "grpo",
+                              args.seed, bool(args.every_step))
     elif args.child == "trl":
         from benchmarks import trl_side
 
-        result = trl_side.run_grpo_learning(plan, prep, work)
+        order = step_prompts(Path(prep["prompts"]["path"]), plan, args.seed)
+        result = trl_side.run_grpo_learning(plan, prep, work, args.seed, order)
     elif args.child == "eval":
         result = evaluate_jobs(plan, prep, json.loads(Path(args.jobs).read_text()), work)
     else:
@@ -385,8 +404,45 @@ def run_learning_child(what: str, plan_file: Path, work: Path, log: Path, alloca
 # ---------------------------------------------------------------------------- statistics and the table (pure)
 
 
+ROW_KINDS = (("trl", "end", "TRL, budget"), ("r1flow", "equal_steps", "r1flow, TRL's steps"),
+             ("r1flow", "end", "r1flow, budget"), ("r1flow_ppo", "end", "r1flow PPO, budget"))
+PHASES = ("generation", "scoring", "training")
+
+
+def eval_name(side: str, what: str, seed_index: int) -> str:
+    """The evaluation of one side's model `what` ("end", "equal_steps", "t1", ...) of its `seed_index`-th seed."""
+    return f"{side}_{what}_s{seed_index}"
+
+
+def run_order(sides: list[str], seed_index: int) -> list[str]:
+    """Which side trains first for a seed: r1flow for even seed indices, TRL for odd ones, any other side after
+    them; a side that always ran first (or last) would carry whatever the machine does over an hour."""
+    pair = [s for s in ("r1flow", "trl") if s in sides]
+    if seed_index % 2:
+        pair.reverse()
+    return pair + [s for s in sides if s not in pair]
+
+
 def correct_vector(rows: list[dict], task: str) -> list[float]:
     return [float(bool(r["correct"])) for r in rows if r["task"] == task]
+
+
+def prompt_ids(rows: list[dict], task: str) -> list[str]:
+    return [r["prompt_id"] for r in rows if r["task"] == task]
+
+
+def scores(evals: dict, names: list[str], task: str) -> np.ndarray:
+    """(len(names), P): the evaluations' per-prompt correctness on `task`, after checking that every one scored the
+    same prompt ids in the same order as the first (ValueError naming the first difference otherwise)."""
+    ids = prompt_ids(evals[names[0]]["rows"], task)
+    for name in names[1:]:
+        other = prompt_ids(evals[name]["rows"], task)
+        if other != ids:
+            at = next((i for i, (a, b) in enumerate(zip(ids, other, strict=False)) if a != b), min(len(ids), len(other)))
+            raise ValueError(f"{task}: {name} scored other prompts than {names[0]} ({len(other)} against {len(ids)}; "
+                             f"first difference at position {at}: {other[at] if at < len(other) else 'none'} against "
+                             f"{ids[at] if at < len(ids) else 'none'}): a paired comparison needs the same prompts")
+    return np.array([correct_vector(evals[name]["rows"], task) for name in names], dtype=np.float64)
 
 
 def accuracy_entry(rows: list[dict], task: str) -> dict:
@@ -400,15 +456,118 @@ def accuracy_entry(rows: list[dict], task: str) -> dict:
 
 
 def gain_entry(start_rows: list[dict], rows: list[dict], task: str) -> dict:
-    """Gain over the start on the same prompts, with a paired bootstrap interval."""
+    """Gain over the start on the same prompts (one model), with a paired bootstrap interval over the prompts."""
+    d = paired_diff({"a": {"rows": start_rows}, "b": {"rows": rows}}, "a", "b", task)
+    return {"gain": d["diff"], "ci": d["ci"]}
+
+
+def paired_diff(evals: dict, base: str, other: str, task: str = TASK) -> dict:
+    """`other` minus `base` in accuracy on `task`, one model each, with its paired bootstrap interval over the
+    prompts; ValueError unless both scored the same prompt ids in the same order."""
     from stages.math.stats import paired_bootstrap_diff
 
-    ids_a = [r["prompt_id"] for r in start_rows if r["task"] == task]
-    ids_b = [r["prompt_id"] for r in rows if r["task"] == task]
-    if ids_a != ids_b:
-        raise ValueError(f"{task}: the two evaluations scored different prompts")
-    diff, lo, hi = paired_bootstrap_diff(correct_vector(start_rows, task), correct_vector(rows, task))
-    return {"gain": diff, "ci": [lo, hi]}
+    a, b = scores(evals, [base, other], task)
+    diff, lo, hi = paired_bootstrap_diff(a, b)
+    return {"diff": diff, "ci": [lo, hi]}
+
+
+def seeds_entry(evals: dict, start: str, names: list[str], task: str) -> dict:
+    """Mean accuracy on `task` of the models `names` (one a seed) and their gain over the start model, intervals
+    over seeds and prompts (`stages.math.stats.seed_prompt_means`)."""
+    from stages.math.stats import percentile_interval, seed_prompt_diff, seed_prompt_means
+
+    x = scores(evals, [start, *names], task)
+    end = x[1:]
+    if end.shape[1] == 0:  # nothing of this task was evaluated
+        nan = float("nan")
+        return {"accuracy": nan, "ci": [nan, nan], "n": 0, "seeds": len(names), "format_rate": nan,
+                "gain": {"gain": nan, "ci": [nan, nan]}}
+    gain, glo, ghi = seed_prompt_diff(np.broadcast_to(x[0], end.shape), end)
+    fmt = [float(bool(r["format_ok"])) for n in names for r in evals[n]["rows"] if r["task"] == task]
+    return {"accuracy": float(end.mean()), "ci": list(percentile_interval(seed_prompt_means(end[None])[:, 0])),
+            "n": end.shape[1], "seeds": len(names), "format_rate": sum(fmt) / len(fmt),
+            "gain": {"gain": gain, "ci": [glo, ghi]}}
+
+
+def equal_time_verdict(c: dict) -> str:
+    """r1flow against TRL at equal wall-clock, from `compare_gains` (a = TRL, b = r1flow): "MISSED" unless the
+    difference's interval is above 0; then "undetermined" when TRL's gain interval reaches 0 (the ratio has no
+    bounded interval: a TRL that barely learns must not make any ratio look won), else "met" when the ratio is at
+    least GAIN_TARGET, "MISSED" otherwise."""
+    if c["diff_ci"][0] <= 0:
+        return "MISSED"
+    if c["ratio"] is None or c["ratio_ci"] is None:
+        return "undetermined"
+    return "met" if c["ratio"] >= GAIN_TARGET else "MISSED"
+
+
+def phase_means(runs: list[dict]) -> dict | None:
+    """Mean seconds a step by phase (generation, scoring, training, total) over the steps after the first (the
+    warm-up) of every seed's run; None when the runs did not record phases."""
+    steps = [c for run in runs for c in run["curve"][1:]]
+    if not steps or any(c.get(f"{p}_s") is None for c in steps for p in PHASES):
+        return None
+    out = {p: float(np.mean([c[f"{p}_s"] for c in steps])) for p in PHASES}
+    out["total"] = float(np.mean([c["step_s"] for c in steps]))
+    out["steps"] = len(steps)
+    return out
+
+
+def summarize_learning(plan: Plan, evals: dict, runs: dict) -> dict:
+    """The rows of the table and the verdicts. runs: side -> one run a seed, in seed order; evals: "start" and
+    `eval_name(side, what, k)`. Every pooled accuracy, gain and difference has an interval over seeds and prompts,
+    each seed's own row one over prompts."""
+    from stages.math.stats import compare_gains, seed_prompt_diff, two_sided
+
+    start = evals["start"]["rows"]
+    rows = [{"name": "start", "label": "start model", "steps": [0], "minutes": [0.0],
+             "task": accuracy_entry(start, TASK), "transfer": accuracy_entry(start, TRANSFER), "gain": None,
+             "transfer_gain": None, "per_seed": []}]
+    for side, what, label in ROW_KINDS:
+        ks = [k for k in range(len(runs.get(side, []))) if eval_name(side, what, k) in evals]
+        if not ks:
+            continue
+        names = [eval_name(side, what, k) for k in ks]
+        if what == "end":
+            at = [(runs[side][k]["steps"], runs[side][k]["train_s"]) for k in ks]
+        else:
+            at = [next((snap["step"], snap["elapsed_s"]) for snap in runs[side][k]["snapshots"] if snap["name"] == what)
+                  for k in ks]
+        task, transfer = seeds_entry(evals, "start", names, TASK), seeds_entry(evals, "start", names, TRANSFER)
+        per_seed = [{"seed": runs[side][k]["seed"], "first": runs[side][k].get("first"), "steps": steps,
+                     "minutes": secs / 60, "task": accuracy_entry(evals[n]["rows"], TASK),
+                     "gain": gain_entry(start, evals[n]["rows"], TASK)}
+                    for k, n, (steps, secs) in zip(ks, names, at, strict=True)]
+        rows.append({"name": f"{side}_{what}", "label": label, "steps": [a[0] for a in at],
+                     "minutes": [a[1] / 60 for a in at], "task": task, "transfer": transfer,
+                     "gain": task.pop("gain"), "transfer_gain": transfer.pop("gain"), "per_seed": per_seed})
+    out = {"rows": rows, "seeds": plan.seeds, "std": grpo_config(plan, 1, plan.minutes).std,
+           "r1flow_only": dict(plan.r1flow_extra)}
+
+    def both(side_a: str, what_a: str, side_b: str, what_b: str) -> tuple[list[str], list[str]]:
+        n = min(len(runs.get(side_a, [])), len(runs.get(side_b, [])))
+        ks = [k for k in range(n) if eval_name(side_a, what_a, k) in evals and eval_name(side_b, what_b, k) in evals]
+        return [eval_name(side_a, what_a, k) for k in ks], [eval_name(side_b, what_b, k) for k in ks]
+
+    trl, r1 = both("trl", "end", "r1flow", "end")
+    if trl:  # the headline: gains at equal wall-clock, seed k of one side paired with seed k of the other
+        x = scores(evals, ["start", *trl, *r1], TASK)
+        c = dataclasses.asdict(compare_gains(x[0], x[1:1 + len(trl)], x[1 + len(trl):]))
+        c["seeds"] = len(trl)
+        c["verdict"] = equal_time_verdict(c)
+        out["equal_time"] = c
+    trl, r1 = both("trl", "end", "r1flow", "equal_steps")
+    if trl:  # the correctness check: the same algorithm for the same steps should learn the same
+        x = scores(evals, [*trl, *r1], TASK)
+        diff, lo, hi = seed_prompt_diff(x[: len(trl)], x[len(trl):])
+        out["equal_steps"] = {"diff": diff, "ci": [lo, hi], "seeds": len(trl), "verdict": two_sided(lo, hi)}
+    grpo, ppo = both("r1flow", "end", "r1flow_ppo", "end")
+    if grpo:
+        x = scores(evals, [*grpo, *ppo], TASK)
+        diff, lo, hi = seed_prompt_diff(x[: len(grpo)], x[len(grpo):])
+        out["ppo_minus_grpo"] = {"diff": diff, "ci": [lo, hi], "seeds": len(grpo)}
+    out["phases"] = {side: phase_means(rs) for side, rs in runs.items()}
+    return out
 
 
 def pct(x: float) -> str:
@@ -420,89 +579,83 @@ def with_ci(value: float, ci: list[float], signed: bool = False) -> str:
     return f"{head} [{100 * ci[0]:+.1f}, {100 * ci[1]:+.1f}]" if signed else f"{head} [{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]"
 
 
-def paired_diff(evals: dict, base: str, other: str) -> dict:
-    """`other` minus `base` in held-out accuracy on the same prompts, with its paired bootstrap interval."""
-    from stages.math.stats import paired_bootstrap_diff
-
-    diff, lo, hi = paired_bootstrap_diff(correct_vector(evals[base]["rows"], TASK), correct_vector(evals[other]["rows"], TASK))
-    return {"diff": diff, "ci": [lo, hi]}
-
-
-def summarize_learning(plan: Plan, evals: dict, runs: dict) -> dict:
-    """The rows of the table and the verdicts: every accuracy and gain with its interval."""
-    start = evals["start"]["rows"]
-    rows = []
-    order = [("start", "start model", 0, 0.0)]
-    if "trl" in runs:
-        order.append(("trl_end", "TRL, budget", runs["trl"]["steps"], runs["trl"]["train_s"]))
-    if "r1flow" in runs:
-        eq = next((s for s in runs["r1flow"]["snapshots"] if s["name"] == "equal_steps"), None)
-        if eq is not None:
-            order.append(("r1flow_equal_steps", "r1flow, TRL's steps", eq["step"], eq["elapsed_s"]))
-        order.append(("r1flow_end", "r1flow, budget", runs["r1flow"]["steps"], runs["r1flow"]["train_s"]))
-    if "r1flow_ppo" in runs:
-        order.append(("r1flow_ppo_end", "r1flow PPO, budget", runs["r1flow_ppo"]["steps"],
-                      runs["r1flow_ppo"]["train_s"]))
-    for name, label, steps, seconds in order:
-        r = evals[name]["rows"]
-        rows.append({"name": name, "label": label, "steps": steps, "minutes": seconds / 60,
-                     "task": accuracy_entry(r, TASK), "transfer": accuracy_entry(r, TRANSFER),
-                     "gain": gain_entry(start, r, TASK) if name != "start" else None,
-                     "transfer_gain": gain_entry(start, r, TRANSFER) if name != "start" else None})
-    out = {"rows": rows}
-    by = {r["name"]: r for r in rows}
-    if "trl_end" in by and "r1flow_end" in by:
-        g_r1, g_trl = by["r1flow_end"]["gain"]["gain"], by["trl_end"]["gain"]["gain"]
-        out["gain_ratio_equal_time"] = g_r1 / g_trl if g_trl > 0 else None
-        out["equal_time_met"] = bool(by["r1flow_end"]["gain"]["ci"][0] > 0 and (
-            g_trl <= 0 or g_r1 >= GAIN_TARGET * g_trl))
-    if "trl_end" in by and "r1flow_equal_steps" in by:
-        out["equal_steps_diff"] = paired_diff(evals, "trl_end", "r1flow_equal_steps")
-        out["equal_steps_diff"]["not_worse"] = out["equal_steps_diff"]["ci"][1] >= 0
-    if "trl_end" in by and "r1flow_end" in by:
-        out["equal_time_diff"] = paired_diff(evals, "trl_end", "r1flow_end")
-    if "r1flow_end" in by and "r1flow_ppo_end" in by:
-        out["ppo_minus_grpo"] = paired_diff(evals, "r1flow_end", "r1flow_ppo_end")
-    out["r1flow_only"] = dict(plan.r1flow_extra)
-    return out
+def listed(values: list, fmt: str = "{}") -> str:
+    return ", ".join(fmt.format(v) for v in values)
 
 
 def table(summary: dict) -> list[str]:
-    lines = ["| model | RL steps | training min | basic_arithmetic (held out) | gain over start | format rate "
-             "| chain_sum (transfer) | transfer gain |",
+    lines = ["| model | RL steps (each seed) | training min (each seed) | basic_arithmetic (held out) | gain over start "
+             "| format rate | chain_sum (transfer) | transfer gain |",
              "|---|---|---|---|---|---|---|---|"]
     for r in summary["rows"]:
         gain = with_ci(r["gain"]["gain"], r["gain"]["ci"], signed=True) if r["gain"] else "-"
         tgain = with_ci(r["transfer_gain"]["gain"], r["transfer_gain"]["ci"], signed=True) if r["transfer_gain"] else "-"
-        lines.append(f"| {r['label']} | {r['steps']} | {r['minutes']:.1f} | {with_ci(r['task']['accuracy'], r['task']['ci'])} "
-                     f"| {gain} | {pct(r['task']['format_rate'])} | "
+        lines.append(f"| {r['label']} | {listed(r['steps'])} | {listed(r['minutes'], '{:.1f}')} | "
+                     f"{with_ci(r['task']['accuracy'], r['task']['ci'])} | {gain} | {pct(r['task']['format_rate'])} | "
                      f"{with_ci(r['transfer']['accuracy'], r['transfer']['ci'])} | {tgain} |")
     return lines
 
 
+def seed_table(summary: dict) -> list[str]:
+    """Each seed's models: its run order, steps, accuracy and gain (intervals over prompts only)."""
+    lines = ["| model | seed | ran first | RL steps | training min | basic_arithmetic (held out) | gain over start |",
+             "|---|---|---|---|---|---|---|"]
+    for r in summary["rows"]:
+        for e in r["per_seed"]:
+            first = {True: "yes", False: "no", None: "-"}[e["first"]]
+            lines.append(f"| {r['label']} | {e['seed']} | {first} | {e['steps']} | {e['minutes']:.1f} | "
+                         f"{with_ci(e['task']['accuracy'], e['task']['ci'])} | "
+                         f"{with_ci(e['gain']['gain'], e['gain']['ci'], signed=True)} |")
+    return lines
+
+
+def phase_lines(summary: dict) -> list[str]:
+    lines = ["| side | steps | generation s | scoring s | training s | step s |", "|---|---|---|---|---|---|"]
+    for side, p in summary.get("phases", {}).items():
+        if p:
+            lines.append(f"| {side} | {p['steps']} | {p['generation']:.1f} | {p['scoring']:.2f} | {p['training']:.1f} | "
+                         f"{p['total']:.1f} |")
+    return lines if len(lines) > 2 else []
+
+
+def points(d: dict) -> str:
+    return f"{100 * d['diff']:+.1f} points [{100 * d['ci'][0]:+.1f}, {100 * d['ci'][1]:+.1f}]"
+
+
 def verdict_lines(summary: dict) -> list[str]:
     out = []
-    eq = summary.get("equal_steps_diff")
+    et = summary.get("equal_time")
+    if et:
+        out.append(f"- equal wall-clock, {et['seeds']} seed(s) a side: r1flow's gain minus TRL's "
+                   f"{points({'diff': et['diff'], 'ci': et['diff_ci']})} (paired; interval over seeds and prompts); "
+                   f"gains: r1flow {with_ci(et['gain_b'], et['gain_b_ci'], signed=True)}, TRL "
+                   f"{with_ci(et['gain_a'], et['gain_a_ci'], signed=True)}")
+        if et["ratio"] is None:
+            ratio = "no ratio: TRL's gain is not above 0"
+        elif et["ratio_ci"] is None:
+            ratio = (f"{et['ratio']:.2f}x TRL's gain, its interval unbounded: TRL's gain interval reaches 0, so the "
+                     "ratio could be anything above the point; read the difference")
+        else:
+            lo, hi = et["ratio_ci"]
+            ratio = (f"{et['ratio']:.2f}x TRL's gain [{lo:.2f}, {hi:.2f}]"
+                     + (f", at least {GAIN_TARGET:g}x beyond the noise" if lo >= GAIN_TARGET else ""))
+        out.append(f"- equal wall-clock: {ratio}. Target (>= {GAIN_TARGET:g}x, difference's interval above 0): "
+                   + {"met": "met", "MISSED": "MISSED",
+                      "undetermined": "undetermined (the difference is above 0, the ratio unbounded)"}[et["verdict"]])
+    eq = summary.get("equal_steps")
     if eq:
-        out.append(f"- equal steps: r1flow minus TRL {100 * eq['diff']:+.1f} points [{100 * eq['ci'][0]:+.1f}, "
-                   f"{100 * eq['ci'][1]:+.1f}] (paired): "
-                   + ("not worse beyond the noise" if eq["not_worse"] else "WORSE beyond the noise"))
+        verdict = {"same": "the same beyond the noise: pass",
+                   "higher": "r1flow HIGHER beyond the noise: INVESTIGATE (the same algorithm for the same steps "
+                             "should learn the same; a difference either way is a discrepancy, not a win)",
+                   "lower": "r1flow LOWER beyond the noise: INVESTIGATE (the same algorithm for the same steps "
+                            "should learn the same)"}[eq["verdict"]]
+        out.append(f"- equal steps, {eq['seeds']} seed(s): r1flow minus TRL {points(eq)} (two-sided): {verdict}")
         if summary.get("r1flow_only"):
             out.append(f"  (r1flow ran with {json.dumps(summary['r1flow_only'])} and TRL without: equal steps are not "
                        "equal work here, so this is not the correctness check; a run without --r1flow-set is)")
-    td = summary.get("equal_time_diff")
-    if td:
-        out.append(f"- equal wall-clock: r1flow minus TRL {100 * td['diff']:+.1f} points [{100 * td['ci'][0]:+.1f}, "
-                   f"{100 * td['ci'][1]:+.1f}] (paired)")
     pg = summary.get("ppo_minus_grpo")
     if pg:
-        out.append(f"- equal wall-clock, r1flow: PPO minus GRPO {100 * pg['diff']:+.1f} points [{100 * pg['ci'][0]:+.1f}, "
-                   f"{100 * pg['ci'][1]:+.1f}] (paired)")
-    if "gain_ratio_equal_time" in summary:
-        ratio = summary["gain_ratio_equal_time"]
-        text = "TRL gained nothing" if ratio is None else f"{ratio:.2f}x TRL's gain"
-        out.append(f"- equal wall-clock: r1flow's held-out gain is {text} (target: >= {GAIN_TARGET:g}x with an "
-                   f"interval above 0): {'met' if summary['equal_time_met'] else 'MISSED'}")
+        out.append(f"- equal wall-clock, r1flow: PPO minus GRPO {points(pg)} (paired, {pg['seeds']} seed(s))")
     return out
 
 
@@ -529,25 +682,29 @@ def plot(path: Path, plan: Plan, prep: dict, evals: dict, runs: dict) -> None:
     colors = {"r1flow": "tab:blue", "trl": "tab:orange", "r1flow_ppo": "tab:green"}
     ids = curve_ids(prep)  # the start and end models' full evaluations include these prompts: read them there
     start = [r for r in evals["start"]["rows"] if r["prompt_id"] in ids]
-    for side, run in runs.items():
-        points = [(0.0, correct_vector(start, TASK))]
-        for snap in run["snapshots"]:
-            if snap["name"].startswith("t"):
-                points.append((snap["elapsed_s"] / 60, correct_vector(evals[f"{side}_{snap['name']}"]["rows"], TASK)))
-        end = [r for r in evals[f"{side}_end"]["rows"] if r["prompt_id"] in ids]
-        points.append((run["train_s"] / 60, correct_vector(end, TASK)))
-        xs = [x for x, _ in points]
-        ys = [100 * sum(v) / len(v) for _, v in points]
-        cis = [bootstrap_ci(v) for _, v in points]
-        err = [[y - 100 * lo for y, (lo, _) in zip(ys, cis, strict=True)],
-               [100 * hi - y for y, (_, hi) in zip(ys, cis, strict=True)]]
-        ax_acc.errorbar(xs, ys, yerr=err, marker="o", capsize=3, color=colors[side], label=side)
-        ts = [c["elapsed_s"] / 60 for c in run["curve"]]
-        rs = [c["reward"] for c in run["curve"]]
-        k = max(1, len(rs) // 15)  # a running mean over ~1/15 of the run
-        smooth = [sum(rs[max(0, i - k + 1): i + 1]) / len(rs[max(0, i - k + 1): i + 1]) for i in range(len(rs))]
-        ax_rew.plot(ts, rs, ".", alpha=0.25, color=colors[side])
-        ax_rew.plot(ts, smooth, "-", color=colors[side], label=f"{side} ({len(rs)} steps)")
+    for side, side_runs in runs.items():
+        for k, run in enumerate(side_runs):
+            label = side if k == 0 else None  # one legend entry a side; its seeds share its colour
+            curve_points = [(0.0, correct_vector(start, TASK))]
+            for snap in run["snapshots"]:
+                if snap["name"].startswith("t"):
+                    rows = evals[eval_name(side, snap["name"], k)]["rows"]
+                    curve_points.append((snap["elapsed_s"] / 60, correct_vector(rows, TASK)))
+            end = [r for r in evals[eval_name(side, "end", k)]["rows"] if r["prompt_id"] in ids]
+            curve_points.append((run["train_s"] / 60, correct_vector(end, TASK)))
+            xs = [x for x, _ in curve_points]
+            ys = [100 * sum(v) / len(v) for _, v in curve_points]
+            cis = [bootstrap_ci(v) for _, v in curve_points]
+            err = [[y - 100 * lo for y, (lo, _) in zip(ys, cis, strict=True)],
+                   [100 * hi - y for y, (_, hi) in zip(ys, cis, strict=True)]]
+            ax_acc.errorbar(xs, ys, yerr=err, marker="o", capsize=3, color=colors[side], alpha=0.8, label=label)
+            ts = [c["elapsed_s"] / 60 for c in run["curve"]]
+            rs = [c["reward"] for c in run["curve"]]
+            w = max(1, len(rs) // 15)  # a running mean over ~1/15 of the run
+            smooth = [sum(rs[max(0, i - w + 1): i + 1]) / len(rs[max(0, i - w + 1): i + 1]) for i in range(len(rs))]
+            ax_rew.plot(ts, rs, ".", alpha=0.2, color=colors[side])
+            ax_rew.plot(ts, smooth, "-", color=colors[side],
+                        label=f"{side} ({', '.join(str(len(r['curve'])) for r in side_runs)} steps)" if label else None)
     ax_acc.set(xlabel="training wall-clock (min)", ylabel=f"held-out {TASK} accuracy (%)",
                title=f"greedy, first {plan.curve_prompts} held-out prompts, 95% CI")
     ax_rew.set(xlabel="training wall-clock (min)", ylabel="mean training reward",
@@ -581,7 +738,7 @@ def build_plan(args: argparse.Namespace) -> Plan:
         plan.minutes = 5.0
     if args.quick:
         plan = dataclasses.replace(plan, **QUICK)
-    for name in ("minutes", "max_steps", "eval_prompts", "transfer_prompts", "curve_prompts", "curve_points",
+    for name in ("seeds", "minutes", "max_steps", "eval_prompts", "transfer_prompts", "curve_prompts", "curve_points",
                  "cold_steps", "prompts_per_step", "group_size", "max_new_tokens", "temperature", "learning_rate",
                  "lora_r", "beta"):
         value = getattr(args, name)
@@ -592,6 +749,8 @@ def build_plan(args: argparse.Namespace) -> Plan:
     if args.reward:
         plan.reward = json.loads(args.reward)
     plan.r1flow_extra = parse_set(args.r1flow_set)
+    if plan.seeds < 1:
+        raise ValueError(f"seeds: at least 1 training seed a side, got {plan.seeds}")
     grpo_config(plan, plan.max_steps, plan.minutes)  # bad settings fail here, before any compute
     return plan
 
@@ -609,7 +768,7 @@ def main() -> None:
     ap.add_argument("--max-steps", type=int, help="cap on each side's steps (default 2000)")
     ap.add_argument("--task", help=f"{TASK}'s reasoning-gym options as JSON (default: {Plan().task})")
     ap.add_argument("--reward", help=f"RewardSpec as JSON, both sides (default: {Plan().reward})")
-    for name, kind in (("eval_prompts", int), ("transfer_prompts", int), ("curve_prompts", int), ("curve_points", int),
+    for name, kind in (("seeds", int), ("eval_prompts", int), ("transfer_prompts", int), ("curve_prompts", int), ("curve_points", int),
                        ("cold_steps", int), ("prompts_per_step", int), ("group_size", int), ("max_new_tokens", int),
                        ("temperature", float), ("learning_rate", float), ("lora_r", int), ("beta", float)):
         ap.add_argument("--" + name.replace("_", "-"), type=kind, help=f"default {getattr(Plan(), name)}")
@@ -630,7 +789,8 @@ def main() -> None:
                     help="before each timed run, wait up to this many seconds for other processes to leave the CPUs")
     for hidden in ("--child", "--plan", "--work", "--result", "--prep", "--jobs"):
         ap.add_argument(hidden, help=argparse.SUPPRESS)
-    ap.add_argument("--at-step", type=int, help=argparse.SUPPRESS)
+    for hidden in ("--at-step", "--seed", "--every-step"):
+        ap.add_argument(hidden, type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         return learning_child_main(args)
@@ -663,8 +823,8 @@ def run_learning(plan: Plan, sides: list[str], args: argparse.Namespace) -> dict
     plan_file.write_text(json.dumps(dataclasses.asdict(plan), indent=1))
     command = os.environ.get("R1FLOW_BENCH_COMMAND") or "python benchmarks/learning.py " + shlex.join(sys.argv[1:])
     info = device_info(plan.device)
-    print(f"learning efficacy: {plan.model} on {info['device_name']}, {plan.minutes:g} min of RL a side "
-          f"({', '.join(sides)}); work dir {run_dir}", flush=True)
+    print(f"learning efficacy: {plan.model} on {info['device_name']}, {plan.minutes:g} min of RL a side and seed, "
+          f"{plan.seeds} seed(s) ({', '.join(sides)}); work dir {run_dir}", flush=True)
 
     # 1. the start model and the prompts, cached by their settings
     prep_dir = root / f"start-{plan.model}-{plan.prep_key()}"
@@ -701,34 +861,46 @@ def run_learning(plan: Plan, sides: list[str], args: argparse.Namespace) -> dict
     if args.start_only:
         return {"prep": prep, "start": start_acc}
 
-    # 3. training: TRL first (its step count is r1flow's equal-steps point), each after a quiet moment
-    runs: dict = {}
-    if args.trl_from:  # an earlier run's TRL side, trained and evaluated on this very plan
+    # 3. training: every seed, the sides in alternating order (run_order), each after a quiet moment
+    runs: dict = {side: [] for side in SIDES if side in sides}
+    reused = set()
+    if args.trl_from:  # an earlier run's TRL side, trained and evaluated on this very plan, seed by seed
         earlier = reuse_trl(Path(args.trl_from), plan)
-        runs["trl"] = earlier["runs"]["trl"]
-        evals.update({k: v for k, v in earlier["evals"].items() if k.startswith("trl_")})
-        print(f"[3/4] trl: reused from {args.trl_from} ({runs['trl']['steps']} steps in "
-              f"{runs['trl']['train_s'] / 60:.1f} min)", flush=True)
-    for side in [s for s in SIDES if s in sides and s not in runs]:
-        print(f"[3/4] {side}: {'PPO' if side == 'r1flow_ppo' else 'GRPO'} for {plan.minutes:g} min", flush=True)
-        at_step = runs["trl"]["steps"] if side == "r1flow" and "trl" in runs else None
-        runs[side] = run_learning_child(side, plan_file, run_dir / side, run_dir / f"{side}.log", args.allocator,
-                                        quiet_wait=args.quiet_wait, prep=prep_file, at_step=at_step)
-        r = runs[side]
-        print(f"  {side}: {r['steps']} steps in {r['train_s'] / 60:.1f} min ({r['train_s'] / max(1, r['steps']):.1f} s a "
-              f"step), other processes used {100 * (r['foreign_cpu'] or 0):.0f}% of the CPUs", flush=True)
+        runs["trl"] = earlier["runs"]["trl"][: plan.seeds]
+        names = {eval_name("trl", snap["name"], k) for k, r in enumerate(runs["trl"]) for snap in r["snapshots"]}
+        names |= {eval_name("trl", "end", k) for k in range(plan.seeds)}
+        evals.update({k: v for k, v in earlier["evals"].items() if k in names})
+        reused.add("trl")
+        print(f"[3/4] trl: reused from {args.trl_from} ({listed([r['steps'] for r in runs['trl']])} steps)", flush=True)
+    for k in range(plan.seeds):
+        order = run_order([s for s in runs if s not in reused], k)
+        for side in order:
+            print(f"[3/4] seed {SEED + k}, {side}: {'PPO' if side == 'r1flow_ppo' else 'GRPO'} for {plan.minutes:g} min",
+                  flush=True)
+            trl_steps = runs["trl"][k]["steps"] if len(runs.get("trl", [])) > k else None
+            r = run_learning_child(side, plan_file, run_dir / f"seed{k}" / side, run_dir / f"seed{k}-{side}.log",
+                                   args.allocator, quiet_wait=args.quiet_wait, prep=prep_file, seed=SEED + k,
+                                   at_step=trl_steps if side == "r1flow" else None,
+                                   every_step=1 if side == "r1flow" and trl_steps is None and "trl" in runs else None)
+            pair = [s for s in order if s in ("r1flow", "trl")]
+            r["seed"], r["first"] = SEED + k, (pair[0] == side if len(pair) == 2 and side in pair else None)
+            runs[side].append(r)
+            print(f"  {side}: {r['steps']} steps in {r['train_s'] / 60:.1f} min ({r['train_s'] / max(1, r['steps']):.1f} "
+                  f"s a step), other processes used {100 * (r['foreign_cpu'] or 0):.0f}% of the CPUs", flush=True)
+        if len(runs.get("r1flow", [])) > k and len(runs.get("trl", [])) > k:
+            settle_equal_steps(runs["r1flow"][k], runs["trl"][k]["steps"])
 
     # 4. every end model and snapshot, by the same evaluator
     jobs = []
-    for side, r in runs.items():
-        if side == "trl" and args.trl_from:
+    for side, side_runs in runs.items():
+        if side in reused:
             continue
-        end = {"adapter": r["final"]} if r["final_kind"] == "adapter" else {"dir": r["final"]}
-        jobs.append({"name": f"{side}_end", **end, "prompts": "prompts"})
-        for snap in r["snapshots"]:
-            full = snap["name"] == "equal_steps"
-            jobs.append({"name": f"{side}_{snap['name']}" if not full else f"{side}_equal_steps",
-                         "adapter": snap["adapter"], "prompts": "prompts" if full else "curve_prompts"})
+        for k, r in enumerate(side_runs):
+            end = {"adapter": r["final"]} if r["final_kind"] == "adapter" else {"dir": r["final"]}
+            jobs.append({"name": eval_name(side, "end", k), **end, "prompts": "prompts"})
+            for snap in r["snapshots"]:
+                jobs.append({"name": eval_name(side, snap["name"], k), "adapter": snap["adapter"],
+                             "prompts": "prompts" if snap["name"] == "equal_steps" else "curve_prompts"})
     print(f"[4/4] evaluating {len(jobs)} models", flush=True)
     (run_dir / "jobs.json").write_text(json.dumps(jobs))
     evals.update({k: v for k, v in run_learning_child("eval", plan_file, run_dir / "eval", run_dir / "eval.log", args.allocator,
@@ -749,16 +921,41 @@ def run_learning(plan: Plan, sides: list[str], args: argparse.Namespace) -> dict
     return raw
 
 
+def settle_equal_steps(run: dict, steps: int) -> None:
+    """A run made before the one that sets its equal-steps point saved every step ("step<N>" snapshots): keep step
+    `steps` as "equal_steps" and delete the others (a run that stopped short of `steps` has no equal-steps point).
+    The saves' seconds, inside that run's clock, are kept in "every_step_save_s"."""
+    kept, spent = [], 0.0
+    for snap in run["snapshots"]:
+        if not snap["name"].startswith("step"):
+            kept.append(snap)
+            continue
+        spent += snap.get("save_s", 0.0)
+        if snap["step"] == steps:
+            kept.append({**snap, "name": "equal_steps"})
+        else:
+            shutil.rmtree(snap["adapter"], ignore_errors=True)
+    run["snapshots"] = kept
+    run["every_step_save_s"] = spent
+
+
 def reuse_trl(path: Path, plan: Plan) -> dict:
     """An earlier run's raw results (its learning.json, or the run directory holding it), if that run trained TRL on
-    the same plan, r1flow-only settings aside: SystemExit naming the first difference otherwise."""
+    the same plan, r1flow-only settings aside, for at least as many seeds: SystemExit naming the first difference
+    otherwise."""
     raw_file = path / "learning.json" if path.is_dir() else path
     if not raw_file.is_file():
         raise SystemExit(f"--trl-from {path}: no learning.json there")
     raw = json.loads(raw_file.read_text())
     if "trl" not in raw.get("runs", {}):
         raise SystemExit(f"--trl-from {path}: that run has no TRL side")
-    ours = {k: v for k, v in dataclasses.asdict(plan).items() if k != "r1flow_extra"}
+    if not isinstance(raw["runs"]["trl"], list):
+        raise SystemExit(f"--trl-from {path}: made by the one-seed version of learning.py (before --seeds); run TRL "
+                         "again")
+    if len(raw["runs"]["trl"]) < plan.seeds:
+        raise SystemExit(f"--trl-from {path}: it has {len(raw['runs']['trl'])} TRL seed(s), this run asks for "
+                         f"{plan.seeds}")
+    ours = {k: v for k, v in dataclasses.asdict(plan).items() if k not in ("r1flow_extra", "seeds")}
     for key, value in ours.items():
         if raw["plan"].get(key) != value:
             raise SystemExit(f"--trl-from {path}: its {key} was {raw['plan'].get(key)!r}, this run's is {value!r}")
@@ -767,9 +964,11 @@ def reuse_trl(path: Path, plan: Plan) -> dict:
 
 def learning_markdown_section(plan: Plan, command: str, info: dict, code: str, summary: dict, runs: dict, prep: dict,
                               plot_path: Path) -> str:
-    threads = {side: r.get("threads") for side, r in runs.items()}
+    threads = {side: sorted({r.get("threads") for r in rs}, key=str) for side, rs in runs.items()}
     extra = f"; r1flow only: {json.dumps(plan.r1flow_extra)}" if plan.r1flow_extra else ""
-    lines = [f"### Learning efficacy, {plan.model}, {plan.minutes:g} min a side ({info['device_name']}, code {code})",
+    seeds = listed(range(SEED, SEED + plan.seeds))
+    lines = [f"### Learning efficacy, {plan.model}, {plan.minutes:g} min a side, {plan.seeds} seed(s) "
+             f"({info['device_name']}, code {code})",
              "",
              f"`{command}`",
              "",
@@ -779,14 +978,26 @@ def learning_markdown_section(plan: Plan, command: str, info: dict, code: str, s
              f"R1-format examples from r1flow's rejection sampling. GRPO, both sides: {plan.prompts_per_step} prompts x "
              f"{plan.group_size} completions a step, {plan.max_new_tokens} new tokens, temperature {plan.temperature:g}, "
              f"LoRA r={plan.lora_r}, lr {plan.learning_rate:g}, beta {plan.beta:g}, reward {json.dumps(plan.reward)}, "
-             f"the same prompts in the same order{extra}. "
+             f"advantages divided by the group's {summary['std']} std (TRL: torch.std, the sample std), "
+             f"the same prompts in the same order for a seed{extra}. "
              + ("r1flow PPO (`--algo ppo`): the same prompts, reward, LoRA, lr and completions a step "
                 f"({plan.prompts_per_step} prompts x {plan.group_size} samples), one epoch in the same mini-batches, "
                 f"beta as the KL penalty in the per-token rewards, the critic a LoRA copy of the policy. "
                 if "r1flow_ppo" in runs else "")
+             + f"Training seeds {seeds} on each side (prompt order, sampling, LoRA initialisation; seed k of one side "
+             f"has seed k's prompt order on the other)"
+             + ("; r1flow trains first for even k, TRL for odd k. " if {"r1flow", "trl"} <= set(runs) else ". ")
              + f"One environment for every side (threads {threads}). "
-             f"Evaluation: r1flow's eval stage, greedy, strict accuracy; 95% bootstrap intervals, gains paired.",
-             "", *table(summary), "", *verdict_lines(summary), "", f"Plot: `{plot_path}`", ""]
+             f"Evaluation: r1flow's eval stage, greedy, strict accuracy. Pooled rows: the mean over seeds, 95% "
+             f"intervals from a bootstrap that resamples the seeds and the prompts (one prompt draw shared by every "
+             f"seed and side: stages/math/stats.py, seed_prompt_means); gains and differences paired (seed k with "
+             f"seed k, each prompt with itself).",
+             "", *table(summary), "", "Each seed (intervals over prompts only):", "", *seed_table(summary), "",
+             *verdict_lines(summary), ""]
+    if phase := phase_lines(summary):
+        lines += ["Seconds a step by phase (mean over every seed's steps after the first; training: what generation "
+                  "and scoring leave of the step):", "", *phase, ""]
+    lines += [f"Plot: `{plot_path}`", ""]
     return "\n".join(lines) + "\n"
 
 

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import TrainerCallback
+from transformers import TrainerCallback, set_seed
 
 from benchmarks.common import PeakMemory, Shape, Snapshots
 from schemas.artifacts import MODEL_DIR
@@ -176,22 +176,21 @@ def r1_reward(prompts, completions, completion_ids, **columns):
     return [v.reward for v in verdicts(RewardSpec(), prompts, completions, completion_ids, columns)]
 
 
-def run_grpo(prep: dict, shape: Shape, device: str, work: Path, step_prompts: list[list[str]]) -> dict:
-    """step_prompts: the prompt ids of each step, warm-up first (the ones r1flow's stage picks): the trainer's
-    dataset is exactly those rows in that order, read unshuffled, so step k samples for list k; the ids
-    each generation call did get are recorded (`step_prompts`) for the suite to compare."""
-    from trl import GRPOConfig, GRPOTrainer
-
-    sampled: list[list[str]] = []
+def timed_grpo_trainer():
+    """TRL's GRPOTrainer with clocks around its generation (`_generate`: templating, generate, decode) and its reward
+    calls, summed in `trainer.bench` until a callback reads and resets them, and the prompt ids of each generation
+    batch in `trainer.sampled`. The class is made on call (TRL is imported only in the benchmark venv); it changes no
+    behaviour."""
+    from trl import GRPOTrainer
 
     class TimedGRPO(GRPOTrainer):
-        """Clocks around TRL's generation (`_generate`: templating, generate, decode) and reward calls; records
-        the prompt ids of each generation batch."""
-
-        bench = {"generation": 0.0, "scoring": 0.0, "completion_tokens": 0.0}
+        def __init__(self, *args, **kwargs):
+            self.bench = {"generation": 0.0, "scoring": 0.0, "completion_tokens": 0.0}
+            self.sampled: list[list[str]] = []
+            super().__init__(*args, **kwargs)
 
         def _generate_and_score_completions(self, inputs):
-            sampled.append([x["id"] for x in inputs[:: self.num_generations]])
+            self.sampled.append([x["id"] for x in inputs[:: self.num_generations]])
             return super()._generate_and_score_completions(inputs)
 
         def _generate(self, prompts):
@@ -206,6 +205,24 @@ def run_grpo(prep: dict, shape: Shape, device: str, work: Path, step_prompts: li
             out = super()._calculate_rewards(*args, **kwargs)
             self.bench["scoring"] += time.perf_counter() - t0
             return out
+
+    return TimedGRPO
+
+
+def step_phases(total: float, bench: dict) -> dict:
+    """One step's seconds by phase from its whole duration and the clocks of `timed_grpo_trainer` during it:
+    training is what generation and scoring leave (the loss, backward and optimizer step, and TRL's own
+    bookkeeping)."""
+    return {"generation": bench["generation"], "scoring": bench["scoring"],
+            "training": total - bench["generation"] - bench["scoring"], "total": total,
+            "completion_tokens": bench["completion_tokens"]}
+
+
+def run_grpo(prep: dict, shape: Shape, device: str, work: Path, step_prompts: list[list[str]]) -> dict:
+    """step_prompts: the prompt ids of each step, warm-up first (the ones r1flow's stage picks): the trainer's
+    dataset is exactly those rows in that order, read unshuffled, so step k samples for list k; the ids
+    each generation call did get are recorded (`step_prompts`) for the suite to compare."""
+    from trl import GRPOConfig
 
     n = shape.grpo_prompts * shape.grpo_group
     if n % shape.grpo_minibatch:
@@ -227,20 +244,15 @@ def run_grpo(prep: dict, shape: Shape, device: str, work: Path, step_prompts: li
     rows = [by_id[i] for step in step_prompts for i in step]  # one generation batch a step, in this order
     data = grpo_dataset(rows)
     model, tokenizer = load(prep)
-    trainer = TimedGRPO(model=model, reward_funcs=r1_reward, args=args, train_dataset=data,
-                        processing_class=tokenizer, callbacks=[clock], peft_config=peft_config(shape.lora_r))
-    trainer.bench = dict(TimedGRPO.bench)
+    trainer = timed_grpo_trainer()(model=model, reward_funcs=r1_reward, args=args, train_dataset=data,
+                                   processing_class=tokenizer, callbacks=[clock], peft_config=peft_config(shape.lora_r))
     clock.trainer = trainer
     trainer.train()
     mem = meter.result()
     totals = clock.intervals()
-    steps = []
-    for k, total in enumerate(totals, start=1):  # per_step[k] belongs to step k+1, the end of interval k
-        b = clock.per_step[k]
-        steps.append({"step": k + 1, "generation": b["generation"], "scoring": b["scoring"],
-                      "training": total - b["generation"] - b["scoring"], "total": total,
-                      "completion_tokens": b["completion_tokens"]})
-    return {"steps": steps, "completions": n, "step_prompts": sampled, **mem}
+    # per_step[k] belongs to step k+1, the end of interval k
+    steps = [{"step": k + 1, **step_phases(total, clock.per_step[k])} for k, total in enumerate(totals, start=1)]
+    return {"steps": steps, "completions": n, "step_prompts": trainer.sampled, **mem}
 
 
 def versions() -> dict[str, str]:
@@ -253,13 +265,15 @@ def versions() -> dict[str, str]:
 # ---------------------------------------------------------------------------- GRPO learning (benchmarks/learning.py)
 
 
-def run_grpo_learning(plan, prep: dict, work: Path) -> dict:
-    """TRL's GRPOTrainer on `learning.py`'s plan: the same start model, prompts (in r1flow's order, read
-    unshuffled), reward (r1flow's scorer with the plan's RewardSpec), LoRA, group size, prompts per step,
-    max tokens, temperature, learning rate and beta; the same budget rule (no step starts once `plan.minutes`
-    of training are spent, counted from the trainer's first step) and the same snapshots."""
+def run_grpo_learning(plan, prep: dict, work: Path, seed: int, step_prompts: list[list[str]]) -> dict:
+    """TRL's GRPOTrainer on `learning.py`'s plan: the same start model, prompts (`step_prompts`, r1flow's order for
+    this training seed, read unshuffled), reward (r1flow's scorer with the plan's RewardSpec), LoRA, group size,
+    prompts per step, max tokens, temperature, learning rate and beta; the same budget rule (no step starts once
+    `plan.minutes` of training are spent, counted from the trainer's first step) and the same snapshots. `seed` is
+    the trainer's seed (LoRA initialisation, sampling). Each step's curve entry has its generation, scoring and
+    training seconds (`timed_grpo_trainer`)."""
     import pyarrow.parquet as pq
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOConfig
 
     from schemas.artifacts import DATA_FILE
 
@@ -278,6 +292,7 @@ def run_grpo_learning(plan, prep: dict, work: Path) -> dict:
 
     class Budget(TrainerCallback):
         t0 = 0.0
+        trainer = None
 
         def on_train_begin(self, args, state, control, **kwargs):
             self.t0 = time.perf_counter()
@@ -286,7 +301,12 @@ def run_grpo_learning(plan, prep: dict, work: Path) -> dict:
             elapsed = time.perf_counter() - self.t0
             r, acc = pending[-1] if pending else (float("nan"), float("nan"))
             pending.clear()
-            curve.append({"step": state.global_step, "elapsed_s": elapsed, "reward": r, "accuracy": acc})
+            phases = step_phases(elapsed - (curve[-1]["elapsed_s"] if curve else 0.0), self.trainer.bench)
+            self.trainer.bench = {k: 0.0 for k in self.trainer.bench}
+            curve.append({"step": state.global_step, "elapsed_s": elapsed, "reward": r, "accuracy": acc,
+                          "step_s": phases["total"], "generation_s": phases["generation"],
+                          "scoring_s": phases["scoring"], "training_s": phases["training"],
+                          "completion_tokens": phases["completion_tokens"]})
             snaps.after_step(model, state.global_step, elapsed)
             if elapsed >= 60.0 * plan.minutes:
                 control.should_training_stop = True
@@ -295,22 +315,30 @@ def run_grpo_learning(plan, prep: dict, work: Path) -> dict:
     mb = min(plan.minibatch_size, n)
     if n % mb:
         raise SystemExit(f"learning: prompts x group ({n}) must be a multiple of the minibatch ({mb})")
-    args = GRPOConfig(**common_args(plan.device, work / "trl-grpo", plan.max_steps, plan.learning_rate),
+    args = GRPOConfig(**{**common_args(plan.device, work / "trl-grpo", plan.max_steps, plan.learning_rate),
+                         "seed": seed},
                       per_device_train_batch_size=mb, gradient_accumulation_steps=n // mb,
                       num_generations=plan.group_size, max_completion_length=plan.max_new_tokens,
                       temperature=plan.temperature, top_p=1.0, top_k=0, beta=plan.beta, num_iterations=1,
                       epsilon=0.2, loss_type="grpo", scale_rewards="group", use_vllm=False, log_completions=False,
                       shuffle_dataset=False)
     by_id = {r["id"]: r for r in pq.read_table(Path(prep["prompts"]["path"]) / DATA_FILE).to_pylist()}
-    rows = [by_id[i] for step in prep["step_prompts"] for i in step]
+    rows = [by_id[i] for step in step_prompts for i in step]
     data = grpo_dataset(rows)
+    # GRPOTrainer wraps the model in LoRA before Trainer.__init__ seeds from args.seed: seed first, as r1flow's stage
+    # seeds every RNG with its context seed before loading, so the seed sets the LoRA initialisation on both sides
+    set_seed(seed)
     model, tokenizer = models.load_model(prep["start_dir"])
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data, processing_class=tokenizer,
-                          callbacks=[Budget()],
-                          peft_config=peft_config(plan.lora_r, alpha=2 * plan.lora_r))  # as learning.grpo_config's LoRA
+    budget = Budget()
+    # scale_rewards="group": TRL divides by the group's sample std (torch.std, ddof 1); learning.grpo_config sets
+    # r1flow's std to "sample" to match
+    trainer = timed_grpo_trainer()(model=model, reward_funcs=reward, args=args, train_dataset=data,
+                                   processing_class=tokenizer, callbacks=[budget],
+                                   peft_config=peft_config(plan.lora_r, alpha=2 * plan.lora_r))  # as grpo_config's
+    budget.trainer = trainer
     trainer.train()
     final = work / "final"
     trainer.model.save_pretrained(str(final))
     return {"curve": curve, "snapshots": snaps.saved, "steps": len(curve),
             "train_s": curve[-1]["elapsed_s"] if curve else 0.0, "final": str(final), "final_kind": "adapter",
-            "versions": versions()}
+            "seed": seed, "versions": versions()}

@@ -29,34 +29,150 @@ def test_gains_are_paired_differences_over_the_same_prompts():
     g = learning.gain_entry(start, end, learning.TASK)
     assert g["gain"] == pytest.approx(0.25)
     assert g["ci"][0] <= 0.25 <= g["ci"][1] and g["ci"][0] >= 0.0  # no resample can lose: only gains were paired
-    with pytest.raises(ValueError, match="different prompts"):
+    with pytest.raises(ValueError, match="other prompts"):
         learning.gain_entry(start, rows(learning.TASK, [1, 0, 1, 1], start=1), learning.TASK)
 
 
-def test_summary_compares_equal_steps_and_equal_time():
+def test_paired_diff_refuses_other_prompts_or_another_order():
+    a = {"rows": rows(learning.TASK, [0, 1, 1])}
+    evals = {"a": a, "same": {"rows": rows(learning.TASK, [1, 1, 1])},
+             "shifted": {"rows": rows(learning.TASK, [1, 1, 1], start=1)},
+             "reordered": {"rows": list(reversed(rows(learning.TASK, [1, 1, 1])))},
+             "shorter": {"rows": rows(learning.TASK, [1, 1])}}
+    assert learning.paired_diff(evals, "a", "same")["diff"] == pytest.approx(1 / 3)
+    with pytest.raises(ValueError, match=r"shifted scored other prompts than a .*position 0: basic_arithmetic-001 "
+                                          r"against basic_arithmetic-000"):
+        learning.paired_diff(evals, "a", "shifted")
+    with pytest.raises(ValueError, match="reordered scored other prompts than a"):
+        learning.paired_diff(evals, "a", "reordered")
+    with pytest.raises(ValueError, match=r"\(2 against 3; first difference at position 2: none"):
+        learning.paired_diff(evals, "a", "shorter")
+
+
+def seeded_evals(n: int, start: list[int], **ends: list[list[int]]) -> dict:
+    """evals of the start model and of each (side_what: one list of correct prompt indices a seed), on n prompts."""
+    def correct(right):
+        return [int(i in right) for i in range(n)]
+
+    out = {"start": evaluation(correct(start), [0] * n)}
+    for kind, per_seed in ends.items():
+        side, what = kind.split("__")
+        for k, right in enumerate(per_seed):
+            out[learning.eval_name(side, what, k)] = evaluation(correct(right), [0] * n)
+    return out
+
+
+def seeded_runs(trl_steps: list[int], r1_steps: list[int]) -> dict:
+    return {"trl": [{"seed": k, "first": k % 2 == 1, "steps": s, "train_s": 1200.0, "curve": []}
+                    for k, s in enumerate(trl_steps)],
+            "r1flow": [{"seed": k, "first": k % 2 == 0, "steps": s, "train_s": 1190.0, "curve": [],
+                        "snapshots": [{"name": "equal_steps", "step": trl_steps[k], "elapsed_s": 450.0}]}
+                       for k, s in enumerate(r1_steps)]}
+
+
+def test_summary_pools_seeds_and_compares_equal_steps_and_equal_time():
+    """40 prompts, none right at the start; two seeds a side. TRL gets prompts 0-7 right with both seeds (+20
+    points), r1flow 0-19 (+50): the difference is +30 points, the ratio 2.5. Every replicate's TRL gain is above 0
+    unless a prompt draw misses all of 0-7, probability (32/40)^40 = 1.3e-4, so the ratio's interval is bounded and
+    the target (2x, difference above 0) is met. At equal steps r1flow has TRL's very answers: 0 [0, 0], the same."""
     n = 40
-    evals = {"start": evaluation([0] * n, [0] * n),
-             "trl_end": evaluation([1] * 4 + [0] * (n - 4), [0] * n),              # +10 points
-             "r1flow_equal_steps": evaluation([1] * 5 + [0] * (n - 5), [0] * n),   # +12.5
-             "r1flow_end": evaluation([1] * 10 + [0] * (n - 10), [1] + [0] * (n - 1))}  # +25: 2.5x TRL's gain
-    runs = {"trl": {"steps": 30, "train_s": 1200.0},
-            "r1flow": {"steps": 80, "train_s": 1190.0, "snapshots": [{"name": "equal_steps", "step": 30,
-                                                                       "elapsed_s": 450.0}]}}
-    s = learning.summarize_learning(learning.Plan(), evals, runs)
+    trl, r1 = list(range(8)), list(range(20))
+    evals = seeded_evals(n, [], trl__end=[trl, trl], r1flow__end=[r1, r1], r1flow__equal_steps=[trl, trl])
+    runs = seeded_runs([12, 14], [56, 60])
+    s = learning.summarize_learning(learning.Plan(seeds=2), evals, runs)
     by = {r["name"]: r for r in s["rows"]}
     assert [r["name"] for r in s["rows"]] == ["start", "trl_end", "r1flow_equal_steps", "r1flow_end"]
-    assert by["r1flow_end"]["gain"]["gain"] == pytest.approx(0.25)
-    assert by["r1flow_end"]["transfer_gain"]["gain"] == pytest.approx(1 / n)
-    assert s["gain_ratio_equal_time"] == pytest.approx(2.5)
-    assert s["equal_time_met"] is True
-    assert s["equal_steps_diff"]["diff"] == pytest.approx(0.025) and s["equal_steps_diff"]["not_worse"]
-    text = "\n".join(learning.table(s) + learning.verdict_lines(s))
-    assert "| r1flow, budget | 80 | 19.8 | 25.0% [" in text
-    assert "2.50x TRL's gain" in text and "met" in text
-    # half TRL's gain at equal time: missed, and said so
-    evals["r1flow_end"] = evaluation([1] * 2 + [0] * (n - 2), [0] * n)
-    s = learning.summarize_learning(learning.Plan(), evals, runs)
-    assert s["equal_time_met"] is False and "MISSED" in "\n".join(learning.verdict_lines(s))
+    assert by["r1flow_end"]["gain"]["gain"] == pytest.approx(0.5) and by["r1flow_end"]["task"]["seeds"] == 2
+    assert by["r1flow_equal_steps"]["steps"] == [12, 14] and by["trl_end"]["steps"] == [12, 14]
+    assert [e["seed"] for e in by["r1flow_end"]["per_seed"]] == [0, 1]
+    et = s["equal_time"]
+    assert et["diff"] == pytest.approx(0.3) and et["ratio"] == pytest.approx(2.5) and et["seeds"] == 2
+    assert et["gain_a_ci"][0] > 0 and et["ratio_ci"] is not None and et["verdict"] == "met"
+    assert s["equal_steps"] == {"diff": 0.0, "ci": [0.0, 0.0], "seeds": 2, "verdict": "same"}
+    assert s["std"] == "sample"
+    text = "\n".join(learning.table(s) + learning.seed_table(s) + learning.verdict_lines(s))
+    assert "| r1flow, budget | 56, 60 | 19.8, 19.8 | 50.0% [" in text
+    assert "| TRL, budget | 1 | yes | 14 | 20.0 | 20.0% [" in text  # seed 1: TRL ran first
+    assert "r1flow's gain minus TRL's +30.0 points [" in text and "2.50x TRL's gain [" in text
+    assert "Target (>= 2x, difference's interval above 0): met" in text
+    assert "equal steps, 2 seed(s): r1flow minus TRL +0.0 points [+0.0, +0.0] (two-sided): the same" in text
+
+
+def test_summary_verdicts_a_barely_learning_trl_and_a_difference_at_equal_steps():
+    """TRL right on prompt 0 only (+2.5 points): a prompt draw misses it with probability (39/40)^40 = 36%, so TRL's
+    gain interval reaches 0 and the ratio (8x) has no bounded interval: "undetermined", not met. At equal steps
+    r1flow is right on 10 more prompts than TRL with both seeds: higher beyond the noise, which is flagged
+    INVESTIGATE, not counted as a win. r1flow at half TRL's gain: MISSED."""
+    n = 40
+    evals = seeded_evals(n, [], trl__end=[[0], [0]], r1flow__end=[range(8), range(8)],
+                         r1flow__equal_steps=[range(11), range(11)])
+    s = learning.summarize_learning(learning.Plan(seeds=2), evals, seeded_runs([12, 14], [56, 60]))
+    assert s["equal_time"]["ratio"] == pytest.approx(8.0) and s["equal_time"]["ratio_ci"] is None
+    assert s["equal_time"]["verdict"] == "undetermined"
+    assert s["equal_steps"]["verdict"] == "higher"
+    text = "\n".join(learning.verdict_lines(s))
+    assert "its interval unbounded: TRL's gain interval reaches 0" in text and "undetermined" in text
+    assert "r1flow HIGHER beyond the noise: INVESTIGATE" in text
+    evals = seeded_evals(n, [], trl__end=[range(16), range(16)], r1flow__end=[range(8), range(8)])
+    s = learning.summarize_learning(learning.Plan(seeds=2), evals, seeded_runs([12, 14], [56, 60]))
+    assert s["equal_time"]["verdict"] == "MISSED" and "equal_steps" not in s
+
+
+def test_equal_time_verdict_rules():
+    def c(diff_low, ratio, ratio_ci):
+        return {"diff_ci": [diff_low, 1.0], "ratio": ratio, "ratio_ci": ratio_ci}
+
+    assert learning.equal_time_verdict(c(0.01, 3.0, [2.1, 5.0])) == "met"
+    assert learning.equal_time_verdict(c(0.01, 2.0, [1.1, 5.0])) == "met"  # the point at 2x, the interval below
+    assert learning.equal_time_verdict(c(0.01, 1.9, [1.1, 5.0])) == "MISSED"
+    assert learning.equal_time_verdict(c(0.0, 3.0, [2.1, 5.0])) == "MISSED"  # the difference not above 0
+    assert learning.equal_time_verdict(c(0.01, 9.0, None)) == "undetermined"
+    assert learning.equal_time_verdict(c(0.01, None, None)) == "undetermined"  # TRL gained nothing at all
+
+
+def test_sides_take_turns_to_run_first():
+    assert [learning.run_order(["trl", "r1flow"], k) for k in range(3)] == [["r1flow", "trl"], ["trl", "r1flow"],
+                                                                           ["r1flow", "trl"]]
+    assert learning.run_order(["trl", "r1flow", "r1flow_ppo"], 1) == ["trl", "r1flow", "r1flow_ppo"]
+    assert learning.run_order(["r1flow"], 1) == ["r1flow"]
+
+
+def test_every_step_snapshots_settle_on_the_equal_steps_point(tmp_path):
+    """r1flow ran first (every step saved); TRL then took 2 steps: step 2's adapter is the equal-steps one, the
+    others are deleted, the curve snapshots stay."""
+    class Model:
+        def save_pretrained(self, path):
+            Path(path).mkdir(parents=True)
+
+    snaps = learning.Snapshots([150.0], tmp_path, at_step=None, every_step=True)
+    for step, t in ((1, 50.0), (2, 100.0), (3, 170.0)):
+        snaps.after_step(Model(), step, t)
+    run = {"snapshots": snaps.saved}
+    learning.settle_equal_steps(run, 2)
+    assert [(s["name"], s["step"]) for s in run["snapshots"]] == [("equal_steps", 2), ("t1", 3)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step2", "t1"]
+    assert run["every_step_save_s"] >= 0
+    run = {"snapshots": [dict(s, name=f"step{s['step']}") for s in snaps.saved if s["name"] == "equal_steps"]}
+    learning.settle_equal_steps(run, 5)  # TRL took more steps than r1flow: no equal-steps point
+    assert run["snapshots"] == []
+
+
+def test_phase_means_skip_the_first_step_and_need_every_phase():
+    def step(g, sc, tr):
+        return {"generation_s": g, "scoring_s": sc, "training_s": tr, "step_s": g + sc + tr}
+
+    runs = [{"curve": [step(50, 1, 50), step(10, 1, 5), step(20, 1, 7)]}, {"curve": [step(9, 9, 9), step(30, 1, 9)]}]
+    p = learning.phase_means(runs)
+    assert p == {"generation": 20.0, "scoring": 1.0, "training": 7.0, "total": 28.0, "steps": 3}
+    assert learning.phase_means([{"curve": [step(1, 1, 1), {"step_s": 3.0}]}]) is None  # an older run: no phases
+    lines = learning.phase_lines({"phases": {"trl": p, "r1flow": None}})
+    assert lines[2] == "| trl | 3 | 20.0 | 1.00 | 7.0 | 28.0 |" and len(lines) == 3
+
+
+def test_trl_step_phases_leave_training_what_generation_and_scoring_do_not_take():
+    trl_side = pytest.importorskip("benchmarks.trl_side")
+    got = trl_side.step_phases(100.0, {"generation": 60.0, "scoring": 2.5, "completion_tokens": 900.0})
+    assert got == {"generation": 60.0, "scoring": 2.5, "training": 37.5, "total": 100.0, "completion_tokens": 900.0}
 
 
 def test_snapshots_follow_the_curve_times_and_the_equal_steps_point(tmp_path):
@@ -77,6 +193,7 @@ def test_bad_settings_fail_before_any_compute(tmp_path):
     for extra, needle in ((["--r1flow-set", "dynamic_sampling=maybe"], "dynamic_sampling"),
                           (["--r1flow-set", "no_such_field=1"], "no_such_field"),
                           (["--group-size", "1"], "group_size"),
+                          (["--seeds", "0"], "seeds"),
                           (["--sides", "r1flow,openrlhf"], "openrlhf")):
         p = subprocess.run([sys.executable, "benchmarks/learning.py", "--model", "tiny", "--sides", "r1flow",
                             "--work-dir", str(tmp_path), *extra], cwd=ROOT, capture_output=True, text=True)
@@ -84,15 +201,69 @@ def test_bad_settings_fail_before_any_compute(tmp_path):
     assert not any(tmp_path.iterdir())  # nothing made
 
 
-
-
 def test_a_reused_trl_run_must_have_trained_on_the_same_plan(tmp_path):
     plan = learning.Plan()
-    raw = {"plan": learning.dataclasses.asdict(plan), "runs": {"trl": {"steps": 3}}, "evals": {}}
+    raw = {"plan": learning.dataclasses.asdict(plan), "runs": {"trl": [{"steps": 3}, {"steps": 4}, {"steps": 2}]},
+           "evals": {}}
     (tmp_path / "learning.json").write_text(json.dumps(raw))
     tried = learning.Plan(r1flow_extra={"dynamic_sampling": True})  # r1flow-only settings may differ
-    assert learning.reuse_trl(tmp_path, tried)["runs"]["trl"]["steps"] == 3
+    assert learning.reuse_trl(tmp_path, tried)["runs"]["trl"][0]["steps"] == 3
+    assert learning.reuse_trl(tmp_path, learning.Plan(seeds=2))["runs"]["trl"][1]["steps"] == 4  # fewer seeds: fine
+    with pytest.raises(SystemExit, match="it has 3 TRL seed"):
+        learning.reuse_trl(tmp_path, learning.Plan(seeds=4))
     with pytest.raises(SystemExit, match="learning_rate was 0.0002, this run's is 0.001"):
         learning.reuse_trl(tmp_path, learning.Plan(learning_rate=1e-3))
     with pytest.raises(SystemExit, match="no learning.json"):
         learning.reuse_trl(tmp_path / "nowhere", plan)
+    raw["runs"]["trl"] = {"steps": 3}  # the one-seed version's layout
+    (tmp_path / "learning.json").write_text(json.dumps(raw))
+    with pytest.raises(SystemExit, match="one-seed version"):
+        learning.reuse_trl(tmp_path, plan)
+
+
+def test_the_parent_alternates_sides_and_settles_equal_steps(tmp_path, monkeypatch):
+    """run_learning with its children faked (no compute): seed 0 runs r1flow first, which saves every step since
+    TRL's step count is not known yet, and keeps TRL's step 3 afterwards; seed 1 runs TRL first and r1flow saves
+    step 3 only. Every seed's end and equal-steps models are evaluated, and the summary pairs them."""
+    import argparse
+
+    calls = []
+    right = {"start": 0, "trl_end": 8, "r1flow_end": 20, "r1flow_equal_steps": 8}
+
+    class Model:
+        def save_pretrained(self, path):
+            Path(path).mkdir(parents=True)
+
+    def fake_child(what, plan_file, work, log, allocator, quiet_wait=0.0, **extra):
+        calls.append((what, extra.get("seed"), extra.get("at_step"), extra.get("every_step")))
+        if what == "prep":
+            Path(work).mkdir(parents=True)  # the child's work dir, renamed into the cache
+            return {"start_dir": str(tmp_path / "start")}
+        if what == "eval":
+            names = [j["name"] for j in json.loads(Path(extra["jobs"]).read_text())]
+            ones = {n: right.get(n.rsplit("_s", 1)[0], 0) for n in names}  # "r1flow_end_s1" -> r1flow_end's
+            return {n: evaluation([1] * k + [0] * (40 - k), [0] * 40) for n, k in ones.items()}
+        steps = {"trl": 3, "r1flow": 5}[what]
+        snaps = learning.Snapshots([], Path(work) / "snapshots", extra.get("at_step"), bool(extra.get("every_step")))
+        for step in range(1, steps + 1):
+            snaps.after_step(Model(), step, 10.0 * step)
+        return {"steps": steps, "train_s": 10.0 * steps, "snapshots": snaps.saved, "final": str(work), "final_kind":
+                "adapter", "curve": [], "foreign_cpu": 0.0, "threads": 2}
+
+    monkeypatch.setattr(learning, "run_learning_child", fake_child)
+    monkeypatch.setattr(learning, "plot", lambda *a, **k: None)
+    args = argparse.Namespace(work_dir=str(tmp_path / "w"), allocator="tuned", quiet_wait=0.0, trl_from=None,
+                              start_only=False, plot=None, json=None, markdown=None)
+    raw = learning.run_learning(learning.Plan(seeds=2), ["trl", "r1flow"], args)
+    assert [c for c in calls if c[0] in ("trl", "r1flow")] == [("r1flow", 0, None, 1), ("trl", 0, None, None),
+                                                               ("trl", 1, None, None), ("r1flow", 1, 3, None)]
+    for run in raw["runs"]["r1flow"]:
+        assert [(s["name"], s["step"]) for s in run["snapshots"]] == [("equal_steps", 3)]
+        assert Path(run["snapshots"][0]["adapter"]).is_dir()
+    assert not list((tmp_path / "w").glob("run-*/seed0/r1flow/snapshots/step[1245]"))  # the others deleted
+    assert [r["first"] for r in raw["runs"]["r1flow"]] == [True, False]
+    assert [r["first"] for r in raw["runs"]["trl"]] == [False, True]
+    assert {"r1flow_equal_steps_s0", "r1flow_equal_steps_s1", "trl_end_s1", "r1flow_end_s0"} <= set(raw["evals"])
+    s = raw["summary"]
+    assert s["equal_time"]["verdict"] == "met" and s["equal_time"]["diff"] == pytest.approx(0.3)
+    assert s["equal_steps"]["verdict"] == "same" and s["equal_steps"]["seeds"] == 2

@@ -117,3 +117,111 @@ def test_cluster_bootstrap_ratio_hand_worked():
     assert all(math.isnan(v) for v in stats.cluster_bootstrap_ratio([], [], []))
     with pytest.raises(ValueError, match="2 num, 2 den and 1 groups"):
         stats.cluster_bootstrap_ratio([1, 0], [1, 1], ["a"])
+
+
+# ---------------------------------------------------------------------------- training seeds x prompts
+
+
+def interval_of(values, confidence=0.95, seed=0):
+    """The percentile interval of one (S, P) array's replicate means."""
+    reps = stats.seed_prompt_means(np.asarray(values, dtype=float)[None], resamples=4000, seed=seed)[:, 0]
+    return stats.percentile_interval(reps, confidence)
+
+
+def test_seeds_are_resampled_and_so_are_prompts():
+    """Two seeds scoring 0 and 1 on one prompt: a replicate draws the seeds (0,0), (0,1) or (1,0), or (1,1), so its
+    mean is 0, 0.5 or 1 with probability 1/4, 1/2, 1/4; the 95% interval is [0, 1] and the 40% one (30% and 70%
+    quantiles) sits inside the 0.5 mass. One seed on two prompts scored 0 and 1: the same, from the prompts."""
+    assert interval_of([[0], [1]]) == (0.0, 1.0)
+    assert interval_of([[0], [1]], confidence=0.4) == (0.5, 0.5)
+    assert interval_of([[0, 1]]) == (0.0, 1.0)
+    assert interval_of([[0, 1]], confidence=0.4) == (0.5, 0.5)
+
+
+def test_one_prompt_draw_is_shared_by_all_seeds():
+    """Two seeds, both right on prompt 1 and wrong on prompt 2. The seeds agree, so only the prompt draw matters:
+    (1,1) -> 1, (1,2) or (2,1) -> 0.5, (2,2) -> 0, probabilities 1/4, 1/2, 1/4, and the 80% interval (10% and 90%
+    quantiles) is [0, 1]. Drawing prompts afresh under each seed would average two independent draws: 0, 0.25,
+    0.5, 0.75, 1 with probabilities 1/16, 4/16, 6/16, 4/16, 1/16, an 80% interval of [0.25, 0.75], too narrow
+    for prompts that are the same for every seed."""
+    assert interval_of([[1, 0], [1, 0]], confidence=0.8) == (0.0, 1.0)
+
+
+def test_seed_spread_widens_the_interval():
+    """r1flow beats TRL on all 100 prompts with seed 0 and ties with seed 1. Pooling the 200 per-prompt differences
+    as if they were one run gives 0.5 +- 1.96 * sqrt(0.25 / 200) = 0.5 +- 0.07; resampling the seeds gives a
+    replicate mean of 1, 0.5 or 0 (seed draws (0,0), mixed, (1,1)), so the 95% interval is [0, 1]."""
+    a = np.zeros((2, 100))
+    b = np.stack([np.ones(100), np.zeros(100)])
+    assert stats.seed_prompt_diff(a, b, resamples=4000) == (0.5, 0.0, 1.0)
+    _, low, high = paired_bootstrap_diff(a.ravel(), b.ravel())
+    assert (high - low) / 2 == pytest.approx(1.96 * math.sqrt(0.25 / 200), abs=0.01)
+
+
+def test_seed_prompt_draws_are_paired_across_arrays_and_deterministic():
+    x = coin(60, p=0.4).reshape(3, 20)
+    reps = stats.seed_prompt_means(np.stack([x, x, 1 - x]), resamples=500, seed=2)
+    assert np.array_equal(reps[:, 0], reps[:, 1])  # the same draw for every array
+    assert np.allclose(reps[:, 0] + reps[:, 2], 1.0)
+    assert np.array_equal(stats.seed_prompt_means(x[None], 500, seed=2)[:, 0], reps[:, 0])
+    assert stats.seed_prompt_diff(x, x) == (0.0, 0.0, 0.0)
+    with pytest.raises(ValueError, match=r"a is \(3, 20\) and b is \(2, 20\)"):
+        stats.seed_prompt_diff(x, x[:2])
+    with pytest.raises(ValueError, match="seeds, prompts"):
+        stats.seed_prompt_diff([0, 1], [1, 1])
+
+
+def test_seed_prompt_means_do_not_depend_on_the_chunk_size(monkeypatch):
+    x = coin(60, p=0.4).reshape(3, 20)[None]
+    whole = stats.seed_prompt_means(x, 1000, seed=7)
+    monkeypatch.setattr(stats, "CHUNK_ELEMENTS", 23 * 64 + 5)  # chunks of 64 resamples, the last one shorter
+    assert np.allclose(stats.seed_prompt_means(x, 1000, seed=7), whole)
+
+
+def test_compare_gains_hand_worked_bounded_ratio():
+    """One seed, two prompts, both unsolved at the start. TRL ends at 0.5 on each (fractional scores, e.g. pass
+    rates), so its gain is 0.5 in every replicate. r1flow ends at 1 and 0.5: its gain is 1, 0.75 or 0.5 as the
+    prompt draw is (1,1), mixed or (2,2), probabilities 1/4, 1/2, 1/4. So: TRL's gain 0.5 [0.5, 0.5], r1flow's 0.75
+    [0.5, 1], the difference 0.25 [0, 0.5], the ratio 1.5 [1, 2]."""
+    c = stats.compare_gains([0, 0], [[0.5, 0.5]], [[1, 0.5]], resamples=4000)
+    assert (c.gain_a, c.gain_a_ci) == (0.5, (0.5, 0.5))
+    assert (c.gain_b, c.gain_b_ci) == (0.75, (0.5, 1.0))
+    assert (c.diff, c.diff_ci) == (0.25, (0.0, 0.5))
+    assert (c.ratio, c.ratio_ci) == (1.5, (1.0, 2.0))
+    assert c.diff_ci == stats.seed_prompt_diff([[0.5, 0.5]], [[1, 0.5]], resamples=4000)[1:]
+
+
+def test_compare_gains_when_the_denominator_may_be_zero():
+    """TRL right on prompt 1 only (gain 0.5, its replicates 1, 0.5, 0): its interval [0, 1] reaches 0, so the ratio
+    (2.0 at the point) has no bounded interval. TRL with no gain at all: no ratio either."""
+    c = stats.compare_gains([0, 0], [[1, 0]], [[1, 1]], resamples=4000)
+    assert c.gain_a_ci == (0.0, 1.0) and c.ratio == 2.0 and c.ratio_ci is None
+    assert (c.diff, c.diff_ci) == (0.5, (0.0, 1.0))
+    c = stats.compare_gains([0, 0], [[0, 0]], [[1, 1]], resamples=100)
+    assert c.ratio is None and c.ratio_ci is None and c.diff == 1.0
+    with pytest.raises(ValueError, match=r"start \(3,\), a \(1, 2\)"):
+        stats.compare_gains([0, 0, 0], [[0, 0]], [[1, 1]])
+
+
+def test_ratio_interval_on_literal_replicates():
+    """100 replicates, 98 with ratio 1 / 0.5 = 2 and 2 with denominator -0.1. The denominators' 2.5% quantile (at
+    position 0.025 * 99 = 2.475 of the sorted 100) is 0.5 > 0: bounded, and the 2.5% and 97.5% order statistics
+    (the 3rd and 98th of 100) are both 2, whatever the two odd replicates count as. With 3 such replicates the
+    quantile is -0.1 + 0.475 * 0.6 = 0.185, still > 0; they count as +inf (numerator > 0), so the 98th order
+    statistic is +inf, or as -inf (numerator <= 0), and the 3rd is -inf: the interval is honest about them."""
+    assert stats.ratio_interval([1.0] * 100, [-0.1] * 2 + [0.5] * 98) == (2.0, 2.0)
+    assert stats.ratio_interval([-1.0] * 2 + [1.0] * 98, [-0.1] * 2 + [0.5] * 98) == (2.0, 2.0)
+    den = [-0.1] * 3 + [0.5] * 97
+    assert stats.percentile_interval(den)[0] == pytest.approx(0.185)
+    assert stats.ratio_interval([1.0] * 100, den) == (2.0, math.inf)
+    assert stats.ratio_interval([-1.0] * 3 + [1.0] * 97, den) == (-math.inf, 2.0)
+    assert stats.ratio_interval([1.0] * 100, [-0.1] * 4 + [0.5] * 96) is None  # 2.5% quantile -0.1: unbounded
+    with pytest.raises(ValueError, match="one each"):
+        stats.ratio_interval([1.0], [1.0, 2.0])
+
+
+def test_two_sided_verdicts():
+    assert stats.two_sided(0.004, 0.08) == "higher"
+    assert stats.two_sided(-0.08, -0.004) == "lower"
+    assert stats.two_sided(-0.01, 0.05) == "same"
+    assert stats.two_sided(0.0, 0.05) == "same"  # an interval touching 0 does not exclude it
