@@ -1,0 +1,336 @@
+"""Multi-turn rollouts on the model's KV cache: the model samples a turn, an environment answers, the
+answer's tokens are appended and sampling continues from the cache (issue 46).
+
+A trajectory is one token sequence, built as it is sampled and never re-tokenized: the prompt, the
+first turn's sampled tokens, the observation's tokens (`tokenizer(text)` of the observation alone),
+the next turn's, and so on. What the trainer scores is these ids (`Trajectory.token_ids`), so its
+tokens are the sampler's byte for byte, and `Trajectory.model_mask` marks the sampled ones.
+
+Per batch of prompts (`spec.batch_size` prompts x n samples, sorted by length and seeded per batch as
+`generation.TransformersBackend` does, so `single_turn` samples generate()'s tokens):
+1. `generation.prefill_prompts` prefills each prompt once (all but its last token);
+2. `generation.decode_rows` samples a turn for every live row, until EOS, a stop string (`spec.stop`
+   and the environment's, e.g. `</python>`) or the row's budget: min(spec.max_new_tokens, what is left
+   of `max_total_tokens`, which counts every sampled and observation token after the prompt);
+3. each row's episode gets its turn and answers with an observation or the end; rows that ended
+   leave the batch and the cache (`batch_select_indices`);
+4. the observation tokens of the rows that go on are right-aligned in one block and prefilled into the
+   same cache (one decoder call over the new tokens only), then back to 2.
+
+The layout that makes 2-4 one loop: the batch is a "virtual" sequence `ids`/`mask` [rows, W] whose
+cache holds every column but the last (`decode_rows`' convention). A turn appends its [rows, steps]
+tokens: a row that ended early has padding after its end, and the padding's cache columns (decode_rows
+kept feeding finished rows) are masked out by `mask`, as are the left padding of the observation
+block. Positions come from the mask's cumulative sum, so holes shift nothing: the cache after an
+observation holds what a fresh prefill of the row's real tokens would hold (tested, greedy).
+
+Log-probs: `decode_rows` gets a sampler (`_RecordingSampler`) that applies the warpers and the draw
+itself and records the drawn token's log-prob under the model's own distribution (temperature 1, no
+top-k/top-p), from the same logits the draw used: what one forward pass over the whole sequence gives
+(`stages.modeling.logprobs.token_logprobs`), within fp32 rounding (tested).
+
+Where this departs from `decode_rows` for one turn: finished rows are not dropped inside a turn
+(`compact_share` infinite), since a row whose turn ended on `</python>` goes on after its observation
+and must keep its cache; rows leave between turns, once their trajectory has ended.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+from transformers.generation.stopping_criteria import StopStringCriteria
+
+from schemas.configs import GenerationSpec
+from schemas.errors import ModelError
+from stages.environments.base import Environment, Episode, Turn, TurnEnd
+from stages.modeling import models
+from stages.runtime.seeds import seed_stream
+from stages.sampling import lean_decode
+from stages.sampling.generation import (
+    LEAN_CACHE_LAYERS,
+    GenerationStats,
+    decode_rows,
+    prefill_prompts,
+    render_prompts,
+    row_prefills,
+    rows_first_linears,
+    sampling_processors,
+    stop_token_ids,
+    supports_decode_rows,
+)
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """One rollout: the exact token ids and which of them the model sampled.
+
+    token_ids: prompt, then every turn's sampled tokens and every observation's tokens, in order.
+    model_mask: 1 where token_ids[i] was sampled, 0 on prompt and observation tokens (same length).
+    logprobs: the sampler's log-prob of token_ids[i] where model_mask is 1, else 0.0 (same length).
+    text: the prefill and the model's turns (no observations): what `Environment.score` judges.
+    transcript: the prefill and everything after the prompt, observations included, as decoded.
+    finish_reason: "length" when the token budget ended it (the last turn, or no room for an
+    observation and another turn), else "stop".
+    """
+
+    token_ids: tuple[int, ...]
+    model_mask: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    prompt_length: int
+    text: str
+    transcript: str
+    turns: int
+    tool_calls: int
+    tool_errors: int
+    finish_reason: str
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens after the prompt (sampled and observation): what `max_total_tokens` bounds."""
+        return len(self.token_ids) - self.prompt_length
+
+    @property
+    def sampled_tokens(self) -> int:
+        return sum(self.model_mask)
+
+
+@dataclass
+class _Row:
+    """A trajectory being built."""
+
+    episode: Episode
+    prefill: str
+    ids: list[int]
+    prompt_length: int
+    mask: list[int] = field(default_factory=list)
+    lps: list[float] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    tool_calls: int = 0
+    tool_errors: int = 0
+    finish: str = ""
+
+    def __post_init__(self):
+        self.mask = [0] * len(self.ids)
+        self.lps = [0.0] * len(self.ids)
+
+    @property
+    def used(self) -> int:
+        return len(self.ids) - self.prompt_length
+
+    def add(self, ids: list[int], sampled: bool, lps: list[float] | None = None) -> None:
+        self.ids += ids
+        self.mask += [int(sampled)] * len(ids)
+        self.lps += lps if lps is not None else [0.0] * len(ids)
+
+
+class _RecordingSampler:
+    """The draw `decode_rows` calls, recording each drawn token's log-prob under the raw logits.
+
+    decode_rows runs with no warpers of its own: they run here, in its order (`sampling_processors`),
+    before the draw (`BlockRaceSampler`, or argmax when greedy), so the tokens are those
+    decode_rows would draw with the same warpers and sampler."""
+
+    def __init__(self, warpers=(), sampler=None):
+        self.warpers, self.sampler = list(warpers), sampler
+        self.steps: list[torch.Tensor] = []
+
+    def draw(self, scores: torch.Tensor, live: torch.Tensor | None = None, total: int | None = None) -> torch.Tensor:
+        logp = torch.log_softmax(scores.float(), dim=-1)
+        warped = scores
+        for warp in self.warpers:
+            warped = warp(None, warped)
+        token = self.sampler.draw(warped, live, total) if self.sampler is not None else warped.argmax(-1)
+        self.steps.append(logp.gather(-1, token[:, None]).squeeze(-1))
+        return token
+
+    def logprobs(self) -> torch.Tensor:
+        """(rows, steps) log-probs of the drawn tokens (padding after a row's end is meaningless)."""
+        return torch.stack(self.steps, 1) if self.steps else torch.zeros(0, 0)
+
+
+class _TurnStop:
+    """The stop criterion of one turn for `decode_rows` (which calls it with every row: no row leaves
+    the batch within a turn): a stop string, or the row's own token budget. Records, per row, the
+    first step that ended it and why."""
+
+    def __init__(self, width: int, budgets: torch.Tensor, strings: StopStringCriteria | None):
+        self.width, self.budgets, self.strings = width, budgets, strings
+        self.length = torch.zeros_like(budgets)  # tokens of the turn when it ended (0: not ended here)
+        self.by_string = torch.zeros_like(budgets, dtype=torch.bool)
+
+    def __call__(self, seq: torch.Tensor, scores) -> torch.Tensor:
+        new = seq.shape[1] - self.width
+        budget = self.budgets <= new
+        string = self.strings(seq, scores) if self.strings is not None else torch.zeros_like(budget)
+        hit = budget | string
+        first = hit & (self.length == 0)
+        self.length[first] = new
+        self.by_string |= first & string
+        return hit
+
+
+def _turn_ends(out: torch.Tensor, stop: _TurnStop, eos_ids: list[int]) -> list[tuple[int, TurnEnd]]:
+    """(tokens, how it ended) of each row's turn in `out` [rows, steps]: its first EOS, else where `stop` ended
+    it, whichever is first; a row neither ended ran its whole budget (the last step)."""
+    steps = out.shape[1]
+    is_eos = torch.isin(out, torch.tensor(eos_ids, device=out.device))
+    first_eos = torch.where(is_eos.any(1), is_eos.float().argmax(1) + 1, steps + 1).tolist()
+    ends = []
+    for e, s, by_string in zip(first_eos, stop.length.tolist(), stop.by_string.tolist(), strict=True):
+        s = s or steps
+        ends.append((e, "eos") if e <= s else (s, "stop" if by_string else "length"))
+    return ends
+
+
+def _append_observations(model, ids: torch.Tensor, mask: torch.Tensor, cache, observations: list[list[int]],
+                         pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Appends each row's observation tokens (right-aligned in one block) to the virtual sequence and prefills
+    them into `cache`: the virtual sequence's last column and all of the block but its last column, one decoder
+    call. Returns the new (ids, mask), whose cache is again every column but the last."""
+    width = max(len(o) for o in observations)
+    block = ids.new_full((ids.shape[0], width), pad_id)
+    block_mask = torch.zeros_like(block)
+    for r, obs in enumerate(observations):
+        block[r, width - len(obs):] = torch.tensor(obs, dtype=block.dtype)
+        block_mask[r, width - len(obs):] = 1
+    ids, mask = torch.cat([ids, block], 1), torch.cat([mask, block_mask], 1)
+    feed, feed_mask = ids[:, -width - 1 : -1], mask[:, :-1]
+    positions = (feed_mask.cumsum(-1) - 1).clamp(min=0)[:, -width:]
+    decoder = model.get_decoder()
+    decoder(input_ids=feed, attention_mask=feed_mask, position_ids=positions, use_cache=True,
+            **{models.cache_name(decoder): cache})  # appends to `cache` in place
+    return ids, mask
+
+
+def _check_cache(cache) -> None:
+    if not lean_decode.takes_cache(cache, LEAN_CACHE_LAYERS):
+        raise ModelError(f"multi-turn rollouts append to a full-attention KV cache in place (a DynamicCache of "
+                         f"{', '.join(t.__name__ for t in LEAN_CACHE_LAYERS)} layers); this model's is "
+                         f"{type(cache).__name__} ({sorted({type(x).__name__ for x in getattr(cache, 'layers', [])})})")
+
+
+def _step_episodes(rows: list[_Row], live: list[int], out: torch.Tensor, lps: torch.Tensor,
+                   ends: list[tuple[int, TurnEnd]], tokenizer, max_total_tokens: int, env_name: str
+                   ) -> tuple[list[int], list[list[int]]]:
+    """Records each live row's turn, hands it to its episode, and returns the batch positions of the rows that
+    go on with their observations' tokens (the others' trajectories are finished)."""
+    keep, observations = [], []
+    out_rows, lp_rows = out.tolist(), lps.tolist()
+    for r, t in enumerate(live):
+        row, (n, end) = rows[t], ends[r]
+        turn_ids = out_rows[r][:n]
+        row.add(turn_ids, sampled=True, lps=lp_rows[r][:n])
+        text = tokenizer.decode(turn_ids, skip_special_tokens=True)
+        row.texts.append(text)
+        obs = row.episode.step(Turn(text, tuple(turn_ids), end, len(row.texts) - 1))
+        if obs is None:
+            row.finish = "length" if end == "length" else "stop"
+            continue
+        obs_ids = tokenizer(obs.text, add_special_tokens=False)["input_ids"]
+        if not obs_ids:
+            raise ValueError(f"environment {env_name!r}: an observation must have text (got {obs.text!r}); "
+                             f"return None to end the trajectory")
+        if row.used + len(obs_ids) >= max_total_tokens:  # no room for the observation and another turn
+            row.finish = "length"
+            continue
+        row.add(obs_ids, sampled=False)
+        row.tool_calls += obs.tool_call  # calls whose output the model reads
+        row.tool_errors += obs.tool_error
+        keep.append(r)
+        observations.append(obs_ids)
+    return keep, observations
+
+
+def _rollout_batch(model, tokenizer, texts: list[str], rows: list[_Row], env: Environment, spec: GenerationSpec,
+                   n: int, max_total_tokens: int) -> None:
+    """Rolls out the trajectories `rows` (texts[i]'s n samples at rows[i * n : (i + 1) * n]) to their ends."""
+    eos_ids = stop_token_ids(tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
+    device = next(model.parameters()).device
+    tokenizer.padding_side = "left"
+    enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+    ids, mask, cache = prefill_prompts(model, enc["input_ids"], enc["attention_mask"], n, max_total_tokens,
+                                       pad_id=pad_id)
+    if cache is None:  # one-token prompts: decode_rows' first step fills an empty cache
+        cache = DynamicCache(config=model.config)
+    else:
+        _check_cache(cache)
+    procs = list(sampling_processors(spec.temperature, spec.top_k, spec.top_p)) if spec.temperature > 0 else []
+    stops = [*spec.stop, *env.stop]
+    strings = StopStringCriteria(tokenizer, stops) if stops else None
+    live = list(range(len(rows)))
+    while live:
+        budgets = torch.tensor([min(spec.max_new_tokens, max_total_tokens - rows[t].used) for t in live], device=device)
+        stop = _TurnStop(ids.shape[1], budgets, strings)
+        sampler = _RecordingSampler(procs[:-1], procs[-1] if procs else None)
+        out = decode_rows(model, ids, mask, cache, int(budgets.max()), eos_ids, pad_id, sampler=sampler, stop=stop,
+                          compact_share=float("inf"))
+        ends = _turn_ends(out, stop, eos_ids)
+        real = torch.arange(out.shape[1], device=device)[None, :] < torch.tensor([e for e, _ in ends], device=device)[:, None]
+        ids, mask = torch.cat([ids, out], 1), torch.cat([mask, real.to(mask.dtype)], 1)
+        keep, observations = _step_episodes(rows, live, out, sampler.logprobs(), ends, tokenizer, max_total_tokens,
+                                            env.name)
+        if not keep:
+            return
+        if len(keep) < len(live):
+            index = torch.tensor(keep, device=device)
+            cache.batch_select_indices(index)
+            ids, mask, live = ids[index], mask[index], [live[r] for r in keep]
+        ids, mask = _append_observations(model, ids, mask, cache, observations, pad_id)
+
+
+def _finished(row: _Row, tokenizer) -> Trajectory:
+    transcript = tokenizer.decode(row.ids[row.prompt_length:], skip_special_tokens=True)
+    return Trajectory(tuple(row.ids), tuple(row.mask), tuple(row.lps), row.prompt_length,
+                      row.prefill + "".join(row.texts), row.prefill + transcript, len(row.texts), row.tool_calls,
+                      row.tool_errors, row.finish)
+
+
+@torch.no_grad()
+def rollout(model, tokenizer, prompt_rows: Sequence[Mapping[str, Any]], env: Environment, spec: GenerationSpec,
+            n: int = 1, seed: int = 0, max_total_tokens: int | None = None,
+            autocast_dtype: torch.dtype | None = None) -> tuple[list[list[Trajectory]], GenerationStats]:
+    """n trajectories per `prompts` row (in input order) with `env`, and the sampling stats (new_tokens: sampled).
+
+    `spec`: temperature / top-k / top-p, `max_new_tokens` (per turn), `stop` (besides the environment's),
+    `batch_size` (prompts per batch), `prefill`. `max_total_tokens` (default spec.max_new_tokens) bounds each
+    trajectory's tokens after the prompt, observations included. `autocast_dtype` as `generation.generate`.
+    """
+    if not supports_decode_rows(model):
+        raise ModelError(f"multi-turn rollouts run r1flow's decode loop; {type(model).__name__} does not take it "
+                         f"(a causal LM with get_decoder() and logits_to_keep)")
+    max_total_tokens = max_total_tokens or spec.max_new_tokens
+    conversations = [list(r["messages"]) for r in prompt_rows]
+    prefills = row_prefills(conversations, spec, None)
+    texts = render_prompts(tokenizer, conversations, prefills)
+    order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+    batches = [order[i : i + spec.batch_size] for i in range(0, len(order), spec.batch_size)]
+    results: list[list[Trajectory]] = [[] for _ in texts]
+    was_training, t0 = model.training, time.perf_counter()
+    model.eval()
+    device_type = next(model.parameters()).device.type
+    try:
+        for b, idx in enumerate(batches):
+            prompt_ids = [tokenizer(texts[i], add_special_tokens=False)["input_ids"] for i in idx]
+            rows = [_Row(env.start(prompt_rows[i]), prefills[i], list(p), len(p))
+                    for i, p in zip(idx, prompt_ids, strict=True) for _ in range(n)]
+            torch.manual_seed(seed_stream(seed, "generate_batch", b))  # generate()'s stream: single_turn samples its tokens
+            # None leaves the caller's autocast state alone (as generation's backend does)
+            precision = (torch.autocast(device_type, dtype=autocast_dtype) if autocast_dtype is not None
+                         else contextlib.nullcontext())
+            with rows_first_linears(model), precision:
+                _rollout_batch(model, tokenizer, [texts[i] for i in idx], rows, env, spec, n, max_total_tokens)
+            for j, row in enumerate(rows):
+                results[idx[j // n]].append(_finished(row, tokenizer))
+    finally:
+        model.train(was_training)
+    stats = GenerationStats(prompts=len(texts), completions=len(texts) * n,
+                            new_tokens=sum(t.sampled_tokens for ts in results for t in ts),
+                            seconds=time.perf_counter() - t0)
+    return results, stats
