@@ -75,14 +75,16 @@ def cap_output(text: str, max_chars: int) -> str:
 
 
 def observation_text(result: SandboxResult, max_chars: int, timeout_s: float) -> str:
-    """The observation of one run: stdout, then stderr, then what went wrong (when it did), capped and tagged."""
-    body = result.stdout + result.stderr
+    """The observation of one run: stdout then stderr, capped, then what went wrong (when it did), tagged."""
+    body = cap_output((result.stdout + result.stderr).rstrip("\n"), max_chars)
+    note = None
     if result.status in _FAILURES:
-        body += ("\n" if body and not body.endswith("\n") else "") + "[program " + _FAILURES[result.status].format(
-            timeout_s) + "]"
+        note = "[program " + _FAILURES[result.status].format(timeout_s) + "]"
     elif result.status == "error" and not result.stderr:
-        body += f"[program exited with status {result.returncode}]"
-    return f"{OUTPUT_OPEN}\n{cap_output(body.rstrip(chr(10)), max_chars)}\n{OUTPUT_CLOSE}\n"
+        note = f"[program exited with status {result.returncode}]"
+    if note is not None:
+        body = f"{body}\n{note}" if body else note
+    return f"{OUTPUT_OPEN}\n{body}\n{OUTPUT_CLOSE}\n"
 
 
 @dataclass

@@ -293,9 +293,9 @@ def _finished(row: _Row, tokenizer) -> Trajectory:
 
 
 @torch.no_grad()
-def rollout(model, tokenizer, prompt_rows: Sequence[Mapping[str, Any]], env: Environment, spec: GenerationSpec,
-            n: int = 1, seed: int = 0, max_total_tokens: int | None = None,
-            autocast_dtype: torch.dtype | None = None) -> tuple[list[list[Trajectory]], GenerationStats]:
+def sample_trajectories(model, tokenizer, prompt_rows: Sequence[Mapping[str, Any]], env: Environment,
+                        spec: GenerationSpec, n: int = 1, seed: int = 0, max_total_tokens: int | None = None,
+                        autocast_dtype: torch.dtype | None = None) -> tuple[list[list[Trajectory]], GenerationStats]:
     """n trajectories per `prompts` row (in input order) with `env`, and the sampling stats (new_tokens: sampled).
 
     `spec`: temperature / top-k / top-p, `max_new_tokens` (per turn), `stop` (besides the environment's),
