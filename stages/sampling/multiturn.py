@@ -156,8 +156,10 @@ class _RecordingSampler:
 
 class _TurnStop:
     """The stop criterion of one turn for `decode_rows` (which calls it with every row: no row leaves
-    the batch within a turn): a stop string, or the row's own token budget. Records, per row, the
-    first step that ended it and why."""
+    the batch within a turn): a stop string in the turn's tokens, or the row's own token budget. Records,
+    per row, the first step that ended it and why. Unlike generate()'s stop strings, which also match
+    across the prompt's end (a prompt ending in "\n" stops a "\n\n" string at the first "\n"), a
+    stop string here lies within the turn."""
 
     def __init__(self, width: int, budgets: torch.Tensor, strings: StopStringCriteria | None):
         self.width, self.budgets, self.strings = width, budgets, strings
@@ -167,7 +169,8 @@ class _TurnStop:
     def __call__(self, seq: torch.Tensor, scores) -> torch.Tensor:
         new = seq.shape[1] - self.width
         budget = self.budgets <= new
-        string = self.strings(seq, scores) if self.strings is not None else torch.zeros_like(budget)
+        # only the turn's own tokens: a stop string must not be completed by the prompt's or an observation's end
+        string = self.strings(seq[:, self.width :], scores) if self.strings is not None else torch.zeros_like(budget)
         hit = budget | string
         first = hit & (self.length == 0)
         self.length[first] = new
