@@ -53,6 +53,8 @@ class Episode(Protocol):
 class Environment(Protocol):
     name: str
     stop: tuple[str, ...]  # strings that end a model turn (besides EOS), e.g. a tool call's closing tag
+    # optional: `step_workers: int`, how many episodes' steps the sampler may run at once in threads (default 1;
+    # the python environment's steps are sandbox runs, which mostly wait on a subprocess)
 
     def start(self, row: Mapping[str, Any]) -> Episode:
         """A new trajectory for a `prompts` row."""

@@ -105,20 +105,23 @@ class _PythonEpisode:
 @dataclass(frozen=True)
 class PythonTool:
     """max_turns: model turns per trajectory (so at most max_turns - 1 programs run); timeout_s: each
-    program's wall-clock deadline; max_output_chars: the observation's cap."""
+    program's wall-clock deadline; max_output_chars: the observation's cap; step_workers: programs run at
+    once (one per trajectory, in threads, each in its own sandbox)."""
 
     reward: RewardSpec = field(default_factory=RewardSpec)
     limits: SandboxLimits = field(default_factory=SandboxLimits)
     max_turns: int = 4
     timeout_s: float = 5.0
     max_output_chars: int = 512
+    step_workers: int = 8
     name: str = "python"
     stop: tuple[str, ...] = (CALL_CLOSE,)
 
     def __post_init__(self):
-        if self.max_turns < 1 or self.timeout_s <= 0 or self.max_output_chars < 1:
-            raise ValueError(f"python environment: max_turns >= 1, timeout_s > 0 and max_output_chars >= 1, got "
-                             f"{self.max_turns}, {self.timeout_s}, {self.max_output_chars}")
+        if self.max_turns < 1 or self.timeout_s <= 0 or self.max_output_chars < 1 or self.step_workers < 1:
+            raise ValueError(f"python environment: max_turns >= 1, timeout_s > 0, max_output_chars >= 1 and "
+                             f"step_workers >= 1, got {self.max_turns}, {self.timeout_s}, {self.max_output_chars}, "
+                             f"{self.step_workers}")
 
     def call_limits(self) -> SandboxLimits:
         """The sandbox limits of one call: `limits` with the deadline as wall clock and CPU-time bound."""
