@@ -278,14 +278,13 @@ def _step_episodes(rows: list[_Row], live: list[int], out: torch.Tensor, lps: to
     return keep, observations
 
 
-def _rollout_batch(model, tokenizer, texts: list[str], rows: list[_Row], env: Environment, spec: GenerationSpec,
+def _rollout_batch(model, tokenizer, enc, rows: list[_Row], env: Environment, spec: GenerationSpec,
                    n: int, max_total_tokens: int) -> None:
-    """Rolls out the trajectories `rows` (texts[i]'s n samples at rows[i * n : (i + 1) * n]) to their ends."""
+    """Rolls out the trajectories `rows` (the n samples of prompt i of the left-padded batch `enc` at
+    rows[i * n : (i + 1) * n]) to their ends."""
     eos_ids = stop_token_ids(tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
-    device = next(model.parameters()).device
-    tokenizer.padding_side = "left"
-    enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+    device = enc["input_ids"].device
     ids, mask, cache = prefill_prompts(model, enc["input_ids"], enc["attention_mask"], n, max_total_tokens,
                                        pad_id=pad_id)
     if cache is None:  # one-token prompts: decode_rows' first step fills an empty cache
@@ -345,18 +344,21 @@ def sample_trajectories(model, tokenizer, prompt_rows: Sequence[Mapping[str, Any
     results: list[list[Trajectory]] = [[] for _ in texts]
     was_training, t0 = model.training, time.perf_counter()
     model.eval()
-    device_type = next(model.parameters()).device.type
+    device = next(model.parameters()).device
+    tokenizer.padding_side = "left"
     try:
         for b, idx in enumerate(batches):
-            prompt_ids = [tokenizer(texts[i], add_special_tokens=False)["input_ids"] for i in idx]
+            enc = tokenizer([texts[i] for i in idx], return_tensors="pt", padding=True,
+                            add_special_tokens=False).to(device)
+            prompt_ids = [ids[m.bool()].tolist() for ids, m in zip(enc["input_ids"], enc["attention_mask"], strict=True)]
             rows = [_Row(env.start(prompt_rows[i]), prefills[i], list(p), len(p))
                     for i, p in zip(idx, prompt_ids, strict=True) for _ in range(n)]
             torch.manual_seed(seed_stream(seed, "generate_batch", b))  # generate()'s stream: single_turn samples its tokens
             # None leaves the caller's autocast state alone (as generation's backend does)
-            precision = (torch.autocast(device_type, dtype=autocast_dtype) if autocast_dtype is not None
+            precision = (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None
                          else contextlib.nullcontext())
             with rows_first_linears(model), precision:
-                _rollout_batch(model, tokenizer, [texts[i] for i in idx], rows, env, spec, n, max_total_tokens)
+                _rollout_batch(model, tokenizer, enc, rows, env, spec, n, max_total_tokens)
             for j, row in enumerate(rows):
                 results[idx[j // n]].append(_finished(row, tokenizer))
     finally:
