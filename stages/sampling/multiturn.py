@@ -102,6 +102,24 @@ class Trajectory:
 
 
 @dataclass
+class RolloutStats(GenerationStats):
+    """`GenerationStats` (new_tokens: sampled tokens; seconds: the whole call) and where the time went besides
+    decoding: observation_tokens appended and the seconds prefilling them into the cache, and the seconds between
+    turns (the environment answering them, tool calls included, and its answers tokenized).
+    `decode_tokens_per_s` leaves those two out."""
+
+    turns: int = 0
+    observation_tokens: int = 0
+    observation_seconds: float = 0.0
+    environment_seconds: float = 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        decode = self.seconds - self.observation_seconds - self.environment_seconds
+        return self.new_tokens / decode if decode > 0 else 0.0
+
+
+@dataclass
 class _Row:
     """A trajectory being built."""
 
@@ -279,7 +297,7 @@ def _step_episodes(rows: list[_Row], live: list[int], out: torch.Tensor, lps: to
 
 
 def _rollout_batch(model, tokenizer, enc, rows: list[_Row], env: Environment, spec: GenerationSpec,
-                   n: int, max_total_tokens: int) -> None:
+                   n: int, max_total_tokens: int, stats: RolloutStats) -> None:
     """Rolls out the trajectories `rows` (the n samples of prompt i of the left-padded batch `enc` at
     rows[i * n : (i + 1) * n]) to their ends."""
     eos_ids = stop_token_ids(tokenizer)
@@ -304,15 +322,20 @@ def _rollout_batch(model, tokenizer, enc, rows: list[_Row], env: Environment, sp
         ends = _turn_ends(out, stop, eos_ids)
         real = torch.arange(out.shape[1], device=device)[None, :] < torch.tensor([e for e, _ in ends], device=device)[:, None]
         ids, mask = torch.cat([ids, out], 1), torch.cat([mask, real.to(mask.dtype)], 1)
+        t0 = time.perf_counter()
         keep, observations = _step_episodes(rows, live, out, sampler.logprobs(), ends, tokenizer, max_total_tokens,
                                             env.name, getattr(env, "step_workers", 1))
+        stats.environment_seconds += time.perf_counter() - t0
         if not keep:
             return
         if len(keep) < len(live):
             index = torch.tensor(keep, device=device)
             cache.batch_select_indices(index)
             ids, mask, live = ids[index], mask[index], [live[r] for r in keep]
+        t0 = time.perf_counter()
         ids, mask = _append_observations(model, ids, mask, cache, observations, pad_id)
+        stats.observation_seconds += time.perf_counter() - t0
+        stats.observation_tokens += sum(len(o) for o in observations)
 
 
 def _finished(row: _Row, tokenizer) -> Trajectory:
@@ -325,8 +348,8 @@ def _finished(row: _Row, tokenizer) -> Trajectory:
 @torch.no_grad()
 def sample_trajectories(model, tokenizer, prompt_rows: Sequence[Mapping[str, Any]], env: Environment,
                         spec: GenerationSpec, n: int = 1, seed: int = 0, max_total_tokens: int | None = None,
-                        autocast_dtype: torch.dtype | None = None) -> tuple[list[list[Trajectory]], GenerationStats]:
-    """n trajectories per `prompts` row (in input order) with `env`, and the sampling stats (new_tokens: sampled).
+                        autocast_dtype: torch.dtype | None = None) -> tuple[list[list[Trajectory]], RolloutStats]:
+    """n trajectories per `prompts` row (in input order) with `env`, and the sampling stats (`RolloutStats`).
 
     `spec`: temperature / top-k / top-p, `max_new_tokens` (per turn), `stop` (besides the environment's),
     `batch_size` (prompts per batch), `prefill`. `max_total_tokens` (default spec.max_new_tokens) bounds each
@@ -343,6 +366,7 @@ def sample_trajectories(model, tokenizer, prompt_rows: Sequence[Mapping[str, Any
     batches = [order[i : i + spec.batch_size] for i in range(0, len(order), spec.batch_size)]
     results: list[list[Trajectory]] = [[] for _ in texts]
     was_training, t0 = model.training, time.perf_counter()
+    stats = RolloutStats(prompts=len(texts), completions=len(texts) * n)
     model.eval()
     device = next(model.parameters()).device
     tokenizer.padding_side = "left"
@@ -358,12 +382,12 @@ def sample_trajectories(model, tokenizer, prompt_rows: Sequence[Mapping[str, Any
             precision = (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None
                          else contextlib.nullcontext())
             with rows_first_linears(model), precision:
-                _rollout_batch(model, tokenizer, enc, rows, env, spec, n, max_total_tokens)
+                _rollout_batch(model, tokenizer, enc, rows, env, spec, n, max_total_tokens, stats)
             for j, row in enumerate(rows):
                 results[idx[j // n]].append(_finished(row, tokenizer))
     finally:
         model.train(was_training)
-    stats = GenerationStats(prompts=len(texts), completions=len(texts) * n,
-                            new_tokens=sum(t.sampled_tokens for ts in results for t in ts),
-                            seconds=time.perf_counter() - t0)
+    stats.new_tokens = sum(t.sampled_tokens for ts in results for t in ts)
+    stats.turns = sum(t.turns for ts in results for t in ts)
+    stats.seconds = time.perf_counter() - t0
     return results, stats
