@@ -213,3 +213,41 @@ def test_observation_tokens_get_no_gradient_kl_or_entropy(tiny_model, tiny_token
     assert (logp.grad[mask.bool()][moved] != 0).all()
     bonus = rl.aggregate(entropy, mask)
     assert torch.equal(bonus, rl.aggregate(torch.where(mask.bool(), entropy, torch.full_like(entropy, 1e3)), mask))
+
+
+class CodeEveryTurn:
+    """The python environment, fed a fixed program for each of the tiny model's turns (a random model writes no
+    code): the sandbox's output comes back as observation tokens, the calls of a batch run side by side."""
+
+    def __init__(self, programs: dict[str, str], **options):
+        from stages.environments.python_tool import PythonTool
+
+        self.env = PythonTool(**options)
+        self.name, self.stop, self.step_workers, self.programs = "python", self.env.stop, 4, programs
+
+    def start(self, row):
+        inner, program = self.env.start(row), self.programs[row["id"]]
+
+        class Episode:
+            def step(self, turn: Turn) -> Observation | None:
+                return inner.step(Turn(f"<python>{program}</python>", turn.token_ids, "stop", turn.index))
+
+        return Episode()
+
+    def score(self, row, completion, num_tokens=None, rm_score=None):
+        return self.env.score(row, completion, num_tokens, rm_score)
+
+
+def test_the_python_environment_answers_turns_with_sandbox_output_as_tokens(tiny_model, tiny_tokenizer):
+    rows = [_row(i) for i in range(3)]
+    env = CodeEveryTurn({"p0": "print(6 * 7)", "p1": "raise ValueError('boom')", "p2": "print('z' * 40)"},
+                        max_turns=3, max_output_chars=10)
+    out, stats = sample_trajectories(tiny_model, tiny_tokenizer, rows, env, GenerationSpec(max_new_tokens=3,
+                                     temperature=0.0), max_total_tokens=400)
+    for (t,), (calls, errors) in zip(out, [(2, 0), (2, 2), (2, 0)], strict=True):
+        assert (t.turns, t.tool_calls, t.tool_errors) == (3, calls, errors)
+    first_obs = [(b, e) for v, b, e in _spans(out[0][0].model_mask, out[0][0].prompt_length) if v == 0][0]
+    assert tiny_tokenizer.decode(out[0][0].token_ids[first_obs[0] : first_obs[1]]) == "<output>\n42\n</output>\n"
+    assert "<output>\nzzzzzzzzzz\n[... 30 more characters]\n</output>\n" in out[2][0].transcript
+    assert "ValueError: boom" not in out[1][0].text and "Traceback" in out[1][0].transcript
+    assert stats.turns == 9 and stats.observation_tokens == sum(t.num_tokens - t.sampled_tokens for (t,) in out)
