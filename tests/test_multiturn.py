@@ -33,14 +33,13 @@ class Scripted:
         self.script, self.stop, self.turns = script, stop, {}
 
     def start(self, row):
-        env, left, seen = self, list(self.script[row["id"]]), self.turns.setdefault(row["id"], [])
+        left, seen = list(self.script[row["id"]]), self.turns.setdefault(row["id"], [])
 
         class Episode:
             def step(self, turn: Turn) -> Observation | None:
                 seen.append(turn)
                 return Observation(left.pop(0), tool_call=True) if left else None
 
-        del env
         return Episode()
 
     def score(self, row, completion, num_tokens=None, rm_score=None):
