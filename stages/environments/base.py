@@ -1,0 +1,67 @@
+"""The environment protocol: a trajectory alternates model turns and observations.
+
+    episode = env.start(row)
+    turn 1 (sampled) -> episode.step(turn) -> Observation (appended as tokens) | None (the end)
+    turn 2 (sampled) -> ...
+    env.score(row, completion, num_tokens) -> Verdict
+
+The sampler owns the tokens: an observation is text, tokenized once and appended after the turn's
+tokens; nothing earlier is re-tokenized (`stages.sampling.multiturn`). An episode holds one
+trajectory's state (turns taken, tool calls); `score` is stateless so a trajectory can be scored
+from its row and text alone. `completion` is the model's own text (its turns, without the
+observations): text a program printed earns nothing until the model writes it itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+from stages.rewards.verifiers import Verdict
+
+TurnEnd = Literal["eos", "stop", "length"]  # an EOS token, a stop string, the turn's or trajectory's token budget
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One model turn as sampled: its decoded text, its token ids, how it ended, and its index (0 first)."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: TurnEnd
+    index: int
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What the environment answers a turn with: `text` to append (tokenized once, never trained on),
+    whether the turn was a tool call and whether that call failed (an exception, a timeout, the memory
+    limit, an output flood: the program's fault, reported to the model, never raised)."""
+
+    text: str
+    tool_call: bool = False
+    tool_error: bool = False
+
+
+class Episode(Protocol):
+    def step(self, turn: Turn) -> Observation | None:
+        """The observation that follows `turn`, or None when the trajectory ends with it."""
+        ...
+
+
+class Environment(Protocol):
+    name: str
+    stop: tuple[str, ...]  # strings that end a model turn (besides EOS), e.g. a tool call's closing tag
+    # optional: `step_workers: int`, how many episodes' steps the sampler may run at once in threads (default 1;
+    # the python environment's steps are sandbox runs, which mostly wait on a subprocess)
+
+    def start(self, row: Mapping[str, Any]) -> Episode:
+        """A new trajectory for a `prompts` row."""
+        ...
+
+    def score(self, row: Mapping[str, Any], completion: str, num_tokens: int | None = None,
+              rm_score: float | None = None) -> Verdict:
+        """The finished trajectory's verdict: `completion` is the model's text (prefill and turns, no
+        observations), `num_tokens` the trajectory's tokens after the prompt."""
+        ...

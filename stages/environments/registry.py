@@ -1,0 +1,69 @@
+"""Environments by name, and users' environments from a Python file.
+
+A user file defines `environment(**options)` returning an object with the `Environment` protocol's
+`name`, `stop`, `start` and `score` (`stages.environments.base`). A config names it by path (anything
+ending in `.py`), as it would name a built-in; the file's bytes belong in the stage's cache salt
+(`environment_source_digest`), so editing it re-runs the nodes that use it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from types import MappingProxyType
+
+from schemas.errors import ConfigError
+from stages.environments.base import Environment
+from stages.environments.python_tool import PythonTool
+from stages.environments.single_turn import SingleTurn
+
+ENVIRONMENTS: Mapping[str, Callable[..., Environment]] = MappingProxyType({
+    "single_turn": SingleTurn,
+    "python": PythonTool,
+})
+USER_FACTORY = "environment"  # the function a user's environment file defines
+
+
+def is_environment_file(name: str) -> bool:
+    return name.endswith(".py")
+
+
+def get_environment(name: str, **options) -> Environment:
+    """The environment `name` (a built-in, or a user file's path ending in `.py`) made with `options`."""
+    if is_environment_file(name):
+        return load_environment_file(name, **options)
+    try:
+        factory = ENVIRONMENTS[name]
+    except KeyError:
+        raise ConfigError(f"unknown environment {name!r}; built in: {', '.join(ENVIRONMENTS)}, "
+                          f"or the path of a Python file defining {USER_FACTORY}(**options)") from None
+    return factory(**options)
+
+
+def load_environment_file(path: str | Path, **options) -> Environment:
+    """`environment(**options)` of the Python file at `path`, checked to have the protocol's members."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"environment file {path}: no such file")
+    spec = importlib.util.spec_from_file_location(f"r1flow_user_environment_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    factory = getattr(module, USER_FACTORY, None)
+    if not callable(factory):
+        raise ConfigError(f"environment file {path}: defines no function {USER_FACTORY}(**options)")
+    env = factory(**options)
+    missing = [m for m in ("name", "stop", "start", "score") if not hasattr(env, m)]
+    if missing:
+        raise ConfigError(f"environment file {path}: {USER_FACTORY}() returned {type(env).__name__}, "
+                          f"which lacks {', '.join(missing)}")
+    return env
+
+
+def environment_source_digest(name: str) -> str | None:
+    """sha256 of a user environment file's bytes (for a stage's cache salt); None for a built-in, whose code
+    moves with the stage's VERSION."""
+    if not is_environment_file(name):
+        return None
+    return hashlib.sha256(Path(name).read_bytes()).hexdigest()
