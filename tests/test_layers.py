@@ -25,12 +25,14 @@ LAYERS: dict[str, set[str]] = {
     "schemas": set(),
     "stages.math": {"schemas"},
     "stages.rewards": {"schemas"},
+    "stages.environments": {"schemas", "stages.rewards"},
     "stages.runtime": {"schemas"},
     "stages.modeling": {"schemas", "stages.math", "stages.runtime"},
-    "stages.sampling": {"schemas", "stages.math", "stages.runtime", "stages.modeling", "stages.rewards"},
+    "stages.sampling": {"schemas", "stages.math", "stages.runtime", "stages.modeling", "stages.rewards",
+                        "stages.environments"},
     "stages.base": {"schemas", "stages.modeling"},
     "stages.training": {"schemas", "stages.math", "stages.rewards", "stages.runtime", "stages.modeling",
-                        "stages.sampling", "stages.base"},
+                        "stages.sampling", "stages.base", "stages.environments"},
 }
 
 def module_name(path: Path) -> str:
