@@ -5,22 +5,26 @@ the pages a user opens from what those commands printed.
 - item 1: the report's links and plots still open after `down; up` (the Prefect artifact page of the report);
 - item 6: the experiment link `r1flow up` prints opens MLflow's runs table (not the GenAI overview) with the run
   names readable, the run link `r1flow run` prints opens the run in the model-training view, and the report's
-  MLflow column is on screen in both UIs' report panes at 1280 px.
-
-Item 3 (a blank `node` in a stage form) is covered through the API by test_deploy.py's
-test_a_blank_node_in_the_stage_form_is_named_after_the_model_it_evaluates.
+  MLflow column is on screen in both UIs' report panes at 1280 px;
+- item 3: the eval stage's run form, served by `r1flow serve --recipe sft-eval`, filled in and submitted in Prefect's
+  UI with `node` left blank and a model that sft-eval's `sft` made, runs as eval_sft (test_deploy.py's
+  test_a_blank_node_in_the_stage_form_is_named_after_the_model_it_evaluates checks the same through the flow
+  function, without the form).
 
 Skipped without Chromium (R1FLOW_CHROMIUM names the binary; else `chromium`, `chromium-browser`, `google-chrome`
-on PATH) or without the `websockets` package. One module fixture starts everything; ~60-90 s."""
+on PATH) or without the `websockets` package. One module fixture starts the servers; ~1.5 min on 2 quiet cores,
+~3-4 min on a loaded machine."""
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import itertools
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -321,3 +325,84 @@ def test_the_reports_mlflow_column_is_on_screen_in_both_uis(ui):
         column = _report_column_on_screen(browser)
         assert column["links"] == column["cells"] == len(run["stages"]), (where, column)
         assert column["header"] and column["cells_on"] == column["cells"], (where, column, browser.screenshot())
+
+
+# ---------------------------------------------------------------------------- item 3
+@contextlib.contextmanager
+def _serving(env: dict[str, str], log: Path, *args: str):
+    proc = subprocess.Popen([*R1FLOW, "serve", *args], cwd=ROOT, env=env, stdout=log.open("w"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(5)
+
+
+def test_the_stage_form_with_node_left_blank_runs_the_node_the_model_fits(ui):
+    """`r1flow serve --recipe sft-eval --stage eval`; in Prefect's UI the eval-served deployment's Run form, filled in
+    as a user does (the model sft-eval's `sft` node made, the prompts, max_prompts 2; node left blank, recipe and
+    profile as shown) and submitted: the flow run (node null, what the form sends) runs as eval_sft (MLflow stage
+    run, its stage-eval-sft artifact). Before issue 44 a blank node was the recipe's first eval node, eval_base:
+    the sft model's results were filed under the base model's eval."""
+    info, browser, home, env = ui["info"], ui["browser"], ui["home"], ui["env"]
+    with _serving(env, home / "serve.log", "--recipe", "sft-eval", "--stage", "eval", "--profile", "tiny") as serve:
+        _r1flow(["run", "--recipe", "sft-eval", "--profile", "tiny", "--only", "sft", "--set", "sft.max_steps=2",
+                 "--json", str(home / "sft.json")], env, timeout=600)
+        outputs = {s["node"]: s["outputs"] for s in json.loads((home / "sft.json").read_text())["stages"]}
+        deadline = time.monotonic() + 180
+        while not (found := _get_json(f"{info.prefect_api_url}/deployments/filter",
+                                      {"deployments": {"name": {"any_": ["eval-served"]}}})):
+            assert serve.poll() is None and time.monotonic() < deadline, (home / "serve.log").read_text()[-3000:]
+            time.sleep(1)
+        deployment = found[0]
+        assert deployment["parameters"]["recipe"] == "sft-eval" and "node" not in deployment["parameters"]
+
+        browser.open(f"{info.prefect.url}/deployments/deployment/{deployment['id']}/run")
+        browser.wait("document.querySelectorAll('textarea').length >= 2 && "
+                     "[...document.querySelectorAll('button')].some(b => b.innerText.trim() === 'Submit')",
+                     what="the deployment's run form")
+        time.sleep(0.5)
+        filled = browser.js(f"""(() => {{
+          const set = (e, v) => {{ e.focus(); e.value = v; e.dispatchEvent(new Event('input', {{bubbles: true}}));
+                                   e.dispatchEvent(new Event('change', {{bubbles: true}})); e.blur(); }};
+          const [model, prompts] = document.querySelectorAll('textarea');  // inputs: Model, Prompts, (Scorer)
+          set(model, {json.dumps(outputs["sft"]["model"][:12])}); set(prompts, {json.dumps(outputs["prompts"]["prompts"][:12])});
+          const max = document.querySelector('input[type=number]');  // config's first number: Max Prompts
+          set(max, '2');
+          return [model.value, prompts.value, max.value]; }})()""")
+        assert filled == [outputs["sft"]["model"][:12], outputs["prompts"]["prompts"][:12], "2"], filled
+        time.sleep(0.5)
+        browser.js("[...document.querySelectorAll('button')].find(b => b.innerText.trim() === 'Submit').click()")
+        browser.wait("!location.pathname.endsWith('/run')", timeout=30, what="the form submitted")
+
+        deadline = time.monotonic() + 300
+        while True:
+            runs = _get_json(f"{info.prefect_api_url}/flow_runs/filter",
+                             {"flow_runs": {"deployment_id": {"any_": [deployment["id"]]}}})
+            assert len(runs) == 1, runs
+            flow_run = runs[0]
+            if flow_run["state"]["type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
+                break
+            assert time.monotonic() < deadline and serve.poll() is None, (home / "serve.log").read_text()[-3000:]
+            time.sleep(1)
+    assert flow_run["state"]["type"] == "COMPLETED", (flow_run["state"], (home / "serve.log").read_text()[-3000:])
+    params = flow_run["parameters"]
+    assert params.get("node") is None and params["recipe"] == "sft-eval" and params["config"]["max_prompts"] == 2
+    exp = _get_json(f"{info.mlflow.url}/api/2.0/mlflow/experiments/get-by-name?experiment_name=r1flow/sft-eval")
+    stage_runs = _get_json(f"{info.mlflow.url}/api/2.0/mlflow/runs/search", {
+        "experiment_ids": [exp["experiment"]["experiment_id"]],
+        "filter": f"tags.`r1flow.flow_run_id` = '{flow_run['id']}'"})["runs"]
+    tags = [{t["key"]: t["value"] for t in r["data"]["tags"]} for r in stage_runs]
+    stage_runs = [r for r, t in zip(stage_runs, tags, strict=True) if "mlflow.parentRunId" in t]  # not the parent
+    nodes = [t.get("r1flow.node") for t in tags if "mlflow.parentRunId" in t]
+    assert nodes == ["eval_sft"], nodes
+    assert stage_runs[0]["info"]["run_name"] == "eval_sft"
+    keys = [a["key"] for a in _get_json(f"{info.prefect_api_url}/artifacts/filter",
+                                         {"artifacts": {"flow_run_id": {"any_": [flow_run["id"]]}}})]
+    assert [k for k in keys if k] == ["stage-eval-sft"], keys  # (keyless: Prefect's own, e.g. the result's)
