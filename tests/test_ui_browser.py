@@ -140,19 +140,19 @@ ON_SCREEN = """(e => { const r = e.getBoundingClientRect(); let left = 0, right 
       const q = p.getBoundingClientRect(); left = Math.max(left, q.left); right = Math.min(right, q.right); } }
   return r.width > 0 && r.left >= left - 0.5 && r.right <= right + 0.5; })"""
 
-# JS: the characters of a (possibly ellipsised) element's text that are on screen
-VISIBLE_TEXT = """(e => { const t = e.textContent; if (e.scrollWidth <= e.clientWidth + 1) return t;
-  let right = e.getBoundingClientRect().right;
-  for (let p = e.parentElement; p; p = p.parentElement)
+# JS: the characters of an element's text that are on screen: those left of the right edge of every box that clips
+# it (overflow other than visible; the name cell's `text-overflow: ellipsis` box is one), less the ellipsis when cut
+VISIBLE_TEXT = """(e => { let right = innerWidth;
+  for (let p = e; p; p = p.parentElement)
     if (getComputedStyle(p).overflowX !== 'visible') right = Math.min(right, p.getBoundingClientRect().right);
-  right -= 12;  // the ellipsis
-  const walker = document.createTreeWalker(e, NodeFilter.SHOW_TEXT); let out = '';
+  const chars = [], walker = document.createTreeWalker(e, NodeFilter.SHOW_TEXT);
   for (let n = walker.nextNode(); n; n = walker.nextNode())
     for (let i = 0; i < n.length; i++) {
       const range = document.createRange(); range.setStart(n, i); range.setEnd(n, i + 1);
-      if (range.getBoundingClientRect().right > right) return out;
-      out += n.data[i]; }
-  return out; })"""
+      chars.push([n.data[i], range.getBoundingClientRect().right]); }
+  if (chars.every(([, r]) => r <= right + 0.5)) return chars.map(([c]) => c).join('');
+  right -= 12;  // the ellipsis
+  let out = ''; for (const [c, r] of chars) { if (r > right) break; out += c; } return out; })"""
 
 
 def _report_column_on_screen(browser: Browser, header: str = "MLflow run") -> dict | None:
