@@ -12,8 +12,8 @@ the pages a user opens from what those commands printed.
   function, without the form).
 
 Skipped without Chromium (R1FLOW_CHROMIUM names the binary; else `chromium`, `chromium-browser`, `google-chrome`
-on PATH) or without the `websockets` package. One module fixture starts the servers; ~1.5 min on 2 quiet cores,
-~3-4 min on a loaded machine."""
+on PATH) or without the `websockets` package. One module fixture starts the servers; 2.5 min on 2 cores shared
+at load 7 (the serve test ~65 s of it), 4 min at load 12."""
 
 from __future__ import annotations
 
