@@ -1,0 +1,408 @@
+"""Issue 44's UI items, checked in a real browser (headless Chromium driven over the DevTools protocol) against
+servers started the way users start them: `r1flow up`, a tiny `r1flow run`, `r1flow down`, `r1flow up` again, then
+the pages a user opens from what those commands printed.
+
+- item 1: the report's links and plots still open after `down; up` (the Prefect artifact page of the report);
+- item 6: the experiment link `r1flow up` prints opens MLflow's runs table (not the GenAI overview) with the run
+  names readable, the run link `r1flow run` prints opens the run in the model-training view, and the report's
+  MLflow column is on screen in both UIs' report panes at 1280 px;
+- item 3: the eval stage's run form, served by `r1flow serve --recipe sft-eval`, filled in and submitted in Prefect's
+  UI with `node` left blank and a model that sft-eval's `sft` made, runs as eval_sft (test_deploy.py's
+  test_a_blank_node_in_the_stage_form_is_named_after_the_model_it_evaluates checks the same through the flow
+  function, without the form).
+
+Skipped without Chromium (R1FLOW_CHROMIUM names the binary; else `chromium`, `chromium-browser`, `google-chrome`
+on PATH) or without the `websockets` package. One module fixture starts the servers; 2.5 min on 2 cores shared
+at load 7 (the serve test ~65 s of it), 4 min at load 12."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import itertools
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+
+from flows import servers
+from tests.conftest import clean_env
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parent.parent
+R1FLOW = [sys.executable, "-m", "flows.cli"]
+CHROMIUM = os.environ.get("R1FLOW_CHROMIUM") or next(
+    (p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
+# Debian's chromium: no sandbox as root, no GPU; the background-networking flags keep it off the (closed) network
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         "--disable-default-apps", "--window-size=1280,800", "--remote-debugging-address=127.0.0.1",
+         "--remote-debugging-port=0"]
+LINK = re.compile(r"http://127\.0\.0\.1:\d+/#/experiments/\S+")
+
+
+# ---------------------------------------------------------------------------- a browser over the DevTools protocol
+class Browser:
+    """One headless Chromium (fresh profile: no stored UI choices) and its first tab."""
+
+    def __init__(self, binary: str):
+        from websockets.sync.client import connect
+
+        self.profile = Path(tempfile.mkdtemp(prefix="r1flow-chromium-"))
+        self.proc = subprocess.Popen([binary, *FLAGS, f"--user-data-dir={self.profile}", "about:blank"],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        port_file = self.profile / "DevToolsActivePort"  # Chromium writes the port it took here
+        deadline = time.monotonic() + 60
+        while not (port_file.exists() and port_file.read_text().strip()):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                raise AssertionError(f"{binary} did not start (exit code {self.proc.poll()})")
+            time.sleep(0.1)
+        port = int(port_file.read_text().split()[0])
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=10) as r:
+            page = next(t for t in json.load(r) if t["type"] == "page")
+        self.ws = connect(page["webSocketDebuggerUrl"], max_size=None, open_timeout=10)
+        self.ids = itertools.count(1)
+
+    def call(self, method: str, **params) -> dict:
+        i = next(self.ids)
+        self.ws.send(json.dumps({"id": i, "method": method, "params": params}))
+        while True:  # events in between are dropped
+            msg = json.loads(self.ws.recv(timeout=60))
+            if msg.get("id") == i:
+                if "error" in msg:
+                    raise RuntimeError(f"{method}: {msg['error']}")
+                return msg["result"]
+
+    def js(self, expression: str):
+        r = self.call("Runtime.evaluate", expression=expression, returnByValue=True, awaitPromise=True)
+        if "exceptionDetails" in r:
+            raise RuntimeError(f"{expression[:200]}: {r['exceptionDetails']}")
+        return r["result"].get("value")
+
+    def open(self, url: str) -> None:
+        """Load url afresh (through about:blank: a hash change in the same app would keep the old page's DOM
+        until the app re-renders, and a wait could read the old page)."""
+        self.call("Page.navigate", url="about:blank")
+        self.wait("location.href === 'about:blank' && document.readyState === 'complete'", timeout=10)
+        self.call("Page.navigate", url=url)
+
+    def wait(self, expression: str, timeout: float = 60, what: str = ""):
+        """The value of expression once truthy (polled); an AssertionError with a screenshot's path at the deadline."""
+        deadline = time.monotonic() + timeout
+        while True:
+            value = self.js(expression)
+            if value:
+                return value
+            if time.monotonic() > deadline:
+                shot = self.screenshot()
+                raise AssertionError(f"{what or expression} not within {timeout} s at {self.js('location.href')} "
+                                     f"(screenshot {shot}); the page says:\n{self.text()[:1500]}")
+            time.sleep(0.25)
+
+    def text(self) -> str:
+        return self.js("document.body ? document.body.innerText : ''") or ""
+
+    def screenshot(self) -> Path:
+        path = Path(tempfile.mkstemp(prefix="r1flow-ui-", suffix=".png")[1])
+        path.write_bytes(base64.b64decode(self.call("Page.captureScreenshot", format="png")["data"]))
+        return path
+
+    def close(self) -> None:
+        try:
+            if getattr(self, "ws", None) is not None:
+                self.ws.close()
+        finally:
+            if self.proc.poll() is None:
+                self.proc.terminate()
+                try:
+                    self.proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait(5)
+            shutil.rmtree(self.profile, ignore_errors=True)
+
+
+# JS: is this element inside the viewport and inside every box that clips it (overflow other than visible)?
+ON_SCREEN = """(e => { const r = e.getBoundingClientRect(); let left = 0, right = innerWidth;
+  for (let p = e.parentElement; p; p = p.parentElement) {
+    if (getComputedStyle(p).overflowX !== 'visible') {
+      const q = p.getBoundingClientRect(); left = Math.max(left, q.left); right = Math.min(right, q.right); } }
+  return r.width > 0 && r.left >= left - 0.5 && r.right <= right + 0.5; })"""
+
+# JS: the characters of an element's text that are on screen: those left of the right edge of every box that clips
+# it (overflow other than visible; the name cell's `text-overflow: ellipsis` box is one), less the ellipsis when cut
+VISIBLE_TEXT = """(e => { let right = innerWidth;
+  for (let p = e; p; p = p.parentElement)
+    if (getComputedStyle(p).overflowX !== 'visible') right = Math.min(right, p.getBoundingClientRect().right);
+  const chars = [], walker = document.createTreeWalker(e, NodeFilter.SHOW_TEXT);
+  for (let n = walker.nextNode(); n; n = walker.nextNode())
+    for (let i = 0; i < n.length; i++) {
+      const range = document.createRange(); range.setStart(n, i); range.setEnd(n, i + 1);
+      chars.push([n.data[i], range.getBoundingClientRect().right]); }
+  if (chars.every(([, r]) => r <= right + 0.5)) return chars.map(([c]) => c).join('');
+  right -= 12;  // the ellipsis
+  let out = ''; for (const [c, r] of chars) { if (r > right) break; out += c; } return out; })"""
+
+
+def _report_column_on_screen(browser: Browser, header: str = "MLflow run") -> dict | None:
+    """Where the report's stage table puts its MLflow column: the header cell and every link under it on screen?
+    (Prefect renders the markdown table as a <table>; MLflow as ARIA rows and cells.)"""
+    return browser.js(f"""(() => {{
+      const on = {ON_SCREEN}, CELL = 'th, td, [role=columnheader], [role=cell]';
+      const th = [...document.querySelectorAll('th, [role=columnheader]')].find(t => t.innerText.trim() === {json.dumps(header)});
+      if (!th) return null;
+      const headerRow = th.closest('tr, [role=row]'), table = th.closest('table, [role=table]');
+      const col = [...headerRow.children].filter(c => c.matches(CELL)).indexOf(th);
+      const cells = [...table.querySelectorAll('tr, [role=row]')].filter(r => r !== headerRow)
+        .map(r => [...r.children].filter(c => c.matches(CELL))[col]).filter(Boolean);
+      const r = th.getBoundingClientRect();
+      return {{header: on(th), cells: cells.length, cells_on: cells.filter(on).length,
+               links: cells.filter(c => c.querySelector('a[href*="/runs/"]')).length,
+               left: r.left, right: r.right, width: innerWidth}};
+    }})()""")
+
+
+# ---------------------------------------------------------------------------- the servers, as a user meets them
+def _r1flow(args: list[str], env: dict[str, str], timeout: float = 300) -> str:
+    out = subprocess.run([*R1FLOW, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, f"r1flow {' '.join(args)}:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
+    return out.stdout
+
+
+def _get_json(url: str, data: dict | None = None):
+    req = urllib.request.Request(url, data=json.dumps(data).encode() if data is not None else None,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.load(r)
+
+
+@pytest.fixture(scope="module")
+def ui(tmp_path_factory):
+    """`r1flow up`; a tiny eval run; `r1flow down`; `r1flow up`: what each printed, the run, and a browser."""
+    if CHROMIUM is None:
+        pytest.skip("no Chromium (install Debian's `chromium`, or set R1FLOW_CHROMIUM)")
+    pytest.importorskip("websockets.sync.client", reason="the DevTools client needs the websockets package")
+    home = tmp_path_factory.mktemp("ui-home") / "home"
+    env = clean_env(home)
+    state: dict = {"home": home, "env": env}
+    try:
+        state["first_up"] = _r1flow(["up", "--detach"], env, timeout=240)
+        first = servers.status(home)
+        state["run_out"] = _r1flow(["run", "--recipe", "eval", "--profile", "tiny", "--set",
+                                    "eval_base.max_prompts=4", "--json", str(home / "run.json")], env, timeout=600)
+        state["run"] = json.loads((home / "run.json").read_text())
+        _r1flow(["down"], env, timeout=120)
+        state["up"] = _r1flow(["up", "--detach"], env, timeout=240)
+        info = state["info"] = servers.status(home)
+        state["ports_kept"] = (first.prefect.port, first.mlflow.port) == (info.prefect.port, info.mlflow.port)
+        browser = state["browser"] = Browser(CHROMIUM)
+        try:
+            yield state
+        finally:
+            browser.close()
+    finally:
+        servers.stop(home)
+
+
+def _run_name(info, run_id: str) -> str:
+    return _get_json(f"{info.mlflow.url}/api/2.0/mlflow/runs/get?run_id={run_id}")["run"]["info"]["run_name"]
+
+
+def _in_model_training_view(experiment_id: str) -> str:
+    """JS: MLflow's sidebar is the model-training one (a Runs entry for this experiment, no GenAI Evaluations)."""
+    return (f"[...document.querySelectorAll('a')].some(a => a.innerText.trim() === 'Runs' && "
+            f"(a.getAttribute('href') || '').startsWith('#/experiments/{experiment_id}/runs')) && "
+            "![...document.querySelectorAll('a')].some(a => (a.getAttribute('href') || '').includes('evaluation-runs'))")
+
+
+def _report_artifact_id(info, flow_run_id: str) -> str:
+    found = _get_json(f"{info.prefect_api_url}/artifacts/filter",
+                      {"artifacts": {"flow_run_id": {"any_": [flow_run_id]}, "key": {"any_": ["r1flow-report-eval"]}}})
+    assert len(found) == 1, found
+    return found[0]["id"]
+
+
+# ---------------------------------------------------------------------------- item 1
+def test_report_plots_and_links_open_after_down_and_up(ui):
+    """The run's report, opened in Prefect's UI after `r1flow down; r1flow up`: its plot loads (from MLflow's
+    get-artifact route) and every MLflow link in it opens the run it names. Before issue 44 each `up` took new
+    ports, so after `down; up` the image was broken and the links went to a port where nothing listened."""
+    info, browser, run = ui["info"], ui["browser"], ui["run"]
+    assert ui["ports_kept"], "r1flow up took other ports after down"
+    browser.open(f"{info.prefect.url}/artifacts/artifact/{_report_artifact_id(info, run['flow_run_id'])}")
+    browser.wait("document.body && document.body.innerText.includes('MLflow parent run')", what="the report")
+    images = browser.wait("""(() => { const imgs = [...document.images].filter(i => i.src.includes('get-artifact'));
+        return imgs.length && imgs.every(i => i.complete) && imgs.map(i => [i.src, i.naturalWidth]); })()""",
+                          what="the report's plots")
+    assert all(src.startswith(f"{info.mlflow.url}/get-artifact?") and width > 0 for src, width in images), images
+    links = browser.js("[...document.querySelectorAll('a')].map(a => a.href).filter(h => h.includes('/#/experiments/'))")
+    run_ids = {m.group(1) for h in links if (m := re.search(r"/runs/([0-9a-f]{32})", h))}
+    assert run["parent_run_id"] in run_ids and len(run_ids) == 1 + len(run["stages"]), links
+    assert all(h.startswith(f"{info.mlflow.url}/") for h in links), links
+    for href in dict.fromkeys(links):  # as a click opens it: the run's own page, its name in the header
+        run_id = re.search(r"/runs/([0-9a-f]{32})", href).group(1)
+        name = _run_name(info, run_id)
+        browser.open(href)
+        browser.wait(f"document.body && document.body.innerText.includes({json.dumps(name)}) && "
+                     f"document.body.innerText.includes({json.dumps(run_id)})", what=f"run {name} from {href}")
+
+
+# ---------------------------------------------------------------------------- item 6
+def test_the_experiment_link_up_prints_opens_the_runs_table_with_readable_run_names(ui):
+    """The link `r1flow up` prints for the experiment (`  r1flow/eval: <url>`) opens MLflow's runs table, in a
+    browser that never chose a view, and the parent run's name shows its time (what tells a recipe's runs apart)
+    before the column cuts it. Before issue 44 up printed the experiments list, whose links open an experiment on
+    MLflow 3's GenAI overview (#/experiments/<id> redirects to /overview/usage?workflowType=genai); parent runs were
+    named `<recipe> <profile> <time> <id>`, which the ~20-character column cut in the middle of the time."""
+    info, browser, run = ui["info"], ui["browser"], ui["run"]
+    printed = [line.strip() for line in ui["up"].splitlines() if line.strip().startswith("r1flow/eval: ")]
+    assert len(printed) == 1, ui["up"]
+    url = printed[0].split(": ", 1)[1]
+    exp = run["experiment_id"]
+    assert url == f"{info.mlflow.url}/#/experiments/{exp}/runs?workflowType=machine_learning", url
+    name = _run_name(info, run["parent_run_id"])
+    browser.open(url)
+    cell = browser.wait(f"""(() => {{ const a = [...document.querySelectorAll('a')].find(a =>
+        a.textContent.trim() === {json.dumps(name)} && (a.getAttribute('href') || '').includes('{run["parent_run_id"]}'));
+        return a ? ({VISIBLE_TEXT})(a) : null; }})()""", what=f"the runs table's row for {name}")
+    hash_ = browser.js("location.hash")
+    assert hash_.startswith(f"#/experiments/{exp}/runs?") and "workflowType=machine_learning" in hash_, hash_
+    assert "Run Name" in browser.text() and browser.js(_in_model_training_view(exp))
+    started = _get_json(f"{info.mlflow.url}/api/2.0/mlflow/runs/get?run_id={run['parent_run_id']}")["run"]["info"]
+    when = datetime.fromtimestamp(int(started["start_time"]) / 1000, UTC)
+    # the name's minute is the run's start minute, or the one before (the name is made just before the run starts)
+    shown_time = re.match(r"\d\d-\d\d \d\d:\d\d", cell)
+    assert shown_time, f"the runs table shows {cell!r} of {name!r}"
+    assert shown_time.group(0) in {f"{when:%m-%d %H:%M}", f"{datetime.fromtimestamp(when.timestamp() - 60, UTC):%m-%d %H:%M}"}
+    assert len(cell) >= len("11-27 15:17 eval"), f"the runs table shows {cell!r} of {name!r}"
+
+
+def test_the_run_link_run_prints_opens_the_run_in_the_model_training_view(ui):
+    """The parent run's URL `r1flow run` prints last opens that run with MLflow's model-training sidebar (Runs).
+    Before issue 44 MlflowClient also printed its own `View run` links without workflowType, which open the run
+    under GenAI's Evaluations (the sidebar of traces, judges, evaluation runs)."""
+    info, browser, run = ui["info"], ui["browser"], ui["run"]
+    links = LINK.findall(ui["run_out"])
+    assert links == [run["link"]], ui["run_out"][-1500:]  # one link: MLflow's `View run` lines are silenced
+    assert "workflowType=machine_learning" in run["link"]
+    name = _run_name(info, run["parent_run_id"])
+    browser.open(run["link"])
+    browser.wait(f"document.body && document.body.innerText.includes({json.dumps(name)})", what=f"run {name}")
+    browser.wait(_in_model_training_view(run["experiment_id"]), timeout=20, what="the model-training sidebar")
+    # the check tells the views apart: the same run without workflowType (MLflow's own links) opens under GenAI
+    browser.open(run["link"].split("?", 1)[0])
+    browser.wait(f"document.body && document.body.innerText.includes({json.dumps(name)}) && "
+                 "[...document.querySelectorAll('a')].some(a => (a.getAttribute('href') || '').includes('evaluation-runs'))",
+                 what="(control) the GenAI sidebar for a link without workflowType")
+    assert not browser.js(_in_model_training_view(run["experiment_id"]))
+
+
+def test_the_reports_mlflow_column_is_on_screen_in_both_uis(ui):
+    """The report's stage table at a 1280 px window, in Prefect's artifact page and in MLflow's artifact view of
+    report/report.md: the `MLflow run` column (header and each stage's link) is on screen without scrolling. Before
+    issue 44 it was the last column, right of the key-metrics cell, and a table of 1269 px in an 868 px pane put
+    it off-screen."""
+    info, browser, run = ui["info"], ui["browser"], ui["run"]
+    for where, url in (("Prefect", f"{info.prefect.url}/artifacts/artifact/"
+                                   f"{_report_artifact_id(info, run['flow_run_id'])}"),
+                       ("MLflow", f"{info.mlflow.url}/#/experiments/{run['experiment_id']}/runs/"
+                                  f"{run['parent_run_id']}/artifacts/report/report.md")):
+        browser.open(url)
+        browser.wait("[...document.querySelectorAll('th, [role=columnheader]')]"
+                     ".some(t => t.innerText.trim() === 'MLflow run')", what=f"the report's stage table in {where}'s UI")
+        time.sleep(0.5)  # layout settles (images above the table)
+        column = _report_column_on_screen(browser)
+        assert column["links"] == column["cells"] == len(run["stages"]), (where, column)
+        assert column["header"] and column["cells_on"] == column["cells"], (where, column, browser.screenshot())
+
+
+# ---------------------------------------------------------------------------- item 3
+@contextlib.contextmanager
+def _serving(env: dict[str, str], log: Path, *args: str):
+    proc = subprocess.Popen([*R1FLOW, "serve", *args], cwd=ROOT, env=env, stdout=log.open("w"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(5)
+
+
+def test_the_stage_form_with_node_left_blank_runs_the_node_the_model_fits(ui):
+    """`r1flow serve --recipe sft-eval --stage eval`; in Prefect's UI the eval-served deployment's Run form, filled in
+    as a user does (the model sft-eval's `sft` node made, the prompts, max_prompts 2; node left blank, recipe and
+    profile as shown) and submitted: the flow run (node null, what the form sends) runs as eval_sft (MLflow stage
+    run, its stage-eval-sft artifact). Before issue 44 a blank node was the recipe's first eval node, eval_base:
+    the sft model's results were filed under the base model's eval."""
+    info, browser, home, env = ui["info"], ui["browser"], ui["home"], ui["env"]
+    with _serving(env, home / "serve.log", "--recipe", "sft-eval", "--stage", "eval", "--profile", "tiny") as serve:
+        _r1flow(["run", "--recipe", "sft-eval", "--profile", "tiny", "--only", "sft", "--set", "sft.max_steps=2",
+                 "--json", str(home / "sft.json")], env, timeout=600)
+        outputs = {s["node"]: s["outputs"] for s in json.loads((home / "sft.json").read_text())["stages"]}
+        deadline = time.monotonic() + 180
+        while not (found := _get_json(f"{info.prefect_api_url}/deployments/filter",
+                                      {"deployments": {"name": {"any_": ["eval-served"]}}})):
+            assert serve.poll() is None and time.monotonic() < deadline, (home / "serve.log").read_text()[-3000:]
+            time.sleep(1)
+        deployment = found[0]
+        assert deployment["parameters"]["recipe"] == "sft-eval" and "node" not in deployment["parameters"]
+
+        browser.open(f"{info.prefect.url}/deployments/deployment/{deployment['id']}/run")
+        browser.wait("document.querySelectorAll('textarea').length >= 2 && "
+                     "[...document.querySelectorAll('button')].some(b => b.innerText.trim() === 'Submit')",
+                     what="the deployment's run form")
+        time.sleep(0.5)
+        filled = browser.js(f"""(() => {{
+          const set = (e, v) => {{ e.focus(); e.value = v; e.dispatchEvent(new Event('input', {{bubbles: true}}));
+                                   e.dispatchEvent(new Event('change', {{bubbles: true}})); e.blur(); }};
+          const [model, prompts] = document.querySelectorAll('textarea');  // inputs: Model, Prompts, (Scorer)
+          set(model, {json.dumps(outputs["sft"]["model"][:12])}); set(prompts, {json.dumps(outputs["prompts"]["prompts"][:12])});
+          const max = document.querySelector('input[type=number]');  // config's first number: Max Prompts
+          set(max, '2');
+          return [model.value, prompts.value, max.value]; }})()""")
+        assert filled == [outputs["sft"]["model"][:12], outputs["prompts"]["prompts"][:12], "2"], filled
+        time.sleep(0.5)
+        browser.js("[...document.querySelectorAll('button')].find(b => b.innerText.trim() === 'Submit').click()")
+        browser.wait("!location.pathname.endsWith('/run')", timeout=30, what="the form submitted")
+
+        deadline = time.monotonic() + 300
+        while True:
+            runs = _get_json(f"{info.prefect_api_url}/flow_runs/filter",
+                             {"flow_runs": {"deployment_id": {"any_": [deployment["id"]]}}})
+            assert len(runs) == 1, runs
+            flow_run = runs[0]
+            if flow_run["state"]["type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
+                break
+            assert time.monotonic() < deadline and serve.poll() is None, (home / "serve.log").read_text()[-3000:]
+            time.sleep(1)
+    assert flow_run["state"]["type"] == "COMPLETED", (flow_run["state"], (home / "serve.log").read_text()[-3000:])
+    params = flow_run["parameters"]
+    assert params.get("node") is None and params["recipe"] == "sft-eval" and params["config"]["max_prompts"] == 2
+    exp = _get_json(f"{info.mlflow.url}/api/2.0/mlflow/experiments/get-by-name?experiment_name=r1flow/sft-eval")
+    stage_runs = _get_json(f"{info.mlflow.url}/api/2.0/mlflow/runs/search", {
+        "experiment_ids": [exp["experiment"]["experiment_id"]],
+        "filter": f"tags.`r1flow.flow_run_id` = '{flow_run['id']}'"})["runs"]
+    tags = [{t["key"]: t["value"] for t in r["data"]["tags"]} for r in stage_runs]
+    stage_runs = [r for r, t in zip(stage_runs, tags, strict=True) if "mlflow.parentRunId" in t]  # not the parent
+    nodes = [t.get("r1flow.node") for t in tags if "mlflow.parentRunId" in t]
+    assert nodes == ["eval_sft"], nodes
+    assert stage_runs[0]["info"]["run_name"] == "eval_sft"
+    keys = [a["key"] for a in _get_json(f"{info.prefect_api_url}/artifacts/filter",
+                                         {"artifacts": {"flow_run_id": {"any_": [flow_run["id"]]}}})]
+    assert [k for k in keys if k] == ["stage-eval-sft"], keys  # (keyless: Prefect's own, e.g. the result's)
