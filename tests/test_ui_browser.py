@@ -264,7 +264,8 @@ def test_the_experiment_link_up_prints_opens_the_runs_table_with_readable_run_na
     browser that never chose a view, and the parent run's name shows its time (what tells a recipe's runs apart)
     before the column cuts it. Before issue 44 up printed the experiments list, whose links open an experiment on
     MLflow 3's GenAI overview (#/experiments/<id> redirects to /overview/usage?workflowType=genai); parent runs were
-    named `<recipe> <profile> <time> <id>`, which the ~20-character column cut in the middle of the time."""
+    named `<recipe> <profile> <time> <id>`, which the ~20-character column cut in the middle of the time (and
+    `<time> <recipe> <profile> <id>` after that lost the id: `11-27 15:17 eval tin…`)."""
     info, browser, run = ui["info"], ui["browser"], ui["run"]
     printed = [line.strip() for line in ui["up"].splitlines() if line.strip().startswith("r1flow/eval: ")]
     assert len(printed) == 1, ui["up"]
@@ -285,7 +286,8 @@ def test_the_experiment_link_up_prints_opens_the_runs_table_with_readable_run_na
     shown_time = re.match(r"\d\d-\d\d \d\d:\d\d", cell)
     assert shown_time, f"the runs table shows {cell!r} of {name!r}"
     assert shown_time.group(0) in {f"{when:%m-%d %H:%M}", f"{datetime.fromtimestamp(when.timestamp() - 60, UTC):%m-%d %H:%M}"}
-    assert len(cell) >= len("11-27 15:17 eval"), f"the runs table shows {cell!r} of {name!r}"
+    # and the short id after it, which tells apart two runs started in the same minute (the recipe is the experiment)
+    assert cell.startswith(name[: len("11-27 15:17 b2905c")]), f"the runs table shows {cell!r} of {name!r}"
 
 
 def test_the_run_link_run_prints_opens_the_run_in_the_model_training_view(ui):
