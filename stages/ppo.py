@@ -56,7 +56,8 @@ from stages.modeling.heads import (
 from stages.rewards.verifiers import Verdict
 from stages.runtime import distributed
 from stages.runtime.seeds import seed_stream
-from stages.sampling.generation import Completion, make_backend, render_prompts
+from stages.sampling.completions import Completion, render_prompts
+from stages.sampling.generation import make_backend
 from stages.training import groups, rl_loop, rollouts
 from stages.training.checkpoints import resume
 from stages.training.loop import autocast

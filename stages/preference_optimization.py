@@ -40,7 +40,7 @@ from schemas.errors import ArtifactError, ConfigError, SchemaError
 from stages.base import Input, Output, StageContext, seed_everything
 from stages.math import preference as pl
 from stages.modeling import models
-from stages.modeling.logprobs import completion_logprobs, score_examples
+from stages.modeling.prefix_sharing import completion_logprobs, score_examples
 from stages.runtime import distributed
 from stages.training.loop import Loop, StepResult, autocast, curve_tail, policy_output, save_policy
 from stages.training.optim import load_trainable, resolve_precision

@@ -14,7 +14,7 @@ import time
 from schemas.configs import ReferenceLogprobsConfig
 from schemas.datasets import from_rows
 from stages.base import Input, Output, StageContext, seed_everything, write_dataset
-from stages.modeling.logprobs import score_examples
+from stages.modeling.prefix_sharing import score_examples
 from stages.training.optim import resolve_precision
 from stages.training.pairs import examples_from, tokenize
 

@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from schemas.configs import SandboxLimits
-from stages.rewards import sandbox
+from stages.rewards import sandbox, seccomp
 from stages.rewards.sandbox import (
     SandboxResult,
     SandboxSetupError,
@@ -523,6 +523,28 @@ def test_launcher_configuration_is_not_visible_to_the_program():
     assert fds == "[]"  # nor an inherited descriptor (the configuration, the status pipe)
 
 
+@needs_namespaces
+@pytest.mark.skipif("overlay" not in open("/proc/filesystems").read(), reason="no overlayfs: the prefix is a bind")
+def test_mount_table_and_pid_1_name_no_host_path():
+    """The interpreter's prefix is mounted as an overlay whose layers are named by descriptor, so neither
+    /proc/self/mountinfo nor /proc/1/cmdline shows the checkout, the interpreter, its prefix, the virtual
+    environment, the home or working directory (the system folders the sandbox binds are in view anyway)."""
+    checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    host = {os.path.realpath(p) for p in (checkout, sys.executable, os.path.dirname(os.path.realpath(sys.executable)),
+                                          sys.base_prefix, sys.prefix, os.path.expanduser("~"), os.getcwd())}
+    host = {p for p in host if p != "/" and p.split("/")[1] not in sandbox.SYSTEM_DIRS}
+    assert host  # here: at least the checkout
+    result = run("""
+        import sys
+        print(open("/proc/self/mountinfo").read(), open("/proc/1/cmdline", "rb").read().decode(errors="replace"))
+        import json, decimal, sqlite3  # the standard library (compiled modules too) through the overlay
+        print(sys.base_prefix == sys.prefix != "")
+    """, limits=LIMITS.model_copy(update={"max_output_bytes": 2**20}))
+    assert result.status == "ok", result.stderr
+    assert result.stdout.endswith("True\n")
+    assert not [p for p in host if p in result.stdout], result.stdout
+
+
 SECCOMP_MACHINES = ["aarch64", "riscv64", "x86_64"]  # the architectures the filter knows
 # The errno the filter gives in test_seccomp_filter_in_the_kernel: no syscall returns it by itself.
 TEST_ERRNO = 131  # ENOTRECOVERABLE
@@ -548,8 +570,8 @@ def bpf_verdict(program: bytes, arch: int, nr: int, args: tuple[int, ...] = ()) 
 
 @pytest.mark.parametrize("machine", SECCOMP_MACHINES)
 def test_seccomp_filter_program(machine):
-    arch, numbers = sandbox.SECCOMP_ARCHES[machine]
-    program = sandbox.seccomp_filter(machine)
+    arch, numbers = seccomp.SECCOMP_ARCHES[machine]
+    program = seccomp.seccomp_filter(machine)
     allow, kill = 0x7FFF0000, 0x80000000
     eperm, enosys = 0x50000 | errno.EPERM, 0x50000 | errno.ENOSYS
     for name, nr in numbers.items():
@@ -570,7 +592,7 @@ def test_seccomp_filter_program(machine):
     if machine == "x86_64":  # the x32 ABI numbers syscalls from 0x40000000: refused as unknown
         assert bpf_verdict(program, arch, 0x40000000 | numbers["unshare"]) == enosys
         assert bpf_verdict(program, arch, 0x40000000 | 39) == enosys
-    assert sandbox.seccomp_filter("pdp11") is None
+    assert seccomp.seccomp_filter("pdp11") is None
 
 
 SECCOMP_PROBE = """
@@ -608,8 +630,8 @@ def test_seccomp_filter_in_the_kernel():
     # every listed syscall fails with that errno (clone only with CLONE_NEW* flags, clone3 with
     # ENOSYS so that glibc falls back to clone), while fork, threads and the rest work.
     machine = os.uname().machine
-    numbers = sandbox.SECCOMP_ARCHES[machine][1]
-    program = sandbox.seccomp_filter(machine, deny_errno=TEST_ERRNO)
+    numbers = seccomp.SECCOMP_ARCHES[machine][1]
+    program = seccomp.seccomp_filter(machine, deny_errno=TEST_ERRNO)
     proc = subprocess.run([sys.executable, "-c", SECCOMP_PROBE, program.hex(), json.dumps(numbers)],
                           capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0, proc.stderr

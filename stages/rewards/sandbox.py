@@ -106,7 +106,6 @@ import re
 import selectors
 import shutil
 import signal
-import struct
 import subprocess
 import sys
 import tempfile
@@ -117,6 +116,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from schemas.configs import SandboxLimits
+from stages.rewards.sandbox_launcher import BOOTSTRAP, LAUNCHER, LOADER
+from stages.rewards.seccomp import seccomp_filter
 
 log = logging.getLogger(__name__)
 
@@ -135,25 +136,6 @@ DEVICES = ("null", "zero", "random", "urandom")
 ROOT_TMPFS_OPTIONS = "size=1m,nr_inodes=1024,mode=0755"
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 PIVOT_ROOT_SYSCALLS = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "ppc64": 203, "s390x": 217}
-# Syscalls the program may not make (a seccomp filter, both modes), by architecture: the audit
-# arch of seccomp_data and the numbers (x86_64: asm/unistd_64.h; aarch64 and riscv64 share
-# asm-generic/unistd.h; those from 424 on are the same everywhere). Why these, see `seccomp_filter`.
-_SECCOMP_NEW = {"io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427, "open_tree": 428,
-                "move_mount": 429, "fsopen": 430, "fsconfig": 431, "fsmount": 432, "fspick": 433,
-                "clone3": 435, "mount_setattr": 442, "open_tree_attr": 467}
-_SECCOMP_GENERIC = {"unshare": 97, "setns": 268, "clone": 220, "mount": 40, "umount2": 39, "pivot_root": 41,
-                    "chroot": 51, "bpf": 280, "perf_event_open": 241, "userfaultfd": 282, "keyctl": 219,
-                    "add_key": 217, "request_key": 218, **_SECCOMP_NEW}
-SECCOMP_ARCHES: dict[str, tuple[int, dict[str, int]]] = {
-    "x86_64": (0xC000003E, {"unshare": 272, "setns": 308, "clone": 56, "mount": 165, "umount2": 166,
-                            "pivot_root": 155, "chroot": 161, "bpf": 321, "perf_event_open": 298,
-                            "userfaultfd": 323, "keyctl": 250, "add_key": 248, "request_key": 249, **_SECCOMP_NEW}),
-    "aarch64": (0xC00000B7, _SECCOMP_GENERIC),
-    "riscv64": (0xC00000F3, _SECCOMP_GENERIC),
-}
-# clone() flags that make a namespace (CLONE_NEWTIME, 0x80, is not one for clone(): there the low
-# byte is the exit signal).
-CLONE_NEW_FLAGS = 0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000
 WEAK_ENV = "R1FLOW_SANDBOX_ALLOW_WEAK"  # =1: the host accepts the audit-hook mode for code rewards
 _MEMORY_ERROR = re.compile(r"^MemoryError\b|Cannot allocate memory", re.MULTILINE)
 
@@ -180,210 +162,6 @@ class SandboxSetupError(RuntimeError):
     """The sandbox itself could not be set up (not a failure of the program)."""
 
 
-# The launcher's command line, `python3.x -I -S -c _LOADER r1flow-sandbox-XXXX` (the name of the
-# run's directory, which the program sees anyway, so that `ps` tells the runs apart), is pid 1's
-# inside the sandbox, where the program can read it (/proc/1/cmdline): so it holds no path and no
-# configuration. The loader reads the launcher's code and configuration (host paths, the root
-# plan, the masks) from a memfd and closes it before anything is forked.
-_LOADER = """import json, os
-with open({fd}, "rb") as f:
-    d = json.load(f)
-exec(d["code"], dict(__name__="__main__", cfg=d["cfg"]))"""
-
-# Runs in a new session, started by _LOADER with `cfg` set. It has to be root for the
-# namespaces, so it stays outside of them and does not count against the sandbox uid's NPROC.
-_LAUNCHER = r"""
-import ctypes, json, os, resource, signal, sys
-
-status_fd = cfg["status_fd"]
-child_fd = None
-stop_requested = False
-
-
-def say(**msg):
-    os.write(status_fd, json.dumps(msg).encode() + b"\n")
-
-
-def stop(signum, frame):
-    global stop_requested
-    stop_requested = True
-    if child_fd is not None:
-        try:
-            signal.pidfd_send_signal(child_fd, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-signal.signal(signal.SIGUSR1, stop)
-signal.signal(signal.SIGALRM, stop)
-signal.alarm(cfg["backstop_s"])
-libc = ctypes.CDLL(None, use_errno=True)
-PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 1, 38, 22, 2
-CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
-CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
-MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
-MNT_DETACH = 2
-
-
-def check(ret, what):
-    if ret != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"{what}: {os.strerror(err)}")
-
-
-def mount(source, target, fstype, flags, data=None):
-    enc = lambda s: None if s is None else s.encode()
-    check(libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)),
-          f"mount {source} on {target}")
-
-
-def setup_namespaces():
-    # Build the sandbox's whole file tree on a fresh tmpfs (cfg["root_plan"], see _root_plan) and
-    # pivot_root into it: the host's tree is detached from the namespace, not just read-only.
-    check(libc.unshare(CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS), "unshare")
-    mount(None, "/", None, MS_REC | MS_PRIVATE)
-    os.umask(0o022)
-    root = cfg["root_mount"]
-    mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, cfg["root_options"])
-    for kind, path, *args in cfg["root_plan"]:
-        target = root + path
-        if kind == "dir":
-            os.makedirs(target, 0o755, exist_ok=True)
-        elif kind == "symlink":
-            os.symlink(args[0], target)
-        elif kind == "tmpfs":
-            os.makedirs(target, 0o755, exist_ok=True)
-            mount("tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV, args[0])
-        elif kind == "mask":  # an empty read-only folder over a host folder inside a bind
-            mount("tmpfs", target, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,nr_inodes=16,mode=0555")
-        else:  # "bind": source onto path, not recursive, then remounted with flags (read-only)
-            source, flags = args
-            if os.path.isdir(source):
-                os.makedirs(target, 0o755, exist_ok=True)
-            else:
-                os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
-            mount(source, target, None, MS_BIND)
-            mount(None, target, None, MS_REMOUNT | MS_BIND | flags)
-    os.chdir(root)
-    check(libc.syscall(ctypes.c_long(cfg["sys_pivot_root"]), b".", b"."), "pivot_root")
-    check(libc.umount2(b".", MNT_DETACH), "umount2 of the old root")
-    os.chdir("/")
-    mount(None, "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
-    return True
-
-
-def seccomp_program(hex_insns):
-    # struct sock_fprog {unsigned short len; struct sock_filter *filter;} as two longs: the
-    # architectures seccomp_filter knows are little-endian and 64-bit. Built before any fork
-    # (a Structure subclass made in the freshly forked child cost ~0.3 ms).
-    if hex_insns is None:
-        return None
-    data = bytes.fromhex(hex_insns)
-    insns = ctypes.create_string_buffer(data, len(data))
-    return (ctypes.c_ulong * 2)(len(data) // 8, ctypes.addressof(insns)), insns
-
-
-def forked(main):  # the child runs main() and never returns
-    pid = os.fork()
-    if pid == 0:
-        try:
-            main()
-        except BaseException as exc:
-            say(error=f"{main.__name__}: {exc!r}")
-        os._exit(125)
-    return pid
-
-
-def exec_program():
-    check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl(PDEATHSIG)")
-    for name, value in cfg["rlimits"].items():
-        resource.setrlimit(getattr(resource, name), tuple(value))
-    if cfg["uid"] is not None:
-        os.setgroups([])
-        os.setresgid(cfg["uid"], cfg["uid"], cfg["uid"])
-        os.setresuid(cfg["uid"], cfg["uid"], cfg["uid"])
-    check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(NO_NEW_PRIVS)")
-    if seccomp is not None:  # see seccomp_filter; needs no_new_privs, and holds across execve
-        check(libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, seccomp[0], 0, 0), "prctl(SECCOMP)")
-    os.chdir(cfg["workdir"])
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-    signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
-    os.set_inheritable(status_fd, False)  # a successful exec closes it: no message means success
-    os.execve(cfg["argv"][0], cfg["argv"], cfg["env"])
-
-
-def init_main():
-    # pid 1 of the new pid namespace. The program must not be pid 1: init ignores every signal
-    # it has no handler for (SIGXCPU included). This init reaps orphans, reports the program's
-    # end and exits with it, upon which the kernel kills whatever is left in the namespace.
-    check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl(PDEATHSIG)")
-    mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-    program = forked(exec_program)
-    for fd in (0, 1, 2):
-        os.dup2(devnull, fd)
-    while True:
-        pid, status, usage = os.wait4(-1, 0)
-        if pid == program:
-            say(status=status, cpu_s=usage.ru_utime + usage.ru_stime)
-            os._exit(0)
-
-
-try:
-    check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl(PDEATHSIG)")
-    if os.getppid() != cfg["parent_pid"]:
-        os._exit(1)
-    devnull = os.open(os.devnull, os.O_RDWR)
-    seccomp = seccomp_program(cfg["seccomp"])
-    ro_root = setup_namespaces() if cfg["namespaces"] else False
-    pid = forked(init_main if cfg["namespaces"] else exec_program)
-except BaseException as exc:
-    say(error=f"launcher: {exc!r}")
-    os._exit(125)
-child_fd = os.pidfd_open(pid)
-if stop_requested:
-    stop(None, None)
-for fd in (0, 1, 2):  # only the program may hold the pipes: their EOF means it is gone
-    os.dup2(devnull, fd)
-_, status, usage = os.wait4(pid, 0)
-if not cfg["namespaces"]:
-    say(status=status, cpu_s=usage.ru_utime + usage.ru_stime)
-say(ro_root=ro_root)
-"""
-
-# Runs as `python -S -s -P -c _BOOTSTRAP HOOKS PROGRAM`; leaves no names behind in __main__.
-_BOOTSTRAP = r"""
-def _boot():
-    import builtins, sys
-
-    def exit(code=None):
-        raise SystemExit(code)
-
-    builtins.exit = builtins.quit = exit
-    if sys.argv[1] == "1":
-        blocked = frozenset({
-            "socket.__new__", "socket.connect", "socket.bind", "socket.getaddrinfo",
-            "socket.gethostbyname", "socket.gethostbyaddr", "socket.sendto", "socket.sendmsg",
-            "ctypes.dlopen", "ctypes.dlsym", "ctypes.cdata", "subprocess.Popen", "os.system",
-            "os.fork", "os.forkpty", "os.kill", "os.killpg", "pty.spawn",
-        })
-        prefixes = ("os.exec", "os.spawn", "os.posix_spawn")
-
-        def hook(event, args):
-            if event in blocked or event.startswith(prefixes):
-                raise PermissionError(f"{event} is blocked by the r1flow sandbox")
-
-        sys.addaudithook(hook)
-    sys.argv[:] = sys.argv[2:]
-    main = sys.modules["__main__"].__dict__
-    main["__file__"] = sys.argv[0]
-    del main["_boot"]
-    with open(sys.argv[0], "rb") as f:
-        return compile(f.read(), sys.argv[0], "exec")
-
-
-exec(_boot())
-"""
 
 _ISOLATION: dict[str, Any] | None = None
 _ISOLATION_LOCK = threading.Lock()
@@ -514,6 +292,33 @@ def _run_in(base: str, code: str, stdin: str, limits: SandboxLimits, *, namespac
     with open(program, "w", encoding="utf-8") as f:
         f.write(code)
     os.chmod(program, 0o644)
+    cfg = _launch_config(base, program, limits, namespaces=namespaces, uid=uid)
+    status_r, status_w = os.pipe()
+    try:
+        cfg["status_fd"] = status_w
+        try:
+            proc, start = _start_launcher(base, cfg, stdin)
+        finally:
+            os.close(status_w)
+        try:
+            stdout, stderr, killed_for = _supervise(proc, start + limits.wall_timeout_s, limits.max_output_bytes)
+        finally:
+            _reap(proc)
+        wall_s = time.monotonic() - start
+        report = _read_reports(status_r)
+    finally:
+        os.close(status_r)
+    if "error" in report:
+        raise SandboxSetupError(report["error"])
+    out = stdout.decode("utf-8", errors="replace")
+    err = stderr.decode("utf-8", errors="replace")
+    status, returncode = _classify(killed_for, report, err, limits.cpu_time_s)
+    return SandboxResult(status, returncode, out, err, wall_s), report
+
+
+def _launch_config(base: str, program: str, limits: SandboxLimits, *, namespaces: bool, uid: int | None) -> dict:
+    """The launcher's `cfg` (LAUNCHER reads it), but for the status pipe's fd; makes base/work (audit-hook
+    mode) or base/root (namespaces mode, the new root's mount point)."""
     workdir = os.path.join(base, "work")
     exe, prefix, env = _interpreter(base, workdir, namespaces)
     cpu = limits.cpu_time_s
@@ -536,7 +341,7 @@ def _run_in(base: str, code: str, stdin: str, limits: SandboxLimits, *, namespac
             # RLIMIT_NPROC is per uid: only meaningful when the program has a uid of its own.
             **({"RLIMIT_NPROC": [1 + limits.max_processes] * 2} if uid is not None else {}),
         },
-        "argv": [exe, "-S", "-s", "-P", "-c", _BOOTSTRAP, "0" if namespaces else "1", program],
+        "argv": [exe, "-S", "-s", "-P", "-c", BOOTSTRAP, "0" if namespaces else "1", program],
         "env": env,
     }
     if namespaces:
@@ -544,52 +349,37 @@ def _run_in(base: str, code: str, stdin: str, limits: SandboxLimits, *, namespac
         cfg["root_mount"] = os.path.join(base, "root")
         cfg["root_options"] = ROOT_TMPFS_OPTIONS
         cfg["root_plan"] = _root_plan(base, program, workdir, prefix, uid)
+        cfg["empty_layer"] = os.path.join(base, "empty")
+        os.mkdir(cfg["empty_layer"], 0o700)
         cfg["sys_pivot_root"] = _pivot_root_syscall()
     else:
         os.mkdir(workdir, 0o700)
+    return cfg
 
-    status_r, status_w = os.pipe()
-    config_fd = -1
+
+def _start_launcher(base: str, cfg: dict, stdin: str) -> tuple[subprocess.Popen, float]:
+    """The launcher started (its code and `cfg` in a memfd it reads), and when (time.monotonic)."""
+    config_fd = os.memfd_create("r1flow-sandbox-launcher", os.MFD_CLOEXEC)
     try:
+        os.write(config_fd, json.dumps({"code": LAUNCHER, "cfg": cfg}).encode())
+        os.lseek(config_fd, 0, os.SEEK_SET)
         with tempfile.TemporaryFile() as stdin_file:
             stdin_file.write(stdin.encode("utf-8"))
             stdin_file.seek(0)
             os.fchmod(stdin_file.fileno(), 0o444)  # the program may reopen it as /dev/stdin
-            cfg["status_fd"] = status_w
-            config_fd = os.memfd_create("r1flow-sandbox-launcher", os.MFD_CLOEXEC)
-            os.write(config_fd, json.dumps({"code": _LAUNCHER, "cfg": cfg}).encode())
-            os.lseek(config_fd, 0, os.SEEK_SET)
             # argv[0] is the interpreter's bare name, found on PATH (so that a relocatable
             # interpreter still finds its standard library): no host path in /proc/1/cmdline.
             launcher = os.path.realpath(sys.executable)
             start = time.monotonic()
             proc = subprocess.Popen(
-                [os.path.basename(launcher), "-I", "-S", "-c", _LOADER.format(fd=config_fd), os.path.basename(base)],
+                [os.path.basename(launcher), "-I", "-S", "-c", LOADER.format(fd=config_fd), os.path.basename(base)],
                 executable=launcher, stdin=stdin_file, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 cwd=base, env={"PATH": os.path.dirname(launcher)}, close_fds=True,
-                pass_fds=(status_w, config_fd), start_new_session=True,
+                pass_fds=(cfg["status_fd"], config_fd), start_new_session=True,
             )
-        os.close(status_w)
-        status_w = -1
-        os.close(config_fd)
-        config_fd = -1
-        try:
-            stdout, stderr, killed_for = _supervise(proc, start + limits.wall_timeout_s, limits.max_output_bytes)
-        finally:
-            _reap(proc)
-        wall_s = time.monotonic() - start
-        report = _read_reports(status_r)
     finally:
-        os.close(status_r)
-        for fd in (status_w, config_fd):
-            if fd >= 0:
-                os.close(fd)
-    if "error" in report:
-        raise SandboxSetupError(report["error"])
-    out = stdout.decode("utf-8", errors="replace")
-    err = stderr.decode("utf-8", errors="replace")
-    status, returncode = _classify(killed_for, report, err, cpu)
-    return SandboxResult(status, returncode, out, err, wall_s), report
+        os.close(config_fd)
+    return proc, start
 
 
 def _interpreter(base: str, workdir: str, namespaces: bool) -> tuple[str, str | None, dict[str, str]]:
@@ -621,6 +411,7 @@ def _interpreter(base: str, workdir: str, namespaces: bool) -> tuple[str, str | 
 def _root_plan(base: str, program: str, workdir: str, prefix: str | None, uid: int | None) -> list[list]:
     """The sandbox's file tree, built by the launcher on an empty tmpfs, in order:
     ["dir", path] | ["symlink", path, target] | ["bind", path, source, remount flags] |
+    ["overlay", path, source, flags] (a read-only view of source whose mountinfo line names no host path) |
     ["tmpfs", path, options] | ["mask", path]. Everything is read-only except the working
     directory, and `_hidden_paths` that lie inside a bound folder are masked by empty ones."""
     ro = MS_RDONLY | MS_NOSUID | MS_NODEV
@@ -641,7 +432,7 @@ def _root_plan(base: str, program: str, workdir: str, prefix: str | None, uid: i
         plan.append(["symlink", f"/dev/{name}", f"/proc/self/fd/{fd}"])
     plan += [["dir", base], ["bind", program, program, ro | MS_NOEXEC]]
     if prefix:
-        plan.append(["bind", os.path.join(base, "python"), prefix, ro])
+        plan.append(["overlay", os.path.join(base, "python"), prefix, ro])
         binds.append((prefix, os.path.join(base, "python")))
     options = f"size={WORKDIR_BYTES},nr_inodes={WORKDIR_INODES},mode=0700,uid={uid},gid={uid}"
     plan.append(["tmpfs", workdir, options])
@@ -690,54 +481,6 @@ def _pivot_root_syscall() -> int:
         raise SandboxSetupError(f"pivot_root's syscall number on {machine} is not known to the sandbox")
     return PIVOT_ROOT_SYSCALLS[machine]
 
-
-def seccomp_filter(machine: str, deny_errno: int = errno.EPERM) -> bytes | None:
-    """The seccomp program the launcher installs (prctl PR_SET_SECCOMP) right before it execs the
-    program, as struct sock_filter[] in native byte order; None for an architecture that
-    SECCOMP_ARCHES does not list.
-
-    Denied with deny_errno (EPERM: PermissionError in Python), for the program and everything it
-    starts (filters are inherited and cannot be removed):
-      - namespaces: unshare, setns, and clone with any CLONE_NEW* flag. As an unprivileged user a
-        program could otherwise make a user namespace, be root in it and reach kernel code that
-        is otherwise root-only (mounting filesystems, netfilter, ...), the source of many local
-        privilege escalations; a reward program never needs one. clone without these flags (fork,
-        vfork, threads) passes. clone3 passes its flags in memory a filter cannot read, so it
-        fails with ENOSYS, as in Docker's and systemd's filters: glibc then falls back to clone;
-      - mounts: mount, umount2, pivot_root, chroot and the new mount API (open_tree, move_mount,
-        fsopen, fsconfig, fsmount, fspick, mount_setattr, open_tree_attr). Without a user
-        namespace they need privileges the program lacks; denying them too does not depend on
-        that, nor on the uid change;
-      - kernel interfaces with a record of privilege escalations that no stdlib program needs and
-        that Docker's default profile also refuses: bpf, perf_event_open, userfaultfd, io_uring
-        (its operations run without any syscall a filter could see), and the key management
-        calls keyctl, add_key and request_key (keyrings are not namespaced: a key stored under a
-        sandbox uid would outlive the run and be readable by the next run in that uid slot).
-    Everything else passes: the limits and the namespaces do the rest of the work. On x86_64 the
-    x32 ABI (syscall numbers from 0x40000000, which would bypass the numbers above) fails with
-    ENOSYS, and a syscall of another ABI (i386 through int 0x80) kills the process.
-
-    Built here with a few BPF opcodes, not with libseccomp: the launcher runs `python -I -S`
-    without site-packages, and the only pure-Python binding on PyPI (pyseccomp, a ctypes wrapper
-    of the system's libseccomp.so, last released in 2021) would add a system library for a
-    program of some sixty instructions. tests/test_sandbox.py runs this program through a small
-    BPF interpreter for every listed architecture and installs it in a real process.
-    """
-    if machine not in SECCOMP_ARCHES:
-        return None
-    arch, numbers = SECCOMP_ARCHES[machine]
-    ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ/JGE/JSET|K, BPF_RET|K
-    allow, kill_process, fail = 0x7FFF0000, 0x80000000, 0x00050000  # SECCOMP_RET_ALLOW, _KILL_PROCESS, _ERRNO
-    nr_offset, arch_offset, arg0_offset = 0, 4, 16  # struct seccomp_data; arg0's low half (little-endian)
-    insns = [(ld, 0, 0, arch_offset), (jeq, 1, 0, arch), (ret, 0, 0, kill_process), (ld, 0, 0, nr_offset)]
-    if machine == "x86_64":
-        insns += [(jge, 0, 1, 0x40000000), (ret, 0, 0, fail | errno.ENOSYS)]
-    for name, nr in numbers.items():
-        if name != "clone":
-            insns += [(jeq, 0, 1, nr), (ret, 0, 0, fail | (errno.ENOSYS if name == "clone3" else deny_errno))]
-    insns += [(jeq, 0, 3, numbers["clone"]), (ld, 0, 0, arg0_offset), (jset, 0, 1, CLONE_NEW_FLAGS),
-              (ret, 0, 0, fail | deny_errno), (ret, 0, 0, allow)]
-    return b"".join(struct.pack("HBBI", *insn) for insn in insns)
 
 
 def _supervise(proc: subprocess.Popen, deadline: float, max_output: int) -> tuple[bytes, bytes, str | None]:
