@@ -74,7 +74,8 @@ from stages.training.optim import (
 from stages.training.pairs import split_pairs
 from stages.training.sequences import Example, collate, tokenize_conversation
 
-VERSION = "4"  # 4: every random draw seeded by seed_stream (stages/runtime/seeds.py)
+VERSION = "4"  # history: CHANGELOG.md
+SAMPLES = True  # its outputs depend on what the samplers draw: SAMPLER_VERSION is in its key
 CONFIG = DistillConfig
 INPUTS = {"teacher": "model", "student": "model", "traces": "sft?", "prompts": "prompts?"}
 OUTPUTS = {"model": "model"}

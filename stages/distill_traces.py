@@ -25,7 +25,8 @@ from stages.rewards.verifiers import Verdict, score
 from stages.sampling.completions import Completion
 from stages.sampling.generation import sample_with
 
-VERSION = "3"  # 3: generate() seeds each batch by seed_stream (stages/runtime/seeds.py)
+VERSION = "3"  # history: CHANGELOG.md
+SAMPLES = True  # its outputs depend on what the samplers draw: SAMPLER_VERSION is in its key
 CONFIG = DistillTracesConfig
 INPUTS = {"model": "model", "prompts": "prompts"}
 OUTPUTS = {"traces": "sft"}

@@ -61,7 +61,8 @@ from stages.training.optim import (
 from stages.training.rollout_batch import RolloutBatch, even_passes, filler_backward, minibatch_rows, place
 from stages.training.rollouts import build_batch
 
-VERSION = "4"  # 4: every random draw seeded by seed_stream (stages/runtime/seeds.py)
+VERSION = "4"  # history: CHANGELOG.md
+SAMPLES = True  # its outputs depend on what the samplers draw: SAMPLER_VERSION is in its key
 CONFIG = GRPOConfig
 INPUTS = {"model": "model", "prompts": "prompts", "reward_model": "model?", "process_reward_model": "model?"}
 OUTPUTS = {"model": "model"}

@@ -46,7 +46,8 @@ from stages.training.loop import Loop, StepResult, autocast, curve_tail, policy_
 from stages.training.optim import load_trainable, resolve_precision
 from stages.training.pairs import DESIRABLE, Example, examples_from, split_pairs, tokenize
 
-VERSION = "5"  # 5: generate() seeds each batch by seed_stream (stages/runtime/seeds.py)
+VERSION = "5"  # history: CHANGELOG.md
+SAMPLES = True  # its outputs depend on what the samplers draw: SAMPLER_VERSION is in its key
 CONFIG = PreferenceOptimizationConfig
 INPUTS = {"model": "model", "preferences": "preferences|unpaired", "reference": "ref_logprobs?"}
 OUTPUTS = {"model": "model"}

@@ -27,7 +27,8 @@ from stages.rewards.answers import extract_answer_lenient, reformat_r1
 from stages.rewards.verifiers import Verdict, score
 from stages.sampling.generation import sample_with
 
-VERSION = "3"  # 3: generate() seeds each batch by seed_stream (stages/runtime/seeds.py)
+VERSION = "3"  # history: CHANGELOG.md
+SAMPLES = True  # its outputs depend on what the samplers draw: SAMPLER_VERSION is in its key
 CONFIG = RejectionSamplingConfig
 INPUTS = {"model": "model", "prompts": "prompts", "reward_model": "model?"}
 OUTPUTS = {"samples": "samples", "data": "sft"}

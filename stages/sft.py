@@ -43,7 +43,7 @@ from stages.training.sequences import collate, pack, tokenize_conversation
 
 log = logging.getLogger(__name__)
 
-VERSION = "2"  # 2: packing keeps attention inside each packed example (block mask, positions restarted)
+VERSION = "2"  # history: CHANGELOG.md
 CONFIG = SFTConfig
 INPUTS = {"model": "model", "data": "sft|prompts"}
 OUTPUTS = {"model": "model"}
