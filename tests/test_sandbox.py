@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from schemas.configs import SandboxLimits
-from stages.rewards import sandbox, seccomp
+from stages.rewards import sandbox, sandbox_root, seccomp
 from stages.rewards.sandbox import (
     SandboxResult,
     SandboxSetupError,
@@ -429,13 +429,13 @@ def test_host_folders_inside_a_bound_folder_are_masked(monkeypatch, fake_home):
                 if os.path.isdir(os.path.join(path, p)) and not os.path.islink(os.path.join(path, p))]
 
     hidden = next(p for p in subfolders("/usr/share") if subfolders(p))
-    monkeypatch.setattr(sandbox, "_hidden_paths", lambda: [subfolders(hidden)[0], hidden, "/usr/lib", "/usr"])
+    monkeypatch.setattr(sandbox_root, "hidden_paths", lambda: [subfolders(hidden)[0], hidden, "/usr/lib", "/usr"])
     result = run(f"import os\nprint(os.listdir({hidden!r}), len(os.listdir('/usr/lib')) > 0)")
     assert (result.status, result.stdout) == ("ok", "[] True\n"), result.stderr
     monkeypatch.undo()
     monkeypatch.setenv("R1FLOW_HOME", os.path.dirname(fake_home))
     checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    assert {os.path.realpath(checkout), os.path.realpath(os.path.dirname(fake_home))} <= set(sandbox._hidden_paths())
+    assert {os.path.realpath(checkout), os.path.realpath(os.path.dirname(fake_home))} <= set(sandbox_root.hidden_paths())
 
 
 @needs_namespaces
@@ -502,8 +502,8 @@ def test_program_cannot_create_namespaces_or_mount():
 
 @needs_namespaces
 def test_launcher_configuration_is_not_visible_to_the_program():
-    # pid 1 of the sandbox is the launcher's init: its command line once held the whole launcher
-    # configuration as JSON (the host paths of the interpreter, the checkout, R1FLOW_HOME masks).
+    # pid 1 of the sandbox is the launcher's init: its command line must hold neither the launcher's
+    # configuration (host paths of the interpreter, the checkout, R1FLOW_HOME masks) nor a path.
     result = run("""
         import os
         print(open("/proc/1/cmdline", "rb").read().replace(b"\\0", b" ").decode())
@@ -532,7 +532,7 @@ def test_mount_table_and_pid_1_name_no_host_path():
     checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     host = {os.path.realpath(p) for p in (checkout, sys.executable, os.path.dirname(os.path.realpath(sys.executable)),
                                           sys.base_prefix, sys.prefix, os.path.expanduser("~"), os.getcwd())}
-    host = {p for p in host if p != "/" and p.split("/")[1] not in sandbox.SYSTEM_DIRS}
+    host = {p for p in host if p != "/" and p.split("/")[1] not in sandbox_root.SYSTEM_DIRS}
     assert host  # here: at least the checkout
     result = run("""
         import sys

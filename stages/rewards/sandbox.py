@@ -3,94 +3,69 @@
 A run costs at most its `SandboxLimits`: a fork bomb, an infinite loop, a 10 GB allocation, an
 output flood or a network attempt ends that run with a status, never the pipeline.
 
-Each run gets a fresh directory and a launcher (`python -I -S`, started in a new session, its code
-and configuration read from a memfd, so that its command line, pid 1's in the sandbox, names no
-host path) that sets the sandbox up, forks the program and reports how it ended over a status pipe.
-No `preexec_fn`: Python code between fork and exec is unsafe in a threaded parent, and the
-reward workers are threads. Two isolation modes; `isolation()` picks one per process:
+Each run gets a fresh directory and a launcher (`sandbox_launcher`: `python -I -S` in a new session,
+its code and configuration read from a memfd, so that its command line, pid 1's in the sandbox,
+names no host path) that sets the sandbox up, forks the program and reports how it ended over a
+status pipe. No `preexec_fn`: Python code between fork and exec is unsafe in a threaded parent, and
+the reward workers are threads. Two isolation modes; `isolation()` picks one per process:
 
-"namespaces" (Linux, euid 0 with CAP_SYS_ADMIN; the mode in the r1flow dev container):
+"namespaces" (Linux, euid 0 with CAP_SYS_ADMIN):
   - network namespace whose only interface is a loopback that is down: connect, bind and DNS
-    fail at once with ENETUNREACH (no resolver timeout), servers on the host's 127.0.0.1 included;
+    fail at once with ENETUNREACH, servers on the host's 127.0.0.1 included;
   - pid namespace with its own /proc. Its pid 1 is a small root init forked from the launcher
     (the program must not be pid 1, which ignores SIGXCPU); the program is pid 2 and sees only
-    its own processes. When the program exits, init reports and exits, and the kernel kills
-    whatever is left in the namespace, setsid() escapees and daemons included. No process
-    outlives a run;
+    its own processes. When the program exits, init exits, and the kernel kills whatever is left
+    in the namespace (setsid() escapees and daemons included): no process outlives a run;
   - mount namespace with a root of its own: the launcher builds a minimal tree on a fresh tmpfs
-    and pivot_roots into it, then detaches the host's tree, so the rest of the machine is not
-    merely read-only but absent (pivot_root's syscall number is known for x86_64, aarch64,
-    riscv64, ppc64 and s390x; elsewhere the probe fails and the fallback applies). The program
-    sees exactly (`_root_plan`):
-      /usr, read-only bind (nosuid, nodev); /bin, /sbin, /lib, /lib64 (/lib32, /libx32) as the
-        symlinks into /usr that a merged-/usr host has, or read-only binds where they are real
-        directories. Binds are not recursive: a host mount below /usr stays out;
-      /dev with null, zero, random and urandom (read-only binds of the host's nodes) and the
-        fd, stdin, stdout, stderr links into /proc/self/fd; /proc, the pid namespace's own;
-      /tmp, read-only and empty (but for the path to the run's directory when $TMPDIR is /tmp);
+    and pivot_roots into it, then detaches the host's tree, so the rest of the machine is absent,
+    not merely read-only. The program sees exactly (`sandbox_root.root_plan`):
+      /usr, read-only bind (nosuid, nodev, not recursive); /bin, /sbin, /lib, /lib64 (/lib32,
+        /libx32) as the symlinks a merged-/usr host has, or read-only binds;
+      /dev with null, zero, random, urandom and the fd, stdin, stdout, stderr links into
+        /proc/self/fd; /proc, the pid namespace's own; /tmp, read-only and empty;
       the run's directory at its host path (RUN = $TMPDIR/r1flow-sandbox-*): RUN/prog.py
-        (read-only), RUN/python (the interpreter's prefix, read-only: it may live under a 0700
-        home such as pyenv in /root, which is why it is bound and found through
-        LD_LIBRARY_PATH), RUN/work (the working directory, a private tmpfs of 32 MiB and 4096
-        inodes owned by the run's uid; HOME and TMPDIR point to it).
-    Should R1FLOW_HOME, PREFECT_HOME, the checkout, the working directory, the user's home or the
-    virtual environment lie inside one of these binds (a checkout in /usr/src/app), an empty
-    read-only tmpfs masks it (`_hidden_paths`; only two or more levels down, and never a folder
-    that holds the interpreter, so a cwd of /usr/lib cannot take the C library away). Nothing
-    else: no /etc (Python `-S` needs none of it: UTC time, no passwd entries, the
-    dynamic linker's default paths), no /home, /root, /sys, /var, R1FLOW_HOME or checkout, so
-    neither stored prompts with their expected outputs nor any other host file can be read.
-    Host unix sockets (/dev/log, X11, docker, world-writable sockets in /tmp) have no path in
-    this tree, and abstract unix sockets belong to the network namespace. The root tmpfs is
-    remounted read-only; only RUN/work is writable. Same paths inside and out keep tracebacks and
-    /proc/PID/cmdline as they were. We build this ourselves rather than with bubblewrap: as
-    root, bwrap uses the same kernel primitives (namespaces, bind mounts, pivot_root), so it
-    would add a system dependency without adding strength, and its own pid 1 and uid handling
-    would replace the launcher's init, uid slots and RLIMIT_NPROC accounting below. Cost,
-    measured on a loaded 2-core machine: the launcher's namespace and mount setup takes 1.5 ms
-    instead of 0.7 ms (median of 100) for the read-only host tree it replaced; a whole run of
-    print(1) stays at ~40 ms at best (50 runs took 2.3 to 5.5 s before, 2.5 to 4.9 s after:
-    the spread is the machine's load, not the sandbox);
+        (read-only), RUN/python (the interpreter's prefix, read-only, an overlay whose layers are
+        named by descriptor so that /proc/self/mountinfo does not show its host path; it may live
+        under a 0700 home such as pyenv's, hence bound and found through LD_LIBRARY_PATH), RUN/work
+        (the working directory, a private tmpfs of 32 MiB and 4096 inodes owned by the run's uid;
+        HOME and TMPDIR point to it).
+    R1FLOW_HOME, PREFECT_HOME, the checkout, the working directory, the user's home or the
+    virtual environment, where they lie inside one of these binds (a checkout in /usr/src/app),
+    are masked by an empty read-only tmpfs (`sandbox_root.hidden_paths`; two or more levels down only, never a
+    folder that holds the interpreter). No /etc (`-S` needs none), /home, /root, /sys or /var, so
+    no stored prompt with its expected output nor any other host file can be read. Host unix
+    sockets have no path in this tree, and abstract ones belong to the network namespace. Same
+    paths inside and out keep tracebacks as they were. Not bubblewrap: as root it uses the same
+    kernel primitives, and its own pid 1 and uid handling would replace init, the uid slots and
+    the RLIMIT_NPROC accounting below;
   - ipc and uts namespaces;
   - credentials: setgroups([]), then setresgid/setresuid to a uid of the run's own (UID_BASE +
     slot), then no_new_privs. Slots are flock'ed (files in $TMPDIR/r1flow-sandbox-uids), so
     concurrent runs in threads or other processes never share a uid. RLIMIT_NPROC counts the
-    tasks of a uid (threads included), and root is exempt from it, so it is the uid change that
-    makes it bite: the program gets 1 + max_processes tasks, and a fork bomb stops there.
+    tasks of a uid and root is exempt from it: the uid change makes it bite, so the program gets
+    1 + max_processes tasks and a fork bomb stops there.
 "audit-hook" (fallback when not root, or when the kernel refuses the namespaces):
   - same rlimits, kill and reaping; no uid change, no RLIMIT_NPROC;
-  - an audit hook (sys.addaudithook), installed before the program runs, refuses sockets, DNS,
-    ctypes, fork/exec/spawn/subprocess/os.system and os.kill. Audit hooks are not a security
-    boundary (PEP 578): they stop accidents and model slop, not a determined adversary (a
-    direct `_posixsubprocess.fork_exec` raises no audit event: it reaches the network and leaves
-    a process behind). The file system is protected only by the caller's own permissions;
-  - so it runs programs only where the host opted in with the environment variable
-    R1FLOW_SANDBOX_ALLOW_WEAK=1 (a property of the host, deliberately not a config field, so no
-    cache key depends on it), and logs a warning once per process. Without it every run raises
-    SandboxSetupError, saying why and how to opt in.
+  - an audit hook refuses sockets, DNS, ctypes, fork/exec/spawn/subprocess/os.system and os.kill.
+    Audit hooks are not a security boundary (PEP 578; a direct `_posixsubprocess.fork_exec`
+    raises no event), and files are protected only by the caller's own permissions;
+  - so it runs programs only where the host opted in with R1FLOW_SANDBOX_ALLOW_WEAK=1 (a host
+    property, not a config field, so no cache key depends on it), with a warning once per process;
+    otherwise every run raises SandboxSetupError, saying why and how to opt in.
 
-Both modes install a seccomp filter just before the program's exec (`seccomp_filter`: no new
-namespaces, no mounts, no bpf, perf events, userfaultfd, io_uring or keyrings; PermissionError),
-inherited by all it starts. The namespaces mode requires it: on an architecture the filter does
-not know (not x86_64, aarch64 or riscv64) the probe falls back to the audit-hook mode, which then
-runs without it. Cost, on the 2-core machine under a load of 8-10: the prctl that installs it takes
-0.09 ms (median of 300); from Popen to the program's execve took 69.2 ms before the filter and the
-memfd configuration, 69.7 ms after (medians of 100 interleaved runs of `pass`), whole runs 122 and
-119 ms: within the machine's noise.
-Both modes apply RLIMIT_CPU (SIGXCPU, then SIGKILL one second later), RLIMIT_AS (memory_mb),
-RLIMIT_FSIZE (MAX_FILE_BYTES), RLIMIT_CORE=0 and RLIMIT_NOFILE, and start from a fresh
-environment (PATH, LANG, HOME, PYTHONHASHSEED=0). The program runs as `python -S -s -P`: no site,
-no user site, no script directory on sys.path, so only the stdlib can be imported (no numpy).
-We depart from `-I` because its `-E` would ignore PYTHONHASHSEED. A fixed seed keeps set order,
-and so the output, reproducible, and since the environment is ours, `-E` would add nothing.
-`exit`/`quit`, which `site` would define, are provided. Stdin comes from an unlinked temp file
-(mode 0444, so that the program may reopen it as /dev/stdin).
-Stdout and stderr are read incrementally, and the run is killed as soon as together they exceed
-max_output_bytes. On a wall timeout or output overflow, the parent asks the launcher (SIGUSR1) to
-SIGKILL its child (init, or the program in audit-hook mode) through a pidfd, so pid reuse cannot
-misdirect the kill. Then it SIGKILLs the launcher's process group before reaping the launcher.
-The launcher dies with the parent (PR_SET_PDEATHSIG), and so do init and the program. It also
-backs up the wall limit with alarm().
+Both modes install a seccomp filter just before the program's exec (`seccomp.seccomp_filter`),
+inherited by all it starts; the namespaces mode requires it (elsewhere the probe falls back to the
+audit-hook mode). Both apply RLIMIT_CPU (SIGXCPU, then SIGKILL a second later), RLIMIT_AS
+(memory_mb), RLIMIT_FSIZE (MAX_FILE_BYTES), RLIMIT_CORE=0 and RLIMIT_NOFILE, and start from a fresh
+environment (PATH, LANG, HOME, PYTHONHASHSEED=0). The program runs as `python -S -s -P` (only the
+stdlib can be imported), not `-I`, whose `-E` would ignore PYTHONHASHSEED: a fixed seed keeps set
+order, and so the output, reproducible. `exit`/`quit` are provided. Stdin comes from an unlinked
+temp file (mode 0444, so that the program may reopen it as /dev/stdin).
+Stdout and stderr are read incrementally; the run is killed as soon as together they exceed
+max_output_bytes. On a wall timeout or output overflow the parent asks the launcher (SIGUSR1) to
+SIGKILL its child through a pidfd (pid reuse cannot misdirect it), then SIGKILLs the launcher's
+process group before reaping it. The launcher, init and the program die with the parent
+(PR_SET_PDEATHSIG); the launcher backs up the wall limit with alarm().
 """
 
 from __future__ import annotations
@@ -117,24 +92,17 @@ from typing import Any
 
 from schemas.configs import SandboxLimits
 from stages.rewards.sandbox_launcher import BOOTSTRAP, LAUNCHER, LOADER
+from stages.rewards.sandbox_root import ROOT_TMPFS_OPTIONS, root_plan
 from stages.rewards.seccomp import seccomp_filter
 
 log = logging.getLogger(__name__)
 
 STATUSES = ("ok", "error", "timeout", "memory", "output_limit", "killed")
 MAX_FILE_BYTES = 16 * 2**20  # RLIMIT_FSIZE: largest file the program may write
-WORKDIR_BYTES = 32 * 2**20  # size of the tmpfs working directory (namespaces mode)
-WORKDIR_INODES = 4096
 MAX_OPEN_FILES = 256
 UID_BASE = 2_000_000_000  # sandbox uids are UID_BASE + slot (namespaces mode)
 UID_SLOTS = 64  # concurrent runs per machine; more wait for a free slot
 KILL_GRACE_S = 2.0  # how long the launcher gets to kill the program before its group is SIGKILLed
-# The sandbox's own root (namespaces mode): read-only binds of these host directories, or
-# symlinks where the host has symlinks; these devices; nothing of /etc, /home, /root, /tmp.
-SYSTEM_DIRS = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32")
-DEVICES = ("null", "zero", "random", "urandom")
-ROOT_TMPFS_OPTIONS = "size=1m,nr_inodes=1024,mode=0755"
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 PIVOT_ROOT_SYSCALLS = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "ppc64": 203, "s390x": 217}
 WEAK_ENV = "R1FLOW_SANDBOX_ALLOW_WEAK"  # =1: the host accepts the audit-hook mode for code rewards
 _MEMORY_ERROR = re.compile(r"^MemoryError\b|Cannot allocate memory", re.MULTILINE)
@@ -286,7 +254,7 @@ def _remove_tree(path: str) -> None:
 def _run_in(base: str, code: str, stdin: str, limits: SandboxLimits, *, namespaces: bool,
             uid: int | None) -> tuple[SandboxResult, dict]:
     # base stays 0700 on the host. In namespaces mode the program sees base/prog.py, base/python
-    # and base/work at the same paths in its own root (_root_plan); base/root is that root's mount
+    # and base/work at the same paths in its own root (sandbox_root.root_plan); base/root is that root's mount
     # point. In audit-hook mode it runs in base/work on the host.
     program = os.path.join(base, "prog.py")
     with open(program, "w", encoding="utf-8") as f:
@@ -348,7 +316,7 @@ def _launch_config(base: str, program: str, limits: SandboxLimits, *, namespaces
         os.mkdir(os.path.join(base, "root"), 0o700)
         cfg["root_mount"] = os.path.join(base, "root")
         cfg["root_options"] = ROOT_TMPFS_OPTIONS
-        cfg["root_plan"] = _root_plan(base, program, workdir, prefix, uid)
+        cfg["root_plan"] = root_plan(base, program, workdir, prefix, uid)
         cfg["empty_layer"] = os.path.join(base, "empty")
         os.mkdir(cfg["empty_layer"], 0o700)
         cfg["sys_pivot_root"] = _pivot_root_syscall()
@@ -406,60 +374,6 @@ def _interpreter(base: str, workdir: str, namespaces: bool) -> tuple[str, str | 
         # A shared libpython is found through an absolute RUNPATH under the original prefix.
         env["LD_LIBRARY_PATH"] = os.path.join(mounted, "lib")
     return os.path.join(mounted, rel), prefix, env
-
-
-def _root_plan(base: str, program: str, workdir: str, prefix: str | None, uid: int | None) -> list[list]:
-    """The sandbox's file tree, built by the launcher on an empty tmpfs, in order:
-    ["dir", path] | ["symlink", path, target] | ["bind", path, source, remount flags] |
-    ["overlay", path, source, flags] (a read-only view of source whose mountinfo line names no host path) |
-    ["tmpfs", path, options] | ["mask", path]. Everything is read-only except the working
-    directory, and `_hidden_paths` that lie inside a bound folder are masked by empty ones."""
-    ro = MS_RDONLY | MS_NOSUID | MS_NODEV
-    plan: list[list] = []
-    binds: list[tuple[str, str]] = []  # (host folder, path in the sandbox)
-    for name in SYSTEM_DIRS:  # on merged-/usr systems all but /usr are symlinks into it
-        path = "/" + name
-        if os.path.islink(path):
-            plan.append(["symlink", path, os.readlink(path)])
-        elif os.path.isdir(path):
-            plan.append(["bind", path, path, ro])
-            binds.append((os.path.realpath(path), path))
-    plan += [["dir", "/proc"], ["dir", "/tmp"], ["dir", "/dev"]]
-    for name in DEVICES:
-        plan.append(["bind", f"/dev/{name}", f"/dev/{name}", MS_RDONLY | MS_NOSUID | MS_NOEXEC])
-    plan.append(["symlink", "/dev/fd", "/proc/self/fd"])
-    for fd, name in enumerate(("stdin", "stdout", "stderr")):
-        plan.append(["symlink", f"/dev/{name}", f"/proc/self/fd/{fd}"])
-    plan += [["dir", base], ["bind", program, program, ro | MS_NOEXEC]]
-    if prefix:
-        plan.append(["overlay", os.path.join(base, "python"), prefix, ro])
-        binds.append((prefix, os.path.join(base, "python")))
-    options = f"size={WORKDIR_BYTES},nr_inodes={WORKDIR_INODES},mode=0700,uid={uid},gid={uid}"
-    plan.append(["tmpfs", workdir, options])
-    exe = os.path.realpath(sys.executable)
-    masked: list[str] = []
-    for hidden in sorted(_hidden_paths()):  # e.g. a checkout in /usr/src/app; parents first
-        if any(not os.path.relpath(hidden, m).startswith(os.pardir) for m in masked):
-            continue  # inside a folder masked already (a venv in the checkout)
-        for source, inside in binds:
-            rel = os.path.relpath(hidden, source)
-            # Two levels down at least: never /usr/lib or /usr/bin, nor what holds the interpreter.
-            if (os.sep in rel and not rel.startswith(os.pardir) and os.path.isdir(hidden)
-                    and os.path.relpath(exe, hidden).startswith(os.pardir)):
-                plan.append(["mask", os.path.join(inside, rel)])
-                masked.append(hidden)
-    return plan
-
-
-def _hidden_paths() -> list[str]:
-    """Host folders the program must not see even where they lie inside a folder the sandbox
-    binds (/usr, the interpreter's prefix): R1FLOW_HOME, PREFECT_HOME, the checkout, the working
-    directory, the user's home and the virtual environment."""
-    paths = [os.environ.get("R1FLOW_HOME", ".r1flow"), os.environ.get("PREFECT_HOME"),
-             os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), os.path.expanduser("~"), sys.prefix]
-    with contextlib.suppress(OSError):
-        paths.append(os.getcwd())
-    return sorted({os.path.realpath(p) for p in paths if p})
 
 
 _SECCOMP_PROGRAM: list[bytes | None] = []

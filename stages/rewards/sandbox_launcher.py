@@ -77,7 +77,7 @@ def overlay(target, source, flags):
 
 
 def setup_namespaces():
-    # Build the sandbox's whole file tree on a fresh tmpfs (cfg["root_plan"], see _root_plan) and
+    # Build the sandbox's whole file tree on a fresh tmpfs (cfg["root_plan"], see sandbox_root.root_plan) and
     # pivot_root into it: the host's tree is detached from the namespace, not just read-only.
     check(libc.unshare(CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS), "unshare")
     mount(None, "/", None, MS_REC | MS_PRIVATE)
