@@ -526,9 +526,10 @@ def test_launcher_configuration_is_not_visible_to_the_program():
 @needs_namespaces
 @pytest.mark.skipif("overlay" not in open("/proc/filesystems").read(), reason="no overlayfs: the prefix is a bind")
 def test_mount_table_and_pid_1_name_no_host_path():
-    """The interpreter's prefix is mounted as an overlay whose layers are named by descriptor, so neither
-    /proc/self/mountinfo nor /proc/1/cmdline shows the checkout, the interpreter, its prefix, the virtual
-    environment, the home or working directory (the system folders the sandbox binds are in view anyway)."""
+    """The interpreter's prefix is mounted as an overlay whose layers are named by descriptor, so neither the
+    mount table (/proc/self/mountinfo, mounts, mountstats), the memory map nor /proc/1/cmdline shows the
+    checkout, the interpreter, its prefix, the virtual environment, the home or working directory (the
+    system folders the sandbox binds are in view anyway)."""
     checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     host = {os.path.realpath(p) for p in (checkout, sys.executable, os.path.dirname(os.path.realpath(sys.executable)),
                                           sys.base_prefix, sys.prefix, os.path.expanduser("~"), os.getcwd())}
@@ -536,7 +537,8 @@ def test_mount_table_and_pid_1_name_no_host_path():
     assert host  # here: at least the checkout
     result = run("""
         import sys
-        print(open("/proc/self/mountinfo").read(), open("/proc/1/cmdline", "rb").read().decode(errors="replace"))
+        for name in ("self/mountinfo", "1/mountinfo", "self/mounts", "self/mountstats", "self/maps", "1/cmdline"):
+            print(open(f"/proc/{name}", "rb").read().decode(errors="replace"))
         import json, decimal, sqlite3  # the standard library (compiled modules too) through the overlay
         print(sys.base_prefix == sys.prefix != "")
     """, limits=LIMITS.model_copy(update={"max_output_bytes": 2**20}))
