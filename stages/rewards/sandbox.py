@@ -31,8 +31,10 @@ the reward workers are threads. Two isolation modes; `isolation()` picks one per
         HOME and TMPDIR point to it).
     R1FLOW_HOME, PREFECT_HOME, the checkout, the working directory, the user's home or the
     virtual environment, where they lie inside one of these binds (a checkout in /usr/src/app),
-    are masked by an empty read-only tmpfs (`sandbox_root.hidden_paths`; two or more levels down only, never a
-    folder that holds the interpreter). No /etc (`-S` needs none), /home, /root, /sys or /var, so
+    are masked: the bound folder becomes an overlay in which they are empty, opaque folders
+    (`sandbox_root.hidden_paths`; two or more levels down only, never a folder that holds the
+    interpreter). Overlays keep host paths out of /proc/self/mountinfo; without overlayfs they are
+    binds, and masks are empty read-only tmpfs mounts. No /etc (`-S` needs none), /home, /root, /sys or /var, so
     no stored prompt with its expected output nor any other host file can be read. Host unix
     sockets have no path in this tree, and abstract ones belong to the network namespace. Same
     paths inside and out keep tracebacks as they were. Not bubblewrap: as root it uses the same
@@ -317,8 +319,8 @@ def _launch_config(base: str, program: str, limits: SandboxLimits, *, namespaces
         cfg["root_mount"] = os.path.join(base, "root")
         cfg["root_options"] = ROOT_TMPFS_OPTIONS
         cfg["root_plan"] = root_plan(base, program, workdir, prefix, uid)
-        cfg["empty_layer"] = os.path.join(base, "empty")
-        os.mkdir(cfg["empty_layer"], 0o700)
+        cfg["layers"] = os.path.join(base, "layers")  # the overlays' upper layers (sandbox_launcher.overlay)
+        os.mkdir(cfg["layers"], 0o700)
         cfg["sys_pivot_root"] = _pivot_root_syscall()
     else:
         os.mkdir(workdir, 0o700)

@@ -61,19 +61,33 @@ def mount(source, target, fstype, flags, data=None):
           f"mount {source} on {target}")
 
 
-def overlay(target, source, flags):
-    # A bind's mountinfo line names its source's path in the host file system; an overlay's names its
-    # layers as given, here as the launcher's descriptors. Two layers: one lower layer alone needs an upper.
-    layers = [os.open(path, os.O_PATH | os.O_DIRECTORY) for path in (source, cfg["empty_layer"])]
+def overlay(target, source, flags, opaque):
+    # A bind's mountinfo line names its source's path in the host file system, and a mask's its mount
+    # point; an overlay's line names its layers as given, here as the launcher's descriptors. The upper
+    # of the two lower layers (one alone needs an upper layer) holds an opaque, empty folder at each
+    # masked path, so no mask is a mount of its own.
+    layer = os.path.join(cfg["layers"], str(len(os.listdir(cfg["layers"]))))
+    os.mkdir(layer, 0o755)
     os.makedirs(target, 0o755, exist_ok=True)
+    fds = []
     try:
-        mount("r1flow", target, "overlay", flags, "lowerdir=" + ":".join(f"/proc/self/fd/{fd}" for fd in layers))
-    except OSError:  # no overlayfs here: a bind, whose mountinfo line names the source
+        for rel in opaque:
+            os.makedirs(os.path.join(layer, rel), 0o755)
+            os.setxattr(os.path.join(layer, rel), "trusted.overlay.opaque", b"y")
+        fds = [os.open(path, os.O_PATH | os.O_DIRECTORY) for path in (layer, source)]
+        mount("r1flow", target, "overlay", flags, "lowerdir=" + ":".join(f"/proc/self/fd/{fd}" for fd in fds))
+    except OSError:  # no overlayfs (or trusted xattrs) here: a bind and masks, whose mountinfo lines name them
         mount(source, target, None, MS_BIND)
         mount(None, target, None, MS_REMOUNT | MS_BIND | flags)
+        for rel in opaque:
+            mask(os.path.join(target, rel))
     finally:
-        for fd in layers:
+        for fd in fds:
             os.close(fd)
+
+
+def mask(target):  # an empty read-only folder over a host folder inside a bind
+    mount("tmpfs", target, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,nr_inodes=16,mode=0555")
 
 
 def setup_namespaces():
@@ -93,10 +107,8 @@ def setup_namespaces():
         elif kind == "tmpfs":
             os.makedirs(target, 0o755, exist_ok=True)
             mount("tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV, args[0])
-        elif kind == "overlay":  # source read-only, as a bind, but /proc/self/mountinfo does not name it
+        elif kind == "overlay":  # source read-only, as a bind, with masked folders, and mountinfo names neither
             overlay(target, *args)
-        elif kind == "mask":  # an empty read-only folder over a host folder inside a bind
-            mount("tmpfs", target, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,nr_inodes=16,mode=0555")
         else:  # "bind": source onto path, not recursive, then remounted with flags (read-only)
             source, flags = args
             if os.path.isdir(source):

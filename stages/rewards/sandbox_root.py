@@ -20,19 +20,20 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 def root_plan(base: str, program: str, workdir: str, prefix: str | None, uid: int | None) -> list[list]:
     """The sandbox's file tree, built by the launcher on an empty tmpfs, in order:
     ["dir", path] | ["symlink", path, target] | ["bind", path, source, remount flags] |
-    ["overlay", path, source, flags] (a read-only view of source whose mountinfo line names no host path) |
-    ["tmpfs", path, options] | ["mask", path]. Everything is read-only except the working
-    directory, and `hidden_paths` that lie inside a bound folder are masked by empty ones."""
+    ["overlay", path, source, flags, masked] | ["tmpfs", path, options]. An overlay is a read-only view
+    of source in which the folders `masked` (paths relative to it) are empty, and whose mountinfo line
+    names no host path. Everything is read-only except the working directory; `hidden_paths` that lie
+    inside a bound folder are masked, the folder then mounted as an overlay."""
     ro = MS_RDONLY | MS_NOSUID | MS_NODEV
     plan: list[list] = []
-    binds: list[tuple[str, str]] = []  # (host folder, path in the sandbox)
+    binds: list[tuple[str, list]] = []  # (host folder, its plan entry)
     for name in SYSTEM_DIRS:  # on merged-/usr systems all but /usr are symlinks into it
         path = "/" + name
         if os.path.islink(path):
             plan.append(["symlink", path, os.readlink(path)])
         elif os.path.isdir(path):
             plan.append(["bind", path, path, ro])
-            binds.append((os.path.realpath(path), path))
+            binds.append((os.path.realpath(path), plan[-1]))
     plan += [["dir", "/proc"], ["dir", "/tmp"], ["dir", "/dev"]]
     for name in DEVICES:
         plan.append(["bind", f"/dev/{name}", f"/dev/{name}", MS_RDONLY | MS_NOSUID | MS_NOEXEC])
@@ -41,8 +42,8 @@ def root_plan(base: str, program: str, workdir: str, prefix: str | None, uid: in
         plan.append(["symlink", f"/dev/{name}", f"/proc/self/fd/{fd}"])
     plan += [["dir", base], ["bind", program, program, ro | MS_NOEXEC]]
     if prefix:
-        plan.append(["overlay", os.path.join(base, "python"), prefix, ro])
-        binds.append((prefix, os.path.join(base, "python")))
+        plan.append(["overlay", os.path.join(base, "python"), prefix, ro, []])
+        binds.append((prefix, plan[-1]))
     options = f"size={WORKDIR_BYTES},nr_inodes={WORKDIR_INODES},mode=0700,uid={uid},gid={uid}"
     plan.append(["tmpfs", workdir, options])
     exe = os.path.realpath(sys.executable)
@@ -50,12 +51,14 @@ def root_plan(base: str, program: str, workdir: str, prefix: str | None, uid: in
     for hidden in sorted(hidden_paths()):  # e.g. a checkout in /usr/src/app; parents first
         if any(not os.path.relpath(hidden, m).startswith(os.pardir) for m in masked):
             continue  # inside a folder masked already (a venv in the checkout)
-        for source, inside in binds:
+        for source, entry in binds:
             rel = os.path.relpath(hidden, source)
             # Two levels down at least: never /usr/lib or /usr/bin, nor what holds the interpreter.
             if (os.sep in rel and not rel.startswith(os.pardir) and os.path.isdir(hidden)
                     and os.path.relpath(exe, hidden).startswith(os.pardir)):
-                plan.append(["mask", os.path.join(inside, rel)])
+                if entry[0] == "bind":
+                    entry[:] = ["overlay", *entry[1:], []]
+                entry[4].append(rel)
                 masked.append(hidden)
     return plan
 
