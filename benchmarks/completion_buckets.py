@@ -6,7 +6,7 @@
 
 4 R1-format prompts x 4 completions whose lengths are drawn uniformly from [min-len, max-len]
 (random tokens: the cost of a forward does not depend on which), run through
-`logprobs.shared_prefix_rows` (`--path shared`, GRPO's default) or, as whole right-padded
+`prefix_sharing.shared_prefix_rows` (`--path shared`, GRPO's default) or, as whole right-padded
 prompt + completion rows, `logprobs.bucketed_token_logprobs` (`--path whole`: GRPO with
 prefix_sharing off or gradient checkpointing) once per bucket overhead: a huge overhead is the single padded
 batch, each other overhead the buckets `logprobs.length_buckets` picks for it. Prints per
@@ -28,9 +28,9 @@ import torch  # noqa: E402
 
 from schemas.configs import PromptsConfig  # noqa: E402
 from stages import grpo  # noqa: E402
-from stages.modeling import logprobs, models  # noqa: E402
+from stages.modeling import logprobs, models, prefix_sharing  # noqa: E402
 from stages.prompts import build_prompts  # noqa: E402
-from stages.sampling.generation import render_prompts  # noqa: E402
+from stages.sampling.completions import render_prompts  # noqa: E402
 
 ONE_BUCKET = 10**9
 
@@ -74,7 +74,7 @@ def main() -> None:
             lp, _ = logprobs.bucketed_token_logprobs(model, batch["input_ids"], batch["attention_mask"],
                                                      bucket_overhead=overhead)
         else:
-            lp, _ = logprobs.shared_prefix_rows(model, prompts, comps, rows, pad_id=0, width=width, device="cpu",
+            lp, _ = prefix_sharing.shared_prefix_rows(model, prompts, comps, rows, pad_id=0, width=width, device="cpu",
                                                 bucket_overhead=overhead)
         lp.sum().backward()
         model.zero_grad(set_to_none=True)

@@ -33,7 +33,8 @@ import torch  # noqa: E402
 from schemas.configs import GenerationSpec, PromptsConfig  # noqa: E402
 from stages.modeling import models  # noqa: E402
 from stages.prompts import build_prompts  # noqa: E402
-from stages.sampling.generation import TransformersBackend, render_prompts, stop_token_ids  # noqa: E402
+from stages.sampling.completions import render_prompts, stop_token_ids  # noqa: E402
+from stages.sampling.generation import TransformersBackend  # noqa: E402
 
 RESULT_MARK = "GEN-RESULT "
 

@@ -51,7 +51,7 @@ from flows.store import ArtifactStore
 from flows.tracking import flatten, run_name
 from schemas.configs import STAGE_CONFIGS, ProfileConfig
 from schemas.errors import ArtifactError, ConfigError
-from stages import STAGE_MODULES, STAGE_SUMMARIES, get_stage
+from stages import STAGE_MODULES, STAGE_SUMMARIES, get_stage, stage_version
 
 ROOT = Path(__file__).resolve().parent.parent
 log = logging.getLogger(__name__)
@@ -247,7 +247,7 @@ def run_stage(stage: str, inputs: dict[str, str], overrides: dict[str, Any] | No
     config, name, recipe_seed = stage_config(stage, recipe, profile, node, overrides or {}, producers)
     seed = seed if seed is not None else (recipe_seed if recipe_seed is not None else 0)
     salt = module.cache_salt(module.CONFIG.model_validate(config)) if hasattr(module, "cache_salt") else ""
-    key = cache_key(stage, module.VERSION, config, resolved, seed, salt)
+    key = cache_key(stage, stage_version(module), config, resolved, seed, salt)
     experiment = experiment_name(recipe or "stages")
     tracker = Tracker(s.tracking_uri, experiment, s.mlflow_artifact_location)
     flow_run_id = _flow_run_id()

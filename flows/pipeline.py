@@ -34,7 +34,7 @@ from flows.store import ArtifactStore, CacheRecord, host_id, owner_gone, process
 from flows.tracking import Tracker, run_name
 from schemas.artifacts import DATA_FILE, Producer
 from schemas.errors import ArtifactError, ConfigError, R1FlowError, StageError
-from stages import get_stage
+from stages import get_stage, stage_version
 from stages.base import Input
 from stages.runtime import lifetime, threads
 from stages.training.launch import run_stage
@@ -248,7 +248,7 @@ def node_key(plan_node, upstream: dict[str, dict[str, str]]) -> tuple[str, dict[
     module = get_stage(plan_node.stage)
     inputs = {inp: upstream[up][out] for inp, (up, out) in plan_node.inputs.items()}
     salt = module.cache_salt(plan_node.config) if hasattr(module, "cache_salt") else ""
-    return cache_key(plan_node.stage, module.VERSION, plan_node.config_dict, inputs, plan_node.seed, salt), inputs, salt
+    return cache_key(plan_node.stage, stage_version(module), plan_node.config_dict, inputs, plan_node.seed, salt), inputs, salt
 
 
 def experiment_name(recipe: str) -> str:

@@ -1,4 +1,5 @@
-"""Stages: one module per stage, each with VERSION, CONFIG, INPUTS, OUTPUTS and run().
+"""Stages: one module per stage, each with VERSION, CONFIG, INPUTS, OUTPUTS and run(); `SAMPLES = True` where
+its results depend on what the samplers draw (`stage_version`).
 
 Modules are imported lazily so that listing stages or validating a recipe stays fast.
 """
@@ -9,6 +10,7 @@ import importlib
 from types import ModuleType
 
 from schemas.errors import ConfigError
+from stages import sampling
 
 STAGE_MODULES = {
     "import_model": "stages.import_model",
@@ -53,3 +55,15 @@ def get_stage(name: str) -> ModuleType:
     if name not in STAGE_MODULES:
         raise ConfigError(f"unknown stage {name!r}; known stages: {', '.join(STAGE_MODULES)}")
     return importlib.import_module(STAGE_MODULES[name])
+
+# The sampler version the keys of sampling stages were computed under before it entered them: at this version
+# a key is what it was, so bringing the sampler in moved no cache entry.
+SAMPLER_BASELINE = "1"
+
+
+def stage_version(module: ModuleType) -> str:
+    """The version that enters a stage's cache key: its VERSION, and for a stage that samples (`SAMPLES`) the
+    sampler's version (`sampling.SAMPLER_VERSION`) once it has moved past `SAMPLER_BASELINE`."""
+    if getattr(module, "SAMPLES", False) and sampling.SAMPLER_VERSION != SAMPLER_BASELINE:
+        return f"{module.VERSION}+sampler{sampling.SAMPLER_VERSION}"
+    return module.VERSION

@@ -58,7 +58,9 @@ from stages.math.supervised import IGNORE, masked_token_loss
 from stages.modeling import models
 from stages.runtime import distributed
 from stages.runtime.seeds import seed_stream
-from stages.sampling.generation import check_vllm_model_dir, generate, make_backend, render_prompts
+from stages.sampling.completions import render_prompts
+from stages.sampling.generation import generate, make_backend
+from stages.sampling.vllm_backend import check_vllm_model_dir
 from stages.training.checkpoints import resume, save_checkpoint
 from stages.training.optim import (
     clip_grad_norm,
@@ -72,7 +74,8 @@ from stages.training.optim import (
 from stages.training.pairs import split_pairs
 from stages.training.sequences import Example, collate, tokenize_conversation
 
-VERSION = "4"  # 4: every random draw seeded by seed_stream (stages/runtime/seeds.py)
+VERSION = "4"  # history: CHANGELOG.md
+SAMPLES = True  # its outputs depend on what the samplers draw: SAMPLER_VERSION is in its key
 CONFIG = DistillConfig
 INPUTS = {"teacher": "model", "student": "model", "traces": "sft?", "prompts": "prompts?"}
 OUTPUTS = {"model": "model"}

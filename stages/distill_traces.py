@@ -22,9 +22,11 @@ from schemas.datasets import from_rows
 from schemas.errors import SchemaError
 from stages.base import Input, Output, StageContext, seed_everything, write_dataset
 from stages.rewards.verifiers import Verdict, score
-from stages.sampling.generation import Completion, sample_with
+from stages.sampling.completions import Completion
+from stages.sampling.generation import sample_with
 
-VERSION = "3"  # 3: generate() seeds each batch by seed_stream (stages/runtime/seeds.py)
+VERSION = "3"  # history: CHANGELOG.md
+SAMPLES = True  # its outputs depend on what the samplers draw: SAMPLER_VERSION is in its key
 CONFIG = DistillTracesConfig
 INPUTS = {"model": "model", "prompts": "prompts"}
 OUTPUTS = {"traces": "sft"}

@@ -32,7 +32,8 @@ from stages.modeling import heads
 from stages.rewards.verifiers import pass_at_k, score
 from stages.sampling.generation import generate
 
-VERSION = "5"  # 5: generate() seeds each batch by seed_stream (stages/runtime/seeds.py)
+VERSION = "5"  # history: CHANGELOG.md
+SAMPLES = True  # its outputs depend on what the samplers draw: SAMPLER_VERSION is in its key
 CONFIG = EvalConfig
 INPUTS = {"model": "model", "prompts": "prompts", "scorer": "model?"}
 OUTPUTS = {"results": "eval"}

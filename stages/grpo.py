@@ -42,10 +42,11 @@ from schemas.configs import GRPOConfig
 from schemas.errors import ConfigError
 from stages.base import Input, Output, StageContext
 from stages.math import rl
-from stages.modeling import logprobs, models
+from stages.modeling import models, prefix_sharing
 from stages.runtime import distributed
 from stages.runtime.seeds import seed_stream
-from stages.sampling.generation import TransformersBackend, make_backend, render_prompts
+from stages.sampling.completions import render_prompts
+from stages.sampling.generation import TransformersBackend, make_backend
 from stages.training import groups, process_rewards, rl_loop, rollouts
 from stages.training.checkpoints import resume
 from stages.training.loop import autocast
@@ -60,7 +61,8 @@ from stages.training.optim import (
 from stages.training.rollout_batch import RolloutBatch, even_passes, filler_backward, minibatch_rows, place
 from stages.training.rollouts import build_batch
 
-VERSION = "4"  # 4: every random draw seeded by seed_stream (stages/runtime/seeds.py)
+VERSION = "4"  # history: CHANGELOG.md
+SAMPLES = True  # its outputs depend on what the samplers draw: SAMPLER_VERSION is in its key
 CONFIG = GRPOConfig
 INPUTS = {"model": "model", "prompts": "prompts", "reward_model": "model?", "process_reward_model": "model?"}
 OUTPUTS = {"model": "model"}
@@ -203,8 +205,8 @@ def advantages(s: Session, g: groups.Groups, rewards_by_rank: list[torch.Tensor]
     s.model.train()
     # the prompt runs once per group through a KV cache or packed with its completions (either where both
     # can, by cost); under gradient checkpointing there is no cache: packed if the model can be
-    cached = logprobs.can_share_prefix(s.model)
-    shared = cfg.prefix_sharing and (cached or logprobs.can_pack_prefix(s.model))
+    cached = prefix_sharing.can_share_prefix(s.model)
+    shared = cfg.prefix_sharing and (cached or prefix_sharing.can_pack_prefix(s.model))
     rollout_batch = RolloutBatch(batch, prompt_ids, [list(c.token_ids) for c in flat_comps], cfg.group_size,
                                  s.pad_id, shared, s.ctx.device, cfg.logprob_chunk, None if cached else True)
     u = Update(adv, n, batch, rollout_batch, shared)

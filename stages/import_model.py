@@ -17,7 +17,7 @@ from schemas.errors import ConfigError
 from stages.base import Output, StageContext, model_output_dir
 from stages.modeling import models
 
-VERSION = "1"
+VERSION = "1"  # history: CHANGELOG.md
 CONFIG = ModelConfig
 INPUTS: dict[str, str] = {}
 OUTPUTS = {"model": "model"}

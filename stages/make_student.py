@@ -21,7 +21,7 @@ from schemas.configs import MakeStudentConfig
 from stages.base import Input, Output, StageContext, model_output_dir
 from stages.modeling import models
 
-VERSION = "1"
+VERSION = "1"  # history: CHANGELOG.md
 CONFIG = MakeStudentConfig
 INPUTS = {"model": "model"}
 OUTPUTS = {"model": "model"}

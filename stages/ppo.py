@@ -56,14 +56,16 @@ from stages.modeling.heads import (
 from stages.rewards.verifiers import Verdict
 from stages.runtime import distributed
 from stages.runtime.seeds import seed_stream
-from stages.sampling.generation import Completion, make_backend, render_prompts
+from stages.sampling.completions import Completion, render_prompts
+from stages.sampling.generation import make_backend
 from stages.training import groups, rl_loop, rollouts
 from stages.training.checkpoints import resume
 from stages.training.loop import autocast
 from stages.training.optim import clip_grad_norm, load_trainable, lr_factor, make_optimizer, resolve_precision
 from stages.training.rollouts import build_batch
 
-VERSION = "3"  # 3: every random draw seeded by seed_stream (stages/runtime/seeds.py)
+VERSION = "3"  # history: CHANGELOG.md
+SAMPLES = True  # its outputs depend on what the samplers draw: SAMPLER_VERSION is in its key
 CONFIG = PPOConfig
 INPUTS = {"model": "model", "prompts": "prompts", "reward_model": "model?"}
 OUTPUTS = {"model": "model"}

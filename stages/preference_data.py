@@ -21,7 +21,7 @@ from schemas.datasets import from_rows
 from schemas.errors import ConfigError, SchemaError
 from stages.base import Input, Output, StageContext, read_json_lines, write_dataset
 
-VERSION = "1"
+VERSION = "1"  # history: CHANGELOG.md
 CONFIG = PreferenceDataConfig
 INPUTS = {"samples": "samples"}
 OUTPUTS = {"preferences": "preferences", "unpaired": "unpaired"}

@@ -40,13 +40,14 @@ from schemas.errors import ArtifactError, ConfigError, SchemaError
 from stages.base import Input, Output, StageContext, seed_everything
 from stages.math import preference as pl
 from stages.modeling import models
-from stages.modeling.logprobs import completion_logprobs, score_examples
+from stages.modeling.prefix_sharing import completion_logprobs, score_examples
 from stages.runtime import distributed
 from stages.training.loop import Loop, StepResult, autocast, curve_tail, policy_output, save_policy
 from stages.training.optim import load_trainable, resolve_precision
 from stages.training.pairs import DESIRABLE, Example, examples_from, split_pairs, tokenize
 
-VERSION = "5"  # 5: generate() seeds each batch by seed_stream (stages/runtime/seeds.py)
+VERSION = "5"  # history: CHANGELOG.md
+SAMPLES = True  # its outputs depend on what the samplers draw: SAMPLER_VERSION is in its key
 CONFIG = PreferenceOptimizationConfig
 INPUTS = {"model": "model", "preferences": "preferences|unpaired", "reference": "ref_logprobs?"}
 OUTPUTS = {"model": "model"}

@@ -68,7 +68,7 @@ from stages.training.checkpoints import replace_synced, trainable_state
 from stages.training.loop import Curves, Loop, StepResult, autocast, curve_tail, step_micro_batches
 from stages.training.optim import resolve_precision
 
-VERSION = "3"  # 2: a validation split chooses the saved checkpoint; 3: the gain over the majority label, with its CI
+VERSION = "3"  # history: CHANGELOG.md
 CONFIG = PRMConfig
 INPUTS = {"model": "model", "steps": "steps?"}
 OUTPUTS = {"model": "model"}

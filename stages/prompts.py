@@ -21,9 +21,10 @@ from schemas.configs import PromptsConfig
 from schemas.datasets import from_rows
 from schemas.errors import ConfigError, SchemaError
 from stages.base import Output, StageContext, read_json_lines, write_dataset
-from stages.rewards.verifiers import R1_SYSTEM_PROMPT, VERIFIERS
+from stages.rewards.answers import R1_SYSTEM_PROMPT
+from stages.rewards.verifiers import VERIFIERS
 
-VERSION = "1"
+VERSION = "1"  # history: CHANGELOG.md
 CONFIG = PromptsConfig
 INPUTS: dict[str, str] = {}
 OUTPUTS = {"prompts": "prompts"}

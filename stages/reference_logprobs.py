@@ -14,11 +14,11 @@ import time
 from schemas.configs import ReferenceLogprobsConfig
 from schemas.datasets import from_rows
 from stages.base import Input, Output, StageContext, seed_everything, write_dataset
-from stages.modeling.logprobs import score_examples
+from stages.modeling.prefix_sharing import score_examples
 from stages.training.optim import resolve_precision
 from stages.training.pairs import examples_from, tokenize
 
-VERSION = "2"  # 2: KTO's KL pairs take the next row under another prompt (preference_optimization.examples_from)
+VERSION = "2"  # history: CHANGELOG.md
 CONFIG = ReferenceLogprobsConfig
 INPUTS = {"model": "model", "preferences": "preferences|unpaired"}
 OUTPUTS = {"logprobs": "ref_logprobs"}

@@ -9,7 +9,7 @@ rounds.
 Cold start (R1 paper §2.3.1) from a model that does not write the R1 format yet: `correctness:
 lenient` accepts a right answer stated without tags (`Verdict.correct_lenient`), and `reformat`
 rewrites each accepted completion that is not well formed into `<think>…</think><answer>…</answer>`
-(`stages.rewards.verifiers.reformat_r1`; R1 used annotators and a summary here, we only restructure).
+(`stages.rewards.answers.reformat_r1`; R1 used annotators and a summary here, we only restructure).
 """
 
 from __future__ import annotations
@@ -23,10 +23,12 @@ from schemas.configs import RejectionSamplingConfig
 from schemas.datasets import from_rows
 from schemas.errors import SchemaError
 from stages.base import Input, Output, StageContext, seed_everything, write_dataset
-from stages.rewards.verifiers import Verdict, extract_answer_lenient, reformat_r1, score
+from stages.rewards.answers import extract_answer_lenient, reformat_r1
+from stages.rewards.verifiers import Verdict, score
 from stages.sampling.generation import sample_with
 
-VERSION = "3"  # 3: generate() seeds each batch by seed_stream (stages/runtime/seeds.py)
+VERSION = "3"  # history: CHANGELOG.md
+SAMPLES = True  # its outputs depend on what the samplers draw: SAMPLER_VERSION is in its key
 CONFIG = RejectionSamplingConfig
 INPUTS = {"model": "model", "prompts": "prompts", "reward_model": "model?"}
 OUTPUTS = {"samples": "samples", "data": "sft"}

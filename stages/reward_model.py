@@ -55,7 +55,7 @@ from stages.training.loop import Curves, Loop, StepResult, autocast, curve_tail,
 from stages.training.optim import resolve_precision
 from stages.training.pairs import split_pairs
 
-VERSION = "1"
+VERSION = "1"  # history: CHANGELOG.md
 CONFIG = RewardModelConfig
 INPUTS = {"model": "model", "preferences": "preferences"}
 OUTPUTS = {"model": "model"}

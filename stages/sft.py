@@ -26,8 +26,8 @@ from schemas.configs import SFTConfig
 from schemas.errors import SchemaError
 from stages.base import Input, Output, StageContext, seed_everything
 from stages.math.supervised import IGNORE
-from stages.modeling import logprobs, models
-from stages.rewards.verifiers import gold_completion
+from stages.modeling import logprobs, models, prefix_sharing
+from stages.rewards.answers import gold_completion
 from stages.runtime import distributed
 from stages.training.loop import (
     Loop,
@@ -43,7 +43,7 @@ from stages.training.sequences import collate, pack, tokenize_conversation
 
 log = logging.getLogger(__name__)
 
-VERSION = "2"  # 2: packing keeps attention inside each packed example (block mask, positions restarted)
+VERSION = "2"  # history: CHANGELOG.md
 CONFIG = SFTConfig
 INPUTS = {"model": "model", "data": "sft|prompts"}
 OUTPUTS = {"model": "model"}
@@ -88,11 +88,11 @@ def tokenize_examples(conversations: list[list[dict]], tokenizer, model, cfg: SF
     examples = [e for e in examples if any(lab != IGNORE for lab in e.labels[1:])]
     if not examples:
         raise SchemaError(f"{label}: every example lost its assistant tokens to max_length={cfg.max_length}")
-    blocked = cfg.packing and logprobs.can_pack_prefix(model)  # before sharding: can the model take a 4D mask
+    blocked = cfg.packing and prefix_sharing.can_pack_prefix(model)  # before sharding: can the model take a 4D mask
     if cfg.packing:
         examples = pack(examples, cfg.max_length)
         if not blocked:
-            log.warning("sft: %s does not take a block attention mask (logprobs.can_pack_prefix): packed examples "
+            log.warning("sft: %s does not take a block attention mask (prefix_sharing.can_pack_prefix): packed examples "
                         "attend to the examples before them in their block", type(model).__name__)
     targets = [sum(lab != IGNORE for lab in e.labels[1:]) for e in examples]  # tokens each example trains
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

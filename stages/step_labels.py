@@ -46,7 +46,8 @@ from stages.sampling.generation import make_backend
 from stages.training.checkpoints import replace_synced
 from stages.training.optim import resolve_precision
 
-VERSION = "3"  # 3: every random draw seeded by seed_stream (stages/runtime/seeds.py)
+VERSION = "3"  # history: CHANGELOG.md
+SAMPLES = True  # its outputs depend on what the samplers draw: SAMPLER_VERSION is in its key
 CONFIG = StepLabelsConfig
 INPUTS = {"model": "model", "prompts": "prompts", "solutions": "samples|sft?"}
 OUTPUTS = {"steps": "steps"}

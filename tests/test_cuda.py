@@ -68,7 +68,7 @@ def test_bf16_autocast_training_step_matches_fp32(tiny_tokenizer):
 
 
 def _prompts(tokenizer, n: int = 5) -> list[str]:
-    from stages.sampling.generation import render_prompts
+    from stages.sampling.completions import render_prompts
 
     return render_prompts(tokenizer, [[{"role": "user", "content": "What is " + "1+" * (3 * i) + "1?"}]
                                       for i in range(n)])
@@ -78,7 +78,8 @@ def test_decode_rows_gives_generate_greedy_tokens_on_cuda(tiny_tokenizer):
     """Left-padded prompts of different lengths, greedy, fp32: r1flow's decode loop (`decode_rows`, with and
     without the lean step) gives `generate()`'s tokens on CUDA, row by row up to each row's EOS."""
     from stages.modeling.models import build_tiny_model
-    from stages.sampling.generation import decode_rows, prefill_prompts, stop_token_ids
+    from stages.sampling.completions import stop_token_ids
+    from stages.sampling.kv_decode import decode_rows, prefill_prompts
 
     model = build_tiny_model(tiny_tokenizer, seed=3).to(DEVICE).eval()
     tiny_tokenizer.padding_side = "left"
@@ -105,7 +106,8 @@ def test_backend_greedy_equals_generate_on_cuda(tiny_tokenizer):
     CUDA: the same completions as plain `generate()`, each prompt twice (n=2)."""
     from schemas.configs import GenerationSpec
     from stages.modeling.models import build_tiny_model
-    from stages.sampling.generation import TransformersBackend, stop_token_ids
+    from stages.sampling.completions import stop_token_ids
+    from stages.sampling.generation import TransformersBackend
 
     model = build_tiny_model(tiny_tokenizer, seed=3).to(DEVICE).eval()
     convs = [[{"role": "user", "content": "What is " + "2*" * i + "3?"}] for i in range(4)]
@@ -131,8 +133,9 @@ def test_packed_prefix_rows_equal_whole_rows_on_cuda_fp32(tiny_tokenizer, one_ro
     with a 4D mask (on CUDA, SDPA's memory-efficient kernel) against each prompt + completion as its own
     right-padded row: the same log-probs, entropies and parameter gradients in fp32."""
     from stages import grpo
-    from stages.modeling.logprobs import packed_prefix_rows, token_logprobs
+    from stages.modeling.logprobs import token_logprobs
     from stages.modeling.models import build_tiny_model
+    from stages.modeling.prefix_sharing import packed_prefix_rows
 
     model = build_tiny_model(tiny_tokenizer, seed=5).to(DEVICE).train()
     common = [5, 6, 7, 8, 9, 10]
@@ -180,7 +183,8 @@ def test_graph_decode_replays_what_the_eager_steps_compute_on_cuda(tiny_tokenize
     """StaticDecode captured as a CUDA graph (two eager warm-up steps, then replays) gives the eager steps'
     tokens, greedy, in fp32 and under bf16 autocast (capture with autocast's weight cache off)."""
     from stages.modeling.models import build_tiny_model
-    from stages.sampling.generation import decode_static, prefill_prompts, stop_token_ids
+    from stages.sampling.completions import stop_token_ids
+    from stages.sampling.kv_decode import decode_static, prefill_prompts
 
     model = build_tiny_model(tiny_tokenizer, seed=3).to(DEVICE).eval()
     tiny_tokenizer.padding_side = "left"

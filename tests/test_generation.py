@@ -7,12 +7,8 @@ import pytest
 import torch
 
 from schemas.configs import GenerationSpec
-from stages.sampling.generation import (
-    TransformersBackend,
-    cut_at_stop,
-    make_backend,
-    sampled_completion_logprobs,
-)
+from stages.sampling.completions import cut_at_stop
+from stages.sampling.generation import TransformersBackend, make_backend, sampled_completion_logprobs
 
 CONVS = [[{"role": "user", "content": q}] for q in ("hi", "a much longer question here?", "2+2", "x")]
 
@@ -161,7 +157,7 @@ def test_static_cache_gives_the_same_greedy_completions_and_logprobs(backend):
 
 def _generate_reference(model, enc, n, kwargs, seed, tiny_tokenizer, top_p=1.0):
     """transformers' own loop: generate() over the n-fold rows with the backend's sampler under its argmax."""
-    from stages.sampling.generation import sampling_processors
+    from stages.sampling.sampler import sampling_processors
 
     torch.manual_seed(seed)
     return model.generate(input_ids=enc["input_ids"].repeat_interleave(n, 0),
@@ -171,7 +167,8 @@ def _generate_reference(model, enc, n, kwargs, seed, tiny_tokenizer, top_p=1.0):
 
 
 def _decode(model, enc, n, max_new, eos_ids, seed, tiny_tokenizer, top_p=1.0, min_common=None, **kw):
-    from stages.sampling.generation import decode_rows, prefill_prompts, sampling_processors
+    from stages.sampling.kv_decode import decode_rows, prefill_prompts
+    from stages.sampling.sampler import sampling_processors
 
     torch.manual_seed(seed)
     ids, mask, cache = prefill_prompts(model, enc["input_ids"], enc["attention_mask"], n, max_new, min_common,
@@ -227,7 +224,8 @@ def test_decode_rows_drops_finished_rows_and_samples_what_generate_samples(backe
 def test_decode_rows_from_one_token_prompts_without_a_cache(backend, tiny_tokenizer):
     """One-token prompts leave prefill_prompts nothing to cache (None): the loop starts from the model's
     own first cache and samples what generate() samples from the same seed."""
-    from stages.sampling.generation import decode_rows, prefill_prompts, sampling_processors
+    from stages.sampling.kv_decode import decode_rows, prefill_prompts
+    from stages.sampling.sampler import sampling_processors
 
     model = backend.model
     enc = {"input_ids": torch.tensor([[5], [9], [20]]), "attention_mask": torch.ones(3, 1, dtype=torch.long)}
@@ -297,7 +295,7 @@ def test_batch_wide_common_prefix_samples_equal_generate(backend, tiny_tokenizer
 
 def test_block_race_sampler_live_rows_draw_what_the_whole_batch_draws():
     """draw(scores[live], live, total) gives each live row the token the whole batch's draw gives it."""
-    from stages.sampling.generation import BlockRaceSampler
+    from stages.sampling.sampler import BlockRaceSampler
 
     torch.manual_seed(0)
     scores = torch.randn(6, 300)
@@ -318,7 +316,7 @@ def test_block_race_sampler_draws_the_softmax_distribution():
     """probs [1/2, 1/4, 1/8, 1/8, 0] (logits log p, -inf for the last): 200,000 draws land within
     5 standard errors of each probability, the -inf token is never drawn, and every returned row
     is 0 at one token and -inf elsewhere (what generate's argmax needs)."""
-    from stages.sampling.generation import BlockRaceSampler
+    from stages.sampling.sampler import BlockRaceSampler
 
     probs = torch.tensor([0.5, 0.25, 0.125, 0.125, 0.0])
     n = 200_000
@@ -335,7 +333,7 @@ def test_sampling_processors_apply_temperature_top_k_top_p_before_the_draw():
     """logits [2, 1, 0, -1]. top_k=2: softmax([2, 1]) = [0.7311, 0.2689]. temperature 0.5:
     softmax([4, 2, 0, -2]) = [0.8650, 0.1171, 0.0158, 0.0021]. top_p=0.8 at temperature 1: the
     sorted probs [0.6439, 0.2369, 0.0871, 0.0321] keep the first two, renormalised [0.7311, 0.2689]."""
-    from stages.sampling.generation import sampling_processors
+    from stages.sampling.sampler import sampling_processors
 
     logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
     cases = [((1.0, 2, 1.0), [0.7311, 0.2689, 0.0, 0.0]),
@@ -356,7 +354,7 @@ def test_backend_samples_the_models_next_token_distribution(backend, tiny_tokeni
     model's last prompt position: every token within 5 standard errors, and Pearson's chi-square
     over the 136 tokens below df + 5 sd (135 + 5 * sqrt(270) = 217), while against temperature 1's
     distribution it is above that (the test can tell the two apart)."""
-    from stages.sampling.generation import render_prompts
+    from stages.sampling.completions import render_prompts
 
     n = 20_000
     out, _ = backend.generate([CONVS[2]], GenerationSpec(max_new_tokens=1, temperature=0.5), n=n, seed=3,
@@ -386,7 +384,7 @@ def test_rows_first_linears_equal_f_linear_and_are_restored():
     is already replaced is left alone; on exit every forward is the class's again."""
     import types
 
-    from stages.sampling.generation import RowsFirstRule, rows_first_linears
+    from stages.sampling.rows_first import RowsFirstRule, rows_first_linears
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Linear(40, 8, bias=False), torch.nn.Linear(8, 8))
@@ -413,8 +411,8 @@ def test_rows_first_rule_per_cpu_level(monkeypatch):
     """The default rule follows torch's CPU kernel level: AVX2 every linear, AVX-512 only layers with
     more inputs than outputs (and rows 12..48, where F.linear's values are still what comes out),
     an unmeasured level (ARM, no AVX) none; rule=None changes nothing."""
-    from stages.sampling import generation
-    from stages.sampling.generation import rows_first_linears
+    from stages.sampling import rows_first
+    from stages.sampling.rows_first import rows_first_linears
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Linear(40, 8))
@@ -429,7 +427,7 @@ def test_rows_first_rule_per_cpu_level(monkeypatch):
         assert not any("forward" in vars(m) for m in model)
     assert patched == {"AVX2": [True, True], "AVX512": [False, True], "DEFAULT": [False, False],
                        "SVE256": [False, False]}
-    assert generation.default_rows_first_rule() is None  # SVE256 still patched in
+    assert rows_first.default_rows_first_rule() is None  # SVE256 still patched in
     with rows_first_linears(model, None):
         assert not any("forward" in vars(m) for m in model)
 
@@ -449,7 +447,7 @@ def test_preallocated_layer_returns_what_dynamic_layer_returns():
     rows (and an update after each), the keys and values returned and held are equal, and get_seq_length agrees."""
     from transformers.cache_utils import DynamicLayer
 
-    from stages.sampling.generation import PreallocatedLayer
+    from stages.sampling.kv_decode import PreallocatedLayer
 
     torch.manual_seed(0)
     k0, v0 = torch.randn(3, 2, 5, 4), torch.randn(3, 2, 5, 4)
@@ -489,20 +487,20 @@ def test_preallocated_layer_returns_what_dynamic_layer_returns():
 def test_prefill_preallocates_the_cache_on_cpu(backend, tiny_tokenizer, monkeypatch):
     """prefill_prompts hands the decode loop PreallocatedLayers on CPU, and the samples equal those
     drawn with transformers' plain DynamicLayers (preallocation switched off)."""
-    from stages.sampling import generation
+    from stages.sampling import kv_decode
 
     spec = GenerationSpec(max_new_tokens=8, temperature=1.0, batch_size=4)
     seen = []
-    real = generation.preallocate_cache
+    real = kv_decode.preallocate_cache
 
     def spy(cache, new_tokens):
         real(cache, new_tokens)
         seen.append({type(layer).__name__ for layer in cache.layers})
 
-    monkeypatch.setattr(generation, "preallocate_cache", spy)
+    monkeypatch.setattr(kv_decode, "preallocate_cache", spy)
     a, _ = backend.generate(CONVS, spec, n=3, seed=5, progress=False)
     assert seen and all(s == {"PreallocatedLayer"} for s in seen)
-    monkeypatch.setattr(generation, "preallocate_cache", lambda cache, new_tokens: None)
+    monkeypatch.setattr(kv_decode, "preallocate_cache", lambda cache, new_tokens: None)
     b, _ = backend.generate(CONVS, spec, n=3, seed=5, progress=False)
     assert [[c.token_ids for c in cs] for cs in a] == [[c.token_ids for c in cs] for cs in b]
 

@@ -162,7 +162,7 @@ def test_process_advantages_hand_computed():
     population std sqrt(78/27) = 1.699673, plus eps 1e-4: 1.699773; normalised -0.980523, 1.372732, -0.392209.
     Token 0 of the first gets -0.980523 + 1.372732 = 0.392209, its tokens 1-4 get 1.372732; both tokens of "xy"
     get -0.392209."""
-    from stages.sampling.generation import Completion
+    from stages.sampling.completions import Completion
 
     comps = [[Completion(t, len(t), "stop", tuple(ord(ch) for ch in t)) for t in ("a\nbcd", "xy")]]
     scorer = _LengthScorer()
@@ -193,7 +193,7 @@ def test_prm_process_advantages_place_each_step_score_on_its_last_token():
     """A group of "ab" "\\n\\n" "c" (steps "ab", ending at token 0, and "c", token 2; PRM 0.9 and 0.1) and
     "x\\n\\ny" in one token (two steps, both ending at token 0: the later score, 0.5, stands): the same advantages
     as the reward-model path given those ends and scores, from ONE scorer call over both whole completions."""
-    from stages.sampling.generation import Completion
+    from stages.sampling.completions import Completion
 
     vocab = ["ab", "\n\n", "c", "x\n\ny"]
 
@@ -282,7 +282,7 @@ def test_shared_prefix_logprobs_equal_whole_rows_in_value_and_gradient(tiny_toke
     """Two groups of G=3 with prompts of different lengths (left padding inside the shared pass) and
     completions of different lengths, one empty: the prompt run once gives the same log-probs,
     entropies and parameter gradients as the G whole prompt+completion rows."""
-    from stages.modeling import logprobs, models
+    from stages.modeling import logprobs, models, prefix_sharing
 
     model = models.apply_lora(models.build_tiny_model(tiny_tokenizer, seed=1), LoraSpec(r=lora_r)).train()
     prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
@@ -297,7 +297,7 @@ def test_shared_prefix_logprobs_equal_whole_rows_in_value_and_gradient(tiny_toke
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
     model.zero_grad()
 
-    assert logprobs.can_share_prefix(model)
+    assert prefix_sharing.can_share_prefix(model)
     rb = RolloutBatch(batch, prompts, comps, 3, 0, True, "cpu", 4096)
     got, ent = rb.logprobs(model, torch.arange(6), with_entropy=True)
     assert_matches_whole_rows(model, got, ent, ref, ref_ent, mask, ref_grads)
@@ -325,7 +325,7 @@ def test_prefix_sharing_trains_the_same_model(tmp_path, tiny_model_input, digit_
     """Same rollouts, same updates: the metrics and final weights of a run with prefix sharing equal
     those of a run that computes every row whole, with and without a KL term, and with the prompts'
     common part (10 chat-template tokens here) run once per two-group mini-batch and once per
-    generate() batch (`logprobs.COMMON_PREFIX_MIN` lowered to reach it). Each tensor's total
+    generate() batch (`prefix_sharing.COMMON_PREFIX_MIN` lowered to reach it). Each tensor's total
     update must agree to 0.1% of its norm. Not element by element: Adam divides each gradient element by
     its own magnitude, so an element whose gradient is ~1e-9 moves by up to lr on float rounding alone
     (measured: single elements up to 4.2e-5 apart, 1.4% of one step's lr of 3e-3, while every tensor's
@@ -334,16 +334,16 @@ def test_prefix_sharing_trains_the_same_model(tmp_path, tiny_model_input, digit_
     compared through the weights it moves, not as a metric. `path`: the tiny Llama packs prompts and
     completions in one decoder call where that costs less (auto); kv-cache: as a model that cannot be
     packed, through the KV cache; checkpointing: with gradient checkpointing on (no KV cache), packed."""
-    from stages.modeling import logprobs, models
+    from stages.modeling import models, prefix_sharing
 
     if min_common is not None:
-        monkeypatch.setattr(logprobs, "COMMON_PREFIX_MIN", min_common)
+        monkeypatch.setattr(prefix_sharing, "COMMON_PREFIX_MIN", min_common)
     if path == "kv-cache":
-        monkeypatch.setattr(logprobs, "can_pack_prefix", lambda m: False)
+        monkeypatch.setattr(prefix_sharing, "can_pack_prefix", lambda m: False)
     used = []
     for name in ("packed_prefix_rows", "shared_prefix_logprobs"):
-        real = getattr(logprobs, name)
-        monkeypatch.setattr(logprobs, name, lambda *a, _r=real, _n=name, **k: used.append(_n) or _r(*a, **k))
+        real = getattr(prefix_sharing, name)
+        monkeypatch.setattr(prefix_sharing, name, lambda *a, _r=real, _n=name, **k: used.append(_n) or _r(*a, **k))
     runs = {}
     for sharing in (True, False):
         used.clear()

@@ -10,7 +10,8 @@ from transformers import DynamicCache
 
 from stages.modeling.models import cache_name
 from stages.sampling import lean_decode
-from stages.sampling.generation import LEAN_CACHE_LAYERS, decode_rows, prefill_prompts, sampling_processors
+from stages.sampling.kv_decode import LEAN_CACHE_LAYERS, decode_rows, prefill_prompts
+from stages.sampling.sampler import sampling_processors
 
 
 def _distinct_norms(model):
@@ -98,7 +99,7 @@ def test_fused_projections_take_plain_linears_within_the_budget():
     budget nothing is copied."""
     from peft import LoraConfig, get_peft_model
 
-    from stages.sampling.generation import RowsFirstRule, rows_first_linears
+    from stages.sampling.rows_first import RowsFirstRule, rows_first_linears
 
     model = _llama()
     layer = model.model.layers[0]
@@ -257,7 +258,7 @@ def test_static_decode_gives_the_model_forwards_logits_step_by_step(model_fn, pa
 def test_decode_static_samples_what_decode_rows_samples(check_every):
     """Sampling, rows ending early (many EOS ids): the same tokens and the same width as decode_rows (which
     drops finished rows; decode_static keeps them and checks for the end every `check_every` steps)."""
-    from stages.sampling.generation import decode_static
+    from stages.sampling.kv_decode import decode_static
 
     model = _llama()
     ids, mask = _batch(True, rows=4, width=7)

@@ -171,7 +171,7 @@ def test_head_logprobs_chunk_0_is_one_chunk(fused):
 
 
 def test_common_prefix_length_leaves_every_prompt_a_token_of_its_own():
-    from stages.modeling.logprobs import common_prefix_length
+    from stages.modeling.prefix_sharing import common_prefix_length
 
     assert common_prefix_length([[1, 2, 3, 4], [1, 2, 3, 5, 6], [1, 2, 9]], min_common=1) == 2
     assert common_prefix_length([[1, 2, 3], [1, 2, 3, 4]], min_common=1) == 2  # the shorter prompt keeps its last token
@@ -204,7 +204,7 @@ def test_batch_wide_common_prefix_gives_the_same_logprobs_and_gradients(tiny_tok
     Running the common part once for the batch (three decoder calls) gives the log-probs, entropies and
     parameter gradients of whole prompt+completion rows, and so does the path without it (two calls)."""
     from schemas.configs import LoraSpec
-    from stages.modeling.logprobs import shared_prefix_rows
+    from stages.modeling.prefix_sharing import shared_prefix_rows
 
     model = models.apply_lora(models.build_tiny_model(tiny_tokenizer, seed=2), LoraSpec(r=lora_r)).train()
     common = [5, 6, 7, 8, 9, 10]
@@ -276,7 +276,7 @@ def test_prefix_sharing_pays_counts_padded_positions_and_the_extra_call():
     """The tiny benchmark's DPO batch: 4 prompts of 51, 8 completions of 65, rows of 116: shared
     4*51 + 8*65 = 724 positions (+ overhead) against 8*116 = 928 whole; SmolLM2's: 2*62 + 4*65 = 384
     against 4*127 = 508. Padding counts: one long prompt pads them all."""
-    from stages.modeling.logprobs import prefix_sharing_pays
+    from stages.modeling.prefix_sharing import prefix_sharing_pays
 
     assert not prefix_sharing_pays([51] * 4, [65] * 8, [116] * 8, 292)  # 1016 > 928
     assert prefix_sharing_pays([51] * 4, [65] * 8, [116] * 8, 203)  # 927 < 928
@@ -348,7 +348,7 @@ def test_packed_prefix_rows_give_the_same_logprobs_and_gradients(tiny_tokenizer,
     parameter gradients of whole prompt+completion rows, with LoRA and under gradient checkpointing
     (no KV cache involved, so it applies there too)."""
     from schemas.configs import LoraSpec
-    from stages.modeling.logprobs import can_pack_prefix, packed_prefix_rows
+    from stages.modeling.prefix_sharing import can_pack_prefix, packed_prefix_rows
 
     model = models.apply_lora(models.build_tiny_model(tiny_tokenizer, seed=2), LoraSpec(r=lora_r)).train()
     if checkpointing:
@@ -375,29 +375,29 @@ def test_packing_pays_hand_computed(tiny_tokenizer):
     rows of 22 cost 44 + 968 s; packing pays while 796 s < 2, s < 0.0025126. Prompts of 10 with completions
     of 5 always pay (20 + 400 s against 30 + 450 s). The tiny model's share: 2 x 64 / 36,992 = 0.00346
     (a layer's 36,992 multiply-adds a token against 2 x 64 a score: 64 for q.k, 64 for the weighted values)."""
-    from stages.modeling import logprobs
+    from stages.modeling import prefix_sharing
 
-    assert logprobs.packing_pays([2], [20, 20], [0, 0], [22, 22], 0.0025)
-    assert not logprobs.packing_pays([2], [20, 20], [0, 0], [22, 22], 0.0026)
-    assert logprobs.packing_pays([10], [5, 5], [0, 0], [15, 15], 0.0)
-    assert logprobs.packing_pays([10], [5, 5], [0, 0], [15, 15], 1.0)
+    assert prefix_sharing.packing_pays([2], [20, 20], [0, 0], [22, 22], 0.0025)
+    assert not prefix_sharing.packing_pays([2], [20, 20], [0, 0], [22, 22], 0.0026)
+    assert prefix_sharing.packing_pays([10], [5, 5], [0, 0], [15, 15], 0.0)
+    assert prefix_sharing.packing_pays([10], [5, 5], [0, 0], [15, 15], 1.0)
     # two prompts of unequal length: packed rows pad to the longest (10 + 2 + 2 = 14): 2 x 14 = 28 < 4 x 12 = 48
-    assert logprobs.packing_pays([10, 3], [2, 2, 2, 2], [0, 0, 1, 1], [12, 12, 5, 5], 0.0)
+    assert prefix_sharing.packing_pays([10, 3], [2, 2, 2, 2], [0, 0, 1, 1], [12, 12, 5, 5], 0.0)
     # the same with the rows interleaved ([0, 1, 0, 1]): who belongs to which prompt counts, not the order
-    assert logprobs.packing_pays([10, 3], [2, 2, 2, 2], [0, 1, 0, 1], [12, 5, 12, 5], 0.0)
+    assert prefix_sharing.packing_pays([10, 3], [2, 2, 2, 2], [0, 1, 0, 1], [12, 5, 12, 5], 0.0)
     # one prompt of 1 token, completions of 30 and 1: a packed row of 32 (32 + 1024 s) against 2 x 31 (62 + 1922 s)
     # pays at any share; completions of 30 and 30 (61 + 3721 s against 62 + 1922 s) only below 1 / 1799
-    assert logprobs.packing_pays([1], [30, 1], [0, 0], [31, 2], 10.0)
-    assert logprobs.packing_pays([1], [30, 30], [0, 0], [31, 31], 1 / 1800)
-    assert not logprobs.packing_pays([1], [30, 30], [0, 0], [31, 31], 1 / 1798)
-    assert logprobs.attention_share(models.build_tiny_model(tiny_tokenizer)) == pytest.approx(2 * 64 / 36_992)
+    assert prefix_sharing.packing_pays([1], [30, 1], [0, 0], [31, 2], 10.0)
+    assert prefix_sharing.packing_pays([1], [30, 30], [0, 0], [31, 31], 1 / 1800)
+    assert not prefix_sharing.packing_pays([1], [30, 30], [0, 0], [31, 31], 1 / 1798)
+    assert prefix_sharing.attention_share(models.build_tiny_model(tiny_tokenizer)) == pytest.approx(2 * 64 / 36_992)
 
 
 def test_can_pack_prefix_only_where_a_4d_mask_means_what_it_says(tiny_tokenizer):
     from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
 
     from schemas.configs import LoraSpec
-    from stages.modeling.logprobs import can_pack_prefix
+    from stages.modeling.prefix_sharing import can_pack_prefix
 
     tiny = models.build_tiny_model(tiny_tokenizer)
     assert can_pack_prefix(tiny) and can_pack_prefix(models.apply_lora(tiny, LoraSpec(r=2)))
@@ -419,7 +419,7 @@ def test_packed_rows_with_a_common_prefix_equal_whole_rows(tiny_tokenizer, one_r
     """The batch-wide common prefix case packed: one row per prompt, or one row holding the 6 common tokens
     once, then each prompt's own tokens and its completions (one prompt has a single own token, one
     completion is empty). One decoder call; the whole rows' log-probs, entropies and gradients."""
-    from stages.modeling.logprobs import packed_prefix_rows
+    from stages.modeling.prefix_sharing import packed_prefix_rows
 
     model = models.build_tiny_model(tiny_tokenizer, seed=5).train()
     common = [5, 6, 7, 8, 9, 10]
@@ -446,7 +446,7 @@ def test_packed_and_cached_costs_hand_computed():
     The KV-cache path: 8 common + 2 prompts x 4 own + the completions in length buckets (at overhead 64 one
     bucket, 3 x 5 = 15; at 0 one per length, 3 + 5 + 4 = 12) + the overhead per call after the first (the
     common part's and each bucket's): 8 + 8 + 15 + 64 x 2 = 159 at 64, 8 + 8 + 12 = 28 at 0."""
-    from stages.modeling.logprobs import cached_cost, packed_cost
+    from stages.modeling.prefix_sharing import cached_cost, packed_cost
 
     args = ([10, 12], [3, 5, 4], [0, 0, 1])
     assert packed_cost(*args, 0.0) == 36
@@ -462,20 +462,20 @@ def test_shared_prefix_rows_packs_where_it_costs_less(tiny_tokenizer, monkeypatc
     """The tiny Llama can be packed: shared_prefix_rows packs when the packed cost is below the KV-cache
     path's (here at the CPU default overhead of 292 a call), in the cheaper layout, and keeps the cache path
     when forced off or when packing costs more (a free call, overhead 0, and attention counted heavily)."""
-    from stages.modeling import logprobs
+    from stages.modeling import prefix_sharing
 
     model = models.build_tiny_model(tiny_tokenizer, seed=5).train()
     common = list(range(5, 45))  # 40 common tokens: above COMMON_PREFIX_MIN
     prompts = [common + [50, 51], common + [52]]
     comps, prompt_of_row = [[60, 61], [62], [63, 64, 65]], [0, 0, 1]
     layouts = []
-    real = logprobs.packed_prefix_rows
-    monkeypatch.setattr(logprobs, "packed_prefix_rows",
+    real = prefix_sharing.packed_prefix_rows
+    monkeypatch.setattr(prefix_sharing, "packed_prefix_rows",
                         lambda *a, **k: layouts.append(k["one_row"]) or real(*a, **k))
     width = 46
-    logprobs.shared_prefix_rows(model, prompts, comps, prompt_of_row, 0, width, "cpu")
+    prefix_sharing.shared_prefix_rows(model, prompts, comps, prompt_of_row, 0, width, "cpu")
     assert layouts == [True]  # one row of 40 + 2 + 3 + 1 + 3 = 49 against 2 rows of 45
-    logprobs.shared_prefix_rows(model, prompts, comps, prompt_of_row, 0, width, "cpu", pack=False)
-    monkeypatch.setattr(logprobs, "attention_share", lambda m: 1.0)
-    logprobs.shared_prefix_rows(model, prompts, comps, prompt_of_row, 0, width, "cpu", bucket_overhead=0)
+    prefix_sharing.shared_prefix_rows(model, prompts, comps, prompt_of_row, 0, width, "cpu", pack=False)
+    monkeypatch.setattr(prefix_sharing, "attention_share", lambda m: 1.0)
+    prefix_sharing.shared_prefix_rows(model, prompts, comps, prompt_of_row, 0, width, "cpu", bucket_overhead=0)
     assert layouts == [True]

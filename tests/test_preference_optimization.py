@@ -13,7 +13,7 @@ from schemas.errors import ArtifactError, ConfigError
 from stages import preference_optimization as po
 from stages import reference_logprobs
 from stages.base import LocalContext, write_dataset
-from stages.modeling import logprobs
+from stages.modeling import prefix_sharing
 from stages.training import pairs
 from tests.conftest import fake_input
 
@@ -68,7 +68,7 @@ def test_kto_kl_pairs_are_mismatched(tmp_path):
 
 def test_completion_logprobs_mask_matches_a_manual_forward(tiny_model, tiny_tokenizer):
     seqs = [pairs.tokenize(tiny_tokenizer, [{"role": "user", "content": "hi"}], c, 64) for c in ("12", "345")]
-    logp, mask = logprobs.completion_logprobs(tiny_model, seqs, 0, "cpu")
+    logp, mask = prefix_sharing.completion_logprobs(tiny_model, seqs, 0, "cpu")
     for i, (ids, n_c) in enumerate(seqs):
         assert int(mask[i].sum()) == n_c
         full = torch.log_softmax(tiny_model(input_ids=torch.tensor([ids])).logits[0, :-1], -1)
@@ -188,31 +188,31 @@ def test_prefix_sharing_is_chosen_by_cost_unless_forced(tiny_tokenizer, monkeypa
     through the KV cache (`shared_prefix_rows`) where a second decoder call pays: the tiny model's narrow
     layers make one cost 292 positions, more than the ~40 saved, so whole rows run there, shared rows with a
     free call or when forced. Same numbers every way."""
-    from stages.modeling import logprobs, models
+    from stages.modeling import models, prefix_sharing
 
     model = models.build_tiny_model(tiny_tokenizer, seed=3).train()
     seqs = [pairs.tokenize(tiny_tokenizer, [{"role": "user", "content": "one prompt for both"}], c, 64)
             for c in ("12", "3456")]
     calls = []
     for name in ("packed_prefix_rows", "shared_prefix_rows"):
-        real = getattr(logprobs, name)
-        monkeypatch.setattr(logprobs, name, lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k))
-    whole, mask = logprobs.completion_logprobs(model, seqs, 0, "cpu", share_prefix=False)
+        real = getattr(prefix_sharing, name)
+        monkeypatch.setattr(prefix_sharing, name, lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k))
+    whole, mask = prefix_sharing.completion_logprobs(model, seqs, 0, "cpu", share_prefix=False)
     assert calls == []
-    packed, _ = logprobs.completion_logprobs(model, seqs, 0, "cpu")
+    packed, _ = prefix_sharing.completion_logprobs(model, seqs, 0, "cpu")
     assert calls == ["packed_prefix_rows"]
-    monkeypatch.setattr(logprobs, "packing_pays", lambda *a: False)
-    assert logprobs.completion_logprobs(model, seqs, 0, "cpu")[0] is not None and len(calls) == 1  # whole rows
-    logprobs.completion_logprobs(model, seqs, 0, "cpu", share_prefix=True)
+    monkeypatch.setattr(prefix_sharing, "packing_pays", lambda *a: False)
+    assert prefix_sharing.completion_logprobs(model, seqs, 0, "cpu")[0] is not None and len(calls) == 1  # whole rows
+    prefix_sharing.completion_logprobs(model, seqs, 0, "cpu", share_prefix=True)
     assert calls[1:] == ["packed_prefix_rows"]
 
     calls.clear()
-    monkeypatch.setattr(logprobs, "can_pack_prefix", lambda m: False)
-    assert logprobs.completion_logprobs(model, seqs, 0, "cpu")[0] is not None and calls == []  # 292 > saved: whole
-    forced, _ = logprobs.completion_logprobs(model, seqs, 0, "cpu", share_prefix=True)
+    monkeypatch.setattr(prefix_sharing, "can_pack_prefix", lambda m: False)
+    assert prefix_sharing.completion_logprobs(model, seqs, 0, "cpu")[0] is not None and calls == []  # 292 > saved: whole
+    forced, _ = prefix_sharing.completion_logprobs(model, seqs, 0, "cpu", share_prefix=True)
     assert calls == ["shared_prefix_rows"]
-    monkeypatch.setattr(logprobs, "default_bucket_overhead", lambda device, model=None: 0)
-    cheap, _ = logprobs.completion_logprobs(model, seqs, 0, "cpu")
+    monkeypatch.setattr(prefix_sharing, "default_bucket_overhead", lambda device, model=None: 0)
+    cheap, _ = prefix_sharing.completion_logprobs(model, seqs, 0, "cpu")
     assert calls == ["shared_prefix_rows"] * 2
     for got in (packed, forced, cheap):
         torch.testing.assert_close(got[mask], whole[mask], rtol=1e-5, atol=1e-5)
@@ -223,7 +223,7 @@ def test_shared_prompts_give_the_same_logprobs_and_gradients_as_whole_rows(tiny_
     """Two pairs with prompts of different lengths, laid out [chosen..., rejected...] as batch_loss
     does: each prompt run once (packed with its completions in one row, or through the KV cache) gives the
     whole rows' completion log-probs and parameter gradients."""
-    from stages.modeling import logprobs, models
+    from stages.modeling import models, prefix_sharing
 
     model = models.build_tiny_model(tiny_tokenizer, seed=2).train()
     prompts = ([{"role": "user", "content": "a short one"}], [{"role": "user", "content": "and a much longer prompt"}])
@@ -233,8 +233,8 @@ def test_shared_prompts_give_the_same_logprobs_and_gradients_as_whole_rows(tiny_
         model.zero_grad()
         with pytest.MonkeyPatch.context() as mp:
             if share == "cache":
-                mp.setattr(logprobs, "can_pack_prefix", lambda m: False)
-            logp, mask = logprobs.completion_logprobs(model, seqs, 0, "cpu", share_prefix=share is not False)
+                mp.setattr(prefix_sharing, "can_pack_prefix", lambda m: False)
+            logp, mask = prefix_sharing.completion_logprobs(model, seqs, 0, "cpu", share_prefix=share is not False)
         assert (logp[~mask] == 0).all()
         (logp * torch.arange(1, logp.shape[1] + 1)).sum().backward()  # position-weighted: a misplaced value shows
         grads[share] = ({n: p.grad.clone() for n, p in model.named_parameters()}, logp.detach())

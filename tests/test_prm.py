@@ -14,7 +14,7 @@ from schemas.datasets import from_rows
 from schemas.errors import ConfigError, SchemaError
 from stages import prm, step_labels
 from stages.base import LocalContext, write_dataset
-from stages.sampling.generation import Completion
+from stages.sampling.completions import Completion
 from tests.conftest import fake_input
 
 PRMConfig = prm.CONFIG

@@ -13,8 +13,9 @@ import torch
 
 from schemas.configs import GenerationSpec, LoraSpec
 from stages.modeling import models
-from stages.sampling import generation
-from stages.sampling.generation import GenerationProgress, TransformersBackend
+from stages.sampling import completions, generation, kv_decode
+from stages.sampling.completions import GenerationProgress
+from stages.sampling.generation import TransformersBackend
 
 CONVS = [[{"role": "user", "content": q}] for q in ("hi", "a much longer question here?", "2+2", "x", "say 7")]
 
@@ -145,7 +146,7 @@ def test_our_calls_raise_no_deprecation_warnings(tiny_tokenizer, tiny_model_inpu
     from stages import eval as eval_stage
     from stages import sft
     from stages.base import Input, LocalContext, write_dataset
-    from stages.modeling import logprobs
+    from stages.modeling import prefix_sharing
     from tests.conftest import fake_input
 
     rows = [{"id": f"p{i}", "messages": [{"role": "user", "content": f"Say {i}."}], "answer": str(i), "task": "say",
@@ -161,18 +162,18 @@ def test_our_calls_raise_no_deprecation_warnings(tiny_tokenizer, tiny_model_inpu
         for cache in ("dynamic", "static"):
             spec = GenerationSpec(max_new_tokens=6, temperature=1.0, batch_size=4, cache=cache)
             generation.generate(model, tiny_tokenizer, CONVS, spec, n=2, seed=0, logprobs=True, desc=cache)
-        enc = tiny_tokenizer(generation.render_prompts(tiny_tokenizer, CONVS[:2]), return_tensors="pt", padding=True,
+        enc = tiny_tokenizer(completions.render_prompts(tiny_tokenizer, CONVS[:2]), return_tensors="pt", padding=True,
                              add_special_tokens=False)
         with torch.no_grad():
-            ids, mask, cache = generation.prefill_prompts(model, enc["input_ids"], enc["attention_mask"], 2, 4)
-            generation.decode_rows(model, ids, mask, cache, 4, [tiny_tokenizer.eos_token_id], 0, lean=False)
+            ids, mask, cache = kv_decode.prefill_prompts(model, enc["input_ids"], enc["attention_mask"], 2, 4)
+            kv_decode.decode_rows(model, ids, mask, cache, 4, [tiny_tokenizer.eos_token_id], 0, lean=False)
         lora = models.apply_lora(models.build_tiny_model(tiny_tokenizer, seed=1), LoraSpec(r=4)).train()
-        assert logprobs.can_share_prefix(lora)
+        assert prefix_sharing.can_share_prefix(lora)
         comp = torch.tensor([[20, 21, 22], [23, 24, 0]])
-        logprobs.shared_prefix_logprobs(lora, enc["input_ids"], enc["attention_mask"], comp, (comp > 0).long(),
+        prefix_sharing.shared_prefix_logprobs(lora, enc["input_ids"], enc["attention_mask"], comp, (comp > 0).long(),
                                         torch.tensor([0, 1]), common_ids=enc["input_ids"][:1, :2])
         models.enable_activation_checkpointing(lora)
-        assert models.is_activation_checkpointing(lora) and not logprobs.can_share_prefix(lora)
+        assert models.is_activation_checkpointing(lora) and not prefix_sharing.can_share_prefix(lora)
         trained = LocalContext(tmp_path / "sft")
         out = sft.run(SFTConfig(max_steps=2, batch_size=2, max_length=64, lora=LoraSpec(r=4), gradient_checkpointing=True),
                       {"model": tiny_model_input, "data": prompts}, trained)

@@ -8,7 +8,8 @@ from schemas.configs import PromptsConfig
 from schemas.errors import ConfigError, SchemaError
 from stages import prompts
 from stages.base import LocalContext
-from stages.rewards.verifiers import R1_SYSTEM_PROMPT, score
+from stages.rewards.answers import R1_SYSTEM_PROMPT
+from stages.rewards.verifiers import score
 
 
 def run(cfg, seed=0, tmp=None):

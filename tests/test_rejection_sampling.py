@@ -11,7 +11,8 @@ from schemas.configs import GenerationSpec, RejectionSamplingConfig, RewardSpec
 from schemas.datasets import from_rows
 from stages import rejection_sampling as rs
 from stages.base import LocalContext, write_dataset
-from stages.rewards.verifiers import format_ok, score
+from stages.rewards.answers import format_ok
+from stages.rewards.verifiers import score
 from tests.conftest import fake_input
 
 

@@ -24,14 +24,11 @@ import pytest
 import reasoning_gym
 
 from schemas.configs import RewardSpec, SandboxLimits
-from stages.rewards import verifiers as rewards
-from stages.rewards.verifiers import (
+from stages.rewards import answers, math_verifier, shaping, verifiers
+from stages.rewards.answers import (
     LANGUAGE_SCRIPTS,
     R1_FORMAT_EXAMPLE,
     R1_SYSTEM_PROMPT,
-    VERIFIERS,
-    Verdict,
-    cosine_scaled,
     extract_answer,
     extract_answer_lenient,
     extract_answer_strict,
@@ -40,13 +37,11 @@ from stages.rewards.verifiers import (
     format_reward,
     gold_completion,
     language_consistency,
-    overlong_penalty,
-    pass_at_k,
     reformat_r1,
-    repetition_penalty,
-    score,
-    shutdown_math_pool,
 )
+from stages.rewards.math_verifier import shutdown_math_pool
+from stages.rewards.shaping import cosine_scaled, overlong_penalty, repetition_penalty
+from stages.rewards.verifiers import VERIFIERS, Verdict, pass_at_k, score
 
 SPEC = RewardSpec()
 ACCURACY_ONLY = RewardSpec(weights={"accuracy": 1.0})
@@ -70,10 +65,10 @@ def r1(answer: str, think: str = "working") -> str:
 
 
 def test_docstring_examples_hold():
-    """The worked examples in the module's docstrings are executed, not just read."""
-    result = doctest.testmod(rewards)
-    assert result.attempted >= 10
-    assert result.failed == 0
+    """The worked examples in the modules' docstrings are executed, not just read."""
+    results = [doctest.testmod(module) for module in (answers, math_verifier, shaping, verifiers)]
+    assert sum(r.failed for r in results) == 0
+    assert sum(r.attempted for r in results) >= 10
 
 
 # --------------------------------------------------------------------------- extract_answer
@@ -742,7 +737,7 @@ def _pids_alive(pids) -> set[int]:
 
 def test_known_correct_answers_from_a_thread_pool():
     """DESIGN §6 acceptance: verifiers work from worker threads; each known-correct answer is 1.0."""
-    assert sum(rewards._math_fast_path(ref, ans) is None for ref, ans in KNOWN_CORRECT) >= 8  # most use the pool
+    assert sum(math_verifier._math_fast_path(ref, ans) is None for ref, ans in KNOWN_CORRECT) >= 8  # most use the pool
     with ThreadPoolExecutor(max_workers=8) as pool:
         verdicts = list(pool.map(lambda pair: score(row(pair[0]), r1(pair[1]), ACCURACY_ONLY), KNOWN_CORRECT * 2))
     assert [v.components["accuracy"] for v in verdicts] == [1.0] * len(KNOWN_CORRECT) * 2
@@ -757,19 +752,19 @@ def test_known_correct_answers_from_a_thread_pool():
 def test_fast_path_agrees_with_math_verify(reference, answer):
     """Where the fast path decides, math-verify (called directly, main thread) agrees. Exception
     by design: identical answers are 1.0 even where math-verify fails (1/0)."""
-    fast = rewards._math_fast_path(reference, answer)
+    fast = math_verifier._math_fast_path(reference, answer)
     if fast is not None and reference != "1/0":
-        assert rewards._math_equal(reference, answer)[0] == fast
+        assert math_verifier._math_equal(reference, answer)[0] == fast
 
 
 def test_pathological_answer_times_out_to_none_and_the_pool_recovers(caplog):
     """A check past math_timeout_s is None ("could not score", never 0), returned at the
     deadline; the stuck worker is killed, not left burning CPU; the next check gets a new pool."""
     spec = RewardSpec(math_timeout_s=1.0, weights={"accuracy": 1.0})
-    old = rewards._math_pool()
+    old = math_verifier._math_pool()
     pids = set(old._processes)
     start = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger="stages.rewards.verifiers"):
+    with caplog.at_level(logging.WARNING, logger="stages.rewards.math_verifier"):
         v = score(row(PATHOLOGICAL), r1("1"), spec)
     elapsed = time.monotonic() - start
     assert v.correct is None and v.reward is None and "accuracy" not in v.components
@@ -780,29 +775,29 @@ def test_pathological_answer_times_out_to_none_and_the_pool_recovers(caplog):
         time.sleep(0.05)
     assert not _pids_alive(pids)
     assert score(row("\\frac{1}{2}"), r1("0.5"), spec).reward == 1.0
-    assert rewards._math_pool() is not old
+    assert math_verifier._math_pool() is not old
 
 
 def test_checks_killed_with_the_pool_are_resubmitted(caplog):
     """Another thread's deadline kills the whole pool: an innocent check in flight is resubmitted
     to the new pool and still gets its verdict. 2^{2^{28}} vs 3 takes ~1.4 s of sympy (wrong: 0.0)."""
     spec = RewardSpec(math_timeout_s=60.0)
-    pool = rewards._math_pool()
+    pool = math_verifier._math_pool()
     result: list = []
-    with caplog.at_level(logging.INFO, logger="stages.rewards.verifiers"):
+    with caplog.at_level(logging.INFO, logger="stages.rewards.math_verifier"):
         worker = threading.Thread(target=lambda: result.append(VERIFIERS["math"]("3", row("2^{2^{28}}"), spec)))
         worker.start()
         time.sleep(0.2)
-        rewards._discard_math_pool(pool)  # what a timed-out check does
+        math_verifier._discard_math_pool(pool)  # what a timed-out check does
         worker.join(30)
     assert result == [0.0]
     assert "resubmitting" in caplog.text
 
 
 def test_shutdown_math_pool_kills_workers_and_a_later_check_restarts():
-    pids = set(rewards._math_pool()._processes)
+    pids = set(math_verifier._math_pool()._processes)
     shutdown_math_pool()
-    assert rewards._math_pool_instance is None
+    assert math_verifier._math_pool_instance is None
     deadline = time.monotonic() + 5.0
     while _pids_alive(pids) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -814,7 +809,7 @@ def test_shutdown_math_pool_kills_workers_and_a_later_check_restarts():
 
 def test_pool_workers_are_not_forked_from_this_process():
     """fork from a threaded process is unsafe: the pool uses forkserver (or spawn)."""
-    assert rewards._math_pool()._mp_context.get_start_method() in ("forkserver", "spawn")
+    assert math_verifier._math_pool()._mp_context.get_start_method() in ("forkserver", "spawn")
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -824,7 +819,7 @@ def test_pool_workers_are_not_forked_from_this_process():
     ("no tags", 0.0),
 ])
 def test_tag_count_reward(text, expected):
-    assert rewards.tag_count_reward(text) == expected
+    assert answers.tag_count_reward(text) == expected
     row = {"verifier": "none", "answer": None, "task": "t", "metadata": "{}", "messages": []}
     assert score(row, text).components["tags"] == expected
 

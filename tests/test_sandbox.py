@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from schemas.configs import SandboxLimits
-from stages.rewards import sandbox
+from stages.rewards import sandbox, sandbox_root, seccomp
 from stages.rewards.sandbox import (
     SandboxResult,
     SandboxSetupError,
@@ -429,13 +429,16 @@ def test_host_folders_inside_a_bound_folder_are_masked(monkeypatch, fake_home):
                 if os.path.isdir(os.path.join(path, p)) and not os.path.islink(os.path.join(path, p))]
 
     hidden = next(p for p in subfolders("/usr/share") if subfolders(p))
-    monkeypatch.setattr(sandbox, "_hidden_paths", lambda: [subfolders(hidden)[0], hidden, "/usr/lib", "/usr"])
-    result = run(f"import os\nprint(os.listdir({hidden!r}), len(os.listdir('/usr/lib')) > 0)")
-    assert (result.status, result.stdout) == ("ok", "[] True\n"), result.stderr
+    monkeypatch.setattr(sandbox_root, "hidden_paths", lambda: [subfolders(hidden)[0], hidden, "/usr/lib", "/usr"])
+    result = run(f"import os\nprint(os.listdir({hidden!r}), len(os.listdir('/usr/lib')) > 0)\n"
+                 "print(open('/proc/self/mountinfo').read())", limits=LIMITS.model_copy(update={"max_output_bytes": 2**16}))
+    assert result.status == "ok" and result.stdout.startswith("[] True\n"), result.stderr
+    if "overlay" in open("/proc/filesystems").read():  # masked as an opaque folder of an overlay, not a mount
+        assert hidden not in result.stdout, result.stdout
     monkeypatch.undo()
     monkeypatch.setenv("R1FLOW_HOME", os.path.dirname(fake_home))
     checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    assert {os.path.realpath(checkout), os.path.realpath(os.path.dirname(fake_home))} <= set(sandbox._hidden_paths())
+    assert {os.path.realpath(checkout), os.path.realpath(os.path.dirname(fake_home))} <= set(sandbox_root.hidden_paths())
 
 
 @needs_namespaces
@@ -502,8 +505,8 @@ def test_program_cannot_create_namespaces_or_mount():
 
 @needs_namespaces
 def test_launcher_configuration_is_not_visible_to_the_program():
-    # pid 1 of the sandbox is the launcher's init: its command line once held the whole launcher
-    # configuration as JSON (the host paths of the interpreter, the checkout, R1FLOW_HOME masks).
+    # pid 1 of the sandbox is the launcher's init: its command line must hold neither the launcher's
+    # configuration (host paths of the interpreter, the checkout, R1FLOW_HOME masks) nor a path.
     result = run("""
         import os
         print(open("/proc/1/cmdline", "rb").read().replace(b"\\0", b" ").decode())
@@ -521,6 +524,30 @@ def test_launcher_configuration_is_not_visible_to_the_program():
     cmdline = "\n".join(lines)
     assert "/" not in cmdline and "root_plan" not in cmdline and "{" not in cmdline, cmdline
     assert fds == "[]"  # nor an inherited descriptor (the configuration, the status pipe)
+
+
+@needs_namespaces
+@pytest.mark.skipif("overlay" not in open("/proc/filesystems").read(), reason="no overlayfs: the prefix is a bind")
+def test_mount_table_and_pid_1_name_no_host_path():
+    """The interpreter's prefix is mounted as an overlay whose layers are named by descriptor, so neither the
+    mount table (/proc/self/mountinfo, mounts, mountstats), the memory map nor /proc/1/cmdline shows the
+    checkout, the interpreter, its prefix, the virtual environment, the home or working directory (the
+    system folders the sandbox binds are in view anyway)."""
+    checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    host = {os.path.realpath(p) for p in (checkout, sys.executable, os.path.dirname(os.path.realpath(sys.executable)),
+                                          sys.base_prefix, sys.prefix, os.path.expanduser("~"), os.getcwd())}
+    host = {p for p in host if p != "/" and p.split("/")[1] not in sandbox_root.SYSTEM_DIRS}
+    assert host  # here: at least the checkout
+    result = run("""
+        import sys
+        for name in ("self/mountinfo", "1/mountinfo", "self/mounts", "self/mountstats", "self/maps", "1/cmdline"):
+            print(open(f"/proc/{name}", "rb").read().decode(errors="replace"))
+        import json, decimal, sqlite3  # the standard library (compiled modules too) through the overlay
+        print(sys.base_prefix == sys.prefix != "")
+    """, limits=LIMITS.model_copy(update={"max_output_bytes": 2**20}))
+    assert result.status == "ok", result.stderr
+    assert result.stdout.endswith("True\n")
+    assert not [p for p in host if p in result.stdout], result.stdout
 
 
 SECCOMP_MACHINES = ["aarch64", "riscv64", "x86_64"]  # the architectures the filter knows
@@ -548,8 +575,8 @@ def bpf_verdict(program: bytes, arch: int, nr: int, args: tuple[int, ...] = ()) 
 
 @pytest.mark.parametrize("machine", SECCOMP_MACHINES)
 def test_seccomp_filter_program(machine):
-    arch, numbers = sandbox.SECCOMP_ARCHES[machine]
-    program = sandbox.seccomp_filter(machine)
+    arch, numbers = seccomp.SECCOMP_ARCHES[machine]
+    program = seccomp.seccomp_filter(machine)
     allow, kill = 0x7FFF0000, 0x80000000
     eperm, enosys = 0x50000 | errno.EPERM, 0x50000 | errno.ENOSYS
     for name, nr in numbers.items():
@@ -570,7 +597,7 @@ def test_seccomp_filter_program(machine):
     if machine == "x86_64":  # the x32 ABI numbers syscalls from 0x40000000: refused as unknown
         assert bpf_verdict(program, arch, 0x40000000 | numbers["unshare"]) == enosys
         assert bpf_verdict(program, arch, 0x40000000 | 39) == enosys
-    assert sandbox.seccomp_filter("pdp11") is None
+    assert seccomp.seccomp_filter("pdp11") is None
 
 
 SECCOMP_PROBE = """
@@ -608,8 +635,8 @@ def test_seccomp_filter_in_the_kernel():
     # every listed syscall fails with that errno (clone only with CLONE_NEW* flags, clone3 with
     # ENOSYS so that glibc falls back to clone), while fork, threads and the rest work.
     machine = os.uname().machine
-    numbers = sandbox.SECCOMP_ARCHES[machine][1]
-    program = sandbox.seccomp_filter(machine, deny_errno=TEST_ERRNO)
+    numbers = seccomp.SECCOMP_ARCHES[machine][1]
+    program = seccomp.seccomp_filter(machine, deny_errno=TEST_ERRNO)
     proc = subprocess.run([sys.executable, "-c", SECCOMP_PROBE, program.hex(), json.dumps(numbers)],
                           capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0, proc.stderr

@@ -163,7 +163,7 @@ def test_a_blocked_pack_trains_as_its_examples_alone(tiny_tokenizer):
 def test_packing_blocks_attention_in_the_stage_or_warns(sft_inputs, tmp_path, monkeypatch, caplog):
     """The stage packs with the block mask on the tiny Llama (every micro-batch of packed rows carries it);
     a model that cannot take it trains with attention across examples and says so."""
-    from stages.modeling import logprobs
+    from stages.modeling import prefix_sharing
 
     seen = []
     real = sequences.collate
@@ -171,7 +171,7 @@ def test_packing_blocks_attention_in_the_stage_or_warns(sft_inputs, tmp_path, mo
     sft.run(_cfg(max_steps=2, packing=True, max_length=256), sft_inputs, LocalContext(tmp_path / "blocked"))
     assert seen and all("block_mask" in b for b in seen)
     seen.clear()
-    monkeypatch.setattr(logprobs, "can_pack_prefix", lambda m: False)
+    monkeypatch.setattr(prefix_sharing, "can_pack_prefix", lambda m: False)
     with caplog.at_level("WARNING", logger="stages.sft"):
         sft.run(_cfg(max_steps=2, packing=True, max_length=256), sft_inputs, LocalContext(tmp_path / "crossed"))
     assert seen and not any("block_mask" in b for b in seen)
@@ -315,7 +315,7 @@ def test_lora_trains_only_the_adapter_and_saves_an_adapter(sft_inputs, tmp_path)
 
 
 def test_prompts_input_builds_gold_targets(tmp_path, tiny_model_input):
-    from stages.rewards.verifiers import format_ok
+    from stages.rewards.answers import format_ok
 
     rows = [{"id": f"p{i}", "messages": [{"role": "user", "content": f"{i}+1?"}], "answer": str(i + 1),
              "task": "t", "verifier": "math", "split": "train" if i < 4 else "eval", "metadata": "{}"}

@@ -20,7 +20,8 @@ from schemas.configs import GenerationSpec, GRPOConfig, LoraSpec, ResourcesSpec,
 from schemas.errors import ModelError
 from stages import grpo
 from stages.base import LocalContext
-from stages.sampling.generation import VLLMBackend, policy_weights, render_prompts
+from stages.sampling.completions import render_prompts
+from stages.sampling.vllm_backend import VLLMBackend, policy_weights
 
 
 def _cfg(**kw) -> GRPOConfig:

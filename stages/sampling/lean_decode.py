@@ -1,6 +1,6 @@
 """One decode step of a Llama-family causal LM, run through the model's own modules without its forward.
 
-`generation.decode_rows` runs a batch's model forward once per new token. For a one-token step,
+`kv_decode.decode_rows` runs a batch's model forward once per new token. For a one-token step,
 transformers' forward spends most of its time outside the arithmetic on small models: building
 the attention mask, rotary and kwargs plumbing, per-layer decorators, output dataclasses (the
 tiny 2-layer model, 16 rows on CPU: 1.34 ms a step through `model(...)`, 0.74 ms through
@@ -17,7 +17,7 @@ projections (the tiny model, 16 rows: 0.78 -> 0.65 ms a step; SmolLM2-135M on CP
 within noise, for 430 MB of copies, so not there). The copies are taken when `lean_step` is called:
 it is called again after the weights change (`decode_rows` calls it per batch). Only plain
 `nn.Linear`s are fused (not LoRA layers, nor forwards replaced by anything but
-`generation.rows_first_linears`, whose layout choice is for large weights); each output is the same
+`rows_first.rows_first_linears`, whose layout choice is for large weights); each output is the same
 dot product either way (bit for bit in the tests).
 
 Only models whose decode step is exactly that are taken (`lean_step` returns None otherwise and

@@ -20,7 +20,7 @@ import torch
 
 from stages.rewards.verifiers import Verdict
 from stages.runtime import distributed
-from stages.sampling.generation import Completion
+from stages.sampling.completions import Completion
 from stages.training.rollouts import pick_prompts, rollout_metrics, rollout_seed, score_completions, text_free
 
 if TYPE_CHECKING:

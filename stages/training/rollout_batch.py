@@ -3,7 +3,7 @@
 - `place`: per-completion-token values (sampler log-probs, token advantages) in the (N, L-1) layout of a
   `rollouts.build_batch` loss mask;
 - `RolloutBatch`: the rows of a step and their log-probs under a model, each group's prompt run once
-  (`logprobs.shared_prefix_rows`) or every row whole (`logprobs.bucketed_token_logprobs`);
+  (`prefix_sharing.shared_prefix_rows`) or every row whole (`logprobs.bucketed_token_logprobs`);
 - `minibatch_rows`: an epoch's shuffled mini-batches (of rows, or of whole groups for prefix sharing);
   `even_passes` and `filler_backward`: as many forward and backward passes on every rank under fsdp.
 
@@ -16,7 +16,7 @@ import dataclasses
 
 import torch
 
-from stages.modeling import logprobs
+from stages.modeling import logprobs, prefix_sharing
 from stages.runtime import distributed
 
 
@@ -56,7 +56,7 @@ class RolloutBatch:
         if self.shared:
             groups = (idx[:: self.group_size] // self.group_size).tolist()
             prompt_of_row = [k for k in range(len(groups)) for _ in range(self.group_size)]
-            return logprobs.shared_prefix_rows(net, [self.prompt_ids[g] for g in groups],
+            return prefix_sharing.shared_prefix_rows(net, [self.prompt_ids[g] for g in groups],
                                                [self.completion_ids[r] for r in idx.tolist()], prompt_of_row,
                                                self.pad_id, width, self.device, chunk_tokens=self.chunk,
                                                with_entropy=with_entropy, pack=self.pack)

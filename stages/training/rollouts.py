@@ -31,7 +31,8 @@ from stages.modeling import logprobs
 from stages.rewards.verifiers import Verdict, score
 from stages.runtime import distributed
 from stages.runtime.seeds import seed_stream
-from stages.sampling.generation import Completion, check_vllm_model_dir
+from stages.sampling.completions import Completion
+from stages.sampling.vllm_backend import check_vllm_model_dir
 
 if TYPE_CHECKING:
     from schemas.configs import RLConfig

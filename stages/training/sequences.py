@@ -3,7 +3,7 @@ row with attention kept inside each (block mask, restarted positions), and colla
 
 The block mask is a dense 4D mask: a packed row of T tokens computes T² attention scores, the
 masked ones included, and on a GPU SDPA runs its memory-efficient kernel rather than flash
-attention. Only models that take such a mask get it (`logprobs.can_pack_prefix`: Llama, Mistral
+attention. Only models that take such a mask get it (`prefix_sharing.can_pack_prefix`: Llama, Mistral
 and Qwen2, full attention, `sdpa`); others attend across the examples of a packed row, with a
 warning from the sft stage (labels stay masked either way).
 """
