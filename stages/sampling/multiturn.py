@@ -53,18 +53,10 @@ from stages.environments.base import Environment, Episode, Turn, TurnEnd
 from stages.modeling import models
 from stages.runtime.seeds import seed_stream
 from stages.sampling import lean_decode
-from stages.sampling.generation import (
-    LEAN_CACHE_LAYERS,
-    GenerationStats,
-    decode_rows,
-    prefill_prompts,
-    render_prompts,
-    row_prefills,
-    rows_first_linears,
-    sampling_processors,
-    stop_token_ids,
-    supports_decode_rows,
-)
+from stages.sampling.completions import GenerationStats, render_prompts, row_prefills, stop_token_ids
+from stages.sampling.kv_decode import LEAN_CACHE_LAYERS, decode_rows, prefill_prompts, supports_decode_rows
+from stages.sampling.rows_first import rows_first_linears
+from stages.sampling.sampler import sampling_processors
 
 
 @dataclass(frozen=True)
