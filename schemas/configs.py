@@ -15,6 +15,7 @@ from pydantic import Field, model_validator
 
 from schemas.rl_configs import DEFAULT_EPSILON_LOW, GRPOConfig, PPOConfig, RLConfig
 from schemas.specs import (
+    EnvironmentSpec,
     GenerationSpec,
     LoraSpec,
     MemoryOptions,
@@ -25,10 +26,11 @@ from schemas.specs import (
     StepDelimiter,
     Strict,
     TrainingConfig,
+    environment_field,
 )
 
 __all__ = [
-    "DEFAULT_EPSILON_LOW", "GRPOConfig", "PPOConfig", "RLConfig", "GenerationSpec", "LoraSpec", "MemoryOptions",
+    "DEFAULT_EPSILON_LOW", "EnvironmentSpec", "GRPOConfig", "PPOConfig", "RLConfig", "GenerationSpec", "LoraSpec", "MemoryOptions",
     "Precision", "ResourcesSpec", "RewardSpec", "SandboxLimits", "StepDelimiter", "Strict", "TrainingConfig",
 ]
 
@@ -97,6 +99,8 @@ class SFTConfig(TrainingConfig):
 class EvalConfig(Strict):
     """`eval` stage: greedy pass@1 and sampled pass@k on held-out prompts."""
 
+    environment: EnvironmentSpec = environment_field()
+
     split: Literal["eval", "train"] = Field("eval", description="Which split of the prompts to evaluate.")
     max_prompts: int = Field(64, ge=1, description="Prompts evaluated (first N of the split, per task order).")
     max_new_tokens: int = Field(128, ge=1, description="Maximum tokens per completion.")
@@ -128,6 +132,8 @@ class EvalConfig(Strict):
 
 class RejectionSamplingConfig(Strict):
     """`rejection_sampling` stage: K samples per prompt, scored; keep up to M that pass."""
+
+    environment: EnvironmentSpec = environment_field()
 
     num_samples: int = Field(8, ge=1, description="K: completions sampled per prompt.")
     keep_per_prompt: int = Field(1, ge=1, description="M: accepted completions kept per prompt (best first).")
@@ -306,6 +312,8 @@ class DistillConfig(TrainingConfig):
 
 class StepLabelsConfig(Strict):
     """`step_labels` stage: Math-Shepherd step labels from K rollouts per step prefix."""
+
+    environment: EnvironmentSpec = environment_field()
 
     rollouts: int = Field(4, ge=1, description="K: completions rolled out with the policy from each step prefix.")
     label: Literal["soft", "hard"] = Field(

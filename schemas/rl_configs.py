@@ -10,6 +10,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from schemas.specs import (
+    EnvironmentSpec,
     GenerationSpec,
     LoraSpec,
     MemoryOptions,
@@ -17,6 +18,7 @@ from schemas.specs import (
     ResourcesSpec,
     RewardSpec,
     StepDelimiter,
+    environment_field,
 )
 
 # The clip range below 1 each policy loss uses when epsilon_low is unset: PPO's 0.2 for the ratio-clipping
@@ -58,6 +60,8 @@ class RLConfig(MemoryOptions):
     )
     reward: RewardSpec = Field(default_factory=RewardSpec, description="How completions are scored (routed per "
                                "prompt by its verifier).")
+    environment: EnvironmentSpec = environment_field("What answers the policy's turns in a rollout (single_turn: "
+                                                     "none; python: a tool; the loss covers the model's tokens only).")
     beta: float = Field(0.0, ge=0, description="KL coefficient to the reference; 0 drops the reference model.")
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator (Schulman's k1/k2/k3).")
     mu: int = Field(1, ge=1, description="Optimisation epochs over each rollout batch (GRPO's mu, PPO's epochs).")

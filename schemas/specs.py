@@ -5,7 +5,7 @@ there wherever it is declared.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_serializer, model_validator
 
@@ -122,6 +122,34 @@ class SandboxLimits(Strict):
     memory_mb: int = Field(512, ge=32, description="RLIMIT_AS address-space limit in MiB.")
     max_output_bytes: int = Field(65536, ge=1024, description="Stdout/stderr kept; more is a failure.")
     max_processes: int = Field(1, ge=1, description="Extra processes the program may create (fork bombs stop here).")
+
+
+class EnvironmentSpec(Strict):
+    """What answers a model's turn during sampling (stages/environments): `single_turn` (one completion, no tool:
+    what every sampling stage did before environments) or `python` (the model writes <python>...</python>, the
+    program runs in the sandbox and its output comes back as <output>...</output>, for up to `max_turns` turns),
+    or the path of a Python file defining `environment(**options)`. A stage's config leaves it out of its cache
+    key while it is the default, so `single_turn` runs keep their keys."""
+
+    name: str = Field("single_turn", min_length=1, description="single_turn | python | path/to/env.py (a file "
+                      "defining environment(**options); its bytes enter the cache key).")
+    max_turns: int = Field(4, ge=1, description="Model turns per trajectory (python: at most max_turns - 1 programs "
+                           "run).")
+    timeout_s: float = Field(5.0, gt=0, description="Each program's wall-clock deadline (python).")
+    max_output_chars: int = Field(512, ge=1, description="A program's output shown to the model is cut to this.")
+    max_total_tokens: int | None = Field(None, ge=1, description="Tokens after the prompt over all turns, sampled "
+                                         "and observation tokens alike (None: max_turns x generation.max_new_tokens).")
+    options: dict[str, Any] = Field(default_factory=dict, description="Extra keyword arguments for a user "
+                                    "environment file's environment(**options).")
+
+    @property
+    def is_single_turn(self) -> bool:
+        return self.name == "single_turn"
+
+
+def environment_field(description: str = "What answers the model's turns while sampling (single_turn: none).") -> Any:
+    """A stage config's `environment` field: absent from the config's dump (and so its cache key) while default."""
+    return Field(default_factory=EnvironmentSpec, exclude_if=lambda v: v == EnvironmentSpec(), description=description)
 
 
 class RewardSpec(Strict):
