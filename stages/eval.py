@@ -30,7 +30,7 @@ from stages.math.rerank import best_pick, majority_pick, rerank_accuracy
 from stages.math.stats import bootstrap_ci
 from stages.modeling import heads
 from stages.rewards.verifiers import pass_at_k, score
-from stages.sampling.generation import generate
+from stages.sampling.generation import auto_precision, generate
 
 VERSION = "5"  # history: CHANGELOG.md
 SAMPLES = True  # its outputs depend on what the samplers draw: SAMPLER_VERSION is in its key
@@ -139,7 +139,9 @@ def run(cfg: EvalConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[st
     conversations = [p["messages"] for p in prompts]
     greedy_spec = GenerationSpec(max_new_tokens=cfg.max_new_tokens, temperature=0.0, batch_size=cfg.batch_size,
                                  prefill=cfg.prefill)
-    greedy, g_stats = generate(model, tokenizer, conversations, greedy_spec, n=1, seed=ctx.seed, desc="eval greedy")
+    autocast_dtype = auto_precision(ctx.device)  # bf16 on a GPU, fp32 on the CPU
+    greedy, g_stats = generate(model, tokenizer, conversations, greedy_spec, n=1, seed=ctx.seed, desc="eval greedy",
+                               autocast_dtype=autocast_dtype)
     runs = [("greedy", prompts, greedy)]
     seconds, new_tokens = g_stats.seconds, g_stats.new_tokens
     if cfg.pass_k and cfg.pass_k_prompts:
@@ -148,7 +150,7 @@ def run(cfg: EvalConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[st
                               prefill=cfg.prefill,
                               batch_size=max(1, cfg.batch_size // cfg.pass_k))
         sampled, s_stats = generate(model, tokenizer, [p["messages"] for p in sub], spec, n=cfg.pass_k,
-                                    seed=ctx.seed + 1, desc=f"eval pass@{cfg.pass_k}")
+                                    seed=ctx.seed + 1, desc=f"eval pass@{cfg.pass_k}", autocast_dtype=autocast_dtype)
         runs.append(("sampled", sub, sampled))
         seconds, new_tokens = seconds + s_stats.seconds, new_tokens + s_stats.new_tokens
 

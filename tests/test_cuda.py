@@ -199,3 +199,13 @@ def test_graph_decode_replays_what_the_eager_steps_compute_on_cuda(tiny_tokenize
             outs.append(decode_static(model, p_ids, p_mask, cache, new, eos, pad, graphs=graphs))
     assert outs[0].shape[1] > 4
     assert outs[1].tolist() == outs[0].tolist()
+
+
+def test_sampling_stages_sample_under_bf16_autocast_on_cuda(monkeypatch, tmp_path, tiny_model_input, digit_prompts):
+    """Issue 48: eval, rejection_sampling, distill_traces and step_labels sampled in fp32 on a GPU; now under bf16
+    autocast, as the trainers (`precision: auto`), where the GPU supports bf16."""
+    from tests.sampling_precision import SAMPLING_STAGES, sampling_dtypes
+
+    want = torch.bfloat16 if torch.cuda.is_bf16_supported() else None
+    assert sampling_dtypes(monkeypatch, tmp_path, tiny_model_input, digit_prompts, DEVICE) == dict.fromkeys(
+        SAMPLING_STAGES, want)

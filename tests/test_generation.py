@@ -539,3 +539,14 @@ def test_a_stop_string_row_ends_at_the_token_that_completes_it(backend, tiny_tok
     assert backend._rows([ids + [pad, pad]], [tiny_tokenizer.eos_token_id], ["a"], pad) == [(ids, "xa", "stop")]
     assert backend._rows([ids + [pad, pad]], [tiny_tokenizer.eos_token_id], [], pad) == [(ids + [pad, pad], "xa",
                                                                                            "length")]
+
+
+def test_sampling_stages_sample_in_fp32_on_the_cpu(monkeypatch, tmp_path, tiny_model_input, digit_prompts):
+    """Issue 48: eval, rejection_sampling, distill_traces and step_labels sample under bf16 autocast on a GPU
+    (tests/test_cuda.py) and, on the CPU, in plain fp32 as before (no autocast dtype)."""
+    from stages.sampling.generation import auto_precision
+    from tests.sampling_precision import SAMPLING_STAGES, sampling_dtypes
+
+    assert auto_precision("cpu") is None
+    dtypes = sampling_dtypes(monkeypatch, tmp_path, tiny_model_input, digit_prompts, "cpu")
+    assert dtypes == dict.fromkeys(SAMPLING_STAGES, None)

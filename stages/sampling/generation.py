@@ -231,13 +231,20 @@ def make_backend(spec: GenerationSpec, model, tokenizer, model_dir: Path | None 
     return TransformersBackend(model, tokenizer, autocast_dtype)
 
 
+def auto_precision(device: str) -> torch.dtype | None:
+    """The autocast dtype of `precision: auto`: bf16 on a CUDA device that supports it (as the trainers use), else
+    None (fp32: the CPU path is unchanged)."""
+    return torch.bfloat16 if device.startswith("cuda") and torch.cuda.is_bf16_supported() else None
+
+
 def sample_with(model_input, conversations: list[list[dict]], spec: GenerationSpec, n: int, seed: int, device: str,
                 desc: str) -> tuple[list[list[Completion]], GenerationStats]:
     """Load a stage's model input on `device` and sample `n` completions per conversation with the backend `spec`
-    names (the sampling stages' whole use of a model: nothing of it is kept once this returns)."""
+    names (the sampling stages' whole use of a model: nothing of it is kept once this returns), under bf16
+    autocast on a GPU (auto_precision)."""
     model, tokenizer = model_input.load_model()
     model.to(device)
-    backend = make_backend(spec, model, tokenizer, model_input.model_dir)
+    backend = make_backend(spec, model, tokenizer, model_input.model_dir, autocast_dtype=auto_precision(device))
     return backend.generate(conversations, spec, n=n, seed=seed, desc=desc)
 
 

@@ -11,6 +11,7 @@ import torch
 from schemas.configs import SFTConfig
 from stages.base import Input
 from stages.modeling import models
+from stages.sampling.generation import auto_precision
 
 
 def lr_factor(step: int, total: int, warmup: int, kind: str) -> float:
@@ -56,7 +57,7 @@ def micro_batch_indices(n: int, batch_size: int, seed: int, micro_step: int) -> 
 def resolve_precision(precision: str, device: str) -> torch.dtype | None:
     """Autocast dtype, or None for plain fp32."""
     if precision == "auto":
-        return torch.bfloat16 if device.startswith("cuda") and torch.cuda.is_bf16_supported() else None
+        return auto_precision(device)
     return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
 
 
