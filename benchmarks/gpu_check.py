@@ -7,7 +7,10 @@ Parts: `env` (versions, nvidia-smi, which packages import), `tests` (tests/test_
 (benchmarks/suite.py GRPO, r1flow then TRL, on the random-weight SmolLM2 on CUDA: 16 prompts x 8 x 128
 tokens), `generation` (benchmarks/generation.py --compare: generate() dynamic and static cache against
 r1flow's decode, bf16 weights), `sft_dpo` (the suite's SFT and DPO, quick), `generation_fp32` (the same
-compare with fp32 weights, as the stages hold them), `learning` (benchmarks/learning.py, when it exists).
+compare with fp32 weights, as the stages hold them), `learning` (benchmarks/learning.py, when it exists), and
+with `--phases` after `grpo`: `phases` (benchmarks/grpo_phases.py: the GRPO step split into rollout, batch,
+reference, forward, backward, loss, optimizer, each between device synchronisations, with the dynamic cache and
+with CUDA graphs).
 A part that fails or runs out of time is recorded with its reason and the next one runs; the whole
 check stops starting parts at `--budget` seconds. Under `--out` (the device's $OUT): `gpu_check.log`
 (every part's output), `summary.json` and `summary.md` (rewritten after every part, so a check cut
@@ -36,8 +39,9 @@ GEN_MARK = "GEN-RESULT "
 # seconds each part may take at most (cuda, cpu --quick); the check's own --budget caps them all
 LIMITS = {"env": (60, 120), "tests": (90, 180), "grpo/r1flow": (150, 300), "grpo/trl": (180, 300),
           "generation": (150, 180), "sft_dpo/r1flow": (100, 300), "sft_dpo/trl": (100, 300),
-          "generation_fp32": (90, 120), "learning": (150, 300)}
-PARTS = ("tests", "grpo", "generation", "sft_dpo", "generation_fp32", "learning")  # in the order they run, after env
+          "generation_fp32": (90, 120), "learning": (150, 300), "phases": (180, 300)}
+# in the order they run, after env; `phases` only with --phases
+PARTS = ("tests", "grpo", "phases", "generation", "sft_dpo", "generation_fp32", "learning")
 MIN_START_S = 20  # a part is not started with less time than this left
 
 ENV_PROBE = r"""
@@ -223,6 +227,19 @@ class Check:
         modes = [json.loads(ln[len(GEN_MARK):]) for ln in res["output"].splitlines() if ln.startswith(GEN_MARK)]
         self.record(part, res, {"modes": modes})
 
+    def part_phases(self) -> None:
+        """benchmarks/grpo_phases.py: where the GRPO step's time goes, with and without CUDA graphs on CUDA; --quick
+        the tiny model's dry run."""
+        raw = self.out / "phases.json"
+        args = ["--model", self.model, "--steps", "3"] if self.cuda and not self.quick else \
+            ["--model", "tiny", "--quick", "--steps", "1"]
+        res = self.run("phases", [PY, "benchmarks/grpo_phases.py", "--device", self.device, *args,
+                                  "--work", str(self.work / "phases"), "--json", str(raw)])
+        numbers = {}
+        if raw.is_file():
+            numbers = {r["cache"]: {"first": r["first"], "mean": r["mean"]} for r in json.loads(raw.read_text())["results"]}
+        self.record("phases", res, numbers)
+
     def part_learning(self, trl_ok: bool) -> None:
         """benchmarks/learning.py, short: on CUDA half a minute of GRPO a side from the check's model with no cold
         start (the lent machine has no SmolLM2 weights: steps a minute and the CUDA path, not a gain); --quick the
@@ -339,6 +356,16 @@ def markdown(summary: dict) -> str:
         for m in modes:
             lines.append(f"| {m['mode']} | {m['seconds']:.3f} | {m['tokens_per_s']:.0f} | {m['warmup_s']:.1f} | "
                          f"{m['rows_equal_to_generate_dynamic']}/{m['rows']} | {_fmt(m.get('peak_gpu_mib'), '{:.0f}')} |")
+    phases = parts.get("phases", {}).get("numbers")
+    if phases:
+        from benchmarks.grpo_phases import PHASES
+
+        lines += ["", "## phases of a GRPO step (benchmarks/grpo_phases.py), seconds", "",
+                  "| cache | step | " + " | ".join(PHASES) + " | step |", "|" + "---|" * (len(PHASES) + 3)]
+        for cache, r in phases.items():
+            for which in ("first", "mean"):
+                lines.append(f"| {cache} | {which} | " + " | ".join(_fmt(r[which].get(p)) for p in PHASES)
+                             + f" | {_fmt(r[which].get('step'))} |")
     learning = parts.get("learning", {}).get("numbers")
     if learning:
         lines += ["", "## learning (benchmarks/learning.py)", "", "| side | GRPO steps | training s | s a step |",
@@ -358,6 +385,8 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=None,
                     help="seconds after which no part starts (default: 390 on cuda, 900 on cpu)")
     ap.add_argument("--model", default=None, help="benchmark model (default: smollm2-random on cuda, tiny on cpu)")
+    ap.add_argument("--phases", action="store_true", help="also split the GRPO step into phases "
+                    "(benchmarks/grpo_phases.py), after the grpo part")
     ap.add_argument("--skip", default="", help=f"comma list of parts not to run, e.g. on a second run with little GPU "
                     f"time left (env always runs): {', '.join(PARTS)}")
     args = ap.parse_args()
@@ -379,8 +408,11 @@ def main() -> None:
                  "generation": lambda: check.part_generation("generation", "bf16" if cuda else "fp32"),
                  "sft_dpo": lambda: check.part_suite("sft_dpo", ["sft", "dpo"], trl_ok, trl_reason, quick=True),
                  "generation_fp32": lambda: check.part_generation("generation_fp32", "fp32") if cuda else None,
-                 "learning": lambda: check.part_learning(trl_ok)}
+                 "learning": lambda: check.part_learning(trl_ok),
+                 "phases": check.part_phases}
         for name in PARTS:
+            if name == "phases" and not args.phases:
+                continue
             if name in skip:
                 check.record(name, {"status": "skipped", "reason": "--skip"})
             else:

@@ -267,3 +267,29 @@ def test_learning_summary_has_a_ppo_row_and_its_paired_difference_with_grpo():
     assert summary["ppo_minus_grpo"]["diff"] == -0.5
     assert any("PPO minus GRPO -50.0 points" in line for line in learning.verdict_lines(summary))
     assert any(line.startswith("| r1flow PPO, budget | 4 |") for line in learning.table(summary))
+
+
+def test_grpo_phase_clock_counts_each_phase_without_its_nested_phases(monkeypatch):
+    """benchmarks/grpo_phases.py: a phase's time is its own, less the phases nested in it (worked by hand: `other`
+    runs 0-10 s, `rollout` 1-4 s inside it, then `forward` 5-6 s and `backward` 6-9 s: rollout 3, forward 1,
+    backward 3, other 10 - 7 = 3); the device sync runs at every clock reading; the first step is the warm-up."""
+    from benchmarks import grpo_phases
+
+    ticks = iter([0.0, 1.0, 4.0, 5.0, 6.0, 6.0, 9.0, 10.0])
+    monkeypatch.setattr(grpo_phases.time, "perf_counter", lambda: next(ticks))
+    syncs = []
+    clock = grpo_phases.PhaseClock(sync=lambda: syncs.append(1))
+    clock.new_step()
+    with clock.phase("other"):
+        with clock.phase("rollout"):
+            pass
+        with clock.phase("forward"):
+            pass
+        with clock.phase("backward"):
+            pass
+    assert dict(clock.steps[0]) == {"rollout": 3.0, "forward": 1.0, "backward": 3.0, "other": 3.0}
+    assert len(syncs) == 8
+    later = {"rollout": 1.0, "other": 0.5}
+    summary = grpo_phases.summarize([clock.steps[0], later, later])
+    assert summary["first"]["step"] == 10.0 and summary["steps_measured"] == 2
+    assert summary["mean"]["rollout"] == 1.0 and summary["mean"]["step"] == 1.5 and summary["mean"]["backward"] == 0.0
