@@ -488,7 +488,7 @@ def deployment_specs(recipes: list[str], stages: list[str], profile: str, overri
     return specs
 
 
-RUNNER_STOP_GRACE_S = 8.0  # SIGTERM to exit, whatever is left undone; `r1flow down` waits 10 s (servers.STOP_GRACE_S)
+RUNNER_STOP_GRACE_S = 8.0  # SIGTERM to exit, whatever is left undone; `r1flow down` waits 10 s (processes.STOP_GRACE_S)
 
 
 def serve(specs: list[dict[str, Any]], limit: int | None = None) -> None:
@@ -504,7 +504,7 @@ def serve(specs: list[dict[str, Any]], limit: int | None = None) -> None:
     for deployment in deployments:
         runner.add_deployment(deployment)
     # no Prefect starting message: it suggests `prefect deployment run ...`, which fails without the exports r1flow
-    # does not need; the CLI prints commands that work instead (cli.serve_hints), and this line once they are served
+    # does not need; the CLI prints commands that work instead (cli_deploy.serve_hints), and this line once they are served
     asyncio.run(_start_and_say_so(runner, len(deployments)))
 
 

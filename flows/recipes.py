@@ -134,6 +134,15 @@ def _set_path(d: dict, path: list[str], value: Any) -> None:
     d[path[-1]] = value
 
 
+def overrides_tree(pairs: list[str] | tuple[str, ...]) -> dict:
+    """`--set` pairs as one nested dict: ['sft.lr=1e-4', 'seed=1'] -> {'sft': {'lr': 0.0001}, 'seed': 1}."""
+    out: dict = {}
+    for text in pairs:
+        path, value = parse_override(text)
+        _set_path(out, path, value)
+    return out
+
+
 _PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
@@ -517,3 +526,13 @@ def check_node(module, cfg, node: str) -> None:
         check(cfg, node=node)
     else:
         check(cfg)
+
+
+def default_profile() -> str:
+    """gpu when CUDA is available, else cpu: the profile a command uses without --profile."""
+    try:
+        import torch
+
+        return "gpu" if torch.cuda.is_available() else "cpu"
+    except ImportError:
+        return "cpu"

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from flows import servers
+from flows import processes, servers
 from schemas.errors import R1FlowError
 
 
@@ -45,7 +45,7 @@ def _group_members(pgid: int) -> list[int]:
     members = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
-            st = servers._proc_stat(int(entry.name))
+            st = processes.proc_stat(int(entry.name))
             if st and st[1] == pgid:
                 members.append(int(entry.name))
     return members
@@ -227,7 +227,7 @@ def test_a_taken_port_names_what_holds_it(tmp_path):
         port = busy.getsockname()[1]
         e = servers.bind_error(port)
         assert e is not None
-        message = servers.port_taken_message(port, "127.0.0.1", e, "mine")
+        message = processes.port_taken_message(port, "127.0.0.1", e, "mine")
         assert message.startswith(f"port 127.0.0.1:{port} (mine) is in use by pid {os.getpid()} ("), message
     assert servers.bind_error(port) is None  # closed: free again
 
