@@ -133,7 +133,8 @@ def serve_hints(specs: list[dict], url: str) -> list[str]:
     import shlex
 
     from flows import processes
-    from flows.deploy import REF_HELP, full_name
+    from flows.deploy import full_name
+    from flows.refs import REF_HELP
     from stages import get_stage
 
     prefect = " ".join(shlex.quote(p) for p in processes.console_script("prefect"))

@@ -89,7 +89,7 @@ def fit_table(console, columns: list[Column], row_styles: list[str] | None = Non
 def stage_columns(result: dict) -> list[Column]:
     """The per-stage table of a run: node, kind, status, seconds, key metrics, outputs (the
     outputs' fingerprints go first when narrow: the report and `r1flow artifacts` have them)."""
-    from flows.report import fmt_interval
+    from flows.comparison import fmt_interval
     from flows.results import fmt_metric, key_metrics
 
     rows = result["stages"]
@@ -109,11 +109,11 @@ def stage_columns(result: dict) -> list[Column]:
 
 
 def comparison_columns(payload: dict) -> tuple[list[Column], list[str]]:
-    """The report's model comparison (flows/report.comparison_payload) for a terminal: each eval's
+    """The report's model comparison (flows/comparison.comparison_payload) for a terminal: each eval's
     model, accuracy with its 95% bootstrap interval and the eval size n; then, as width allows,
     pass@k, format rate, per-task accuracies and the model's fingerprint. A previous run's row
     (its model had another fingerprint) sits under the row of its eval node, as in the report."""
-    from flows.report import TASK_ACCURACY, fmt_interval
+    from flows.comparison import TASK_ACCURACY, fmt_interval
     from flows.results import fmt_metric
 
     prev = payload.get("previous") or {}

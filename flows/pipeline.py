@@ -10,11 +10,13 @@ artifact downstream. Tasks pass fingerprints and run ids, never tensors or table
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import shutil
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +28,9 @@ from flows.cache import cache_key, config_hash
 from flows.context import FlowContext
 from flows.placement import Execution
 from flows.recipes import Plan, load_plan
-from flows.report import build_report, publish_report, register_models, report_location
-from flows.results import StageResult, fmt_metric
+from flows.registry import register_models
+from flows.report import build_report, publish_report, report_location
+from flows.results import StageResult
 from flows.settings import Settings, file_lock
 from flows.store import ArtifactStore, CacheRecord, host_id, owner_gone, process_owner, raise_if_disk_full
 from flows.tracking import Tracker, run_name
@@ -204,6 +207,40 @@ def stage_task(node: str, stage: str, config: dict[str, Any], inputs: dict[str, 
     return execute_stage(node=node, stage=stage, config=config, inputs=inputs, seed=seed, key=key,
                          parent_run_id=parent_run_id, settings=settings, experiment=experiment,
                          flow_run_id=_flow_run_id(), log=get_run_logger(), refresh=refresh)
+
+
+def submit_node(node: str, stage: str, config: dict[str, Any], inputs: dict[str, str], seed: int, key: str, *,
+                record: CacheRecord | None, force: bool, parent_run_id: str, s: Settings, experiment: str,
+                submit: Callable[[Any, dict[str, Any]], Any] | None = None):
+    """Hand one node's stage task to Prefect: the one submit path of pipeline nodes (run_plan) and single-stage runs
+    (flows/deploy.py, run_stage). `record`: the store's verified record of `key` (None: not cached, or forced), so
+    Prefect's cache of the key is refreshed unless the store holds it. Called now (submit None: its final state) or
+    handed to `submit(task, parameters)` (a task runner's future)."""
+    task_ = stage_task.with_options(refresh_cache=record is None)
+    params = dict(node=node, stage=stage, config=config, inputs=inputs, seed=seed, key=key, parent_run_id=parent_run_id,
+                  settings=s.to_dict(), experiment=experiment, refresh=force)
+    if submit is None:
+        return task_(**params, return_state=True)
+    return submit(task_, params)
+
+
+def node_outcome(state, out: dict[str, Any], record: CacheRecord | None, tracker: Tracker, parent_run_id: str,
+                 flow_run_id: str | None, *, node: str, stage: str, key: str, config: dict[str, Any],
+                 seed: int) -> tuple[dict[str, Any], bool, str | None]:
+    """(the node's output, whether it was a cache hit, its MLflow run) from its task's final state and result. A
+    cache hit gets a nested run of its own naming the run that produced it (`Tracker.record_cache_hit`), so a
+    cached node reads like one that ran; the output's `mlflow_run_id` stays that producing run."""
+    cached = state.name == "Cached" or out["reused"]
+    if not cached:
+        return out, False, out["mlflow_run_id"]
+    if record is not None and out["outputs"] != record.outputs:
+        # Prefect's result for this key is older than ours (a --force since); ours was verified.
+        out = {**out, "outputs": record.outputs, "metrics": record.metrics, "mlflow_run_id": record.mlflow_run_id}
+    run_id = tracker.record_cache_hit(parent_run_id, node=node, stage=stage, key=key, config=config, seed=seed,
+                                      outputs=out["outputs"], metrics=out["metrics"],
+                                      source_run_id=out.get("mlflow_run_id"), flow_run_id=flow_run_id,
+                                      host=out.get("host", ""), ray_node_id=out.get("ray_node_id", ""))
+    return out, True, run_id
 
 
 class NodeProgress:
@@ -435,36 +472,20 @@ class _NodeRunner:
                                                   rec.outputs, rec.metrics, rec.mlflow_run_id)
             self.progress.end(node.name, node.stage, "cached", self.results[node.name].seconds)
             return None
-        record = None if node.name in self.forced else self.store.lookup(key)  # verified: every output file re-hashed
+        forced = node.name in self.forced
+        record = None if forced else self.store.lookup(key)  # verified: every output file re-hashed
         if record is None:  # it computes (a cached node gets its end line only)
             self.progress.start(node.name, node.stage)
-        task_ = stage_task.with_options(refresh_cache=record is None)
-        params = dict(node=node.name, stage=node.stage, config=node.config_dict, inputs=inputs, seed=node.seed, key=key,
-                      parent_run_id=self.parent, settings=self.s.to_dict(), experiment=self.experiment,
-                      refresh=node.name in self.forced)
-        if submit is None:
-            return task_(**params, return_state=True), key, record, t0
-        return submit(node, task_, params), key, record, t0
+        handle = submit_node(node.name, node.stage, node.config_dict, inputs, node.seed, key, record=record,
+                             force=forced, parent_run_id=self.parent, s=self.s, experiment=self.experiment,
+                             submit=None if submit is None else functools.partial(submit, node))
+        return handle, key, record, t0
 
     def _finish(self, node, key: str, record: CacheRecord | None, t0: float, state, out: dict[str, Any]) -> None:
-        cached = state.name == "Cached" or out["reused"]
         seconds = time.perf_counter() - t0
-        if cached:
-            if record is not None and out["outputs"] != record.outputs:
-                # Prefect's result for this key is older than ours (a --force since); ours was verified.
-                out = {**out, "outputs": record.outputs, "metrics": record.metrics, "mlflow_run_id": record.mlflow_run_id}
-            run_id = self.tracker.start_run(node.name, {"r1flow.stage": node.stage, "r1flow.node": node.name,
-                                                        "r1flow.cache_key": key, "r1flow.cache_hit": "true",
-                                                        "r1flow.source_run_id": out.get("mlflow_run_id") or "",
-                                                        "r1flow.flow_run_id": self.flow_run_id or "",
-                                                        "r1flow.host": out.get("host", ""),
-                                                        "r1flow.ray_node_id": out.get("ray_node_id", "")}, self.parent)
-            self.tracker.log_params(run_id, {"config": node.config_dict, "seed": node.seed})
-            self.tracker.log_metrics(run_id, {k: v for k, v in out["metrics"].items() if k != "stage_seconds"})
-            self.tracker.set_tags(run_id, {f"r1flow.output.{k}": v for k, v in out["outputs"].items()})
-            self.tracker.end(run_id)
-        else:
-            run_id = out["mlflow_run_id"]
+        out, cached, run_id = node_outcome(state, out, record, self.tracker, self.parent, self.flow_run_id,
+                                           node=node.name, stage=node.stage, key=key, config=node.config_dict,
+                                           seed=node.seed)
         self.upstream[node.name] = out["outputs"]
         self.results[node.name] = StageResult(
             node.name, node.stage, "cached" if cached else "run", seconds, state.name, out["outputs"], out["metrics"],
@@ -556,16 +577,6 @@ def _children_share_this_api():
         url = str(client.api_url).rstrip("/")
     with temporary_settings(updates={PREFECT_API_URL: url}):
         yield
-
-
-def render_markdown(plan: Plan, results: list[StageResult]) -> str:
-    lines = [f"# r1flow run: recipe `{plan.recipe}`, profile `{plan.profile}`", "",
-             "| stage | kind | status | seconds | key metrics | outputs |", "|---|---|---|---|---|---|"]
-    for r in results:
-        metrics = ", ".join(f"{k}={fmt_metric(v)}" for k, v in r.key_metrics().items())
-        outs = ", ".join(f"{k}:{v[:12]}" for k, v in r.outputs.items())
-        lines.append(f"| {r.node} | {r.stage} | {r.status} | {r.seconds:.1f} | {metrics} | {outs} |")
-    return "\n".join(lines) + "\n"
 
 
 def resolve_input(store: ArtifactStore, fingerprint: str) -> Input:

@@ -214,7 +214,8 @@ class Plan:
         return out
 
 
-def _kinds(spec: str) -> set[str]:
+def input_kinds(spec: str) -> set[str]:
+    """The kinds a declared input or output takes: "model", "sft_data|preference_data?" -> {sft_data, preference_data}."""
     return set(spec.rstrip("?").split("|"))
 
 
@@ -307,9 +308,9 @@ def _data_source(src: str, kinds: tuple[str, ...], stages: dict[str, str], where
     if out not in outputs:
         return src  # load_plan names the missing output
     for kind in kinds:
-        if kind in _kinds(outputs[out]):
+        if kind in input_kinds(outputs[out]):
             return src
-        sibling = next((o for o, k in outputs.items() if kind in _kinds(k)), None)
+        sibling = next((o for o, k in outputs.items() if kind in input_kinds(k)), None)
         if sibling is not None:
             return f"{up}.{sibling}"
     raise ConfigError(f"{where} trains on {' or '.join(kinds)}, but {src} is {outputs[out]} and node {up!r} has no "
@@ -487,7 +488,7 @@ def load_plan(recipe: str = DEFAULT_RECIPE, profile: str = "cpu", overrides: lis
             if out not in up_outputs:
                 raise ConfigError(f"node {name!r} input {inp!r}: node {up!r} has no output {out!r}; "
                                   f"its outputs: {', '.join(up_outputs)}")
-            if not _kinds(up_outputs[out]) & _kinds(declared[inp]):
+            if not input_kinds(up_outputs[out]) & input_kinds(declared[inp]):
                 raise ConfigError(f"node {name!r} input {inp!r}: expects {declared[inp]}, but {src} is {up_outputs[out]}")
             inputs[inp] = (up, out)
         if run_checks:
