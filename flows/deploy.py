@@ -43,7 +43,6 @@ from flows.recipes import (
     available,
     check_node,
     deep_merge,
-    input_kinds,
     load_plan,
     pydantic_message,
 )
@@ -54,6 +53,7 @@ from flows.tracking import flatten, run_name
 from schemas.configs import STAGE_CONFIGS, ProfileConfig
 from schemas.errors import ArtifactError, ConfigError
 from stages import STAGE_MODULES, STAGE_SUMMARIES, get_stage
+from stages.base import declared_kinds
 
 ROOT = Path(__file__).resolve().parent.parent
 log = logging.getLogger(__name__)
@@ -159,7 +159,7 @@ def run_stage(stage: str, inputs: dict[str, str], overrides: dict[str, Any] | No
             continue
         fp = resolve_ref(ref, k, store, s.tracking_uri)
         manifest = store.verify(fp)  # exists and every file matches, before any compute
-        if not {manifest.kind, manifest.schema_name} & input_kinds(declared[k]):  # "model", or a dataset schema
+        if not {manifest.kind, manifest.schema_name} & declared_kinds(declared[k]):  # "model", or a dataset schema
             raise ArtifactError(f"input {k!r} ({ref}): artifact {fp[:12]} is a {manifest.kind} "
                                 f"({manifest.schema_name}); stage {stage!r} takes a {declared[k].rstrip('?')}")
         resolved[k] = fp
