@@ -1,4 +1,8 @@
-"""The `r1flow` command line. Validates everything before importing Prefect or touching a model."""
+"""The `r1flow` command line. Validates everything before importing Prefect or touching a model.
+
+Here: the parser, `main` (the environment, lifetime guards and errors of every command), `run` and the listing
+commands (stages, recipes, artifacts, models); the server commands are flows/cli_servers.py's, the single-stage
+and deployment commands flows/cli_deploy.py's, what they print flows/cli_output.py's."""
 
 from __future__ import annotations
 
