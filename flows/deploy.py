@@ -16,7 +16,7 @@ the recipe node's config, when a recipe is named < overrides), and runs the stag
 cached task as the pipeline: the same inputs and config give the same cache key, so the result
 joins the lineage (manifest parents, MLflow input tags) and a pipeline run later reuses it.
 
-Input references:
+Input references (flows/refs.py):
 - a fingerprint or a unique prefix of one (`r1flow artifacts` lists them);
 - `mlflow:<run id>[:<output>]`: an output of the stage run that MLflow run tracked;
 - `latest:<node>[@<recipe>][:<output>]`: the newest output of that node: from MLflow's
@@ -46,100 +46,21 @@ from flows.recipes import (
     load_plan,
     pydantic_message,
 )
+from flows.refs import REF_HELP, resolve_ref
 from flows.settings import Settings
 from flows.store import ArtifactStore
 from flows.tracking import flatten, run_name
 from schemas.configs import STAGE_CONFIGS, ProfileConfig
 from schemas.errors import ArtifactError, ConfigError
 from stages import STAGE_MODULES, STAGE_SUMMARIES, get_stage, stage_version
+from stages.base import declared_kinds
 
 ROOT = Path(__file__).resolve().parent.parent
 log = logging.getLogger(__name__)
 PIPELINE_ENTRYPOINT = "flows/pipeline.py:pipeline"
 SERVED_SUFFIX = "-served"
-# No <...> placeholders: the Prefect UI renders descriptions as HTML and drops them.
-REF_HELP = "fingerprint (or unique prefix), mlflow:RUN_ID[:OUTPUT], or latest:NODE[@RECIPE][:OUTPUT]"
 RecipeName = Literal[tuple(available(RECIPE_DIR))]  # choices in the UI's run form
 ProfileName = Literal[tuple(available(PROFILE_DIR))]
-
-
-# ---------------------------------------------------------------------------- input references
-
-
-def _pick_output(outputs: dict[str, str], wanted: str | None, input_name: str, where: str) -> str:
-    if wanted:
-        if wanted not in outputs:
-            raise ArtifactError(f"{where}: no output {wanted!r}; it has {', '.join(sorted(outputs)) or 'none'}")
-        return outputs[wanted]
-    if len(outputs) == 1:
-        return next(iter(outputs.values()))
-    if input_name in outputs:
-        return outputs[input_name]
-    raise ArtifactError(f"{where}: has outputs {', '.join(sorted(outputs)) or 'none'}; name one, e.g. "
-                        f"{where}:{next(iter(sorted(outputs)), 'model')}")
-
-
-def _run_outputs(client, run_id: str) -> dict[str, str]:
-    tags = client.get_run(run_id).data.tags
-    return {k.removeprefix("r1flow.output."): v for k, v in tags.items() if k.startswith("r1flow.output.")}
-
-
-def resolve_ref(ref: str, input_name: str, store: ArtifactStore, tracking_uri: str) -> str:
-    """The full fingerprint an input reference names (see the module docstring for the forms)."""
-    ref = ref.strip()
-    if ref.startswith("mlflow:"):
-        run_id, _, out = ref.removeprefix("mlflow:").partition(":")
-        from mlflow.exceptions import MlflowException
-
-        from flows.tracking import mlflow_client
-
-        try:
-            outputs = _run_outputs(mlflow_client(tracking_uri), run_id)
-        except MlflowException as e:
-            raise ArtifactError(f"input {input_name!r}: MLflow run {run_id!r} not found at {tracking_uri}: {e}") from None
-        return store.resolve_prefix(_pick_output(outputs, out or None, input_name, f"mlflow:{run_id}"))
-    if ref.startswith("latest:"):
-        spec, _, out = ref.removeprefix("latest:").partition(":")
-        node, _, recipe = spec.partition("@")
-        return _latest(node, recipe or None, out or None, input_name, store, tracking_uri)
-    if not ref:
-        raise ArtifactError(f"input {input_name!r}: empty reference; give a {REF_HELP}")
-    return store.resolve_prefix(ref)
-
-
-def _latest(node: str, recipe: str | None, out: str | None, input_name: str, store: ArtifactStore,
-            tracking_uri: str) -> str:
-    where = f"latest:{node}" + (f"@{recipe}" if recipe else "")
-    if recipe is None:  # the store alone: the newest execution of that node, its outputs named by its cache record
-        made = sorted((m for m in store.list() if m.producer.node == node), key=lambda m: m.created_at, reverse=True)
-        if not made:
-            raise ArtifactError(f"input {input_name!r}: {where}: no artifact in {store.uri} was produced by node {node!r}")
-        for m in made:
-            record = store.lookup(m.producer.cache_key)  # None if any output of that run is gone or corrupt
-            if record is not None:
-                return _pick_output(record.outputs, out, input_name, where)
-        raise ArtifactError(f"input {input_name!r}: {where}: no complete, valid outputs of node {node!r} in {store.uri}")
-    from flows.pipeline import experiment_name
-    from flows.tracking import mlflow_client
-
-    client = mlflow_client(tracking_uri)
-    exp = client.get_experiment_by_name(experiment_name(recipe))
-    if exp is None:
-        raise ArtifactError(f"input {input_name!r}: {where}: no MLflow experiment {experiment_name(recipe)!r} "
-                            f"at {tracking_uri}; has recipe {recipe!r} run there?")
-    runs = client.search_runs([exp.experiment_id], filter_string=f"tags.`r1flow.node` = '{node}'",
-                              order_by=["attributes.start_time DESC"], max_results=50)
-    for run in runs:
-        outputs = _run_outputs(client, run.info.run_id)
-        if outputs:
-            fp = _pick_output(outputs, out, input_name, where)
-            if store.is_valid(fp):
-                return fp
-    raise ArtifactError(f"input {input_name!r}: {where}: no run of node {node!r} with outputs still in the store")
-
-
-def _kinds(spec: str) -> set[str]:
-    return set(spec.rstrip("?").split("|"))
 
 
 # ---------------------------------------------------------------------------- config
@@ -215,7 +136,8 @@ def run_stage(stage: str, inputs: dict[str, str], overrides: dict[str, Any] | No
               seed: int | None = None, recipe: str | None = None, profile: str | None = None,
               settings: dict[str, str] | None = None, force: bool = False) -> dict[str, Any]:
     """Run one stage on referenced artifacts (inside a flow: the stage runs as the cached task)."""
-    from flows.pipeline import _flow_run_id, experiment_name, reclaim_abandoned, stage_task
+    from flows.pipeline import _flow_run_id, experiment_name, node_outcome, submit_node
+    from flows.reclaim import reclaim_abandoned
     from flows.tracking import Tracker
     from stages.runtime import lifetime
 
@@ -238,7 +160,7 @@ def run_stage(stage: str, inputs: dict[str, str], overrides: dict[str, Any] | No
             continue
         fp = resolve_ref(ref, k, store, s.tracking_uri)
         manifest = store.verify(fp)  # exists and every file matches, before any compute
-        if not {manifest.kind, manifest.schema_name} & _kinds(declared[k]):  # "model", or a dataset schema
+        if not {manifest.kind, manifest.schema_name} & declared_kinds(declared[k]):  # "model", or a dataset schema
             raise ArtifactError(f"input {k!r} ({ref}): artifact {fp[:12]} is a {manifest.kind} "
                                 f"({manifest.schema_name}); stage {stage!r} takes a {declared[k].rstrip('?')}")
         resolved[k] = fp
@@ -259,19 +181,12 @@ def run_stage(stage: str, inputs: dict[str, str], overrides: dict[str, Any] | No
     t0 = time.perf_counter()
     try:
         record = None if force else store.lookup(key)
-        state = stage_task.with_options(refresh_cache=record is None)(
-            node=name, stage=stage, config=config, inputs=resolved, seed=seed, key=key, parent_run_id=parent,
-            settings=s.to_dict(), experiment=experiment, refresh=force, return_state=True)
-        out = state.result()
-        cached = state.name == "Cached" or out["reused"]
-        if cached and record is not None:
-            out = {**out, "outputs": record.outputs, "metrics": record.metrics, "mlflow_run_id": record.mlflow_run_id}
+        state = submit_node(name, stage, config, resolved, seed, key, record=record, force=force, parent_run_id=parent,
+                            s=s, experiment=experiment)
+        out, cached, run_id = node_outcome(state, state.result(), record, tracker, parent, flow_run_id, node=name,
+                                           stage=stage, key=key, config=config, seed=seed)
         source_run_id = out.get("mlflow_run_id")
-        if cached:  # a nested run of its own, as a cached pipeline node gets, naming the run that produced it
-            out = {**out, "mlflow_run_id": tracker.record_cache_hit(
-                parent, node=name, stage=stage, key=key, config=config, seed=seed, outputs=out["outputs"],
-                metrics=out["metrics"], source_run_id=source_run_id, flow_run_id=flow_run_id,
-                host=out.get("host", ""), ray_node_id=out.get("ray_node_id", ""))}
+        out = {**out, "mlflow_run_id": run_id}
         # the run the CLI and the Prefect artifact link to shows what ran (or was reused), not only tags
         tracker.log_params(parent, {"config": config, "seed": seed, "changed": flatten(overrides or {}) or "none"})
         tracker.log_metrics(parent, {k: v for k, v in out["metrics"].items() if k != "stage_seconds"})
@@ -488,7 +403,7 @@ def deployment_specs(recipes: list[str], stages: list[str], profile: str, overri
     return specs
 
 
-RUNNER_STOP_GRACE_S = 8.0  # SIGTERM to exit, whatever is left undone; `r1flow down` waits 10 s (servers.STOP_GRACE_S)
+RUNNER_STOP_GRACE_S = 8.0  # SIGTERM to exit, whatever is left undone; `r1flow down` waits 10 s (processes.STOP_GRACE_S)
 
 
 def serve(specs: list[dict[str, Any]], limit: int | None = None) -> None:
@@ -504,7 +419,7 @@ def serve(specs: list[dict[str, Any]], limit: int | None = None) -> None:
     for deployment in deployments:
         runner.add_deployment(deployment)
     # no Prefect starting message: it suggests `prefect deployment run ...`, which fails without the exports r1flow
-    # does not need; the CLI prints commands that work instead (cli.serve_hints), and this line once they are served
+    # does not need; the CLI prints commands that work instead (cli_deploy.serve_hints), and this line once they are served
     asyncio.run(_start_and_say_so(runner, len(deployments)))
 
 

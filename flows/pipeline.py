@@ -10,12 +10,12 @@ artifact downstream. Tasks pass fingerprints and run ids, never tensors or table
 from __future__ import annotations
 
 import contextlib
-import json
+import functools
 import logging
 import os
 import shutil
-import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +27,12 @@ from flows.cache import cache_key, config_hash
 from flows.context import FlowContext
 from flows.placement import Execution
 from flows.recipes import Plan, load_plan
-from flows.report import build_report, publish_report, register_models, report_location
-from flows.results import StageResult, fmt_metric
+from flows.reclaim import reclaim_abandoned
+from flows.registry import register_models
+from flows.report import build_report, publish_report, report_location
+from flows.results import StageResult
 from flows.settings import Settings, file_lock
-from flows.store import ArtifactStore, CacheRecord, host_id, owner_gone, process_owner, raise_if_disk_full
+from flows.store import ArtifactStore, CacheRecord, raise_if_disk_full
 from flows.tracking import Tracker, run_name
 from schemas.artifacts import DATA_FILE, Producer
 from schemas.errors import ArtifactError, ConfigError, R1FlowError, StageError
@@ -210,6 +212,40 @@ def stage_task(node: str, stage: str, config: dict[str, Any], inputs: dict[str, 
                          flow_run_id=_flow_run_id(), log=get_run_logger(), refresh=refresh)
 
 
+def submit_node(node: str, stage: str, config: dict[str, Any], inputs: dict[str, str], seed: int, key: str, *,
+                record: CacheRecord | None, force: bool, parent_run_id: str, s: Settings, experiment: str,
+                submit: Callable[[Any, dict[str, Any]], Any] | None = None):
+    """Hand one node's stage task to Prefect: the one submit path of pipeline nodes (run_plan) and single-stage runs
+    (flows/deploy.py, run_stage). `record`: the store's verified record of `key` (None: not cached, or forced), so
+    Prefect's cache of the key is refreshed unless the store holds it. Called now (submit None: its final state) or
+    handed to `submit(task, parameters)` (a task runner's future)."""
+    task_ = stage_task.with_options(refresh_cache=record is None)
+    params = dict(node=node, stage=stage, config=config, inputs=inputs, seed=seed, key=key, parent_run_id=parent_run_id,
+                  settings=s.to_dict(), experiment=experiment, refresh=force)
+    if submit is None:
+        return task_(**params, return_state=True)
+    return submit(task_, params)
+
+
+def node_outcome(state, out: dict[str, Any], record: CacheRecord | None, tracker: Tracker, parent_run_id: str,
+                 flow_run_id: str | None, *, node: str, stage: str, key: str, config: dict[str, Any],
+                 seed: int) -> tuple[dict[str, Any], bool, str | None]:
+    """(the node's output, whether it was a cache hit, its MLflow run) from its task's final state and result. A
+    cache hit gets a nested run of its own naming the run that produced it (`Tracker.record_cache_hit`), so a
+    cached node reads like one that ran; the output's `mlflow_run_id` stays that producing run."""
+    cached = state.name == "Cached" or out["reused"]
+    if not cached:
+        return out, False, out["mlflow_run_id"]
+    if record is not None and out["outputs"] != record.outputs:
+        # Prefect's result for this key is older than ours (a --force since); ours was verified.
+        out = {**out, "outputs": record.outputs, "metrics": record.metrics, "mlflow_run_id": record.mlflow_run_id}
+    run_id = tracker.record_cache_hit(parent_run_id, node=node, stage=stage, key=key, config=config, seed=seed,
+                                      outputs=out["outputs"], metrics=out["metrics"],
+                                      source_run_id=out.get("mlflow_run_id"), flow_run_id=flow_run_id,
+                                      host=out.get("host", ""), ray_node_id=out.get("ray_node_id", ""))
+    return out, True, run_id
+
+
 class NodeProgress:
     """One line per node as a run goes: `[5/23] grpo_reasoning (grpo) ...` when it starts computing, and
     `[5/23] grpo_reasoning (grpo) run in 12.3 s` (or `cached in 0.2 s`) when it ends, each with the run's
@@ -279,105 +315,6 @@ def pipeline(recipe: str, profile: str, overrides: list[str] | None = None, only
 
 
 # Flow run labels (not tags: the UI shows tags in every flow run's header; this is bookkeeping)
-PREFECT_HOST_LABEL = "r1flow.host"  # flows.store.host_id(): a flow run an r1flow process on this host runs
-PREFECT_PROCESS_LABEL = "r1flow.process"  # "<pid>:<start ticks>" of that process
-ABANDONED_FLOW_STATES = ("PENDING", "RUNNING", "CANCELLING")
-ABANDONED_TASK_STATES = ("SCHEDULED", "PENDING", "RUNNING", "CANCELLING", "PAUSED")
-
-
-def _owner_labels() -> dict[str, str]:
-    pid, ticks, host = process_owner().split("-")
-    return {PREFECT_HOST_LABEL: host, PREFECT_PROCESS_LABEL: f"{pid}:{ticks}"}
-
-
-def _owner_files(owners: Path | None, found: list) -> dict[str, dict[str, str]]:
-    """The owner labels recorded on this host's disk for the unfinished flow runs `found`; files of runs no longer
-    unfinished are removed."""
-    if owners is None or not owners.is_dir():
-        return {}
-    unfinished = {str(run.id) for run in found}
-    recorded = {}
-    for path in owners.iterdir():
-        if path.name not in unfinished:
-            path.unlink(missing_ok=True)
-            continue
-        with contextlib.suppress(OSError, ValueError):
-            recorded[path.name] = json.loads(path.read_text())
-    return recorded
-
-
-def mark_abandoned_flow_runs(flow_run_id: str | None = None, owners: Path | None = None) -> tuple[int, int]:
-    """Label this flow run with the process that runs it; set Crashed the flow runs (and their unfinished task runs)
-    that another r1flow process on this host left unfinished and that is provably gone (kill -9 leaves them
-    RUNNING for ever). Flow runs of live processes, of other hosts, or without an owner are left alone. Returns
-    (flow runs, task runs) marked.
-
-    `owners`: a folder on this host where the labels are also written, first, as a file named by the flow run:
-    a Prefect server lost between creating the flow run and the label update leaves a run without labels that
-    only this file ties to its (dead) process."""
-    from prefect import get_client
-    from prefect.client.schemas import filters as f
-    from prefect.client.schemas.objects import StateType
-    from prefect.states import Crashed
-
-    mine = _owner_labels()
-    if owners is not None and flow_run_id:
-        owners.mkdir(parents=True, exist_ok=True)
-        (owners / flow_run_id).write_text(json.dumps(mine))
-    with get_client(sync_client=True) as client:
-        if flow_run_id:
-            client.update_flow_run_labels(flow_run_id, mine)  # merged into its labels
-        found = client.read_flow_runs(flow_run_filter=f.FlowRunFilter(  # (no label filter in Prefect's API)
-            state=f.FlowRunFilterState(type=f.FlowRunFilterStateType(any_=[StateType(t) for t in ABANDONED_FLOW_STATES]))),
-            limit=200)
-        recorded = _owner_files(owners, found)
-        dead: dict[Any, str] = {}
-        for run in found:
-            labels = run.labels if (run.labels or {}).get(PREFECT_HOST_LABEL) else recorded.get(str(run.id), {})
-            if labels.get(PREFECT_HOST_LABEL) != mine[PREFECT_HOST_LABEL]:
-                continue
-            pid, _, ticks = str(labels.get(PREFECT_PROCESS_LABEL, "")).partition(":")
-            if str(run.id) != flow_run_id and pid.isdigit() and ticks.isdigit() and owner_gone(int(pid), int(ticks),
-                                                                                                 host_id()):
-                dead[run.id] = f"abandoned: process {pid} on {socket.gethostname()} is gone (found by {os.getpid()})"
-        if not dead:
-            return 0, 0
-        tasks = client.read_task_runs(task_run_filter=f.TaskRunFilter(
-            flow_run_id=f.TaskRunFilterFlowRunId(any_=list(dead)),
-            state=f.TaskRunFilterState(type=f.TaskRunFilterStateType(any_=[StateType(t) for t in ABANDONED_TASK_STATES]))))
-        for t in tasks:
-            client.set_task_run_state(t.id, Crashed(message=dead[t.flow_run_id]), force=True)
-        for run_id, message in dead.items():
-            client.set_flow_run_state(run_id, Crashed(message=message), force=True)
-        return len(dead), len(tasks)
-
-
-def reclaim_abandoned(store: ArtifactStore, tracker: Tracker, flow_run_id: str | None,
-                      log: Any = print) -> dict[str, Any]:
-    """What runs killed earlier (kill -9) left, cleaned once as a run starts: their staging and incoming folders,
-    set-aside copies beyond the cap, their Prefect flow and task runs (Crashed) and MLflow runs (KILLED). Only what
-    a provably dead process owned; a failure here is a warning, never the run's failure. One line if anything was
-    done; the counts and the seconds it took are returned."""
-    t0 = time.perf_counter()
-    counts: dict[str, Any] = {}
-    for what, fn in (("folders", store.sweep),
-                     ("prefect", lambda: mark_abandoned_flow_runs(flow_run_id, store.home / "flow-runs")
-                      if flow_run_id else (0, 0)),
-                     ("mlflow", tracker.mark_abandoned)):
-        try:
-            counts[what] = fn()
-        except Exception as e:  # noqa: BLE001 - housekeeping must not stop the run
-            log(f"r1flow: could not clean up after killed runs ({what}): {type(e).__name__}: {e}")
-    counts["seconds"] = time.perf_counter() - t0
-    folders = counts.get("folders") or {}
-    n_flows, n_tasks = counts.get("prefect") or (0, 0)
-    if any(folders.values()) or n_flows or n_tasks or counts.get("mlflow"):
-        log(f"r1flow: cleaned after killed runs: {folders.get('staging', 0)} staging and {folders.get('incoming', 0)} "
-            f"incoming folders of dead processes, {folders.get('corrupt', 0)} set-aside copies over the cap; marked "
-            f"{n_flows} Prefect flow runs and {n_tasks} task runs Crashed, {counts.get('mlflow', 0)} MLflow runs KILLED "
-            f"({counts['seconds']:.2f} s)")
-    return counts
-
 
 def run_plan(plan: Plan, s: Settings, only: set[str] = frozenset(), force: set[str] = frozenset(),
              execution: Execution = Execution()) -> dict[str, Any]:
@@ -465,36 +402,20 @@ class _NodeRunner:
                                                   rec.outputs, rec.metrics, rec.mlflow_run_id)
             self.progress.end(node.name, node.stage, "cached", self.results[node.name].seconds)
             return None
-        record = None if node.name in self.forced else self.store.lookup(key)  # verified: every output file re-hashed
+        forced = node.name in self.forced
+        record = None if forced else self.store.lookup(key)  # verified: every output file re-hashed
         if record is None:  # it computes (a cached node gets its end line only)
             self.progress.start(node.name, node.stage)
-        task_ = stage_task.with_options(refresh_cache=record is None)
-        params = dict(node=node.name, stage=node.stage, config=node.config_dict, inputs=inputs, seed=node.seed, key=key,
-                      parent_run_id=self.parent, settings=self.s.to_dict(), experiment=self.experiment,
-                      refresh=node.name in self.forced)
-        if submit is None:
-            return task_(**params, return_state=True), key, record, t0
-        return submit(node, task_, params), key, record, t0
+        handle = submit_node(node.name, node.stage, node.config_dict, inputs, node.seed, key, record=record,
+                             force=forced, parent_run_id=self.parent, s=self.s, experiment=self.experiment,
+                             submit=None if submit is None else functools.partial(submit, node))
+        return handle, key, record, t0
 
     def _finish(self, node, key: str, record: CacheRecord | None, t0: float, state, out: dict[str, Any]) -> None:
-        cached = state.name == "Cached" or out["reused"]
         seconds = time.perf_counter() - t0
-        if cached:
-            if record is not None and out["outputs"] != record.outputs:
-                # Prefect's result for this key is older than ours (a --force since); ours was verified.
-                out = {**out, "outputs": record.outputs, "metrics": record.metrics, "mlflow_run_id": record.mlflow_run_id}
-            run_id = self.tracker.start_run(node.name, {"r1flow.stage": node.stage, "r1flow.node": node.name,
-                                                        "r1flow.cache_key": key, "r1flow.cache_hit": "true",
-                                                        "r1flow.source_run_id": out.get("mlflow_run_id") or "",
-                                                        "r1flow.flow_run_id": self.flow_run_id or "",
-                                                        "r1flow.host": out.get("host", ""),
-                                                        "r1flow.ray_node_id": out.get("ray_node_id", "")}, self.parent)
-            self.tracker.log_params(run_id, {"config": node.config_dict, "seed": node.seed})
-            self.tracker.log_metrics(run_id, {k: v for k, v in out["metrics"].items() if k != "stage_seconds"})
-            self.tracker.set_tags(run_id, {f"r1flow.output.{k}": v for k, v in out["outputs"].items()})
-            self.tracker.end(run_id)
-        else:
-            run_id = out["mlflow_run_id"]
+        out, cached, run_id = node_outcome(state, out, record, self.tracker, self.parent, self.flow_run_id,
+                                           node=node.name, stage=node.stage, key=key, config=node.config_dict,
+                                           seed=node.seed)
         self.upstream[node.name] = out["outputs"]
         self.results[node.name] = StageResult(
             node.name, node.stage, "cached" if cached else "run", seconds, state.name, out["outputs"], out["metrics"],
@@ -586,16 +507,6 @@ def _children_share_this_api():
         url = str(client.api_url).rstrip("/")
     with temporary_settings(updates={PREFECT_API_URL: url}):
         yield
-
-
-def render_markdown(plan: Plan, results: list[StageResult]) -> str:
-    lines = [f"# r1flow run: recipe `{plan.recipe}`, profile `{plan.profile}`", "",
-             "| stage | kind | status | seconds | key metrics | outputs |", "|---|---|---|---|---|---|"]
-    for r in results:
-        metrics = ", ".join(f"{k}={fmt_metric(v)}" for k, v in r.key_metrics().items())
-        outs = ", ".join(f"{k}:{v[:12]}" for k, v in r.outputs.items())
-        lines.append(f"| {r.node} | {r.stage} | {r.status} | {r.seconds:.1f} | {metrics} | {outs} |")
-    return "\n".join(lines) + "\n"
 
 
 def resolve_input(store: ArtifactStore, fingerprint: str) -> Input:

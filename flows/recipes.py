@@ -2,8 +2,9 @@
 
 Everything here runs before any compute, so a bad recipe, key or value fails in one clear line.
 Config precedence (later wins): stage defaults < recipe node config < profile `stages.<type>` <
-profile `nodes.<name>` < `--set`. Then every preference_optimization node is wired for what its
-loss reads (`wire_preference_losses`), so `--set dpo.loss=...` works in any recipe with such a node.
+profile `nodes.<name>` < `--set`. Then a stage module that declares a plan hook (`wire_plan`) rewires its
+nodes: preference optimisation wires each node for what its loss reads, so `--set dpo.loss=...` works in any
+recipe with such a node. The planner names no stage: what a stage needs of the plan is the stage's.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pydantic import BaseModel, ValidationError
 from schemas.configs import STAGE_CONFIGS, NodeResources, ProfileConfig, RecipeConfig, RecipeOverlay
 from schemas.errors import ConfigError
 from stages import STAGE_MODULES, get_stage
-from stages.math import preference as pl
+from stages.base import declared_kinds
 
 RECIPE_DIR = Path(__file__).parent / "recipes"
 PROFILE_DIR = Path(__file__).parent / "profiles"
@@ -134,6 +135,15 @@ def _set_path(d: dict, path: list[str], value: Any) -> None:
     d[path[-1]] = value
 
 
+def overrides_tree(pairs: list[str] | tuple[str, ...]) -> dict:
+    """`--set` pairs as one nested dict: ['sft.lr=1e-4', 'seed=1'] -> {'sft': {'lr': 0.0001}, 'seed': 1}."""
+    out: dict = {}
+    for text in pairs:
+        path, value = parse_override(text)
+        _set_path(out, path, value)
+    return out
+
+
 _PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
@@ -180,7 +190,7 @@ class Plan:
     nodes: list[Node]  # topological order
     overrides: tuple[str, ...] = ()
     options: dict[str, Any] = field(default_factory=dict)  # the recipe's option values in this plan
-    dropped: dict[str, str] = field(default_factory=dict)  # node -> why the plan left it out (wire_preference_losses)
+    dropped: dict[str, str] = field(default_factory=dict)  # node -> why the plan left it out (a stage's wire_plan)
 
     def node(self, name: str) -> Node:
         for n in self.nodes:
@@ -203,10 +213,6 @@ class Plan:
             if n.name in out:
                 out.update(up for up, _ in n.inputs.values())
         return out
-
-
-def _kinds(spec: str) -> set[str]:
-    return set(spec.rstrip("?").split("|"))
 
 
 def _required(declared: dict[str, str]) -> set[str]:
@@ -265,137 +271,75 @@ def _resolve_sources(spec: str | list[str], enabled: set[str]) -> str | None:
     return None
 
 
-# ---------------------------------------------------------------------------- what each preference loss needs
-
-
-@dataclass(frozen=True)
-class LossNeeds:
-    """What a `preference_optimization` loss reads, so that the plan wires it before any compute.
-
-    data: the dataset kinds it trains on, preferred first (KTO: labelled unpaired rows, else pairs
-    read as chosen = desirable); reference: it reads reference log-probs (SimPO and ORPO do not);
-    kl: its reference also scores mismatched (prompt, completion) pairs, KTO's reference point.
-    """
-
-    data: tuple[str, ...]
-    reference: bool
-    kl: bool
-
-
-# From the loss registry, so a loss added there is wired by the inputs it declares.
-LOSS_NEEDS: dict[str, LossNeeds] = {
-    loss: LossNeeds(data=("preferences",) if loss in pl.PAIRED else ("unpaired", "preferences"),
-                    reference=loss in pl.NEEDS_REFERENCE, kl="kl_ref" in spec.inputs)
-    for loss, spec in pl.LOSSES.items()
-}
-TRAINS, REFERENCE = "preference_optimization", "reference_logprobs"  # the stages the rule wires
-
-
-def _data_source(src: str, kinds: tuple[str, ...], stages: dict[str, str], where: str) -> str:
-    """`src` or a sibling output of its node with the first of `kinds` it has (pairs -> unpaired rows for KTO)."""
-    up, out = src.split(".", 1)
-    outputs = get_stage(stages[up]).OUTPUTS
-    if out not in outputs:
-        return src  # load_plan names the missing output
-    for kind in kinds:
-        if kind in _kinds(outputs[out]):
-            return src
-        sibling = next((o for o, k in outputs.items() if kind in _kinds(k)), None)
-        if sibling is not None:
-            return f"{up}.{sibling}"
-    raise ConfigError(f"{where} trains on {' or '.join(kinds)}, but {src} is {outputs[out]} and node {up!r} has no "
-                      f"{kinds[0]} output; wire one, or choose a loss that trains on {outputs[out]}")
-
-
-def wire_preference_losses(stages: dict[str, str], cfgs: dict[str, BaseModel], wiring: dict[str, dict[str, str]],
-                           user_set: dict[tuple[str, str], str]) -> dict[str, str]:
-    """Wire every preference_optimization node for its loss (`LOSS_NEEDS`); returns the nodes dropped, with why.
-
-    The data input takes the kind the loss trains on from the same upstream node (KTO: preference_data's
-    unpaired rows). A reference-free loss reads no reference, and a reference_logprobs node that nothing
-    else reads is dropped. A reference node scores exactly its consumer's data, at its max_length, with
-    the KL pairs KTO needs. `user_set` ((node, field) -> the `--set` text): a `--set` that contradicts
-    this fails here, before any compute, with the `--set` that fixes it. Mutates `cfgs` and `wiring`.
-    """
-    unread: dict[str, str] = {}  # reference node -> why its reader let it go
-    consumers: dict[str, list[str]] = {}
-    for name, stage in stages.items():
-        if stage != TRAINS:
-            continue
-        loss = cfgs[name].loss
-        needs, w = LOSS_NEEDS[loss], wiring[name]
-        if "preferences" in w:
-            w["preferences"] = _data_source(w["preferences"], needs.data, stages, f"node {name!r} ({name}.loss={loss})")
-        ref = w.get("reference", "").split(".", 1)[0]
-        if not ref:
-            continue
-        if not needs.reference:
-            del w["reference"]
-            unread[ref] = f"{name}.loss={loss} is reference-free, so {name!r} reads no reference log-probs"
-        elif stages[ref] == REFERENCE:
-            consumers.setdefault(ref, []).append(name)
-
-    for ref, names in consumers.items():
-        wanted = {(wiring[n].get("model"), wiring[n].get("preferences"), cfgs[n].max_length) for n in names}
-        if len(wanted) > 1:
-            raise ConfigError(f"node {ref!r} is the reference of {', '.join(map(repr, names))}, which differ in model, "
-                              f"data or max_length; give each its own {REFERENCE} node")
-        ((model, source, length),) = wanted
-        if wiring[ref].get("model") != model:
-            raise ConfigError(f"node {ref!r} input 'model' is {wiring[ref].get('model')}, but {names[0]!r} trains "
-                              f"from {model}: reference log-probs must come from the model being trained")
-        if source is not None:
-            wiring[ref]["preferences"] = source
-        update: dict[str, Any] = {}
-        if cfgs[ref].max_length != length:
-            if (ref, "max_length") in user_set:
-                raise ConfigError(f"--set {user_set[ref, 'max_length']} differs from {names[0]}.max_length={length}: "
-                                  f"node {ref!r} must score at its consumer's max_length; add --set "
-                                  f"{names[0]}.max_length={cfgs[ref].max_length}, or drop that --set")
-            update["max_length"] = length
-        kto = next((n for n in names if LOSS_NEEDS[cfgs[n].loss].kl), None)
-        if kto is not None and not cfgs[ref].include_kl:
-            if (ref, "include_kl") in user_set:
-                raise ConfigError(f"--set {user_set[ref, 'include_kl']} contradicts {kto}.loss={cfgs[kto].loss}: node "
-                                  f"{ref!r} must score KTO's mismatched pairs (field include_kl); use "
-                                  f"--set {ref}.include_kl=true, or drop that --set")
-            update["include_kl"] = True
-        if update:
-            cfgs[ref] = cfgs[ref].model_copy(update=update)
-
-    read = {src.split(".", 1)[0] for w in wiring.values() for src in w.values()}
-    dropped = {ref: why for ref, why in unread.items() if ref not in read and stages[ref] == REFERENCE}
-    for ref in dropped:
-        del wiring[ref], cfgs[ref]
-    return dropped
-
-
 def load_plan(recipe: str = DEFAULT_RECIPE, profile: str = "cpu", overrides: list[str] | tuple[str, ...] = (),
               run_checks: bool = True) -> Plan:
+    """The plan of a recipe under a profile and `--set` overrides, every config error raised here, before any
+    compute. In phases: read the recipe (options applied) and profile; layer the node configs (recipe < profile
+    < --set); wire each node's inputs from its enabled sources; validate the configs; let each stage module's plan
+    hook rewire its nodes (`wire_plan`, docs/design.md §2); order the nodes and check every edge."""
     raw, recipe_path = _load_yaml(recipe, RECIPE_DIR, "recipe")
-    raw_profile, _ = _load_yaml(profile, PROFILE_DIR, "profile")
-    try:
-        prof = ProfileConfig.model_validate(raw_profile)
-    except ValidationError as e:
-        raise ConfigError(f"profile {profile}: {pydantic_message(e, '', ProfileConfig)}") from None
+    prof = _read_profile(profile)
     parsed = [(*parse_override(text), text) for text in overrides]
     recipe_name = str(raw.get("name", recipe))
     overlay = prof.recipes.get(recipe_name)
+    rec = _read_recipe(raw, recipe_path, recipe_name, overlay, parsed)
+
+    enabled = {name for name, n in rec.nodes.items() if n.when}
+    node_cfgs = {name: dict(n.config) for name, n in rec.nodes.items() if name in enabled}
+    node_seeds = {name: n.seed for name, n in rec.nodes.items()}
+    _check_stages(rec)
+    _apply_profile(rec, prof, overlay, recipe_name, node_cfgs)
+    model, seed = _apply_overrides(rec, parsed, node_cfgs, node_seeds, prof.model or rec.model, rec.seed)
+    wiring = _wire_sources(rec, enabled)
+
+    resources = {name: node_resources(name, rec.nodes[name].stage, rec.nodes[name].resources, prof, node_cfgs)
+                 for name in wiring}
+    cfgs = _validate_configs(rec, wiring, node_cfgs, model)
+    user_set = {(path[0], path[1]): text for path, _, text in parsed if len(path) == 2}
+    dropped = _run_plan_hooks({n: rec.nodes[n].stage for n in wiring}, cfgs, wiring, user_set)
+
+    nodes = []
+    for name in _topological({n: [src.split(".", 1)[0] for src in w.values()] for n, w in wiring.items()}):
+        spec = rec.nodes[name]
+        module = get_stage(spec.stage)
+        inputs = _node_inputs(rec, name, wiring[name])
+        if run_checks:
+            check_node(module, cfgs[name], name)
+        nodes.append(Node(name, spec.stage, cfgs[name], inputs,
+                          node_seeds[name] if node_seeds[name] is not None else seed, resources[name]))
+    return Plan(rec.name, prof.name, rec.description, model, seed, nodes, tuple(overrides), dict(rec.options), dropped)
+
+
+def _read_profile(profile: str) -> ProfileConfig:
+    raw_profile, _ = _load_yaml(profile, PROFILE_DIR, "profile")
+    try:
+        return ProfileConfig.model_validate(raw_profile)
+    except ValidationError as e:
+        raise ConfigError(f"profile {profile}: {pydantic_message(e, '', ProfileConfig)}") from None
+
+
+def _read_recipe(raw: dict, recipe_path: str, recipe_name: str, overlay: RecipeOverlay | None,
+                 parsed: list[tuple[list[str], Any, str]]) -> RecipeConfig:
+    """The recipe with its option values (`_options`) substituted into its nodes, validated."""
     options = _options(raw, recipe_name, overlay, parsed)
     if options and isinstance(raw.get("nodes"), dict):
         raw = {**raw, "options": options, "nodes": _substitute(raw["nodes"], options)}
     try:
-        rec = RecipeConfig.model_validate(raw)
+        return RecipeConfig.model_validate(raw)
     except ValidationError as e:
         raise ConfigError(f"recipe {recipe_path}: {pydantic_message(e, '', RecipeConfig)}") from None
 
-    enabled = {name for name, n in rec.nodes.items() if n.when}
-    model, seed = prof.model or rec.model, rec.seed
-    node_cfgs = {name: dict(n.config) for name, n in rec.nodes.items() if name in enabled}
-    node_seeds = {name: n.seed for name, n in rec.nodes.items()}
+
+def _check_stages(rec: RecipeConfig) -> None:
     for name, n in rec.nodes.items():
         if n.stage not in STAGE_MODULES:
             raise ConfigError(f"recipe {rec.name!r} node {name!r}: unknown stage {n.stage!r}; known: {', '.join(STAGE_MODULES)}")
+
+
+def _apply_profile(rec: RecipeConfig, prof: ProfileConfig, overlay: RecipeOverlay | None, recipe_name: str,
+                   node_cfgs: dict[str, dict]) -> None:
+    """The profile's sizes on the enabled nodes' configs: by stage type, then by node name; then the same from the
+    profile's overlay for this recipe (`recipes.<name>`). Mutates `node_cfgs`."""
     layers = [(prof.stages, prof.nodes, f"profile {prof.name!r}")]
     if overlay is not None:
         layers.append((overlay.stages, overlay.nodes, f"profile {prof.name!r} recipes.{recipe_name}"))
@@ -411,6 +355,11 @@ def load_plan(recipe: str = DEFAULT_RECIPE, profile: str = "cpu", overrides: lis
             elif overlay is not None and nodes_overlay is overlay.nodes and name not in rec.nodes:
                 raise ConfigError(f"{where}: recipe {rec.name!r} has no node {name!r}")
 
+
+def _apply_overrides(rec: RecipeConfig, parsed: list[tuple[list[str], Any, str]], node_cfgs: dict[str, dict],
+                     node_seeds: dict[str, int | None], model: str, seed: int) -> tuple[str, int]:
+    """The `--set` overrides (options were applied with the recipe): `model=`, `seed=`, `<node>.seed=` and
+    `<node>.<key>=` (into `node_cfgs`, `node_seeds`). Returns (model, seed)."""
     for path, value, text in parsed:
         if path == ["model"]:
             model = str(value)
@@ -434,7 +383,11 @@ def load_plan(recipe: str = DEFAULT_RECIPE, profile: str = "cpu", overrides: lis
             extra = " or options.NAME=" if rec.options else ""
             raise ConfigError(f"--set {text!r}: unknown stage node {path[0]!r} in recipe {rec.name!r}; "
                               f"nodes: {', '.join(rec.nodes)} (or model=, seed={extra})")
+    return model, seed
 
+
+def _wire_sources(rec: RecipeConfig, enabled: set[str]) -> dict[str, dict[str, str]]:
+    """enabled node -> input -> its first enabled source ('node.output'); a required input without one fails."""
     wiring: dict[str, dict[str, str]] = {}
     for name in [n for n in rec.nodes if n in enabled]:
         spec = rec.nodes[name]
@@ -447,45 +400,61 @@ def load_plan(recipe: str = DEFAULT_RECIPE, profile: str = "cpu", overrides: lis
             elif inp in declared and not declared[inp].endswith("?"):
                 raise ConfigError(f"node {name!r} input {inp!r}: every source ({', '.join([sources] if isinstance(sources, str) else sources)}) "
                                   f"is disabled by its `when`; add an enabled alternative or disable {name!r} too")
+    return wiring
 
-    resources = {name: node_resources(name, rec.nodes[name].stage, rec.nodes[name].resources, prof, node_cfgs)
-                 for name in wiring}
+
+def _validate_configs(rec: RecipeConfig, wiring: dict[str, dict[str, str]], node_cfgs: dict[str, dict],
+                      model: str) -> dict[str, BaseModel]:
+    """Each wired node's config as its stage's pydantic model, `${model}` replaced by the plan's model."""
     cfgs = {}
     for name in wiring:
         try:
             cfgs[name] = STAGE_CONFIGS[rec.nodes[name].stage].model_validate(_substitute(node_cfgs[name], {"model": model}))
         except ValidationError as e:
             raise ConfigError(pydantic_message(e, name, STAGE_CONFIGS[rec.nodes[name].stage])) from None
-    user_set = {(path[0], path[1]): text for path, _, text in parsed if len(path) == 2}
-    dropped = wire_preference_losses({n: rec.nodes[n].stage for n in wiring}, cfgs, wiring, user_set)
+    return cfgs
 
-    nodes = []
-    for name in _topological({n: [src.split(".", 1)[0] for src in w.values()] for n, w in wiring.items()}):
-        spec = rec.nodes[name]
-        module = get_stage(spec.stage)
-        cfg = cfgs[name]
-        declared = module.INPUTS
-        given = set(spec.inputs)
-        if given - set(declared):
-            raise ConfigError(f"node {name!r}: stage {spec.stage!r} has no input(s) {sorted(given - set(declared))}; "
-                              f"its inputs: {', '.join(declared) or 'none'}")
-        if _required(declared) - given:
-            raise ConfigError(f"node {name!r}: missing input(s) {sorted(_required(declared) - given)} of stage {spec.stage!r}")
-        inputs = {}
-        for inp, src in wiring[name].items():
-            up, out = src.split(".", 1)
-            up_outputs = get_stage(rec.nodes[up].stage).OUTPUTS
-            if out not in up_outputs:
-                raise ConfigError(f"node {name!r} input {inp!r}: node {up!r} has no output {out!r}; "
-                                  f"its outputs: {', '.join(up_outputs)}")
-            if not _kinds(up_outputs[out]) & _kinds(declared[inp]):
-                raise ConfigError(f"node {name!r} input {inp!r}: expects {declared[inp]}, but {src} is {up_outputs[out]}")
-            inputs[inp] = (up, out)
-        if run_checks:
-            check_node(module, cfg, name)
-        nodes.append(Node(name, spec.stage, cfg, inputs, node_seeds[name] if node_seeds[name] is not None else seed,
-                          resources[name]))
-    return Plan(rec.name, prof.name, rec.description, model, seed, nodes, tuple(overrides), dict(rec.options), dropped)
+
+def _run_plan_hooks(stages: dict[str, str], cfgs: dict[str, BaseModel], wiring: dict[str, dict[str, str]],
+                    user_set: dict[tuple[str, str], str]) -> dict[str, str]:
+    """Each stage module's optional plan hook, once per stage type in the plan (in plan order):
+    `wire_plan(stages, outputs, cfgs, wiring, user_set) -> {dropped node: why}` may rewire the nodes (their
+    inputs in `wiring`, their configs in `cfgs`) and drop nodes nothing reads; `stages`: node -> stage type,
+    `outputs`: node -> its stage's OUTPUTS, `user_set`: (node, field) -> the `--set` text that set it, so that
+    a contradicting `--set` fails with the `--set` that fixes it. Returns every dropped node, with why."""
+    dropped: dict[str, str] = {}
+    for stage in dict.fromkeys(stages.values()):
+        hook = getattr(get_stage(stage), "wire_plan", None)
+        if hook is None:
+            continue
+        outputs = {n: get_stage(s).OUTPUTS for n, s in stages.items()}
+        dropped.update(hook(stages, outputs, cfgs, wiring, user_set))
+        stages = {n: s for n, s in stages.items() if n in wiring}
+    return dropped
+
+
+def _node_inputs(rec: RecipeConfig, name: str, wiring: dict[str, str]) -> dict[str, tuple[str, str]]:
+    """input -> (upstream node, output) of a node, every edge checked: the stage declares the input, no required
+    input is missing, the upstream node has the output and its kind is one the input takes."""
+    spec = rec.nodes[name]
+    declared = get_stage(spec.stage).INPUTS
+    given = set(spec.inputs)
+    if given - set(declared):
+        raise ConfigError(f"node {name!r}: stage {spec.stage!r} has no input(s) {sorted(given - set(declared))}; "
+                          f"its inputs: {', '.join(declared) or 'none'}")
+    if _required(declared) - given:
+        raise ConfigError(f"node {name!r}: missing input(s) {sorted(_required(declared) - given)} of stage {spec.stage!r}")
+    inputs = {}
+    for inp, src in wiring.items():
+        up, out = src.split(".", 1)
+        up_outputs = get_stage(rec.nodes[up].stage).OUTPUTS
+        if out not in up_outputs:
+            raise ConfigError(f"node {name!r} input {inp!r}: node {up!r} has no output {out!r}; "
+                              f"its outputs: {', '.join(up_outputs)}")
+        if not declared_kinds(up_outputs[out]) & declared_kinds(declared[inp]):
+            raise ConfigError(f"node {name!r} input {inp!r}: expects {declared[inp]}, but {src} is {up_outputs[out]}")
+        inputs[inp] = (up, out)
+    return inputs
 
 
 def node_resources(name: str, stage: str, declared: dict[str, Any], prof: ProfileConfig,
@@ -517,3 +486,13 @@ def check_node(module, cfg, node: str) -> None:
         check(cfg, node=node)
     else:
         check(cfg)
+
+
+def default_profile() -> str:
+    """gpu when CUDA is available, else cpu: the profile a command uses without --profile."""
+    try:
+        import torch
+
+        return "gpu" if torch.cuda.is_available() else "cpu"
+    except ImportError:
+        return "cpu"

@@ -25,28 +25,34 @@ Standard library only: `r1flow up` must not pay for importing Prefect or MLflow.
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
+from flows.processes import (
+    STOP_GRACE_S,
+    console_script,
+    group_alive,
+    healthy,
+    log_tail,
+    pid_exists,
+    pid_start_ticks,
+    port_taken_message,
+    running,
+    terminate,
+)
 from schemas.errors import R1FlowError
 
 HOST = "127.0.0.1"
 WILDCARDS = ("0.0.0.0", "::", "")
 MLFLOW_UI_QUERY = "?workflowType=machine_learning"  # MLflow 3's UI: open experiments on the runs table (tracking.py)
 MLFLOW_UI_PORT = 5000  # `r1flow ui`'s first choice for a home's local store: MLflow's usual port
-STOP_GRACE_S = 10.0
-LOG_TAIL_LINES = 25
 
 
 @dataclass
@@ -119,7 +125,7 @@ def recorded_ports(home: str | Path) -> dict[str, int]:
 
 
 def record_ports(home: str | Path, **ports: int) -> None:
-    """Keep these ports for the home (callers hold `_locked(home)`)."""
+    """Keep these ports for the home (callers hold `locked(home)`)."""
     path = ports_path(home)
     merged = {**recorded_ports(home), **ports}
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -155,117 +161,6 @@ def private_file(path: Path) -> None:
 def env_for(info: ServerInfo) -> dict[str, str]:
     """The environment a client (r1flow run, a runner, a notebook) needs to use these servers."""
     return {"PREFECT_API_URL": info.prefect_api_url, "MLFLOW_TRACKING_URI": info.mlflow_tracking_uri}
-
-
-# ---------------------------------------------------------------------------------------------
-# processes
-
-
-def _proc_stat(pid: int) -> tuple[str, int, int] | None:
-    """(state, pgrp, start ticks) from /proc/<pid>/stat, or None if there is no such process."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    except OSError:
-        return None
-    fields = raw[raw.rindex(")") + 2:].split()  # the command name may contain spaces and parens
-    return fields[0], int(fields[2]), int(fields[19])
-
-
-def _have_proc() -> bool:
-    return Path("/proc/self/stat").exists()
-
-
-def _start_ticks(pid: int) -> int | None:
-    st = _proc_stat(pid) if _have_proc() else None
-    return st[2] if st else None
-
-
-def _reap(pid: int) -> None:
-    """Collect our own exited child so it does not linger as a zombie (no-op for other pids)."""
-    with contextlib.suppress(ChildProcessError, OSError):
-        os.waitpid(pid, os.WNOHANG)
-
-
-def _alive(pid: int, start_ticks: int | None = None) -> bool:
-    """Is this the same, still running process? Zombies count as dead; a reused pid too."""
-    if pid <= 0:
-        return False
-    _reap(pid)
-    if _have_proc():
-        st = _proc_stat(pid)
-        if st is None or st[0] in ("Z", "X"):
-            return False
-        return start_ticks is None or st[2] == start_ticks
-    return _signal0(pid)
-
-
-def _signal0(pid: int) -> bool:
-    """Without /proc: does signal 0 find the pid (EPERM: it exists, owned by someone else)?"""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _exists(pid: int) -> bool:
-    """Is there any process (zombies excluded) with this pid?"""
-    if _have_proc():
-        st = _proc_stat(pid)
-        return st is not None and st[0] not in ("Z", "X")
-    return _signal0(pid)
-
-
-def _group_alive(pgid: int) -> bool:
-    """Does any live (non-zombie) process remain in this process group?"""
-    if _have_proc():
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit():
-                st = _proc_stat(int(entry.name))
-                if st and st[1] == pgid and st[0] not in ("Z", "X"):
-                    return True
-        return False
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _signal(pid: int, pgid: int | None, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        if pgid:
-            os.killpg(pgid, sig)
-        else:
-            os.kill(pid, sig)
-
-
-def _terminate(pid: int, pgid: int | None, grace: float = STOP_GRACE_S) -> str:
-    """SIGTERM (to the group when given), wait up to `grace` s, then SIGKILL. Says which it took."""
-    def gone() -> bool:
-        _reap(pid)
-        if _group_alive(pgid) if pgid else _alive(pid):
-            return False
-        _reap(pid)  # the leader may have turned zombie since the first call
-        return True
-
-    _signal(pid, pgid, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline:
-        if gone():
-            return "SIGTERM"
-        time.sleep(0.1)
-    _signal(pid, pgid, signal.SIGKILL)
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and not gone():
-        time.sleep(0.05)
-    return "SIGKILL"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -333,7 +228,7 @@ def mlflow_allowed_hosts(advertise: str) -> str | None:
                      *(f"172.{i}.*" for i in range(16, 32)), name, f"{escaped}:*"])
 
 
-def _free_ports(n: int, host: str = HOST) -> list[int]:
+def free_ports(n: int, host: str = HOST) -> list[int]:
     """n distinct free ports on host (the sockets stay open until all are chosen)."""
     with contextlib.ExitStack() as stack:
         ports = []
@@ -356,69 +251,12 @@ def bind_error(port: int, host: str = HOST) -> OSError | None:
     return None
 
 
-def port_holder(port: int) -> str | None:
-    """`pid N (command)` of the process listening on this TCP port, when this user can see it (Linux /proc)."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            f = line.split()
-            if len(f) > 9 and f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:
-                inodes.add(f"socket:[{f[9]}]")
-    if not inodes:
-        return None
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            for fd in (proc / "fd").iterdir():
-                if os.readlink(fd) in inodes:
-                    cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-                    return f"pid {proc.name} ({cmd[:80]}{'...' if len(cmd) > 80 else ''})"
-        except OSError:
-            continue
-    return None
-
-
-def port_taken_message(port: int, host: str, e: OSError, whose: str) -> str:
-    """One line: which port, whose it is (`whose`), and what holds it when known."""
-    holder = port_holder(port) if e.errno == errno.EADDRINUSE else None
-    why = f"in use by {holder}" if holder else f"not available ({e.strerror})"
-    return f"port {host}:{port} ({whose}) is {why}"
-
-
 def _check_port_free(port: int, what: str, host: str = HOST, whose: str | None = None) -> None:
     e = bind_error(port, host)
     if e is not None:
         raise R1FlowError(f"cannot start the {what} server: "
                           + port_taken_message(port, host, e, whose or f"--{what}-port")
                           + f"; stop what holds it, or pick another with --{what}-port (this home keeps it)")
-
-
-def console_script(name: str) -> list[str]:
-    """The venv's console script next to this interpreter, else `python -m name`."""
-    exe = Path(sys.executable).parent / name
-    return [str(exe)] if exe.exists() else [sys.executable, "-m", name]
-
-
-def _log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return "(no log)"
-    tail = text.strip().splitlines()[-lines:]
-    return "\n".join("    " + line for line in tail) if tail else "    (log is empty)"
-
-
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as r:
-            return r.status == 200
-    except (urllib.error.URLError, OSError, ValueError):
-        return False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -489,7 +327,7 @@ def _spawn(cmd: list[str], env: dict[str, str], log: Path, cwd: Path) -> subproc
 
 
 @contextlib.contextmanager
-def _locked(home: str | Path):
+def locked(home: str | Path):
     """Serialise read-modify-write of servers.json between r1flow processes."""
     import fcntl
 
@@ -521,7 +359,7 @@ def _write(home: str | Path, info: ServerInfo) -> None:
 
 
 def _live_servers(info: ServerInfo) -> list[Server]:
-    return [s for s in (info.prefect, info.mlflow) if _alive(s.pid, s.start_ticks)]
+    return [s for s in (info.prefect, info.mlflow) if running(s.pid, s.start_ticks)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -536,7 +374,7 @@ def status(home: str | Path) -> ServerInfo | None:
 
 def dead(info: ServerInfo) -> list[Server]:
     """The recorded servers that are no longer running."""
-    return [s for s in (info.prefect, info.mlflow) if not _alive(s.pid, s.start_ticks)]
+    return [s for s in (info.prefect, info.mlflow) if not running(s.pid, s.start_ticks)]
 
 
 def _refuses(host: str, port: int) -> bool:
@@ -554,7 +392,7 @@ def broken(info: ServerInfo) -> list[Server]:
     """The recorded servers that are gone: the process has exited, or its port refuses connections (a killed
     uvicorn child under a live `prefect server start`)."""
     return [s for s in (info.prefect, info.mlflow)
-            if not _alive(s.pid, s.start_ticks) or _refuses(_connect_host(s.bind), s.port)]
+            if not running(s.pid, s.start_ticks) or _refuses(_connect_host(s.bind), s.port)]
 
 
 def start(home: str | Path, prefect_port: int | None = None, mlflow_port: int | None = None,
@@ -568,7 +406,7 @@ def start(home: str | Path, prefect_port: int | None = None, mlflow_port: int | 
     private_dir(home)
     private_dir(d)
     private_dir(home / "prefect-server")
-    with _locked(home):
+    with locked(home):
         old = _read(home)
         if old is not None:
             live = _live_servers(old)
@@ -592,7 +430,7 @@ def start(home: str | Path, prefect_port: int | None = None, mlflow_port: int | 
             _check_port_free(prefect_port, "prefect", host, whose["prefect"])
         if mlflow_port is not None:
             _check_port_free(mlflow_port, "mlflow", host, whose["mlflow"])
-        free = [p for p in _free_ports(3, host) if p not in (prefect_port, mlflow_port)]
+        free = [p for p in free_ports(3, host) if p not in (prefect_port, mlflow_port)]
         prefect_port = prefect_port or free.pop()
         mlflow_port = mlflow_port or free.pop()
         for db in ("prefect.db", "mlflow.db"):
@@ -616,13 +454,13 @@ def start(home: str | Path, prefect_port: int | None = None, mlflow_port: int | 
                 procs[name] = p
                 # start_new_session: the server leads its own session and process group
                 servers[name] = Server(name=name, pid=p.pid, pgid=p.pid, port=port, url=url,
-                                       health_url=url + health, log=str(log), start_ticks=_start_ticks(p.pid),
+                                       health_url=url + health, log=str(log), start_ticks=pid_start_ticks(p.pid),
                                        bind=host)
                 checks[name] = _url(local, port) + health
             _wait_healthy(procs, servers, started, timeout, checks)
         except BaseException:
             for name, p in procs.items():
-                _terminate(p.pid, servers[name].pgid if name in servers else None, grace=5)
+                terminate(p.pid, servers[name].pgid if name in servers else None, grace=5)
                 with contextlib.suppress(Exception):
                     p.wait(timeout=1)
             raise
@@ -647,8 +485,8 @@ def _wait_healthy(procs: dict[str, subprocess.Popen], servers: dict[str, Server]
             code = procs[name].poll()
             if code is not None:
                 raise R1FlowError(f"the {name} server exited with code {code} before answering {check}; "
-                                  f"last lines of {s.log}:\n{_log_tail(Path(s.log))}")
-            if _healthy(check) and procs[name].poll() is None:  # our process, not a port thief
+                                  f"last lines of {s.log}:\n{log_tail(Path(s.log))}")
+            if healthy(check) and procs[name].poll() is None:  # our process, not a port thief
                 s.startup_s = round(time.monotonic() - started[name], 2)
                 pending.discard(name)
         if pending and time.monotonic() > deadline:
@@ -656,7 +494,7 @@ def _wait_healthy(procs: dict[str, subprocess.Popen], servers: dict[str, Server]
             s = servers[name]
             raise R1FlowError(f"the {name} server did not answer {checks.get(name, s.health_url)} within "
                               f"{timeout:.0f} s; "
-                              f"last lines of {s.log}:\n{_log_tail(Path(s.log))}")
+                              f"last lines of {s.log}:\n{log_tail(Path(s.log))}")
         if pending:
             time.sleep(0.25)
 
@@ -665,7 +503,7 @@ def stop(home: str | Path, grace: float = STOP_GRACE_S) -> list[str]:
     """Stop registered runners first, then the servers; remove servers.json. Returns what it stopped."""
     if not info_path(home).exists():
         return []  # nothing recorded (and no servers/ directory to create)
-    with _locked(home):
+    with locked(home):
         info = _read(home)
         return [] if info is None else _stop_locked(home, info, grace)
 
@@ -676,16 +514,16 @@ def _stop_locked(home: str | Path, info: ServerInfo, grace: float) -> list[str]:
     _write(home, info)  # a foreground `r1flow up` watching these servers exits quietly
     for r in info.runners:
         pid, pgid = int(r["pid"]), r.get("pgid")
-        if _alive(pid, r.get("start_ticks")):
+        if running(pid, r.get("start_ticks")):
             # the group only when the runner leads one of its own (never the user's shell's group)
-            how = _terminate(pid, pgid if pgid == pid else None, grace=grace)
+            how = terminate(pid, pgid if pgid == pid else None, grace=grace)
             stopped.append(f"runner pid {pid} ({how})")
     for s in (info.prefect, info.mlflow):
         # a leader that is gone may leave children in its group (mlflow's uvicorn); a pid that now
         # names another process (different start time) is not ours, nor is its group
-        orphans = s.pgid == s.pid and not _exists(s.pid) and _group_alive(s.pgid)
-        if _alive(s.pid, s.start_ticks) or orphans:
-            how = _terminate(s.pid, s.pgid, grace=grace)
+        orphans = s.pgid == s.pid and not pid_exists(s.pid) and group_alive(s.pgid)
+        if running(s.pid, s.start_ticks) or orphans:
+            how = terminate(s.pid, s.pgid, grace=grace)
             stopped.append(f"{s.name} server pid {s.pid} on {s.url} ({how})")
     info_path(home).unlink(missing_ok=True)
     return stopped
@@ -699,7 +537,7 @@ def register_runner(home: str | Path, pid: int | None = None, name: str = "runne
     pid = os.getpid() if pid is None else pid
     if not info_path(home).exists():
         return False
-    with _locked(home):
+    with locked(home):
         info = _read(home)
         if info is None or not _live_servers(info):
             return False
@@ -708,7 +546,7 @@ def register_runner(home: str | Path, pid: int | None = None, name: str = "runne
             pgid = os.getpgid(pid)
         except ProcessLookupError:
             return False
-        info.runners.append({"pid": pid, "pgid": pgid, "name": name, "start_ticks": _start_ticks(pid),
+        info.runners.append({"pid": pid, "pgid": pgid, "name": name, "start_ticks": pid_start_ticks(pid),
                              "registered_at": datetime.now(UTC).isoformat(timespec="seconds")})
         _write(home, info)
         return True
@@ -718,7 +556,7 @@ def unregister_runner(home: str | Path, pid: int | None = None) -> None:
     pid = os.getpid() if pid is None else pid
     if not info_path(home).exists():
         return
-    with _locked(home):
+    with locked(home):
         info = _read(home)
         if info is None:
             return

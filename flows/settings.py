@@ -103,23 +103,24 @@ def start_temporary_prefect() -> None:
     time per database: each runs Prefect's migrations on `$PREFECT_HOME/prefect.db` as it starts, and commands
     started together on a new home ran them at once (`duplicate column name: last_polled`, issue 44), as they
     did MLflow's (flows/tracking.py: `sqlite_lock`). The lock is `<db>.lock`, like MLflow's; the database is
-    created 0600 first. Prefect then uses this server (one per process) for the command's flow."""
+    created 0600 first. Prefect then uses this server (one per process) for the command's flow. It refuses requests
+    with a foreign Host header (DNS rebinding), as `r1flow up`'s does (flows/prefect_server.py)."""
     if os.environ.get("PREFECT_API_URL"):
         return
-    from prefect.server.api.server import SubprocessASGIServer
     from prefect.settings import get_current_settings
 
+    from flows.prefect_server import temporary_server
     from flows.servers import private_file
 
     url = get_current_settings().server.database.connection_url
     url = url.get_secret_value() if url is not None else ""
     if not url.startswith("sqlite+aiosqlite:///") or ":memory:" in url:
-        SubprocessASGIServer().start()
+        temporary_server().start()
         return
     db = Path(url.removeprefix("sqlite+aiosqlite:///").split("?", 1)[0])
     with file_lock(f"{db}.lock"):
         private_file(db)
-        SubprocessASGIServer().start()
+        temporary_server().start()
 
 
 def _check_prefect_not_fixed() -> None:

@@ -48,6 +48,7 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from flows.processes import have_proc, proc_stat
 from schemas.artifacts import MANIFEST_FILE, Manifest, Producer
 from schemas.errors import ArtifactError
 from stages.base import Input
@@ -62,21 +63,6 @@ KEEP_CORRUPT = 3  # set-aside damaged artifacts kept for inspection (the newest)
 # reused pid is not mistaken for the owner. The host id keeps a home shared between machines (or containers with
 # their own pid namespace) safe: an owner on another host is never judged.
 _OWNER_RE = re.compile(r"^(\d+)-(\d+)-([0-9a-f]{8})-")
-
-
-def _proc_stat(pid: int) -> tuple[str, int] | None:
-    """(state, start ticks) of a process, or None if there is none."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read()
-    except OSError:
-        return None
-    fields = raw[raw.rindex(b")") + 2:].split()  # the command name may contain spaces and parens
-    return fields[0].decode(), int(fields[19])
-
-
-def _have_proc() -> bool:
-    return os.path.exists("/proc/self/stat")
 
 
 _HOST_ID: str | None = None
@@ -102,8 +88,8 @@ def process_owner() -> str:
     global _OWNER
     pid = os.getpid()
     if _OWNER is None or _OWNER[0] != pid:  # recomputed in a forked child
-        st = _proc_stat(pid)
-        _OWNER = (pid, f"{pid}-{st[1] if st else 0}-{host_id()}")
+        st = proc_stat(pid)
+        _OWNER = (pid, f"{pid}-{st[2] if st else 0}-{host_id()}")
     return _OWNER[1]
 
 
@@ -118,11 +104,11 @@ def owner_gone(pid: int, ticks: int, host: str) -> bool:
     or it started at another time (the pid was reused). Anything uncertain counts as alive."""
     if host != host_id() or pid <= 0:
         return False
-    if _have_proc():
-        st = _proc_stat(pid)
+    if have_proc():
+        st = proc_stat(pid)
         if st is None or st[0] in ("Z", "X"):
             return True
-        return ticks != 0 and st[1] != ticks
+        return ticks != 0 and st[2] != ticks
     try:  # no /proc (macOS): only a pid that does not exist at all is gone
         os.kill(pid, 0)
     except ProcessLookupError:

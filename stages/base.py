@@ -180,3 +180,9 @@ class LocalContext:
 
     def log_file(self, path: Path, subdir: str = "") -> None:
         self.files.append(Path(path))
+
+
+def declared_kinds(spec: str) -> set[str]:
+    """The kinds a declared input or output (`INPUTS`, `OUTPUTS`) takes: "preferences|unpaired" -> {preferences,
+    unpaired}; a trailing `?` (optional) is not part of a kind."""
+    return set(spec.rstrip("?").split("|"))

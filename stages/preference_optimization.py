@@ -30,14 +30,16 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import numpy as np
 import torch
 
 from schemas.configs import GenerationSpec, PreferenceOptimizationConfig
 from schemas.errors import ArtifactError, ConfigError, SchemaError
-from stages.base import Input, Output, StageContext, seed_everything
+from stages.base import Input, Output, StageContext, declared_kinds, seed_everything
 from stages.math import preference as pl
 from stages.modeling import models
 from stages.modeling.prefix_sharing import completion_logprobs, score_examples
@@ -56,6 +58,112 @@ OUTPUTS = {"model": "model"}
 def check(cfg: PreferenceOptimizationConfig) -> None:
     if cfg.loss == "cdpo" and cfg.label_smoothing == 0:
         raise ConfigError("preference_optimization.label_smoothing: cdpo needs a label_smoothing > 0 (0 is plain dpo)")
+
+
+# ---------------------------------------------------------------------------- plan hook: wiring for the loss
+
+
+@dataclass(frozen=True)
+class LossNeeds:
+    """What a `preference_optimization` loss reads, so that the plan wires it before any compute.
+
+    data: the dataset kinds it trains on, preferred first (KTO: labelled unpaired rows, else pairs
+    read as chosen = desirable); reference: it reads reference log-probs (SimPO and ORPO do not);
+    kl: its reference also scores mismatched (prompt, completion) pairs, KTO's reference point.
+    """
+
+    data: tuple[str, ...]
+    reference: bool
+    kl: bool
+
+
+# From the loss registry, so a loss added there is wired by the inputs it declares.
+LOSS_NEEDS: dict[str, LossNeeds] = {
+    loss: LossNeeds(data=("preferences",) if loss in pl.PAIRED else ("unpaired", "preferences"),
+                    reference=loss in pl.NEEDS_REFERENCE, kl="kl_ref" in spec.inputs)
+    for loss, spec in pl.LOSSES.items()
+}
+TRAINS, REFERENCE = "preference_optimization", "reference_logprobs"  # the stages the hook wires
+
+
+def _data_source(src: str, kinds: tuple[str, ...], node_outputs: dict[str, dict[str, str]], where: str) -> str:
+    """`src` or a sibling output of its node with the first of `kinds` it has (pairs -> unpaired rows for KTO)."""
+    up, out = src.split(".", 1)
+    outputs = node_outputs[up]
+    if out not in outputs:
+        return src  # load_plan names the missing output
+    for kind in kinds:
+        if kind in declared_kinds(outputs[out]):
+            return src
+        sibling = next((o for o, k in outputs.items() if kind in declared_kinds(k)), None)
+        if sibling is not None:
+            return f"{up}.{sibling}"
+    raise ConfigError(f"{where} trains on {' or '.join(kinds)}, but {src} is {outputs[out]} and node {up!r} has no "
+                      f"{kinds[0]} output; wire one, or choose a loss that trains on {outputs[out]}")
+
+
+def wire_plan(stages: dict[str, str], outputs: dict[str, dict[str, str]], cfgs: dict[str, Any],
+              wiring: dict[str, dict[str, str]], user_set: dict[tuple[str, str], str]) -> dict[str, str]:
+    """The plan hook (flows/recipes.py calls it while planning, before any compute): wire every
+    preference_optimization node for its loss (`LOSS_NEEDS`); returns the nodes dropped, with why.
+
+    The data input takes the kind the loss trains on from the same upstream node (KTO: preference_data's
+    unpaired rows). A reference-free loss reads no reference, and a reference_logprobs node that nothing
+    else reads is dropped. A reference node scores exactly its consumer's data, at its max_length, with
+    the KL pairs KTO needs. `user_set` ((node, field) -> the `--set` text): a `--set` that contradicts
+    this fails here, before any compute, with the `--set` that fixes it. Mutates `cfgs` and `wiring`.
+    """
+    unread: dict[str, str] = {}  # reference node -> why its reader let it go
+    consumers: dict[str, list[str]] = {}
+    for name, stage in stages.items():
+        if stage != TRAINS:
+            continue
+        loss = cfgs[name].loss
+        needs, w = LOSS_NEEDS[loss], wiring[name]
+        if "preferences" in w:
+            w["preferences"] = _data_source(w["preferences"], needs.data, outputs, f"node {name!r} ({name}.loss={loss})")
+        ref = w.get("reference", "").split(".", 1)[0]
+        if not ref:
+            continue
+        if not needs.reference:
+            del w["reference"]
+            unread[ref] = f"{name}.loss={loss} is reference-free, so {name!r} reads no reference log-probs"
+        elif stages[ref] == REFERENCE:
+            consumers.setdefault(ref, []).append(name)
+
+    for ref, names in consumers.items():
+        wanted = {(wiring[n].get("model"), wiring[n].get("preferences"), cfgs[n].max_length) for n in names}
+        if len(wanted) > 1:
+            raise ConfigError(f"node {ref!r} is the reference of {', '.join(map(repr, names))}, which differ in model, "
+                              f"data or max_length; give each its own {REFERENCE} node")
+        ((model, source, length),) = wanted
+        if wiring[ref].get("model") != model:
+            raise ConfigError(f"node {ref!r} input 'model' is {wiring[ref].get('model')}, but {names[0]!r} trains "
+                              f"from {model}: reference log-probs must come from the model being trained")
+        if source is not None:
+            wiring[ref]["preferences"] = source
+        update: dict[str, Any] = {}
+        if cfgs[ref].max_length != length:
+            if (ref, "max_length") in user_set:
+                raise ConfigError(f"--set {user_set[ref, 'max_length']} differs from {names[0]}.max_length={length}: "
+                                  f"node {ref!r} must score at its consumer's max_length; add --set "
+                                  f"{names[0]}.max_length={cfgs[ref].max_length}, or drop that --set")
+            update["max_length"] = length
+        kto = next((n for n in names if LOSS_NEEDS[cfgs[n].loss].kl), None)
+        if kto is not None and not cfgs[ref].include_kl:
+            if (ref, "include_kl") in user_set:
+                raise ConfigError(f"--set {user_set[ref, 'include_kl']} contradicts {kto}.loss={cfgs[kto].loss}: node "
+                                  f"{ref!r} must score KTO's mismatched pairs (field include_kl); use "
+                                  f"--set {ref}.include_kl=true, or drop that --set")
+            update["include_kl"] = True
+        if update:
+            cfgs[ref] = cfgs[ref].model_copy(update=update)
+
+    read = {src.split(".", 1)[0] for w in wiring.values() for src in w.values()}
+    dropped = {ref: why for ref, why in unread.items() if ref not in read and stages[ref] == REFERENCE}
+    for ref in dropped:
+        del wiring[ref], cfgs[ref]
+    return dropped
 
 
 # ---------------------------------------------------------------------------- reference

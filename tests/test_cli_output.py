@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from flows.cli import main, print_summary
+from flows.cli import main
+from flows.cli_output import print_summary
 from flows.recipes import load_plan
 from flows.store import ArtifactStore
 from schemas.artifacts import Producer

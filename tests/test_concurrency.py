@@ -46,7 +46,7 @@ def test_runs_opening_a_fresh_sqlite_store_together_all_succeed(tmp_path):
 def test_moving_an_alias_is_retried_when_a_concurrent_run_moved_it():
     from mlflow.exceptions import MlflowException
 
-    from flows.report import _set_alias
+    from flows.registry import _set_alias
 
     class Client:
         def __init__(self, failures: int, message: str):
@@ -73,7 +73,7 @@ def test_registration_holds_the_store_lock(tmp_path, monkeypatch):
     """Two runs finishing together register one at a time on a local store (one version per fingerprint)."""
     import fcntl
 
-    from flows import report
+    from flows import registry
     from flows.tracking import sqlite_lock
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
@@ -88,8 +88,8 @@ def test_registration_holds_the_store_lock(tmp_path, monkeypatch):
             except BlockingIOError:
                 seen.append("held")
 
-    monkeypatch.setattr(report, "_register_models", probe)
-    report.register_models(None, [], type("T", (), {"uri": uri})())
+    monkeypatch.setattr(registry, "_register_models", probe)
+    registry.register_models(None, [], type("T", (), {"uri": uri})())
     assert seen == ["held"]
     with sqlite_lock("http://127.0.0.1:5000"):  # a server: nothing to lock
         pass

@@ -80,7 +80,7 @@ def test_first_run_runs_every_stage_and_tracks_it(home, caplog, recwarn):
     manifest = json.loads((home / "artifacts" / results_fp / "manifest.json").read_text())
     assert manifest["schema"] == "eval" and manifest["producer"]["node"] == "eval_sft"
     assert "accuracy" in manifest["metrics"] and manifest["parents"]
-    # the run report (MLflow and Prefect) and the model registry (flows/report.py)
+    # the run report (MLflow and Prefect) and the model registry (flows/report.py, flows/registry.py)
     report = {a.path for a in client.list_artifacts(result["parent_run_id"], "report")}
     assert report == {"report/report.md", "report/training_loss.png", "report/eval.png", "report/train_sft.png",
                       "report/comparison.json", "report/comparison.csv"}

@@ -20,10 +20,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _dead_process() -> tuple[int, int]:
     """(pid, start ticks) of a process that was killed with kill -9 (and reaped)."""
-    from flows.store import _proc_stat
+    from flows.processes import proc_stat
 
     proc = subprocess.Popen([sys.executable, "-S", "-c", "import time; time.sleep(60)"])
-    ticks = _proc_stat(proc.pid)[1]
+    ticks = proc_stat(proc.pid)[2]
     proc.kill()
     proc.wait()
     return proc.pid, ticks
@@ -32,11 +32,11 @@ def _dead_process() -> tuple[int, int]:
 @pytest.fixture()
 def live_process():
     """(pid, start ticks) of another process that is running (a concurrent run on the same home)."""
-    from flows.store import _proc_stat
+    from flows.processes import proc_stat
 
     proc = subprocess.Popen([sys.executable, "-S", "-c", "import time; time.sleep(120)"])
     try:
-        yield proc.pid, _proc_stat(proc.pid)[1]
+        yield proc.pid, proc_stat(proc.pid)[2]
     finally:
         proc.kill()
         proc.wait()
@@ -133,9 +133,10 @@ def test_the_next_run_closes_a_killed_runs_prefect_and_mlflow_runs_and_folders(t
     from prefect.client.schemas import filters as f
     from prefect.states import Running
 
-    from flows.pipeline import PREFECT_HOST_LABEL, PREFECT_PROCESS_LABEL, pipeline
+    from flows.pipeline import pipeline
+    from flows.processes import proc_stat
+    from flows.reclaim import PREFECT_HOST_LABEL, PREFECT_PROCESS_LABEL
     from flows.settings import Settings
-    from flows.store import _proc_stat
     from flows.tracking import Tracker
     from schemas.errors import ConfigError
     from tests.conftest import harness_home
@@ -153,7 +154,7 @@ def test_the_next_run_closes_a_killed_runs_prefect_and_mlflow_runs_and_folders(t
 
     tracker = Tracker(s.tracking_uri, "r1flow/sft-eval")
     assert tracker.client.get_run(tracker.start_run("mine", {})).data.tags["r1flow.process"] == \
-        f"{os.getpid()}:{_proc_stat(os.getpid())[1]}"  # runs name the process that made them
+        f"{os.getpid()}:{proc_stat(os.getpid())[2]}"  # runs name the process that made them
 
     def mlflow_run(pid: int, ticks: int, host: str = host_id()) -> str:
         tags = {"r1flow.host": host, "r1flow.process": f"{pid}:{ticks}"}
@@ -201,7 +202,7 @@ def test_the_next_run_closes_a_killed_runs_prefect_and_mlflow_runs_and_folders(t
         assert [client.read_flow_run(r.id).state.type.value for r in untouched] == ["RUNNING"] * 3
         assert client.read_task_run(untouched_task.id).state.type.value == "RUNNING"
         me = [r for r in client.read_flow_runs(flow_run_filter=f.FlowRunFilter())
-              if owner(os.getpid(), _proc_stat(os.getpid())[1]).items() <= r.labels.items()]
+              if owner(os.getpid(), proc_stat(os.getpid())[2]).items() <= r.labels.items()]
         assert [r.state.type.value for r in me] == ["FAILED"]  # the next run named its own process
         # on disk too, first; the finished run's file is gone (the next scan removes the next run's and the crashed)
         assert {p.name for p in owners.iterdir()} == {str(unlabelled.id), str(me[0].id)}

@@ -40,7 +40,7 @@ SCRIPTS = {_module(p) for p in (ROOT / "benchmarks").glob("*.py")} | {"stages.tr
 # Interfaces: one meaning implemented by several modules, each called through its module.
 INTERFACES: dict[str, set[str]] = {
     # the stage API every runner calls on a stage module (docs/design.md, "Stages")
-    **dict.fromkeys(("run", "check", "cache_salt"), STAGES),
+    **dict.fromkeys(("run", "check", "cache_salt", "wire_plan"), STAGES),
     # the phases a training stage's run() reads as; a stage module never imports another (test_layers.py)
     **dict.fromkeys(("open_session", "resume_session", "micro_batch_loss", "train_step", "evaluate", "summarize"),
                     STAGES),

@@ -1,6 +1,6 @@
-"""The plan wires every preference_optimization node for its loss (`flows.recipes.LOSS_NEEDS`), before
-any compute: KTO trains on preference_data's unpaired rows and its reference node scores those rows and
-KTO's mismatched (KL) pairs; SimPO and ORPO read no reference, so a reference node nothing else reads
+"""The plan wires every preference_optimization node for its loss before any compute (the stage's plan hook
+`wire_plan`, from `stages.preference_optimization.LOSS_NEEDS`): KTO trains on preference_data's unpaired rows
+and its reference node scores those rows and KTO's mismatched (KL) pairs; SimPO and ORPO read no reference, so a reference node nothing else reads
 is left out; a reference scores at its consumer's max_length. A `--set` that contradicts the wiring
 fails at plan time with the `--set` that fixes it."""
 
@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from flows.recipes import LOSS_NEEDS, RECIPE_DIR, available, load_plan
+from flows.recipes import RECIPE_DIR, available, load_plan
 from schemas.errors import ConfigError
 from stages import get_stage
+from stages.preference_optimization import LOSS_NEEDS
 
 LOSSES = ("dpo", "cdpo", "ipo", "simpo", "kto", "orpo")
 # every recipe with a preference_optimization node (rlhf, r1, nightly-preferences today), found by walking them

@@ -9,22 +9,18 @@ import json
 
 import pytest
 
+from flows.comparison import comparison_rows, previous_comparison
 from flows.recipes import load_plan
-from flows.report import (
+from flows.registry import (
     CHAMPION_ALIAS,
     FINAL_ALIAS,
-    artifact_key,
-    build_report,
-    comparison_rows,
     evaluated_models,
     final_model_nodes,
-    panel_figure,
-    previous_comparison,
-    publish_report,
     register_models,
     registered_model_name,
-    training_panels,
 )
+from flows.report import artifact_key, build_report, publish_report
+from flows.report_plots import panel_figure, training_panels
 from flows.results import StageResult
 from flows.store import ArtifactStore
 from flows.tracking import Tracker
@@ -319,7 +315,7 @@ def test_pass_at_k_names_its_prompts_and_throughput_its_machine_load(tracker):
     ev["eval_sft"]["pass_k_prompts"] = 2.0  # a count the eval logged wins over the config's
     rows = comparison_rows(plan, [dataclasses.replace(r, metrics=ev[r.node]) for r in results])
     assert [r["pass_k_prompts"] for r in rows] == [3, 2]
-    from flows.report import comparison_markdown, comparison_payload
+    from flows.comparison import comparison_markdown, comparison_payload
 
     md = "\n".join(comparison_markdown(comparison_payload(plan, parent, rows, None), tracker))
     assert "| pass@k |" in md and "| 0.500 (k=2, 3 prompts) |" in md and "| 0.750 (k=2, 2 prompts) |" in md
@@ -460,9 +456,9 @@ def test_rerun_with_changed_model_shows_the_previous_row_for_that_eval_only(trac
     assert report.comparison["previous"] == {"parent_run_id": p2, "rows": []}
 
     # a handful at most: with one try, run 3 only reaches run 2 (passing over nothing)
-    import flows.report as report_mod
+    import flows.comparison as comparison_mod
 
-    monkeypatch.setattr(report_mod, "MAX_PREVIOUS_RUNS", 1)
+    monkeypatch.setattr(comparison_mod, "MAX_PREVIOUS_RUNS", 1)
     assert previous_comparison(tracker, plan, p3)["parent_run_id"] == p2
     p4 = parent_run(tracker, plan, "run-4")
     tracker.end(p4)  # finished without evals: the one try is spent on it
@@ -482,7 +478,7 @@ def test_previous_rows_from_before_intervals_show_the_accuracy_alone(tracker):
            "tokens_per_s": 90.0, "arith/accuracy": 0.125}
     payload = {"recipe": "sft-eval", "profile": "tiny", "parent_run_id": "p2" * 16, "rows": [now],
                "previous": {"parent_run_id": "p1" * 16, "rows": [old]}}
-    from flows.report import comparison_csv, comparison_markdown
+    from flows.comparison import comparison_csv, comparison_markdown
 
     md = "\n".join(comparison_markdown(payload, tracker))
     assert "| accuracy [95% CI] | lenient acc | pass@4 | format rate | mean length | tokens/s † | prompts | acc: arith |" \

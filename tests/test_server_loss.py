@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from flows import servers
+from flows import processes, servers
 from tests.conftest import clean_env
 
 pytestmark = pytest.mark.slow
@@ -156,7 +156,7 @@ def test_prefect_server_killed_mid_run_one_line_then_up_recovers_and_the_next_ru
         assert f"prefect server (pid {info.prefect.pid}, {info.prefect.url}) is gone" in up.stdout, up.stdout
         new = servers.status(home)
         assert new is not None and not servers.dead(new) and new.prefect.pid != info.prefect.pid
-        assert not servers._alive(info.mlflow.pid, info.mlflow.start_ticks)  # the survivor was stopped, not leaked
+        assert not processes.running(info.mlflow.pid, info.mlflow.start_ticks)  # the survivor was stopped, not leaked
         info = new
 
         result = tmp_path / "rerun.json"

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from flows import servers
+from flows import processes, servers
 from schemas.errors import R1FlowError
 
 
@@ -45,7 +45,7 @@ def _group_members(pgid: int) -> list[int]:
     members = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
-            st = servers._proc_stat(int(entry.name))
+            st = processes.proc_stat(int(entry.name))
             if st and st[1] == pgid:
                 members.append(int(entry.name))
     return members
@@ -220,6 +220,62 @@ def test_prefect_host_guard_accepts_ip_literals_localhost_and_the_advertised_nam
         assert not host_allowed(bad, names), bad
 
 
+_TEMPORARY = textwrap.dedent("""
+    import sys
+    from flows.settings import make_home, prepare_environment, start_temporary_prefect
+    prepare_environment()
+    make_home()
+    start_temporary_prefect()
+    from prefect.server.api.server import SubprocessASGIServer
+    server = SubprocessASGIServer()  # what Prefect's own clients use
+    print("temporary", type(server).__name__, server.port, flush=True)
+    sys.stdin.read()  # until the test closes it; the server stops at exit
+""")
+
+
+def _status_with_host(port: int, path: str, host_header: str) -> int:
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.putrequest("GET", path, skip_host=True)
+        conn.putheader("Host", host_header)
+        conn.endheaders()
+        return conn.getresponse().status
+    finally:
+        conn.close()
+
+
+@pytest.mark.slow
+def test_the_temporary_prefect_server_refuses_a_foreign_host_header(tmp_path):
+    """A command without `r1flow up` (and no PREFECT_API_URL) starts Prefect's temporary server (flows/settings.py):
+    it is behind the same Host check as up's (flows/prefect_server.py), and it is the server Prefect's clients use."""
+    from tests.conftest import clean_env
+
+    proc = subprocess.Popen([sys.executable, "-c", _TEMPORARY], cwd=Path(__file__).resolve().parent.parent,
+                            env=clean_env(tmp_path / "home"), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        while line and not line.startswith("temporary "):  # anything Prefect prints first
+            line = proc.stdout.readline()
+        assert line, proc.stderr.read()[-3000:]  # stdout closed: it exited
+        _, kind, port = line.split()
+        port = int(port)
+        assert kind == "GuardedSubprocessServer"
+        assert _status_with_host(port, "/api/health", f"rebind.example:{port}") == 403
+        assert _status_with_host(port, "/api/flows/filter", "rebind.example") == 403
+        for ok in (f"127.0.0.1:{port}", f"localhost:{port}"):
+            assert _status_with_host(port, "/api/health", ok) == 200, ok
+    finally:
+        proc.stdin.close()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def test_a_taken_port_names_what_holds_it(tmp_path):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
@@ -227,7 +283,7 @@ def test_a_taken_port_names_what_holds_it(tmp_path):
         port = busy.getsockname()[1]
         e = servers.bind_error(port)
         assert e is not None
-        message = servers.port_taken_message(port, "127.0.0.1", e, "mine")
+        message = processes.port_taken_message(port, "127.0.0.1", e, "mine")
         assert message.startswith(f"port 127.0.0.1:{port} (mine) is in use by pid {os.getpid()} ("), message
     assert servers.bind_error(port) is None  # closed: free again
 
