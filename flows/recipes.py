@@ -98,9 +98,11 @@ def pydantic_message(e: ValidationError, prefix: str, model: type[BaseModel] | N
 
 
 def deep_merge(base: dict, overlay: dict) -> dict:
+    """`overlay` over `base`, mappings merged key by key; any other value, and an empty mapping, replaces (`--set
+    prompts.tasks={}` clears the default tasks rather than adding nothing to them)."""
     out = copy.deepcopy(base)
     for k, v in overlay.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict):
+        if isinstance(v, dict) and v and isinstance(out.get(k), dict):
             out[k] = deep_merge(out[k], v)
         else:
             out[k] = copy.deepcopy(v)

@@ -212,3 +212,22 @@ def test_a_repeated_question_in_a_user_file_is_dropped_with_a_count_and_a_clashi
     f.write_text("\n" + "".join(json.dumps(r) + "\n" for r in rows))  # a blank first line: lines count it
     with pytest.raises(SchemaError, match=rf"^{f}: line 3 and line 5: id 'q7' names two different prompts"):
         prompts.check(cfg)
+
+
+def test_a_users_own_held_out_set_for_a_single_stage_run_replaces_the_default_tasks(tmp_path):
+    """Issue 47 item 6: `r1flow stage prompts --set files=[mine.jsonl] --set tasks={}` kept the default
+    basic_arithmetic task (the `{}` merged into it), so 256 generated prompts joined the user's set. `{}` (and `[]`)
+    now replace; a recipe's `--set prompts.tasks={}` did already."""
+    from flows.deploy import stage_config
+    from flows.recipes import deep_merge, load_plan, overrides_tree
+
+    f = tmp_path / "mine.jsonl"
+    f.write_text(json.dumps({"question": "What is 2+2?", "answer": "4", "split": "eval"}) + "\n")
+    overrides = overrides_tree([f"files=[{f}]", "tasks={}"])
+    cfg, _, _ = stage_config("prompts", None, "cpu", None, overrides)
+    assert cfg["tasks"] == {} and cfg["files"] == [str(f)]
+    assert [r["split"] for r in prompts.build_prompts(PromptsConfig(**cfg), seed=0)] == ["eval"]
+    plan = load_plan("eval", "tiny", [f"prompts.files=[{f}]", "prompts.tasks={}"])
+    assert plan.node("prompts").config_dict["tasks"] == {}
+    assert deep_merge({"a": {"x": 1}, "b": [1]}, {"a": {"y": 2}, "b": []}) == {"a": {"x": 1, "y": 2}, "b": []}
+    assert deep_merge({"a": {"x": 1}}, {"a": {}}) == {"a": {}}
