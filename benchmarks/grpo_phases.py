@@ -83,7 +83,7 @@ class PhaseClock:
         return lambda: setattr(owner, attr, original)
 
 
-def summarize(steps: list[dict[str, float]]) -> dict:
+def phase_summary(steps: list[dict[str, float]]) -> dict:
     """First step (warm-up) and the mean of the others, per phase, with the step total."""
     def row(s: dict[str, float]) -> dict[str, float]:
         out = {p: s.get(p, 0.0) for p in PHASES}
@@ -144,14 +144,14 @@ def measure(cache: str, args, prep: dict, work: Path) -> dict:
     finally:
         for u in reversed(undo):
             u()
-    out = summarize(clock.steps)
+    out = phase_summary(clock.steps)
     out.update({"cache": cache, "wall_s": time.perf_counter() - t0, "shape": {
         "prompts": shape.grpo_prompts, "group": shape.grpo_group, "new_tokens": shape.grpo_new_tokens,
         "minibatch": shape.grpo_minibatch, "lora_r": shape.lora_r}})
     return out
 
 
-def table(results: list[dict]) -> str:
+def phase_table(results: list[dict]) -> str:
     head = "| cache | step | " + " | ".join(PHASES) + " | step s |"
     lines = [head, "|" + "---|" * (len(PHASES) + 3)]
     for r in results:
@@ -188,8 +188,8 @@ def main() -> None:
         print(f"grpo phases: {args.model} on {args.device}, cache {cache}, {args.steps} steps after a warm-up",
               flush=True)
         results.append(measure(cache, args, prep, work))
-        print(table(results[-1:]), flush=True)
-    print("\n" + table(results))
+        print(phase_table(results[-1:]), flush=True)
+    print("\n" + phase_table(results))
     if args.json:
         Path(args.json).write_text(json.dumps({"device": args.device, "model": args.model, "results": results},
                                               indent=1))

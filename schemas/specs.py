@@ -126,8 +126,8 @@ class SandboxLimits(Strict):
 
 class EnvironmentSpec(Strict):
     """What answers a model's turn during sampling (stages/environments): `single_turn` (one completion, no tool:
-    what every sampling stage did before environments) or `python` (the model writes <python>...</python>, the
-    program runs in the sandbox and its output comes back as <output>...</output>, for up to `max_turns` turns),
+    what every sampling stage did before environments) or `python` (the model writes a program in r1flow's python
+    tags, the program runs in the sandbox and its output comes back in output tags, for up to `max_turns` turns),
     or the path of a Python file defining `environment(**options)`. A stage's config leaves it out of its cache
     key while it is the default, so `single_turn` runs keep their keys."""
 

@@ -290,6 +290,6 @@ def test_grpo_phase_clock_counts_each_phase_without_its_nested_phases(monkeypatc
     assert dict(clock.steps[0]) == {"rollout": 3.0, "forward": 1.0, "backward": 3.0, "other": 3.0}
     assert len(syncs) == 8
     later = {"rollout": 1.0, "other": 0.5}
-    summary = grpo_phases.summarize([clock.steps[0], later, later])
+    summary = grpo_phases.phase_summary([clock.steps[0], later, later])
     assert summary["first"]["step"] == 10.0 and summary["steps_measured"] == 2
     assert summary["mean"]["rollout"] == 1.0 and summary["mean"]["step"] == 1.5 and summary["mean"]["backward"] == 0.0
