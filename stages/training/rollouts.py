@@ -32,6 +32,7 @@ from stages.rewards.verifiers import Verdict, score
 from stages.runtime import distributed
 from stages.runtime.seeds import seed_stream
 from stages.sampling.completions import Completion
+from stages.sampling.multiturn import Trajectory
 from stages.sampling.vllm_backend import check_vllm_model_dir
 
 if TYPE_CHECKING:
@@ -121,8 +122,10 @@ def score_completions(rows: list[dict], comps: list[Completion], reward: RewardS
 
 
 def text_free(comps: list[Completion]) -> list[Completion]:
-    """The completions without text, tokens or log-probs: what metrics need, cheap to gather across processes."""
-    return [dataclasses.replace(c, text="", token_ids=(), logprobs=None) for c in comps]
+    """The completions without text, tokens or log-probs: what metrics need, cheap to gather across processes.
+    A multi-turn `Trajectory` keeps its token ids and model mask (its lengths and observation tokens)."""
+    return [dataclasses.replace(c, text="", transcript="", logprobs=()) if isinstance(c, Trajectory)
+            else dataclasses.replace(c, text="", token_ids=(), logprobs=None) for c in comps]
 
 
 # ---------------------------------------------------------------------------- metrics
