@@ -21,8 +21,7 @@ import torch
 from stages.rewards.verifiers import Verdict
 from stages.runtime import distributed
 from stages.sampling.completions import Completion
-from stages.sampling.multiturn import Trajectory
-from stages.training.env_rollouts import EnvironmentRollouts, tool_metrics
+from stages.training.env_rollouts import EnvironmentRollouts
 from stages.training.rollouts import pick_prompts, rollout_metrics, rollout_seed, score_completions, text_free
 
 if TYPE_CHECKING:
@@ -104,7 +103,4 @@ def gather_groups(g: Groups, dist: distributed.Dist, group_size: int) -> tuple[l
                               [v for vs in all_verdicts for v in vs], [c for cs in all_comps for c in cs],
                               zero_std_groups / max(1, total_groups))
     metrics.update({"time/generation": t_gen, "time/scoring": t_score})
-    flat = [c for cs in all_comps for c in cs]
-    if flat and isinstance(flat[0], Trajectory):
-        metrics.update(tool_metrics(flat))
     return rewards_by_rank, metrics
