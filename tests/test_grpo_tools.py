@@ -7,6 +7,7 @@ cache keys as before."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -78,6 +79,8 @@ def test_a_two_turn_group_by_hand():
     torch.testing.assert_close(batch["sampler_logprobs"], torch.tensor([[0, -0.5, -0.6, 0, 0, -0.7],
                                                                         [0, -0.2, -0.3, 0, 0, 0]]))
     assert prompts == [[1, 2]] and completions == [[3, 4, 5, 6, 7], [8, 9]]
+    cut = [[dataclasses.replace(t, finish_reason="length") if i == 0 else t for i, t in enumerate(_two_turn_group()[0])]]
+    assert env_rollouts.group_rows(cut, 0, mask_truncated=True)[0]["loss_mask"].tolist() == [[0] * 6, [0, 1, 1, 0, 0, 0]]
     adv = rl.group_advantages(torch.tensor([[1.0, 0.0]])).reshape(-1)
     torch.testing.assert_close(adv, torch.tensor([1.0, -1.0]), atol=1e-3, rtol=0)
     torch.testing.assert_close(masking.token_weights(adv, mask),
@@ -135,6 +138,7 @@ def test_grpo_runs_two_steps_with_a_tool_every_turn(tmp_path, tiny_model_input, 
     for m in steps:
         assert m["rollout/turns"] > 1 and m["rollout/tool_calls"] > 0 and m["rollout/observation_tokens"] > 0
         assert m["rollout/tool_error_rate"] == 0.0 and "train/kl" in m
+    assert steps[-1]["eval/tool_calls"] > 0 and "eval/accuracy" in steps[-1]  # the held-out eval uses the tool too
     print({k: v for k, v in steps[-1].items() if k.startswith(("rollout/", "time/", "eval/"))})
 
 
@@ -185,17 +189,25 @@ def test_the_grpo_update_is_blind_to_observation_positions(tmp_path, tiny_model_
         torch.testing.assert_close(a, b)
 
 
-def test_grpo_runs_with_the_python_environment(tmp_path, tiny_model_input, digit_prompts):
-    """The built-in python environment on the tiny model (which writes no code): it runs, logs the tool metrics."""
-    cfg = _cfg(environment=EnvironmentSpec(name="python", max_turns=2), old_logprobs="sampler")
+def test_grpo_runs_with_the_python_environment(tmp_path, tiny_model_input, digit_prompts, tiny_tokenizer):
+    """The built-in python environment on the tiny model (which writes no code), with LoRA (the reference: the
+    adapter disabled), the sampler's log-probs and a reward-model component scored on the model's text: it runs
+    and logs the tool metrics."""
+    from tests.test_grpo import _tiny_reward_model
+
+    cfg = _cfg(environment=EnvironmentSpec(name="python", max_turns=2), old_logprobs="sampler", beta=0.1,
+               lora=LoraSpec(r=4, alpha=8),
+               reward=RewardSpec(weights={"overlong": 1.0, "reward_model": 0.1}, overlong_max_tokens=6,
+                                 overlong_buffer=5))
     grpo.check(cfg)
     ctx = LocalContext(tmp_path / "run", seed=0)
-    grpo.run(cfg, {"model": tiny_model_input, "prompts": digit_prompts}, ctx)
+    grpo.run(cfg, {"model": tiny_model_input, "prompts": digit_prompts,
+                   "reward_model": _tiny_reward_model(tmp_path / "rm", tiny_tokenizer)}, ctx)
     steps = [m for step, m in ctx.metrics if step is not None and "reward/mean" in m]
     assert len(steps) == 2
     for m in steps:
         assert {"rollout/tool_calls", "rollout/tool_error_rate", "rollout/turns", "rollout/observation_tokens",
-                "train/logprob_gap"} <= set(m)
+                "train/logprob_gap", "train/kl", "reward/reward_model"} <= set(m)
         assert m["rollout/turns"] >= 1
 
 
