@@ -14,6 +14,11 @@ With `single_turn` (the default) none of this runs: the stages sample through th
   term, and the sampler's log-probs in the same layout;
 - `tool_metrics`: tool calls, tool error rate, turns and observation tokens per trajectory.
 
+In the stages: grpo runs whole rows (no prefix sharing), its `aggregation: constant` divides by
+`max_total_tokens` (the longest a trajectory can be) instead of max_new_tokens, and process supervision is
+refused; ppo's GAE runs over the sampled tokens only (`math.masking.multiturn_gae`); both evaluate the
+held-out prompts with the environment. Reward-model components score the prompt and the model's own text.
+
 May import: `schemas`, `stages.environments`, `stages.sampling`, `stages.rewards`, and the rest of
 `stages.training`; never a stage module.
 """
