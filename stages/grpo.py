@@ -9,8 +9,8 @@ step loop in `stages/training/` (shared with ppo); this module only orders them.
 GSPO (`policy_loss: gspo`), CISPO (`policy_loss: cispo`), RLOO (`advantage: rloo`).
 
 Departures from the papers, on purpose:
-- old log-probs are recomputed with the trainer's own forward pass after generation (same numerics
-  as the loss), so with mu = 1 the ratio is exactly 1 and clipping only matters for mu > 1;
+- old log-probs are the trainer's own forward pass of the first epoch (same numerics as the loss; the
+  parameters change only after an epoch), so with mu = 1 the ratio is exactly 1 and clipping only matters for mu > 1;
 - within one optimisation epoch, gradients of all mini-batches are accumulated into one optimizer
   step, each weighted by its share of the step (`rl.minibatch_share`), so mini-batching only bounds memory
   (tested: the same update within fp32 rounding);
@@ -26,7 +26,8 @@ Departures from the papers, on purpose:
   its own groups with its own sampling seed, the reward matrices are gathered so the advantages
   are exactly one process's for the same rollouts (`rl.sharded_group_advantages`), the loss
   normalisers (sequences, tokens) are the whole step's, gradients are summed
-  (`stages.runtime.distributed`), and rollout metrics cover every process's groups.
+  (`stages.runtime.distributed`), and rollout metrics cover every process's groups;
+- an `environment:` other than single_turn rolls out multi-turn trajectories (`training.env_rollouts`), whole rows.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from stages.runtime import distributed
 from stages.runtime.seeds import seed_stream
 from stages.sampling.completions import render_prompts
 from stages.sampling.generation import TransformersBackend, make_backend
-from stages.training import groups, process_rewards, rl_loop, rollouts
+from stages.training import env_rollouts, groups, process_rewards, rl_loop, rollouts
 from stages.training.checkpoints import resume
 from stages.training.loop import autocast
 from stages.training.optim import (
@@ -66,6 +67,7 @@ SAMPLES = True  # its outputs depend on what the samplers draw: SAMPLER_VERSION 
 CONFIG = GRPOConfig
 INPUTS = {"model": "model", "prompts": "prompts", "reward_model": "model?", "process_reward_model": "model?"}
 OUTPUTS = {"model": "model"}
+cache_salt = env_rollouts.environment_salt  # a user environment file's bytes ("" for a built-in: the key as before)
 
 
 def check(cfg: GRPOConfig) -> None:
@@ -74,6 +76,7 @@ def check(cfg: GRPOConfig) -> None:
                           "is the base model with the adapter disabled")
     if cfg.generation.temperature == 0:
         raise ConfigError("grpo.generation.temperature: must be > 0 (a group of identical greedy samples has no signal)")
+    env_rollouts.check_environment("grpo", cfg, [("process_coef > 0 (step rewards)", cfg.process_coef > 0)])
 
 
 # ---------------------------------------------------------------------------- session
@@ -102,6 +105,7 @@ class Session:
     engine: bool  # a colocated vLLM engine samples; the trainer's weights are pushed into it before each rollout
     step_scorer: object | None = None  # a heads.StepScorer (the process_reward_model input): process supervision
     synced: int | None = None  # the step whose weights the sampler holds (fsdp)
+    env: env_rollouts.EnvironmentRollouts | None = None  # multi-turn rollouts (None: single_turn, the backend samples)
 
     @property
     def whole_policy(self) -> torch.nn.Module:
@@ -159,7 +163,7 @@ def open_session(cfg: GRPOConfig, inputs: dict[str, Input], ctx: StageContext) -
                     "total_parameters": counts["total"], "precision": str(autocast_dtype or "fp32")})
     return Session(cfg, ctx, dist, model, ref, sampler, trainable, optimizer, backend, tokenizer,
                    rollouts.pad_token_id(tokenizer), scorer, rows, held_out, autocast_dtype, engine,
-                   step_scorer), merged_input
+                   step_scorer, env=env_rollouts.open_environment("grpo", cfg, backend, autocast_dtype)), merged_input
 
 
 # ---------------------------------------------------------------------------- advantages and training tensors
@@ -189,13 +193,16 @@ def advantages(s: Session, g: groups.Groups, rewards_by_rank: list[torch.Tensor]
     n = adv.numel()
     if not n:
         return Update(adv, n)
-    prompt_texts = render_prompts(s.tokenizer, [r["messages"] for r in g.rows], cfg.generation.prefill)
-    prompt_ids = [s.tokenizer(t, add_special_tokens=False)["input_ids"] for t in prompt_texts]
-    flat_prompt_ids = [p for p in prompt_ids for _ in range(cfg.group_size)]
     flat_comps = [c for cs in g.comps for c in cs]
-    keep = [not (cfg.mask_truncated and c.finish_reason == "length") for c in flat_comps]
-    batch = build_batch(flat_prompt_ids, [list(c.token_ids) for c in flat_comps], s.pad_id, keep)
-    prompt_lens = [len(p) for p in flat_prompt_ids]
+    if s.env is not None:  # the sampler's own ids; the loss mask on the model's tokens, never an observation's
+        batch, prompt_ids, completion_ids = env_rollouts.group_rows(g.comps, s.pad_id, cfg.mask_truncated)
+    else:
+        prompt_texts = render_prompts(s.tokenizer, [r["messages"] for r in g.rows], cfg.generation.prefill)
+        prompt_ids = [s.tokenizer(t, add_special_tokens=False)["input_ids"] for t in prompt_texts]
+        completion_ids = [list(c.token_ids) for c in flat_comps]
+        keep = [not (cfg.mask_truncated and c.finish_reason == "length") for c in flat_comps]
+        batch = build_batch([p for p in prompt_ids for _ in range(cfg.group_size)], completion_ids, s.pad_id, keep)
+    prompt_lens = [len(p) for p in prompt_ids for _ in range(cfg.group_size)]
     if cfg.process_coef > 0:  # plus the step advantages of each token: (B*G, L-1); their time counts as scoring
         t_ps = time.perf_counter()
         step_adv, ps_metrics = process_rewards.token_advantages(s.step_scorer, s.scorer, s.tokenizer, g.rows, g.comps,
@@ -206,16 +213,14 @@ def advantages(s: Session, g: groups.Groups, rewards_by_rank: list[torch.Tensor]
     # the prompt runs once per group through a KV cache or packed with its completions (either where both
     # can, by cost); under gradient checkpointing there is no cache: packed if the model can be
     cached = prefix_sharing.can_share_prefix(s.model)
-    shared = cfg.prefix_sharing and (cached or prefix_sharing.can_pack_prefix(s.model))
-    rollout_batch = RolloutBatch(batch, prompt_ids, [list(c.token_ids) for c in flat_comps], cfg.group_size,
-                                 s.pad_id, shared, s.ctx.device, cfg.logprob_chunk, None if cached else True)
+    shared = cfg.prefix_sharing and s.env is None and (cached or prefix_sharing.can_pack_prefix(s.model))
+    rollout_batch = RolloutBatch(batch, prompt_ids, completion_ids, cfg.group_size, s.pad_id, shared, s.ctx.device,
+                                 cfg.logprob_chunk, None if cached else True)
     u = Update(adv, n, batch, rollout_batch, shared)
-    # The old policy's log-probs are the first epoch's own forward pass (filled in `minibatch_backward`): the
-    # parameters change only after an epoch's last mini-batch, so they are exact, and no separate no-grad pass
-    # over the batch is needed.
-    u.old_logp = torch.zeros_like(batch["loss_mask"])
+    u.old_logp = torch.zeros_like(batch["loss_mask"])  # the first epoch's own passes fill it (exact: see above)
     if cfg.old_logprobs == "sampler":
-        u.sampler_logp = place([list(c.logprobs or ()) for c in flat_comps], prompt_lens, batch["input_ids"].shape[1])
+        u.sampler_logp = (batch["sampler_logprobs"] if s.env is not None  # multi-turn: already in the mask's layout
+                          else place([list(c.logprobs or ()) for c in flat_comps], prompt_lens, batch["input_ids"].shape[1]))
         u.tis_w = torch.zeros_like(u.sampler_logp)
     if cfg.beta > 0:
         u.ref_logp = reference_logprobs(s, u)
@@ -290,7 +295,8 @@ def minibatch_backward(s: Session, u: Update, idx: torch.Tensor, epoch: int, n_a
         kl = rl.KL_ESTIMATORS[cfg.kl_estimator](logp, u.ref_logp[idx].to(dev)) * mask
         per_token = per_token + cfg.beta * kl
         train_stats["kl"].append(float(kl.detach().sum() / mask.sum().clamp(min=1)))
-    loss = rl.aggregate(per_token, mask, cfg.aggregation, max_tokens=cfg.generation.max_new_tokens)
+    loss = rl.aggregate(per_token, mask, cfg.aggregation,
+                        max_tokens=s.env.max_total_tokens if s.env else cfg.generation.max_new_tokens)
     weight = rl.minibatch_share(cfg.aggregation, len(idx), float(mask.sum()), n_all, total_tokens)
     (loss * weight).backward()
     train_stats["loss"].append(float(loss.detach()) * weight)
@@ -341,6 +347,8 @@ def evaluate(s: Session, done: int) -> dict[str, float]:
         return {}
     if s.engine:
         s.backend.sync(s.model, done)
+    if s.env is not None:  # with the tools of the training rollouts
+        return s.env.held_out_eval(s.held_out, s.cfg.generation, s.ctx.seed)
     return rl_loop.held_out_eval(s.backend, s.held_out, s.cfg.generation, s.ctx.seed)
 
 
@@ -357,7 +365,8 @@ def train_step(s: Session, step: int) -> dict[str, float]:
     cfg = s.cfg
     g = groups.sample_groups(s.backend, s.rows, cfg, s.ctx.seed, step, s.dist,
                              s.scorer if cfg.reward.weights.get("reward_model", 0) != 0 else None,
-                             cfg.dynamic_sampling, cfg.max_refill_rounds, logprobs=cfg.old_logprobs == "sampler")
+                             cfg.dynamic_sampling, cfg.max_refill_rounds, logprobs=cfg.old_logprobs == "sampler",
+                             env=s.env)
     rewards_by_rank, metrics = groups.gather_groups(g, s.dist, cfg.group_size)
     if not any(len(r) for r in rewards_by_rank):  # every group was flat: nothing to learn from this step
         metrics.update({"train/skipped": 1.0, "time/training": 0.0})

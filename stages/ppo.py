@@ -26,6 +26,9 @@ Choices and departures, on purpose:
   last prompt token for the first), so values, log-probs and the loss mask share one (N, L-1) layout;
 - both losses are token means over the mini-batch's completion tokens, on every process together;
 - a completion that cannot be scored gets score 0 and is counted in `reward/unscored`;
+- an `environment:` other than single_turn rolls out multi-turn trajectories (`training.env_rollouts`): the
+  losses, values and KL on the model's sampled tokens only, GAE across an observation as one transition
+  (`masking.multiturn_gae`), the score on the last sampled token;
 - on N processes (ddp) each rolls out prompts_per_step / N prompts and takes minibatch_size / N rows of
   every mini-batch; advantages are whitened over every process's tokens, the loss normaliser is the
   mini-batch's global token count and gradients are summed (`stages.runtime.distributed`), so the update is the
@@ -45,7 +48,7 @@ from peft import PeftModel
 from schemas.configs import PPOConfig
 from schemas.errors import ConfigError, ModelError
 from stages.base import Input, Output, StageContext
-from stages.math import rl
+from stages.math import masking, rl
 from stages.modeling import logprobs, models
 from stages.modeling.heads import (
     RewardScorer,
@@ -58,7 +61,7 @@ from stages.runtime import distributed
 from stages.runtime.seeds import seed_stream
 from stages.sampling.completions import Completion, render_prompts
 from stages.sampling.generation import make_backend
-from stages.training import groups, rl_loop, rollouts
+from stages.training import env_rollouts, groups, rl_loop, rollouts
 from stages.training.checkpoints import resume
 from stages.training.loop import autocast
 from stages.training.optim import clip_grad_norm, load_trainable, lr_factor, make_optimizer, resolve_precision
@@ -69,6 +72,7 @@ SAMPLES = True  # its outputs depend on what the samplers draw: SAMPLER_VERSION 
 CONFIG = PPOConfig
 INPUTS = {"model": "model", "prompts": "prompts", "reward_model": "model?"}
 OUTPUTS = {"model": "model"}
+cache_salt = env_rollouts.environment_salt  # a user environment file's bytes ("" for a built-in: the key as before)
 
 
 def check(cfg: PPOConfig) -> None:
@@ -78,6 +82,7 @@ def check(cfg: PPOConfig) -> None:
     if cfg.critic_warmup_steps >= cfg.steps:
         raise ConfigError(f"ppo.critic_warmup_steps: {cfg.critic_warmup_steps} of {cfg.steps} steps would never train "
                           "the policy; use fewer warmup steps or more steps")
+    env_rollouts.check_environment("ppo", cfg)
 
 
 # ---------------------------------------------------------------------------- tensors
@@ -192,6 +197,7 @@ class Session:
     held_out: list[dict]
     autocast_dtype: torch.dtype | None
     engine: bool  # a colocated vLLM engine samples; the policy's weights are pushed into it before each rollout
+    env: env_rollouts.EnvironmentRollouts | None = None  # multi-turn rollouts (None: single_turn, the backend samples)
 
     def autocast(self):
         return autocast(self.ctx.device, self.autocast_dtype)
@@ -221,7 +227,8 @@ def open_session(cfg: PPOConfig, inputs: dict[str, Input], ctx: StageContext) ->
                     "critic_trainable_parameters": sum(p.numel() for p in m.critic_params),
                     "total_parameters": counts["total"], "precision": str(autocast_dtype or "fp32")})
     return Session(cfg, ctx, dist, m, optimizer, backend, tokenizer, pad_id, scorer, rows, held_out,
-                   autocast_dtype, engine), merged_input
+                   autocast_dtype, engine, env_rollouts.open_environment("ppo", cfg, backend, autocast_dtype)
+                   ), merged_input
 
 
 # ---------------------------------------------------------------------------- rollout and scoring
@@ -246,12 +253,15 @@ def rollout(s: Session, step: int) -> Rollout:
     cfg = s.cfg
     if s.engine:
         s.backend.sync(s.models.policy, step)
-    g = groups.sample_groups(s.backend, s.rows, cfg, s.ctx.seed, step, s.dist, s.scorer)
-    texts = render_prompts(s.tokenizer, [r["messages"] for r in g.rows], cfg.generation.prefill)
-    prompt_ids = [s.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    g = groups.sample_groups(s.backend, s.rows, cfg, s.ctx.seed, step, s.dist, s.scorer, env=s.env)
     k = cfg.group_size
     flat = [c for cs in g.comps for c in cs]
-    batch = build_batch([p for p in prompt_ids for _ in range(k)], [list(c.token_ids) for c in flat], s.pad_id)
+    if s.env is not None:  # the sampler's own ids; the loss mask on the model's tokens, never an observation's
+        batch = env_rollouts.trajectory_rows(flat, s.pad_id)
+    else:
+        texts = render_prompts(s.tokenizer, [r["messages"] for r in g.rows], cfg.generation.prefill)
+        prompt_ids = [s.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+        batch = build_batch([p for p in prompt_ids for _ in range(k)], [list(c.token_ids) for c in flat], s.pad_id)
     scores = torch.cat(g.rewards) if g.rewards else torch.zeros(0)
     return Rollout([r for r in g.rows for _ in range(k)], flat, batch, [v for vs in g.verdicts for v in vs], scores,
                    g.seconds, g.score_seconds)
@@ -291,7 +301,9 @@ def advantages(s: Session, ro: Rollout, old: dict[str, torch.Tensor]) -> dict[st
     cfg, mask = s.cfg, ro.batch["loss_mask"]
     rewards, kl = rl.kl_penalized_rewards(ro.scores, old["old_logp"], old["ref_logp"], mask, cfg.beta,
                                           cfg.kl_estimator)
-    adv, returns = rl.gae(rewards, old["old_values"], mask, cfg.gamma, cfg.lam)
+    # multi-turn: GAE over the model's tokens only, an observation a transition between two of them
+    gae = masking.multiturn_gae if s.env is not None else rl.gae
+    adv, returns = gae(rewards, old["old_values"], mask, cfg.gamma, cfg.lam)
     white = whiten_everywhere(adv, mask, s.dist) if cfg.whiten_advantages else adv
     return {"advantages": white, "raw_advantages": adv, "returns": returns, "rewards": rewards, "kl": kl}
 
@@ -447,6 +459,8 @@ def evaluate(s: Session, done: int) -> dict[str, float]:
         return {}
     if s.engine:
         s.backend.sync(s.models.policy, done)
+    if s.env is not None:  # with the tools of the training rollouts
+        return s.env.held_out_eval(s.held_out, s.cfg.generation, s.ctx.seed)
     return rl_loop.held_out_eval(s.backend, s.held_out, s.cfg.generation, s.ctx.seed)
 
 

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import MappingProxyType
 
+from schemas.configs import EnvironmentSpec, RewardSpec
 from schemas.errors import ConfigError
 from stages.environments.base import Environment
 from stages.environments.python_tool import PythonTool
@@ -67,3 +68,19 @@ def environment_source_digest(name: str) -> str | None:
     if not is_environment_file(name):
         return None
     return hashlib.sha256(Path(name).read_bytes()).hexdigest()
+
+
+def environment_from_spec(spec: EnvironmentSpec, reward: RewardSpec) -> Environment:
+    """The environment a stage's `environment:` names, scoring with the stage's `reward`: built-ins get the spec's
+    fields (python: max_turns, timeout_s, max_output_chars) and `options`; a user file gets `options` only. Any
+    failure to make it (unknown name, missing or broken file, bad values) is one ConfigError naming it."""
+    known = {"single_turn": {}, "python": {"max_turns": spec.max_turns, "timeout_s": spec.timeout_s,
+                                           "max_output_chars": spec.max_output_chars}}
+    try:
+        if spec.name in known:
+            return get_environment(spec.name, reward=reward, **known[spec.name], **spec.options)
+        return get_environment(spec.name, **spec.options)
+    except ConfigError:
+        raise
+    except Exception as e:  # a user file that does not import, or options the environment refuses
+        raise ConfigError(f"environment {spec.name!r}: {type(e).__name__}: {e}") from e

@@ -21,6 +21,7 @@ import torch
 from stages.rewards.verifiers import Verdict
 from stages.runtime import distributed
 from stages.sampling.completions import Completion
+from stages.training.env_rollouts import EnvironmentRollouts
 from stages.training.rollouts import pick_prompts, rollout_metrics, rollout_seed, score_completions, text_free
 
 if TYPE_CHECKING:
@@ -33,7 +34,7 @@ class Groups:
     rewards differ), with how many groups were rolled out, how many were flat, and the times spent."""
 
     rows: list[dict] = dataclasses.field(default_factory=list)  # the prompts row of each group
-    comps: list[list[Completion]] = dataclasses.field(default_factory=list)
+    comps: list[list[Completion]] = dataclasses.field(default_factory=list)  # or Trajectory (an environment)
     verdicts: list[list[Verdict]] = dataclasses.field(default_factory=list)
     rewards: list[torch.Tensor] = dataclasses.field(default_factory=list)  # (G,) each
     zero_std_groups: int = 0
@@ -44,23 +45,29 @@ class Groups:
 
 def sample_groups(backend, rows: list[dict], cfg: RLConfig, seed: int, step: int, dist: distributed.Dist,
                   scorer=None, dynamic_sampling: bool = False, max_refill_rounds: int = 0,
-                  logprobs: bool = False) -> Groups:
+                  logprobs: bool = False, env: EnvironmentRollouts | None = None) -> Groups:
     """Roll out and score this process's share of step `step`'s prompts (prompts_per_step / processes groups of
     cfg.group_size completions). `scorer` (a RewardScorer) supplies the reward_model component; `logprobs`: the
     sampler's log-probs come along in the completions. With `dynamic_sampling`, groups whose rewards are all equal
-    are dropped and this process's share refilled from its own stream, up to `max_refill_rounds` times."""
+    are dropped and this process's share refilled from its own stream, up to `max_refill_rounds` times. `env`:
+    multi-turn trajectories (`env_rollouts.EnvironmentRollouts`) instead of the backend's completions, scored by
+    the environment."""
     g, share, n = Groups(), cfg.prompts_per_step // dist.world, cfg.group_size
     for attempt in range(1 + (max_refill_rounds if dynamic_sampling else 0)):
         if attempt == 0:  # the step's prompts, split among the processes in whole groups
             picked = [rows[i] for i in dist.shard(pick_prompts(len(rows), cfg.prompts_per_step, seed, step, 0))]
         else:  # a refill of this process's dropped groups, from its own stream
             picked = [rows[i] for i in pick_prompts(len(rows), share - len(g.rows), seed, step, attempt, dist.rank)]
-        comps, stats = backend.generate([r["messages"] for r in picked], cfg.generation, n=n,
-                                        seed=rollout_seed(seed, step, attempt, dist.rank), progress=False,
-                                        logprobs=logprobs)
+        if env is None:
+            comps, stats = backend.generate([r["messages"] for r in picked], cfg.generation, n=n,
+                                            seed=rollout_seed(seed, step, attempt, dist.rank), progress=False,
+                                            logprobs=logprobs)
+        else:  # multi-turn trajectories (they carry the sampler's log-probs always)
+            comps, stats = env.generate(picked, cfg.generation, n, rollout_seed(seed, step, attempt, dist.rank))
         t0 = time.perf_counter()
-        verdicts, rewards = score_completions([r for r in picked for _ in range(n)], [c for cs in comps for c in cs],
-                                              cfg.reward, scorer)
+        flat_rows, flat = [r for r in picked for _ in range(n)], [c for cs in comps for c in cs]
+        verdicts, rewards = (score_completions(flat_rows, flat, cfg.reward, scorer) if env is None
+                             else env.score(flat_rows, flat, scorer))
         rewards = rewards.reshape(len(picked), n)  # (B, G)
         g.seconds, g.score_seconds = g.seconds + stats.seconds, g.score_seconds + time.perf_counter() - t0
         flat = (rewards.max(dim=1).values == rewards.min(dim=1).values).tolist()

@@ -32,7 +32,9 @@ from stages.rewards.verifiers import Verdict, score
 from stages.runtime import distributed
 from stages.runtime.seeds import seed_stream
 from stages.sampling.completions import Completion
+from stages.sampling.multiturn import Trajectory
 from stages.sampling.vllm_backend import check_vllm_model_dir
+from stages.training.env_rollouts import tool_metrics
 
 if TYPE_CHECKING:
     from schemas.configs import RLConfig
@@ -121,8 +123,10 @@ def score_completions(rows: list[dict], comps: list[Completion], reward: RewardS
 
 
 def text_free(comps: list[Completion]) -> list[Completion]:
-    """The completions without text, tokens or log-probs: what metrics need, cheap to gather across processes."""
-    return [dataclasses.replace(c, text="", token_ids=(), logprobs=None) for c in comps]
+    """The completions without text, tokens or log-probs: what metrics need, cheap to gather across processes.
+    A multi-turn `Trajectory` keeps its token ids and model mask (its lengths and observation tokens)."""
+    return [dataclasses.replace(c, text="", transcript="", logprobs=()) if isinstance(c, Trajectory)
+            else dataclasses.replace(c, text="", token_ids=(), logprobs=None) for c in comps]
 
 
 # ---------------------------------------------------------------------------- metrics
@@ -130,7 +134,8 @@ def text_free(comps: list[Completion]) -> list[Completion]:
 
 def rollout_metrics(rewards: torch.Tensor, verdicts: list[Verdict], comps: list[Completion],
                     zero_std_frac: float | None = None) -> dict[str, float]:
-    """Reward mean and spread, unscored count, accuracy, format, components and lengths of a step's rollouts
+    """Reward mean and spread, unscored count, accuracy, format, components and lengths (of a multi-turn trajectory:
+    every token after the prompt; and `env_rollouts.tool_metrics`) of a step's rollouts
     (every process's: the caller gathers them); `zero_std_frac`: the share of groups whose rewards are all equal."""
     m: dict[str, float] = {
         "reward/mean": float(rewards.mean()) if rewards.numel() else 0.0,
@@ -149,6 +154,8 @@ def rollout_metrics(rewards: torch.Tensor, verdicts: list[Verdict], comps: list[
         m["completion/mean_length"] = float(np.mean(lengths))
         m["completion/max_length"] = float(np.max(lengths))
         m["completion/truncated_frac"] = float(np.mean([c.finish_reason == "length" for c in comps]))
+    if comps and isinstance(comps[0], Trajectory):  # multi-turn: tool calls, errors, turns, observation tokens
+        m.update(tool_metrics(comps))
     return m
 
 
