@@ -132,7 +132,7 @@ def changed_fields(value: dict[str, Any], default: dict[str, Any]) -> dict[str, 
 # ---------------------------------------------------------------------------- the single-stage run
 
 
-def run_stage(stage: str, inputs: dict[str, str], overrides: dict[str, Any] | None = None, node: str | None = None,
+def run_single_stage(stage: str, inputs: dict[str, str], overrides: dict[str, Any] | None = None, node: str | None = None,
               seed: int | None = None, recipe: str | None = None, profile: str | None = None,
               settings: dict[str, str] | None = None, force: bool = False) -> dict[str, Any]:
     """Run one stage on referenced artifacts (inside a flow: the stage runs as the cached task)."""
@@ -259,7 +259,7 @@ def stage_flow(stage: str, inputs: dict[str, str], overrides: dict[str, Any] | N
         settings: Storage and tracking locations (default: from the environment).
         force: Re-run even when a valid cached result exists.
     """
-    return run_stage(stage, inputs, overrides, node, seed, recipe, profile, settings, force)
+    return run_single_stage(stage, inputs, overrides, node, seed, recipe, profile, settings, force)
 
 
 def _inputs_model(stage: str) -> type[BaseModel]:
@@ -283,7 +283,7 @@ def _make_stage_flow(stage: str):
         given_cfg = cfg.model_dump(mode="json", exclude_unset=True)
         given = inputs.model_dump() if isinstance(inputs, BaseModel) else dict(inputs)
         shown = _shown_config(default)  # what the form showed: the deployment's config (recipe and profile applied)
-        return run_stage(stage, {k: v for k, v in given.items() if v}, changed_fields(given_cfg, shown),
+        return run_single_stage(stage, {k: v for k, v in given.items() if v}, changed_fields(given_cfg, shown),
                          node, seed, recipe, profile, force=force)
 
     P = inspect.Parameter

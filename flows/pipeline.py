@@ -216,7 +216,7 @@ def submit_node(node: str, stage: str, config: dict[str, Any], inputs: dict[str,
                 record: CacheRecord | None, force: bool, parent_run_id: str, s: Settings, experiment: str,
                 submit: Callable[[Any, dict[str, Any]], Any] | None = None):
     """Hand one node's stage task to Prefect: the one submit path of pipeline nodes (run_plan) and single-stage runs
-    (flows/deploy.py, run_stage). `record`: the store's verified record of `key` (None: not cached, or forced), so
+    (flows/deploy.py, run_single_stage). `record`: the store's verified record of `key` (None: not cached, or forced), so
     Prefect's cache of the key is refreshed unless the store holds it. Called now (submit None: its final state) or
     handed to `submit(task, parameters)` (a task runner's future)."""
     task_ = stage_task.with_options(refresh_cache=record is None)

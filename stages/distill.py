@@ -62,6 +62,7 @@ from stages.sampling.completions import render_prompts
 from stages.sampling.generation import generate, make_backend
 from stages.sampling.vllm_backend import check_vllm_model_dir
 from stages.training.checkpoints import resume, save_checkpoint
+from stages.training.loop import autocast
 from stages.training.optim import (
     clip_grad_norm,
     load_trainable,
@@ -179,10 +180,6 @@ def sampled_example(prompt_ids: list[int], completion_ids: list[int], max_length
     ids = (prompt_ids + completion_ids)[:max_length]
     labels = ([IGNORE] * len(prompt_ids) + completion_ids)[:max_length]
     return Example(ids, labels)
-
-
-def autocast(device: str, dtype):
-    return torch.autocast(device_type=device.split(":")[0], dtype=dtype or torch.float32, enabled=dtype is not None)
 
 
 def micro_batch_loss(student, teacher, batch: dict[str, torch.Tensor], cfg: DistillConfig, vocab: int,

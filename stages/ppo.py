@@ -270,7 +270,7 @@ def rollout(s: Session, step: int) -> Rollout:
 # ---------------------------------------------------------------------------- values and advantages
 
 
-def chunks(n: int, size: int) -> list[torch.Tensor]:
+def index_chunks(n: int, size: int) -> list[torch.Tensor]:
     return [torch.arange(i, min(n, i + size)) for i in range(0, n, size)]
 
 
@@ -280,7 +280,7 @@ def old_passes(s: Session, ro: Rollout) -> dict[str, torch.Tensor]:
     cfg, m = s.cfg, s.models
     mask = ro.batch["loss_mask"]
     out = {k: torch.zeros_like(mask) for k in ("old_logp", "ref_logp", "old_values")}
-    for idx in chunks(mask.shape[0], cfg.minibatch_size // s.dist.world):
+    for idx in index_chunks(mask.shape[0], cfg.minibatch_size // s.dist.world):
         ids, attn = ro.batch["input_ids"][idx].to(s.ctx.device), ro.batch["attention_mask"][idx].to(s.ctx.device)
         with s.autocast():
             out["old_logp"][idx] = logprobs.bucketed_token_logprobs(m.policy, ids, attn, cfg.logprob_chunk)[0].float().cpu()
@@ -385,7 +385,7 @@ def update(s: Session, ro: Rollout, old: dict, adv: dict, step: int) -> dict[str
     for epoch in range(cfg.mu):
         order = torch.randperm(n, generator=torch.Generator().manual_seed(seed_stream(s.ctx.seed, "minibatch_order",
                                                                                        step, epoch)))
-        for idx in chunks(n, cfg.minibatch_size // s.dist.world):
+        for idx in index_chunks(n, cfg.minibatch_size // s.dist.world):
             for k, (value, weight) in minibatch_step(s, ro, old, adv, order[idx],
                                                      policy_on=not critic_only(cfg, step)).items():
                 acc = sums.setdefault(k, [0.0, 0.0])
@@ -401,7 +401,7 @@ def update(s: Session, ro: Rollout, old: dict, adv: dict, step: int) -> dict[str
 # ---------------------------------------------------------------------------- metrics
 
 
-def rollout_metrics(s: Session, ro: Rollout) -> dict[str, float]:
+def gathered_rollout_metrics(s: Session, ro: Rollout) -> dict[str, float]:
     """Score, accuracy, format, components and lengths over every process's completions."""
     gathered = s.dist.gather((ro.verdicts, rollouts.text_free(ro.comps), ro.scores))
     return rollouts.rollout_metrics(torch.cat([g[2] for g in gathered]), [v for g in gathered for v in g[0]],
@@ -445,7 +445,7 @@ def train_step(s: Session, step: int) -> dict[str, float]:
     old = old_passes(s, ro)
     adv = advantages(s, ro, old)
     lr = set_lrs(s, step)
-    metrics = {**rollout_metrics(s, ro), **critic_metrics(s, ro, old, adv), **update(s, ro, old, adv, step),
+    metrics = {**gathered_rollout_metrics(s, ro), **critic_metrics(s, ro, old, adv), **update(s, ro, old, adv, step),
                "train/lr": lr}
     now = time.perf_counter()
     metrics.update({"time/generation": ro.seconds, "time/scoring": ro.score_seconds,

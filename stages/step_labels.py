@@ -133,7 +133,7 @@ def label_plan(sol: Solution, plan: Plan, rollouts: dict[int, list[str]],
     return [sol.text[s:e] for s, e in plan.spans[:n]], [float(x) for x in labels[:n]], details
 
 
-def chunks(plans: list[Plan], prefixes: int) -> list[range]:
+def prefix_batches(plans: list[Plan], prefixes: int) -> list[range]:
     """Consecutive solutions grouped so that each group has at least `prefixes` prefixes to roll out (the last
     group: whatever is left): one generate call per group, its prefixes batched together."""
     out, start, count = [], 0, 0
@@ -205,7 +205,7 @@ def label_solutions(solutions: list[Solution], backend, cfg: StepLabelsConfig, s
     out: list[tuple[list[str], list[float], dict]] = []
     bar = tqdm(total=len(solutions), desc="step_labels: rollouts", unit="solution")
     resumed = 0
-    for c, group in enumerate(chunks(plans, 4 * cfg.generation.batch_size)):
+    for c, group in enumerate(prefix_batches(plans, 4 * cfg.generation.batch_size)):
         sols = [solutions[k] for k in group]
         done = journal.load(c, sols)
         if done is not None:

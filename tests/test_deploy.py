@@ -222,15 +222,15 @@ def test_a_stage_that_salts_its_cache_key_runs_alone(home):
 def test_bad_references_fail_naming_the_input_before_compute(home, eval_run):
     prompts_fp = _outputs(eval_run, "prompts")["prompts"]
     with pytest.raises(ArtifactError, match="input .model.*is a dataset.*takes a model"):
-        deploy.run_stage("eval", {"model": prompts_fp, "prompts": prompts_fp}, profile="tiny")
+        deploy.run_single_stage("eval", {"model": prompts_fp, "prompts": prompts_fp}, profile="tiny")
     with pytest.raises(ArtifactError, match="no artifact"):
-        deploy.run_stage("eval", {"model": "ffffffffffff", "prompts": prompts_fp}, profile="tiny")
+        deploy.run_single_stage("eval", {"model": "ffffffffffff", "prompts": prompts_fp}, profile="tiny")
     with pytest.raises(ArtifactError, match="node 'nope'"):
-        deploy.run_stage("eval", {"model": "latest:nope", "prompts": prompts_fp}, profile="tiny")
+        deploy.run_single_stage("eval", {"model": "latest:nope", "prompts": prompts_fp}, profile="tiny")
     with pytest.raises(ConfigError, match="missing input"):
-        deploy.run_stage("eval", {"prompts": prompts_fp}, profile="tiny")
+        deploy.run_single_stage("eval", {"prompts": prompts_fp}, profile="tiny")
     with pytest.raises(ConfigError, match="has no input"):
-        deploy.run_stage("eval", {"model": prompts_fp, "prompts": prompts_fp, "extra": "x"}, profile="tiny")
+        deploy.run_single_stage("eval", {"model": prompts_fp, "prompts": prompts_fp, "extra": "x"}, profile="tiny")
 
 
 @pytest.mark.slow
@@ -264,7 +264,7 @@ def test_transient_failure_is_retried_and_a_config_error_fails_the_flow_once(hom
 
     @flow
     def wrapper():
-        return deploy.run_stage("eval", {"model": model_fp, "prompts": prompts_fp}, {"max_prompts": 2},
+        return deploy.run_single_stage("eval", {"model": model_fp, "prompts": prompts_fp}, {"max_prompts": 2},
                                 profile="tiny", force=True)
 
     state = wrapper(return_state=True)
@@ -346,7 +346,7 @@ def test_a_blank_node_in_the_stage_form_is_named_after_the_model_it_evaluates(ho
                                     profile="tiny", node="mine")
     with pytest.raises(ConfigError, match=r"recipe 'sft-eval' has 2 'eval' nodes \(eval_base, eval_sft\).*"
                                           r"made by node 'mine'.*node="):
-        deploy.run_stage("eval", {"model": mine["outputs"]["model"], "prompts": prompts_fp}, recipe="sft-eval",
+        deploy.run_single_stage("eval", {"model": mine["outputs"]["model"], "prompts": prompts_fp}, recipe="sft-eval",
                          profile="tiny")
 
 

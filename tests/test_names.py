@@ -42,7 +42,9 @@ INTERFACES: dict[str, set[str]] = {
     # the stage API every runner calls on a stage module (docs/design.md, "Stages")
     **dict.fromkeys(("run", "check", "cache_salt", "wire_plan"), STAGES),
     # the phases a training stage's run() reads as; a stage module never imports another (test_layers.py)
-    **dict.fromkeys(("open_session", "resume_session", "micro_batch_loss", "train_step", "evaluate", "summarize"),
+    # (the RL stages' step reads rollout, `advantages`, `update`: GRPO's and PPO's differ in exactly these)
+    **dict.fromkeys(("open_session", "resume_session", "micro_batch_loss", "train_step", "evaluate", "summarize",
+                     "advantages", "update"),
                     STAGES),
     "main": SCRIPTS,  # a script's or `python -m` module's entry point
     # the two sides of the speed suite, chosen as a module (`side = r1flow_side or trl_side`)
@@ -50,16 +52,7 @@ INTERFACES: dict[str, set[str]] = {
 }
 
 # Clashes left to the change that owns the modules involved: name -> exactly the modules that define it now.
-ALLOWED: dict[str, set[str]] = {
-    # merged by the RL skeleton (issue 45)
-    "autocast": {"stages.training.loop", "stages.distill"},
-    "rollout_metrics": {"stages.training.rollouts", "stages.ppo"},
-    "advantages": {"stages.grpo", "stages.ppo"},
-    "update": {"stages.grpo", "stages.ppo"},
-    "chunks": {"stages.ppo", "stages.step_labels"},
-    # flows: left for after issue 44's merge (deploy.run_stage is issue 45's one submit path for a node)
-    "run_stage": {"flows.deploy", "stages.training.launch"},
-}
+ALLOWED: dict[str, set[str]] = {}
 
 
 def clashes(where: dict[str, set[str]]) -> dict[str, set[str]]:

@@ -153,8 +153,8 @@ def test_chunks_group_solutions_by_prefixes_to_roll_out():
     """Solutions with 3, 0, 3, 3, 1 prefixes, at least 4 per generate call: [3, 0, 3] then [3, 1]; the rest
     (fewer than 4) is a last group of its own."""
     plans = [step_labels.Plan([], None, list(range(k))) for k in (3, 0, 3, 3, 1, 2)]
-    assert step_labels.chunks(plans, 4) == [range(0, 3), range(3, 5), range(5, 6)]
-    assert step_labels.chunks(plans, 100) == [range(0, 6)] and step_labels.chunks([], 4) == []
+    assert step_labels.prefix_batches(plans, 4) == [range(0, 3), range(3, 5), range(5, 6)]
+    assert step_labels.prefix_batches(plans, 100) == [range(0, 6)] and step_labels.prefix_batches([], 4) == []
 
 
 def test_step_labels_hard_and_max_steps(tmp_path, monkeypatch, digit_prompts, tiny_model_input):
@@ -348,7 +348,7 @@ def test_prm_from_files_with_lora_and_one_error_for_a_bad_file(tmp_path, tiny_mo
     assert (out.path / "model" / "prm.json").exists() and not (out.path / "model" / "adapter_config.json").exists()
     assert out.metrics["solutions_train"] + out.metrics["eval_solutions"] == 12
     assert prm.cache_salt(cfg) != prm.cache_salt(cfg.model_copy(update={"files": []})) == ""
-    # a single-stage run (flows.deploy.run_stage) validates its JSON config first: the same salt
+    # a single-stage run (flows.deploy.run_single_stage) validates its JSON config first: the same salt
     assert prm.cache_salt(cfg) == prm.cache_salt(PRMConfig.model_validate(cfg.model_dump(mode="json")))
 
     bad = tmp_path / "bad.jsonl"
