@@ -182,6 +182,19 @@ def ui_command(home: str) -> str:
     return f"{env}{_r1flow_command()} ui"
 
 
+def print_gains(console, gains: list[dict]) -> None:
+    """Each stage's paired gain over the model it was trained from (flows/gains.py), a line each."""
+    from flows.gains import fmt_gain
+
+    if not gains:
+        return
+    console.print("stage gains, held-out accuracy points, paired by prompt [95% interval]:")
+    width = max(len(g["model"]) for g in gains)
+    for g in gains:
+        console.print(f"  {g['model']:<{width}}  {fmt_gain(g):<24} over {g['start']} ({g['relation'].removeprefix('over ')})"
+                      f", {g['prompts']} prompts", markup=False)
+
+
 def print_summary(result: dict, total: float, before_flow: float, console=None) -> None:
     """The end of `r1flow run`: the per-stage table and timings, then the model comparison, where
     the report is, how to open the UIs and the URL of the MLflow parent run (each URL and path on
@@ -217,6 +230,7 @@ def print_summary(result: dict, total: float, before_flow: float, console=None) 
         if dropped:
             notes.append(f"also in the report: {', '.join(dropped)}")
         console.print("; ".join(notes), markup=False)
+        print_gains(console, payload.get("gains") or [])
     else:
         console.print("model comparison: none (no eval node of this run logged an accuracy)")
 

@@ -345,7 +345,8 @@ def run_plan(plan: Plan, s: Settings, only: set[str] = frozenset(), force: set[s
         tracker.log_metrics(parent, summary)
 
         registration = register_models(plan, results, tracker, store=store, parent_run_id=parent)
-        report = build_report(plan, results, tracker, parent, registration)
+        report = build_report(plan, results, tracker, parent, registration,
+                              read_eval=lambda fp: resolve_input(store, fp).table("eval").to_pylist())
         published = publish_report(report, tracker, parent)
         ok = True
     finally:

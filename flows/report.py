@@ -41,6 +41,7 @@ import json
 import logging
 import re
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -62,6 +63,7 @@ from flows.comparison import (
     pass_k_prompts,
     previous_comparison,
 )
+from flows.gains import gains_markdown, stage_gains
 from flows.mlflow_runs import StageRuns, metric_curve, run_link, stage_runs
 from flows.recipes import Plan
 from flows.registry import Registration, slug
@@ -122,7 +124,8 @@ def _key_metric(plan: Plan, r: StageResult, key: str, value: float) -> str:
 
 
 def build_report(plan: Plan, results: list[StageResult], tracker: Tracker, parent_run_id: str,
-                 registration: Registration | None = None) -> Report:
+                 registration: Registration | None = None,
+                 read_eval: Callable[[str], list[dict[str, Any]]] | None = None) -> Report:
     """The run's report: markdown (stage table, model comparison beside the previous run's where a
     model's fingerprint changed, registry entry, plots), the PNGs and the comparison payload."""
     runs = {r.node: stage_runs(tracker, r) for r in results}
@@ -153,6 +156,9 @@ def build_report(plan: Plan, results: list[StageResult], tracker: Tracker, paren
     if rows:
         comparison = comparison_payload(plan, parent_run_id, rows, previous_comparison(tracker, plan, parent_run_id))
         md += comparison_markdown(comparison, tracker)
+        if read_eval is not None:  # each stage's paired gain over the model it was trained from (flows/gains.py)
+            comparison["gains"] = stage_gains(plan, results, read_eval)
+            md += gains_markdown(comparison["gains"])
 
     if registration is not None:
         md += ["", "## Model registry", "", registration.markdown(tracker)]

@@ -1,0 +1,71 @@
+"""flows/gains.py: each model-producing stage's held-out gain over the model it was trained from, paired by prompt."""
+
+from __future__ import annotations
+
+import pytest
+
+from flows.gains import fmt_gain, gain_pairs, gains_markdown, greedy_scores, paired_gain, stage_gains
+from flows.recipes import load_plan
+from flows.results import StageResult
+
+
+def test_the_r1_plan_compares_every_model_with_what_it_was_trained_from():
+    """The default recipe's lineage: cold-start SFT over the base, reasoning RL over the cold start, stage-3 SFT over
+    the base it starts from and over the RL model its rejection-sampled data came from, DPO over that SFT, final RL
+    over DPO, the student over its teacher (its own start, the cut model, has no eval)."""
+    pairs = [(p["eval"], p["compared_with"], p["relation"]) for p in gain_pairs(load_plan("r1", "tiny", []))]
+    assert pairs == [
+        ("eval_sft_cold", "eval_base", "over its start"),
+        ("eval_grpo_reasoning", "eval_sft_cold", "over its start"),
+        ("eval_sft", "eval_base", "over its start"),
+        ("eval_sft", "eval_grpo_reasoning", "over the model its data was sampled from"),
+        ("eval_dpo", "eval_sft", "over its start"),
+        ("eval_grpo_final", "eval_dpo", "over its start"),
+        ("eval_student", "eval_grpo_final", "over its teacher"),
+    ]
+
+
+def test_paired_gain_by_hand():
+    """Four prompts: before 1 0 0 1, after 1 1 1 0: differences 0 +1 +1 -1, gain +0.25; every bootstrap mean of four
+    differences from {-1, 0, +1} lies in [-1, +1] and the interval holds the gain. Different prompt sets: no gain."""
+    before = {"a": 1.0, "b": 0.0, "c": 0.0, "d": 1.0}
+    after = {"a": 1.0, "b": 1.0, "c": 1.0, "d": 0.0}
+    g = paired_gain(before, after)
+    assert g["gain"] == pytest.approx(0.25) and g["prompts"] == 4 and g["note"] == ""
+    assert -1.0 <= g["ci_low"] <= 0.25 <= g["ci_high"] <= 1.0
+    assert fmt_gain(g).startswith("+25.0 [")
+    same = paired_gain(before, before)
+    assert (same["gain"], same["ci_low"], same["ci_high"]) == (0.0, 0.0, 0.0)
+    other = paired_gain(before, {"a": 1.0, "b": 1.0, "c": 1.0, "e": 0.0})
+    assert other["gain"] is None and other["note"] == "not compared: 2 prompt(s) scored by one eval only"
+    assert fmt_gain(other) == other["note"]
+
+
+def test_stage_gains_read_each_evals_greedy_rows_once():
+    """The rows come from the eval outputs (greedy, scored; sampled rows and unscored prompts left out); a pair
+    whose eval was skipped is left out; the markdown calls a gain beyond the noise only when its interval
+    excludes 0."""
+    plan = load_plan("r1", "tiny", [])
+    correct = {"eval_base": [0, 0, 0, 0, 0, 0, 0, 0], "eval_sft_cold": [1, 1, 1, 1, 1, 1, 1, 0]}
+
+    def rows(node):
+        out = [{"prompt_id": f"p{i}", "mode": "greedy", "correct": bool(c)} for i, c in enumerate(correct[node])]
+        return out + [{"prompt_id": "p0", "mode": "sampled", "correct": False},
+                      {"prompt_id": "p9", "mode": "greedy", "correct": None}]
+
+    reads = []
+
+    def read_eval(fp):
+        reads.append(fp)
+        return rows(fp)
+
+    results = [StageResult(n, "eval", "run", 1.0, outputs={"results": n}) for n in correct]
+    results.append(StageResult("eval_grpo_reasoning", "eval", "skipped", 0.0))
+    assert greedy_scores(rows("eval_base")) == {f"p{i}": 0.0 for i in range(8)}
+    gains = stage_gains(plan, results, read_eval)
+    assert [(g["eval"], g["compared_with"]) for g in gains] == [("eval_sft_cold", "eval_base")]
+    assert gains[0]["gain"] == pytest.approx(7 / 8) and gains[0]["prompts"] == 8 and gains[0]["ci_low"] > 0
+    assert sorted(reads) == ["eval_base", "eval_sft_cold"]
+    md = "\n".join(gains_markdown(gains))
+    assert "| sft_cold (eval_sft_cold) | base over its start (eval_base) | +87.5 [" in md and "| 8 | gain |" in md
+    assert gains_markdown([]) == []
