@@ -275,7 +275,7 @@ def update(s: Session, u: Update, step: int) -> tuple[dict[str, list[float]], fl
 def minibatch_backward(s: Session, u: Update, idx: torch.Tensor, epoch: int, n_all: float, total_tokens: float,
                        train_stats: dict[str, list[float]]) -> None:
     """The clipped policy loss of rows `idx` (times the TIS weight, plus beta * KL to the reference), aggregated
-    and weighted by the mini-batch's share of the step; backward, and its statistics into `train_stats`."""
+    and weighted by the mini-batch's share of the step; backward, and its statistics into `train_stats` (on the device)."""
     cfg, dev = s.cfg, s.ctx.device
     mask = u.batch["loss_mask"][idx].to(dev)
     with s.autocast():
@@ -294,15 +294,15 @@ def minibatch_backward(s: Session, u: Update, idx: torch.Tensor, epoch: int, n_a
     if u.ref_logp is not None:
         kl = rl.KL_ESTIMATORS[cfg.kl_estimator](logp, u.ref_logp[idx].to(dev)) * mask
         per_token = per_token + cfg.beta * kl
-        train_stats["kl"].append(float(kl.detach().sum() / mask.sum().clamp(min=1)))
+        train_stats["kl"].append(kl.detach().sum() / mask.sum().clamp(min=1))
     loss = rl.aggregate(per_token, mask, cfg.aggregation,
                         max_tokens=s.env.max_total_tokens if s.env else cfg.generation.max_new_tokens)
-    weight = rl.minibatch_share(cfg.aggregation, len(idx), float(mask.sum()), n_all, total_tokens)
+    weight = rl.minibatch_share(cfg.aggregation, len(idx), float(u.batch["loss_mask"][idx].sum()), n_all, total_tokens)
     (loss * weight).backward()
-    train_stats["loss"].append(float(loss.detach()) * weight)
-    train_stats["clip_low"].append(float(stats["clip_low"]))
-    train_stats["clip_high"].append(float(stats["clip_high"]))
-    train_stats["entropy"].append(float((entropy * mask).sum() / mask.sum().clamp(min=1)))
+    train_stats["loss"].append(loss.detach().double() * weight)
+    train_stats["clip_low"].append(stats["clip_low"])
+    train_stats["clip_high"].append(stats["clip_high"])
+    train_stats["entropy"].append((entropy.detach() * mask).sum() / mask.sum().clamp(min=1))
 
 
 def refresh_reference(s: Session, step: int) -> None:

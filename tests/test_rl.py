@@ -558,3 +558,16 @@ def test_ppo_uses_grpos_clipped_surrogate_with_per_token_advantages():
     loss, stats = rl.policy_loss(logp, old, adv, torch.tensor([[1, 1]]), kind="token", eps_high=0.2)
     assert_close(loss, torch.tensor([[-0.5, -1.2 * 2.0]]))
     assert_close(stats["clip_high"], torch.tensor(0.5))
+
+
+def test_step_statistics_sum_floats_and_device_tensors_in_float64():
+    """rollouts.stat_sum: GRPO keeps a step's mini-batch statistics as 0-d tensors on their device (no host sync per
+    mini-batch) and sums them once, in float64, with any plain floats: 0.1 + 0.2 (float32) + 0.3 = 0.6 to float32's
+    rounding of 0.2 (5.9604645e-09 above it), and an empty list is 0."""
+    import torch
+
+    from stages.training.rollouts import stat_sum
+
+    got = stat_sum([0.1, torch.tensor(0.2, dtype=torch.float32), torch.tensor(0.3, dtype=torch.float64)])
+    assert got == pytest.approx(0.1 + float(torch.tensor(0.2, dtype=torch.float32)) + 0.3, abs=1e-15)
+    assert abs(got - 0.6) < 1e-8 and stat_sum([]) == 0.0 and isinstance(got, float)

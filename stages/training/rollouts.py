@@ -159,8 +159,17 @@ def rollout_metrics(rewards: torch.Tensor, verdicts: list[Verdict], comps: list[
     return m
 
 
-def stat_totals(stats: dict[str, list[float]], dist: distributed.Dist) -> dict[str, tuple[float, int]]:
+def stat_sum(values: list) -> float:
+    """The sum, in float64, of a step's mini-batch statistics: Python floats and 0-d tensors left on their device
+    until now (one host sync per statistic and step instead of one per mini-batch)."""
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    floats = [v for v in values if not isinstance(v, torch.Tensor)]
+    total = float(np.sum(floats)) if floats else 0.0
+    return total + (float(torch.stack([t.double() for t in tensors]).sum()) if tensors else 0.0)
+
+
+def stat_totals(stats: dict[str, list], dist: distributed.Dist) -> dict[str, tuple[float, int]]:
     """Per key (sum, count) of a step's mini-batch statistics over every process."""
     keys = sorted(stats)
-    flat = dist.sum([x for k in keys for x in (float(np.sum(stats[k])) if stats[k] else 0.0, len(stats[k]))])
+    flat = dist.sum([x for k in keys for x in (stat_sum(stats[k]), len(stats[k]))])
     return {k: (flat[2 * i], int(flat[2 * i + 1])) for i, k in enumerate(keys)}
