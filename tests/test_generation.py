@@ -550,3 +550,26 @@ def test_sampling_stages_sample_in_fp32_on_the_cpu(monkeypatch, tmp_path, tiny_m
     assert auto_precision("cpu") is None
     dtypes = sampling_dtypes(monkeypatch, tmp_path, tiny_model_input, digit_prompts, "cpu")
     assert dtypes == dict.fromkeys(SAMPLING_STAGES, None)
+
+
+def test_a_stop_string_across_the_prompts_end_does_not_end_the_completion(tiny_tokenizer):
+    """The prompt ends in a newline (ChatML); with `stop: ["\\n\\n"]` transformers' StopStringCriteria ended a row
+    whose first new token was a newline (prompt + completion end in "\\n\\n"), giving a one-token completion. The
+    criterion the sampler uses fires only when the stop string lies inside the completion."""
+    import torch
+    from transformers.generation.stopping_criteria import StopStringCriteria
+
+    from stages.sampling.completions import CompletionStopStrings, render_prompts
+
+    prompt = render_prompts(tiny_tokenizer, [[{"role": "user", "content": "Say 7."}]])[0]
+    assert prompt.endswith("\n")
+    p = tiny_tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    nl = tiny_tokenizer("\n", add_special_tokens=False)["input_ids"]
+    seven = tiny_tokenizer("7", add_special_tokens=False)["input_ids"]
+    stop = CompletionStopStrings(tiny_tokenizer, ["\n\n"], len(p))
+    across = torch.tensor([p + nl])
+    assert StopStringCriteria(tiny_tokenizer, ["\n\n"])(across, None).tolist() == [True]  # the prompt's newline counts
+    assert stop(across, None).tolist() == [False]
+    assert stop(torch.tensor([p + seven + nl + nl, p + seven + seven + nl]), None).tolist() == [True, False]
+    longer = torch.tensor([p + seven * 5 + nl + nl])  # past the horizon: transformers' answer as it is
+    assert stop(longer, None).tolist() == [True]

@@ -114,3 +114,29 @@ def cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
     pos, stop = min(hits)
     return text[: pos + len(stop)], True
 
+
+
+class CompletionStopStrings:
+    """A stop-string criterion that fires only on stop strings inside the completion.
+
+    transformers' StopStringCriteria matches the end of the whole sequence, prompt included: a ChatML prompt ends in
+    a newline, so `stop: ["\\n\\n"]` ended every row at its first token when that token was a newline (a one-token
+    completion, "length"). A match that ends at the newest token can reach into the prompt only while the
+    completion has fewer characters than the stop string; during those first tokens a match is confirmed on the
+    decoded completion. `width`: the prompt's width in the sequences the criterion is called with.
+    """
+
+    def __init__(self, tokenizer, stops: list[str], width: int):
+        from transformers.generation.stopping_criteria import StopStringCriteria
+
+        self.inner = StopStringCriteria(tokenizer, list(stops))
+        self.tokenizer, self.stops, self.width = tokenizer, [s for s in stops if s], width
+        self.horizon = max((len(s) for s in self.stops), default=0)  # characters
+
+    def __call__(self, input_ids, scores=None, **kwargs):
+        done = self.inner(input_ids, scores)
+        if input_ids.shape[1] - self.width < self.horizon and bool(done.any()):
+            for i in done.nonzero().flatten().tolist():
+                text = self.tokenizer.decode(input_ids[i, self.width:].tolist(), skip_special_tokens=False)
+                done[i] = any(s in text for s in self.stops)
+        return done

@@ -31,7 +31,6 @@ import torch
 from transformers.generation.stopping_criteria import (
     StoppingCriteria,
     StoppingCriteriaList,
-    StopStringCriteria,
 )
 
 from schemas.configs import GenerationSpec
@@ -39,6 +38,7 @@ from stages.runtime.seeds import seed_stream
 from stages.sampling import lean_decode
 from stages.sampling.completions import (
     Completion,
+    CompletionStopStrings,
     GenerationBackend,
     GenerationProgress,
     GenerationStats,
@@ -147,7 +147,7 @@ class TransformersBackend:
                     p_ids, p_mask, cache = prefill_prompts(model, enc["input_ids"], enc["attention_mask"], n,
                                                            spec.max_new_tokens, pad_id=pad_id)
                     procs = list(sampling_processors(spec.temperature, spec.top_k, spec.top_p)) if do_sample else []
-                    stop = StopStringCriteria(tokenizer, list(spec.stop)) if spec.stop else None
+                    stop = CompletionStopStrings(tokenizer, list(spec.stop), p_ids.shape[1]) if spec.stop else None
                     static = (spec.cache == "graph" and lean_decode.applies(model)
                               and lean_decode.takes_cache(cache, LEAN_CACHE_LAYERS))
                     decode = decode_static if static else decode_rows  # graph on other models: decode_rows
@@ -192,12 +192,14 @@ class TransformersBackend:
             kwargs.update(cache_implementation="static")
         if spec.temperature > 0:
             kwargs.update(logits_processor=sampling_processors(spec.temperature, spec.top_k, spec.top_p))
+        criteria = []
         if spec.stop:
-            kwargs.update(stop_strings=list(spec.stop), tokenizer=self.tokenizer)
+            criteria.append(CompletionStopStrings(self.tokenizer, list(spec.stop), enc["input_ids"].shape[1]))
         if progress is not None:
             rows = enc["input_ids"].shape[0] * n
-            kwargs.update(stopping_criteria=StoppingCriteriaList([_StepCounter(
-                progress, rows, spec.max_new_tokens, eos_ids, enc["input_ids"].device)]))
+            criteria.append(_StepCounter(progress, rows, spec.max_new_tokens, eos_ids, enc["input_ids"].device))
+        if criteria:
+            kwargs.update(stopping_criteria=StoppingCriteriaList(criteria))
         out = self.model.generate(**{k: v.repeat_interleave(n, 0) for k, v in enc.items()}, **kwargs)
         return out[:, enc["input_ids"].shape[1] :]
 
