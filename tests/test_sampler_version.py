@@ -32,14 +32,19 @@ def test_a_sampler_bump_moves_the_keys_of_sampling_nodes_only(monkeypatch):
     assert moved == sampling_nodes
 
 
-def test_at_the_baseline_the_key_is_the_stage_versions_alone():
-    assert sampling.SAMPLER_VERSION == SAMPLER_BASELINE  # else: this test's promise is for the next baseline
+def test_at_the_baseline_the_key_is_the_stage_versions_alone(monkeypatch):
+    """At the baseline a sampling stage's key is what its VERSION alone made it (the keys from before the sampler
+    had a version); past it, `<VERSION>+sampler<N>`; a stage that does not sample never carries it."""
     node = next(n for n in load_plan("rlhf", "tiny").nodes if n.stage == "rejection_sampling")
     upstream = defaultdict(lambda: defaultdict(lambda: "f" * 64))
     module = get_stage(node.stage)
-    key, inputs, salt = pipeline.node_key(node, upstream)
-    assert stage_version(module) == module.VERSION
-    assert key == cache_key(node.stage, module.VERSION, node.config_dict, inputs, node.seed, salt)
+    for version in (SAMPLER_BASELINE, "7"):
+        monkeypatch.setattr(sampling, "SAMPLER_VERSION", version)
+        key, inputs, salt = pipeline.node_key(node, upstream)
+        expected = module.VERSION if version == SAMPLER_BASELINE else f"{module.VERSION}+sampler7"
+        assert stage_version(module) == expected
+        assert key == cache_key(node.stage, expected, node.config_dict, inputs, node.seed, salt)
+        assert stage_version(get_stage("sft")) == get_stage("sft").VERSION
 
 
 def test_every_stage_that_imports_a_sampler_declares_it():
