@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import MappingProxyType
 
+from schemas.configs import EnvironmentSpec, RewardSpec
 from schemas.errors import ConfigError
 from stages.environments.base import Environment
 from stages.environments.python_tool import PythonTool
@@ -40,6 +41,19 @@ def get_environment(name: str, **options) -> Environment:
         raise ConfigError(f"unknown environment {name!r}; built in: {', '.join(ENVIRONMENTS)}, "
                           f"or the path of a Python file defining {USER_FACTORY}(**options)") from None
     return factory(**options)
+
+
+def environment_from_spec(spec: EnvironmentSpec, reward: RewardSpec | None = None) -> Environment:
+    """The environment a stage config's `environment:` names, scoring with `reward` (default: `RewardSpec()`).
+    Built-ins get the spec's fields they take (python: max_turns, timeout_s, max_output_chars); a user file gets
+    `spec.options` only."""
+    reward = reward if reward is not None else RewardSpec()
+    if is_environment_file(spec.name):
+        return load_environment_file(spec.name, **spec.options)
+    if spec.name == "python":
+        return get_environment("python", reward=reward, limits=reward.sandbox, max_turns=spec.max_turns,
+                               timeout_s=spec.timeout_s, max_output_chars=spec.max_output_chars, **spec.options)
+    return get_environment(spec.name, reward=reward, **spec.options)
 
 
 def load_environment_file(path: str | Path, **options) -> Environment:
