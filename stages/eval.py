@@ -167,7 +167,7 @@ def cache_salt(cfg: EvalConfig) -> str:
     return environment_source_digest(cfg.environment.name) or ""
 
 
-def sample_answers(cfg: EvalConfig, model, tokenizer, prompts: list[dict], spec: GenerationSpec, n: int, seed: int,
+def answer_prompts(cfg: EvalConfig, model, tokenizer, prompts: list[dict], spec: GenerationSpec, n: int, seed: int,
                    desc: str) -> tuple[list[list[dict]], float, int]:
     """n answers per prompt as partial eval rows, with the seconds and sampled tokens it took. single_turn: generate()'s
     completions, as always. Otherwise the environment's trajectories: `completion` is the transcript (the tool's
@@ -213,7 +213,7 @@ def run(cfg: EvalConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[st
     model.to(ctx.device)
     greedy_spec = GenerationSpec(max_new_tokens=cfg.max_new_tokens, temperature=0.0, batch_size=cfg.batch_size,
                                  prefill=cfg.prefill)
-    greedy, seconds, new_tokens = sample_answers(cfg, model, tokenizer, prompts, greedy_spec, 1, ctx.seed,
+    greedy, seconds, new_tokens = answer_prompts(cfg, model, tokenizer, prompts, greedy_spec, 1, ctx.seed,
                                                  "eval greedy")
     rows = eval_rows("greedy", prompts, greedy)
     if cfg.pass_k and cfg.pass_k_prompts:
@@ -221,7 +221,7 @@ def run(cfg: EvalConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[st
         spec = GenerationSpec(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                               prefill=cfg.prefill,
                               batch_size=max(1, cfg.batch_size // cfg.pass_k))
-        sampled, s_seconds, s_tokens = sample_answers(cfg, model, tokenizer, sub, spec, cfg.pass_k, ctx.seed + 1,
+        sampled, s_seconds, s_tokens = answer_prompts(cfg, model, tokenizer, sub, spec, cfg.pass_k, ctx.seed + 1,
                                                       f"eval pass@{cfg.pass_k}")
         rows += eval_rows("sampled", sub, sampled)
         seconds, new_tokens = seconds + s_seconds, new_tokens + s_tokens

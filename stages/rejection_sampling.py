@@ -93,7 +93,7 @@ def cache_salt(cfg: RejectionSamplingConfig) -> str:
     return environment_source_digest(cfg.environment.name) or ""
 
 
-def sample_answers(cfg: RejectionSamplingConfig, model_input: Input, prompts: list[dict], seed: int, device: str
+def sample_candidates(cfg: RejectionSamplingConfig, model_input: Input, prompts: list[dict], seed: int, device: str
                    ) -> tuple[list[list[dict]], float]:
     """num_samples answers per prompt and the sampling throughput. An answer: `text` (what is scored: the model's
     own text), `completion` (what is kept: the same for single_turn; with a tool environment the transcript, the
@@ -122,7 +122,7 @@ def run(cfg: RejectionSamplingConfig, inputs: dict[str, Input], ctx: StageContex
     if not prompts:
         raise SchemaError(f"{inputs['prompts'].label}: no prompts with split={cfg.split!r}")
     seed_everything(ctx.seed)
-    answers, tokens_per_s = sample_answers(cfg, inputs["model"], prompts, ctx.seed, ctx.device)
+    answers, tokens_per_s = sample_candidates(cfg, inputs["model"], prompts, ctx.seed, ctx.device)
     rm_scores = reward_model_scores(inputs.get("reward_model"), prompts, [[a["text"] for a in g] for g in answers])
     env = environment_from_spec(cfg.environment, cfg.reward)
     samples = []
