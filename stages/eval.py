@@ -179,8 +179,8 @@ def answer_prompts(cfg: EvalConfig, model, tokenizer, prompts: list[dict], spec:
                   "verdict": score(p, c.text)} for c in cs] for p, cs in zip(prompts, comps, strict=True)], \
             stats.seconds, stats.new_tokens
     env = environment_from_spec(cfg.environment)
-    total = cfg.environment.max_total_tokens or cfg.environment.max_turns * spec.max_new_tokens
-    trajs, stats = sample_trajectories(model, tokenizer, prompts, env, spec, n=n, seed=seed, max_total_tokens=total)
+    trajs, stats = sample_trajectories(model, tokenizer, prompts, env, spec, n=n, seed=seed,
+                                       max_total_tokens=cfg.environment.token_budget(spec.max_new_tokens))
     return [[{"completion": t.transcript, "num_tokens": t.num_tokens, "finish_reason": t.finish_reason,
               "verdict": env.score(p, t.text, t.num_tokens), "turns": t.turns, "tool_calls": t.tool_calls,
               "tool_errors": t.tool_errors} for t in ts] for p, ts in zip(prompts, trajs, strict=True)], \

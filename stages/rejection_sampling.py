@@ -107,9 +107,8 @@ def sample_candidates(cfg: RejectionSamplingConfig, model_input: Input, prompts:
     env = environment_from_spec(cfg.environment, cfg.reward)
     model, tokenizer = model_input.load_model()
     model.to(device)
-    total = cfg.environment.max_total_tokens or cfg.environment.max_turns * cfg.generation.max_new_tokens
     trajs, stats = sample_trajectories(model, tokenizer, prompts, env, cfg.generation, n=cfg.num_samples, seed=seed,
-                                       max_total_tokens=total)
+                                       max_total_tokens=cfg.environment.token_budget(cfg.generation.max_new_tokens))
     return [[{"text": t.text, "completion": t.transcript, "num_tokens": t.num_tokens,
               "finish_reason": t.finish_reason,
               "tool": {"turns": t.turns, "tool_calls": t.tool_calls, "tool_errors": t.tool_errors}}
