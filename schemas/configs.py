@@ -94,7 +94,7 @@ class ToolDemosConfig(Strict):
                             "check, answered without the tool (<think>…</think><answer>…</answer>): the no-tool arm "
                             "of a comparison on the same data.")
     think: str = Field("This needs exact arithmetic, so I will compute it with Python.",
-                       description="The reasoning before the tool call (with_tool) .")
+                       description="The reasoning before the tool call (with_tool).")
     think_no_tool: str = Field("I need to compute {expression}.", description="The reasoning of a no-tool "
                                "demonstration; {expression} is the prompt's expression.")
     timeout_s: float = Field(5.0, gt=0, description="Each program's wall-clock deadline (as the python environment's).")
