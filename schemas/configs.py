@@ -83,6 +83,26 @@ class PromptsConfig(Strict):
     )
 
 
+class ToolDemosConfig(Strict):
+    """`tool_demos` stage: demonstrations of the python tool written from the gold answers of arithmetic prompts,
+    each checked by running its program in the sandbox."""
+
+    split: Literal["train", "eval"] = Field("train", description="Which split of the prompts to write demonstrations for.")
+    max_prompts: int | None = Field(None, ge=1, description="Use only the first N prompts of the split (None: all).")
+    with_tool: bool = Field(True, description="true: the thinking calls the tool (<python>print(EXPR)</python>), "
+                            "reads its <output> and answers with it. false: the same prompts, kept by the same "
+                            "check, answered without the tool (<think>…</think><answer>…</answer>): the no-tool arm "
+                            "of a comparison on the same data.")
+    think: str = Field("This needs exact arithmetic, so I will compute it with Python.",
+                       description="The reasoning before the tool call (with_tool).")
+    think_no_tool: str = Field("I need to compute {expression}.", description="The reasoning of a no-tool "
+                               "demonstration; {expression} is the prompt's expression.")
+    timeout_s: float = Field(5.0, gt=0, description="Each program's wall-clock deadline (as the python environment's).")
+    max_output_chars: int = Field(512, ge=1, description="The observation's cap (as the python environment's).")
+    sandbox: SandboxLimits = Field(default_factory=SandboxLimits, description="The sandbox's limits (the deadline "
+                                   "comes from timeout_s).")
+
+
 class SFTConfig(TrainingConfig):
     """`sft` stage: supervised fine-tuning with loss on assistant tokens only."""
 
@@ -378,6 +398,7 @@ STAGE_CONFIGS: dict[str, type[Strict]] = {
     "prompts": PromptsConfig,
     "sft": SFTConfig,
     "eval": EvalConfig,
+    "tool_demos": ToolDemosConfig,
     "rejection_sampling": RejectionSamplingConfig,
     "preference_data": PreferenceDataConfig,
     "reward_model": RewardModelConfig,

@@ -103,6 +103,18 @@ SCHEMAS: dict[str, pa.Schema] = {
     ]),
 }
 
+# Columns a dataset of the kind may carry and older readers and writers lack: kept by `validate` when present,
+# never required. An eval sampled with a tool environment records each trajectory's model turns, the tool calls
+# whose output it read, and how many of those failed; a single_turn eval writes none of them (its files, and so
+# its fingerprints, are what they were).
+OPTIONAL_COLUMNS: dict[str, pa.Schema] = {
+    "eval": pa.schema([
+        _f("turns", pa.int32(), nullable=True),
+        _f("tool_calls", pa.int32(), nullable=True),
+        _f("tool_errors", pa.int32(), nullable=True),
+    ]),
+}
+
 JSON_COLUMNS = {"metadata", "reward_components"}
 VALUE_SETS = {
     ("prompts", "split"): {"train", "eval"},
@@ -167,10 +179,11 @@ def validate(table: pa.Table, kind: str, where: str = "dataset") -> pa.Table:
     """Check `table` against the schema of `kind`; return it cast to the exact schema.
 
     Raises SchemaError naming `where` (an artifact or file), the column and the problem.
-    Extra columns are dropped (users' files often carry more), missing ones are errors.
+    Extra columns are dropped (users' files often carry more), missing ones are errors; the kind's
+    `OPTIONAL_COLUMNS` are kept where present.
     """
-    schema = schema_for(kind)
     names = set(table.column_names)
+    schema = _with_optional(schema_for(kind), kind, names)
     for field in schema:
         if field.name not in names:
             raise SchemaError(
@@ -188,6 +201,12 @@ def validate(table: pa.Table, kind: str, where: str = "dataset") -> pa.Table:
         raise SchemaError(f"{where}: cannot cast to kind {kind!r}: {e}") from None
     _check_values(out, kind, where)
     return out
+
+
+def _with_optional(schema: pa.Schema, kind: str, names: set[str] | list[str]) -> pa.Schema:
+    """`schema` and, after it, those of the kind's optional columns that are among `names`."""
+    extra = [f for f in OPTIONAL_COLUMNS.get(kind, pa.schema([])) if f.name in names]
+    return pa.schema(list(schema) + extra) if extra else schema
 
 
 def _check_values(table: pa.Table, kind: str, where: str) -> None:
@@ -254,9 +273,9 @@ def _steps_problem(steps: list, labels: list) -> tuple[str, str] | None:
 
 def from_rows(rows: list[dict], kind: str, where: str = "dataset") -> pa.Table:
     """Build a validated table of `kind` from python dicts."""
-    schema = schema_for(kind)
     if not rows:
-        return schema.empty_table()
+        return schema_for(kind).empty_table()
+    schema = _with_optional(schema_for(kind), kind, rows[0])
     missing = [f.name for f in schema if f.name not in rows[0]]
     if missing:
         raise SchemaError(f"{where}: row 0 lacks field(s) {missing} required by kind {kind!r}")

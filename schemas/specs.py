@@ -146,6 +146,10 @@ class EnvironmentSpec(Strict):
     def is_single_turn(self) -> bool:
         return self.name == "single_turn"
 
+    def token_budget(self, max_new_tokens: int) -> int:
+        """Tokens after the prompt over all turns: `max_total_tokens`, else max_turns x the per-turn max_new_tokens."""
+        return self.max_total_tokens or self.max_turns * max_new_tokens
+
 
 def environment_field(description: str = "What answers the model's turns while sampling (single_turn: none).") -> Any:
     """A stage config's `environment` field: absent from the config's dump (and so its cache key) while default."""

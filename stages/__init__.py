@@ -29,6 +29,7 @@ STAGE_MODULES = {
     "distill": "stages.distill",
     "step_labels": "stages.step_labels",
     "prm": "stages.prm",
+    "tool_demos": "stages.tool_demos",
 }
 
 STAGE_SUMMARIES = {
@@ -47,6 +48,7 @@ STAGE_SUMMARIES = {
     "make_student": "a smaller student cut from the teacher by keeping a subset of its layers (weights copied)",
     "distill": "train a student on a teacher: SFT on its traces, logit KD (KL at temperature T), or on-policy GKD",
     "step_labels": "Math-Shepherd step labels: K rollouts from every step prefix of sampled solutions, soft or hard",
+    "tool_demos": "python-tool demonstrations from gold answers of arithmetic prompts, each checked in the sandbox",
     "prm": "process reward model: a head at every step's last token, BCE on step labels, step accuracy and AUROC",
 }
 

@@ -13,6 +13,12 @@ each prompt's N samples are reduced to one by majority vote, and, with a `scorer
 outcome reward model's reward (`orm`) or a process reward model's aggregated step scores (`prm`);
 `rerank/*` metrics put them beside pass@1 of the same samples. The policy is freed before the
 scorer loads, so the two never share memory.
+
+With `environment:` other than single_turn (e.g. python, the tool in the sandbox), the answers are
+multi-turn trajectories (`stages.sampling.multiturn`) scored on the model's own text; rows record
+turns, tool_calls and tool_errors, and the metrics add tool calls per answer, the tool error rate,
+turns, and accuracy by the number of calls (`tool_metrics`). single_turn takes generate()'s path as
+before: same rows, same files, same keys.
 """
 
 from __future__ import annotations
@@ -26,11 +32,13 @@ from schemas.configs import EvalConfig, GenerationSpec
 from schemas.datasets import from_rows
 from schemas.errors import SchemaError
 from stages.base import Input, Output, StageContext, seed_everything, write_dataset
+from stages.environments.registry import environment_from_spec, environment_source_digest
 from stages.math.rerank import best_pick, majority_pick, rerank_accuracy
 from stages.math.stats import bootstrap_ci
 from stages.modeling import heads
 from stages.rewards.verifiers import pass_at_k, score
 from stages.sampling.generation import auto_precision, generate
+from stages.sampling.multiturn import sample_trajectories
 
 VERSION = "5"  # history: CHANGELOG.md
 SAMPLES = True  # its outputs depend on what the samplers draw: SAMPLER_VERSION is in its key
@@ -39,7 +47,10 @@ INPUTS = {"model": "model", "prompts": "prompts", "scorer": "model?"}
 OUTPUTS = {"results": "eval"}
 CI_CONFIDENCE = 0.95
 CI_SEED = 0  # fixed, not the run's seed: the same rows always give the same interval
-PER_TASK = ("accuracy", "accuracy_ci_low", "accuracy_ci_high", "accuracy_lenient", "format_rate", "mean_length")
+TOOL_COLUMNS = ("turns", "tool_calls", "tool_errors")  # optional eval columns (schemas.datasets.OPTIONAL_COLUMNS)
+TOOL_CALL_BINS = (("calls_0", 0, 0), ("calls_1", 1, 1), ("calls_2plus", 2, 1 << 30))
+PER_TASK = ("accuracy", "accuracy_ci_low", "accuracy_ci_high", "accuracy_lenient", "format_rate", "mean_length",
+            "tool_calls_per_answer", "tool_error_rate", "turns")
 
 
 def round_robin_prompts(table: pa.Table, split: str, max_prompts: int) -> list[dict]:
@@ -70,6 +81,8 @@ def summarize(rows: list[dict], k: int) -> dict[str, float]:
         out["mean_length"] = float(np.mean([r["num_tokens"] for r in greedy]))
         out["truncated_rate"] = float(np.mean([r["finish_reason"] == "length" for r in greedy]))
         out["unscored"] = float(len(greedy) - len(scored))
+        if greedy[0].get("tool_calls") is not None:
+            out.update(answer_tool_metrics(greedy))
     sampled: dict[str, list[dict]] = defaultdict(list)
     for r in rows:
         if r["mode"] == "sampled" and r["correct"] is not None:
@@ -77,6 +90,22 @@ def summarize(rows: list[dict], k: int) -> dict[str, float]:
     if sampled and k:
         out[f"pass_at_{k}"] = float(np.mean([pass_at_k(len(v), sum(x["correct"] for x in v), k) for v in sampled.values()]))
         out["pass_at_1_sampled"] = float(np.mean([pass_at_k(len(v), sum(x["correct"] for x in v), 1) for v in sampled.values()]))
+    return out
+
+
+def answer_tool_metrics(rows: list[dict]) -> dict[str, float]:
+    """Over greedy rows sampled with a tool environment (pure: tested on literal rows): tool calls per answer, the
+    share of calls that failed, model turns per answer, and accuracy (with the share of answers) by the number of
+    calls an answer made: 0, 1, 2 or more (`calls_2plus`)."""
+    calls = sum(r["tool_calls"] for r in rows)
+    out = {"tool_calls_per_answer": calls / len(rows),
+           "tool_error_rate": sum(r["tool_errors"] for r in rows) / calls if calls else 0.0,
+           "turns": float(np.mean([r["turns"] for r in rows]))}
+    for name, lo, hi in TOOL_CALL_BINS:
+        group = [r for r in rows if lo <= r["tool_calls"] <= hi]
+        scored = [r["correct"] for r in group if r["correct"] is not None]
+        out[f"{name}/share"] = len(group) / len(rows)
+        out[f"{name}/accuracy"] = float(np.mean(scored)) if scored else float("nan")
     return out
 
 
@@ -128,6 +157,55 @@ def sampled_scores(cfg: EvalConfig, rows: list[dict], prompts: list[dict], score
     return heads.StepScorer.from_input(scorer, device).score(convs, texts, aggregation=cfg.rerank_aggregate)
 
 
+def check(cfg: EvalConfig) -> None:
+    """Before any compute: the environment loads (a user file exists and defines one)."""
+    environment_from_spec(cfg.environment)
+
+
+def cache_salt(cfg: EvalConfig) -> str:
+    """A user environment file's bytes; nothing for a built-in (its code moves with VERSION)."""
+    return environment_source_digest(cfg.environment.name) or ""
+
+
+def answer_prompts(cfg: EvalConfig, model, tokenizer, prompts: list[dict], spec: GenerationSpec, n: int, seed: int,
+                   desc: str) -> tuple[list[list[dict]], float, int]:
+    """n answers per prompt as partial eval rows, with the seconds and sampled tokens it took. single_turn: generate()'s
+    completions, as always. Otherwise the environment's trajectories: `completion` is the transcript (the tool's
+    output included, so a reader sees what the model saw), scored on the model's own text (`Environment.score`),
+    with turns, tool_calls and tool_errors."""
+    autocast_dtype = auto_precision(str(next(model.parameters()).device))  # bf16 on a GPU, fp32 on the CPU
+    if cfg.environment.is_single_turn:
+        comps, stats = generate(model, tokenizer, [p["messages"] for p in prompts], spec, n=n, seed=seed, desc=desc,
+                                autocast_dtype=autocast_dtype)
+        return [[{"completion": c.text, "num_tokens": c.num_tokens, "finish_reason": c.finish_reason,
+                  "verdict": score(p, c.text)} for c in cs] for p, cs in zip(prompts, comps, strict=True)], \
+            stats.seconds, stats.new_tokens
+    env = environment_from_spec(cfg.environment)
+    trajs, stats = sample_trajectories(model, tokenizer, prompts, env, spec, n=n, seed=seed,
+                                       max_total_tokens=cfg.environment.token_budget(spec.max_new_tokens),
+                                       autocast_dtype=autocast_dtype)
+    return [[{"completion": t.transcript, "num_tokens": t.num_tokens, "finish_reason": t.finish_reason,
+              "verdict": env.score(p, t.text, t.num_tokens), "turns": t.turns, "tool_calls": t.tool_calls,
+              "tool_errors": t.tool_errors} for t in ts] for p, ts in zip(prompts, trajs, strict=True)], \
+        stats.seconds, stats.new_tokens
+
+
+def eval_rows(mode: str, prompts: list[dict], answers: list[list[dict]]) -> list[dict]:
+    """`eval` rows of one mode's answers (tool columns only where the answers have them)."""
+    rows = []
+    for prompt, group in zip(prompts, answers, strict=True):
+        for i, a in enumerate(group):
+            v = a["verdict"]
+            rows.append({
+                "prompt_id": prompt["id"], "task": prompt["task"], "mode": mode, "sample_index": i,
+                "completion": a["completion"], "extracted": v.extracted, "answer": prompt["answer"],
+                "correct": v.correct, "correct_lenient": v.correct_lenient, "format_ok": v.format_ok,
+                "num_tokens": a["num_tokens"], "finish_reason": a["finish_reason"],
+                **{k: a[k] for k in TOOL_COLUMNS if k in a},
+            })
+    return rows
+
+
 def run(cfg: EvalConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[str, Output]:
     prompts = round_robin_prompts(inputs["prompts"].table("prompts"), cfg.split, cfg.max_prompts)
     if not prompts:
@@ -136,36 +214,21 @@ def run(cfg: EvalConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[st
     seed_everything(ctx.seed)
     model, tokenizer = inputs["model"].load_model()
     model.to(ctx.device)
-    conversations = [p["messages"] for p in prompts]
     greedy_spec = GenerationSpec(max_new_tokens=cfg.max_new_tokens, temperature=0.0, batch_size=cfg.batch_size,
                                  prefill=cfg.prefill)
-    autocast_dtype = auto_precision(ctx.device)  # bf16 on a GPU, fp32 on the CPU
-    greedy, g_stats = generate(model, tokenizer, conversations, greedy_spec, n=1, seed=ctx.seed, desc="eval greedy",
-                               autocast_dtype=autocast_dtype)
-    runs = [("greedy", prompts, greedy)]
-    seconds, new_tokens = g_stats.seconds, g_stats.new_tokens
+    greedy, seconds, new_tokens = answer_prompts(cfg, model, tokenizer, prompts, greedy_spec, 1, ctx.seed,
+                                                 "eval greedy")
+    rows = eval_rows("greedy", prompts, greedy)
     if cfg.pass_k and cfg.pass_k_prompts:
         sub = prompts[: cfg.pass_k_prompts]
         spec = GenerationSpec(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                               prefill=cfg.prefill,
                               batch_size=max(1, cfg.batch_size // cfg.pass_k))
-        sampled, s_stats = generate(model, tokenizer, [p["messages"] for p in sub], spec, n=cfg.pass_k,
-                                    seed=ctx.seed + 1, desc=f"eval pass@{cfg.pass_k}", autocast_dtype=autocast_dtype)
-        runs.append(("sampled", sub, sampled))
-        seconds, new_tokens = seconds + s_stats.seconds, new_tokens + s_stats.new_tokens
+        sampled, s_seconds, s_tokens = answer_prompts(cfg, model, tokenizer, sub, spec, cfg.pass_k, ctx.seed + 1,
+                                                      f"eval pass@{cfg.pass_k}")
+        rows += eval_rows("sampled", sub, sampled)
+        seconds, new_tokens = seconds + s_seconds, new_tokens + s_tokens
 
-    rows = []
-    for mode, rows_in, completions in runs:
-        for prompt, comps in zip(rows_in, completions, strict=True):
-            for i, c in enumerate(comps):
-                verdict = score(prompt, c.text)
-                rows.append({
-                    "prompt_id": prompt["id"], "task": prompt["task"], "mode": mode, "sample_index": i,
-                    "completion": c.text, "extracted": verdict.extracted, "answer": prompt["answer"],
-                    "correct": verdict.correct, "correct_lenient": verdict.correct_lenient,
-                    "format_ok": verdict.format_ok,
-                    "num_tokens": c.num_tokens, "finish_reason": c.finish_reason,
-                })
     del model  # the scorer, if any, loads next
     metrics = summarize(rows, cfg.pass_k)
     for task in sorted({r["task"] for r in rows}):

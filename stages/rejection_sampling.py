@@ -10,6 +10,11 @@ Cold start (R1 paper §2.3.1) from a model that does not write the R1 format yet
 lenient` accepts a right answer stated without tags (`Verdict.correct_lenient`), and `reformat`
 rewrites each accepted completion that is not well formed into `<think>…</think><answer>…</answer>`
 (`stages.rewards.answers.reformat_r1`; R1 used annotators and a summary here, we only restructure).
+
+With `environment:` other than single_turn (e.g. python), the samples are multi-turn trajectories
+(`stages.sampling.multiturn`), scored on the model's own text; the kept completion is the transcript
+(the model's turns and the tool's outputs), so SFT on it learns tool use (`training.sequences`
+trains on the model's spans only). vLLM samples one turn: that combination fails in `check`.
 """
 
 from __future__ import annotations
@@ -21,11 +26,13 @@ import numpy as np
 
 from schemas.configs import RejectionSamplingConfig
 from schemas.datasets import from_rows
-from schemas.errors import SchemaError
+from schemas.errors import ConfigError, SchemaError
 from stages.base import Input, Output, StageContext, seed_everything, write_dataset
+from stages.environments.registry import environment_from_spec, environment_source_digest
 from stages.rewards.answers import extract_answer_lenient, reformat_r1
 from stages.rewards.verifiers import Verdict, score
 from stages.sampling.generation import sample_with
+from stages.sampling.multiturn import sample_trajectories
 
 VERSION = "3"  # history: CHANGELOG.md
 SAMPLES = True  # its outputs depend on what the samplers draw: SAMPLER_VERSION is in its key
@@ -73,27 +80,63 @@ def accept(samples: list[dict], cfg: RejectionSamplingConfig) -> list[dict]:
     return kept
 
 
+def check(cfg: RejectionSamplingConfig) -> None:
+    """Before any compute: the environment loads; only r1flow's decode loop runs multi-turn rollouts."""
+    environment_from_spec(cfg.environment, cfg.reward)
+    if not cfg.environment.is_single_turn and cfg.generation.backend == "vllm":
+        raise ConfigError(f"rejection_sampling.generation.backend: vllm samples one turn per prompt; environment "
+                          f"{cfg.environment.name!r} needs the transformers backend (r1flow's multi-turn decode loop)")
+
+
+def cache_salt(cfg: RejectionSamplingConfig) -> str:
+    """A user environment file's bytes; nothing for a built-in (its code moves with VERSION)."""
+    return environment_source_digest(cfg.environment.name) or ""
+
+
+def sample_candidates(cfg: RejectionSamplingConfig, model_input: Input, prompts: list[dict], seed: int, device: str
+                   ) -> tuple[list[list[dict]], float]:
+    """num_samples answers per prompt and the sampling throughput. An answer: `text` (what is scored: the model's
+    own text), `completion` (what is kept: the same for single_turn; with a tool environment the transcript, the
+    tool's output included, so SFT on it learns to call the tool and read its output), num_tokens, finish_reason
+    and `tool` (turns, tool_calls, tool_errors; None for single_turn)."""
+    if cfg.environment.is_single_turn:
+        comps, stats = sample_with(model_input, [p["messages"] for p in prompts], cfg.generation, cfg.num_samples,
+                                   seed, device, "rejection sampling")
+        return [[{"text": c.text, "completion": c.text, "num_tokens": c.num_tokens, "finish_reason": c.finish_reason,
+                  "tool": None} for c in cs] for cs in comps], stats.tokens_per_s
+    env = environment_from_spec(cfg.environment, cfg.reward)
+    model, tokenizer = model_input.load_model()
+    model.to(device)
+    trajs, stats = sample_trajectories(model, tokenizer, prompts, env, cfg.generation, n=cfg.num_samples, seed=seed,
+                                       max_total_tokens=cfg.environment.token_budget(cfg.generation.max_new_tokens))
+    return [[{"text": t.text, "completion": t.transcript, "num_tokens": t.num_tokens,
+              "finish_reason": t.finish_reason,
+              "tool": {"turns": t.turns, "tool_calls": t.tool_calls, "tool_errors": t.tool_errors}}
+             for t in ts] for ts in trajs], stats.tokens_per_s
+
+
 def run(cfg: RejectionSamplingConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[str, Output]:
     table = inputs["prompts"].table("prompts")
     prompts = [r for r in table.to_pylist() if r["split"] == cfg.split][: cfg.max_prompts]
     if not prompts:
         raise SchemaError(f"{inputs['prompts'].label}: no prompts with split={cfg.split!r}")
     seed_everything(ctx.seed)
-    completions, stats = sample_with(inputs["model"], [p["messages"] for p in prompts], cfg.generation, cfg.num_samples,
-                                     ctx.seed, ctx.device, "rejection sampling")
-    rm_scores = reward_model_scores(inputs.get("reward_model"), prompts, completions)
+    answers, tokens_per_s = sample_candidates(cfg, inputs["model"], prompts, ctx.seed, ctx.device)
+    rm_scores = reward_model_scores(inputs.get("reward_model"), prompts, [[a["text"] for a in g] for g in answers])
+    env = environment_from_spec(cfg.environment, cfg.reward)
     samples = []
-    for p_idx, (prompt, comps) in enumerate(zip(prompts, completions, strict=True)):
-        for i, c in enumerate(comps):
+    for p_idx, (prompt, group) in enumerate(zip(prompts, answers, strict=True)):
+        for i, a in enumerate(group):
             rm = rm_scores[p_idx][i] if rm_scores is not None else None
-            v = score(prompt, c.text, cfg.reward, num_tokens=c.num_tokens, rm_score=rm)
-            samples.append(sample_row(prompt, i, c.text, c.num_tokens, c.finish_reason, v))
+            v = (score(prompt, a["text"], cfg.reward, num_tokens=a["num_tokens"], rm_score=rm)
+                 if cfg.environment.is_single_turn else env.score(prompt, a["text"], a["num_tokens"], rm))
+            samples.append(sample_row(prompt, i, a["completion"], a["num_tokens"], a["finish_reason"], v, a["tool"]))
     kept = accept(samples, cfg)
     sft_rows = build_sft_rows(kept, cfg)
 
     metrics = acceptance_metrics(prompts, samples, kept)
     metrics["reformatted_rows"] = float(sum(json.loads(r["metadata"])["reformatted"] for r in sft_rows))
-    metrics["tokens_per_s"] = stats.tokens_per_s
+    metrics["tokens_per_s"] = tokens_per_s
     ctx.log_metrics(metrics)
     ctx.log.info("rejection sampling: %d/%d prompts accepted (%.1f%%), %d sft rows",
                  metrics["prompts_accepted"], len(prompts), 100 * metrics["acceptance_rate"], len(sft_rows))
@@ -103,15 +146,17 @@ def run(cfg: RejectionSamplingConfig, inputs: dict[str, Input], ctx: StageContex
     }
 
 
-def sample_row(prompt: dict, index: int, completion: str, num_tokens: int, finish_reason: str, v: Verdict) -> dict:
-    """The `samples` row of one scored completion; what the schema has no column for goes to metadata."""
+def sample_row(prompt: dict, index: int, completion: str, num_tokens: int, finish_reason: str, v: Verdict,
+               tool: dict | None = None) -> dict:
+    """The `samples` row of one scored completion; what the schema has no column for goes to metadata (with a tool
+    environment, `tool`: turns, tool_calls, tool_errors; single_turn rows have none, as before)."""
+    meta = {"task": prompt["task"], "verifier": prompt["verifier"], "answer": prompt["answer"],
+            "extracted": v.extracted, "format_ok": v.format_ok, "correct_lenient": v.correct_lenient, **(tool or {})}
     return {
         "prompt_id": prompt["id"], "messages": prompt["messages"], "completion": completion, "sample_index": index,
         "reward": v.reward, "reward_components": json.dumps(v.components, sort_keys=True),
         "correct": v.correct, "num_tokens": num_tokens, "finish_reason": finish_reason,
-        "metadata": json.dumps({"task": prompt["task"], "verifier": prompt["verifier"], "answer": prompt["answer"],
-                                "extracted": v.extracted, "format_ok": v.format_ok,
-                                "correct_lenient": v.correct_lenient}, sort_keys=True),
+        "metadata": json.dumps(meta, sort_keys=True),
     }
 
 
@@ -152,15 +197,15 @@ def build_sft_rows(kept: list[dict], cfg: RejectionSamplingConfig) -> list[dict]
     return rows
 
 
-def reward_model_scores(rm: Input | None, prompts: list[dict], completions) -> list[list[float]] | None:
-    """The optional reward model's score of every completion (the `reward_model` reward component)."""
+def reward_model_scores(rm: Input | None, prompts: list[dict], completions: list[list[str]]) -> list[list[float]] | None:
+    """The optional reward model's score of every completion text (the `reward_model` reward component)."""
     if rm is None:
         return None
     from stages.modeling.heads import RewardScorer
 
     scorer = RewardScorer.from_input(rm)
     flat = scorer.score([p["messages"] for p, cs in zip(prompts, completions, strict=True) for _ in cs],
-                        [c.text for cs in completions for c in cs])
+                        [c for cs in completions for c in cs])
     out, k = [], 0
     for cs in completions:
         out.append(flat[k : k + len(cs)])

@@ -206,3 +206,20 @@ def test_a_user_environment_loads_from_a_python_file_and_its_bytes_salt_the_cach
         load_environment_file(tmp_path / "half.py")
     with pytest.raises(ConfigError, match="no such file"):
         get_environment(str(tmp_path / "missing.py"))
+
+
+def test_a_stage_configs_environment_spec_makes_its_environment(tmp_path):
+    from schemas.configs import EnvironmentSpec, SandboxLimits
+    from stages.environments.registry import environment_from_spec
+
+    reward = RewardSpec(weights={"accuracy": 1.0}, sandbox=SandboxLimits(memory_mb=256))
+    env = environment_from_spec(EnvironmentSpec(name="python", max_turns=3, timeout_s=2.0, max_output_chars=64),
+                                reward)
+    assert isinstance(env, PythonTool)
+    assert (env.max_turns, env.timeout_s, env.max_output_chars, env.reward, env.limits.memory_mb) == \
+        (3, 2.0, 64, reward, 256)
+    assert environment_from_spec(EnvironmentSpec()) == SingleTurn(RewardSpec())
+    assert EnvironmentSpec(max_turns=3).token_budget(32) == 96
+    assert EnvironmentSpec(max_turns=3, max_total_tokens=50).token_budget(32) == 50
+    with pytest.raises(ConfigError, match="unknown environment"):
+        environment_from_spec(EnvironmentSpec(name="nope"))

@@ -1,5 +1,6 @@
 """eval: summary metrics on literal rows (hand-computed), prompt selection, and the stage on the tiny model."""
 
+import hashlib
 import json
 import math
 
@@ -7,7 +8,7 @@ import pytest
 
 from schemas.configs import EvalConfig
 from schemas.datasets import from_rows
-from schemas.errors import SchemaError
+from schemas.errors import ConfigError, SchemaError
 from stages import eval as eval_stage
 from stages.base import LocalContext, write_dataset
 from stages.math.stats import bootstrap_ci
@@ -156,3 +157,95 @@ def test_eval_reranks_its_samples_with_a_reward_model(tmp_path, tiny_model_input
                                                              [r["completion"] for r in sampled])
     assert out["results"].metrics == {**out["results"].metrics, **eval_stage.rerank_metrics(rows, scores, "orm")}
     assert out["results"].metrics["rerank/prompts"] == 3.0 and "rerank/orm_accuracy" in out["results"].metrics
+
+
+# ---------------------------------------------------------------------------- environments (issue 46)
+
+def tool_row(pid, correct, calls, errors=0, turns=None):
+    return {**row(pid, "greedy", correct), "tool_calls": calls, "tool_errors": errors,
+            "turns": calls + 1 if turns is None else turns}
+
+
+def test_tool_metrics_hand_computed():
+    """Five answers: calls 0, 0, 1, 2, 3 (6 calls, 2 failed), turns 1, 1, 2, 3, 4 (mean 11/5 = 2.2).
+    0 calls: correct, wrong -> 0.5 of 2/5 of the answers; 1 call: correct -> 1.0 of 1/5; 2+ calls: wrong, correct
+    -> 0.5 of 2/5."""
+    rows = [tool_row("a", True, 0), tool_row("b", False, 0), tool_row("c", True, 1, 1),
+            tool_row("d", False, 2, 0), tool_row("e", True, 3, 1)]
+    m = eval_stage.summarize(rows, k=0)
+    assert m["tool_calls_per_answer"] == pytest.approx(6 / 5)
+    assert m["tool_error_rate"] == pytest.approx(2 / 6)
+    assert m["turns"] == pytest.approx(2.2)
+    assert (m["calls_0/accuracy"], m["calls_1/accuracy"], m["calls_2plus/accuracy"]) == (0.5, 1.0, 0.5)
+    assert (m["calls_0/share"], m["calls_1/share"], m["calls_2plus/share"]) == (0.4, 0.2, 0.4)
+    assert m["accuracy"] == pytest.approx(3 / 5)
+    assert "tool_calls_per_answer" not in eval_stage.summarize([row("a", "greedy", True)], k=0)
+
+
+def test_eval_rows_with_tool_columns_keep_them_and_single_turn_rows_have_none():
+    table = from_rows([tool_row("a", True, 1, 1)], "eval")
+    assert table.column_names[-3:] == ["turns", "tool_calls", "tool_errors"]
+    assert table.to_pylist()[0]["tool_errors"] == 1
+    assert from_rows([row("a", "greedy", True)], "eval").column_names == list(eval_stage_schema())
+
+
+def eval_stage_schema():
+    from schemas.datasets import SCHEMAS
+
+    return SCHEMAS["eval"].names
+
+
+ONE_CALL_ENV = '''
+from stages.environments.base import Observation
+from stages.rewards.verifiers import score
+
+
+class _Episode:
+    def step(self, turn):
+        if turn.index == 0:  # the first turn "calls the tool" and the call fails; the second turn ends it
+            return Observation("<output>\\n42\\n</output>\\n", tool_call=True, tool_error=True)
+        return None
+
+
+class _Env:
+    name, stop = "one_call", ()
+
+    def start(self, row):
+        return _Episode()
+
+    def score(self, row, completion, num_tokens=None, rm_score=None):
+        return score(row, completion)
+
+
+def environment(**options):
+    return _Env()
+'''
+
+
+def test_eval_with_an_environment_records_turns_and_tool_calls(tmp_path, tiny_model_input):
+    env_file = tmp_path / "one_call.py"
+    env_file.write_text(ONE_CALL_ENV)
+    prompts = [{"id": f"p{i}", "messages": [{"role": "user", "content": f"{i}+1?"}], "answer": str(i + 1),
+                "task": "math", "verifier": "math", "split": "eval", "metadata": "{}"} for i in range(3)]
+    data = write_dataset(LocalContext(tmp_path / "d"), "p", from_rows(prompts, "prompts"), "prompts")
+    cfg = EvalConfig(max_prompts=3, max_new_tokens=4, batch_size=2, pass_k=2, pass_k_prompts=1,
+                     environment={"name": str(env_file), "max_turns": 2, "max_total_tokens": 64})
+    eval_stage.check(cfg)
+    assert eval_stage.cache_salt(cfg) == hashlib.sha256(env_file.read_bytes()).hexdigest()
+    assert eval_stage.cache_salt(EvalConfig()) == ""
+    out = eval_stage.run(cfg, {"model": tiny_model_input, "prompts": fake_input(data.path, "dataset", "prompts")},
+                         LocalContext(tmp_path / "run"))["results"]
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(out.path / "data.parquet").to_pylist()
+    assert len(rows) == 3 + 2
+    assert all((r["turns"], r["tool_calls"], r["tool_errors"]) == (2, 1, 1) for r in rows)
+    assert all("<output>\n42\n</output>\n" in r["completion"] for r in rows)  # the transcript
+    m = out.metrics
+    assert (m["tool_calls_per_answer"], m["tool_error_rate"], m["turns"], m["calls_1/share"]) == (1.0, 1.0, 2.0, 1.0)
+    assert "math/tool_calls_per_answer" in m
+
+
+def test_an_unknown_environment_fails_the_check():
+    with pytest.raises(ConfigError):
+        eval_stage.check(EvalConfig(environment={"name": "nope"}))

@@ -1,6 +1,7 @@
 """Rejection sampling: the acceptance rule and selection on literal rows, then the stage on the
 tiny model, checking the sft output is exactly the accepted samples."""
 
+import hashlib
 import json
 
 import pyarrow.parquet as pq
@@ -9,11 +10,13 @@ import pytest
 
 from schemas.configs import GenerationSpec, RejectionSamplingConfig, RewardSpec
 from schemas.datasets import from_rows
+from schemas.errors import ConfigError
 from stages import rejection_sampling as rs
 from stages.base import LocalContext, write_dataset
 from stages.rewards.answers import format_ok
 from stages.rewards.verifiers import score
 from tests.conftest import fake_input
+from tests.test_eval import ONE_CALL_ENV
 
 
 def sample(pid, i, reward, correct=True, fmt=True, text=None, lenient=None):
@@ -189,3 +192,45 @@ def test_reformat_leaves_a_row_without_an_answer_as_it_is():
     assert rs.reformat_sample(s) is None
     (row,) = rs.build_sft_rows([s], cfg)
     assert row["messages"][-1]["content"] == "no idea" and json.loads(row["metadata"])["reformatted"] is False
+
+
+# ---------------------------------------------------------------------------- environments (issue 46)
+
+def test_vllm_with_a_tool_environment_and_an_unknown_environment_fail_the_check(tmp_path):
+    rs.check(RejectionSamplingConfig(environment={"name": "python"}))
+    rs.check(RejectionSamplingConfig(generation=GenerationSpec(backend="vllm")))  # single_turn: as before
+    with pytest.raises(ConfigError, match="vllm"):
+        rs.check(RejectionSamplingConfig(environment={"name": "python"}, generation=GenerationSpec(backend="vllm")))
+    with pytest.raises(ConfigError, match="no such file"):
+        rs.check(RejectionSamplingConfig(environment={"name": str(tmp_path / "missing.py")}))
+    assert rs.cache_salt(RejectionSamplingConfig(environment={"name": "python"})) == ""
+
+
+def test_with_an_environment_the_kept_completion_is_the_transcript(tmp_path, tiny_model_input):
+    env_file = tmp_path / "one_call.py"
+    env_file.write_text(ONE_CALL_ENV)
+    rows = [{"id": f"p{i}", "messages": [{"role": "user", "content": f"say {i}"}], "answer": str(i), "task": "t",
+             "verifier": "math", "split": "train", "metadata": "{}"} for i in range(3)]
+    data = write_dataset(LocalContext(tmp_path / "d"), "p", from_rows(rows, "prompts"), "prompts")
+    cfg = RejectionSamplingConfig(num_samples=2, keep_per_prompt=2, require_correct=False, require_format=False,
+                                  generation=GenerationSpec(max_new_tokens=6, temperature=1.0),
+                                  environment={"name": str(env_file), "max_turns": 2, "max_total_tokens": 64})
+    rs.check(cfg)
+    assert rs.cache_salt(cfg) == hashlib.sha256(env_file.read_bytes()).hexdigest()
+    out = rs.run(cfg, {"model": tiny_model_input, "prompts": fake_input(data.path, "dataset", "prompts")},
+                 LocalContext(tmp_path / "run", seed=3))
+    samples = pq.read_table(out["samples"].path / "data.parquet").to_pylist()
+    sft_rows = pq.read_table(out["data"].path / "data.parquet").to_pylist()
+    assert len(samples) == 3 * 2 and sft_rows
+    for s in samples:
+        meta = json.loads(s["metadata"])
+        assert (meta["turns"], meta["tool_calls"], meta["tool_errors"]) == (2, 1, 1)
+        assert "<output>\n42\n</output>\n" in s["completion"]
+    assert all("<output>\n42\n</output>\n" in r["messages"][-1]["content"] for r in sft_rows)
+
+
+def test_single_turn_sample_rows_have_no_tool_metadata():
+    row = rs.sample_row({"id": "p", "messages": [], "task": "t", "verifier": "math", "answer": "1"}, 0, "x", 1,
+                        "stop", score({"answer": "1", "verifier": "math"}, "x"))
+    assert set(json.loads(row["metadata"])) == {"task", "verifier", "answer", "extracted", "format_ok",
+                                                "correct_lenient"}

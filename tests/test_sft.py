@@ -386,3 +386,80 @@ def test_every_checkpoint_damaged_starts_fresh_and_set_aside_copies_are_capped(s
     out = sft.run(cfg, sft_inputs, LocalContext(root))["model"]
     assert out.metrics["resumed_from_step"] == 0
     assert len(list(ckpts.glob(".corrupt-*"))) == checkpoints.KEEP_CORRUPT  # 4 set aside, the newest 2 kept
+
+
+# ---------------------------------------------------------------------------- tool transcripts (issue 46)
+
+TOOL_TURN_1 = "<think>\nmultiply\n</think>\n<python>\nprint(2 * 3)\n</python>"
+TOOL_OBSERVATION = "<output>\n6\n</output>\n"
+TOOL_TURN_2 = "<answer>6</answer>"
+TOOL_MESSAGES = [{"role": "user", "content": "2 * 3?"},
+                 {"role": "assistant", "content": TOOL_TURN_1 + TOOL_OBSERVATION + TOOL_TURN_2}]
+
+
+def merging_tokenizer():
+    """The tiny tokenizer's characters plus two tokens that merge across a segment boundary of a tool transcript:
+    `><` (`</python>` then `<output>`) and `\\n<` (`</output>\\n` then `<answer>`), so tokenizing the transcript whole
+    and segment by segment give different ids."""
+    from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import WordLevel
+    from transformers import AddedToken, PreTrainedTokenizerFast
+
+    from stages.modeling.models import CHATML_TEMPLATE, TINY_SPECIAL_TOKENS
+
+    vocab = {t: i for i, t in enumerate([*TINY_SPECIAL_TOKENS, "><", "\n<", *(chr(c) for c in range(128))])}
+    backend = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"><|\n<|[\s\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in TINY_SPECIAL_TOKENS])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                   pad_token="<pad>", unk_token="<unk>", chat_template=CHATML_TEMPLATE)
+
+
+def test_a_tool_transcript_labels_exactly_the_model_segments():
+    """Prompt P, then turn 1 (labelled), the observation (IGNORE), turn 2 with the template's end (labelled), each
+    tokenized alone: `><` never merges `</python>` into `<output>`, nor `\\n<` the observation's end into
+    `<answer>`."""
+    tok = merging_tokenizer()
+    ex = sequences.tokenize_conversation(tok, TOOL_MESSAGES, max_length=512)
+    enc = lambda t: tok(t, add_special_tokens=False)["input_ids"]  # noqa: E731
+    prompt = tok.apply_chat_template(TOOL_MESSAGES[:1], tokenize=False, add_generation_prompt=True)
+    suffix = tok.apply_chat_template(TOOL_MESSAGES, tokenize=False)[len(prompt) + len(TOOL_MESSAGES[1]["content"]):]
+    p, t1, obs, t2 = enc(prompt), enc(TOOL_TURN_1), enc(TOOL_OBSERVATION), enc(TOOL_TURN_2 + suffix)
+    assert ex.input_ids == p + t1 + obs + t2
+    assert ex.labels == [IG] * len(p) + t1 + [IG] * len(obs) + t2
+    whole = enc(TOOL_TURN_1 + TOOL_OBSERVATION + TOOL_TURN_2 + suffix)
+    assert whole != t1 + obs + t2  # the boundaries do merge when tokenized whole: the segmenting matters
+    assert tok.decode([i for i, lab in zip(ex.input_ids, ex.labels, strict=True) if lab == IG][len(p):]) \
+        == TOOL_OBSERVATION
+
+
+def test_a_tool_transcripts_tokens_are_the_multiturn_samplers():
+    """The sampler's sequence for the same turns: the rendered prompt, each turn's tokens, each observation
+    tokenized alone (`_step_episodes`: one batch call, no special tokens), then the end-of-turn token; the model
+    mask is the labels' mask."""
+    from stages.sampling.completions import render_prompts, stop_token_ids
+
+    tok = merging_tokenizer()
+    ex = sequences.tokenize_conversation(tok, TOOL_MESSAGES, max_length=512)
+    prompt = tok(render_prompts(tok, [TOOL_MESSAGES[:1]])[0], add_special_tokens=False)["input_ids"]
+    turns = [tok(t, add_special_tokens=False)["input_ids"] for t in (TOOL_TURN_1, TOOL_TURN_2)]
+    observation = tok([TOOL_OBSERVATION], add_special_tokens=False)["input_ids"][0]
+    eos = [stop_token_ids(tok)[0]]
+    sampled = prompt + turns[0] + observation + turns[1] + eos
+    model_mask = [0] * len(prompt) + [1] * len(turns[0]) + [0] * len(observation) + [1] * (len(turns[1]) + 1)
+    assert ex.input_ids[: len(sampled)] == sampled
+    assert [int(lab != IG) for lab in ex.labels[: len(sampled)]] == model_mask
+
+
+def test_single_turn_data_tokenizes_as_before():
+    """No observation after a `</python>` (an `<output>` the model wrote itself included): one tokenizer call."""
+    tok = merging_tokenizer()
+    for content in ("<think>\nadd\n</think>\n<answer>4</answer>", "<output>\n4\n</output>\n<answer>4</answer>"):
+        msgs = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": content}]
+        prompt = tok.apply_chat_template(msgs[:1], tokenize=False, add_generation_prompt=True)
+        full = tok.apply_chat_template(msgs, tokenize=False)
+        p = tok(prompt, add_special_tokens=False)["input_ids"]
+        c = tok(full[len(prompt):], add_special_tokens=False)["input_ids"]
+        ex = sequences.tokenize_conversation(tok, msgs, max_length=512)
+        assert ex.input_ids == p + c and ex.labels == [IG] * len(p) + c

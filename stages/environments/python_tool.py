@@ -44,6 +44,10 @@ from stages.rewards.verifiers import Verdict, score
 CALL_OPEN, CALL_CLOSE = "<python>", "</python>"
 OUTPUT_OPEN, OUTPUT_CLOSE = "<output>", "</output>"
 _BLOCK = re.compile(re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE), re.DOTALL)
+# An observation as `observation_text` writes it, right after the turn that closed a block (a turn's last token
+# may carry whitespace past the stop string)
+_OBSERVATION = re.compile(re.escape(CALL_CLOSE) + r"\s*?(" + re.escape(OUTPUT_OPEN) + r"\n.*?\n"
+                          + re.escape(OUTPUT_CLOSE) + r"\n)", re.DOTALL)
 TRUNCATED = "\n[... {} more characters]"
 _FAILURES = {"timeout": "timed out after {:g} s", "memory": "ran out of memory",
              "output_limit": "printed more than the sandbox keeps", "killed": "was killed"}
@@ -61,6 +65,16 @@ def last_program(text: str) -> str | None:
         return None
     code = textwrap.dedent(blocks[-1]).strip("\n")
     return code if code.strip() else None
+
+
+def observation_spans(text: str) -> list[tuple[int, int]]:
+    """(start, end) of every observation in a transcript: `<output>\\n…\\n</output>\\n` right after a `</python>`
+    (text the model wrote elsewhere, `<output>` included, is not one).
+
+    >>> observation_spans("a<python>1</python><output>\\n1\\n</output>\\nb <output>\\nx\\n</output>\\n")
+    [(19, 40)]
+    """
+    return [m.span(1) for m in _OBSERVATION.finditer(text)]
 
 
 def cap_output(text: str, max_chars: int) -> str:

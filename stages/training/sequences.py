@@ -6,6 +6,10 @@ masked ones included, and on a GPU SDPA runs its memory-efficient kernel rather 
 attention. Only models that take such a mask get it (`prefix_sharing.can_pack_prefix`: Llama, Mistral
 and Qwen2, full attention, `sdpa`); others attend across the examples of a packed row, with a
 warning from the sft stage (labels stay masked either way).
+
+A tool transcript (the python environment's `<output>` observations in the assistant turn, as
+rejection sampling with a tool and `tool_demos` write them) is tokenized segment by segment as the
+multi-turn sampler builds it, and only the model's segments are labelled (`tokenize_completion`).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from schemas.errors import SchemaError
+from stages.environments.python_tool import observation_spans
 from stages.math.supervised import IGNORE
 
 
@@ -43,10 +48,34 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_length: int) -> E
         raise SchemaError("sft: the chat template renders the prompt differently with and without the answer; "
                           "cannot mask prompt tokens reliably")
     p_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    c_ids = tokenizer(full[len(prompt) :], add_special_tokens=False)["input_ids"]
+    c_ids, c_labels = tokenize_completion(tokenizer, full[len(prompt) :])
     ids = (p_ids + c_ids)[:max_length]
-    labels = ([IGNORE] * len(p_ids) + c_ids)[:max_length]
+    labels = ([IGNORE] * len(p_ids) + c_labels)[:max_length]
     return Example(ids, labels)
+
+
+def tokenize_completion(tokenizer, text: str) -> tuple[list[int], list[int]]:
+    """(token ids, labels) of an assistant turn's text. Text without tool observations is tokenized whole, labels
+    the ids. A tool transcript (`python_tool.observation_spans`: `<output>…</output>` after a `</python>`) is
+    tokenized as the multi-turn sampler builds its sequence (`stages.sampling.multiturn`): each model segment and
+    each observation on its own, appended in order, so the tokens are those a rollout of the same turns has; the
+    observations' labels are IGNORE (the model never wrote them)."""
+    spans = observation_spans(text)
+    if not spans:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        return ids, list(ids)
+    pieces, start = [], 0
+    for a, b in spans:
+        pieces += [(text[start:a], True), (text[a:b], False)]
+        start = b
+    pieces.append((text[start:], True))
+    pieces = [(t, trained) for t, trained in pieces if t]
+    tokenized = tokenizer([t for t, _ in pieces], add_special_tokens=False)["input_ids"]
+    ids, labels = [], []
+    for piece_ids, (_, trained) in zip(tokenized, pieces, strict=True):
+        ids += piece_ids
+        labels += piece_ids if trained else [IGNORE] * len(piece_ids)
+    return ids, labels
 
 
 def pack(examples: list[Example], max_length: int) -> list[Example]:
