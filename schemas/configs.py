@@ -119,8 +119,6 @@ class SFTConfig(TrainingConfig):
 class EvalConfig(Strict):
     """`eval` stage: greedy pass@1 and sampled pass@k on held-out prompts."""
 
-    environment: EnvironmentSpec = environment_field()
-
     split: Literal["eval", "train"] = Field("eval", description="Which split of the prompts to evaluate.")
     max_prompts: int = Field(64, ge=1, description="Prompts evaluated (first N of the split, per task order).")
     max_new_tokens: int = Field(128, ge=1, description="Maximum tokens per completion.")
@@ -141,6 +139,7 @@ class EvalConfig(Strict):
     )
     rerank_aggregate: Literal["min", "product", "last", "mean"] = Field(
         "min", description="How a process reward model's step scores make a completion's score (rerank=prm).")
+    environment: EnvironmentSpec = environment_field()
 
     @model_validator(mode="after")
     def _rerank_needs_samples(self) -> EvalConfig:
@@ -152,8 +151,6 @@ class EvalConfig(Strict):
 
 class RejectionSamplingConfig(Strict):
     """`rejection_sampling` stage: K samples per prompt, scored; keep up to M that pass."""
-
-    environment: EnvironmentSpec = environment_field()
 
     num_samples: int = Field(8, ge=1, description="K: completions sampled per prompt.")
     keep_per_prompt: int = Field(1, ge=1, description="M: accepted completions kept per prompt (best first).")
@@ -179,6 +176,7 @@ class RejectionSamplingConfig(Strict):
         description="Sampling settings.",
     )
     reward: RewardSpec = Field(default_factory=RewardSpec, description="How samples are scored.")
+    environment: EnvironmentSpec = environment_field()
 
     @model_validator(mode="after")
     def _reformat_needs_unformatted_samples(self) -> RejectionSamplingConfig:
@@ -333,8 +331,6 @@ class DistillConfig(TrainingConfig):
 class StepLabelsConfig(Strict):
     """`step_labels` stage: Math-Shepherd step labels from K rollouts per step prefix."""
 
-    environment: EnvironmentSpec = environment_field()
-
     rollouts: int = Field(4, ge=1, description="K: completions rolled out with the policy from each step prefix.")
     label: Literal["soft", "hard"] = Field(
         "soft", description="soft: a step's label is the share of its rollouts that reach a verified answer; hard: "
@@ -359,6 +355,7 @@ class StepLabelsConfig(Strict):
                                "is used).")
     precision: Precision = Field("auto", description="Sampling precision (autocast; the weights stay as loaded). "
                                  "auto: bf16 on GPUs that support it, else fp32.")
+    environment: EnvironmentSpec = environment_field()
 
 
 class PRMConfig(TrainingConfig):
