@@ -89,10 +89,10 @@ class ToolDemosConfig(Strict):
 
     split: Literal["train", "eval"] = Field("train", description="Which split of the prompts to write demonstrations for.")
     max_prompts: int | None = Field(None, ge=1, description="Use only the first N prompts of the split (None: all).")
-    with_tool: bool = Field(True, description="true: the thinking calls the tool (<python>print(EXPR)</python>), "
-                            "reads its <output> and answers with it. false: the same prompts, kept by the same "
-                            "check, answered without the tool (<think>…</think><answer>…</answer>): the no-tool arm "
-                            "of a comparison on the same data.")
+    with_tool: bool = Field(True, description="true: the thinking calls the tool (a python block that prints the "
+                            "expression), reads its output block and answers with it. false: the same prompts, kept "
+                            "by the same check, answered without the tool (think, then answer): the no-tool arm of a "
+                            "comparison on the same data.")
     think: str = Field("This needs exact arithmetic, so I will compute it with Python.",
                        description="The reasoning before the tool call (with_tool).")
     think_no_tool: str = Field("I need to compute {expression}.", description="The reasoning of a no-tool "
