@@ -208,3 +208,18 @@ def fake_vllm(monkeypatch):
         monkeypatch.delenv(key, raising=False)  # restored (unset) after the test
     _FakeLLM.made.clear()
     return _FakeLLM
+
+
+def status_with_host(port: int, path: str, host_header: str) -> int:
+    """The HTTP status of GET `path` on 127.0.0.1:`port` sent with `host_header` as its Host (a DNS-rebinding page's
+    request names a foreign host)."""
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.putrequest("GET", path, skip_host=True)
+        conn.putheader("Host", host_header)
+        conn.endheaders()
+        return conn.getresponse().status
+    finally:
+        conn.close()

@@ -233,24 +233,11 @@ _TEMPORARY = textwrap.dedent("""
 """)
 
 
-def _status_with_host(port: int, path: str, host_header: str) -> int:
-    import http.client
-
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-    try:
-        conn.putrequest("GET", path, skip_host=True)
-        conn.putheader("Host", host_header)
-        conn.endheaders()
-        return conn.getresponse().status
-    finally:
-        conn.close()
-
-
 @pytest.mark.slow
 def test_the_temporary_prefect_server_refuses_a_foreign_host_header(tmp_path):
     """A command without `r1flow up` (and no PREFECT_API_URL) starts Prefect's temporary server (flows/settings.py):
     it is behind the same Host check as up's (flows/prefect_server.py), and it is the server Prefect's clients use."""
-    from tests.conftest import clean_env
+    from tests.conftest import clean_env, status_with_host
 
     proc = subprocess.Popen([sys.executable, "-c", _TEMPORARY], cwd=Path(__file__).resolve().parent.parent,
                             env=clean_env(tmp_path / "home"), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -263,10 +250,10 @@ def test_the_temporary_prefect_server_refuses_a_foreign_host_header(tmp_path):
         _, kind, port = line.split()
         port = int(port)
         assert kind == "GuardedSubprocessServer"
-        assert _status_with_host(port, "/api/health", f"rebind.example:{port}") == 403
-        assert _status_with_host(port, "/api/flows/filter", "rebind.example") == 403
+        assert status_with_host(port, "/api/health", f"rebind.example:{port}") == 403
+        assert status_with_host(port, "/api/flows/filter", "rebind.example") == 403
         for ok in (f"127.0.0.1:{port}", f"localhost:{port}"):
-            assert _status_with_host(port, "/api/health", ok) == 200, ok
+            assert status_with_host(port, "/api/health", ok) == 200, ok
     finally:
         proc.stdin.close()
         try:

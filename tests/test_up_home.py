@@ -9,7 +9,6 @@ each leaves the servers up for the next (or says why not)."""
 from __future__ import annotations
 
 import contextlib
-import http.client
 import json
 import os
 import queue
@@ -26,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from flows import servers
-from tests.conftest import clean_env
+from tests.conftest import clean_env, status_with_host
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,17 +54,6 @@ def _get(url: str, timeout: float = 10) -> tuple[int, bytes]:
         return r.status, r.read()
 
 
-def _status_with_host(port: int, path: str, host_header: str) -> int:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-    try:
-        conn.putrequest("GET", path, skip_host=True)
-        conn.putheader("Host", host_header)
-        conn.endheaders()
-        return conn.getresponse().status
-    finally:
-        conn.close()
-
-
 def _mode(path: Path) -> int:
     return path.stat().st_mode & 0o777
 
@@ -92,10 +80,10 @@ def test_prefect_api_refuses_a_foreign_host_header_as_mlflow_does(up_home):
     """DNS rebinding: a page on rebind.example, its name re-pointed at 127.0.0.1, sends `Host: rebind.example`."""
     info = up_home["info"]
     for s, path in ((info.prefect, "/api/health"), (info.mlflow, "/api/2.0/mlflow/experiments/search?max_results=1")):
-        assert _status_with_host(s.port, path, f"rebind.example:{s.port}") == 403, s.name
+        assert status_with_host(s.port, path, f"rebind.example:{s.port}") == 403, s.name
         for ok in (f"127.0.0.1:{s.port}", f"localhost:{s.port}"):
-            assert _status_with_host(s.port, path, ok) == 200, (s.name, ok)
-    assert _status_with_host(info.prefect.port, "/api/flows/filter", "rebind.example") == 403
+            assert status_with_host(s.port, path, ok) == 200, (s.name, ok)
+    assert status_with_host(info.prefect.port, "/api/flows/filter", "rebind.example") == 403
 
 
 def test_report_links_survive_down_and_up(up_home):
