@@ -20,16 +20,20 @@ slow-down against the same policy's eval alone. Scenarios alternate policies, so
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from stages.runtime import threads  # noqa: E402
 
 SCENARIOS = {"alone": ["eval"], "two evals": ["eval", "eval"], "eval + train": ["eval", "train"]}
 
@@ -62,6 +66,16 @@ def work(kind: str, model_name: str, seconds: float, start_at: float) -> dict:
     ids = torch.randint(0, tokenizer.vocab_size, (8, 128))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     time.sleep(max(0.0, start_at - time.time()))  # both processes loaded: start together
+    share = contextlib.nullcontext()
+    if os.environ.get(threads.REGISTRY_VAR):  # policy `budget`: a stage's share of the cores, as execute_stage takes
+        share = threads.stage_share(None)
+    with share:
+        return _run(kind, model, tokenizer, conversations, spec, ids, opt, seconds, generate)
+
+
+def _run(kind, model, tokenizer, conversations, spec, ids, opt, seconds, generate) -> dict:
+    import torch
+
     cpu0, t0, units = _cpu(), time.perf_counter(), 0
     while time.perf_counter() - t0 < seconds:
         if kind == "eval":
@@ -73,6 +87,7 @@ def work(kind: str, model_name: str, seconds: float, start_at: float) -> dict:
             loss.backward()
             opt.step()
             opt.zero_grad()
+            threads.rebalance()  # as the training loops do between steps
             units += 1
     wall = time.perf_counter() - t0
     return {"kind": kind, "units": units, "wall_s": wall, "cpu_s": _cpu() - cpu0, "threads": torch.get_num_threads()}
@@ -84,8 +99,10 @@ def _cpu() -> float:
 
 
 def scenario(kinds: list[str], policy: str, model: str, seconds: float) -> list[dict]:
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
-    if policy != "default":
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "R1FLOW_THREADS")}
+    if policy == "budget":  # PASSIVE, and each process takes its share of the cores (stages/runtime/threads.py)
+        env.update(OMP_WAIT_POLICY="PASSIVE", R1FLOW_STAGE_PROCESSES=tempfile.mkdtemp(prefix="r1flow-contention-"))
+    elif policy != "default":
         env["OMP_WAIT_POLICY"] = policy
     start_at = time.time() + 60  # replaced below once every child has loaded: see the handshake
     procs = []
@@ -114,7 +131,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2", help="smollm2 (the embedded model) or tiny")
     ap.add_argument("--seconds", type=float, default=30.0, help="how long each workload runs")
-    ap.add_argument("--policies", default="default,PASSIVE", help="comma-separated: default, PASSIVE, ACTIVE")
+    ap.add_argument("--policies", default="default,PASSIVE,budget", help="comma-separated: default, PASSIVE, ACTIVE, "
+                    "budget (PASSIVE and each process's share of the cores, as r1flow's stages take it)")
     args = ap.parse_args()
     cores = len(os.sched_getaffinity(0))
     print(f"# {cores} cores, load average {os.getloadavg()[0]:.2f} at start; model {args.model}; "

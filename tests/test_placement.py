@@ -273,3 +273,35 @@ def test_a_stage_takes_its_share_of_the_cores_among_the_stage_processes_running_
         other.kill()
         other.wait()
     assert threads.running_stage_processes(registry) == 0 and list(registry.iterdir()) == []
+
+
+def test_a_running_stage_gives_up_and_takes_back_its_share_as_other_runs_start_and_end(tmp_path, monkeypatch):
+    """stages.runtime.threads.rebalance, called between generation batches and training steps: a stage that started
+    alone (4 threads of 4 cores) drops to 2 once another stage process registers, at most once a second, and goes
+    back to 4 when that one ends; nothing outside a stage or with R1FLOW_THREADS set."""
+    import torch
+
+    from stages.runtime import threads
+
+    monkeypatch.delenv("R1FLOW_THREADS", raising=False)
+    monkeypatch.setattr(threads, "available_cpus", lambda: 4)
+    registry = tmp_path / "stages"
+    assert threads.rebalance() is None
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        with threads.stage_share(None, registry) as n:
+            assert n == 4
+            t0 = threads._running["checked"]
+            (registry / f"{other.pid}.pid").write_text(threads._start_time(other.pid))
+            assert threads.rebalance(now=t0 + 0.5) == 4  # not yet: at most once a second
+            assert threads.rebalance(now=t0 + 1.5) == 2 and torch.get_num_threads() == 2
+            other.kill()
+            other.wait()
+            assert threads.rebalance(now=t0 + 3.0) == 4 and torch.get_num_threads() == 4
+            monkeypatch.setenv("R1FLOW_THREADS", "3")
+            assert threads.rebalance(now=t0 + 5.0) is None
+        assert threads.rebalance() is None and threads._running == {}
+    finally:
+        if other.poll() is None:
+            other.kill()
+            other.wait()

@@ -23,6 +23,7 @@ import contextlib
 import logging
 import os
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,6 +32,8 @@ from schemas.errors import ConfigError
 WAIT_POLICY_VAR = "OMP_WAIT_POLICY"
 THREADS_VAR = "R1FLOW_THREADS"  # threads per stage process (default: an equal share of the cores)
 REGISTRY_VAR = "R1FLOW_STAGE_PROCESSES"  # the folder of running stage processes (default: per user, in /dev/shm)
+REBALANCE_EVERY_S = 1.0  # `rebalance` recounts at most this often
+_running: dict = {}  # this process's stage, while one runs: registry folder, cores, last count time
 
 
 def yield_when_idle(env: dict[str, str] | os._Environ = os.environ) -> str:
@@ -130,12 +133,38 @@ def stage_share(log: logging.Logger | logging.LoggerAdapter | None = None,
     threads = thread_share(processes, cpus, os.environ.get(THREADS_VAR))
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
+    if entry is not None:
+        _running.update(directory=directory, cpus=cpus, checked=time.monotonic())
     if log is not None:
         chosen = f"{THREADS_VAR}" if os.environ.get(THREADS_VAR) else f"{processes} r1flow stage process(es) on {cpus} cores"
         log.info("threads: %d (%s; set %s to choose)", threads, chosen, THREADS_VAR)
     try:
         yield threads
     finally:
+        _running.clear()
         torch.set_num_threads(before)
         if entry is not None:
             entry.unlink(missing_ok=True)
+
+
+def rebalance(now: float | None = None) -> int | None:
+    """Between batches or steps of a running stage: at most every REBALANCE_EVERY_S, recount the stage processes
+    on this host and set torch's threads to this process's share if it moved (another run started or ended).
+    Returns the threads in use; None outside a stage, or when R1FLOW_THREADS fixes them. A directory listing and
+    a /proc read per registrant: microseconds."""
+    if not _running or os.environ.get(THREADS_VAR):
+        return None
+    import torch
+
+    now = time.monotonic() if now is None else now
+    if now - _running["checked"] < REBALANCE_EVERY_S:
+        return torch.get_num_threads()
+    _running["checked"] = now
+    try:
+        processes = max(1, running_stage_processes(_running["directory"]))
+    except OSError:
+        return torch.get_num_threads()
+    threads = thread_share(processes, _running["cpus"])
+    if threads != torch.get_num_threads():
+        torch.set_num_threads(threads)
+    return threads

@@ -34,6 +34,7 @@ from transformers.generation.stopping_criteria import (
 )
 
 from schemas.configs import GenerationSpec
+from stages.runtime import threads
 from stages.runtime.seeds import seed_stream
 from stages.sampling import lean_decode
 from stages.sampling.completions import (
@@ -138,6 +139,7 @@ class TransformersBackend:
         bar = GenerationProgress(len(texts) * n, spec.max_new_tokens, desc, enabled=progress)
         steps = bar if progress else None  # no per-step calls at all without a bar (GRPO's rollouts)
         for b, idx in enumerate(batches):
+            threads.rebalance()  # this stage's share of the cores, if another r1flow run started or ended
             enc = tokenizer([texts[i] for i in idx], return_tensors="pt", add_special_tokens=False,
                             **({"padding": True} if spec.cache != "static" else
                                {"padding": True, "pad_to_multiple_of": STATIC_BUCKET})).to(device)

@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from schemas.configs import LoraSpec, TrainingConfig
 from stages.base import Input, Output, StageContext, model_output_dir
 from stages.modeling import models
-from stages.runtime import distributed
+from stages.runtime import distributed, threads
 from stages.training.checkpoints import resume, save_checkpoint
 from stages.training.optim import clip_grad_norm, lr_factor, make_optimizer, micro_batch_indices, set_lr
 
@@ -63,6 +63,7 @@ class Loop:
         grad_norm = clip_grad_norm(self.trainable, self.cfg.max_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        threads.rebalance()  # this stage's share of the cores, if another r1flow run started or ended
         return grad_norm
 
     def train(self, start: int, desc: str, step: Callable[[int, float], StepResult]) -> float:

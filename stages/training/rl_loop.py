@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from schemas.configs import GenerationSpec
 from stages.base import Input, Output, StageContext
 from stages.rewards.verifiers import score
-from stages.runtime import distributed
+from stages.runtime import distributed, threads
 from stages.training.checkpoints import save_checkpoint
 from stages.training.loop import policy_output, save_policy
 
@@ -95,6 +95,7 @@ class StepLoop:
         where it does not evaluate), history, checkpoint (every checkpoint_every steps, the last one, and the one
         that spends the budget), log, progress bar; whether the run stops here (the budget is spent)."""
         out_of_time = self.out_of_time(done)
+        threads.rebalance()  # this stage's share of the cores, if another r1flow run started or ended
         if eval_due(self.cfg, self.held_out, done):
             metrics.update(evaluate(done))
         self.history.append(metrics)
