@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 from stages.runtime import threads  # noqa: E402
 
 SCENARIOS = {"alone": ["eval"], "two evals": ["eval", "eval"], "eval + train": ["eval", "train"]}
+SCENARIO_NAMES = {"alone": "alone", "two": "two evals", "train": "eval + train"}
 
 
 def _model(name: str):
@@ -100,8 +101,10 @@ def _cpu() -> float:
 
 def scenario(kinds: list[str], policy: str, model: str, seconds: float) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "R1FLOW_THREADS")}
-    if policy == "budget":  # PASSIVE, and each process takes its share of the cores (stages/runtime/threads.py)
-        env.update(OMP_WAIT_POLICY="PASSIVE", R1FLOW_STAGE_PROCESSES=tempfile.mkdtemp(prefix="r1flow-contention-"))
+    if policy in ("budget", "share"):  # each process takes its share of the cores (stages/runtime/threads.py)
+        env["R1FLOW_STAGE_PROCESSES"] = tempfile.mkdtemp(prefix="r1flow-contention-")
+        if policy == "budget":  # and PASSIVE; `share`: libgomp's default wait policy
+            env["OMP_WAIT_POLICY"] = "PASSIVE"
     elif policy != "default":
         env["OMP_WAIT_POLICY"] = policy
     start_at = time.time() + 60  # replaced below once every child has loaded: see the handshake
@@ -131,9 +134,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2", help="smollm2 (the embedded model) or tiny")
     ap.add_argument("--seconds", type=float, default=30.0, help="how long each workload runs")
-    ap.add_argument("--policies", default="default,PASSIVE,budget", help="comma-separated: default, PASSIVE, ACTIVE, "
-                    "budget (PASSIVE and each process's share of the cores, as r1flow's stages take it)")
+    ap.add_argument("--policies", default="default,PASSIVE,budget,share", help="comma-separated: default, PASSIVE, "
+                    "ACTIVE, budget (PASSIVE and each process's share of the cores, as r1flow's stages take it), share "
+                    "(the share with libgomp's default wait policy)")
+    ap.add_argument("--scenarios", default="alone,two,train", help="comma-separated: alone, two, train")
     args = ap.parse_args()
+    chosen = {SCENARIO_NAMES[k] for k in args.scenarios.split(",")}
     cores = len(os.sched_getaffinity(0))
     print(f"# {cores} cores, load average {os.getloadavg()[0]:.2f} at start; model {args.model}; "
           f"{args.seconds:.0f} s per workload; torch threads: its default in every process")
@@ -141,6 +147,8 @@ def main() -> None:
     alone: dict[str, float] = {}
     print(f"{'scenario':<14} {'policy':<8} {'process':<7} {'rate':>12} {'CPU s/token':>12} {'slow-down':>9}")
     for name, kinds in SCENARIOS.items():
+        if name not in chosen:
+            continue
         order = policies if len(alone) % 2 == 0 else list(reversed(policies))
         for policy in order:
             for r in scenario(kinds, policy, args.model, args.seconds):
