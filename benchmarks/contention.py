@@ -100,7 +100,10 @@ def _cpu() -> float:
 
 
 def scenario(kinds: list[str], policy: str, model: str, seconds: float) -> list[dict]:
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "R1FLOW_THREADS")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "R1FLOW_THREADS", "GOMP_SPINCOUNT")}
+    policy, *extra = policy.split("+")  # e.g. share+GOMP_SPINCOUNT=10000: more variables for this policy
+    env.update(item.split("=", 1) for item in extra)
     if policy in ("budget", "share"):  # each process takes its share of the cores (stages/runtime/threads.py)
         env["R1FLOW_STAGE_PROCESSES"] = tempfile.mkdtemp(prefix="r1flow-contention-")
         if policy == "budget":  # and PASSIVE; `share`: libgomp's default wait policy
@@ -136,7 +139,8 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=30.0, help="how long each workload runs")
     ap.add_argument("--policies", default="default,PASSIVE,budget,share", help="comma-separated: default, PASSIVE, "
                     "ACTIVE, budget (PASSIVE and each process's share of the cores, as r1flow's stages take it), share "
-                    "(the share with libgomp's default wait policy)")
+                    "(the share with libgomp's default wait policy); +VAR=VALUE adds a variable, e.g. "
+                    "share+GOMP_SPINCOUNT=10000")
     ap.add_argument("--scenarios", default="alone,two,train", help="comma-separated: alone, two, train")
     args = ap.parse_args()
     chosen = {SCENARIO_NAMES[k] for k in args.scenarios.split(",")}

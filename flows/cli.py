@@ -220,9 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     (exit code 141) when the reader of its output goes away (`r1flow stages -v | head -1`)."""
     args = build_parser().parse_args(argv)
     supervised = argv is None and args.command in RUN_COMMANDS
-    from stages.runtime.threads import yield_when_idle
+    from stages.runtime.threads import choose_wait_policy
 
-    yield_when_idle()  # before anything loads torch (stages.runtime.threads)
+    choose_wait_policy()  # before anything loads torch (stages.runtime.threads)
     if argv is None:
         from stages.runtime.lifetime import exit_without_final_collection
 

@@ -1,13 +1,14 @@
 """What each model-producing stage of a run gained on held-out prompts over the model it started from, paired by
 prompt, with its interval: the report's "Stage gains" section and the end of `r1flow run`.
 
-A gain needs two eval nodes of the plan on the same prompts input: one of the stage's model, one of the model the
+A gain needs two eval nodes of the plan on the same prompts input and environment: one of the stage's model, one of the model the
 stage trained from (its `model` input; distill's `student`), and also of its `teacher` and of the model its `data`
 was sampled from (rejection sampling: R1's stage-3 SFT must keep what the RL model it samples had gained). `gain_pairs` (pure) finds
 them from the plan's wiring; `paired_gain` (pure) compares two evals' greedy rows prompt by prompt: the gain is the
 mean of after - before over the prompts both scored, its 95% interval a percentile bootstrap of those differences
 (`stages.math.stats.paired_bootstrap_diff`: resampling prompts, the same for both models, which is narrower than
 comparing two independent intervals). Evals of different prompts (a different `max_prompts`) are not compared.
+A recipe's `compare:` list adds pairs of its own (e.g. the r1-tools arm with the tool over the arm without it).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def gain_pairs(plan: Plan) -> list[dict[str, str]]:
     an eval node E0 on the same prompts input evaluates: {eval: E, model: M, compared_with: E0, start: the other
     model's node, relation}. In plan order."""
     evals = {n.name: n for n in plan.nodes if n.stage == "eval" and "model" in n.inputs}
-    by_model = {(n.inputs["model"], n.inputs.get("prompts")): name for name, n in evals.items()}
+    by_model = {(n.inputs["model"], n.inputs.get("prompts"), _environment(n)): name for name, n in evals.items()}
     pairs = []
     for name, e in evals.items():
         model_node, _ = e.inputs["model"]
@@ -43,12 +44,22 @@ def gain_pairs(plan: Plan) -> list[dict[str, str]]:
                 sources.append((sampler, "over the model its data was sampled from"))
         seen = set()
         for source, relation in sources:
-            before = by_model.get((source, e.inputs.get("prompts")))
+            before = by_model.get((source, e.inputs.get("prompts"), _environment(e)))
             if before is not None and before != name and before not in seen:
                 seen.add(before)
                 pairs.append({"eval": name, "model": model_node, "compared_with": before, "start": source[0],
                               "relation": relation})
+    for name, over, label in plan.compare:  # the recipe's own pairs (e.g. two arms of one budget)
+        if name in evals and over in evals:
+            pairs.append({"eval": name, "model": evals[name].inputs["model"][0], "compared_with": over,
+                          "start": evals[over].inputs["model"][0], "relation": label})
     return pairs
+
+
+def _environment(node: Any) -> str:
+    """The environment an eval node samples in (evals with and without a tool are compared only within their kind)."""
+    env = getattr(node.config, "environment", None)
+    return getattr(env, "name", "single_turn") if env is not None else "single_turn"
 
 
 def greedy_scores(rows: list[dict[str, Any]]) -> dict[str, float]:

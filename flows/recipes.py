@@ -193,6 +193,7 @@ class Plan:
     overrides: tuple[str, ...] = ()
     options: dict[str, Any] = field(default_factory=dict)  # the recipe's option values in this plan
     dropped: dict[str, str] = field(default_factory=dict)  # node -> why the plan left it out (a stage's wire_plan)
+    compare: tuple[tuple[str, str, str], ...] = ()  # (eval, over, label): the recipe's compare pairs in this plan
 
     def node(self, name: str) -> Node:
         for n in self.nodes:
@@ -309,7 +310,10 @@ def load_plan(recipe: str = DEFAULT_RECIPE, profile: str = "cpu", overrides: lis
             check_node(module, cfgs[name], name)
         nodes.append(Node(name, spec.stage, cfgs[name], inputs,
                           node_seeds[name] if node_seeds[name] is not None else seed, resources[name]))
-    return Plan(rec.name, prof.name, rec.description, model, seed, nodes, tuple(overrides), dict(rec.options), dropped)
+    present = {n.name for n in nodes}
+    compare = tuple((c.eval, c.over, c.label) for c in rec.compare if {c.eval, c.over} <= present)
+    return Plan(rec.name, prof.name, rec.description, model, seed, nodes, tuple(overrides), dict(rec.options), dropped,
+                compare)
 
 
 def _read_profile(profile: str) -> ProfileConfig:
@@ -336,6 +340,11 @@ def _check_stages(rec: RecipeConfig) -> None:
     for name, n in rec.nodes.items():
         if n.stage not in STAGE_MODULES:
             raise ConfigError(f"recipe {rec.name!r} node {name!r}: unknown stage {n.stage!r}; known: {', '.join(STAGE_MODULES)}")
+    for k, c in enumerate(rec.compare):
+        for name in (c.eval, c.over):
+            if rec.nodes[name].stage != "eval":
+                raise ConfigError(f"recipe {rec.name!r} compare[{k}]: {name!r} is a {rec.nodes[name].stage} node; "
+                                  "compare names eval nodes")
 
 
 def _apply_profile(rec: RecipeConfig, prof: ProfileConfig, overlay: RecipeOverlay | None, recipe_name: str,

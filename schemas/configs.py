@@ -462,6 +462,15 @@ class NodeSpec(Strict):
 Scalar = str | int | float | bool
 
 
+class ComparisonSpec(Strict):
+    """Two eval nodes of a recipe whose models the report compares, paired by prompt (beside each stage's gain over
+    its start): e.g. the arm trained with a tool against the arm of the same budget trained without it."""
+
+    eval: str = Field(description="The eval node of the model compared.")
+    over: str = Field(description="The eval node it is compared with (the same prompts input).")
+    label: str = Field(description="What the difference means, for the report (e.g. 'tool arm over no-tool arm').")
+
+
 class RecipeConfig(Strict):
     """A recipe: named nodes in any order; edges come from `inputs`."""
 
@@ -475,9 +484,18 @@ class RecipeConfig(Strict):
         "config or `when` is replaced by the value (a whole-string placeholder keeps the value's type).",
     )
     nodes: dict[str, NodeSpec]
+    compare: list[ComparisonSpec] = Field(
+        default_factory=list,
+        description="Pairs of eval nodes the report compares prompt by prompt (each stage's gain over its start "
+        "is compared without being listed).",
+    )
 
     @model_validator(mode="after")
     def _edges_point_somewhere(self) -> RecipeConfig:
+        for k, c in enumerate(self.compare):
+            for name in (c.eval, c.over):
+                if name not in self.nodes:
+                    raise ValueError(f"compare[{k}]: unknown node {name!r}")
         for name, node in self.nodes.items():
             for inp, spec in node.inputs.items():
                 sources = [spec] if isinstance(spec, str) else spec

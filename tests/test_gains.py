@@ -69,3 +69,32 @@ def test_stage_gains_read_each_evals_greedy_rows_once():
     md = "\n".join(gains_markdown(gains))
     assert "| sft_cold (eval_sft_cold) | base over its start (eval_base) | +87.5 [" in md and "| 8 | gain |" in md
     assert gains_markdown([]) == []
+
+
+def test_r1_tools_compares_within_an_environment_and_the_recipes_own_pairs():
+    """Evals with the python tool are compared with the start's eval with the tool, plain ones with plain ones (RL
+    over the tool cold start is one of those), and the recipe's `compare:` pairs follow: the arm trained with the
+    tool, evaluated with it, over the no-tool arm of the same budget evaluated without it."""
+    pairs = [(p["eval"], p["compared_with"], p["relation"]) for p in gain_pairs(load_plan("r1-tools", "tiny", []))]
+    assert ("eval_grpo_tools_python", "eval_sft_tools_python", "over its start") in pairs
+    assert ("eval_grpo_tools", "eval_sft_tools", "over its start") in pairs
+    assert not any(a.endswith("_python") != b.endswith("_python") for a, b, rel in pairs if rel == "over its start")
+    assert pairs[-2:] == [
+        ("eval_grpo_tools_python", "eval_grpo_no_tool", "tool arm with the tool over the no-tool arm"),
+        ("eval_sft_tools_python", "eval_sft_no_tool", "tool cold start with the tool over the no-tool one"),
+    ]
+    assert len(pairs) == 10
+
+
+def test_a_compare_entry_must_name_eval_nodes_of_the_recipe(tmp_path, monkeypatch):
+    """One clear error before any compute: an unknown node, or a node that is not an eval."""
+    from flows import recipes
+    from schemas.errors import ConfigError
+
+    base = (recipes.RECIPE_DIR / "sft-eval.yaml").read_text()
+    for extra, message in (("compare: [{eval: eval_nope, over: eval_sft, label: x}]\n", "unknown node 'eval_nope'"),
+                           ("compare: [{eval: sft, over: eval_base, label: x}]\n", "'sft' is a sft node")):
+        path = tmp_path / "mine.yaml"
+        path.write_text(base + "\n" + extra)
+        with pytest.raises(ConfigError, match=message):
+            load_plan(str(path), "tiny", [])

@@ -5,9 +5,12 @@ finishes its share of a parallel region spins on its core for a while before it 
 region. Alone on a machine that costs nothing; beside another busy process the spinning threads take the cores
 the working threads need, and every process slows down many times over (benchmarks/contention.py; on the 2-core
 machine, busy with other work at a load of 8-9, two of the test suite's files on two workers took 8m14s and 262
-CPU-seconds with the default, 55 s and 29 CPU-seconds with the threads told to sleep when idle). `yield_when_idle` sets that policy (OMP_WAIT_POLICY=PASSIVE) for this
-process and everything it starts, unless the user chose one; libgomp reads it once, when torch first loads it,
-so it must run before `import torch` (the CLI's first step; tests/conftest.py).
+CPU-seconds with the default, 55 s and 29 CPU-seconds with the threads told to sleep when idle). Sleeping has a
+cost too: alone on an idle machine, waking the threads for each of a small model's many short parallel regions
+made decoding about a third slower. `choose_wait_policy` sets PASSIVE for this process and everything it starts
+when the machine is already busy as it starts, leaves libgomp's default when it is idle, and keeps a policy the
+user chose; libgomp reads it once, when torch first loads it, so it must run before `import torch` (the CLI's
+first step; tests/conftest.py sets PASSIVE for the suite, which always runs beside itself).
 
 How many threads a stage process uses (`stage_share`): an equal share of the cores among the r1flow processes
 running a stage on this host at the moment it starts (each registers its pid in a per-user folder while its stage
@@ -36,15 +39,27 @@ REBALANCE_EVERY_S = 1.0  # `rebalance` recounts at most this often
 _running: dict = {}  # this process's stage, while one runs: registry folder, cores, last count time
 
 
-def yield_when_idle(env: dict[str, str] | os._Environ = os.environ) -> str:
-    """OpenMP threads sleep instead of spinning when they run out of work (OMP_WAIT_POLICY=PASSIVE), unless the
-    environment already names a policy. Returns the policy in effect."""
-    return env.setdefault(WAIT_POLICY_VAR, "PASSIVE")
+def choose_wait_policy(env: dict[str, str] | os._Environ = os.environ, load: float | None = None,
+                       cores: int | None = None) -> str:
+    """The OpenMP wait policy of this process and everything it starts, chosen before torch loads libgomp: a
+    policy the environment names is kept; otherwise, when the machine is already busy (load average over the
+    last minute at least its cores), OMP_WAIT_POLICY=PASSIVE, so idle threads sleep instead of spinning on cores
+    other work needs; on an idle machine libgomp's default (a short spin), which decodes a small model about a
+    third faster alone (benchmarks/RESULTS.md). r1flow processes that meet later split the cores between them
+    (`stage_share`, `rebalance`): with one thread each there is no idle thread left to spin. Returns the policy in
+    effect ("default" when none is set)."""
+    if env.get(WAIT_POLICY_VAR):
+        return env[WAIT_POLICY_VAR]
+    load = os.getloadavg()[0] if load is None else load
+    if load >= (cores or available_cpus()):
+        env[WAIT_POLICY_VAR] = "PASSIVE"
+        return "PASSIVE"
+    return "default"
 
 
 def describe() -> str:
     """For a run's header: the wait policy in effect."""
-    return f"{WAIT_POLICY_VAR}={os.environ.get(WAIT_POLICY_VAR) or 'unset'}"
+    return f"{WAIT_POLICY_VAR}={os.environ.get(WAIT_POLICY_VAR) or 'unset (libgomp default: the machine was idle)'}"
 
 
 def thread_share(processes: int, cpus: int, override: str | None = None) -> int:
