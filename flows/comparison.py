@@ -273,3 +273,28 @@ def comparison_markdown(payload: dict[str, Any], tracker: Tracker) -> list[str]:
     md.append(f"Full fingerprints: `{REPORT_DIR}/{COMPARISON_JSON}` and `{REPORT_DIR}/{COMPARISON_CSV}` in the "
               "parent run's artifacts.")
     return md
+
+
+TOOL_BINS = (("calls_0", "0 calls"), ("calls_1", "1 call"), ("calls_2plus", "2+ calls"))  # stages/eval.py's bins
+
+
+def tool_use_markdown(results: list[StageResult]) -> list[str]:
+    """The report's "Tool use" section (pure; nothing when no eval sampled with a tool environment): per eval with
+    tool metrics, tool calls per answer, the share of calls that failed, model turns per answer, accuracy, and the
+    accuracy of the answers that made 0, 1, 2+ calls with their share of the answers."""
+    evals = [r for r in results if r.stage == "eval" and r.status != "skipped" and "tool_calls_per_answer" in r.metrics]
+    if not evals:
+        return []
+    md = ["", "## Tool use (evals with a tool environment)", "",
+          "| eval | tool calls / answer | tool error rate | turns | accuracy | "
+          + " | ".join(f"acc, {label} (share)" for _, label in TOOL_BINS) + " |", "|---|---|---|---|---|---|---|---|"]
+    for r in evals:
+        m = r.metrics
+        bins = [f"{_cell(_finite(m.get(f'{key}/accuracy')))} ({_cell(_finite(m.get(f'{key}/share')))})"
+                for key, _ in TOOL_BINS]
+        md.append(f"| {r.node} | {_cell(_finite(m.get('tool_calls_per_answer')))} | "
+                  f"{_cell(_finite(m.get('tool_error_rate')))} | {_cell(_finite(m.get('turns')))} | "
+                  f"{fmt_interval(m, 'accuracy')} | " + " | ".join(bins) + " |")
+    md += ["", "Greedy answers; a bin with no answers has no accuracy (—). The tool error rate is over calls.", ""]
+    return md
+

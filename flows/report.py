@@ -62,6 +62,7 @@ from flows.comparison import (
     fmt_interval,
     pass_k_prompts,
     previous_comparison,
+    tool_use_markdown,
 )
 from flows.gains import gains_markdown, stage_gains
 from flows.mlflow_runs import StageRuns, metric_curve, run_link, stage_runs
@@ -156,6 +157,7 @@ def build_report(plan: Plan, results: list[StageResult], tracker: Tracker, paren
     if rows:
         comparison = comparison_payload(plan, parent_run_id, rows, previous_comparison(tracker, plan, parent_run_id))
         md += comparison_markdown(comparison, tracker)
+        md += tool_use_markdown(results)
         if read_eval is not None:  # each stage's paired gain over the model it was trained from (flows/gains.py)
             comparison["gains"] = stage_gains(plan, results, read_eval)
             md += gains_markdown(comparison["gains"])

@@ -355,7 +355,7 @@ class StepLabelsConfig(Strict):
                                "is used).")
     precision: Precision = Field("auto", description="Sampling precision (autocast; the weights stay as loaded). "
                                  "auto: bf16 on GPUs that support it, else fp32.")
-    environment: EnvironmentSpec = environment_field()
+    # No `environment`: the rollouts continue a step prefix of a single-turn solution (README, Limits).
 
 
 class PRMConfig(TrainingConfig):

@@ -5,6 +5,7 @@ without it (single_turn: no tool metrics), on the same held-out prompts with the
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -39,6 +40,7 @@ def test_r1_tools_end_to_end(tmp_path_factory, monkeypatch):
         out = home / "run.json"
         assert main(["run", "--recipe", "r1-tools", "--profile", "tiny", "--json", str(out)]) == 0
         result = json.loads(out.read_text())
+        report = Path(result["report"]["path"]).read_text()
     by_node = {s["node"]: s for s in result["stages"]}
     assert {s["status"] for s in result["stages"]} == {"run"}
     for arm in ("demos_tools", "demos_no_tool"):
@@ -52,3 +54,10 @@ def test_r1_tools_end_to_end(tmp_path_factory, monkeypatch):
         assert all(k in tool for k in TOOL_METRICS), model
         assert not any(k in plain for k in TOOL_METRICS), model
         assert tool["turns"] >= 1 and 0 <= tool["tool_error_rate"] <= 1
+    # the report: a tool-use row per eval with the tool, RL over the tool cold start, the tool arm over the no-tool arm
+    section = report.split("## Tool use (evals with a tool environment)")[1].split("\n\n")[1]
+    assert [line.split()[1] for line in section.splitlines()[2:]] == [f"eval_{m}_python" for m in MODELS]
+    assert "| grpo_tools (eval_grpo_tools_python) | sft_tools over its start (eval_sft_tools_python) |" in report
+    assert "| grpo_tools (eval_grpo_tools_python) | grpo_no_tool tool arm with the tool over the no-tool arm " \
+           "(eval_grpo_no_tool) |" in report
+

@@ -571,3 +571,20 @@ def test_registry_skips_skipped_nodes_and_keeps_aliases(tracker, tmp_path):
         assert str(tracker.client.get_model_version_by_alias("r1flow-sft-eval-b", alias).version) == "2"
     nothing = [StageResult(r.node, r.stage, "skipped", 0.0) for r in first]
     assert register_models(plan, nothing, tracker) is None
+
+
+def test_the_tool_use_section_shows_each_tool_evals_calls_errors_turns_and_accuracy_by_calls():
+    """Only evals that logged tool metrics get a row (a plain eval and a skipped one do not); a bin with no answers
+    shows — for its accuracy; no tool eval at all: no section."""
+    from flows.comparison import tool_use_markdown
+
+    tool = {"accuracy": 0.75, "accuracy_ci_low": 0.5, "accuracy_ci_high": 1.0, "tool_calls_per_answer": 1.25,
+            "tool_error_rate": 0.2, "turns": 2.25, "calls_0/accuracy": float("nan"), "calls_0/share": 0.0,
+            "calls_1/accuracy": 1.0, "calls_1/share": 0.75, "calls_2plus/accuracy": 0.0, "calls_2plus/share": 0.25}
+    results = [StageResult("eval_plain", "eval", "run", 1.0, metrics={"accuracy": 0.1}),
+               StageResult("eval_python", "eval", "cached", 1.0, metrics=tool),
+               StageResult("eval_gone", "eval", "skipped", 0.0, metrics=tool)]
+    md = tool_use_markdown(results)
+    rows = [line for line in md if line.startswith("| eval_")]
+    assert rows == ["| eval_python | 1.250 | 0.200 | 2.250 | 0.750 [0.500, 1.000] | — (0) | 1 (0.750) | 0 (0.250) |"]
+    assert tool_use_markdown(results[:1]) == []
