@@ -2,8 +2,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# Test files run on this many workers (pytest-xdist; each file whole on one worker: module fixtures once), in the
-# order tests/conftest.py gives them (the longest files first; xdist's own order puts files with few, long tests last).
+# Test files run on this many workers (pytest-xdist; each file whole on one worker: module fixtures once).
 TEST_WORKERS ?= 2
 
 .PHONY: setup run test lint clean bench bench-setup gpu-wheels learn
@@ -36,7 +35,7 @@ $(VENV)/.cluster-installed: $(VENV)/.installed
 	touch $@
 
 test: lint $(VENV)/.cluster-installed
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=40
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=40
 
 # Benchmarks against TRL (benchmarks/suite.py). TRL is not an r1flow dependency: it lives in its own venv
 # next to r1flow (-e, stage runtime only: no Prefect/MLflow), pinned in benchmarks/requirements.txt.

@@ -24,18 +24,6 @@ from types import SimpleNamespace  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-# The longest files first (seconds of one file on one worker, measured with --durations=0 on the 2-core machine):
-# `--dist loadfile` hands files out in collection order, so a long file that starts last keeps one worker busy
-# while the other has nothing left. A file not listed keeps its place after these.
-LONGEST_FIRST = ("test_cluster.py", "test_team.py", "test_distributed.py", "test_server_loss.py", "test_lifetime.py",
-                 "test_gpu_check.py", "test_ui_browser.py", "test_up_home.py", "test_distill.py", "test_concurrency.py",
-                 "test_ray_training.py", "test_flow.py", "test_cli_output.py", "test_ppo.py", "test_r1.py")
-
-
-def pytest_collection_modifyitems(items: list) -> None:
-    rank = {name: k for k, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
-
 
 @contextlib.contextmanager
 def harness_home(path: Path):
