@@ -19,6 +19,11 @@ os.environ.pop("MLFLOW_TRACKING_URI", None)
 os.environ.pop("R1FLOW_STORE", None)
 
 import contextlib  # noqa: E402
+import queue  # noqa: E402
+import subprocess  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
 
 import pytest  # noqa: E402
@@ -223,3 +228,25 @@ def status_with_host(port: int, path: str, host_header: str) -> int:
         return conn.getresponse().status
     finally:
         conn.close()
+
+
+def read_until(proc: subprocess.Popen, done: Callable[[str], bool], timeout: float, what: str) -> list[str]:
+    """stdout lines of proc (text mode, newline stripped) up to and including the first for which `done` is true. A
+    thread reads the pipe: a process that prints nothing fails the test at the deadline instead of blocking it."""
+    lines: queue.Queue[str | None] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x.rstrip("\n")) for x in iter(proc.stdout.readline, "")]
+                     + [lines.put(None)], daemon=True).start()
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            line = lines.get(timeout=left)
+        except queue.Empty:
+            break
+        if line is None:
+            break
+        seen.append(line)
+        if done(line):
+            return seen
+    raise AssertionError(f"{what}: not printed in {timeout:.0f} s:\n" + "\n".join(seen))
+

@@ -8,14 +8,11 @@ from __future__ import annotations
 import io
 import json
 import os
-import queue
 import re
 import signal
 import socket
 import subprocess
 import sys
-import threading
-import time
 import urllib.request
 from pathlib import Path
 
@@ -29,6 +26,7 @@ from flows.store import ArtifactStore
 from schemas.artifacts import Producer
 from schemas.errors import ConfigError
 from stages.runtime import lifetime
+from tests.conftest import read_until
 
 ROOT = Path(__file__).resolve().parents[1]
 WIDTH = 100
@@ -185,32 +183,6 @@ def test_tiny_r1_run_ends_with_comparison_report_path_and_ui_command(tmp_path):
 
 
 # ---------------------------------------------------------------------------- r1flow ui
-def _read_until(proc: subprocess.Popen, pattern: re.Pattern, timeout: float) -> list[str]:
-    """stdout lines of proc up to the first that matches pattern in full (read by a thread: a
-    readline on a pipe must not outlive the test)."""
-    lines: queue.Queue[str | None] = queue.Queue()
-
-    def pump():
-        for line in proc.stdout:
-            lines.put(line.rstrip("\n"))
-        lines.put(None)
-
-    threading.Thread(target=pump, daemon=True).start()
-    seen: list[str] = []
-    deadline = time.monotonic() + timeout
-    while (left := deadline - time.monotonic()) > 0:
-        try:
-            line = lines.get(timeout=left)
-        except queue.Empty:
-            break
-        if line is None:
-            break
-        seen.append(line)
-        if pattern.fullmatch(line):
-            return seen
-    raise AssertionError(f"no line matching {pattern.pattern} in {timeout} s: {seen}")
-
-
 @pytest.mark.slow
 def test_r1flow_ui_serves_this_homes_runs_on_127_0_0_1_until_sigint(tmp_path):
     from mlflow.tracking import MlflowClient
@@ -225,8 +197,8 @@ def test_r1flow_ui_serves_this_homes_runs_on_127_0_0_1_until_sigint(tmp_path):
     try:
         url = f"http://127.0.0.1:{port}"
         # the experiment's runs table (the list's links open MLflow 3's GenAI view)
-        lines = _read_until(proc, re.compile("r1flow/ui-test: " + re.escape(url) +
-                                             r"/#/experiments/\d+/runs\?workflowType=machine_learning"), 180)
+        pattern = re.compile("r1flow/ui-test: " + re.escape(url) + r"/#/experiments/\d+/runs\?workflowType=machine_learning")
+        lines = read_until(proc, pattern.fullmatch, 180, f"a line matching {pattern.pattern}")
         with urllib.request.urlopen(f"{url}/health", timeout=10) as r:
             assert r.status == 200
         api = f"{url}/ajax-api/2.0/mlflow/runs/get?run_id={run.info.run_id}"

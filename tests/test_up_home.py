@@ -11,21 +11,18 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import queue
 import re
 import signal
 import socket
 import subprocess
 import sys
-import threading
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
 from flows import servers
-from tests.conftest import clean_env, status_with_host
+from tests.conftest import clean_env, read_until, status_with_host
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
@@ -143,25 +140,10 @@ def test_up_on_a_taken_port_fails_in_one_line_naming_it(up_home):
 
 
 def _listening(proc: subprocess.Popen, timeout: float = 180) -> tuple[str, list[str]]:
-    """The UI's URL `r1flow ui` prints once it answers, and every line before it (read in a thread: a UI that
-    prints nothing must fail the test at the deadline, not block it)."""
-    lines: queue.Queue[str | None] = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(x) for x in iter(proc.stdout.readline, "")] + [lines.put(None)],
-                     daemon=True).start()
-    seen: list[str] = []
-    deadline = time.monotonic() + timeout
-    while (left := deadline - time.monotonic()) > 0:
-        try:
-            line = lines.get(timeout=left)
-        except queue.Empty:
-            break
-        if line is None:
-            break
-        seen.append(line.rstrip("\n"))
-        url = next((w for w in line.split() if w.startswith("http://127.0.0.1:")), None)
-        if url and "#/experiments" in url:
-            return url, seen
-    raise AssertionError("r1flow ui did not print its URL:\n" + "\n".join(seen))
+    """The UI's URL `r1flow ui` prints once it answers, and every line up to it."""
+    seen = read_until(proc, lambda line: "#/experiments" in line and "http://127.0.0.1:" in line, timeout,
+                      "r1flow ui's URL")
+    return next(w for w in seen[-1].split() if w.startswith("http://127.0.0.1:")), seen
 
 
 @contextlib.contextmanager
