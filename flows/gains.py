@@ -58,8 +58,7 @@ def gain_pairs(plan: Plan) -> list[dict[str, str]]:
 
 def _environment(node: Any) -> str:
     """The environment an eval node samples in (evals with and without a tool are compared only within their kind)."""
-    env = getattr(node.config, "environment", None)
-    return getattr(env, "name", "single_turn") if env is not None else "single_turn"
+    return node.config.environment.name
 
 
 def greedy_scores(rows: list[dict[str, Any]]) -> dict[str, float]:
