@@ -355,7 +355,10 @@ class StepLabelsConfig(Strict):
                                "is used).")
     precision: Precision = Field("auto", description="Sampling precision (autocast; the weights stay as loaded). "
                                  "auto: bf16 on GPUs that support it, else fp32.")
-    # No `environment`: the rollouts continue a step prefix of a single-turn solution (README, Limits).
+    environment: EnvironmentSpec = environment_field(
+        "What answers the model's turns while sampling solutions and rollouts (single_turn: none). With a tool, "
+        "a solution's steps are cut from its transcript (the tool's output included) and each rollout continues "
+        "the transcript's prefix with the tool; only the model's own text is verified.")
 
 
 class PRMConfig(TrainingConfig):

@@ -127,7 +127,8 @@ class SandboxLimits(Strict):
 class EnvironmentSpec(Strict):
     """What answers a model's turn during sampling (stages/environments): `single_turn` (one completion, no tool:
     what every sampling stage did before environments) or `python` (the model writes a program in r1flow's python
-    tags, the program runs in the sandbox and its output comes back in output tags, for up to `max_turns` turns),
+    tags, or as its chat template's tool call with `syntax: chat_template`, the program runs in the sandbox and its
+    output comes back in output tags or as the template's tool message, for up to `max_turns` turns),
     or the path of a Python file defining `environment(**options)`. A stage's config leaves it out of its cache
     key while it is the default, so `single_turn` runs keep their keys."""
 
@@ -137,10 +138,23 @@ class EnvironmentSpec(Strict):
                            "run).")
     timeout_s: float = Field(5.0, gt=0, description="Each program's wall-clock deadline (python).")
     max_output_chars: int = Field(512, ge=1, description="A program's output shown to the model is cut to this.")
+    syntax: Literal["tags", "chat_template"] = Field(
+        "tags", exclude_if=lambda v: v == "tags",
+        description="python: how a call and its output are written. tags: r1flow's <python>/<output> (what "
+        "tool_demos teaches); chat_template: the model's own template, a <tool_call> JSON or a fenced python block "
+        "ending the assistant turn, the output as the template's tool message (for a model taught its template's "
+        "tool calls).")
     max_total_tokens: int | None = Field(None, ge=1, description="Tokens after the prompt over all turns, sampled "
                                          "and observation tokens alike (None: max_turns x generation.max_new_tokens).")
     options: dict[str, Any] = Field(default_factory=dict, description="Extra keyword arguments for a user "
                                     "environment file's environment(**options).")
+
+    @model_validator(mode="after")
+    def _syntax_is_the_python_tools(self):
+        if self.syntax != "tags" and self.name != "python":
+            raise ValueError(f"syntax {self.syntax!r} is the python environment's; {self.name!r} takes its own "
+                             f"options (options:)")
+        return self
 
     @property
     def is_single_turn(self) -> bool:

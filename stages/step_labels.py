@@ -19,6 +19,15 @@ Departures from the paper, on purpose:
 - rollouts the verifier cannot score are left out of the share; a step none of whose rollouts
   could be scored ends the solution's labelled steps there (a label is never a silent 0).
 
+With `environment:` other than single_turn (the python tool, a user's file), solutions and rollouts are
+multi-turn trajectories (`sampling.multiturn`, r1flow's decode loop): a solution's steps are cut from its
+transcript, the tool's output included, so a step may end inside an observation and its rollouts then
+continue it as the model's own text; each rollout continues its transcript prefix with the tool (the
+prefix is prefilled as text, its earlier turns do not count against `max_turns`). Verdicts judge the
+model's own text only (`Sampled.own`; a rollout's prefix without the tool's answers, `without_observations`):
+an answer a program printed earns no label. Solutions from a `solutions` input carry no record of their
+observations and are verified as written.
+
 Cost: rollouts = K x (steps - 1) per solution at most. The prefixes of several solutions are rolled
 out in one generate call (a prefill per prompt), each prompt (chat template + prefix) prefilled once
 for its K samples, so the decode runs `generation.batch_size` prefixes x K rows at a time. Each
@@ -37,12 +46,14 @@ from tqdm.auto import tqdm
 
 from schemas.configs import StepLabelsConfig
 from schemas.datasets import from_rows
-from schemas.errors import SchemaError
+from schemas.errors import ConfigError, SchemaError
 from stages.base import Input, Output, StageContext, seed_everything, write_dataset
+from stages.environments.registry import environment_from_spec, environment_source_digest
 from stages.math.steps import cap_spans, mc_labels, step_spans
 from stages.rewards.verifiers import score
 from stages.runtime.seeds import seed_stream
 from stages.sampling.generation import make_backend
+from stages.sampling.multiturn import sample_trajectories
 from stages.training.checkpoints import replace_synced
 from stages.training.optim import resolve_precision
 
@@ -56,15 +67,84 @@ OUTPUTS = {"steps": "steps"}
 @dataclass(frozen=True)
 class Solution:
     prompt: dict  # its prompts row (answer, verifier)
-    text: str  # the completion, prefill included
+    text: str  # the completion, prefill included (with a tool: the transcript, observations included)
     finish_reason: str  # "stop" | "length"
     index: int  # which solution of this prompt
+    own: str | None = None  # what is verified, when not `text`: the model's own text (no observations)
+    observations: tuple[str, ...] = ()  # a tool's answers in `text`, in order (sampled here with an environment)
 
 
 def verdict(prompt: dict, text: str, cfg: StepLabelsConfig) -> bool | None:
     """Whether `text` reaches the verified answer (None: the verifier could not score it)."""
     v = score(prompt, text, cfg.reward)
     return v.correct if cfg.correctness == "strict" else v.correct_lenient
+
+
+def check(cfg: StepLabelsConfig) -> None:
+    """Before any compute: the environment loads; only r1flow's decode loop runs multi-turn rollouts."""
+    environment_from_spec(cfg.environment, cfg.reward)
+    if not cfg.environment.is_single_turn and cfg.generation.backend == "vllm":
+        raise ConfigError(f"step_labels.generation.backend: vllm samples one turn per prompt; environment "
+                          f"{cfg.environment.name!r} needs the transformers backend (r1flow's multi-turn decode loop)")
+
+
+def cache_salt(cfg: StepLabelsConfig) -> str:
+    """A user environment file's bytes; nothing for a built-in (its code moves with VERSION)."""
+    return environment_source_digest(cfg.environment.name) or ""
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """One sampled continuation: `text` (prefill included; with a tool, the transcript), `own` (what is
+    verified: the prefill and the model's own turns, the same as `text` without a tool) and the tool's answers."""
+
+    text: str
+    own: str
+    finish_reason: str
+    observations: tuple[str, ...] = ()
+
+
+def without_observations(text: str, observations: tuple[str, ...], end: int | None = None) -> str:
+    """`text[:end]` with each observation of `text` cut out (found in order, each after the previous one; one
+    that `end` cuts through is cut as far as it goes); an observation not in `text` as written (a template's
+    special tokens, which decoding drops) stays.
+
+    >>> without_observations("a<o>1</o>b<o>2</o>c", ("<o>1</o>", "<o>2</o>"))
+    'abc'
+    >>> without_observations("a<o>1</o>b<o>2</o>c", ("<o>1</o>", "<o>2</o>"), end=12)
+    'ab'
+    """
+    end = len(text) if end is None else end
+    out, pos = [], 0
+    for obs in observations:
+        i = text.find(obs, pos)
+        if i < 0:
+            continue
+        if i >= end:
+            break
+        out.append(text[pos:i])
+        pos = i + len(obs)
+    return "".join(out) + text[pos:end] if pos < end else "".join(out)
+
+
+class Sampler:
+    """Samples `n` continuations of each prompts row, single-turn (a generation backend) or with an environment
+    (multi-turn trajectories on the model's KV cache)."""
+
+    def __init__(self, backend=None, env=None, model=None, tokenizer=None, max_total_tokens=None, autocast_dtype=None):
+        self.backend, self.env, self.model, self.tokenizer = backend, env, model, tokenizer
+        self.max_total_tokens, self.autocast_dtype = max_total_tokens, autocast_dtype
+
+    def sample(self, rows: list[dict], spec, n: int, seed: int, prefills: list[str] | None = None,
+               desc: str = "", progress: bool = True) -> list[list[Sampled]]:
+        if self.env is None:
+            comps, _ = self.backend.generate([r["messages"] for r in rows], spec, n=n, seed=seed, progress=progress,
+                                             prefills=prefills, **({"desc": desc} if desc else {}))
+            return [[Sampled(c.text, c.text, c.finish_reason) for c in cs] for cs in comps]
+        trajs, _ = sample_trajectories(self.model, self.tokenizer, rows, self.env, spec, n=n, seed=seed,
+                                       max_total_tokens=self.max_total_tokens, autocast_dtype=self.autocast_dtype,
+                                       prefills=prefills)
+        return [[Sampled(t.transcript, t.text, t.finish_reason, t.observations) for t in ts] for ts in trajs]
 
 
 def _prompt_key(messages: list[dict]) -> str:
@@ -116,7 +196,7 @@ def plan_solution(sol: Solution, cfg: StepLabelsConfig) -> Plan:
     spans = cap_spans(step_spans(sol.text, cfg.delimiter), cfg.max_steps) if sol.text.strip() else []
     last_own = sol.finish_reason == "stop"
     rolled = [i for i in range(len(spans)) if not (last_own and i == len(spans) - 1)]
-    return Plan(spans, verdict(sol.prompt, sol.text, cfg), rolled)
+    return Plan(spans, verdict(sol.prompt, sol.own if sol.own is not None else sol.text, cfg), rolled)
 
 
 def label_plan(sol: Solution, plan: Plan, rollouts: dict[int, list[str]],
@@ -194,7 +274,7 @@ class Journal:
         replace_synced(self.path(group), lambda p: p.write_text(json.dumps(body)))
 
 
-def label_solutions(solutions: list[Solution], backend, cfg: StepLabelsConfig, seed: int,
+def label_solutions(solutions: list[Solution], sampler: Sampler, cfg: StepLabelsConfig, seed: int,
                     journal: Journal | None = None) -> list[tuple[list[str], list[float], dict]]:
     """(steps, labels, details) per solution. The step prefixes of several solutions go through one generate
     call (`prefills`, one per prefix; each prefilled once for its K rollouts), so the decode runs batches of
@@ -216,10 +296,12 @@ def label_solutions(solutions: list[Solution], backend, cfg: StepLabelsConfig, s
         jobs = [(k, i) for k in group for i in plans[k].rolled]
         texts: list[list[str]] = []
         if jobs:
-            comps, _ = backend.generate([solutions[k].prompt["messages"] for k, _ in jobs], cfg.generation,
-                                        n=cfg.rollouts, seed=seed_stream(seed, "step_rollouts", c), progress=False,
-                                        prefills=[solutions[k].text[: plans[k].spans[i][1]] for k, i in jobs])
-            texts = [[x.text for x in cs] for cs in comps]
+            prefixes = [solutions[k].text[: plans[k].spans[i][1]] for k, i in jobs]
+            comps = sampler.sample([solutions[k].prompt for k, _ in jobs], cfg.generation, n=cfg.rollouts,
+                                   seed=seed_stream(seed, "step_rollouts", c), progress=False, prefills=prefixes)
+            # what is verified: the prefix without the tool's answers, then the rollout's own turns
+            texts = [[without_observations(solutions[k].text, solutions[k].observations, len(prefix))
+                      + x.own[len(prefix):] for x in cs] for (k, _), prefix, cs in zip(jobs, prefixes, comps, strict=True)]
         by_solution: dict[int, dict[int, list[str]]] = {k: {} for k in group}
         for (k, i), ts in zip(jobs, texts, strict=True):
             by_solution[k][i] = ts
@@ -243,17 +325,24 @@ def run(cfg: StepLabelsConfig, inputs: dict[str, Input], ctx: StageContext) -> d
     seed_everything(ctx.seed)
     model, tokenizer = inputs["model"].load_model()
     model.to(ctx.device)
-    backend = make_backend(cfg.generation, model, tokenizer, inputs["model"].model_dir,
-                           autocast_dtype=resolve_precision(cfg.precision, ctx.device))
+    precision = resolve_precision(cfg.precision, ctx.device)
+    if cfg.environment.is_single_turn:
+        sampler = Sampler(make_backend(cfg.generation, model, tokenizer, inputs["model"].model_dir,
+                                       autocast_dtype=precision))
+    else:
+        sampler = Sampler(env=environment_from_spec(cfg.environment, cfg.reward), model=model, tokenizer=tokenizer,
+                          max_total_tokens=cfg.environment.token_budget(cfg.generation.max_new_tokens),
+                          autocast_dtype=precision)
     if solutions is None:
-        comps, _ = backend.generate([p["messages"] for p in prompts], cfg.generation, n=cfg.solutions_per_prompt,
-                                    seed=ctx.seed, desc="step_labels: solutions")
-        solutions = [Solution(p, c.text, c.finish_reason, j) for p, cs in zip(prompts, comps, strict=True)
-                     for j, c in enumerate(cs)]
+        comps = sampler.sample(prompts, cfg.generation, n=cfg.solutions_per_prompt, seed=ctx.seed,
+                               desc="step_labels: solutions")
+        solutions = [Solution(p, c.text, c.finish_reason, j, own=c.own if c.own != c.text else None,
+                              observations=c.observations)
+                     for p, cs in zip(prompts, comps, strict=True) for j, c in enumerate(cs)]
     solutions = select(solutions, cfg.max_solutions, ctx.seed)
 
     rows, dropped, n_rollouts, correct = [], 0, 0, []
-    labelled = label_solutions(solutions, backend, cfg, ctx.seed, Journal(ctx.checkpoint_dir, ctx.log))
+    labelled = label_solutions(solutions, sampler, cfg, ctx.seed, Journal(ctx.checkpoint_dir, ctx.log))
     for sol, (steps, labels, details) in zip(solutions, labelled, strict=True):
         n_rollouts += details["rollouts_generated"]
         correct.append(details["correct"])

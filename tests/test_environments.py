@@ -223,3 +223,61 @@ def test_a_stage_configs_environment_spec_makes_its_environment(tmp_path):
     assert EnvironmentSpec(max_turns=3, max_total_tokens=50).token_budget(32) == 50
     with pytest.raises(ConfigError, match="unknown environment"):
         environment_from_spec(EnvironmentSpec(name="nope"))
+
+
+# --- the chat_template syntax: the model's own tool role -------------------------------------------------------
+
+def test_template_call_takes_the_last_call_and_names_what_is_wrong_with_a_bad_one():
+    from stages.environments.python_tool import template_call
+
+    call = '<tool_call>\n{"name": "python", "arguments": {"code": "print(6 * 7)"}}\n</tool_call>'
+    assert template_call("I will compute. " + call) == ("print(6 * 7)", None)
+    # the arguments as a JSON string (some models write them so), and the later of a fence and a JSON call
+    as_string = '<tool_call>{"name": "python", "arguments": "{\\"code\\": \\"print(1)\\"}"}</tool_call>'
+    assert template_call(as_string) == ("print(1)", None)
+    assert template_call(call + " then ```python\n    print(2)\n```") == ("print(2)", None)
+    assert template_call("```python\nprint(2)\n``` then " + call) == ("print(6 * 7)", None)
+    assert template_call("```py\nprint(3)\n```") == ("print(3)", None)
+    assert template_call("no call, ```\nprint(4)\n``` is not python") == (None, None)
+    assert template_call("<tool_call>{'name': 'python'}</tool_call>")[1].startswith("the tool call is not valid JSON")
+    assert template_call('<tool_call>{"name": "search", "arguments": {}}</tool_call>') == (
+        None, "unknown tool 'search'; the tool is python")
+    assert template_call('<tool_call>{"name": "python", "arguments": {"code": 7}}</tool_call>') == (
+        None, 'the tool call has no "code" argument (a string)')
+    assert template_call("```python\n  \n```") == (None, "the tool call has no code")
+
+
+def test_chat_template_syntax_runs_a_call_that_ends_the_turn_and_answers_in_the_templates_tool_message():
+    env = PythonTool(syntax="chat_template", max_turns=3)
+    assert env.stop == () and env.tools[0]["function"]["name"] == "python" and PythonTool().tools is None
+    with pytest.raises(RuntimeError, match="with_tool_turn"):
+        env.start(ROW)  # the sampler binds the template first
+    bound = env.with_tool_turn(("<B>", "<A>"))
+    episode = bound.start(ROW)
+    obs = episode.step(_turn("let me compute ```python\nprint(1234 * 5678)\n```", "eos"))
+    assert obs == Observation("<B>7006652<A>", tool_call=True, tool_error=False)
+    bad = episode.step(_turn('<tool_call>{"name": "calc"}</tool_call>', "eos", 1))
+    assert bad == Observation("<B>[unknown tool 'calc'; the tool is python]<A>", tool_call=True, tool_error=True)
+    # a turn cut by its token budget runs nothing, nor a call in tags, nor the last allowed turn's call
+    assert bound.start(ROW).step(_turn("```python\nprint(1)\n```", "length")) is None
+    assert bound.start(ROW).step(_turn("<python>print(1)</python>", "eos")) is None
+    last = bound.start(ROW)
+    assert last.step(_turn("```python\nprint(1)\n```", "eos")) is not None
+    assert last.step(_turn("```python\nprint(1)\n```", "eos", 1)) is not None
+    assert last.step(_turn("```python\nprint(1)\n```", "eos", 2)) is None
+    with pytest.raises(ValueError, match="syntax is tags or chat_template"):
+        PythonTool(syntax="xml")
+
+
+def test_the_spec_carries_the_syntax_to_the_python_tool_only_and_leaves_tags_keys_alone():
+    from pydantic import ValidationError
+
+    from schemas.configs import EnvironmentSpec
+    from stages.environments.registry import environment_from_spec
+
+    assert "syntax" not in EnvironmentSpec(name="python").model_dump()  # the tags default: cache keys unchanged
+    spec = EnvironmentSpec(name="python", syntax="chat_template")
+    assert spec.model_dump()["syntax"] == "chat_template"
+    assert environment_from_spec(spec).uses_chat_template
+    with pytest.raises(ValidationError, match="python environment's"):
+        EnvironmentSpec(name="single_turn", syntax="chat_template")

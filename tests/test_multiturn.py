@@ -250,3 +250,73 @@ def test_the_python_environment_answers_turns_with_sandbox_output_as_tokens(tiny
     assert "<output>\nzzzzzzzzzz\n[... 30 more characters]\n</output>\n" in out[2][0].transcript
     assert "ValueError: boom" not in out[1][0].text and "Traceback" in out[1][0].transcript
     assert stats.turns == 9 and stats.observation_tokens == sum(t.num_tokens - t.sampled_tokens for (t,) in out)
+
+
+# --- the chat_template syntax -----------------------------------------------------------------------------------
+
+def test_chat_tool_turn_makes_a_rollout_read_as_the_template_renders_the_conversation(tiny_tokenizer):
+    from stages.sampling.completions import render_prompts
+    from stages.sampling.multiturn import chat_tool_turn
+
+    before, after = chat_tool_turn(tiny_tokenizer)
+    assert (before, after) == ("\n<|im_start|>tool\n", "<|im_end|>\n<|im_start|>assistant\n")  # ChatML, by hand
+    user = [{"role": "user", "content": "What is 6 * 7?"}]
+    turn = "```python\nprint(6 * 7)\n```"
+    rollout = render_prompts(tiny_tokenizer, [user])[0] + turn + "<|im_end|>" + before + "42" + after
+    assert rollout == tiny_tokenizer.apply_chat_template(
+        [*user, {"role": "assistant", "content": turn}, {"role": "tool", "content": "42"}], tokenize=False,
+        add_generation_prompt=True)
+
+
+def test_chat_tool_turn_refuses_templates_without_a_tool_message(tiny_tokenizer):
+    import copy
+
+    from schemas.errors import ConfigError
+    from stages.sampling.multiturn import chat_tool_turn
+
+    tok = copy.deepcopy(tiny_tokenizer)
+    strict = ("{% for m in messages %}{% if m['role'] not in ['user', 'assistant'] %}"
+              "{{ raise_exception('roles are user and assistant') }}{% endif %}"
+              "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}")
+    tok.chat_template = strict
+    with pytest.raises(ConfigError, match="refuses a tool message.*roles are user and assistant"):
+        chat_tool_turn(tok)
+    tok.chat_template = ("{% for m in messages %}{% if m['role'] != 'tool' %}{{ '<|im_start|>' + m['role'] + '\\n' "
+                         "+ m['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}")
+    with pytest.raises(ConfigError, match="renders no tool message"):
+        chat_tool_turn(tok)
+    tok.chat_template = "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
+    with pytest.raises(ConfigError, match="does not end with the model's end-of-turn token"):
+        chat_tool_turn(tok)
+
+
+class TemplateCalls(CodeEveryTurn):
+    """CodeEveryTurn in the chat_template syntax: each turn is read as a fenced call that ended with EOS."""
+
+    def __init__(self, programs, **options):
+        super().__init__(programs, syntax="chat_template", **options)
+        self.uses_chat_template, self.tools = True, self.env.tools
+
+    def with_tool_turn(self, tool_turn):
+        self.env = self.env.with_tool_turn(tool_turn)
+        return self
+
+    def start(self, row):
+        inner, program = self.env.start(row), self.programs[row["id"]]
+
+        class Episode:
+            def step(self, turn: Turn) -> Observation | None:
+                return inner.step(Turn(f"```python\n{program}\n```", turn.token_ids, "eos", turn.index))
+
+        return Episode()
+
+
+def test_a_chat_template_rollout_appends_the_templates_tool_message_as_tokens(tiny_model, tiny_tokenizer):
+    env = TemplateCalls({"p0": "print(6 * 7)"}, max_turns=2)
+    ((t,),), _ = sample_trajectories(tiny_model, tiny_tokenizer, [_row(0)], env, GenerationSpec(max_new_tokens=3,
+                                    temperature=0.0), max_total_tokens=200)
+    assert (t.turns, t.tool_calls, t.tool_errors) == (2, 1, 0)
+    (_, b, e), = [s for s in _spans(t.model_mask, t.prompt_length) if s[0] == 0]
+    assert tiny_tokenizer.decode(t.token_ids[b:e]) == "\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"
+    assert t.token_ids[b:e] == tuple(tiny_tokenizer("\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n",
+                                                    add_special_tokens=False)["input_ids"])

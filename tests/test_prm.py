@@ -4,6 +4,7 @@ step accuracy above the majority baseline on a learnable rule, AUROC, first-erro
 artifact loads as a `StepScorer`), then both through the pipeline: cached, and re-run alone with
 `r1flow stage`."""
 
+import hashlib
 import json
 import random
 
@@ -113,6 +114,65 @@ class CrashingBackend:
             raise KeyboardInterrupt("killed")
         self.calls += 1
         return self.real.generate(*args, **kwargs)
+
+
+LEAKY_ENV = """
+from schemas.configs import RewardSpec
+from stages.environments.base import Observation
+from stages.rewards.verifiers import score
+
+
+class Episode:
+    def __init__(self, row):
+        self.row, self.turns = row, 0
+
+    def step(self, turn):
+        self.turns += 1
+        if self.turns > 1:
+            return None
+        return Observation("\\n\\n<answer>" + self.row["answer"] + "</answer>\\n\\n", tool_call=True)
+
+
+class Leaky:
+    name, stop = "leaky", ()
+
+    def start(self, row):
+        return Episode(row)
+
+    def score(self, row, completion, num_tokens=None, rm_score=None):
+        return score(row, completion, RewardSpec(), num_tokens=num_tokens)
+
+
+def environment(**options):
+    return Leaky()
+"""
+
+
+def test_step_labels_with_a_tool_cut_steps_from_the_transcript_and_verify_only_the_models_text(
+        tmp_path, digit_prompts, tiny_model_input):
+    """A tool that answers every first turn with the right answer as its own step: the steps show it (they are
+    cut from the transcript), yet no label or verdict counts it (only the model's own text is verified, the
+    rollouts' prefixes included), though the transcripts themselves would verify."""
+    from schemas.configs import EnvironmentSpec, GenerationSpec
+
+    env_file = tmp_path / "leaky.py"
+    env_file.write_text(LEAKY_ENV)
+    cfg = StepLabelsConfig(rollouts=2, solutions_per_prompt=1, max_prompts=3, max_solutions=3,
+                           environment=EnvironmentSpec(name=str(env_file), max_turns=2, max_total_tokens=100),
+                           generation=GenerationSpec(max_new_tokens=6, temperature=1.0))
+    step_labels.check(cfg)
+    assert step_labels.cache_salt(cfg) == hashlib.sha256(LEAKY_ENV.encode()).hexdigest()
+    out = step_labels.run(cfg, {"model": tiny_model_input, "prompts": digit_prompts}, LocalContext(tmp_path / "r"))
+    rows = fake_input(out["steps"].path, "dataset", "steps").table("steps").to_pylist()
+    assert len(rows) == 3
+    for row in rows:
+        answer = json.loads(row["metadata"])["answer"]
+        assert f"<answer>{answer}</answer>" in row["steps"]  # the tool's answer is a step of the transcript
+        assert step_labels.verdict({"answer": answer, "verifier": "exact"}, "\n\n".join(row["steps"]), cfg)
+        assert row["labels"] == [0.0] * len(row["labels"])
+    assert out["steps"].metrics["solution_accuracy"] == 0.0 and out["steps"].metrics["rollouts"] > 0
+    with pytest.raises(ConfigError, match="vllm samples one turn"):
+        step_labels.check(cfg.model_copy(update={"generation": GenerationSpec(backend="vllm")}))
 
 
 def test_step_labels_resume_after_a_kill_labels_what_an_unbroken_run_does(tmp_path, monkeypatch, digit_prompts,

@@ -54,7 +54,11 @@ class Environment(Protocol):
     name: str
     stop: tuple[str, ...]  # strings that end a model turn (besides EOS), e.g. a tool call's closing tag
     # optional: `step_workers: int`, how many episodes' steps the sampler may run at once in threads (default 1;
-    # the python environment's steps are sandbox runs, which mostly wait on a subprocess)
+    # the python environment's steps are sandbox runs, which mostly wait on a subprocess).
+    # optional: `uses_chat_template: bool` with `with_tool_turn((before, after)) -> Environment`: observations
+    # written as the model's chat template writes a tool message; the sampler passes the template's text around
+    # the message's content (`sampling.multiturn.chat_tool_turn`) before it samples; `tools: list[dict] | None`,
+    # JSON schemas rendered into the prompt by templates that describe tools.
 
     def start(self, row: Mapping[str, Any]) -> Episode:
         """A new trajectory for a `prompts` row."""

@@ -72,12 +72,13 @@ def environment_source_digest(name: str) -> str | None:
 
 def environment_from_spec(spec: EnvironmentSpec, reward: RewardSpec | None = None) -> Environment:
     """The environment a stage's `environment:` names, scoring with the stage's `reward` (default `RewardSpec()`):
-    built-ins get the spec's fields (python: max_turns, timeout_s, max_output_chars, and the reward's sandbox
-    limits) and `options`; a user file gets `options` only. Any failure to make it (unknown name, missing or
+    built-ins get the spec's fields (python: max_turns, timeout_s, max_output_chars, syntax, and the reward's
+    sandbox limits) and `options`; a user file gets `options` only. Any failure to make it (unknown name, missing or
     broken file, bad values) is one ConfigError naming it."""
     reward = reward if reward is not None else RewardSpec()
     known = {"single_turn": {}, "python": {"max_turns": spec.max_turns, "timeout_s": spec.timeout_s,
-                                           "max_output_chars": spec.max_output_chars, "limits": reward.sandbox}}
+                                           "max_output_chars": spec.max_output_chars, "syntax": spec.syntax,
+                                           "limits": reward.sandbox}}
     try:
         if spec.name in known:
             return get_environment(spec.name, reward=reward, **{**known[spec.name], **spec.options})

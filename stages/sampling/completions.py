@@ -90,11 +90,14 @@ def row_prefills(conversations: list[list[dict]], spec: GenerationSpec, prefills
     return list(prefills)
 
 
-def render_prompts(tokenizer, conversations: list[list[dict]], prefill: str | list[str] = "") -> list[str]:
+def render_prompts(tokenizer, conversations: list[list[dict]], prefill: str | list[str] = "",
+                   tools: list[dict] | None = None) -> list[str]:
     """Chat-templated prompts ending with the assistant turn's header, then `prefill` (if any; a list: one per
-    conversation)."""
+    conversation). `tools`: JSON schemas the template may describe to the model (templates without tool
+    support ignore them)."""
     prefills = [prefill] * len(conversations) if isinstance(prefill, str) else prefill
-    return [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) + p
+    extra = {"tools": tools} if tools else {}
+    return [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True, **extra) + p
             for c, p in zip(conversations, prefills, strict=True)]
 
 

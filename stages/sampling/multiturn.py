@@ -48,7 +48,7 @@ from transformers import DynamicCache
 from transformers.generation.stopping_criteria import StopStringCriteria
 
 from schemas.configs import GenerationSpec
-from schemas.errors import ModelError
+from schemas.errors import ConfigError, ModelError
 from stages.environments.base import Environment, Episode, Turn, TurnEnd
 from stages.modeling import models
 from stages.runtime.seeds import seed_stream
@@ -82,6 +82,7 @@ class Trajectory:
     tool_calls: int
     tool_errors: int
     finish_reason: str
+    observations: tuple[str, ...] = ()  # the environment's answers as it wrote them, in order
 
     @property
     def num_tokens(self) -> int:
@@ -125,6 +126,7 @@ class _Row:
     tool_calls: int = 0
     tool_errors: int = 0
     finish: str = ""
+    observations: list[str] = field(default_factory=list)
 
     def __post_init__(self):
         self.mask = [0] * len(self.ids)
@@ -283,6 +285,7 @@ def _step_episodes(rows: list[_Row], live: list[int], out: torch.Tensor, lps: to
         row.add(obs_ids, sampled=False)
         row.tool_calls += obs.tool_call  # calls whose output the model reads
         row.tool_errors += obs.tool_error
+        row.observations.append(obs.text)
         keep.append(r)
         observations.append(obs_ids)
     return keep, observations
@@ -334,26 +337,67 @@ def _finished(row: _Row, tokenizer) -> Trajectory:
     transcript = tokenizer.decode(row.ids[row.prompt_length:], skip_special_tokens=True)
     return Trajectory(tuple(row.ids), tuple(row.mask), tuple(row.lps), row.prompt_length,
                       row.prefill + "".join(row.texts), row.prefill + transcript, len(row.texts), row.tool_calls,
-                      row.tool_errors, row.finish)
+                      row.tool_errors, row.finish, tuple(row.observations))
+
+
+_ASSISTANT_MARK, _TOOL_MARK = "R1FLOW-ASSISTANT-TURN", "R1FLOW-TOOL-OUTPUT"
+
+
+def chat_tool_turn(tokenizer) -> tuple[str, str]:
+    """The text a model's chat template puts before and after a tool message's content, when the tool message
+    follows an assistant turn that ended with the model's end-of-turn token and the next assistant turn follows it:
+    `before` starts right after that token (the model sampled it), `after` ends with the next assistant header.
+    So prompt + turn + EOS + before + output + after is what the template renders for the conversation with the
+    tool message and the generation prompt. A ConfigError for a template that renders no tool message (it refuses
+    the role or drops it) or whose assistant turn does not end with an end-of-turn token."""
+    what = f"the chat template of {getattr(tokenizer, 'name_or_path', '') or 'this tokenizer'}"
+    conversation = [{"role": "user", "content": "q"}, {"role": "assistant", "content": _ASSISTANT_MARK},
+                    {"role": "tool", "content": _TOOL_MARK}]
+    try:
+        text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # a template that raises on the role (strict user/assistant alternation)
+        raise ConfigError(f"environment syntax chat_template: {what} refuses a tool message ({type(e).__name__}: "
+                          f"{e}); use syntax: tags") from None
+    if _TOOL_MARK not in text or _ASSISTANT_MARK not in text:
+        raise ConfigError(f"environment syntax chat_template: {what} renders no tool message; use syntax: tags")
+    between = text[text.index(_ASSISTANT_MARK) + len(_ASSISTANT_MARK) : text.index(_TOOL_MARK)]
+    ends = [tokenizer.decode([i]) for i in stop_token_ids(tokenizer)]
+    end = next((e for e in ends if e and between.startswith(e)), None)
+    if end is None:
+        raise ConfigError(f"environment syntax chat_template: in {what} an assistant turn does not end with the "
+                          f"model's end-of-turn token ({', '.join(map(repr, ends))}), so a sampled turn cannot end "
+                          f"where the template's does; use syntax: tags")
+    return between[len(end):], text[text.index(_TOOL_MARK) + len(_TOOL_MARK) :]
+
+
+def bind_environment(env: Environment, tokenizer) -> Environment:
+    """`env` ready for this tokenizer: one that writes its observations as the chat template's tool messages
+    (`uses_chat_template`) gets the template's text around them (`chat_tool_turn`)."""
+    if getattr(env, "uses_chat_template", False):
+        return env.with_tool_turn(chat_tool_turn(tokenizer))
+    return env
 
 
 @torch.no_grad()
 def sample_trajectories(model, tokenizer, prompt_rows: Sequence[Mapping[str, Any]], env: Environment,
                         spec: GenerationSpec, n: int = 1, seed: int = 0, max_total_tokens: int | None = None,
-                        autocast_dtype: torch.dtype | None = None) -> tuple[list[list[Trajectory]], RolloutStats]:
+                        autocast_dtype: torch.dtype | None = None, prefills: list[str] | None = None
+                        ) -> tuple[list[list[Trajectory]], RolloutStats]:
     """n trajectories per `prompts` row (in input order) with `env`, and the sampling stats (`RolloutStats`).
 
     `spec`: temperature / top-k / top-p, `max_new_tokens` (per turn), `stop` (besides the environment's),
-    `batch_size` (prompts per batch), `prefill`. `max_total_tokens` (default spec.max_new_tokens) bounds each
-    trajectory's tokens after the prompt, observations included. `autocast_dtype` as `generation.generate`.
+    `batch_size` (prompts per batch), `prefill` (or `prefills`, one per row: step_labels' step prefixes).
+    `max_total_tokens` (default spec.max_new_tokens) bounds each trajectory's tokens after the prompt, observations
+    included. `autocast_dtype` as `generation.generate`.
     """
     if not supports_decode_rows(model):
         raise ModelError(f"multi-turn rollouts run r1flow's decode loop; {type(model).__name__} does not take it "
                          f"(a causal LM with get_decoder() and logits_to_keep)")
     max_total_tokens = max_total_tokens or spec.max_new_tokens
+    env = bind_environment(env, tokenizer)
     conversations = [list(r["messages"]) for r in prompt_rows]
-    prefills = row_prefills(conversations, spec, None)
-    texts = render_prompts(tokenizer, conversations, prefills)
+    prefills = row_prefills(conversations, spec, prefills)
+    texts = render_prompts(tokenizer, conversations, prefills, tools=getattr(env, "tools", None))
     order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
     batches = [order[i : i + spec.batch_size] for i in range(0, len(order), spec.batch_size)]
     results: list[list[Trajectory]] = [[] for _ in texts]
