@@ -140,8 +140,8 @@ class EnvironmentSpec(Strict):
     max_output_chars: int = Field(512, ge=1, description="A program's output shown to the model is cut to this.")
     syntax: Literal["tags", "chat_template"] = Field(
         "tags", exclude_if=lambda v: v == "tags",
-        description="python: how a call and its output are written. tags: r1flow's <python>/<output> (what "
-        "tool_demos teaches); chat_template: the model's own template, a <tool_call> JSON or a fenced python block "
+        description="python: how a call and its output are written. tags: r1flow's `<python>`/`<output>` (what "
+        "tool_demos teaches); chat_template: the model's own template, a `<tool_call>` JSON or a fenced python block "
         "ending the assistant turn, the output as the template's tool message (for a model taught its template's "
         "tool calls).")
     max_total_tokens: int | None = Field(None, ge=1, description="Tokens after the prompt over all turns, sampled "
