@@ -27,7 +27,11 @@ Departures from the papers, on purpose:
   are exactly one process's for the same rollouts (`rl.sharded_group_advantages`), the loss
   normalisers (sequences, tokens) are the whole step's, gradients are summed
   (`stages.runtime.distributed`), and rollout metrics cover every process's groups;
-- an `environment:` other than single_turn rolls out multi-turn trajectories (`training.env_rollouts`), whole rows.
+- an `environment:` other than single_turn rolls out multi-turn trajectories (`training.env_rollouts`), whole rows;
+- without a KL term (beta = 0) the groups whose advantages are all 0 (equal rewards) skip the update's forward and
+  backward passes (`trained_rows`): their loss and gradient are exactly 0 and the normalisers still count them, so
+  the update is the same (tested) for less compute; `train/entropy` and the clip statistics then cover the rows
+  trained, and `reward/zero_std_groups` says what share of the groups was flat.
 """
 
 from __future__ import annotations
@@ -59,7 +63,14 @@ from stages.training.optim import (
     resolve_precision,
     set_lr,
 )
-from stages.training.rollout_batch import RolloutBatch, even_passes, filler_backward, minibatch_rows, place
+from stages.training.rollout_batch import (
+    RolloutBatch,
+    even_passes,
+    filler_backward,
+    minibatch_rows,
+    place,
+    signal_rows,
+)
 from stages.training.rollouts import build_batch
 
 VERSION = "4"  # history: CHANGELOG.md
@@ -257,10 +268,12 @@ def update(s: Session, u: Update, step: int) -> tuple[dict[str, list[float]], fl
     n_all, total_tokens = dist.sum([u.n, float(u.batch["loss_mask"].sum()) if u.n else 0.0])
     total_tokens = max(1.0, total_tokens)
     train_stats: dict[str, list[float]] = {k: [] for k in TRAIN_STATS}
+    rows = trained_rows(u, cfg.group_size)
     for epoch in range(cfg.mu):
         generator = torch.Generator().manual_seed(seed_stream(s.ctx.seed, "minibatch_order", step, epoch))
-        for idx in even_passes(minibatch_rows(u.n, cfg.group_size, cfg.minibatch_size, u.n > 0 and u.shared,
-                                              generator), dist):
+        batches = [rows[m] for m in minibatch_rows(len(rows), cfg.group_size, cfg.minibatch_size,
+                                                   u.n > 0 and u.shared, generator)]
+        for idx in even_passes(batches, dist):
             if idx is None:  # fsdp: a weight-0 pass, so every rank runs as many forwards and backwards
                 filler_backward(s.model, s.pad_id, s.ctx.device)
                 continue
@@ -270,6 +283,19 @@ def update(s: Session, u: Update, step: int) -> tuple[dict[str, list[float]], fl
         s.optimizer.step()
         s.optimizer.zero_grad(set_to_none=True)
     return train_stats, grad_norm, lr
+
+
+def trained_rows(u: Update, group_size: int) -> torch.Tensor:
+    """The rows the update runs forward and backward: without a KL term (no reference log-probs) only the groups
+    whose advantages are not all zero (`signal_rows`: the others' loss and gradient are exactly 0, and the step's
+    normalisers still count them), else every row. Late in a run most groups can be flat (every sample right):
+    their passes were half a step's training time for no gradient."""
+    if u.n == 0 or u.ref_logp is not None:
+        return torch.arange(u.n)
+    rows = signal_rows(u.adv, u.batch["loss_mask"], group_size)
+    # every group flat (no dynamic sampling): one group still runs, so the step's gradients are zeros rather than
+    # none and the optimizer steps as it did (Adam's moments move with a zero gradient), with its statistics
+    return rows if len(rows) else torch.arange(group_size)
 
 
 def minibatch_backward(s: Session, u: Update, idx: torch.Tensor, epoch: int, n_all: float, total_tokens: float,

@@ -397,9 +397,14 @@ def test_minibatch_share_hand_computed():
         rl.minibatch_share("mean", 1, 1.0, 1, 1.0)
 
 
-def _one_update(tmp_path, tiny_tokenizer, aggregation: str, minibatch_size: int, shared: bool) -> dict[str, torch.Tensor]:
+MIXED_ADV = (1.0, -0.5, 0.25, -0.75, 0.6, -1.2, 0.3, 0.3)
+
+
+def _one_update(tmp_path, tiny_tokenizer, aggregation: str, minibatch_size: int, shared: bool,
+                adv: tuple[float, ...] = MIXED_ADV, seen: list | None = None) -> dict[str, torch.Tensor]:
     """The parameter change of one grpo update (mu 1, SGD with lr 1: minus the accumulated gradient) of the tiny
-    model on 8 fixed rows (2 groups of 4, completions of 1 to 7 tokens, mixed-sign advantages)."""
+    model on 8 fixed rows (2 groups of 4, completions of 1 to 7 tokens, mixed-sign advantages by default); the
+    rows each forward pass ran are appended to `seen`."""
     from stages.modeling import models
     from stages.runtime import distributed
     from stages.training.rollout_batch import RolloutBatch
@@ -417,8 +422,10 @@ def _one_update(tmp_path, tiny_tokenizer, aggregation: str, minibatch_size: int,
     s = grpo.Session(cfg, LocalContext(tmp_path, seed=0), distributed.SINGLE, model, None, None, trainable,
                      torch.optim.SGD(trainable, lr=1.0), None, tiny_tokenizer, 0, None, [], [], None, False)
     rb = RolloutBatch(batch, prompts, comps, 4, 0, shared, "cpu", 4096)
-    u = grpo.Update(torch.tensor([1.0, -0.5, 0.25, -0.75, 0.6, -1.2, 0.3, 0.3]), 8, batch, rb, shared,
-                    old_logp=torch.zeros_like(batch["loss_mask"]))
+    if seen is not None:
+        forward = rb.logprobs
+        rb.logprobs = lambda net, idx, **kw: (seen.append(sorted(idx.tolist())), forward(net, idx, **kw))[1]
+    u = grpo.Update(torch.tensor(adv), 8, batch, rb, shared, old_logp=torch.zeros_like(batch["loss_mask"]))
     before = {k: v.detach().clone() for k, v in model.named_parameters()}
     grpo.update(s, u, step=0)
     return {k: v.detach() - before[k] for k, v in model.named_parameters()}
@@ -435,3 +442,46 @@ def test_minibatches_leave_the_update_unchanged(tmp_path, tiny_tokenizer, aggreg
     assert max(float(d.abs().max()) for d in whole.values()) > 1e-3  # the update moved the weights
     for k in whole:
         torch.testing.assert_close(split[k], whole[k])
+
+
+def test_signal_rows_keeps_whole_groups_with_a_nonzero_advantage():
+    """Groups of 3: per-sequence advantages [0 0 0 | 0 .5 -.5 | 0 0 0] keep rows 3-5 only. Per token (process
+    supervision): a non-zero advantage counts only at a masked (completion) position, so group 0's 2.0 on a prompt
+    position keeps nothing and group 2's -1.0 on a completion position keeps rows 6-8."""
+    from stages.training.rollout_batch import signal_rows
+
+    adv = torch.tensor([0.0, 0, 0, 0, 0.5, -0.5, 0, 0, 0])
+    assert signal_rows(adv, torch.ones(9, 4), 3).tolist() == [3, 4, 5]
+    per_token = torch.zeros(9, 4)
+    mask = torch.zeros(9, 4)
+    mask[:, 2:] = 1
+    per_token[0, 0] = 2.0  # a prompt position
+    per_token[8, 3] = -1.0
+    assert signal_rows(per_token, mask, 3).tolist() == [6, 7, 8]
+    assert signal_rows(torch.zeros(6), torch.ones(6, 2), 3).tolist() == []
+
+
+@pytest.mark.parametrize("aggregation", ["seq_mean", "token_mean"])
+@pytest.mark.parametrize(("minibatch_size", "shared"), [(3, False), (4, True)], ids=["rows-3", "one-group-each"])
+def test_flat_groups_skip_their_passes_and_leave_the_update_unchanged(tmp_path, tiny_tokenizer, monkeypatch,
+                                                                      aggregation, minibatch_size, shared):
+    """Without a KL term a group whose advantages are all 0 adds exactly 0 to the loss, so the update skips its
+    forward and backward passes: with group 1 flat only rows 0-3 run, and the parameter change equals the update
+    that ran all 8 rows (the normalisers still count the flat group's rows and tokens). When every group is flat,
+    one group still runs (zero gradients, so the optimizer steps as before)."""
+    adv = (1.0, -0.5, 0.25, -0.75, 0.0, 0.0, 0.0, 0.0)
+    seen: list = []
+    skipped = _one_update(tmp_path / "skip", tiny_tokenizer, aggregation, minibatch_size, shared, adv, seen)
+    assert sorted(r for rows in seen for r in rows) == [0, 1, 2, 3]
+    with monkeypatch.context() as m:
+        m.setattr(grpo, "trained_rows", lambda u, group_size: torch.arange(u.n))
+        every: list = []
+        full = _one_update(tmp_path / "all", tiny_tokenizer, aggregation, minibatch_size, shared, adv, every)
+    assert sorted(r for rows in every for r in rows) == list(range(8))
+    assert max(float(d.abs().max()) for d in full.values()) > 1e-3
+    for k in full:
+        torch.testing.assert_close(skipped[k], full[k])
+    seen.clear()
+    flat = _one_update(tmp_path / "flat", tiny_tokenizer, aggregation, minibatch_size, shared, (0.0,) * 8, seen)
+    assert sorted(r for rows in seen for r in rows) == [0, 1, 2, 3]
+    assert max(float(d.abs().max()) for d in flat.values()) == 0.0

@@ -5,6 +5,7 @@
 - `RolloutBatch`: the rows of a step and their log-probs under a model, each group's prompt run once
   (`prefix_sharing.shared_prefix_rows`) or every row whole (`logprobs.bucketed_token_logprobs`);
 - `minibatch_rows`: an epoch's shuffled mini-batches (of rows, or of whole groups for prefix sharing);
+  `signal_rows`: the rows of the groups whose advantages are not all zero (the others add nothing to the loss);
   `even_passes` and `filler_backward`: as many forward and backward passes on every rank under fsdp.
 
 May import: `schemas`, `stages.modeling`, `stages.runtime`; never a stage module.
@@ -76,6 +77,23 @@ def minibatch_rows(n: int, group_size: int, minibatch_size: int, whole_groups: b
     per = max(1, minibatch_size // group_size)
     return [(groups[i : i + per, None] * group_size + torch.arange(group_size)[None, :]).reshape(-1)
             for i in range(0, len(groups), per)]
+
+
+def signal_rows(adv: torch.Tensor, loss_mask: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Ascending row indices of the whole groups in which some row has a non-zero advantage at a completion token.
+
+    adv: (N,) per sequence, or (N, L-1) per token (process supervision); loss_mask: (N, L-1). Every policy loss is
+    linear in the advantage (`rl.POLICY_LOSSES`), so a row whose advantage is 0 at every masked token contributes
+    exactly 0 to the loss and its gradient when no KL term is added (beta = 0): a group of equal rewards (all 0
+    advantages) can skip its forward and backward passes without changing the update, as long as the step's
+    normalisers still count it. Whole groups, so prefix-shared mini-batches keep their layout.
+    """
+    if adv.dim() == 1:
+        live = adv != 0
+    else:
+        live = ((adv != 0) & (loss_mask > 0)).any(dim=1)
+    groups = live.reshape(-1, group_size).any(dim=1).nonzero().flatten()
+    return (groups[:, None] * group_size + torch.arange(group_size)[None, :]).reshape(-1)
 
 
 def even_passes(minibatches: list[torch.Tensor], dist: distributed.Dist) -> list[torch.Tensor | None]:
