@@ -73,7 +73,7 @@ from stages.training.rollout_batch import (
 )
 from stages.training.rollouts import build_batch
 
-VERSION = "4"  # history: CHANGELOG.md
+VERSION = "5"  # history: CHANGELOG.md
 SAMPLES = True  # its outputs depend on what the samplers draw: SAMPLER_VERSION is in its key
 CONFIG = GRPOConfig
 INPUTS = {"model": "model", "prompts": "prompts", "reward_model": "model?", "process_reward_model": "model?"}
