@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from schemas.configs import STAGE_CONFIGS, NodeResources, ProfileConfig, RecipeConfig, RecipeOverlay
+from schemas.configs import STAGE_CONFIGS, NodeResources, ProfileConfig, RecipeConfig, RecipeOverlay, RLConfig
 from schemas.errors import ConfigError
 from stages import STAGE_MODULES, get_stage
 from stages.base import declared_kinds
@@ -300,6 +300,7 @@ def load_plan(recipe: str = DEFAULT_RECIPE, profile: str = "cpu", overrides: lis
     cfgs = _validate_configs(rec, wiring, node_cfgs, model)
     user_set = {(path[0], path[1]): text for path, _, text in parsed if len(path) == 2}
     dropped = _run_plan_hooks({n: rec.nodes[n].stage for n in wiring}, cfgs, wiring, user_set)
+    _check_reward_models(rec, cfgs, wiring)
 
     nodes = []
     for name in _topological({n: [src.split(".", 1)[0] for src in w.values()] for n, w in wiring.items()}):
@@ -442,6 +443,25 @@ def _run_plan_hooks(stages: dict[str, str], cfgs: dict[str, BaseModel], wiring: 
         dropped.update(hook(stages, outputs, cfgs, wiring, user_set))
         stages = {n: s for n, s in stages.items() if n in wiring}
     return dropped
+
+
+def _check_reward_models(rec: RecipeConfig, cfgs: dict[str, BaseModel], wiring: dict[str, dict[str, str]]) -> None:
+    """An RL node that weights a reward model's score needs one wired. Its optional `reward_model` input is left out
+    quietly when a recipe option disables its source (r1's `preferences: false`), and the run would fail on it only
+    after every stage upstream of the node had run."""
+    for name, cfg in cfgs.items():
+        weight = cfg.reward.weights.get("reward_model", 0) if isinstance(cfg, RLConfig) else 0
+        if name not in wiring or weight == 0 or "reward_model" in wiring[name]:
+            continue
+        sources = rec.nodes[name].inputs.get("reward_model")
+        why = "no `reward_model` input"
+        if sources is not None:
+            listed = ", ".join([sources] if isinstance(sources, str) else sources)
+            why = f"its `reward_model` input's source ({listed}) is disabled by its `when`"
+        options = f" (the recipe's options: {', '.join(f'{k}={v}' for k, v in rec.options.items())})" if rec.options else ""
+        raise ConfigError(f"node {name!r}: reward.weights.reward_model={weight} scores completions with a reward model, "
+                          f"but {why}; use --set {name}.reward.weights.reward_model=0, or enable a reward model "
+                          f"source{options}")
 
 
 def _node_inputs(rec: RecipeConfig, name: str, wiring: dict[str, str]) -> dict[str, tuple[str, str]]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from schemas.rl_configs import DEFAULT_EPSILON_LOW, GRPOConfig, PPOConfig, RLConfig
 from schemas.specs import (
@@ -445,6 +445,29 @@ class NodeResources(Strict):
         return self.model_dump(exclude={"nodes", "processes_per_node"})
 
 
+_WHEN_FORMS = ("expected true/false, \"A == B\" or \"A != B\" (after option substitution), or a list of them "
+               "that must all hold")
+
+
+def _condition_holds(cond: Any, in_list: bool) -> Any:
+    """One `when` condition after option substitution: a comparison string is decided here, its two sides compared
+    as stripped strings; any other string is an error rather than a truthy value. A non-string is left to the bool
+    field, except in a list, where the field cannot check it."""
+    if isinstance(cond, str) and cond.strip().lower() in ("true", "false"):  # a quoted bool, as pydantic read it
+        return cond.strip().lower() == "true"
+    if isinstance(cond, str):
+        if left_over := re.search(r"\$\{[^}]*\}", cond):
+            raise ValueError(f"{left_over.group(0)} names no option of the recipe; {_WHEN_FORMS}")
+        ops = re.findall(r"==|!=", cond)
+        left, _, right = cond.partition(ops[0]) if len(ops) == 1 else ("", "", "")
+        if not (left.strip() and right.strip()):
+            raise ValueError(f"{cond!r} is not a comparison; {_WHEN_FORMS}")
+        return (left.strip() == right.strip()) == (ops[0] == "==")
+    if in_list and not isinstance(cond, bool):
+        raise ValueError(f"{cond!r} in the list; {_WHEN_FORMS}")
+    return cond
+
+
 class NodeSpec(Strict):
     """One node of a recipe DAG: a stage, where its inputs come from, and its config."""
 
@@ -456,10 +479,26 @@ class NodeSpec(Strict):
     )
     config: dict[str, Any] = Field(default_factory=dict, description="Overrides of the stage config.")
     seed: int | None = Field(None, description="Seed for this node (default: the recipe seed).")
-    when: bool = Field(True, description="Whether the node is part of the plan (usually `${option}`); a disabled "
-                       "node is dropped, and inputs that name it fall through to their next alternative.")
+    when: bool | str | list[bool | str] = Field(
+        True, description="Whether the node is part of the plan, read after option substitution: a bool (usually "
+        "`${option}`), a comparison of two strings (`\"${option} == value\"` or `\"${option} != value\"`, each side "
+        "stripped; a bool option is written True/False there, so test it as `${option}` itself), or a list of these that "
+        "must all hold (`[\"${a}\", \"${b}\"]`). A disabled node is dropped, and inputs that name it fall through to "
+        "their next alternative.",
+    )
     resources: dict[str, Any] = Field(default_factory=dict, description="What the node needs on a cluster (NodeResources: "
                                       "cpus, gpus, memory_gb, labels, nodes, processes_per_node); profiles overlay it.")
+
+    @field_validator("when", mode="before")
+    @classmethod
+    def _when_holds(cls, value: Any) -> Any:
+        """`when` as the bool it comes to: a recipe switches a node on a string option (`"${student} == cut"`) or
+        on several options at once (a list), and the planner only ever reads true or false."""
+        if isinstance(value, list):
+            if not value:
+                raise ValueError(f"an empty list; {_WHEN_FORMS}")
+            return all([_condition_holds(c, in_list=True) for c in value])  # every item checked, not only up to a false
+        return _condition_holds(value, in_list=False)
 
 
 Scalar = str | int | float | bool

@@ -12,7 +12,7 @@ from flows.results import StageResult
 def test_the_r1_plan_compares_every_model_with_what_it_was_trained_from():
     """The default recipe's lineage: cold-start SFT over the base, reasoning RL over the cold start, stage-3 SFT over
     the base it starts from and over the RL model its rejection-sampled data came from, DPO over that SFT, final RL
-    over DPO, the student over its teacher (its own start, the cut model, has no eval)."""
+    over DPO, the student over its start (options.student=base: the base model) and over its teacher."""
     pairs = [(p["eval"], p["compared_with"], p["relation"]) for p in gain_pairs(load_plan("r1", "tiny", []))]
     assert pairs == [
         ("eval_sft_cold", "eval_base", "over its start"),
@@ -21,8 +21,12 @@ def test_the_r1_plan_compares_every_model_with_what_it_was_trained_from():
         ("eval_sft", "eval_grpo_reasoning", "over the model its data was sampled from"),
         ("eval_dpo", "eval_sft", "over its start"),
         ("eval_grpo_final", "eval_dpo", "over its start"),
+        ("eval_student", "eval_base", "over its start"),
         ("eval_student", "eval_grpo_final", "over its teacher"),
     ]
+    cut = [(p["eval"], p["compared_with"]) for p in gain_pairs(load_plan("r1", "tiny", ["options.student=cut"]))]
+    assert ("eval_student", "eval_base") not in cut  # the cut student's start has no eval
+    assert ("eval_student", "eval_grpo_final") in cut
 
 
 def test_paired_gain_by_hand():

@@ -67,7 +67,9 @@ def test_r1_end_to_end_then_cached_then_dpo_beta_reruns_only_its_descendants(hom
         assert "chain_sum/accuracy" in m and "basic_arithmetic/accuracy" in m, ev
     assert by_node["cold_start"]["metrics"]["accepted_rows"] > 0
     assert by_node["preference_data"]["metrics"]["pairs"] > 0
-    assert by_node["student"]["metrics"]["parameters"] < by_node["student"]["metrics"]["teacher_parameters"]
+    assert "student" not in by_node  # options.student=base: the base model is the student, nothing is cut
+    distilled = by_node["distill"]["metrics"]
+    assert distilled["student_parameters"] == distilled["teacher_parameters"]
 
     rows = comparison_table(report_text(home, first))
     assert [row.split(" | ")[:2] for row in rows] == [[f"| {ev}", model] for ev, model in EVALUATED.items()]
@@ -80,7 +82,7 @@ def test_r1_end_to_end_then_cached_then_dpo_beta_reruns_only_its_descendants(hom
     ran = {n for n, s in statuses(changed).items() if s == "run"}
     plan = load_plan("r1", "tiny")
     assert ran == plan.descendants({"dpo"})
-    assert ran == {"dpo", "eval_dpo", "grpo_final", "eval_grpo_final", "traces", "student", "distill", "eval_student"}
+    assert ran == {"dpo", "eval_dpo", "grpo_final", "eval_grpo_final", "traces", "distill", "eval_student"}
 
     rows = comparison_table(report_text(home, changed))
     previous = [line for line in rows if "previous" in line]
@@ -93,3 +95,14 @@ def test_r1_end_to_end_then_cached_then_dpo_beta_reruns_only_its_descendants(hom
     new_fp = {s["node"]: s["outputs"].get("model") for s in changed["stages"]}
     assert old_fp["dpo"] != new_fp["dpo"] and old_fp["sft"] == new_fp["sft"]
     assert any(old_fp["dpo"][:8] in line for line in previous) and any(new_fp["dpo"][:8] in line for line in rows)
+
+
+def test_r1_without_preferences_runs_the_final_rl_from_the_sft_model(home):
+    """The cpu profile's shape of the recipe (options.preferences=false) on the tiny model: no preference stage runs,
+    grpo_final starts from the stage-3 SFT model without a reward model, and the student is still distilled."""
+    result = run(home, "--set", "options.preferences=false", "--set", "grpo_final.reward.weights.reward_model=0")
+    st = statuses(result)
+    assert set(st) == {n.name for n in load_plan("r1", "tiny", ["options.preferences=false",
+                                                                 "grpo_final.reward.weights.reward_model=0"]).nodes}
+    assert not {"pref_samples", "preference_data", "reward_model", "dpo_reference", "dpo", "eval_dpo"} & set(st)
+    assert set(st.values()) <= {"run", "cached"} and st["grpo_final"] == st["eval_student"] == "run"

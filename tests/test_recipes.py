@@ -1,5 +1,6 @@
 """Every recipe × profile loads; config errors are one clear line naming the key."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -158,25 +159,126 @@ def test_recipe_options_when_and_input_alternatives(tmp_path):
         load_plan(str(path), "tiny", ["options.use_b=false", "b.ref=x"])
 
 
+WHEN_RECIPE = """
+name: when
+options: {arm: cut, a: true, b: true}
+nodes:
+  m: {stage: import_model, config: {ref: tiny-random}}
+  cut: {stage: import_model, when: "${arm} == cut", config: {ref: tiny-random}}
+  not_cut: {stage: import_model, when: "  ${arm}!=   cut ", config: {ref: tiny-random}}
+  both: {stage: import_model, when: ["${a}", "${b}", "${arm} == cut"], config: {ref: tiny-random}}
+"""
+
+
+def test_when_compares_string_options_and_lists_must_all_hold(tmp_path):
+    """`when:` after option substitution: "A == B" / "A != B" compare the stripped sides as strings; a list holds
+    when every item does; a bool is read as before (OPTIONS_RECIPE)."""
+    path = tmp_path / "when.yaml"
+    path.write_text(WHEN_RECIPE)
+    names = lambda *sets: {n.name for n in load_plan(str(path), "tiny", list(sets)).nodes}  # noqa: E731
+    assert names() == {"m", "cut", "both"}
+    assert names("options.arm=base") == {"m", "not_cut"}
+    assert names("options.b=false") == {"m", "cut"}
+    assert names('options.arm=" cut"') == {"m", "cut", "both"}  # " cut == cut": the sides compared stripped
+    quoted = tmp_path / "quoted.yaml"  # a quoted bool reads as before the comparisons existed
+    quoted.write_text('name: q\nnodes:\n  m: {stage: import_model, when: "false"}\n  n: {stage: import_model, '
+                      'when: " True "}\n')
+    assert {n.name for n in load_plan(str(quoted), "tiny").nodes} == {"n"}
+
+
+@pytest.mark.parametrize(
+    "when, message",
+    [
+        ('"${arm}"', "nodes.m.when: Value error, 'cut' is not a comparison; expected true/false, \"A == B\" or "
+                     "\"A != B\" (after option substitution), or a list of them that must all hold"),
+        ('"${arm} = cut"', "'cut = cut' is not a comparison"),
+        ('"${arm} == cut == cut"', "'cut == cut == cut' is not a comparison"),
+        ('"== cut"', "'== cut' is not a comparison"),
+        ('"${nope} == cut"', "nodes.m.when: Value error, ${nope} names no option of the recipe"),
+        ('["${a}", 2]', "nodes.m.when: Value error, 2 in the list"),
+        ("[]", "nodes.m.when: Value error, an empty list"),
+    ],
+)
+def test_a_when_that_is_no_condition_fails_naming_the_node(tmp_path, when, message):
+    path = write(tmp_path, f"name: w\noptions: {{arm: cut, a: true}}\nnodes:\n  m: {{stage: import_model, when: {when}}}\n")
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_plan(path, "tiny")
+
+
 def test_r1_options_rewire_the_dag():
     default = load_plan("r1", "tiny")
     names = {n.name for n in default.nodes}
-    assert {"dpo", "dpo_reference", "eval_dpo"} <= names
+    assert {"pref_samples", "preference_data", "reward_model", "dpo", "dpo_reference", "eval_dpo"} <= names
+    assert "student" not in names  # options.student=base: the base model is the student
+    assert default.node("distill").inputs["student"] == ("base", "model")
     assert default.node("sft").inputs["model"] == ("base", "model")
     assert default.node("grpo_final").inputs["model"] == ("dpo", "model")
     assert default.node("grpo_final").inputs["reward_model"] == ("reward_model", "model")
 
-    plan = load_plan("r1", "tiny", ["options.dpo=false", "options.sft_init=grpo_reasoning",
+    plan = load_plan("r1", "tiny", ["options.dpo=false", "options.sft_init=grpo_reasoning", "options.student=cut",
                                     "options.student_layers=[0]"])
     names = {n.name for n in plan.nodes}
-    assert not {"dpo", "dpo_reference", "eval_dpo"} & names
+    assert not {"dpo", "dpo_reference", "eval_dpo"} & names and "reward_model" in names
     assert plan.node("grpo_final").inputs["model"] == ("sft", "model")
     assert plan.node("sft").inputs["model"] == ("grpo_reasoning", "model")
     assert plan.node("student").config.keep_layers == [0]
+    assert plan.node("student").inputs["model"] == ("grpo_final", "model")
+    assert plan.node("distill").inputs["student"] == ("student", "model")
     # every model the recipe produces is evaluated, on the same prompts
     evaluated = {n.inputs["model"][0] for n in default.nodes if n.stage == "eval"}
     assert evaluated == {"base", "sft_cold", "grpo_reasoning", "sft", "dpo", "grpo_final", "distill"}
     assert {n.inputs["prompts"] for n in default.nodes if n.stage == "eval"} == {("prompts", "prompts")}
+
+
+PREFERENCE_NODES = {"pref_samples", "preference_data", "reward_model", "dpo_reference", "dpo", "eval_dpo"}
+
+
+def test_r1_without_preferences_drops_them_and_dpo_and_needs_no_reward_model():
+    """options.preferences=false drops DPO too, whatever options.dpo says; grpo_final's reward-model weight must
+    then be 0, and the plan says so before any compute (grpo or ppo)."""
+    for rl in ("grpo", "ppo"):
+        with pytest.raises(ConfigError, match=re.escape(
+                "node 'grpo_final': reward.weights.reward_model=0.1 scores completions with a reward model, but its "
+                "`reward_model` input's source (reward_model.model) is disabled by its `when`; use --set "
+                "grpo_final.reward.weights.reward_model=0, or enable a reward model source (the recipe's options: ")
+                + ".*preferences=False"):
+            load_plan("r1", "tiny", ["options.preferences=false", f"options.rl={rl}"])
+    plan = load_plan("r1", "tiny", ["options.preferences=false", "options.dpo=true",
+                                    "grpo_final.reward.weights.reward_model=0"])
+    assert not PREFERENCE_NODES & {n.name for n in plan.nodes}
+    assert plan.node("grpo_final").inputs == {"model": ("sft", "model"), "prompts": ("prompts", "prompts")}
+    with pytest.raises(ConfigError, match="--set 'dpo.beta=0.3': node 'dpo' is disabled in this run"):
+        load_plan("r1", "tiny", ["options.preferences=false", "grpo_final.reward.weights.reward_model=0",
+                                 "dpo.beta=0.3"])
+
+
+def test_the_cpu_r1_plan_spends_its_second_half_on_rft_rl_and_a_base_student():
+    """The cpu profile's r1 options (issue 47 item 5): stage-3 SFT from the RL checkpoint, no preference stages, the
+    base model as the distilled student, taught with the cold start's LoRA shape."""
+    plan = load_plan("r1", "cpu")
+    names = [n.name for n in plan.nodes]
+    assert names == ["base", "prompts", "eval_base", "cold_start", "sft_cold", "eval_sft_cold", "grpo_reasoning",
+                     "eval_grpo_reasoning", "rs_reasoning", "sft", "eval_sft", "grpo_final", "eval_grpo_final",
+                     "traces", "distill", "eval_student"]
+    assert plan.node("sft").inputs["model"] == ("grpo_reasoning", "model")
+    assert plan.node("grpo_final").inputs == {"model": ("sft", "model"), "prompts": ("prompts", "prompts")}
+    final = plan.node("grpo_final").config
+    assert final.steps == 6 and final.reward.weights["reward_model"] == 0
+    assert final.reward.weights["accuracy"] == 1.0 and final.reward.weights["overlong"] == 1.0  # merged, not replaced
+    assert plan.node("distill").inputs["student"] == ("base", "model")
+    distill = plan.node("distill").config
+    assert (distill.lora.r, distill.lora.alpha, distill.learning_rate, distill.max_steps) == (16, 32, 1e-3, 16)
+    traces = plan.node("traces").config
+    assert (traces.filter, traces.num_samples, traces.max_prompts) == ("verified", 4, 64)
+
+    cut = load_plan("r1", "cpu", ["options.student=cut", "distill.lora.r=0"])
+    assert cut.node("student").inputs["model"] == ("grpo_final", "model")
+    assert cut.node("distill").inputs["student"] == ("student", "model")
+    assert cut.node("student").config.keep_layers == "every_2"
+    with_prefs = load_plan("r1", "cpu", ["options.preferences=true", "grpo_final.reward.weights.reward_model=0.1"])
+    assert PREFERENCE_NODES <= {n.name for n in with_prefs.nodes}
+    assert with_prefs.node("grpo_final").inputs["model"] == ("dpo", "model")
+    assert with_prefs.node("grpo_final").inputs["reward_model"] == ("reward_model", "model")
 
 
 def test_profile_recipe_overlay_applies_to_that_recipe_only(tmp_path):
