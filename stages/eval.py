@@ -32,7 +32,7 @@ from schemas.configs import EvalConfig, GenerationSpec
 from schemas.datasets import from_rows
 from schemas.errors import SchemaError
 from stages.base import Input, Output, StageContext, seed_everything, write_dataset
-from stages.environments.registry import environment_from_spec, environment_source_digest
+from stages.environments.registry import environment_from_spec, environment_salt
 from stages.math.rerank import best_pick, majority_pick, rerank_accuracy
 from stages.math.stats import bootstrap_ci
 from stages.modeling import heads
@@ -164,7 +164,7 @@ def check(cfg: EvalConfig) -> None:
 
 def cache_salt(cfg: EvalConfig) -> str:
     """A user environment file's bytes; nothing for a built-in (its code moves with VERSION)."""
-    return environment_source_digest(cfg.environment.name) or ""
+    return environment_salt(cfg.environment)
 
 
 def answer_prompts(cfg: EvalConfig, model, tokenizer, prompts: list[dict], spec: GenerationSpec, n: int, seed: int,

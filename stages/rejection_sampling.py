@@ -26,9 +26,9 @@ import numpy as np
 
 from schemas.configs import RejectionSamplingConfig
 from schemas.datasets import from_rows
-from schemas.errors import ConfigError, SchemaError
+from schemas.errors import SchemaError
 from stages.base import Input, Output, StageContext, seed_everything, write_dataset
-from stages.environments.registry import environment_from_spec, environment_source_digest
+from stages.environments.registry import check_sampling_environment, environment_from_spec, environment_salt
 from stages.rewards.answers import extract_answer_lenient, reformat_r1
 from stages.rewards.verifiers import Verdict, score
 from stages.sampling.generation import sample_with
@@ -82,15 +82,12 @@ def accept(samples: list[dict], cfg: RejectionSamplingConfig) -> list[dict]:
 
 def check(cfg: RejectionSamplingConfig) -> None:
     """Before any compute: the environment loads; only r1flow's decode loop runs multi-turn rollouts."""
-    environment_from_spec(cfg.environment, cfg.reward)
-    if not cfg.environment.is_single_turn and cfg.generation.backend == "vllm":
-        raise ConfigError(f"rejection_sampling.generation.backend: vllm samples one turn per prompt; environment "
-                          f"{cfg.environment.name!r} needs the transformers backend (r1flow's multi-turn decode loop)")
+    check_sampling_environment("rejection_sampling", cfg.environment, cfg.reward, cfg.generation.backend)
 
 
 def cache_salt(cfg: RejectionSamplingConfig) -> str:
     """A user environment file's bytes; nothing for a built-in (its code moves with VERSION)."""
-    return environment_source_digest(cfg.environment.name) or ""
+    return environment_salt(cfg.environment)
 
 
 def sample_candidates(cfg: RejectionSamplingConfig, model_input: Input, prompts: list[dict], seed: int, device: str

@@ -46,9 +46,9 @@ from tqdm.auto import tqdm
 
 from schemas.configs import StepLabelsConfig
 from schemas.datasets import from_rows
-from schemas.errors import ConfigError, SchemaError
+from schemas.errors import SchemaError
 from stages.base import Input, Output, StageContext, seed_everything, write_dataset
-from stages.environments.registry import environment_from_spec, environment_source_digest
+from stages.environments.registry import check_sampling_environment, environment_from_spec, environment_salt
 from stages.math.steps import cap_spans, mc_labels, step_spans
 from stages.rewards.verifiers import score
 from stages.runtime.seeds import seed_stream
@@ -82,15 +82,12 @@ def verdict(prompt: dict, text: str, cfg: StepLabelsConfig) -> bool | None:
 
 def check(cfg: StepLabelsConfig) -> None:
     """Before any compute: the environment loads; only r1flow's decode loop runs multi-turn rollouts."""
-    environment_from_spec(cfg.environment, cfg.reward)
-    if not cfg.environment.is_single_turn and cfg.generation.backend == "vllm":
-        raise ConfigError(f"step_labels.generation.backend: vllm samples one turn per prompt; environment "
-                          f"{cfg.environment.name!r} needs the transformers backend (r1flow's multi-turn decode loop)")
+    check_sampling_environment("step_labels", cfg.environment, cfg.reward, cfg.generation.backend)
 
 
 def cache_salt(cfg: StepLabelsConfig) -> str:
     """A user environment file's bytes; nothing for a built-in (its code moves with VERSION)."""
-    return environment_source_digest(cfg.environment.name) or ""
+    return environment_salt(cfg.environment)
 
 
 @dataclass(frozen=True)

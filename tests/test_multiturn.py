@@ -224,12 +224,16 @@ class CodeEveryTurn:
         self.env = PythonTool(**options)
         self.name, self.stop, self.step_workers, self.programs = "python", self.env.stop, 4, programs
 
+    def turn(self, program: str, turn: Turn) -> Turn:
+        """The turn the environment is shown in place of the model's: the program in r1flow's tags."""
+        return Turn(f"<python>{program}</python>", turn.token_ids, "stop", turn.index)
+
     def start(self, row):
-        inner, program = self.env.start(row), self.programs[row["id"]]
+        inner, program, fake = self.env.start(row), self.programs[row["id"]], self.turn
 
         class Episode:
             def step(self, turn: Turn) -> Observation | None:
-                return inner.step(Turn(f"<python>{program}</python>", turn.token_ids, "stop", turn.index))
+                return inner.step(fake(program, turn))
 
         return Episode()
 
@@ -301,14 +305,8 @@ class TemplateCalls(CodeEveryTurn):
         self.env = self.env.with_tool_turn(tool_turn)
         return self
 
-    def start(self, row):
-        inner, program = self.env.start(row), self.programs[row["id"]]
-
-        class Episode:
-            def step(self, turn: Turn) -> Observation | None:
-                return inner.step(Turn(f"```python\n{program}\n```", turn.token_ids, "eos", turn.index))
-
-        return Episode()
+    def turn(self, program: str, turn: Turn) -> Turn:
+        return Turn(f"```python\n{program}\n```", turn.token_ids, "eos", turn.index)
 
 
 def test_a_chat_template_rollout_appends_the_templates_tool_message_as_tokens(tiny_model, tiny_tokenizer):

@@ -70,6 +70,21 @@ def environment_source_digest(name: str) -> str | None:
     return hashlib.sha256(Path(name).read_bytes()).hexdigest()
 
 
+def environment_salt(spec: EnvironmentSpec) -> str:
+    """A stage's cache salt for its `environment:`: a user file's sha256, so editing it re-runs the node; "" for a
+    built-in (whose code moves with the stage's VERSION), which leaves the key as it was without an environment."""
+    return environment_source_digest(spec.name) or ""
+
+
+def check_sampling_environment(stage: str, spec: EnvironmentSpec, reward: RewardSpec | None, backend: str) -> None:
+    """Before any compute, for a stage that samples with `spec`: the environment loads (`environment_from_spec`), and
+    a multi-turn one is not given to vLLM, which samples one turn per prompt."""
+    environment_from_spec(spec, reward)
+    if not spec.is_single_turn and backend == "vllm":
+        raise ConfigError(f"{stage}.generation.backend: vllm samples one turn per prompt; environment {spec.name!r} "
+                          f"needs the transformers backend (r1flow's multi-turn decode loop)")
+
+
 def environment_from_spec(spec: EnvironmentSpec, reward: RewardSpec | None = None) -> Environment:
     """The environment a stage's `environment:` names, scoring with the stage's `reward` (default `RewardSpec()`):
     built-ins get the spec's fields (python: max_turns, timeout_s, max_output_chars, syntax, and the reward's

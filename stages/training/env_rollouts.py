@@ -34,8 +34,9 @@ import torch
 
 from schemas.configs import GenerationSpec
 from schemas.errors import ConfigError
+from stages.environments import registry
 from stages.environments.base import Environment
-from stages.environments.registry import environment_from_spec, environment_source_digest
+from stages.environments.registry import environment_from_spec
 from stages.rewards.verifiers import Verdict
 from stages.sampling.multiturn import RolloutStats, Trajectory, sample_trajectories
 from stages.training.trajectories import trajectory_batch
@@ -69,9 +70,8 @@ def check_environment(stage: str, cfg: RLConfig, refusals: Sequence[tuple[str, b
 
 
 def environment_salt(cfg: RLConfig) -> str:
-    """A user environment file's sha256, so editing it re-runs the node; "" for a built-in (whose code moves with
-    the stage's VERSION), which leaves the key as it was without an environment."""
-    return environment_source_digest(cfg.environment.name) or ""
+    """grpo's and ppo's cache salt: `registry.environment_salt` of their environment."""
+    return registry.environment_salt(cfg.environment)
 
 
 @dataclasses.dataclass
