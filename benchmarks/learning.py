@@ -13,7 +13,9 @@ allocator variables and offline flags for every child):
    R1-format cold start made by r1flow's own stages: `rejection_sampling` (read leniently, rewritten into
    <think>/<answer>) and a LoRA `sft`, merged. Both sides and all seeds start from this HF directory.
 2. **Task**: reasoning-gym `basic_arithmetic` (train and held-out prompts) at `--task` difficulty, and
-   `chain_sum` as a transfer task nothing trains on.
+   `chain_sum` as a transfer task nothing trains on. `--split-seed` draws the prompts, their train/held-out split
+   and the cold start: 0 is the tuning split (the difficulty and 8 prompts a step were chosen on its held-out
+   prompts), the default 1 a fresh one no choice saw; the report counts the held-out prompts the two share.
 3. **GRPO on both sides**, `--seeds` training seeds each (default 3), with the same hyper-parameters (`Plan`:
    reward, group size, prompts per step, max tokens, temperature, learning rate, LoRA, beta, advantages divided
    by the group's sample std as TRL's GRPOTrainer does, and for seed k the same prompts in the same order) for
@@ -31,7 +33,10 @@ allocator variables and offline flags for every child):
    seed k of r1flow paired with seed k of TRL). The headline is the paired difference r1flow's gain minus
    TRL's at equal wall-clock, and their ratio with its interval, reported unbounded when TRL's gain interval
    reaches 0. The equal-steps check is two-sided: a difference beyond the noise either way says "investigate".
-6. A table (stdout and `--markdown`), one row a seed, the seconds a step by phase, the raw numbers (`--json`,
+6. `--trl-set KEY=VALUE` (TRL's GRPOConfig, TRL's side only) and `--r1flow-set` (r1flow's) make the sensitivity
+   rows: e.g. TRL with the whole step in one per-device batch, or bf16 on a CPU with AMX (given to both sides, since
+   it helps both: `--trl-set bf16=true --r1flow-set precision=bf16`); the report lists each side's own settings.
+7. A table (stdout and `--markdown`), one row a seed, the seconds a step by phase, the raw numbers (`--json`,
    default in the work dir) and a plot of held-out accuracy and training reward against wall-clock minutes for
    both sides (`--plot`).
 """
@@ -87,6 +92,10 @@ class Plan:
     curve_prompts: int = 128
     curve_points: int = 3  # snapshots at 1/(n+1) .. n/(n+1) of the budget
     seeds: int = 3  # training seeds a side (SEED, SEED + 1, ...): prompt order, sampling, LoRA initialisation
+    # the seed of the prompts' draw, their train/held-out split and the cold start's sampling. 0 is the tuning split:
+    # the task's difficulty and 8 prompts a step were chosen on its held-out prompts (RESULTS.md, 2026-11-26), so the
+    # default reports on split 1, which no choice in this file saw (issue 47)
+    split_seed: int = 1
     # the cold start (0 steps: the imported model is the start, e.g. the tiny random model)
     cold_prompts: int = 256
     cold_samples: int = 4
@@ -107,10 +116,13 @@ class Plan:
     eval_batch: int = 64
     # r1flow-only settings beyond the shared ones (GRPOConfig fields), reported with the results
     r1flow_extra: dict = field(default_factory=dict)
+    # TRL-only GRPOConfig fields (`--trl-set`): the sensitivity row, TRL at the settings a TRL user on this machine
+    # would try (e.g. per_device_train_batch_size = the whole step, bf16 on a CPU with AMX), reported with the results
+    trl_extra: dict = field(default_factory=dict)
 
     def prep_key(self) -> str:
         keys = ("model", "task", "transfer", "train_prompts", "eval_prompts", "transfer_prompts", "curve_prompts",
-                "cold_prompts", "cold_samples", "cold_steps", "cold_learning_rate", "max_new_tokens")
+                "cold_prompts", "cold_samples", "cold_steps", "cold_learning_rate", "max_new_tokens", "split_seed")
         blob = json.dumps({k: getattr(self, k) for k in keys}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
@@ -141,8 +153,44 @@ def entry_of(output) -> dict:
     return {"kind": output.kind, "schema": output.schema, "path": str(output.path), "rows": output.rows}
 
 
+def make_prompts(plan: Plan, ctx):
+    """The prompts artifact of the plan under `ctx`'s seed (`split_seed`): basic_arithmetic train + held out, and the
+    chain_sum transfer prompts."""
+    from schemas.configs import PromptsConfig
+    from stages import prompts
+
+    # twice as many as asked: the generators repeat easy items and the prompts stage keeps one of each; the eval stage
+    # reads the first eval_prompts + transfer_prompts, round-robin over the two tasks
+    total = plan.train_prompts + plan.eval_prompts
+    return prompts.run(PromptsConfig(tasks={TASK: plan.task}, size=2 * total, eval_fraction=plan.eval_prompts / total,
+                                     eval_tasks={TRANSFER: plan.transfer}, eval_size=2 * plan.transfer_prompts), {},
+                       ctx)["prompts"]
+
+
+def held_out_questions(prompts_dir: Path, n: int) -> list[str]:
+    """The first n held-out basic_arithmetic questions of a prompts artifact: those the evaluator scores."""
+    import pyarrow.parquet as pq
+
+    from schemas.artifacts import DATA_FILE
+
+    rows = pq.read_table(Path(prompts_dir) / DATA_FILE).to_pylist()
+    return [r["messages"][-1]["content"] for r in rows if r["split"] == "eval" and r["task"] == TASK][:n]
+
+
+def tuning_overlap(plan: Plan, prompts_dir: Path, work: Path) -> dict:
+    """How many of this split's scored held-out questions the tuning split (split_seed 0) also held out: a fresh
+    split of a small task (about 1,060 distinct one-digit prompts) shares about a quarter of them by chance."""
+    from stages.base import LocalContext
+
+    ours = held_out_questions(prompts_dir, plan.eval_prompts)
+    tuning = make_prompts(plan, LocalContext(work / "tuning-split", seed=0, device="cpu", cache_dir=CACHE_DIR))
+    shared = set(ours) & set(held_out_questions(tuning.path, plan.eval_prompts))
+    return {"held_out": len(ours), "also_in_tuning_split": len(shared)}
+
+
 def prepare_start_and_prompts(plan: Plan, work: Path) -> dict:
-    """The prompts, the held-out sets and the start model (cold start by r1flow's stages, LoRA merged)."""
+    """The prompts, the held-out sets and the start model (cold start by r1flow's stages, LoRA merged), all drawn
+    with the split seed."""
     import pyarrow.parquet as pq
 
     from schemas.artifacts import DATA_FILE, MODEL_DIR
@@ -150,25 +198,19 @@ def prepare_start_and_prompts(plan: Plan, work: Path) -> dict:
         GenerationSpec,
         LoraSpec,
         ModelConfig,
-        PromptsConfig,
         RejectionSamplingConfig,
         SFTConfig,
     )
     from schemas.datasets import from_rows
-    from stages import import_model, prompts, rejection_sampling, sft
+    from stages import import_model, rejection_sampling, sft
     from stages.base import LocalContext, write_dataset
     from stages.training.launch import run_stage
 
     ensure_model_dir(plan.model)
-    ctx = LocalContext(work, seed=SEED, device=plan.device, cache_dir=CACHE_DIR)
+    ctx = LocalContext(work, seed=plan.split_seed, device=plan.device, cache_dir=CACHE_DIR)
     t0 = time.perf_counter()
     base = import_model.run(ModelConfig(ref=MODEL_REFS[plan.model]), {}, ctx)["model"]
-    # twice as many as asked: the generators repeat easy items and the prompts stage keeps one of each; the eval stage
-    # reads the first eval_prompts + transfer_prompts, round-robin over the two tasks
-    total = plan.train_prompts + plan.eval_prompts
-    prm = prompts.run(PromptsConfig(tasks={TASK: plan.task}, size=2 * total, eval_fraction=plan.eval_prompts / total,
-                                    eval_tasks={TRANSFER: plan.transfer}, eval_size=2 * plan.transfer_prompts), {},
-                      ctx)["prompts"]
+    prm = make_prompts(plan, ctx)
     rows = pq.read_table(prm.path / DATA_FILE).to_pylist()
     held = [r for r in rows if r["split"] == "eval" and r["task"] == TASK]
     for task, have, want in ((TASK, len(held), plan.eval_prompts),
@@ -191,8 +233,10 @@ def prepare_start_and_prompts(plan: Plan, work: Path) -> dict:
                                          "data": stage_input_of(entry_of(cold))}, ctx)["model"]
         cold_info = {"cold_examples": cold.rows, "rejection_sampling": rs_cfg.model_dump(mode="json"),
                      "sft": sft_cfg.model_dump(mode="json")}
+    overlap = tuning_overlap(plan, prm.path, work) if plan.split_seed != 0 else None
     return {"prompts": entry_of(prm), "curve_prompts": entry_of(curve), "start": entry_of(start),
-            "start_dir": str(Path(start.path) / MODEL_DIR), "seconds": time.perf_counter() - t0, **cold_info}
+            "start_dir": str(Path(start.path) / MODEL_DIR), "seconds": time.perf_counter() - t0,
+            "tuning_overlap": overlap, **cold_info}
 
 
 def step_prompts(prompts_dir: Path, plan: Plan, seed: int) -> list[list[str]]:
@@ -542,7 +586,7 @@ def summarize_learning(plan: Plan, evals: dict, runs: dict) -> dict:
                      "minutes": [a[1] / 60 for a in at], "task": task, "transfer": transfer,
                      "gain": task.pop("gain"), "transfer_gain": transfer.pop("gain"), "per_seed": per_seed})
     out = {"rows": rows, "seeds": plan.seeds, "std": grpo_config(plan, 1, plan.minutes).std,
-           "r1flow_only": dict(plan.r1flow_extra)}
+           "r1flow_only": dict(plan.r1flow_extra), "trl_only": dict(plan.trl_extra)}
 
     def both(side_a: str, what_a: str, side_b: str, what_b: str) -> tuple[list[str], list[str]]:
         n = min(len(runs.get(side_a, [])), len(runs.get(side_b, [])))
@@ -720,16 +764,28 @@ def plot(path: Path, plan: Plan, prep: dict, evals: dict, runs: dict) -> None:
 # ---------------------------------------------------------------------------- the parent
 
 
-def parse_set(items: list[str]) -> dict:
+def parse_set(items: list[str], flag: str = "--r1flow-set") -> dict:
     import yaml
 
     out = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep:
-            raise SystemExit(f"--r1flow-set {item!r}: expected KEY=VALUE")
+            raise SystemExit(f"{flag} {item!r}: expected KEY=VALUE")
         out[key] = yaml.safe_load(value)
     return out
+
+
+def check_trl_extra(extra: dict) -> None:
+    """Before any compute: every --trl-set key is a field of TRL's GRPOConfig (where TRL is installed; the children
+    that run TRL always have it)."""
+    if not extra or importlib.util.find_spec("trl") is None:
+        return
+    from trl import GRPOConfig
+
+    known = {f.name for f in dataclasses.fields(GRPOConfig)}
+    if unknown := sorted(set(extra) - known):
+        raise ValueError(f"--trl-set: {', '.join(unknown)} is not a field of TRL's GRPOConfig")
 
 
 def build_plan(args: argparse.Namespace) -> Plan:
@@ -738,7 +794,7 @@ def build_plan(args: argparse.Namespace) -> Plan:
         plan.minutes = 5.0
     if args.quick:
         plan = dataclasses.replace(plan, **QUICK)
-    for name in ("seeds", "minutes", "max_steps", "eval_prompts", "transfer_prompts", "curve_prompts", "curve_points",
+    for name in ("seeds", "split_seed", "minutes", "max_steps", "eval_prompts", "transfer_prompts", "curve_prompts", "curve_points",
                  "cold_steps", "prompts_per_step", "group_size", "max_new_tokens", "temperature", "learning_rate",
                  "lora_r", "beta"):
         value = getattr(args, name)
@@ -749,6 +805,8 @@ def build_plan(args: argparse.Namespace) -> Plan:
     if args.reward:
         plan.reward = json.loads(args.reward)
     plan.r1flow_extra = parse_set(args.r1flow_set)
+    plan.trl_extra = parse_set(args.trl_set, "--trl-set")
+    check_trl_extra(plan.trl_extra)
     if plan.seeds < 1:
         raise ValueError(f"seeds: at least 1 training seed a side, got {plan.seeds}")
     grpo_config(plan, plan.max_steps, plan.minutes)  # bad settings fail here, before any compute
@@ -768,7 +826,7 @@ def main() -> None:
     ap.add_argument("--max-steps", type=int, help="cap on each side's steps (default 2000)")
     ap.add_argument("--task", help=f"{TASK}'s reasoning-gym options as JSON (default: {Plan().task})")
     ap.add_argument("--reward", help=f"RewardSpec as JSON, both sides (default: {Plan().reward})")
-    for name, kind in (("seeds", int), ("eval_prompts", int), ("transfer_prompts", int), ("curve_prompts", int), ("curve_points", int),
+    for name, kind in (("seeds", int), ("split_seed", int), ("eval_prompts", int), ("transfer_prompts", int), ("curve_prompts", int), ("curve_points", int),
                        ("cold_steps", int), ("prompts_per_step", int), ("group_size", int), ("max_new_tokens", int),
                        ("temperature", float), ("learning_rate", float), ("lora_r", int), ("beta", float)):
         ap.add_argument("--" + name.replace("_", "-"), type=kind, help=f"default {getattr(Plan(), name)}")
@@ -779,6 +837,10 @@ def main() -> None:
                     help="make (or reuse) the start model, print its held-out accuracy and stop: to choose --task")
     ap.add_argument("--r1flow-set", action="append", default=[], metavar="KEY=VALUE",
                     help="a GRPOConfig field for r1flow's side only (e.g. dynamic_sampling=true), reported as such")
+    ap.add_argument("--trl-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a field of TRL's GRPOConfig for TRL's side only (the sensitivity row, e.g. "
+                    "per_device_train_batch_size=64 or bf16=true), reported as such; per_device_train_batch_size sets "
+                    "gradient_accumulation_steps to the rest of the step")
     ap.add_argument("--allocator", default="tuned", help="malloc settings of every child (as suite.py)")
     ap.add_argument("--work-dir", default=str(ROOT / ".r1flow" / "learning"),
                     help="start models (cached by their settings), runs, evaluations and logs")
@@ -962,10 +1024,23 @@ def reuse_trl(path: Path, plan: Plan) -> dict:
     return raw
 
 
+def split_text(plan: Plan, prep: dict) -> str:
+    """Which held-out split the numbers are on, for the report."""
+    if plan.split_seed == 0:
+        return ("Split seed 0: the tuning split, on whose held-out prompts the task's difficulty and the prompts a "
+                "step were chosen.")
+    overlap = prep.get("tuning_overlap") or {}
+    shared = (f"; {overlap['also_in_tuning_split']} of its {overlap['held_out']} scored held-out prompts were held out "
+              f"in the tuning split too (chance, on a task of ~1,060 distinct prompts)" if overlap else "")
+    return (f"Split seed {plan.split_seed}: a fresh draw of the prompts, the held-out split and the cold start, "
+            f"never used for a choice (the tuning split is seed 0{shared}).")
+
+
 def learning_markdown_section(plan: Plan, command: str, info: dict, code: str, summary: dict, runs: dict, prep: dict,
                               plot_path: Path) -> str:
     threads = {side: sorted({r.get("threads") for r in rs}, key=str) for side, rs in runs.items()}
     extra = f"; r1flow only: {json.dumps(plan.r1flow_extra)}" if plan.r1flow_extra else ""
+    extra += f"; TRL only: {json.dumps(plan.trl_extra)}" if plan.trl_extra else ""
     seeds = listed(range(SEED, SEED + plan.seeds))
     lines = [f"### Learning efficacy, {plan.model}, {plan.minutes:g} min a side, {plan.seeds} seed(s) "
              f"({info['device_name']}, code {code})",
@@ -973,7 +1048,8 @@ def learning_markdown_section(plan: Plan, command: str, info: dict, code: str, s
              f"`{command}`",
              "",
              f"Task: {TASK} {json.dumps(plan.task)}, {plan.train_prompts} train prompts, {plan.eval_prompts} held out; "
-             f"transfer: {TRANSFER} {json.dumps(plan.transfer)}, {plan.transfer_prompts} prompts. Start model: "
+             f"transfer: {TRANSFER} {json.dumps(plan.transfer)}, {plan.transfer_prompts} prompts. {split_text(plan, prep)} "
+             f"Start model: "
              f"{plan.model} after a cold start of {plan.cold_steps} LoRA SFT steps on {prep.get('cold_examples', 0)} "
              f"R1-format examples from r1flow's rejection sampling. GRPO, both sides: {plan.prompts_per_step} prompts x "
              f"{plan.group_size} completions a step, {plan.max_new_tokens} new tokens, temperature {plan.temperature:g}, "

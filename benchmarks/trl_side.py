@@ -312,16 +312,17 @@ def run_grpo_learning(plan, prep: dict, work: Path, seed: int, step_prompts: lis
                 control.should_training_stop = True
 
     n = plan.prompts_per_step * plan.group_size
-    mb = min(plan.minibatch_size, n)
+    extra = dict(getattr(plan, "trl_extra", None) or {})  # --trl-set: the sensitivity row's TRL-only settings
+    mb = int(extra.pop("per_device_train_batch_size", min(plan.minibatch_size, n)))
     if n % mb:
         raise SystemExit(f"learning: prompts x group ({n}) must be a multiple of the minibatch ({mb})")
     args = GRPOConfig(**{**common_args(plan.device, work / "trl-grpo", plan.max_steps, plan.learning_rate),
-                         "seed": seed},
-                      per_device_train_batch_size=mb, gradient_accumulation_steps=n // mb,
-                      num_generations=plan.group_size, max_completion_length=plan.max_new_tokens,
-                      temperature=plan.temperature, top_p=1.0, top_k=0, beta=plan.beta, num_iterations=1,
-                      epsilon=0.2, loss_type="grpo", scale_rewards="group", use_vllm=False, log_completions=False,
-                      shuffle_dataset=False)
+                         "seed": seed,
+                         "per_device_train_batch_size": mb, "gradient_accumulation_steps": n // mb,
+                         "num_generations": plan.group_size, "max_completion_length": plan.max_new_tokens,
+                         "temperature": plan.temperature, "top_p": 1.0, "top_k": 0, "beta": plan.beta,
+                         "num_iterations": 1, "epsilon": 0.2, "loss_type": "grpo", "scale_rewards": "group",
+                         "use_vllm": False, "log_completions": False, "shuffle_dataset": False, **extra})
     by_id = {r["id"]: r for r in pq.read_table(Path(prep["prompts"]["path"]) / DATA_FILE).to_pylist()}
     rows = [by_id[i] for step in step_prompts for i in step]
     data = grpo_dataset(rows)

@@ -267,3 +267,47 @@ def test_the_parent_alternates_sides_and_settles_equal_steps(tmp_path, monkeypat
     s = raw["summary"]
     assert s["equal_time"]["verdict"] == "met" and s["equal_time"]["diff"] == pytest.approx(0.3)
     assert s["equal_steps"]["verdict"] == "same" and s["equal_steps"]["seeds"] == 2
+
+
+def test_the_split_seed_keys_the_start_model_and_the_report_says_which_split(tmp_path):
+    """Split 0 is the tuning split (its held-out prompts chose the task and the batch); the default reports on split
+    1, a fresh draw of the prompts and the cold start, so the two are different start models; the tiny task's overlap
+    of the two held-out sets is counted from the prompts themselves."""
+    from stages.base import LocalContext
+
+    tuned, fresh = learning.Plan(split_seed=0), learning.Plan()
+    assert fresh.split_seed == 1 and tuned.prep_key() != fresh.prep_key()
+    assert learning.split_text(tuned, {}).startswith("Split seed 0: the tuning split")
+    text = learning.split_text(fresh, {"tuning_overlap": {"held_out": 256, "also_in_tuning_split": 61}})
+    assert "Split seed 1: a fresh draw" in text and "61 of its 256 scored held-out prompts" in text
+    plan = learning.Plan(split_seed=1, train_prompts=48, eval_prompts=16, transfer_prompts=4)
+    prm = learning.make_prompts(plan, LocalContext(tmp_path / "fresh", seed=1))
+    overlap = learning.tuning_overlap(plan, prm.path, tmp_path)
+    same = learning.tuning_overlap(learning.Plan(split_seed=0, train_prompts=48, eval_prompts=16, transfer_prompts=4),
+                                   learning.make_prompts(plan, LocalContext(tmp_path / "zero", seed=0)).path,
+                                   tmp_path / "again")
+    assert overlap["held_out"] == 16 and 0 <= overlap["also_in_tuning_split"] < 16
+    assert same == {"held_out": 16, "also_in_tuning_split": 16}  # seed 0 against itself: every prompt
+
+
+def test_trl_only_settings_are_parsed_and_checked_against_trls_config(monkeypatch):
+    """--trl-set: KEY=VALUE read as YAML; a key that TRL's GRPOConfig lacks fails before any compute (a stand-in
+    GRPOConfig here: TRL lives in the benchmark venv only)."""
+    import dataclasses
+    import types
+
+    assert learning.parse_set(["bf16=true", "per_device_train_batch_size=64"], "--trl-set") == {
+        "bf16": True, "per_device_train_batch_size": 64}
+    with pytest.raises(SystemExit, match="--trl-set 'bf16': expected KEY=VALUE"):
+        learning.parse_set(["bf16"], "--trl-set")
+
+    @dataclasses.dataclass
+    class GRPOConfig:
+        bf16: bool = False
+        per_device_train_batch_size: int = 8
+
+    monkeypatch.setitem(sys.modules, "trl", types.SimpleNamespace(GRPOConfig=GRPOConfig))
+    monkeypatch.setattr(learning.importlib.util, "find_spec", lambda name: object())
+    learning.check_trl_extra({"bf16": True, "per_device_train_batch_size": 64})
+    with pytest.raises(ValueError, match="--trl-set: use_paged is not a field of TRL's GRPOConfig"):
+        learning.check_trl_extra({"bf16": True, "use_paged": True})
