@@ -79,6 +79,24 @@ def test_an_exception_is_an_observation_with_the_traceback_not_a_crash():
     assert obs.tool_call and obs.tool_error
     assert obs.text.startswith("<output>\nbefore\nTraceback") and "ValueError: boom" in obs.text
     assert obs.text.endswith("</output>\n")
+    # the model sees its own frame by file name, not the sandbox's bootstrap frame or the run directory's path
+    assert '  File "prog.py", line 2, in <module>\n' in obs.text
+    assert "<string>" not in obs.text and "r1flow-sandbox" not in obs.text and "/tmp" not in obs.text
+
+
+def test_the_model_reads_tracebacks_as_python_prints_a_scripts():
+    """The sandbox's bootstrap frames and run directory are cut from what the model reads (`model_traceback`): a
+    SyntaxError has no traceback header (Python prints a script's so), and a program's own exec'd string keeps its
+    `<string>` frame. Real sandbox runs."""
+    from stages.environments.python_tool import model_traceback
+
+    bad = _call(PythonTool(), "x = 1\n</code>").text
+    assert bad.startswith('<output>\n  File "prog.py", line 2\n    </code>\n') and "SyntaxError" in bad
+    assert "Traceback" not in bad and "_boot" not in bad
+    nested = _call(PythonTool(), 'exec("1/0")').text
+    assert nested.startswith('<output>\nTraceback (most recent call last):\n  File "prog.py", line 1, in <module>\n')
+    assert '  File "<string>", line 1, in <module>\nZeroDivisionError' in nested
+    assert model_traceback("no traceback here\n") == "no traceback here\n"
 
 
 @pytest.mark.parametrize("code", ["import time\ntime.sleep(60)", "while True:\n    pass"])

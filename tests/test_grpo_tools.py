@@ -242,14 +242,14 @@ def test_check_refuses_before_compute(tmp_path, stage, cls):
     stage.check(_cfg(cls))  # single_turn
 
 
-def test_cache_salt_is_a_user_files_digest_and_empty_for_built_ins(tool_file):
+def test_cache_salt_is_a_user_files_digest_a_built_ins_version_and_empty_for_single_turn(tool_file):
     cfg = _cfg(environment=EnvironmentSpec(name=tool_file))
     salt = grpo.cache_salt(cfg)
     assert len(salt) == 64 and ppo.cache_salt(_cfg(PPOConfig, environment=EnvironmentSpec(name=tool_file))) == salt
     with open(tool_file, "a") as f:
         f.write("\n# edited\n")
     assert grpo.cache_salt(cfg) != salt
-    assert grpo.cache_salt(_cfg(environment=EnvironmentSpec(name="python"))) == ""
+    assert grpo.cache_salt(_cfg(environment=EnvironmentSpec(name="python"))) == "python@2"  # BUILTIN_VERSIONS
     assert grpo.cache_salt(_cfg()) == "" and ppo.cache_salt(_cfg(PPOConfig)) == ""
 
 

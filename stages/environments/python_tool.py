@@ -155,9 +155,29 @@ def template_call(text: str) -> tuple[str | None, str | None]:
     return (code, None) if code.strip() else (None, "the tool call has no code")
 
 
+# the bootstrap's frames at the top of a traceback: its `exec`, and its `compile` when the program does not parse
+_BOOT_FRAMES = re.compile(r'Traceback \(most recent call last\):\n  File "<string>", line \d+, in <module>\n'
+                          r'(  File "<string>", line \d+, in _boot\n)?')
+_PROGRAM_PATH = re.compile(r'File "[^"\n]*/r1flow-sandbox-[^/"\n]*/prog\.py"')
+
+
+def model_traceback(stderr: str) -> str:
+    """A program's stderr as `python prog.py` would print it: the sandbox's bootstrap frames (the outermost
+    `File "<string>"` of a traceback, which exec's the program, and its compile when the program does not parse,
+    whose error then has no traceback header, as Python prints a script's SyntaxError) dropped, and the run
+    directory's path cut from the program's file name: the model sees `File "prog.py", line 2` and nothing of the
+    host. The program's own exec'd strings keep their `<string>` frames (they are never first).
+    """
+    def strip(m: re.Match) -> str:
+        return "" if m.group(1) else "Traceback (most recent call last):\n"
+
+    return _PROGRAM_PATH.sub('File "prog.py"', _BOOT_FRAMES.sub(strip, stderr))
+
+
 def observation_body(result: SandboxResult, max_chars: int, timeout_s: float) -> str:
-    """What one run shows the model: stdout then stderr, capped, then what went wrong (when it did)."""
-    body = cap_output((result.stdout + result.stderr).rstrip("\n"), max_chars)
+    """What one run shows the model: stdout then stderr (`model_traceback`), capped, then what went wrong (when it
+    did)."""
+    body = cap_output((result.stdout + model_traceback(result.stderr)).rstrip("\n"), max_chars)
     note = None
     if result.status in _FAILURES:
         note = "[program " + _FAILURES[result.status].format(timeout_s) + "]"

@@ -70,10 +70,20 @@ def environment_source_digest(name: str) -> str | None:
     return hashlib.sha256(Path(name).read_bytes()).hexdigest()
 
 
+# A built-in environment's version enters the key of every node that samples with it (`environment_salt`), so a
+# change to what it shows the model re-runs those nodes and no others. History: python 2 (2026-11-28): tracebacks
+# without the sandbox's bootstrap frames and run directory (`python_tool.model_traceback`); 1: none in the key.
+BUILTIN_VERSIONS = {"python": "2"}
+
+
 def environment_salt(spec: EnvironmentSpec) -> str:
-    """A stage's cache salt for its `environment:`: a user file's sha256, so editing it re-runs the node; "" for a
-    built-in (whose code moves with the stage's VERSION), which leaves the key as it was without an environment."""
-    return environment_source_digest(spec.name) or ""
+    """A stage's cache salt for its `environment:`: a user file's sha256, so editing it re-runs the node; a versioned
+    built-in's `name@version` (`BUILTIN_VERSIONS`); "" for single_turn, which leaves the key as it was without an
+    environment."""
+    if digest := environment_source_digest(spec.name):
+        return digest
+    version = BUILTIN_VERSIONS.get(spec.name)
+    return f"{spec.name}@{version}" if version else ""
 
 
 def check_sampling_environment(stage: str, spec: EnvironmentSpec, reward: RewardSpec | None, backend: str) -> None:
