@@ -72,7 +72,7 @@ SAMPLES = True  # its outputs depend on what the samplers draw: SAMPLER_VERSION 
 CONFIG = PPOConfig
 INPUTS = {"model": "model", "prompts": "prompts", "reward_model": "model?"}
 OUTPUTS = {"model": "model"}
-cache_salt = env_rollouts.environment_salt  # a user environment file's bytes ("" for a built-in: the key as before)
+cache_salt = env_rollouts.rl_environment_salt  # a user file's sha256, a built-in's version, "" for single_turn
 
 
 def check(cfg: PPOConfig) -> None:

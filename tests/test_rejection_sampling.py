@@ -203,7 +203,8 @@ def test_vllm_with_a_tool_environment_and_an_unknown_environment_fail_the_check(
         rs.check(RejectionSamplingConfig(environment={"name": "python"}, generation=GenerationSpec(backend="vllm")))
     with pytest.raises(ConfigError, match="no such file"):
         rs.check(RejectionSamplingConfig(environment={"name": str(tmp_path / "missing.py")}))
-    assert rs.cache_salt(RejectionSamplingConfig(environment={"name": "python"})) == ""
+    assert rs.cache_salt(RejectionSamplingConfig(environment={"name": "python"})) == "python@2"  # BUILTIN_VERSIONS
+    assert rs.cache_salt(RejectionSamplingConfig()) == ""  # single_turn: the key as before environments
 
 
 def test_with_an_environment_the_kept_completion_is_the_transcript(tmp_path, tiny_model_input):

@@ -5,7 +5,7 @@ With `single_turn` (the default) none of this runs: the stages sample through th
 - `check_environment`: the environment is made at plan time (an unknown name, a missing or broken user file:
   one ConfigError) and the settings that cannot go with it are refused (the vLLM backend, prefix sharing's
   shared-prompt passes assume prompt + one completion; each stage names its own);
-- `environment_salt`: a user environment file's bytes belong in the stage's cache key ("" for a built-in);
+- `rl_environment_salt`: grpo's and ppo's cache salt, their environment's (`registry.environment_salt`);
 - `EnvironmentRollouts`: G trajectories per prompt from the policy's own KV-cache decode loop
   (`sampling.multiturn.sample_trajectories`: the rollout GenerationSpec per turn, every turn counted against
   `max_total_tokens`), scored by the environment (`Environment.score` on the model's own text);
@@ -69,7 +69,7 @@ def check_environment(stage: str, cfg: RLConfig, refusals: Sequence[tuple[str, b
     return env
 
 
-def environment_salt(cfg: RLConfig) -> str:
+def rl_environment_salt(cfg: RLConfig) -> str:
     """grpo's and ppo's cache salt: `registry.environment_salt` of their environment."""
     return registry.environment_salt(cfg.environment)
 
