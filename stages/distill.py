@@ -319,8 +319,10 @@ def load_teacher(teacher: Input, device: str) -> torch.nn.Module:
 def log_sizes(s: Session, plan: Plan, teacher: Input) -> None:
     """Parameter counts (teacher, student, ratio: `s.params`) and the run's sizes, to the tracker."""
     counts = models.count_parameters(s.student)
+    # the student's own size: a LoRA adapter's matrices are what it trains, not part of the model it is
+    adapter = sum(p.numel() for n, p in s.student.named_parameters() if "lora_" in n)
     s.params = {"teacher_parameters": teacher_parameters(teacher, s.teacher),
-                "student_parameters": float(counts["total"])}
+                "student_parameters": float(counts["total"] - adapter)}
     s.params["parameter_ratio"] = s.params["student_parameters"] / s.params["teacher_parameters"]
     s.ctx.log_params({"traces_train": len(s.train), "traces_heldout": len(s.held), "train_prompts": len(s.prompts),
                       "trainable_parameters": counts["trainable"], "precision": str(s.autocast_dtype or "fp32"),

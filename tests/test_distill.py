@@ -235,7 +235,9 @@ def test_on_policy_mixes_student_samples_and_teacher_traces(world):
     for m in steps:
         assert (m["train/teacher_sequences"], m["train/student_sequences"]) == (2, 6)
         assert m["train/loss"] > 0 and m["train/sample_length"] > 0
-    # a LoRA student samples through its adapter and is saved as an adapter on the student artifact
+    # a LoRA student samples through its adapter and is saved as an adapter on the student artifact; its size is
+    # the student model's, the adapter's matrices not counted (as in the full fine-tuning tests: 45,760)
+    assert out.metrics["student_parameters"] == 45_760
     assert out.schema == "adapter" and out.extra["base_fingerprint"] == world.student.fingerprint
     assert (out.path / "model" / "adapter_config.json").exists()
 
