@@ -9,7 +9,8 @@ environment below):
   eval stage's path), batches of 8 prompts x 64 new tokens, until `--seconds` have passed;
 - `train`: SFT-shaped steps (forward and backward of the causal-LM loss over 8 x 128 tokens, AdamW) for as long.
 
-Scenarios: one eval alone; two evals at once; an eval beside a training process. Each under each OpenMP wait
+Scenarios: one eval alone; two evals at once; an eval beside a training process; an eval beside other work (a
+plain Python loop on one core, no torch: what a tiny run's imports and servers are to the default run beside it). Each under each OpenMP wait
 policy: `default` (OMP_WAIT_POLICY unset: libgomp's threads spin a while on their core when idle) and `PASSIVE`
 (they sleep: what r1flow sets, stages/runtime/threads.py). torch's intra-op threads are its default (one per
 core) in every process, as when two people or two flow runs share a box. Printed per scenario and process:
@@ -35,8 +36,9 @@ sys.path.insert(0, str(ROOT))
 
 from stages.runtime import threads  # noqa: E402
 
-SCENARIOS = {"alone": ["eval"], "two evals": ["eval", "eval"], "eval + train": ["eval", "train"]}
-SCENARIO_NAMES = {"alone": "alone", "two": "two evals", "train": "eval + train"}
+SCENARIOS = {"alone": ["eval"], "two evals": ["eval", "eval"], "eval + train": ["eval", "train"],
+             "eval + other": ["eval", "other"]}
+SCENARIO_NAMES = {"alone": "alone", "two": "two evals", "train": "eval + train", "other": "eval + other"}
 
 
 def _model(name: str):
@@ -54,7 +56,15 @@ def _model(name: str):
 
 
 def work(kind: str, model_name: str, seconds: float, start_at: float) -> dict:
-    """One workload in this process (the child side): runs from `start_at` (wall clock) for `seconds`."""
+    """One workload in this process (the child side): runs from `start_at` (wall clock) for `seconds`. `other`:
+    a plain Python loop on one core, no torch and no r1flow stage (what a tiny run's imports and servers are to the
+    default run beside it)."""
+    if kind == "other":
+        time.sleep(max(0.0, start_at - time.time()))
+        cpu0, t0, units = _cpu(), time.perf_counter(), 0
+        while time.perf_counter() - t0 < seconds:
+            units += sum(i * i for i in range(10_000)) > 0
+        return {"kind": kind, "units": units, "wall_s": time.perf_counter() - t0, "cpu_s": _cpu() - cpu0, "threads": 1}
     import torch
 
     from schemas.configs import GenerationSpec
@@ -141,7 +151,8 @@ def main() -> None:
                     "ACTIVE, budget (PASSIVE and each process's share of the cores, as r1flow's stages take it), share "
                     "(the share with libgomp's default wait policy); +VAR=VALUE adds a variable, e.g. "
                     "share+GOMP_SPINCOUNT=10000")
-    ap.add_argument("--scenarios", default="alone,two,train", help="comma-separated: alone, two, train")
+    ap.add_argument("--scenarios", default="alone,two,train,other", help="comma-separated: alone, two, train, other "
+                    "(an eval beside a plain Python loop on one core: other work than r1flow's)")
     args = ap.parse_args()
     chosen = {SCENARIO_NAMES[k] for k in args.scenarios.split(",")}
     cores = len(os.sched_getaffinity(0))
@@ -162,8 +173,10 @@ def main() -> None:
                     slow = f"{alone[policy] / rate:8.2f}x" if policy in alone else ""
                     print(f"{name:<14} {policy:<8} {'eval':<7} {rate:9.1f} t/s {r['cpu_s'] / max(r['units'], 1):12.4f} "
                           f"{slow:>9}")
-                else:
+                elif r["kind"] == "train":
                     print(f"{name:<14} {policy:<8} {'train':<7} {rate:7.2f} step/s {'':>12} {'':>9}")
+                else:
+                    print(f"{name:<14} {policy:<8} {'other':<7} {r['cpu_s'] / r['wall_s']:6.2f} cores {'':>12} {'':>9}")
             sys.stdout.flush()
     print(f"# load average {os.getloadavg()[0]:.2f} at the end")
 

@@ -295,6 +295,7 @@ def test_a_running_stage_gives_up_and_takes_back_its_share_as_other_runs_start_a
 
     monkeypatch.delenv("R1FLOW_THREADS", raising=False)
     monkeypatch.setattr(threads, "available_cpus", lambda: 4)
+    monkeypatch.setattr(threads, "busy_sample", lambda now: None)  # the registry alone (the load: the next test)
     registry = tmp_path / "stages"
     assert threads.rebalance() is None
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
@@ -315,3 +316,34 @@ def test_a_running_stage_gives_up_and_takes_back_its_share_as_other_runs_start_a
         if other.poll() is None:
             other.kill()
             other.wait()
+
+
+def test_other_work_on_the_machine_takes_cores_from_a_running_stage(tmp_path, monkeypatch):
+    """rebalance leaves free the cores other processes kept busy since its last check (/proc/stat's busy time less
+    this process's own): hand-computed samples (wall, machine busy s, own CPU s) on 4 cores: 2.2 cores of other
+    work -> 2 threads, 0.4 -> all 4, 3.9 -> still 1. And the pure parts: cores busy, cores free."""
+    import torch
+
+    from stages.runtime import threads
+
+    assert threads.other_busy_cores((0.0, 100.0, 10.0), (2.0, 103.0, 11.0)) == 1.0  # (3 - 1) / 2
+    assert threads.other_busy_cores((0.0, 100.0, 10.0), (2.0, 101.0, 11.5)) == 0.0  # never below 0
+    assert threads.other_busy_cores((5.0, 1.0, 1.0), (5.0, 9.0, 1.0)) == 0.0  # no time passed
+    assert [threads.free_cores(2, x) for x in (0.0, 0.4, 0.6, 1.0, 3.0)] == [2, 2, 1, 1, 1]
+    assert threads.free_cores(4, 2.6) == 1 and threads.free_cores(4, 2.2) == 2
+    busy = threads.machine_busy_seconds()
+    assert busy is not None and busy > 0
+
+    monkeypatch.delenv("R1FLOW_THREADS", raising=False)
+    monkeypatch.setattr(threads, "available_cpus", lambda: 4)
+    samples = iter([(0.0, 50.0, 5.0),  # the stage starts
+                    (2.0, 55.4, 6.0),  # 5.4 busy, 1.0 own: 4.4 / 2 = 2.2 cores of other work
+                    (4.0, 59.2, 9.0),  # 3.8 - 3.0 = 0.8 / 2 = 0.4
+                    (6.0, 68.0, 9.2)])  # 8.8 - 0.2 = 8.6 / 2 = 4.3: more than the machine, one thread left
+    monkeypatch.setattr(threads, "busy_sample", lambda now: next(samples))
+    with threads.stage_share(None, tmp_path / "stages") as n:
+        assert n == 4
+        t0 = threads._running["checked"]
+        assert threads.rebalance(now=t0 + 2.0) == 2 and torch.get_num_threads() == 2
+        assert threads.rebalance(now=t0 + 4.0) == 4 and torch.get_num_threads() == 4
+        assert threads.rebalance(now=t0 + 6.0) == 1 and torch.get_num_threads() == 1

@@ -18,6 +18,13 @@ runs), so two runs or two evals side by side take half the cores each instead of
 alone gets every core, as before. R1FLOW_THREADS wins; under `--parallel N` each worker's share of the pool is
 that override (flows.placement.use_threads). A process keeps its share until its next stage starts: one that
 started alone does not shrink when another arrives mid-stage (its idle threads sleep, so the cost is bounded).
+
+Other work counts too, not only r1flow's stage processes: `rebalance` also measures how many cores the rest of the
+machine kept busy since its last check (/proc/stat's busy time less this process's own CPU time) and leaves them
+free (`free_cores`). A tiny `r1flow run` loop beside the default run spends most of its time in imports and its
+servers, none of it a registered stage process: the default run kept both threads, spinning against that
+process (its wait policy is libgomp's default when it started on an idle machine), and its first stages took
+2.7-3.0x their time alone (benchmarks/RESULTS.md, issue 49).
 """
 
 from __future__ import annotations
@@ -149,7 +156,8 @@ def stage_share(log: logging.Logger | logging.LoggerAdapter | None = None,
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     if entry is not None:
-        _running.update(directory=directory, cpus=cpus, checked=time.monotonic())
+        checked = time.monotonic()
+        _running.update(directory=directory, cpus=cpus, checked=checked, busy=busy_sample(checked))
     if log is not None:
         chosen = f"{THREADS_VAR}" if os.environ.get(THREADS_VAR) else f"{processes} r1flow stage process(es) on {cpus} cores"
         log.info("threads: %d (%s; set %s to choose)", threads, chosen, THREADS_VAR)
@@ -162,11 +170,47 @@ def stage_share(log: logging.Logger | logging.LoggerAdapter | None = None,
             entry.unlink(missing_ok=True)
 
 
+def machine_busy_seconds() -> float | None:
+    """CPU seconds every core of the machine has spent busy since boot: /proc/stat's first line, all but idle and
+    iowait (user, nice, system, irq, softirq, steal), in clock ticks. None without /proc."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu":
+        return None
+    ticks = [int(x) for x in fields[1:9]]
+    busy = sum(ticks) - ticks[3] - ticks[4]  # less idle and iowait
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
+def busy_sample(now: float) -> tuple[float, float, float] | None:
+    """(wall, machine busy seconds, this process's CPU seconds) now, for `other_busy_cores`; None without /proc."""
+    busy = machine_busy_seconds()
+    return None if busy is None else (now, busy, time.process_time())
+
+
+def other_busy_cores(before: tuple[float, float, float], after: tuple[float, float, float]) -> float:
+    """(pure) How many cores other processes kept busy between two `busy_sample`s: the machine's busy seconds less
+    this process's own CPU seconds, over the wall seconds between them (0 when no time passed)."""
+    wall = after[0] - before[0]
+    if wall <= 0:
+        return 0.0
+    return max(0.0, ((after[1] - before[1]) - (after[2] - before[2])) / wall)
+
+
+def free_cores(cpus: int, others: float) -> int:
+    """(pure) The cores this process may use while others keep `others` cores busy: the rest, rounded to the nearest
+    core (half a core of other work does not take a core away), at least one."""
+    return max(1, cpus - int(others + 0.5))
+
+
 def rebalance(now: float | None = None) -> int | None:
     """Between batches or steps of a running stage: at most every REBALANCE_EVERY_S, recount the stage processes
-    on this host and set torch's threads to this process's share if it moved (another run started or ended).
-    Returns the threads in use; None outside a stage, or when R1FLOW_THREADS fixes them. A directory listing and
-    a /proc read per registrant: microseconds."""
+    on this host and measure the cores other work kept busy since the last check; set torch's threads to this
+    process's share (`thread_share`), no more than the cores left free (`free_cores`), if that moved. Returns the
+    threads in use; None outside a stage, or when R1FLOW_THREADS fixes them. A directory listing, a /proc read per
+    registrant and one of /proc/stat: microseconds."""
     if not _running or os.environ.get(THREADS_VAR):
         return None
     import torch
@@ -180,6 +224,11 @@ def rebalance(now: float | None = None) -> int | None:
     except OSError:
         return torch.get_num_threads()
     threads = thread_share(processes, _running["cpus"])
+    sample, before = busy_sample(now), _running.get("busy")
+    if sample is not None:
+        _running["busy"] = sample
+        if before is not None:
+            threads = min(threads, free_cores(_running["cpus"], other_busy_cores(before, sample)))
     if threads != torch.get_num_threads():
         torch.set_num_threads(threads)
     return threads
