@@ -21,6 +21,7 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from stages.modeling import models, prefix_sharing
+from stages.runtime import threads
 from stages.sampling import lean_decode
 
 if TYPE_CHECKING:
@@ -124,6 +125,7 @@ def decode_rows(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, ca
     cache_arg = models.cache_name(model)
     steps = n_done = 0
     for step in range(max_new_tokens):
+        threads.rebalance()  # a batch decodes for a minute: the share follows other work within a second
         if fast is not None and cache is not checked:
             checked, fast_cache = cache, lean_decode.takes_cache(cache, LEAN_CACHE_LAYERS)
         if fast_cache:
@@ -187,6 +189,7 @@ def decode_static(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
     finished_at = torch.full((rows,), max_new_tokens - 1, dtype=torch.long, device=device)
     steps = n_done = 0
     for step in range(max_new_tokens):
+        threads.rebalance()  # a batch decodes for a minute: the share follows other work within a second
         scores = dec.step(token, pos).float()
         for warp in warpers:
             scores = warp(None, scores)
