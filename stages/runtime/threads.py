@@ -16,8 +16,8 @@ How many threads a stage process uses (`stage_share`): an equal share of the cor
 running a stage on this host at the moment it starts (each registers its pid in a per-user folder while its stage
 runs), so two runs or two evals side by side take half the cores each instead of all of them twice over. A run
 alone gets every core, as before. R1FLOW_THREADS wins; under `--parallel N` each worker's share of the pool is
-that override (flows.placement.use_threads). A process keeps its share until its next stage starts: one that
-started alone does not shrink when another arrives mid-stage (its idle threads sleep, so the cost is bounded).
+that override (flows.placement.use_threads). A running stage recounts between decode steps and training steps,
+at most once a second (`rebalance`): one that started alone gives up half its threads when another arrives.
 
 Other work counts too, not only r1flow's stage processes: `rebalance` also measures how many cores the rest of the
 machine kept busy since its last check (/proc/stat's busy time less this process's own CPU time) and leaves them
