@@ -220,9 +220,10 @@ def main(argv: list[str] | None = None) -> int:
     (exit code 141) when the reader of its output goes away (`r1flow stages -v | head -1`)."""
     args = build_parser().parse_args(argv)
     supervised = argv is None and args.command in RUN_COMMANDS
-    from stages.runtime.threads import choose_wait_policy
+    from stages.runtime.threads import choose_wait_policy, reproducible_products
 
     choose_wait_policy()  # before anything loads torch (stages.runtime.threads)
+    reproducible_products()  # before the first matrix product: outputs independent of the thread count
     if argv is None:
         from stages.runtime.lifetime import exit_without_final_collection
 

@@ -30,8 +30,9 @@ pytestmark = [pytest.mark.slow,
 
 R1FLOW = str(Path(sys.executable).parent / "r1flow")
 TINY = ["--profile", "tiny"]
-# The fault tests' run: the model, the prompts and an SFT long enough (about 20 s on one core) to be killed after
-# its first checkpoint; nothing after it (sft-eval's two evals would only add time).
+# The fault tests' run: the model, the prompts and an SFT long enough (400 steps, about 16 s on one core; 40 steps
+# took under 2 s and could end before the test killed its machine) to be killed after its first checkpoint (step
+# 40); nothing after it (sft-eval's two evals would only add time).
 FAULT_RECIPE = """
 name: sft-only
 model: tiny-random
@@ -67,7 +68,7 @@ def home(tmp_path_factory) -> Path:
 def fault_recipe(tmp_path_factory) -> list[str]:
     path = tmp_path_factory.mktemp("recipes") / "sft-only.yaml"
     path.write_text(FAULT_RECIPE)
-    return ["--recipe", str(path), "--set", "sft.max_steps=40", "--set", "sft.checkpoint_every=4"]
+    return ["--recipe", str(path), "--set", "sft.max_steps=400", "--set", "sft.checkpoint_every=40"]
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +126,7 @@ def test_tiny_r1_on_two_ray_nodes_equals_the_run_without_a_cluster(cluster, home
     result, _ = run_on(cluster, home, *TINY)
     assert fingerprints(result) == fingerprints(sequential)
     ran = [s for s in result["stages"] if s["status"] == "run"]
-    assert len(ran) == len(result["stages"]) == 23
+    assert len(ran) == len(result["stages"]) == len(sequential["stages"])
     node_ids = {n.node_id for n in cluster.running.values()}
     assert {s["ray_node_id"] for s in ran} == node_ids  # both nodes did work, and only they
 

@@ -347,3 +347,33 @@ def test_other_work_on_the_machine_takes_cores_from_a_running_stage(tmp_path, mo
         assert threads.rebalance(now=t0 + 2.0) == 2 and torch.get_num_threads() == 2
         assert threads.rebalance(now=t0 + 4.0) == 4 and torch.get_num_threads() == 4
         assert threads.rebalance(now=t0 + 6.0) == 1 and torch.get_num_threads() == 1
+
+
+# A weight's gradient: a small output summed over a long inner dimension (every token of a batch), which MKL splits
+# among its threads; prints the product's sha256 on 1 thread and on 2.
+PRODUCT_ON_1_AND_2_THREADS = """
+import hashlib, os, torch
+from stages.runtime.threads import reproducible_products
+reproducible_products()
+g = torch.Generator().manual_seed(0)
+x, y = torch.randn(65536, 64, generator=g), torch.randn(65536, 128, generator=g)
+for n in (1, 2):
+    torch.set_num_threads(n)
+    print(os.environ.get("MKL_CBWR"), hashlib.sha256((x.t() @ y).numpy().tobytes()).hexdigest())
+"""
+
+
+def test_a_stages_matrix_products_do_not_depend_on_its_thread_count():
+    """stages.runtime.threads.reproducible_products: a user's MKL_CBWR is kept; else MKL's strict reproducible mode,
+    with which the product a training step computes for a weight's gradient has the same bits on 1 and 2 threads
+    (the thread count follows the machine's load; without the mode, MKL rounds such a product differently on 2
+    threads on the machines this was written on, and the tiny r1 run gave other fingerprints under --parallel 2)."""
+    from stages.runtime.threads import reproducible_products
+
+    env: dict[str, str] = {}
+    assert reproducible_products(env) == "AUTO,STRICT" and env == {"MKL_CBWR": "AUTO,STRICT"}
+    assert reproducible_products({"MKL_CBWR": "COMPATIBLE"}) == "COMPATIBLE"
+    base = {k: v for k, v in os.environ.items() if k != "MKL_CBWR"}
+    out = subprocess.run([sys.executable, "-c", PRODUCT_ON_1_AND_2_THREADS], capture_output=True, text=True,
+                         check=True, env=base).stdout.split()
+    assert out[0] == out[2] == "AUTO,STRICT" and out[1] == out[3], out

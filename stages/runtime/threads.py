@@ -25,6 +25,17 @@ free (`free_cores`). A tiny `r1flow run` loop beside the default run spends most
 servers, none of it a registered stage process: the default run kept both threads, spinning against that
 process (its wait policy is libgomp's default when it started on an idle machine), and its first stages took
 2.7-3.0x their time alone (benchmarks/RESULTS.md, issue 49).
+
+A thread count that follows the machine's load must not change what a stage computes. MKL, torch's BLAS on x86,
+splits a matrix product's inner dimension among its threads when the output is small and the inner dimension long
+(a weight's gradient over every token of a batch), so the same training step rounded differently on 1 and on 2
+threads, and Adam carried the last bits into every weight: the same cache key gave other model bytes depending on
+what else ran on the machine (a `--parallel 2` or cluster run differed from the sequential run).
+`reproducible_products` turns on MKL's strict conditional numerical reproducibility (MKL_CBWR=AUTO,STRICT: the same
+code path as before, results independent of the thread count); with it a SmolLM2-shaped training step (loss,
+gradients, clipped norm, AdamW) gives the same bytes on 1 and 2 threads, and the tiny `r1` the same fingerprints at
+every stage, at no measurable cost (benchmarks/RESULTS.md). torch's own reductions were already independent of the
+thread count in those checks.
 """
 
 from __future__ import annotations
@@ -40,6 +51,7 @@ from pathlib import Path
 from schemas.errors import ConfigError
 
 WAIT_POLICY_VAR = "OMP_WAIT_POLICY"
+REPRODUCIBLE_VAR, REPRODUCIBLE = "MKL_CBWR", "AUTO,STRICT"  # MKL's products independent of the thread count
 THREADS_VAR = "R1FLOW_THREADS"  # threads per stage process (default: an equal share of the cores)
 REGISTRY_VAR = "R1FLOW_STAGE_PROCESSES"  # the folder of running stage processes (default: per user, in /dev/shm)
 REBALANCE_EVERY_S = 1.0  # `rebalance` recounts at most this often
@@ -64,9 +76,19 @@ def choose_wait_policy(env: dict[str, str] | os._Environ = os.environ, load: flo
     return "default"
 
 
+def reproducible_products(env: dict[str, str] | os._Environ = os.environ) -> str:
+    """MKL_CBWR=AUTO,STRICT for this process and everything it starts, unless the environment names a mode: MKL's
+    matrix products then give the same bits on any number of threads, so a stage's outputs do not depend on the
+    share of the cores it was given. MKL reads the variable at its first call, so it must be set before a stage's
+    first product (the CLI's first step; `stage_share` again, for processes that did not start from the CLI, such
+    as a Ray worker's). Returns the mode in effect."""
+    return env.setdefault(REPRODUCIBLE_VAR, REPRODUCIBLE)
+
+
 def describe() -> str:
-    """For a run's header: the wait policy in effect."""
-    return f"{WAIT_POLICY_VAR}={os.environ.get(WAIT_POLICY_VAR) or 'unset (libgomp default: the machine was idle)'}"
+    """For a run's header: the wait policy and MKL's reproducibility mode in effect."""
+    return (f"{WAIT_POLICY_VAR}={os.environ.get(WAIT_POLICY_VAR) or 'unset (libgomp default: the machine was idle)'}, "
+            f"{REPRODUCIBLE_VAR}={os.environ.get(REPRODUCIBLE_VAR) or 'unset'}")
 
 
 def thread_share(processes: int, cpus: int, override: str | None = None) -> int:
@@ -141,6 +163,7 @@ def stage_share(log: logging.Logger | logging.LoggerAdapter | None = None,
     the cores (thread_share over the stage processes running on this host, this one included) and log the choice.
     Yields the thread count; deregisters on the way out. A registry that cannot be written (read-only /dev/shm)
     counts this process alone."""
+    reproducible_products()  # before the stage's first matrix product
     import torch
 
     directory = directory or registry_dir()
