@@ -4,6 +4,7 @@
     make learn ARGS="--minutes 5 --device cuda"  # a lent GPU
     make learn ARGS="--seeds 1"                  # one seed a side (intervals over prompts only)
     make learn ARGS="--algo grpo,ppo"             # adds r1flow's PPO on the same budget (row "r1flow PPO")
+    make learn ARGS="--resume .r1flow/learning/run-20261128-062000"   # go on with a stopped run's seeds
     .venv/bin/python benchmarks/learning.py --model tiny --quick --sides r1flow   # the CI smoke run
 
 What it does, each part in its own process under one environment (`suite.child_env`: the same threads,
@@ -36,7 +37,10 @@ allocator variables and offline flags for every child):
 6. `--trl-set KEY=VALUE` (TRL's GRPOConfig, TRL's side only) and `--r1flow-set` (r1flow's) make the sensitivity
    rows: e.g. TRL with the whole step in one per-device batch, or bf16 on a CPU with AMX (given to both sides, since
    it helps both: `--trl-set bf16=true --r1flow-set precision=bf16`); the report lists each side's own settings.
-7. A table (stdout and `--markdown`), one row a seed, the seconds a step by phase, the raw numbers (`--json`,
+7. Each side of each seed, once trained, is kept in the run directory (`seed<k>/<side>.json`, written whole):
+   `--resume RUN` goes on with a run that stopped (killed, or a session that ended) on the same plan, training only
+   the sides not kept, so three seeds need not fit one sitting; every model is evaluated at the end.
+8. A table (stdout and `--markdown`), one row a seed, the seconds a step by phase, the raw numbers (`--json`,
    default in the work dir) and a plot of held-out accuracy and training reward against wall-clock minutes for
    both sides (`--plot`).
 """
@@ -833,6 +837,9 @@ def main() -> None:
     ap.add_argument("--trl-from", metavar="RUN",
                     help="reuse an earlier run's TRL side (its run directory or learning.json) when the plan is the "
                     "same but for --r1flow-set: one r1flow change at a time, measured against the same TRL run")
+    ap.add_argument("--resume", metavar="RUN",
+                    help="go on with a stopped run (its run directory): the same plan; the sides of the seeds it "
+                    "finished are kept, the others train, then every model is evaluated")
     ap.add_argument("--start-only", action="store_true",
                     help="make (or reuse) the start model, print its held-out accuracy and stop: to choose --task")
     ap.add_argument("--r1flow-set", action="append", default=[], metavar="KEY=VALUE",
@@ -878,9 +885,11 @@ def run_learning(plan: Plan, sides: list[str], args: argparse.Namespace) -> dict
     from benchmarks.suite import code_version, device_info
 
     root = Path(args.work_dir)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    run_dir = root / f"run-{stamp}"
-    run_dir.mkdir(parents=True, exist_ok=True)
+    if getattr(args, "resume", None):
+        run_dir = resumed_run_dir(Path(args.resume), plan)
+    else:
+        run_dir = root / f"run-{time.strftime('%Y%m%d-%H%M%S')}"
+        run_dir.mkdir(parents=True, exist_ok=True)
     plan_file = run_dir / "plan.json"
     plan_file.write_text(json.dumps(dataclasses.asdict(plan), indent=1))
     command = os.environ.get("R1FLOW_BENCH_COMMAND") or "python benchmarks/learning.py " + shlex.join(sys.argv[1:])
@@ -937,6 +946,11 @@ def run_learning(plan: Plan, sides: list[str], args: argparse.Namespace) -> dict
     for k in range(plan.seeds):
         order = run_order([s for s in runs if s not in reused], k)
         for side in order:
+            if (kept := kept_side(run_dir, k, side)) is not None:
+                runs[side].append(kept)
+                print(f"[3/4] seed {SEED + k}, {side}: kept from the stopped run ({kept['steps']} steps)", flush=True)
+                continue
+            shutil.rmtree(run_dir / f"seed{k}" / side, ignore_errors=True)  # a side stopped part-way starts over
             print(f"[3/4] seed {SEED + k}, {side}: {'PPO' if side == 'r1flow_ppo' else 'GRPO'} for {plan.minutes:g} min",
                   flush=True)
             trl_steps = runs["trl"][k]["steps"] if len(runs.get("trl", [])) > k else None
@@ -947,10 +961,12 @@ def run_learning(plan: Plan, sides: list[str], args: argparse.Namespace) -> dict
             pair = [s for s in order if s in ("r1flow", "trl")]
             r["seed"], r["first"] = SEED + k, (pair[0] == side if len(pair) == 2 and side in pair else None)
             runs[side].append(r)
+            keep_side(run_dir, k, side, r)
             print(f"  {side}: {r['steps']} steps in {r['train_s'] / 60:.1f} min ({r['train_s'] / max(1, r['steps']):.1f} "
                   f"s a step), other processes used {100 * (r['foreign_cpu'] or 0):.0f}% of the CPUs", flush=True)
         if len(runs.get("r1flow", [])) > k and len(runs.get("trl", [])) > k:
             settle_equal_steps(runs["r1flow"][k], runs["trl"][k]["steps"])
+            keep_side(run_dir, k, "r1flow", runs["r1flow"][k])  # with its equal-steps point settled
 
     # 4. every end model and snapshot, by the same evaluator
     jobs = []
@@ -981,6 +997,35 @@ def run_learning(plan: Plan, sides: list[str], args: argparse.Namespace) -> dict
             fh.write(section)
     print("\n" + section, flush=True)
     return raw
+
+
+def keep_side(run_dir: Path, seed_index: int, side: str, run: dict) -> None:
+    """Keep a trained side's results in the run directory (`seed<k>/<side>.json`), written whole (a temporary file
+    renamed), so a stopped run can go on from it (`--resume`)."""
+    path = run_dir / f"seed{seed_index}" / f"{side}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(run, indent=1))
+    tmp.replace(path)
+
+
+def kept_side(run_dir: Path, seed_index: int, side: str) -> dict | None:
+    """A side of a seed that a stopped run finished (`keep_side`), or None: it trains again."""
+    path = run_dir / f"seed{seed_index}" / f"{side}.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def resumed_run_dir(path: Path, plan: Plan) -> Path:
+    """The run directory `--resume` names, if it was made with this very plan: SystemExit naming the first
+    difference (or what is missing) otherwise, before any compute."""
+    plan_file = path / "plan.json"
+    if not plan_file.is_file():
+        raise SystemExit(f"--resume {path}: no plan.json there (not a run directory of learning.py)")
+    earlier, ours = json.loads(plan_file.read_text()), json.loads(json.dumps(dataclasses.asdict(plan)))
+    for key, value in ours.items():
+        if earlier.get(key) != value:
+            raise SystemExit(f"--resume {path}: its {key} was {earlier.get(key)!r}, this run's is {value!r}")
+    return path
 
 
 def settle_equal_steps(run: dict, steps: int) -> None:

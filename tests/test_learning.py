@@ -269,6 +269,63 @@ def test_the_parent_alternates_sides_and_settles_equal_steps(tmp_path, monkeypat
     assert s["equal_steps"]["verdict"] == "same" and s["equal_steps"]["seeds"] == 2
 
 
+def test_a_stopped_run_goes_on_with_the_sides_it_had_not_finished(tmp_path, monkeypatch):
+    """--resume: seed 0's two sides and seed 1's first (TRL) finished before the run was stopped during seed 1's
+    r1flow side; the resumed run trains that side only (at TRL's step count, read from the kept TRL side), keeps
+    the rest, and evaluates every model. A run directory of another plan is refused before any compute."""
+    import argparse
+
+    trained = []
+
+    def fake_child(what, plan_file, work, log, allocator, quiet_wait=0.0, **extra):
+        if what == "prep":
+            Path(work).mkdir(parents=True)
+            return {"start_dir": str(tmp_path / "start")}
+        if what == "eval":
+            names = [j["name"] for j in json.loads(Path(extra["jobs"]).read_text())]
+            return {n: evaluation([1] * 10 + [0] * 30, [0] * 40) for n in names}
+        if stop_at == (what, extra.get("seed")):
+            Path(work, "snapshots", "step1").mkdir(parents=True)  # what a side killed part-way leaves
+            raise KeyboardInterrupt
+        trained.append((what, extra.get("seed"), extra.get("at_step")))
+        steps = {"trl": 3, "r1flow": 5}[what]
+        snaps = learning.Snapshots([], Path(work) / "snapshots", extra.get("at_step"), bool(extra.get("every_step")))
+        for step in range(1, steps + 1):
+            snaps.after_step(type("M", (), {"save_pretrained": lambda self, p: Path(p).mkdir(parents=True)})(),
+                             step, 10.0 * step)
+        return {"steps": steps, "train_s": 10.0 * steps, "snapshots": snaps.saved, "final": str(work),
+                "final_kind": "adapter", "curve": [], "foreign_cpu": 0.0, "threads": 2}
+
+    monkeypatch.setattr(learning, "run_learning_child", fake_child)
+    monkeypatch.setattr(learning, "plot", lambda *a, **k: None)
+    args = argparse.Namespace(work_dir=str(tmp_path / "w"), allocator="tuned", quiet_wait=0.0, trl_from=None,
+                              start_only=False, plot=None, json=None, markdown=None, resume=None)
+    stop_at = ("r1flow", 1)
+    with pytest.raises(KeyboardInterrupt):
+        learning.run_learning(learning.Plan(seeds=2), ["trl", "r1flow"], args)
+    assert trained == [("r1flow", 0, None), ("trl", 0, None), ("trl", 1, None)]
+    run_dir = next((tmp_path / "w").glob("run-*"))
+    assert sorted(p.relative_to(run_dir).as_posix() for p in run_dir.glob("seed*/*.json")) == [
+        "seed0/r1flow.json", "seed0/trl.json", "seed1/trl.json"]
+    kept = json.loads((run_dir / "seed0" / "r1flow.json").read_text())
+    assert [s["name"] for s in kept["snapshots"]] == ["equal_steps"]  # kept after its equal-steps point settled
+
+    with pytest.raises(SystemExit, match="its learning_rate was 0.0002, this run's is 0.001"):
+        learning.run_learning(learning.Plan(seeds=2, learning_rate=1e-3), ["trl", "r1flow"],
+                              argparse.Namespace(**{**vars(args), "resume": str(run_dir)}))
+    with pytest.raises(SystemExit, match="no plan.json"):
+        learning.resumed_run_dir(tmp_path, learning.Plan())
+    trained.clear()
+    stop_at = None
+    raw = learning.run_learning(learning.Plan(seeds=2), ["trl", "r1flow"],
+                                argparse.Namespace(**{**vars(args), "resume": str(run_dir)}))
+    assert trained == [("r1flow", 1, 3)]
+    assert not (run_dir / "seed1" / "r1flow" / "snapshots" / "step1").exists()  # the stopped attempt's leftovers
+    assert [r["steps"] for r in raw["runs"]["trl"]] == [3, 3] and [r["steps"] for r in raw["runs"]["r1flow"]] == [5, 5]
+    assert {f"{side}_end_s{k}" for side in ("trl", "r1flow") for k in (0, 1)} <= set(raw["evals"])
+    assert raw["summary"]["equal_steps"]["seeds"] == 2
+
+
 def test_the_split_seed_keys_the_start_model_and_the_report_says_which_split(tmp_path):
     """Split 0 is the tuning split (its held-out prompts chose the task and the batch); the default reports on split
     1, a fresh draw of the prompts and the cold start, so the two are different start models; the tiny task's overlap
