@@ -34,8 +34,9 @@ what else ran on the machine (a `--parallel 2` or cluster run differed from the 
 `reproducible_products` turns on MKL's strict conditional numerical reproducibility (MKL_CBWR=AUTO,STRICT: the same
 code path as before, results independent of the thread count); with it a SmolLM2-shaped training step (loss,
 gradients, clipped norm, AdamW) gives the same bytes on 1 and 2 threads, and the tiny `r1` the same fingerprints at
-every stage, at no measurable cost (benchmarks/RESULTS.md). torch's own reductions were already independent of the
-thread count in those checks.
+every stage, at no measurable cost (benchmarks/RESULTS.md). Not covered: torch's own sum of a whole tensor of more
+than 32768 numbers is split among threads too (`x.sum()` of 65536 floats differs on 1 and 2 threads); none on the
+training path changed those checks' bytes, but a stage that adds one can depend on its thread count again.
 """
 
 from __future__ import annotations
