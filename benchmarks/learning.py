@@ -885,7 +885,7 @@ def run_learning(plan: Plan, sides: list[str], args: argparse.Namespace) -> dict
     from benchmarks.suite import code_version, device_info
 
     root = Path(args.work_dir)
-    if getattr(args, "resume", None):
+    if args.resume:
         run_dir = resumed_run_dir(Path(args.resume), plan)
     else:
         run_dir = root / f"run-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -1021,10 +1021,8 @@ def resumed_run_dir(path: Path, plan: Plan) -> Path:
     plan_file = path / "plan.json"
     if not plan_file.is_file():
         raise SystemExit(f"--resume {path}: no plan.json there (not a run directory of learning.py)")
-    earlier, ours = json.loads(plan_file.read_text()), json.loads(json.dumps(dataclasses.asdict(plan)))
-    for key, value in ours.items():
-        if earlier.get(key) != value:
-            raise SystemExit(f"--resume {path}: its {key} was {earlier.get(key)!r}, this run's is {value!r}")
+    if difference := plan_difference(json.loads(plan_file.read_text()), plan):
+        raise SystemExit(f"--resume {path}: {difference}")
     return path
 
 
@@ -1062,11 +1060,18 @@ def reuse_trl(path: Path, plan: Plan) -> dict:
     if len(raw["runs"]["trl"]) < plan.seeds:
         raise SystemExit(f"--trl-from {path}: it has {len(raw['runs']['trl'])} TRL seed(s), this run asks for "
                          f"{plan.seeds}")
-    ours = {k: v for k, v in dataclasses.asdict(plan).items() if k not in ("r1flow_extra", "seeds")}
-    for key, value in ours.items():
-        if raw["plan"].get(key) != value:
-            raise SystemExit(f"--trl-from {path}: its {key} was {raw['plan'].get(key)!r}, this run's is {value!r}")
+    if difference := plan_difference(raw["plan"], plan, ignore=("r1flow_extra", "seeds")):
+        raise SystemExit(f"--trl-from {path}: {difference}")
     return raw
+
+
+def plan_difference(earlier: dict, plan: Plan, ignore: tuple[str, ...] = ()) -> str | None:
+    """The first field (in Plan's order, less `ignore`) in which an earlier run's plan (as its JSON holds it) differs
+    from `plan`, said as "its KEY was A, this run's is B"; None when they agree."""
+    for key, value in json.loads(json.dumps(dataclasses.asdict(plan))).items():
+        if key not in ignore and earlier.get(key) != value:
+            return f"its {key} was {earlier.get(key)!r}, this run's is {value!r}"
+    return None
 
 
 def split_text(plan: Plan, prep: dict) -> str:

@@ -15,7 +15,9 @@ os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # the suite always runs beside itself (stages/runtime/threads.py)
-os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")  # as the CLI sets it: products independent of the thread count
+from stages.runtime.threads import reproducible_products  # noqa: E402
+
+reproducible_products()  # as the CLI does, before torch's first product: outputs independent of the thread count
 os.environ.pop("MLFLOW_TRACKING_URI", None)
 os.environ.pop("R1FLOW_STORE", None)
 

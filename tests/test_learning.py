@@ -253,7 +253,7 @@ def test_the_parent_alternates_sides_and_settles_equal_steps(tmp_path, monkeypat
     monkeypatch.setattr(learning, "run_learning_child", fake_child)
     monkeypatch.setattr(learning, "plot", lambda *a, **k: None)
     args = argparse.Namespace(work_dir=str(tmp_path / "w"), allocator="tuned", quiet_wait=0.0, trl_from=None,
-                              start_only=False, plot=None, json=None, markdown=None)
+                              start_only=False, plot=None, json=None, markdown=None, resume=None)
     raw = learning.run_learning(learning.Plan(seeds=2), ["trl", "r1flow"], args)
     assert [c for c in calls if c[0] in ("trl", "r1flow")] == [("r1flow", 0, None, 1), ("trl", 0, None, None),
                                                                ("trl", 1, None, None), ("r1flow", 1, 3, None)]
