@@ -37,6 +37,8 @@ allocator variables and offline flags for every child):
 6. `--trl-set KEY=VALUE` (TRL's GRPOConfig, TRL's side only) and `--r1flow-set` (r1flow's) make the sensitivity
    rows: e.g. TRL with the whole step in one per-device batch, or bf16 on a CPU with AMX (given to both sides, since
    it helps both: `--trl-set bf16=true --r1flow-set precision=bf16`); the report lists each side's own settings.
+   `--r1flow-from RUN` (or `--trl-from RUN`) reuses an earlier run's trained and evaluated side of the same plan,
+   so a sensitivity row trains only the side that changed, against the very same runs of the other.
 7. Each side of each seed, once trained, is kept in the run directory (`seed<k>/<side>.json`, written whole):
    `--resume RUN` goes on with a run that stopped (killed, or a session that ended) on the same plan, training only
    the sides not kept, so three seeds need not fit one sitting; every model is evaluated at the end.
@@ -549,6 +551,11 @@ def equal_time_verdict(c: dict) -> str:
     return "met" if c["ratio"] >= GAIN_TARGET else "MISSED"
 
 
+def equal_steps_at(run: dict) -> int | None:
+    """The step of a run's equal-steps snapshot, None when it has none."""
+    return next((snap["step"] for snap in run["snapshots"] if snap["name"] == "equal_steps"), None)
+
+
 def phase_means(runs: list[dict]) -> dict | None:
     """Mean seconds a step by phase (generation, scoring, training, total) over the steps after the first (the
     warm-up) of every seed's run; None when the runs did not record phases."""
@@ -605,6 +612,14 @@ def summarize_learning(plan: Plan, evals: dict, runs: dict) -> dict:
         c["verdict"] = equal_time_verdict(c)
         out["equal_time"] = c
     trl, r1 = both("trl", "end", "r1flow", "equal_steps")
+    # an r1flow run reused (--r1flow-from) kept its equal-steps point at the earlier TRL run's step count: a pair only
+    # where that point is this TRL run's step count
+    matched = [k for k in range(len(trl)) if equal_steps_at(runs["r1flow"][k]) == runs["trl"][k]["steps"]]
+    if len(matched) < len(trl):
+        out["equal_steps_unmatched"] = [{"seed": runs["trl"][k]["seed"], "trl_steps": runs["trl"][k]["steps"],
+                                         "r1flow_step": equal_steps_at(runs["r1flow"][k])}
+                                        for k in range(len(trl)) if k not in matched]
+    trl, r1 = [trl[k] for k in matched], [r1[k] for k in matched]
     if trl:  # the correctness check: the same algorithm for the same steps should learn the same
         x = scores(evals, [*trl, *r1], TASK)
         diff, lo, hi = seed_prompt_diff(x[: len(trl)], x[len(trl):])
@@ -701,6 +716,11 @@ def verdict_lines(summary: dict) -> list[str]:
         if summary.get("r1flow_only"):
             out.append(f"  (r1flow ran with {json.dumps(summary['r1flow_only'])} and TRL without: equal steps are not "
                        "equal work here, so this is not the correctness check; a run without --r1flow-set is)")
+    if unmatched := summary.get("equal_steps_unmatched"):
+        out.append("- equal steps: not checked for seed(s) " + listed([u["seed"] for u in unmatched]) + ": r1flow's "
+                   "equal-steps point (step " + listed([u["r1flow_step"] for u in unmatched]) + ") is from another TRL "
+                   "run than this one (" + listed([u["trl_steps"] for u in unmatched]) + " steps): r1flow reused with "
+                   "--r1flow-from; the run it came from has the check")
     pg = summary.get("ppo_minus_grpo")
     if pg:
         out.append(f"- equal wall-clock, r1flow: PPO minus GRPO {points(pg)} (paired, {pg['seeds']} seed(s))")
@@ -837,6 +857,9 @@ def main() -> None:
     ap.add_argument("--trl-from", metavar="RUN",
                     help="reuse an earlier run's TRL side (its run directory or learning.json) when the plan is the "
                     "same but for --r1flow-set: one r1flow change at a time, measured against the same TRL run")
+    ap.add_argument("--r1flow-from", metavar="RUN",
+                    help="reuse an earlier run's r1flow side when the plan is the same but for --trl-set: TRL's "
+                    "sensitivity rows, each against the same r1flow runs")
     ap.add_argument("--resume", metavar="RUN",
                     help="go on with a stopped run (its run directory): the same plan; the sides of the seeds it "
                     "finished are kept, the others train, then every model is evaluated")
@@ -871,6 +894,8 @@ def main() -> None:
         sides = [s for s in sides if s != "r1flow" or "grpo" in algos] + ["r1flow_ppo"] * ("r1flow_ppo" not in sides)
     if unknown := [s for s in sides if s not in SIDES]:
         ap.error(f"unknown side(s) {unknown}; known: {list(SIDES)}")
+    if args.trl_from and args.r1flow_from:
+        ap.error("--trl-from and --r1flow-from together would train nothing: reuse one side, train the other")
     if "trl" in sides and not args.trl_from and importlib.util.find_spec("trl") is None:
         sys.exit("TRL is not installed in this interpreter; it lives only in the benchmark venv: run `make learn` "
                  "(or .bench-venv/bin/python benchmarks/learning.py), or pass --sides r1flow")
@@ -888,8 +913,7 @@ def run_learning(plan: Plan, sides: list[str], args: argparse.Namespace) -> dict
     if args.resume:
         run_dir = resumed_run_dir(Path(args.resume), plan)
     else:
-        run_dir = root / f"run-{time.strftime('%Y%m%d-%H%M%S')}"
-        run_dir.mkdir(parents=True, exist_ok=True)
+        run_dir = new_run_dir(root)
     plan_file = run_dir / "plan.json"
     plan_file.write_text(json.dumps(dataclasses.asdict(plan), indent=1))
     command = os.environ.get("R1FLOW_BENCH_COMMAND") or "python benchmarks/learning.py " + shlex.join(sys.argv[1:])
@@ -935,14 +959,16 @@ def run_learning(plan: Plan, sides: list[str], args: argparse.Namespace) -> dict
     # 3. training: every seed, the sides in alternating order (run_order), each after a quiet moment
     runs: dict = {side: [] for side in SIDES if side in sides}
     reused = set()
-    if args.trl_from:  # an earlier run's TRL side, trained and evaluated on this very plan, seed by seed
-        earlier = reuse_trl(Path(args.trl_from), plan)
-        runs["trl"] = earlier["runs"]["trl"][: plan.seeds]
-        names = {eval_name("trl", snap["name"], k) for k, r in enumerate(runs["trl"]) for snap in r["snapshots"]}
-        names |= {eval_name("trl", "end", k) for k in range(plan.seeds)}
+    for side, source in (("trl", args.trl_from), ("r1flow", args.r1flow_from)):
+        if not source or side not in runs:
+            continue  # an earlier run's side, trained and evaluated on this very plan, seed by seed
+        earlier = reused_run(Path(source), plan, side)
+        runs[side] = earlier["runs"][side][: plan.seeds]
+        names = {eval_name(side, snap["name"], k) for k, r in enumerate(runs[side]) for snap in r["snapshots"]}
+        names |= {eval_name(side, "end", k) for k in range(plan.seeds)}
         evals.update({k: v for k, v in earlier["evals"].items() if k in names})
-        reused.add("trl")
-        print(f"[3/4] trl: reused from {args.trl_from} ({listed([r['steps'] for r in runs['trl']])} steps)", flush=True)
+        reused.add(side)
+        print(f"[3/4] {side}: reused from {source} ({listed([r['steps'] for r in runs[side]])} steps)", flush=True)
     for k in range(plan.seeds):
         order = run_order([s for s in runs if s not in reused], k)
         for side in order:
@@ -964,7 +990,7 @@ def run_learning(plan: Plan, sides: list[str], args: argparse.Namespace) -> dict
             keep_side(run_dir, k, side, r)
             print(f"  {side}: {r['steps']} steps in {r['train_s'] / 60:.1f} min ({r['train_s'] / max(1, r['steps']):.1f} "
                   f"s a step), other processes used {100 * (r['foreign_cpu'] or 0):.0f}% of the CPUs", flush=True)
-        if len(runs.get("r1flow", [])) > k and len(runs.get("trl", [])) > k:
+        if "r1flow" not in reused and len(runs.get("r1flow", [])) > k and len(runs.get("trl", [])) > k:
             settle_equal_steps(runs["r1flow"][k], runs["trl"][k]["steps"])
             keep_side(run_dir, k, "r1flow", runs["r1flow"][k])  # with its equal-steps point settled
 
@@ -997,6 +1023,21 @@ def run_learning(plan: Plan, sides: list[str], args: argparse.Namespace) -> dict
             fh.write(section)
     print("\n" + section, flush=True)
     return raw
+
+
+def new_run_dir(root: Path) -> Path:
+    """A run directory of its own, named by the time it started ("-2", "-3", ... after the name when two runs start
+    in the same second: one must never write into another's)."""
+    root.mkdir(parents=True, exist_ok=True)
+    name = f"run-{time.strftime('%Y%m%d-%H%M%S')}"
+    for n in range(1, 1000):
+        path = root / (name if n == 1 else f"{name}-{n}")
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
+    raise SystemExit(f"learning.py: no free run directory name under {root} ({name}-N)")
 
 
 def keep_side(run_dir: Path, seed_index: int, side: str, run: dict) -> None:
@@ -1044,24 +1085,30 @@ def settle_equal_steps(run: dict, steps: int) -> None:
     run["every_step_save_s"] = spent
 
 
-def reuse_trl(path: Path, plan: Plan) -> dict:
-    """An earlier run's raw results (its learning.json, or the run directory holding it), if that run trained TRL on
-    the same plan, r1flow-only settings aside, for at least as many seeds: SystemExit naming the first difference
-    otherwise."""
+REUSE_FLAGS = {"trl": "--trl-from", "r1flow": "--r1flow-from"}
+
+
+def reused_run(path: Path, plan: Plan, side: str) -> dict:
+    """An earlier run's raw results (its learning.json, or the run directory holding it), if that run trained `side`
+    ("trl" or "r1flow") on the same plan, the other side's own settings (`--r1flow-set` when TRL is reused,
+    `--trl-set` when r1flow is) aside, for at least as many seeds: SystemExit naming the first difference otherwise.
+    One side's change at a time is then measured against the very same runs of the other side."""
+    flag, name = REUSE_FLAGS[side], {"trl": "TRL"}.get(side, side)
     raw_file = path / "learning.json" if path.is_dir() else path
     if not raw_file.is_file():
-        raise SystemExit(f"--trl-from {path}: no learning.json there")
+        raise SystemExit(f"{flag} {path}: no learning.json there")
     raw = json.loads(raw_file.read_text())
-    if "trl" not in raw.get("runs", {}):
-        raise SystemExit(f"--trl-from {path}: that run has no TRL side")
-    if not isinstance(raw["runs"]["trl"], list):
-        raise SystemExit(f"--trl-from {path}: made by the one-seed version of learning.py (before --seeds); run TRL "
+    if side not in raw.get("runs", {}):
+        raise SystemExit(f"{flag} {path}: that run has no {name} side")
+    if not isinstance(raw["runs"][side], list):
+        raise SystemExit(f"{flag} {path}: made by the one-seed version of learning.py (before --seeds); run {name} "
                          "again")
-    if len(raw["runs"]["trl"]) < plan.seeds:
-        raise SystemExit(f"--trl-from {path}: it has {len(raw['runs']['trl'])} TRL seed(s), this run asks for "
+    if len(raw["runs"][side]) < plan.seeds:
+        raise SystemExit(f"{flag} {path}: it has {len(raw['runs'][side])} {name} seed(s), this run asks for "
                          f"{plan.seeds}")
-    if difference := plan_difference(raw["plan"], plan, ignore=("r1flow_extra", "seeds")):
-        raise SystemExit(f"--trl-from {path}: {difference}")
+    other_extra = "r1flow_extra" if side == "trl" else "trl_extra"
+    if difference := plan_difference(raw["plan"], plan, ignore=(other_extra, "seeds")):
+        raise SystemExit(f"{flag} {path}: {difference}")
     return raw
 
 

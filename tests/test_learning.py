@@ -207,18 +207,83 @@ def test_a_reused_trl_run_must_have_trained_on_the_same_plan(tmp_path):
            "evals": {}}
     (tmp_path / "learning.json").write_text(json.dumps(raw))
     tried = learning.Plan(r1flow_extra={"dynamic_sampling": True})  # r1flow-only settings may differ
-    assert learning.reuse_trl(tmp_path, tried)["runs"]["trl"][0]["steps"] == 3
-    assert learning.reuse_trl(tmp_path, learning.Plan(seeds=2))["runs"]["trl"][1]["steps"] == 4  # fewer seeds: fine
+    assert learning.reused_run(tmp_path, tried, "trl")["runs"]["trl"][0]["steps"] == 3
+    assert learning.reused_run(tmp_path, learning.Plan(seeds=2), "trl")["runs"]["trl"][1]["steps"] == 4  # fewer seeds: fine
     with pytest.raises(SystemExit, match="it has 3 TRL seed"):
-        learning.reuse_trl(tmp_path, learning.Plan(seeds=4))
+        learning.reused_run(tmp_path, learning.Plan(seeds=4), "trl")
     with pytest.raises(SystemExit, match="learning_rate was 0.0002, this run's is 0.001"):
-        learning.reuse_trl(tmp_path, learning.Plan(learning_rate=1e-3))
+        learning.reused_run(tmp_path, learning.Plan(learning_rate=1e-3), "trl")
     with pytest.raises(SystemExit, match="no learning.json"):
-        learning.reuse_trl(tmp_path / "nowhere", plan)
+        learning.reused_run(tmp_path / "nowhere", plan, "trl")
     raw["runs"]["trl"] = {"steps": 3}  # the one-seed version's layout
     (tmp_path / "learning.json").write_text(json.dumps(raw))
     with pytest.raises(SystemExit, match="one-seed version"):
-        learning.reuse_trl(tmp_path, plan)
+        learning.reused_run(tmp_path, plan, "trl")
+
+
+def test_a_reused_r1flow_run_may_differ_in_trl_only_settings(tmp_path):
+    """--r1flow-from: TRL's sensitivity rows train TRL only, against an earlier run's r1flow side of the same plan;
+    TRL-only settings may differ, r1flow-only ones may not (that would be another r1flow)."""
+    raw = {"plan": learning.dataclasses.asdict(learning.Plan()), "runs": {"r1flow": [{"steps": 9}]}, "evals": {}}
+    (tmp_path / "learning.json").write_text(json.dumps(raw))
+    tried = learning.Plan(seeds=1, trl_extra={"per_device_train_batch_size": 64})
+    assert learning.reused_run(tmp_path, tried, "r1flow")["runs"]["r1flow"][0]["steps"] == 9
+    with pytest.raises(SystemExit, match="--r1flow-from .*its r1flow_extra was {}, this run's is {'dynamic_sampling'"):
+        learning.reused_run(tmp_path, learning.Plan(seeds=1, r1flow_extra={"dynamic_sampling": True}), "r1flow")
+    with pytest.raises(SystemExit, match="--r1flow-from .*it has 1 r1flow seed"):
+        learning.reused_run(tmp_path, learning.Plan(seeds=2), "r1flow")
+    with pytest.raises(SystemExit, match="--trl-from .*that run has no TRL side"):
+        learning.reused_run(tmp_path, tried, "trl")
+
+
+def test_a_trl_sensitivity_row_trains_trl_only_and_does_not_pair_unequal_steps(tmp_path, monkeypatch):
+    """A first run trains both sides (TRL 3 steps, r1flow's equal-steps point at step 3); a second run with a TRL-only
+    setting and --r1flow-from the first trains TRL alone (4 steps now), reuses r1flow's models and evaluations,
+    compares the gains at equal wall-clock, and leaves out the equal-steps check (r1flow's point is at the other TRL
+    run's step 3), saying so."""
+    import argparse
+
+    trained = []
+
+    def fake_child(what, plan_file, work, log, allocator, quiet_wait=0.0, **extra):
+        if what == "prep":
+            Path(work).mkdir(parents=True)
+            return {"start_dir": str(tmp_path / "start")}
+        if what == "eval":
+            names = [j["name"] for j in json.loads(Path(extra["jobs"]).read_text())]
+            right = {n: {"start": 10, "trl_end_s0": 15}.get(n, 25) for n in names}  # of 40; r1flow's models 25
+            return {n: evaluation([1] * k + [0] * (40 - k), [0] * 40) for n, k in right.items()}
+        trained.append(what)
+        tuned = bool(json.loads(Path(plan_file).read_text())["trl_extra"])
+        steps = {"trl": 4 if tuned else 3, "r1flow": 5}[what]
+        snaps = learning.Snapshots([], Path(work) / "snapshots", extra.get("at_step"), bool(extra.get("every_step")))
+        for step in range(1, steps + 1):
+            snaps.after_step(type("M", (), {"save_pretrained": lambda self, p: Path(p).mkdir(parents=True)})(),
+                             step, 10.0 * step)
+        return {"steps": steps, "train_s": 10.0 * steps, "snapshots": snaps.saved, "final": str(work),
+                "final_kind": "adapter", "curve": [], "foreign_cpu": 0.0, "threads": 2}
+
+    monkeypatch.setattr(learning, "run_learning_child", fake_child)
+    monkeypatch.setattr(learning, "plot", lambda *a, **k: None)
+    args = argparse.Namespace(work_dir=str(tmp_path / "w"), allocator="tuned", quiet_wait=0.0, trl_from=None,
+                              r1flow_from=None, start_only=False, plot=None, json=None, markdown=None, resume=None)
+    first = learning.run_learning(learning.Plan(seeds=1), ["trl", "r1flow"], args)
+    assert trained == ["r1flow", "trl"] and first["summary"]["equal_steps"]["seeds"] == 1
+    run_dir = next((tmp_path / "w").glob("run-*"))
+    (run_dir / "learning.json").write_text(json.dumps(first))
+    assert learning.new_run_dir(tmp_path / "w") != run_dir  # a second run in the same second gets its own
+    trained.clear()
+    raw = learning.run_learning(learning.Plan(seeds=1, trl_extra={"per_device_train_batch_size": 64}),
+                                ["trl", "r1flow"], argparse.Namespace(**{**vars(args), "r1flow_from": str(run_dir)}))
+    assert trained == ["trl"]
+    assert raw["runs"]["r1flow"] == first["runs"]["r1flow"] and raw["runs"]["trl"][0]["steps"] == 4
+    assert raw["evals"]["r1flow_end_s0"] == first["evals"]["r1flow_end_s0"]
+    s = raw["summary"]
+    assert s["equal_time"]["diff"] == pytest.approx(0.25)  # r1flow +15 of 40, TRL +5 of 40
+    assert s["trl_only"] == {"per_device_train_batch_size": 64}
+    assert "equal_steps" not in s
+    assert s["equal_steps_unmatched"] == [{"seed": learning.SEED, "trl_steps": 4, "r1flow_step": 3}]
+    assert any("equal steps: not checked" in line and "step 3" in line for line in learning.verdict_lines(s))
 
 
 def test_the_parent_alternates_sides_and_settles_equal_steps(tmp_path, monkeypatch):
@@ -252,7 +317,7 @@ def test_the_parent_alternates_sides_and_settles_equal_steps(tmp_path, monkeypat
 
     monkeypatch.setattr(learning, "run_learning_child", fake_child)
     monkeypatch.setattr(learning, "plot", lambda *a, **k: None)
-    args = argparse.Namespace(work_dir=str(tmp_path / "w"), allocator="tuned", quiet_wait=0.0, trl_from=None,
+    args = argparse.Namespace(work_dir=str(tmp_path / "w"), allocator="tuned", quiet_wait=0.0, trl_from=None, r1flow_from=None,
                               start_only=False, plot=None, json=None, markdown=None, resume=None)
     raw = learning.run_learning(learning.Plan(seeds=2), ["trl", "r1flow"], args)
     assert [c for c in calls if c[0] in ("trl", "r1flow")] == [("r1flow", 0, None, 1), ("trl", 0, None, None),
@@ -298,7 +363,7 @@ def test_a_stopped_run_goes_on_with_the_sides_it_had_not_finished(tmp_path, monk
 
     monkeypatch.setattr(learning, "run_learning_child", fake_child)
     monkeypatch.setattr(learning, "plot", lambda *a, **k: None)
-    args = argparse.Namespace(work_dir=str(tmp_path / "w"), allocator="tuned", quiet_wait=0.0, trl_from=None,
+    args = argparse.Namespace(work_dir=str(tmp_path / "w"), allocator="tuned", quiet_wait=0.0, trl_from=None, r1flow_from=None,
                               start_only=False, plot=None, json=None, markdown=None, resume=None)
     stop_at = ("r1flow", 1)
     with pytest.raises(KeyboardInterrupt):
