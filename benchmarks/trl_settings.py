@@ -81,8 +81,10 @@ def main() -> None:
                                               quiet_wait=args.quiet_wait, prep=prep_file, seed=learning.SEED)
             row = {"settings": extra, **summarize(run), "foreign_cpu": run.get("foreign_cpu")}
         except SystemExit as e:
+            # the first line says how it ended ("the trl process failed (exit -9)": killed, on Linux most often for
+            # memory); the log's tail follows it
             lines = [ln for ln in str(e).splitlines() if ln.strip()]
-            row = {"settings": extra, "error": lines[-1] if lines else str(e)}
+            row = {"settings": extra, "error": lines[0] if lines else str(e)}
         row["wall_s"] = time.perf_counter() - t0
         results.append(row)
         print(json.dumps(row), flush=True)
