@@ -619,12 +619,13 @@ def summarize_learning(plan: Plan, evals: dict, runs: dict) -> dict:
     trl, r1 = both("trl", "end", "r1flow", "equal_steps")
     # an r1flow run reused (--r1flow-from) kept its equal-steps point at the earlier TRL run's step count: a pair only
     # where that point is this TRL run's step count
-    matched = [k for k in range(len(trl)) if equal_steps_at(runs["r1flow"][k]) == runs["trl"][k]["steps"]]
+    seed_ks = [int(name.rsplit("_s", 1)[1]) for name in trl]  # the seed index of each pair (eval_name)
+    matched = [i for i, k in enumerate(seed_ks) if equal_steps_at(runs["r1flow"][k]) == runs["trl"][k]["steps"]]
     if len(matched) < len(trl):
         out["equal_steps_unmatched"] = [{"seed": runs["trl"][k]["seed"], "trl_steps": runs["trl"][k]["steps"],
                                          "r1flow_step": equal_steps_at(runs["r1flow"][k])}
-                                        for k in range(len(trl)) if k not in matched]
-    trl, r1 = [trl[k] for k in matched], [r1[k] for k in matched]
+                                        for i, k in enumerate(seed_ks) if i not in matched]
+    trl, r1 = [trl[i] for i in matched], [r1[i] for i in matched]
     if trl:  # the correctness check: the same algorithm for the same steps should learn the same
         x = scores(evals, [*trl, *r1], TASK)
         diff, lo, hi = seed_prompt_diff(x[: len(trl)], x[len(trl):])
