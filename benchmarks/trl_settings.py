@@ -40,7 +40,7 @@ def parse_candidate(text: str) -> dict:
     return learning.parse_set([t for t in text.split(";") if t], "--set")
 
 
-def summarize(run: dict) -> dict:
+def step_timing(run: dict) -> dict:
     """Steps and mean seconds a step by phase over the steps after the first (the warm-up)."""
     phases = learning.phase_means([run]) or {}
     phases["timed_steps"] = phases.pop("steps", 0)
@@ -79,7 +79,7 @@ def main() -> None:
         try:
             run = learning.run_learning_child("trl", plan_file, work / f"c{i}", work / f"c{i}.log", args.allocator,
                                               quiet_wait=args.quiet_wait, prep=prep_file, seed=learning.SEED)
-            row = {"settings": extra, **summarize(run), "foreign_cpu": run.get("foreign_cpu")}
+            row = {"settings": extra, **step_timing(run), "foreign_cpu": run.get("foreign_cpu")}
         except SystemExit as e:
             # the first line says how it ended ("the trl process failed (exit -9)": killed, on Linux most often for
             # memory); the log's tail follows it

@@ -19,6 +19,6 @@ def test_the_summary_leaves_out_the_warm_up_step():
         {**step, "step_s": 50.0, "generation_s": 20.0, "training_s": 30.0},
         {**step, "step_s": 20.0, "generation_s": 8.0, "training_s": 12.0},
         {**step, "step_s": 20.0, "generation_s": 6.0, "training_s": 14.0}]}
-    s = trl_settings.summarize(run)
+    s = trl_settings.step_timing(run)
     assert s["first_step_s"] == 50.0 and s["steps"] == 3 and s["timed_steps"] == 2 and s["total"] == 20.0
     assert s["generation"] == 7.0 and s["training"] == 13.0
