@@ -201,6 +201,28 @@ def test_bad_settings_fail_before_any_compute(tmp_path):
     assert not any(tmp_path.iterdir())  # nothing made
 
 
+def fake_training(work, steps: int, extra: dict) -> dict:
+    """What a faked training child returns: `steps` steps of 10 s each, its snapshots saved as directories by
+    `learning.Snapshots` (the equal-steps point or every step, as the parent asked)."""
+    class Model:
+        def save_pretrained(self, path):
+            Path(path).mkdir(parents=True)
+
+    snaps = learning.Snapshots([], Path(work) / "snapshots", extra.get("at_step"), bool(extra.get("every_step")))
+    for step in range(1, steps + 1):
+        snaps.after_step(Model(), step, 10.0 * step)
+    return {"steps": steps, "train_s": 10.0 * steps, "snapshots": snaps.saved, "final": str(work),
+            "final_kind": "adapter", "curve": [], "foreign_cpu": 0.0, "threads": 2}
+
+
+def parent_args(tmp_path):
+    """run_learning's arguments as main() parses them with no flags, the work dir under tmp_path."""
+    import argparse
+
+    return argparse.Namespace(work_dir=str(tmp_path / "w"), allocator="tuned", quiet_wait=0.0, trl_from=None,
+                              r1flow_from=None, start_only=False, plot=None, json=None, markdown=None, resume=None)
+
+
 def test_a_reused_trl_run_must_have_trained_on_the_same_plan(tmp_path):
     plan = learning.Plan()
     raw = {"plan": learning.dataclasses.asdict(plan), "runs": {"trl": [{"steps": 3}, {"steps": 4}, {"steps": 2}]},
@@ -256,17 +278,11 @@ def test_a_trl_sensitivity_row_trains_trl_only_and_does_not_pair_unequal_steps(t
         trained.append(what)
         tuned = bool(json.loads(Path(plan_file).read_text())["trl_extra"])
         steps = {"trl": 4 if tuned else 3, "r1flow": 5}[what]
-        snaps = learning.Snapshots([], Path(work) / "snapshots", extra.get("at_step"), bool(extra.get("every_step")))
-        for step in range(1, steps + 1):
-            snaps.after_step(type("M", (), {"save_pretrained": lambda self, p: Path(p).mkdir(parents=True)})(),
-                             step, 10.0 * step)
-        return {"steps": steps, "train_s": 10.0 * steps, "snapshots": snaps.saved, "final": str(work),
-                "final_kind": "adapter", "curve": [], "foreign_cpu": 0.0, "threads": 2}
+        return fake_training(work, steps, extra)
 
     monkeypatch.setattr(learning, "run_learning_child", fake_child)
     monkeypatch.setattr(learning, "plot", lambda *a, **k: None)
-    args = argparse.Namespace(work_dir=str(tmp_path / "w"), allocator="tuned", quiet_wait=0.0, trl_from=None,
-                              r1flow_from=None, start_only=False, plot=None, json=None, markdown=None, resume=None)
+    args = parent_args(tmp_path)
     first = learning.run_learning(learning.Plan(seeds=1), ["trl", "r1flow"], args)
     assert trained == ["r1flow", "trl"] and first["summary"]["equal_steps"]["seeds"] == 1
     run_dir = next((tmp_path / "w").glob("run-*"))
@@ -290,14 +306,9 @@ def test_the_parent_alternates_sides_and_settles_equal_steps(tmp_path, monkeypat
     """run_learning with its children faked (no compute): seed 0 runs r1flow first, which saves every step since
     TRL's step count is not known yet, and keeps TRL's step 3 afterwards; seed 1 runs TRL first and r1flow saves
     step 3 only. Every seed's end and equal-steps models are evaluated, and the summary pairs them."""
-    import argparse
 
     calls = []
     right = {"start": 0, "trl_end": 8, "r1flow_end": 20, "r1flow_equal_steps": 8}
-
-    class Model:
-        def save_pretrained(self, path):
-            Path(path).mkdir(parents=True)
 
     def fake_child(what, plan_file, work, log, allocator, quiet_wait=0.0, **extra):
         calls.append((what, extra.get("seed"), extra.get("at_step"), extra.get("every_step")))
@@ -309,16 +320,11 @@ def test_the_parent_alternates_sides_and_settles_equal_steps(tmp_path, monkeypat
             ones = {n: right.get(n.rsplit("_s", 1)[0], 0) for n in names}  # "r1flow_end_s1" -> r1flow_end's
             return {n: evaluation([1] * k + [0] * (40 - k), [0] * 40) for n, k in ones.items()}
         steps = {"trl": 3, "r1flow": 5}[what]
-        snaps = learning.Snapshots([], Path(work) / "snapshots", extra.get("at_step"), bool(extra.get("every_step")))
-        for step in range(1, steps + 1):
-            snaps.after_step(Model(), step, 10.0 * step)
-        return {"steps": steps, "train_s": 10.0 * steps, "snapshots": snaps.saved, "final": str(work), "final_kind":
-                "adapter", "curve": [], "foreign_cpu": 0.0, "threads": 2}
+        return fake_training(work, steps, extra)
 
     monkeypatch.setattr(learning, "run_learning_child", fake_child)
     monkeypatch.setattr(learning, "plot", lambda *a, **k: None)
-    args = argparse.Namespace(work_dir=str(tmp_path / "w"), allocator="tuned", quiet_wait=0.0, trl_from=None, r1flow_from=None,
-                              start_only=False, plot=None, json=None, markdown=None, resume=None)
+    args = parent_args(tmp_path)
     raw = learning.run_learning(learning.Plan(seeds=2), ["trl", "r1flow"], args)
     assert [c for c in calls if c[0] in ("trl", "r1flow")] == [("r1flow", 0, None, 1), ("trl", 0, None, None),
                                                                ("trl", 1, None, None), ("r1flow", 1, 3, None)]
@@ -354,17 +360,11 @@ def test_a_stopped_run_goes_on_with_the_sides_it_had_not_finished(tmp_path, monk
             raise KeyboardInterrupt
         trained.append((what, extra.get("seed"), extra.get("at_step")))
         steps = {"trl": 3, "r1flow": 5}[what]
-        snaps = learning.Snapshots([], Path(work) / "snapshots", extra.get("at_step"), bool(extra.get("every_step")))
-        for step in range(1, steps + 1):
-            snaps.after_step(type("M", (), {"save_pretrained": lambda self, p: Path(p).mkdir(parents=True)})(),
-                             step, 10.0 * step)
-        return {"steps": steps, "train_s": 10.0 * steps, "snapshots": snaps.saved, "final": str(work),
-                "final_kind": "adapter", "curve": [], "foreign_cpu": 0.0, "threads": 2}
+        return fake_training(work, steps, extra)
 
     monkeypatch.setattr(learning, "run_learning_child", fake_child)
     monkeypatch.setattr(learning, "plot", lambda *a, **k: None)
-    args = argparse.Namespace(work_dir=str(tmp_path / "w"), allocator="tuned", quiet_wait=0.0, trl_from=None, r1flow_from=None,
-                              start_only=False, plot=None, json=None, markdown=None, resume=None)
+    args = parent_args(tmp_path)
     stop_at = ("r1flow", 1)
     with pytest.raises(KeyboardInterrupt):
         learning.run_learning(learning.Plan(seeds=2), ["trl", "r1flow"], args)
