@@ -42,7 +42,8 @@ allocator variables and offline flags for every child):
    so a sensitivity row trains only the side that changed, against the very same runs of the other.
 7. Each side of each seed, once trained, is kept in the run directory (`seed<k>/<side>.json`, written whole):
    `--resume RUN` goes on with a run that stopped (killed, or a session that ended) on the same plan, training only
-   the sides not kept, so three seeds need not fit one sitting; every model is evaluated at the end.
+   the sides not kept, so three seeds need not fit one sitting; every model is evaluated at the end. With a larger
+   `--seeds` it adds seeds to a finished run (e.g. a one-seed sensitivity row grown to three).
 8. A table (stdout and `--markdown`), one row a seed, the seconds a step by phase, the raw numbers (`--json`,
    default in the work dir) and a plot of held-out accuracy and training reward against wall-clock minutes for
    both sides (`--plot`).
@@ -867,8 +868,8 @@ def main() -> None:
                     help="reuse an earlier run's r1flow side when the plan is the same but for --trl-set: TRL's "
                     "sensitivity rows, each against the same r1flow runs")
     ap.add_argument("--resume", metavar="RUN",
-                    help="go on with a stopped run (its run directory): the same plan; the sides of the seeds it "
-                    "finished are kept, the others train, then every model is evaluated")
+                    help="go on with a stopped run (its run directory): the same plan, or more --seeds; the sides of "
+                    "the seeds it finished are kept, the others train, then every model is evaluated")
     ap.add_argument("--start-only", action="store_true",
                     help="make (or reuse) the start model, print its held-out accuracy and stop: to choose --task")
     ap.add_argument("--r1flow-set", action="append", default=[], metavar="KEY=VALUE",
@@ -1063,12 +1064,17 @@ def kept_side(run_dir: Path, seed_index: int, side: str) -> dict | None:
 
 
 def resumed_run_dir(path: Path, plan: Plan) -> Path:
-    """The run directory `--resume` names, if it was made with this very plan: SystemExit naming the first
-    difference (or what is missing) otherwise, before any compute."""
+    """The run directory `--resume` names, if it was made with this very plan but for more `--seeds` (a finished run
+    grows by the seeds it lacks): SystemExit naming the first difference (or what is missing) otherwise, before any
+    compute."""
     plan_file = path / "plan.json"
     if not plan_file.is_file():
         raise SystemExit(f"--resume {path}: no plan.json there (not a run directory of learning.py)")
-    if difference := plan_difference(json.loads(plan_file.read_text()), plan):
+    earlier = json.loads(plan_file.read_text())
+    if earlier.get("seeds", 1) > plan.seeds:
+        raise SystemExit(f"--resume {path}: it ran {earlier['seeds']} seeds, this run asks for {plan.seeds} (--seeds "
+                         f"{earlier['seeds']} or more)")
+    if difference := plan_difference(earlier, plan, ignore=("seeds",)):
         raise SystemExit(f"--resume {path}: {difference}")
     return path
 

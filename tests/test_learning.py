@@ -390,6 +390,16 @@ def test_a_stopped_run_goes_on_with_the_sides_it_had_not_finished(tmp_path, monk
     assert {f"{side}_end_s{k}" for side in ("trl", "r1flow") for k in (0, 1)} <= set(raw["evals"])
     assert raw["summary"]["equal_steps"]["seeds"] == 2
 
+    # a finished run grows by the seeds it lacks; it never shrinks
+    trained.clear()
+    raw = learning.run_learning(learning.Plan(seeds=3), ["trl", "r1flow"],
+                                argparse.Namespace(**{**vars(args), "resume": str(run_dir)}))
+    assert trained == [("r1flow", 2, None), ("trl", 2, None)]  # seed 2's order: r1flow first, as seed 0's
+    assert [r["steps"] for r in raw["runs"]["trl"]] == [3, 3, 3] and raw["summary"]["equal_steps"]["seeds"] == 3
+    assert json.loads((run_dir / "plan.json").read_text())["seeds"] == 3
+    with pytest.raises(SystemExit, match="it ran 3 seeds, this run asks for 2"):
+        learning.resumed_run_dir(run_dir, learning.Plan(seeds=2))
+
 
 def test_the_split_seed_keys_the_start_model_and_the_report_says_which_split(tmp_path):
     """Split 0 is the tuning split (its held-out prompts chose the task and the batch); the default reports on split

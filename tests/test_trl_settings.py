@@ -22,3 +22,17 @@ def test_the_summary_leaves_out_the_warm_up_step():
     s = trl_settings.step_timing(run)
     assert s["first_step_s"] == 50.0 and s["steps"] == 3 and s["timed_steps"] == 2 and s["total"] == 20.0
     assert s["generation"] == 7.0 and s["training"] == 13.0
+
+
+def test_an_r1flow_candidate_is_checked_against_r1flows_config_before_any_compute():
+    from pydantic import ValidationError
+
+    from benchmarks import learning
+
+    base = learning.Plan()
+    trl_settings.check_candidate("r1flow", {"precision": "bf16"}, base)  # a field, a valid value: no error
+    with pytest.raises(ValidationError, match="precison"):
+        trl_settings.check_candidate("r1flow", {"precison": "bf16"}, base)
+    with pytest.raises(ValidationError, match="precision"):
+        trl_settings.check_candidate("r1flow", {"precision": "bf17"}, base)
+    assert "precision=bf16" in trl_settings.CANDIDATES["r1flow"] and "" in trl_settings.CANDIDATES["r1flow"]
