@@ -59,8 +59,8 @@ bench: bench-setup
 	R1FLOW_BENCH_COMMAND='make bench ARGS="$(ARGS)"' $(BENCH_PY) benchmarks/suite.py $(ARGS)
 
 # Learning efficacy against TRL (benchmarks/learning.py): GRPO from one start model for the same steps and the same
-# wall-clock (10 minutes a side on a CPU, 3 training seeds a side: about 85 min), every model evaluated by r1flow's
-# eval stage; a table, intervals over seeds and prompts, and a plot.
+# wall-clock (10 minutes a side on a CPU, 3 training seeds a side: 1 h 15 min timed, + 6 min once for the start
+# model), every model evaluated by r1flow's eval stage; a table, intervals over seeds and prompts, and a plot.
 learn: bench-setup
 	R1FLOW_BENCH_COMMAND='make learn ARGS="$(ARGS)"' $(BENCH_PY) benchmarks/learning.py $(ARGS)
 
