@@ -1,6 +1,6 @@
 """Learning efficacy, r1flow vs TRL: how much better GRPO makes one model, at equal steps and at equal wall-clock.
 
-    make learn                                   # SmolLM2-135M, 10 minutes a side on the CPU, 3 seeds
+    make learn                                   # SmolLM2-135M, 10 minutes a side on the CPU, 3 seeds (1 h 15 min)
     make learn ARGS="--minutes 20"               # the RESULTS run: 20 minutes a side (~2 h 25 min)
     make learn ARGS="--minutes 5 --device cuda"  # a lent GPU
     make learn ARGS="--seeds 1"                  # one seed a side (intervals over prompts only)
@@ -36,8 +36,10 @@ allocator variables and offline flags for every child):
    TRL's at equal wall-clock, and their ratio with its interval, reported unbounded when TRL's gain interval
    reaches 0. The equal-steps check is two-sided: a difference beyond the noise either way says "investigate".
 6. `--trl-set KEY=VALUE` (TRL's GRPOConfig, TRL's side only) and `--r1flow-set` (r1flow's) make the sensitivity
-   rows: e.g. TRL with the whole step in one per-device batch, or bf16 on a CPU with AMX (given to both sides, since
-   it helps both: `--trl-set bf16=true --r1flow-set precision=bf16`); the report lists each side's own settings.
+   rows: e.g. TRL with the whole step in one per-device batch, or bf16 on a CPU with AMX (a setting that helps one
+   side is offered to both, `benchmarks/trl_settings.py --side r1flow`; on the RESULTS machine bf16 speeds TRL up
+   and slows r1flow down, so that row is `--trl-set bf16=true` against r1flow in fp32); the report lists each
+   side's own settings.
    `--r1flow-from RUN` (or `--trl-from RUN`) reuses an earlier run's trained and evaluated side of the same plan,
    so a sensitivity row trains only the side that changed, against the very same runs of the other.
 7. Each side of each seed, once trained, is kept in the run directory (`seed<k>/<side>.json`, written whole):
