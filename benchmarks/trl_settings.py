@@ -10,7 +10,7 @@ LoRA, group, tokens) for `--minutes`, in its own process under `suite.child_env`
 report is its steps and mean seconds a step by phase (steps after the first). No held-out prompt is scored: the
 choice sees no evaluation, so the held-out split stays unused by it. Candidates that change only how the step is
 computed (per-device batch, generation engine) do the same update; one that changes the numbers (bf16) is
-reported as such and, if used, goes to both sides (`--r1flow-set precision=bf16`).
+reported as such and offered to both sides: `--side r1flow` below tells whether it helps r1flow too.
 
 `--side r1flow` screens r1flow's side the same way (r1flow GRPOConfig fields, `learning.py`'s `--r1flow-set`):
 whether a setting that helps TRL (bf16) helps r1flow too, so that a sensitivity row gives each side its faster
@@ -79,7 +79,10 @@ def main() -> None:
     base = learning.Plan(split_seed=args.split_seed, minutes=args.minutes, seeds=1, curve_points=0)
     extras = [parse_candidate(c) for c in candidates]  # bad syntax or fields fail here, before any compute
     for extra in extras:
-        check_candidate(args.side, extra, base)
+        try:
+            check_candidate(args.side, extra, base)
+        except ValueError as e:  # pydantic's ValidationError names the field
+            ap.error(f"bad --set {json.dumps(extra)}: {e}")
     root = Path(args.work_dir)
     prep_file = root / f"start-{base.model}-{base.prep_key()}" / "prep.json"
     if not prep_file.is_file():
