@@ -607,22 +607,22 @@ def summarize_learning(plan: Plan, evals: dict, runs: dict) -> dict:
     out = {"rows": rows, "seeds": plan.seeds, "std": grpo_config(plan, 1, plan.minutes).std,
            "r1flow_only": dict(plan.r1flow_extra), "trl_only": dict(plan.trl_extra)}
 
-    def both(side_a: str, what_a: str, side_b: str, what_b: str) -> tuple[list[str], list[str]]:
+    def both(side_a: str, what_a: str, side_b: str, what_b: str) -> tuple[list[int], list[str], list[str]]:
+        """The seed indices evaluated on both sides, and their evaluations' names on each."""
         n = min(len(runs.get(side_a, [])), len(runs.get(side_b, [])))
         ks = [k for k in range(n) if eval_name(side_a, what_a, k) in evals and eval_name(side_b, what_b, k) in evals]
-        return [eval_name(side_a, what_a, k) for k in ks], [eval_name(side_b, what_b, k) for k in ks]
+        return ks, [eval_name(side_a, what_a, k) for k in ks], [eval_name(side_b, what_b, k) for k in ks]
 
-    trl, r1 = both("trl", "end", "r1flow", "end")
+    _, trl, r1 = both("trl", "end", "r1flow", "end")
     if trl:  # the headline: gains at equal wall-clock, seed k of one side paired with seed k of the other
         x = scores(evals, ["start", *trl, *r1], TASK)
         c = dataclasses.asdict(compare_gains(x[0], x[1:1 + len(trl)], x[1 + len(trl):]))
         c["seeds"] = len(trl)
         c["verdict"] = equal_time_verdict(c)
         out["equal_time"] = c
-    trl, r1 = both("trl", "end", "r1flow", "equal_steps")
+    seed_ks, trl, r1 = both("trl", "end", "r1flow", "equal_steps")
     # an r1flow run reused (--r1flow-from) kept its equal-steps point at the earlier TRL run's step count: a pair only
     # where that point is this TRL run's step count
-    seed_ks = [int(name.rsplit("_s", 1)[1]) for name in trl]  # the seed index of each pair (eval_name)
     matched = [i for i, k in enumerate(seed_ks) if equal_steps_at(runs["r1flow"][k]) == runs["trl"][k]["steps"]]
     if len(matched) < len(trl):
         out["equal_steps_unmatched"] = [{"seed": runs["trl"][k]["seed"], "trl_steps": runs["trl"][k]["steps"],
@@ -633,7 +633,7 @@ def summarize_learning(plan: Plan, evals: dict, runs: dict) -> dict:
         x = scores(evals, [*trl, *r1], TASK)
         diff, lo, hi = seed_prompt_diff(x[: len(trl)], x[len(trl):])
         out["equal_steps"] = {"diff": diff, "ci": [lo, hi], "seeds": len(trl), "verdict": two_sided(lo, hi)}
-    grpo, ppo = both("r1flow", "end", "r1flow_ppo", "end")
+    _, grpo, ppo = both("r1flow", "end", "r1flow_ppo", "end")
     if grpo:
         x = scores(evals, [*grpo, *ppo], TASK)
         diff, lo, hi = seed_prompt_diff(x[: len(grpo)], x[len(grpo):])
