@@ -13,7 +13,14 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from schemas.rl_configs import DEFAULT_EPSILON_LOW, GRPOConfig, PPOConfig, RLConfig
+from schemas.rl_configs import (
+    ASYNC_POLICY_LOSSES,
+    DEFAULT_EPSILON_LOW,
+    AsyncConfig,
+    GRPOConfig,
+    PPOConfig,
+    RLConfig,
+)
 from schemas.specs import (
     EnvironmentSpec,
     GenerationSpec,
@@ -30,7 +37,7 @@ from schemas.specs import (
 )
 
 __all__ = [
-    "DEFAULT_EPSILON_LOW", "EnvironmentSpec", "GRPOConfig", "PPOConfig", "RLConfig", "GenerationSpec", "LoraSpec", "MemoryOptions",
+    "ASYNC_POLICY_LOSSES", "AsyncConfig", "DEFAULT_EPSILON_LOW", "EnvironmentSpec", "GRPOConfig", "PPOConfig", "RLConfig", "GenerationSpec", "LoraSpec", "MemoryOptions",
     "Precision", "ResourcesSpec", "RewardSpec", "SandboxLimits", "StepDelimiter", "Strict", "TrainingConfig",
 ]
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import warnings
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from schemas.specs import (
     EnvironmentSpec,
@@ -18,12 +18,17 @@ from schemas.specs import (
     ResourcesSpec,
     RewardSpec,
     StepDelimiter,
+    Strict,
     environment_field,
 )
 
 # The clip range below 1 each policy loss uses when epsilon_low is unset: PPO's 0.2 for the ratio-clipping
 # kinds; none for CISPO, whose paper (MiniMax-M1) bounds the importance weight from above only.
 DEFAULT_EPSILON_LOW: dict[str, float | None] = {"token": 0.2, "gspo": 0.2, "cispo": None}
+
+# The policy losses the decoupled off-policy objective composes with (`stages.math.offpolicy`): a per-token weight
+# times a per-token loss. gspo's ratio is one per sequence; a per-token weight inside it is neither GSPO nor AReaL.
+ASYNC_POLICY_LOSSES: tuple[str, ...] = ("token", "cispo")
 
 
 def _renamed(data: Any, stage: str, renamed: dict[str, str]) -> Any:
@@ -44,6 +49,24 @@ def _renamed(data: Any, stage: str, renamed: dict[str, str]) -> Any:
                       "recipe or profile", FutureWarning, stacklevel=2)
         data[new] = value
     return data
+
+
+class AsyncConfig(Strict):
+    """Asynchronous RL (generate while training, AReaL-style bounded staleness): rollout workers sample groups with
+    the policy version they hold while the learner trains; the learner consumes a group at most `max_staleness`
+    versions old, with the decoupled PPO objective (`stages.math.offpolicy`). The default is the synchronous loop,
+    and a config's dump (and so its cache key) leaves the block out while it is the default."""
+
+    max_staleness: int = Field(0, ge=0, description="K: how many policy versions older than the learner's a consumed "
+                               "group may be. 0: the synchronous loop (sample, then train; as before). K >= 1 is not "
+                               "implemented yet: the plan refuses it.")
+    rollout_workers: int = Field(1, ge=1, description="Processes (or Ray actors) generating groups beside the learner "
+                                 "when max_staleness >= 1.")
+    importance_cap: float = Field(2.0, gt=1, description="C: each token's loss is weighted by min(pi_prox / mu, C), "
+                                  "pi_prox the learner's policy when the group is consumed, mu the policy that sampled "
+                                  "it (AReaL's truncated importance weight; 1 when K = 0).")
+    sync_timeout_s: float = Field(300.0, gt=0, description="Seconds a weight sync or a rollout worker may stay silent "
+                                  "before the stage fails, naming the worker, its node and the policy version.")
 
 
 class RLConfig(MemoryOptions):
@@ -84,6 +107,12 @@ class RLConfig(MemoryOptions):
         "afresh); the number of steps done, and so the output, then depends on the machine's speed.")
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec, description="Processes to train on; each takes "
                                      "prompts_per_step / num_processes prompts per step.")
+    # `async` is a Python keyword: the attribute is async_, the name in recipes, --set, dumps and the UI is `async`
+    async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async", exclude_if=lambda v: v == AsyncConfig(),
+                                description="Asynchronous RL: generate while training, with bounded staleness "
+                                "(max_staleness 0, the default: the synchronous loop).")
+
+    model_config = ConfigDict(validate_by_alias=True, validate_by_name=True, serialize_by_alias=True)
 
 
 class GRPOConfig(RLConfig):

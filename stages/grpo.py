@@ -81,13 +81,15 @@ OUTPUTS = {"model": "model"}
 cache_salt = env_rollouts.rl_environment_salt  # a user file's sha256, a built-in's version, "" for single_turn
 
 
-def check(cfg: GRPOConfig) -> None:
+def check(cfg: GRPOConfig, node: str = "grpo") -> None:
+    """Plan-time refusals, before any compute; `node`: the recipe node's name, for the `--set` an error names."""
     if cfg.ref_refresh_every and cfg.lora.r > 0:
         raise ConfigError("grpo.ref_refresh_every: needs full fine-tuning (lora.r=0); with LoRA the reference "
                           "is the base model with the adapter disabled")
     if cfg.generation.temperature == 0:
         raise ConfigError("grpo.generation.temperature: must be > 0 (a group of identical greedy samples has no signal)")
     env_rollouts.check_environment("grpo", cfg, [("process_coef > 0 (step rewards)", cfg.process_coef > 0)])
+    rl_loop.check_async(node, cfg)
 
 
 # ---------------------------------------------------------------------------- session

@@ -75,7 +75,8 @@ OUTPUTS = {"model": "model"}
 cache_salt = env_rollouts.rl_environment_salt  # a user file's sha256, a built-in's version, "" for single_turn
 
 
-def check(cfg: PPOConfig) -> None:
+def check(cfg: PPOConfig, node: str = "ppo") -> None:
+    """Plan-time refusals, before any compute; `node`: the recipe node's name, for the `--set` an error names."""
     if cfg.generation.temperature == 0:
         raise ConfigError("ppo.generation.temperature: must be > 0 (greedy rollouts explore nothing, and the ratio "
                           "and KL are computed for the policy's own distribution)")
@@ -83,6 +84,7 @@ def check(cfg: PPOConfig) -> None:
         raise ConfigError(f"ppo.critic_warmup_steps: {cfg.critic_warmup_steps} of {cfg.steps} steps would never train "
                           "the policy; use fewer warmup steps or more steps")
     env_rollouts.check_environment("ppo", cfg)
+    rl_loop.check_async(node, cfg)
 
 
 # ---------------------------------------------------------------------------- tensors

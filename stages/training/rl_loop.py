@@ -20,7 +20,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from schemas.configs import GenerationSpec
+from schemas.configs import ASYNC_POLICY_LOSSES, GenerationSpec
+from schemas.errors import ConfigError
 from stages.base import Input, Output, StageContext
 from stages.rewards.verifiers import score
 from stages.runtime import distributed, threads
@@ -29,6 +30,22 @@ from stages.training.loop import policy_output, save_policy
 
 if TYPE_CHECKING:
     from schemas.configs import RLConfig
+
+
+def check_async(node: str, cfg: RLConfig) -> None:
+    """Plan-time refusals of the `async` block (the stages' `check`; `StepLoop` asks again): a policy loss the
+    per-token off-policy weight does not compose with, and, until the loop exists, any max_staleness >= 1 (a run
+    asked to overlap generation and training must not silently alternate them). `node`: the recipe node's name
+    (the stage's where none is known), for the `--set` an error names."""
+    k = cfg.async_.max_staleness
+    loss = getattr(cfg, "policy_loss", "token")  # ppo's surrogate is the token one
+    if k and loss not in ASYNC_POLICY_LOSSES:
+        raise ConfigError(f"{node}.policy_loss: {loss} does not go with async.max_staleness={k} (the off-policy "
+                          f"weight is per token, {loss}'s ratio per sequence); use --set {node}.policy_loss="
+                          f"{' or '.join(ASYNC_POLICY_LOSSES)}, or --set {node}.async.max_staleness=0")
+    if k:
+        raise ConfigError(f"{node}.async.max_staleness: {k} asks for asynchronous RL, which is not implemented yet; "
+                          f"use --set {node}.async.max_staleness=0 (the synchronous loop)")
 
 
 def eval_due(cfg: RLConfig, held_out: list[dict], done: int) -> bool:
@@ -69,6 +86,7 @@ class StepLoop:
 
     def __init__(self, stage: str, cfg: RLConfig, ctx: StageContext, dist: distributed.Dist, state: dict,
                  module: torch.nn.Module, optimizer: torch.optim.Optimizer, held_out: list[dict]) -> None:
+        check_async(stage, cfg)
         self.stage, self.cfg, self.ctx, self.dist = stage, cfg, ctx, dist
         self.module, self.optimizer, self.held_out = module, optimizer, held_out
         self.start: int = state["step"]
