@@ -122,6 +122,8 @@ def cmd_down(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    """Exit code 1 when something a user relies on is missing: no servers, one of the two dead, or a scheduled
+    deployment that nothing polls (its runs would go Late)."""
     from flows import servers
     from flows.placement import cluster_address
 
@@ -134,11 +136,92 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"r1flow: no servers running for {home} (start them with `r1flow up`)")
         return 0 if address else 1  # the cluster was what was asked for
     _print_servers(info)
-    for s in servers.dead(info):
-        print(f"warning: the {s.name} server (pid {s.pid}) is not running; see {s.log}")
+    gone = servers.broken(info)
+    for s in gone:
+        print(f"warning: the {s.name} server (pid {s.pid}, {s.url}) is not running; see {s.log}; "
+              f"`R1FLOW_HOME={home} r1flow up` starts both afresh")
     for r in info.runners:
         print(f"runner pid {r['pid']} ({r.get('name', 'runner')}, registered {r.get('registered_at', '?')})")
-    return 0
+    unserved = [] if info.prefect in gone else unserved_schedules(info.prefect_api_url, _started(info.started_at))
+    for line in unserved:
+        print(f"warning: {line}")
+    return 1 if gone or unserved else 0
+
+
+# Prefect's own thresholds: a worker or `serve` runner asks for its deployments' runs every 10 s
+# (PREFECT_WORKER_QUERY_SECONDS, PREFECT_RUNNER_POLL_FREQUENCY), and the server calls a deployment not ready when
+# nothing has asked for 60 s (PREFECT_API_SERVICES_FOREMAN_DEPLOYMENT_LAST_POLLED_TIMEOUT_SECONDS).
+POLLED_WITHIN_S = 60
+RECONNECT_GRACE_S = 30  # after a server (re)start: three polls' time for workers that outlived it to ask again
+
+
+def _started(text: str):
+    from datetime import datetime
+
+    try:
+        return datetime.fromisoformat(text)
+    except (TypeError, ValueError):
+        return None
+
+
+def _prefect_post(api_url: str, path: str, body: dict) -> list[dict]:
+    import json
+    import urllib.request
+
+    req = urllib.request.Request(f"{api_url.rstrip('/')}/{path}", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return json.load(r)
+
+
+def _schedule_text(schedules: list[dict]) -> str:
+    texts = []
+    for s in schedules:
+        spec = s.get("schedule") or {}
+        texts.append(f"cron {spec['cron']}" if "cron" in spec else f"every {spec['interval']:g} s"
+                     if "interval" in spec else "rrule")
+    return ", ".join(texts)
+
+
+def unserved_schedules(api_url: str, server_started=None) -> list[str]:
+    """A line for each deployment with an active schedule that no worker or `r1flow serve` runner has asked for runs
+    within POLLED_WITHIN_S (nor since the server started): Prefect will mark its runs Late. Within RECONNECT_GRACE_S
+    of the server's start this waits out the grace first (a worker that outlived a restart asks again by then).
+    Plain HTTP, not Prefect's client: `r1flow status` stays quick."""
+    import time
+    from datetime import UTC, datetime
+
+    if server_started is not None:
+        wait = RECONNECT_GRACE_S - (datetime.now(UTC) - server_started).total_seconds()
+        if wait > 0:
+            print(f"r1flow: the Prefect server started {RECONNECT_GRACE_S - wait:.0f} s ago; waiting {wait:.0f} s "
+                  "for workers to poll it", flush=True)
+            time.sleep(wait)
+    try:
+        deployments = _prefect_post(api_url, "deployments/filter", {})
+        scheduled = [d for d in deployments if not d.get("paused") and any(s.get("active") for s in d["schedules"])]
+        flows = {f["id"]: f["name"] for f in _prefect_post(api_url, "flows/filter", {
+            "flows": {"id": {"any_": sorted({d["flow_id"] for d in scheduled})}}})} if scheduled else {}
+    except (OSError, ValueError, KeyError) as e:
+        return [f"could not list the deployments on {api_url}: {type(e).__name__}: {e}"]
+    now = datetime.now(UTC)
+    lines = []
+    for d in scheduled:
+        polled = _started(d.get("last_polled") or "")
+        if polled is not None and (now - polled).total_seconds() <= POLLED_WITHIN_S and (
+                server_started is None or polled >= server_started):
+            continue
+        name = f"{flows.get(d['flow_id'], '?')}/{d['name']}"
+        when = "never" if polled is None else f"last at {polled:%Y-%m-%d %H:%M:%S} UTC"
+        what = _schedule_text([s for s in d["schedules"] if s.get("active")])
+        pool = d.get("work_pool_name")
+        if pool:
+            lines.append(f"deployment {name} is scheduled ({what}) but no worker polls its work pool {pool!r} (polled "
+                         f"{when}): its runs will go Late; start one with `r1flow worker --pool {pool}`")
+        else:
+            lines.append(f"deployment {name} is scheduled ({what}) but the `r1flow serve` that served it is gone "
+                         f"(polled {when}): its runs will go Late; start `r1flow serve` again")
+    return lines
 
 
 def _print_cluster(address: str) -> None:
@@ -321,7 +404,8 @@ def add_server_commands(sub) -> None:
     ui.set_defaults(func=cmd_ui)
     sub.add_parser("down", help="stop registered runners, then the servers started by `r1flow up`"
                    ).set_defaults(func=cmd_down)
-    status = sub.add_parser("status", help="show the servers started by `r1flow up` (exit code 1 if none), and the Ray "
-                            "cluster's nodes and resources when one is configured")
+    status = sub.add_parser("status", help="show the servers started by `r1flow up` and the Ray cluster's nodes and "
+                            "resources when one is configured; exit code 1 if no server runs, one of them is dead, or "
+                            "a scheduled deployment has no worker (its runs would go Late)")
     status.add_argument("--cluster", metavar="ADDRESS", help="a Ray cluster to show (default: RAY_ADDRESS when set)")
     status.set_defaults(func=cmd_status)
