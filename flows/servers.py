@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
+from flows.prefect_server import CORS_ORIGINS_ENV, own_origins
 from flows.processes import (
     STOP_GRACE_S,
     console_script,
@@ -279,6 +280,10 @@ def _with_host(cmd: list[str], host: str) -> list[str]:
 
 def _prefect_env(home: Path, port: int, host: str = HOST, advertise: str = HOST) -> dict[str, str]:
     api = f"{_url(advertise, port)}/api"
+    # names a browser may use besides IP literals and localhost (flows/prefect_server.py): the advertised one,
+    # the hostname for a wildcard bind, and any the user exported
+    names = list(dict.fromkeys([advertise] + ([socket.gethostname()] if host in WILDCARDS else [])
+                               + [n for n in os.environ.get("R1FLOW_PREFECT_ALLOWED_HOSTS", "").split(",") if n.strip()]))
     return {
         "PREFECT_HOME": str(home / "prefect-server"),
         "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{servers_dir(home) / 'prefect.db'}",
@@ -289,11 +294,9 @@ def _prefect_env(home: Path, port: int, host: str = HOST, advertise: str = HOST)
         # (another server) would be served to it
         "PREFECT_UI_API_URL": api,
         "PREFECT_API_URL": api,
-        # names a browser may use besides IP literals and localhost (flows/prefect_server.py): the advertised one,
-        # the hostname for a wildcard bind, and any the user exported
-        "R1FLOW_PREFECT_ALLOWED_HOSTS": ",".join(dict.fromkeys(
-            [advertise] + ([socket.gethostname()] if host in WILDCARDS else [])
-            + [n for n in os.environ.get("R1FLOW_PREFECT_ALLOWED_HOSTS", "").split(",") if n.strip()])),
+        "R1FLOW_PREFECT_ALLOWED_HOSTS": ",".join(names),
+        # the web origins allowed to call the API from a browser: the UI's own, not Prefect's default `*`
+        CORS_ORIGINS_ENV: ",".join(own_origins(port, {n.strip().lower() for n in names})),
     }
 
 

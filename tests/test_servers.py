@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import urllib.error
 import urllib.request
 import uuid
 from pathlib import Path
@@ -220,6 +221,58 @@ def test_prefect_host_guard_accepts_ip_literals_localhost_and_the_advertised_nam
         assert not host_allowed(bad, names), bad
 
 
+def test_prefect_origin_guard_accepts_only_the_servers_own_pages():
+    from flows.prefect_server import origin_allowed, own_origins
+
+    origins = frozenset(own_origins(4200, {"head"}))
+    assert origins == {"http://127.0.0.1:4200", "http://localhost:4200", "http://[::1]:4200", "http://head:4200"}
+    for ok, host in (("http://127.0.0.1:4200", "127.0.0.1:4200"), ("http://localhost:4200", "127.0.0.1:4200"),
+                     ("http://10.0.0.5:4200", "10.0.0.5:4200"), ("http://head:4200/", "127.0.0.1:4200")):
+        assert origin_allowed(ok, host, origins), (ok, host)
+    for bad, host in (("http://evil.example", "127.0.0.1:4200"), ("null", "127.0.0.1:4200"),
+                      ("http://127.0.0.1:4201", "127.0.0.1:4200"), ("http://10.0.0.5:4200", "127.0.0.1:4200"),
+                      ("file://127.0.0.1:4200", "127.0.0.1:4200"), ("http://localhost:8080", "localhost:4200")):
+        assert not origin_allowed(bad, host, origins), (bad, host)
+
+
+def cross_site_post(port: int, origin: str, name: str) -> tuple[int, str | None]:
+    """The issue's request: `curl -H 'Origin: ORIGIN' -H 'Content-Type: application/json' -d '{"name": NAME, ...}'
+    http://127.0.0.1:PORT/api/variables/`, as a page of ORIGIN makes a browser send it (correct Host). Returns the
+    status and the access-control-allow-origin header."""
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.request("POST", "/api/variables/", body=json.dumps({"name": name, "value": "y"}),
+                     headers={"Origin": origin, "Content-Type": "application/json"})
+        response = conn.getresponse()
+        return response.status, response.getheader("access-control-allow-origin")
+    finally:
+        conn.close()
+
+
+def assert_only_own_origins_write(port: int) -> None:
+    """Issue 59 item 10: a foreign page's JSON POST was 201 Created with `access-control-allow-origin: *`. It is
+    refused and nothing is written; the UI's own origins (127.0.0.1 and localhost on the port) still write."""
+    for foreign in ("http://evil.example", "null", f"http://127.0.0.1:{port + 1}"):
+        name = f"foreign-{uuid.uuid4().hex[:8]}"
+        status, allow = cross_site_post(port, foreign, name)
+        assert status == 403 and allow is None, (foreign, status, allow)
+        assert _status(f"http://127.0.0.1:{port}/api/variables/name/{name}") == 404, foreign  # not written
+    for own in (f"http://127.0.0.1:{port}", f"http://localhost:{port}"):
+        name = f"own-{uuid.uuid4().hex[:8]}"
+        status, allow = cross_site_post(port, own, name)
+        assert status == 201 and allow in (None, own), (own, status, allow)
+        assert _status(f"http://127.0.0.1:{port}/api/variables/name/{name}") == 200, own
+
+
+def _status(url: str) -> int:
+    try:
+        return _get(url)[0]
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
 _TEMPORARY = textwrap.dedent("""
     import sys
     from flows.settings import make_home, prepare_environment, start_temporary_prefect
@@ -254,6 +307,7 @@ def test_the_temporary_prefect_server_refuses_a_foreign_host_header(tmp_path):
         assert status_with_host(port, "/api/flows/filter", "rebind.example") == 403
         for ok in (f"127.0.0.1:{port}", f"localhost:{port}"):
             assert status_with_host(port, "/api/health", ok) == 200, ok
+        assert_only_own_origins_write(port)
     finally:
         proc.stdin.close()
         try:
@@ -314,6 +368,7 @@ def test_cli_up_detach_then_down_stops_runner_first(tmp_path):
     assert f"export PREFECT_API_URL={info.prefect_api_url} MLFLOW_TRACKING_URI={info.mlflow_tracking_uri}" in up.stdout
     assert info.prefect.url in up.stdout and info.mlflow.url in up.stdout
     print(f"start-up via CLI: prefect {info.prefect.startup_s} s, mlflow {info.mlflow.startup_s} s")
+    assert_only_own_origins_write(info.prefect.port)
     server_pids = {pid for s in (info.prefect, info.mlflow) for pid in _group_members(s.pgid)}
     assert {info.prefect.pid, info.mlflow.pid} <= server_pids  # plus mlflow's uvicorn child
 
