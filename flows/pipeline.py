@@ -15,12 +15,16 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
+from uuid import UUID
 
 from prefect import flow, get_run_logger, task
+from prefect.client.schemas.objects import TaskRunResult
 from prefect.context import get_run_context
+from prefect.task_engine import run_task
+from prefect.utilities.annotations import quote
 
 from flows import lease, placement
 from flows.cache import cache_key, config_hash
@@ -214,17 +218,25 @@ def stage_task(node: str, stage: str, config: dict[str, Any], inputs: dict[str, 
 
 def submit_node(node: str, stage: str, config: dict[str, Any], inputs: dict[str, str], seed: int, key: str, *,
                 record: CacheRecord | None, force: bool, parent_run_id: str, s: Settings, experiment: str,
-                submit: Callable[[Any, dict[str, Any]], Any] | None = None):
+                upstream: Collection[UUID] = (), submit: Callable[[Any, dict[str, Any], dict], Any] | None = None):
     """Hand one node's stage task to Prefect: the one submit path of pipeline nodes (run_plan) and single-stage runs
     (flows/deploy.py, run_single_stage). `record`: the store's verified record of `key` (None: not cached, or forced), so
-    Prefect's cache of the key is refreshed unless the store holds it. Called now (submit None: its final state) or
-    handed to `submit(task, parameters)` (a task runner's future)."""
+    Prefect's cache of the key is refreshed unless the store holds it. `upstream`: the task runs of this flow run that
+    made the node's inputs, recorded as its `inputs` parameter's task inputs (the edges of Prefect's run graph: `inputs`
+    holds fingerprints, which Prefect cannot trace to the runs that made them). Called now (submit None: its final
+    state) or handed to `submit(task, parameters, dependencies)` (a task runner's future)."""
     task_ = stage_task.with_options(refresh_cache=record is None)
     params = dict(node=node, stage=stage, config=config, inputs=inputs, seed=seed, key=key, parent_run_id=parent_run_id,
                   settings=s.to_dict(), experiment=experiment, refresh=force)
+    dependencies = {"inputs": {TaskRunResult(id=run_id) for run_id in upstream}}
     if submit is None:
-        return task_(**params, return_state=True)
-    return submit(task_, params)
+        # In this process Prefect would look every value inside the parameters up among this flow run's task results by
+        # id(), and a shared object (the empty string of sft's result and of eval_base's config) draws a false edge
+        # (sft -> eval_base). quote() skips that look-up; the task gets the values unwrapped. A task runner's task
+        # starts in a context of its own, with no results to confuse, and pickles its parameters (quote does not).
+        quoted = {k: quote(v) for k, v in params.items()}
+        return run_task(task_, parameters=quoted, return_type="state", dependencies=dependencies)
+    return submit(task_, params, dependencies)
 
 
 def node_outcome(state, out: dict[str, Any], record: CacheRecord | None, tracker: Tracker, parent_run_id: str,
@@ -370,6 +382,7 @@ class _NodeRunner:
         self.experiment, self.flow_run_id, self.execution = experiment, flow_run_id, execution
         self.selected, self.needed, self.forced = selected, needed, forced
         self.upstream: dict[str, dict[str, str]] = {}
+        self.states: dict[str, Any] = {}  # each finished node's final task state: its task run is its dependants' edge
         self.results: dict[str, StageResult] = {}
         self.progress = NodeProgress(sum(n.name in needed for n in plan.nodes))
 
@@ -407,9 +420,10 @@ class _NodeRunner:
         record = None if forced else self.store.lookup(key)  # verified: every output file re-hashed
         if record is None:  # it computes (a cached node gets its end line only)
             self.progress.start(node.name, node.stage)
+        upstream = {self.states[up].state_details.task_run_id for up, _ in node.inputs.values() if up in self.states}
         handle = submit_node(node.name, node.stage, node.config_dict, inputs, node.seed, key, record=record,
                              force=forced, parent_run_id=self.parent, s=self.s, experiment=self.experiment,
-                             submit=None if submit is None else functools.partial(submit, node))
+                             upstream=upstream, submit=None if submit is None else functools.partial(submit, node))
         return handle, key, record, t0
 
     def _finish(self, node, key: str, record: CacheRecord | None, t0: float, state, out: dict[str, Any]) -> None:
@@ -417,7 +431,7 @@ class _NodeRunner:
         out, cached, run_id = node_outcome(state, out, record, self.tracker, self.parent, self.flow_run_id,
                                            node=node.name, stage=node.stage, key=key, config=node.config_dict,
                                            seed=node.seed)
-        self.upstream[node.name] = out["outputs"]
+        self.upstream[node.name], self.states[node.name] = out["outputs"], state
         self.results[node.name] = StageResult(
             node.name, node.stage, "cached" if cached else "run", seconds, state.name, out["outputs"], out["metrics"],
             run_id, out.get("started_at"), out.get("ended_at"), out.get("host", ""), out.get("ray_node_id", ""))
@@ -435,19 +449,20 @@ class _NodeRunner:
         waiting = [n for n in self.plan.nodes if n.name in self.needed]
         deps = {n.name: {up for up, _ in n.inputs.values()} for n in waiting}
 
-        def submit(node, task_, params):
+        def submit(node, task_, params, dependencies):
             options = placement.ray_options(node.resources, node.config, self.execution)
             if options:
                 from prefect_ray.context import remote_options
 
                 with remote_options(**options):
-                    future = runner.submit(task_, params)
+                    future = runner.submit(task_, params, dependencies=dependencies)
             else:
-                future = runner.submit(task_, params)
+                future = runner.submit(task_, params, dependencies=dependencies)
             future.add_done_callback(lambda _f, name=node.name: done.put(name))
             return future
 
         with _children_share_this_api(), runner:
+            placement.check_placeable(self.execution, waiting, _run_logger())  # before any task is submitted
             while waiting or running:
                 for node in list(waiting):
                     failed_up = sorted(deps[node.name] & (set(errors) | blocked))

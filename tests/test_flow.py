@@ -116,6 +116,37 @@ def test_second_run_is_fully_cached(home, caplog):
     assert client.list_artifacts(result["parent_run_id"], "report")
 
 
+def run_graph(flow_run_id: str) -> dict[str, dict[str, set[str]]]:
+    """What Prefect's run graph draws for a flow run (`/flow_runs/<id>/graph-v2`, the UI's source): each task run's
+    upstream task runs, by name; and the task runs' recorded `task_inputs`, by parameter, as names."""
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        graph = client.request("GET", f"/flow_runs/{flow_run_id}/graph-v2").json()
+        task_runs = client.request("POST", "/task_runs/filter",
+                                   json={"flow_runs": {"id": {"any_": [flow_run_id]}}}).json()
+    names = {node_id: node["label"] for node_id, node in graph["nodes"]}
+    drawn = {node["label"]: {names[p["id"]] for p in node["parents"]} for _, node in graph["nodes"]}
+    recorded = {r["name"]: {k: {names[i["id"]] for i in v} for k, v in r["task_inputs"].items() if v}
+                for r in task_runs}
+    return {"drawn": drawn, "recorded": recorded}
+
+
+@pytest.mark.parametrize("parallel", [[], ["--parallel", "2"]], ids=["in-order", "parallel"])
+def test_the_run_graph_is_the_recipes_dag(home, parallel):
+    """Issue 59 item 6: Prefect's run graph of a sft-eval run is the recipe's DAG: each stage's task run records
+    its upstream nodes' task runs under its `inputs` parameter, and nothing else (before, nothing was recorded
+    but a false edge: Prefect links a task's result to its run by id(), and a later task's config dict reused
+    the address of sft's freed result, so eval_base drew sft -> eval_base under `config`). In order and with
+    --parallel (a task runner), cached or not."""
+    result = run(home, *parallel)
+    graph = run_graph(result["flow_run_id"])
+    dag = {"base": set(), "prompts": set(), "sft": {"base", "prompts"}, "eval_base": {"base", "prompts"},
+           "eval_sft": {"sft", "prompts"}}
+    assert graph["drawn"] == dag, graph
+    assert graph["recorded"] == {node: {"inputs": ups} if ups else {} for node, ups in dag.items()}, graph
+
+
 def test_changing_sft_learning_rate_reruns_sft_and_its_eval_only(home):
     result = run(home, "--set", "sft.learning_rate=1e-3")
     assert statuses(result) == {"base": "cached", "prompts": "cached", "sft": "run", "eval_base": "cached",
