@@ -23,3 +23,8 @@ class ModelError(R1FlowError):
 
 class StageError(R1FlowError):
     """A stage failed in a launched process (names the stage and rank; carries the traceback's tail)."""
+
+
+class EnvironmentCodeError(R1FlowError):
+    """An environment's own code (a user's environment file, or a built-in's) raised or broke the protocol: names
+    the environment, the method and the line that raised (the exception itself is the cause)."""

@@ -14,11 +14,17 @@ observations): text a program printed earns nothing until the model writes it it
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import logging
+import traceback
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypeVar
 
+from schemas.errors import EnvironmentCodeError, R1FlowError
 from stages.rewards.verifiers import Verdict
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 TurnEnd = Literal["eos", "stop", "length"]  # an EOS token, a stop string, the turn's or trajectory's token budget
 
@@ -69,3 +75,21 @@ class Environment(Protocol):
         """The finished trajectory's verdict: `completion` is the model's text (prefill and turns, no
         observations), `num_tokens` the trajectory's tokens after the prompt."""
         ...
+
+
+def call_environment(env_name: str, method: str, call: Callable[[], T]) -> T:
+    """`call()` (an environment's `method`), with an exception from the environment's code turned into one
+    EnvironmentCodeError that names the environment, the method and the line that raised. The exception's own
+    traceback, the environment's frames only, is logged here, once (a traceback shown with the error would repeat
+    r1flow's and Prefect's frames): the run's one error line is the EnvironmentCodeError's message. r1flow's own
+    errors pass unchanged."""
+    try:
+        return call()
+    except R1FlowError:
+        raise
+    except Exception as e:
+        frames = traceback.extract_tb(e.__traceback__)[1:]  # [0] is this function's call()
+        where = f" at {frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
+        log.error("environment %r: %s() raised; its traceback:\n%s", env_name, method,
+                  "".join(traceback.format_list(frames) + traceback.format_exception_only(e)).rstrip())
+        raise EnvironmentCodeError(f"environment {env_name!r}: {method}() raised {type(e).__name__}: {e}{where}") from None

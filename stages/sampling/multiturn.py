@@ -48,8 +48,8 @@ from transformers import DynamicCache
 from transformers.generation.stopping_criteria import StopStringCriteria
 
 from schemas.configs import GenerationSpec
-from schemas.errors import ConfigError, ModelError
-from stages.environments.base import Environment, Episode, Turn, TurnEnd
+from schemas.errors import ConfigError, EnvironmentCodeError, ModelError
+from stages.environments.base import Environment, Episode, Observation, Turn, TurnEnd, call_environment
 from stages.modeling import models
 from stages.runtime.seeds import seed_stream
 from stages.sampling import lean_decode
@@ -260,11 +260,15 @@ def _step_episodes(rows: list[_Row], live: list[int], out: torch.Tensor, lps: to
         row.texts.append(texts[r])
         turns.append(Turn(texts[r], tuple(turn_ids[r]), end, len(row.texts) - 1))
     episodes = [rows[t].episode for t in live]
+
+    def step(episode: Episode, turn: Turn) -> Observation | None:  # an exception in it: one line naming env_name
+        return call_environment(env_name, "step", lambda: episode.step(turn))
+
     if workers > 1 and len(live) > 1:  # tool calls (sandbox runs: mostly waiting on a subprocess) side by side
         with ThreadPoolExecutor(min(workers, len(live))) as pool:
-            replies = list(pool.map(lambda e, turn: e.step(turn), episodes, turns))
+            replies = list(pool.map(step, episodes, turns))
     else:
-        replies = [e.step(turn) for e, turn in zip(episodes, turns, strict=True)]
+        replies = [step(e, turn) for e, turn in zip(episodes, turns, strict=True)]
     answers = []
     for r, (obs, turn) in enumerate(zip(replies, turns, strict=True)):
         if obs is None:
@@ -277,8 +281,8 @@ def _step_episodes(rows: list[_Row], live: list[int], out: torch.Tensor, lps: to
     for (r, obs), obs_ids in zip(answers, tokenized, strict=True):
         row = rows[live[r]]
         if not obs_ids:
-            raise ValueError(f"environment {env_name!r}: an observation must have text (got {obs.text!r}); "
-                             f"return None to end the trajectory")
+            raise EnvironmentCodeError(f"environment {env_name!r}: step() returned an observation without text "
+                                       f"({obs.text!r}); return None to end the trajectory")
         if row.used + len(obs_ids) >= max_total_tokens:  # no room for the observation and another turn
             row.finish = "length"
             continue
@@ -411,7 +415,8 @@ def sample_trajectories(model, tokenizer, prompt_rows: Sequence[Mapping[str, Any
             enc = tokenizer([texts[i] for i in idx], return_tensors="pt", padding=True,
                             add_special_tokens=False).to(device)
             prompt_ids = [ids[m.bool()].tolist() for ids, m in zip(enc["input_ids"], enc["attention_mask"], strict=True)]
-            rows = [_Row(env.start(prompt_rows[i]), prefills[i], list(p), len(p))
+            rows = [_Row(call_environment(env.name, "start", lambda i=i: env.start(prompt_rows[i])), prefills[i],
+                         list(p), len(p))
                     for i, p in zip(idx, prompt_ids, strict=True) for _ in range(n)]
             torch.manual_seed(seed_stream(seed, "generate_batch", b))  # generate()'s stream: single_turn samples its tokens
             # None leaves the caller's autocast state alone (as generation's backend does)
