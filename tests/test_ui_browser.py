@@ -11,6 +11,9 @@ the pages a user opens from what those commands printed.
   test_a_blank_node_in_the_stage_form_is_named_after_the_model_it_evaluates checks the same through the flow
   function, without the form).
 
+Issue 59 item 6: the flow run's page draws the recipe's DAG (test_flow.py's test_the_run_graph_is_the_recipes_dag
+checks the task runs' recorded inputs through the API, in order and with --parallel).
+
 Skipped without Chromium (R1FLOW_CHROMIUM names the binary; else `chromium`, `chromium-browser`, `google-chrome`
 on PATH) or without the `websockets` package. One module fixture starts the servers; 2.5 min on 2 cores shared
 at load 7 (the serve test ~65 s of it), 4 min at load 12."""
@@ -73,16 +76,19 @@ class Browser:
             page = next(t for t in json.load(r) if t["type"] == "page")
         self.ws = connect(page["webSocketDebuggerUrl"], max_size=None, open_timeout=10)
         self.ids = itertools.count(1)
+        self.events: list[dict] = []  # the events of enabled domains (Network), read as calls go
 
     def call(self, method: str, **params) -> dict:
         i = next(self.ids)
         self.ws.send(json.dumps({"id": i, "method": method, "params": params}))
-        while True:  # events in between are dropped
+        while True:  # events in between are kept in self.events
             msg = json.loads(self.ws.recv(timeout=60))
             if msg.get("id") == i:
                 if "error" in msg:
                     raise RuntimeError(f"{method}: {msg['error']}")
                 return msg["result"]
+            if "method" in msg:
+                self.events.append(msg)
 
     def js(self, expression: str):
         r = self.call("Runtime.evaluate", expression=expression, returnByValue=True, awaitPromise=True)
@@ -112,6 +118,21 @@ class Browser:
 
     def text(self) -> str:
         return self.js("document.body ? document.body.innerText : ''") or ""
+
+    def fetched_json(self, url_part: str, timeout: float = 60):
+        """The JSON the page fetched from the first URL containing `url_part` since `Network.enable`."""
+        deadline = time.monotonic() + timeout
+        while True:
+            request = next((e["params"]["requestId"] for e in self.events if e["method"] == "Network.responseReceived"
+                            and url_part in e["params"]["response"]["url"]), None)
+            if request and any(e["method"] == "Network.loadingFinished" and e["params"]["requestId"] == request
+                               for e in self.events):
+                body = self.call("Network.getResponseBody", requestId=request)
+                return json.loads(base64.b64decode(body["body"]) if body["base64Encoded"] else body["body"])
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the page fetched no {url_part} within {timeout} s (screenshot {self.screenshot()})")
+            self.js("0")  # reads the events that came meanwhile
+            time.sleep(0.25)
 
     def screenshot(self) -> Path:
         path = Path(tempfile.mkstemp(prefix="r1flow-ui-", suffix=".png")[1])
@@ -408,3 +429,25 @@ def test_the_stage_form_with_node_left_blank_runs_the_node_the_model_fits(ui):
     keys = [a["key"] for a in _get_json(f"{info.prefect_api_url}/artifacts/filter",
                                          {"artifacts": {"flow_run_id": {"any_": [flow_run["id"]]}}})]
     assert [k for k in keys if k] == ["stage-eval-sft"], keys  # (keyless: Prefect's own, e.g. the result's)
+
+
+# ---------------------------------------------------------------------------- issue 59 item 6
+def test_the_flow_run_page_draws_the_recipes_dag(ui):
+    """The eval run's page in Prefect's UI (the link a user follows from the flow run list): the run graph it draws
+    (on a canvas, from the graph-v2 response it fetches, read here over the DevTools protocol) has the recipe's
+    edges, base -> eval_base and prompts -> eval_base, and no other. Before issue 59 no stage task recorded the
+    nodes it read (their inputs are fingerprints), and Prefect's id() look-up of earlier results drew whatever
+    edge a shared object (the empty string in a result and in a config) made up."""
+    info, browser, run = ui["info"], ui["browser"], ui["run"]
+    browser.events.clear()
+    browser.call("Network.enable")
+    try:
+        browser.open(f"{info.prefect.url}/runs/flow-run/{run['flow_run_id']}")
+        graph = browser.fetched_json(f"/flow_runs/{run['flow_run_id']}/graph-v2")
+    finally:
+        browser.call("Network.disable")
+        browser.events.clear()
+    names = {node_id: node["label"] for node_id, node in graph["nodes"]}
+    drawn = {node["label"]: {names[p["id"]] for p in node["parents"]} for _, node in graph["nodes"]}
+    assert drawn == {"base": set(), "prompts": set(), "eval_base": {"base", "prompts"}}, drawn
+    browser.wait("!!document.querySelector('canvas')", what="the run graph's canvas")
