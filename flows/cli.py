@@ -240,6 +240,10 @@ def main(argv: list[str] | None = None) -> int:
             from flows.settings import prepare_environment
 
             args.servers_source = prepare_environment()
+        if args.command in RUN_COMMANDS:  # an r1flow error ends a run as its one line, without Prefect's traceback
+            from flows.cli_output import one_line_errors
+
+            one_line_errors()
         if supervised:  # a Prefect or MLflow server lost mid-run: one line and the run ends (flows/watchdog.py)
             from flows import watchdog
 

@@ -5,8 +5,11 @@ columns, and the servers a command uses."""
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from dataclasses import dataclass
+
+from schemas.errors import R1FlowError
 
 
 def print_servers_used(args: argparse.Namespace) -> None:
@@ -14,6 +17,25 @@ def print_servers_used(args: argparse.Namespace) -> None:
 
     print(f"servers ({args.servers_source}): Prefect {os.environ.get('PREFECT_API_URL') or 'temporary'}, "
           f"MLflow {os.environ.get('MLFLOW_TRACKING_URI') or 'sqlite under the home'}", flush=True)
+
+
+class _NoTracebackForR1FlowErrors(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], R1FlowError):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def one_line_errors() -> None:
+    """Prefect logs the exception that ends a flow or task run with its traceback ("Encountered exception during
+    execution", ~70 lines for a full disk). An r1flow error's message is the whole story, and the command prints it
+    as its one `r1flow: error:` line: Prefect's record keeps its line (in the terminal and the UI), not the
+    traceback. Other exceptions keep theirs."""
+    for name in ("prefect.flow_runs", "prefect.task_runs"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _NoTracebackForR1FlowErrors) for f in logger.filters):
+            logger.addFilter(_NoTracebackForR1FlowErrors())
+
 
 SUMMARY_WIDTH = 100  # columns of the end-of-run summary when stdout is not a terminal and COLUMNS is not set
 

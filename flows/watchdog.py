@@ -12,6 +12,7 @@ Standard library only; nothing runs for a temporary Prefect server or a local ML
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -21,7 +22,8 @@ from dataclasses import dataclass
 
 WATCH_EVERY_S = 2.0
 PROBE_TIMEOUT_S = 5.0
-SILENT_S = 15.0  # a busy server on 2 cores answers within seconds; a killed one refuses at once
+SILENT_S = 15.0  # a busy server on 2 cores answers within seconds (a probe that times out waits this long)
+REFUSED_S = 2.0  # a killed one refuses at once: nothing listens on its port (two refusals in a row, no wait)
 EXIT_CODE = 1
 
 
@@ -45,12 +47,22 @@ def watched(env: dict[str, str] | None = None) -> list[Watched]:
     return out
 
 
-def answers(url: str, timeout: float = PROBE_TIMEOUT_S) -> bool:
+def probe(url: str, timeout: float = PROBE_TIMEOUT_S) -> str:
+    """"ok" (200), "refused" (nothing listens there: the server's process is gone) or "silent" (anything else: a
+    timeout, an error status, a busy server)."""
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.status == 200
-    except (urllib.error.URLError, OSError, ValueError):
-        return False
+            return "ok" if r.status == 200 else "silent"
+    except urllib.error.URLError as e:
+        return "refused" if isinstance(e.reason, ConnectionRefusedError) else "silent"
+    except ConnectionRefusedError:
+        return "refused"
+    except (OSError, ValueError):
+        return "silent"
+
+
+def answers(url: str, timeout: float = PROBE_TIMEOUT_S) -> bool:
+    return probe(url, timeout) == "ok"
 
 
 def lost_message(server: Watched, silent_s: float | None = None) -> str:
@@ -76,20 +88,33 @@ def _on_lost(server: Watched, silent_s: float) -> None:
 
 
 def watch(servers: list[Watched], on_lost=_on_lost, every_s: float = WATCH_EVERY_S,
-          silent_s: float = SILENT_S) -> threading.Thread | None:
-    """Start the watching thread (a daemon); None when there is nothing to watch."""
+          silent_s: float = SILENT_S, refused_s: float = REFUSED_S) -> threading.Thread | None:
+    """Start the watching thread (a daemon); None when there is nothing to watch. A server is lost when it has
+    refused connections for `refused_s` (its process is gone: the run stops within seconds, not after `silent_s`)
+    or not answered for `silent_s`.
+
+    Prefect's API log handler, which writes "--- Error logging to API ---" and the error without a newline for
+    every batch of log lines the lost server does not take (the next line, ours included, glued to it), is
+    silenced the stdlib's way (`logging.raiseExceptions = False`): the server's loss is this thread's one line."""
     if not servers:
         return None
+    logging.raiseExceptions = False
 
     def loop():
         last_ok = {s.url: time.monotonic() for s in servers}
+        refused_since: dict[str, float] = {}
         while True:
             time.sleep(every_s)
             for s in servers:
-                if answers(s.health):
-                    last_ok[s.url] = time.monotonic()
-                elif time.monotonic() - last_ok[s.url] >= silent_s:
-                    on_lost(s, time.monotonic() - last_ok[s.url])
+                now, seen = time.monotonic(), probe(s.health)
+                if seen == "ok":
+                    last_ok[s.url] = now
+                if seen == "refused":
+                    refused_since.setdefault(s.url, now)
+                else:
+                    refused_since.pop(s.url, None)
+                if now - last_ok[s.url] >= silent_s or now - refused_since.get(s.url, now) >= refused_s:
+                    on_lost(s, now - last_ok[s.url])
                     return
 
     thread = threading.Thread(target=loop, name="r1flow-server-watch", daemon=True)

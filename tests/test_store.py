@@ -218,6 +218,30 @@ def test_a_full_disk_while_a_stage_saves_its_model_is_one_line_naming_path_and_s
     assert os.listdir(home / "artifacts") == []
 
 
+@pytest.mark.slow
+def test_a_full_disk_in_r1flow_run_is_one_line_without_prefects_traceback(tmp_path, small_fs):
+    """Issue 59 item 11: `r1flow run` on a full disk printed Prefect's ~70-line traceback ("Encountered exception
+    during execution") before the promised line (104 lines of stderr). The CLI as a user runs it, its home's staging
+    folder on a filesystem without room for the model."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.conftest import clean_env
+
+    home = tmp_path / "home"
+    staging = small_fs(home / "tmp", "48k")
+    env = {**clean_env(home), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    run = subprocess.run([sys.executable, "-m", "flows.cli", "run", "--recipe", "sft-eval", "--profile", "tiny",
+                          "--only", "base"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    err = run.stderr
+    assert run.returncode == 2, err[-3000:]
+    assert "Traceback" not in err and '  File "' not in err, err[-4000:]
+    ours = [line for line in err.splitlines() if line.startswith("r1flow: error:")]
+    assert len(ours) == 1 and ours[0].startswith(f"r1flow: error: no space left on device writing {staging}/"), err
+    assert len(err.splitlines()) < 20, err  # Prefect's progress lines and ours
+
+
 def test_a_full_store_while_publishing_leaves_no_half_artifact(tmp_path, small_fs):
     home = tmp_path / "home"
     root = small_fs(tmp_path / "store", "256k")

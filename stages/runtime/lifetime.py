@@ -290,9 +290,9 @@ def stopping() -> bool:
 
 
 def stop_run(message: str, code: int = 1, grace: float | None = None) -> bool:
-    """From any thread: end the run as SIGTERM would, with one line of our own. Writes `message` to stderr, then
-    points stderr at /dev/null (what a dying run's libraries print next, retries of the server that is gone,
-    would only bury the line), arms the os._exit backstop and raises SystemExit(code) in the main thread (a
+    """From any thread: end the run as SIGTERM would, with one line of our own. Writes `message` to stderr on a line
+    of its own, then points stderr at /dev/null (what a dying run's libraries print next, retries of the server that
+    is gone, would only bury the line), arms the os._exit backstop and raises SystemExit(code) in the main thread (a
     SIGTERM sent to it: a sleep or a blocking call there is interrupted). False when already stopping.
     Needs terminate_on_signals (the handler that raises); without it, the backstop alone ends the process."""
     global _stop_code
@@ -300,7 +300,8 @@ def stop_run(message: str, code: int = 1, grace: float | None = None) -> bool:
         return False
     _stopping.set()
     _stop_code = code
-    sys.stderr.write(message + "\n")
+    # on a line of its own: a progress bar (tqdm ends its updates with \r, not \n) may hold the current one
+    sys.stderr.write("\n" + message + "\n")
     sys.stderr.flush()
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 2)
