@@ -24,13 +24,18 @@ def _input_refs(pairs: list[str]) -> dict[str, str]:
 
 
 def cmd_stage(args: argparse.Namespace) -> int:
-    from flows.deploy import stage_config, stage_flow
+    from flows.deploy import read_inputs, stage_config, stage_flow
     from flows.recipes import overrides_tree
     from flows.settings import Settings, make_home, start_temporary_prefect
+    from flows.store import ArtifactStore
 
     overrides = overrides_tree(args.set)
-    stage_config(args.name, args.recipe, args.profile, args.node, overrides)  # config errors before Prefect starts
     refs = _input_refs(args.input)
+    producers = None  # what made the inputs: the recipe node a blank --node is, which config errors name
+    if refs and args.recipe and not args.node:
+        s = Settings.from_env()
+        producers = read_inputs(args.name, refs, ArtifactStore(s.store, home=s.home), s.tracking_uri)[1]
+    stage_config(args.name, args.recipe, args.profile, args.node, overrides, producers)  # before Prefect starts
     make_home()
     start_temporary_prefect()
     print_servers_used(args)

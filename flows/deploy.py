@@ -12,7 +12,9 @@ never replaces the work-pool deployment `r1flow deploy` registered for it, nor t
 
 A single-stage run resolves each input reference to an artifact fingerprint, validates it (the
 artifact exists, verifies, and is of the kind the stage takes), builds the config (stage defaults <
-the recipe node's config, when a recipe is named < overrides), and runs the stage through the same
+the recipe node's config, when a recipe is named < overrides; a blank node is the recipe's node that
+reads what made the inputs, so the config, and any error in it, is the node's the run resolves to),
+and runs the stage through the same
 cached task as the pipeline: the same inputs and config give the same cache key, so the result
 joins the lineage (manifest parents, MLflow input tags) and a pipeline run later reuses it.
 
@@ -132,6 +134,33 @@ def changed_fields(value: dict[str, Any], default: dict[str, Any]) -> dict[str, 
 # ---------------------------------------------------------------------------- the single-stage run
 
 
+def read_inputs(stage: str, inputs: dict[str, str], store: ArtifactStore, tracking_uri: str
+                ) -> tuple[dict[str, str], dict[str, str]]:
+    """(input name -> fingerprint, input name -> the node that made it) of a single-stage run's input references: the
+    names checked against the stage's inputs, each reference resolved and its manifest's kind matched against the
+    input's (its files are re-hashed later, `store.verify`). The producers tell which recipe node a blank node is."""
+    declared = get_stage(stage).INPUTS
+    unknown = set(inputs) - set(declared)
+    if unknown:
+        raise ConfigError(f"stage {stage!r} has no input(s) {sorted(unknown)}; its inputs: {', '.join(declared)}")
+    missing = {k for k, v in declared.items() if not v.endswith("?")} - {k for k, v in inputs.items() if v}
+    if missing:
+        raise ConfigError(f"stage {stage!r}: missing input(s) {sorted(missing)}; give each as a {REF_HELP}")
+    resolved, producers = {}, {}
+    for k, ref in inputs.items():
+        if not ref:
+            continue
+        fp = resolve_ref(ref, k, store, tracking_uri)
+        manifest = store.read_manifest(fp)
+        if not {manifest.kind, manifest.schema_name} & declared_kinds(declared[k]):  # "model", or a dataset schema
+            raise ArtifactError(f"input {k!r} ({ref}): artifact {fp[:12]} is a {manifest.kind} "
+                                f"({manifest.schema_name}); stage {stage!r} takes a {declared[k].rstrip('?')}")
+        resolved[k] = fp
+        if manifest.producer.node:
+            producers[k] = manifest.producer.node
+    return resolved, producers
+
+
 def run_single_stage(stage: str, inputs: dict[str, str], overrides: dict[str, Any] | None = None, node: str | None = None,
               seed: int | None = None, recipe: str | None = None, profile: str | None = None,
               settings: dict[str, str] | None = None, force: bool = False) -> dict[str, Any]:
@@ -144,29 +173,13 @@ def run_single_stage(stage: str, inputs: dict[str, str], overrides: dict[str, An
     lifetime.reinstall()  # SIGTERM stops the run within seconds, not Prefect's bridge (stages/runtime/lifetime.py)
 
     s = Settings(**settings) if settings else Settings.from_env()
-    stage_config(stage, recipe, profile, node, overrides or {})  # config errors before the inputs are read
     module = get_stage(stage)
-    declared = module.INPUTS
-    unknown = set(inputs) - set(declared)
-    if unknown:
-        raise ConfigError(f"stage {stage!r} has no input(s) {sorted(unknown)}; its inputs: {', '.join(declared)}")
-    missing = {k for k, v in declared.items() if not v.endswith("?")} - {k for k, v in inputs.items() if v}
-    if missing:
-        raise ConfigError(f"stage {stage!r}: missing input(s) {sorted(missing)}; give each as a {REF_HELP}")
     store = ArtifactStore(s.store, home=s.home)
-    resolved, producers = {}, {}
-    for k, ref in inputs.items():
-        if not ref:
-            continue
-        fp = resolve_ref(ref, k, store, s.tracking_uri)
-        manifest = store.verify(fp)  # exists and every file matches, before any compute
-        if not {manifest.kind, manifest.schema_name} & declared_kinds(declared[k]):  # "model", or a dataset schema
-            raise ArtifactError(f"input {k!r} ({ref}): artifact {fp[:12]} is a {manifest.kind} "
-                                f"({manifest.schema_name}); stage {stage!r} takes a {declared[k].rstrip('?')}")
-        resolved[k] = fp
-        if manifest.producer.node:
-            producers[k] = manifest.producer.node
+    resolved, producers = read_inputs(stage, inputs, store, s.tracking_uri)
+    # config errors name the node the inputs make it (a blank node), before any file is re-hashed
     config, name, recipe_seed = stage_config(stage, recipe, profile, node, overrides or {}, producers)
+    for fp in resolved.values():
+        store.verify(fp)  # every file matches, before any compute
     seed = seed if seed is not None else (recipe_seed if recipe_seed is not None else 0)
     salt = module.cache_salt(module.CONFIG.model_validate(config)) if hasattr(module, "cache_salt") else ""
     key = cache_key(stage, stage_version(module), config, resolved, seed, salt)

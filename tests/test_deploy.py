@@ -4,6 +4,7 @@ input references, lineage, retries of transient failures only, and the per-key s
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from pathlib import Path
@@ -348,6 +349,28 @@ def test_a_blank_node_in_the_stage_form_is_named_after_the_model_it_evaluates(ho
                                           r"made by node 'mine'.*node="):
         deploy.run_single_stage("eval", {"model": mine["outputs"]["model"], "prompts": prompts_fp}, recipe="sft-eval",
                          profile="tiny")
+
+
+@pytest.mark.slow
+def test_a_config_error_with_a_blank_node_names_the_node_the_inputs_resolve_to(home, eval_run, capsys):
+    """Issue 59 item 7: the eval stage with recipe sft-eval, node left blank, a model sft-eval's `sft` made and a bad
+    value: the error names eval_sft (the node the run resolves to), in the single-stage run the form's flow makes
+    and in `r1flow stage` (one line, before Prefect starts); with the base model, eval_base. Before, the config
+    was checked before the inputs were read, as the recipe's first eval node: `eval_base.max_prompts`."""
+    from flows.cli import main
+
+    prompts_fp, base_fp = _outputs(eval_run, "prompts")["prompts"], _outputs(eval_run, "base")["model"]
+    sft = deploy.STAGE_FLOWS["sft"](inputs={"model": base_fp, "data": prompts_fp}, config={"max_steps": 2},
+                                   recipe="sft-eval", profile="tiny")
+    bad = "max_prompts: Input should be greater than or equal to 1 (got 0)"
+    for model, node in ((sft["outputs"]["model"], "eval_sft"), (base_fp, "eval_base")):
+        with pytest.raises(ConfigError, match=rf"^{node}\.{re.escape(bad)}$"):
+            deploy.run_single_stage("eval", {"model": model, "prompts": prompts_fp}, {"max_prompts": 0},
+                                    recipe="sft-eval", profile="tiny")
+        capsys.readouterr()
+        assert main(["stage", "eval", "--recipe", "sft-eval", "--profile", "tiny", "--input", f"model={model[:12]}",
+                     "--input", f"prompts={prompts_fp[:12]}", "--set", "max_prompts=0"]) == 2
+        assert capsys.readouterr().err.splitlines() == [f"r1flow: error: {node}.{bad}"]
 
 
 @pytest.mark.slow
