@@ -129,13 +129,15 @@ class EnvironmentSpec(Strict):
     what every sampling stage did before environments) or `python` (the model writes a program in r1flow's python
     tags, or as its chat template's tool call with `syntax: chat_template`, the program runs in the sandbox and its
     output comes back in output tags or as the template's tool message, for up to `max_turns` turns),
-    or the path of a Python file defining `environment(**options)`. A stage's config leaves it out of its cache
-    key while it is the default, so `single_turn` runs keep their keys."""
+    or the path of a Python file defining `environment(reward, **options)` (stages/environments/registry.py: the
+    stage's `reward:` is passed to it). A stage's config leaves it out of its cache key while it is the default, so
+    `single_turn` runs keep their keys."""
 
     name: str = Field("single_turn", min_length=1, description="single_turn | python | path/to/env.py (a file "
-                      "defining environment(**options); its bytes enter the cache key).")
+                      "defining environment(reward, **options), given the stage's reward: settings to score with; "
+                      "relative to the working directory; its bytes enter the cache key).")
     max_turns: int = Field(4, ge=1, description="Model turns per trajectory (python: at most max_turns - 1 programs "
-                           "run).")
+                           "run; a user file ends its own trajectories, and this only sizes their token budget).")
     timeout_s: float = Field(5.0, gt=0, description="Each program's wall-clock deadline (python).")
     max_output_chars: int = Field(512, ge=1, description="A program's output shown to the model is cut to this.")
     syntax: Literal["tags", "chat_template"] = Field(
@@ -147,7 +149,7 @@ class EnvironmentSpec(Strict):
     max_total_tokens: int | None = Field(None, ge=1, description="Tokens after the prompt over all turns, sampled "
                                          "and observation tokens alike (None: max_turns x generation.max_new_tokens).")
     options: dict[str, Any] = Field(default_factory=dict, description="Extra keyword arguments for a user "
-                                    "environment file's environment(**options).")
+                                    "environment file's environment(reward, **options) (not `reward`).")
 
     @model_validator(mode="after")
     def _syntax_is_the_python_tools(self):

@@ -226,6 +226,47 @@ def test_a_user_environment_loads_from_a_python_file_and_its_bytes_salt_the_cach
         get_environment(str(tmp_path / "missing.py"))
 
 
+SCORES_WITH_REWARD = '''
+from stages.environments.single_turn import SingleTurn
+
+
+def environment(reward, bonus=0.0):
+    env = SingleTurn(reward)
+    object.__setattr__(env, "bonus", bonus)
+    return env
+'''
+
+
+def test_a_user_file_is_given_the_stages_reward_and_one_that_cannot_take_it_is_refused(tmp_path, monkeypatch):
+    """Issue 59 item 5: `environment_from_spec` calls a user file's environment(reward=<the stage's reward:>,
+    **options), so it scores with the config's weights (before: options only, and the file scored with whatever it
+    chose, the defaults here); a file whose environment() cannot take `reward`, and `options.reward`, are one
+    ConfigError each, before any compute. A relative path is read from the working directory."""
+    from schemas.configs import EnvironmentSpec
+    from stages.environments.registry import environment_from_spec
+
+    (tmp_path / "scores.py").write_text(SCORES_WITH_REWARD)
+    reward = RewardSpec(weights={"format": 1.0}, strict_answer=True)
+    env = environment_from_spec(EnvironmentSpec(name=str(tmp_path / "scores.py"), options={"bonus": 2.0}), reward)
+    assert (env.reward, env.bonus) == (reward, 2.0)
+    well_formed = "<think>4 * 5 is 20</think><answer>7006652</answer>"
+    assert env.score(ROW, well_formed).reward == 1.0  # format only, as the config weighs it (defaults: 1.2)
+    assert environment_from_spec(EnvironmentSpec(name=str(tmp_path / "scores.py"))).reward == RewardSpec()  # eval
+
+    (tmp_path / "no_reward.py").write_text(USER_ENV.replace("def environment(times=1, **options)",
+                                                            "def environment(times=1)").replace("Echo(**options)",
+                                                                                                "Echo()"))
+    with pytest.raises(ConfigError, match=r"no_reward\.py: environment\(\) takes no `reward`.*"
+                                          r"define environment\(reward, \*\*options\)") as e:
+        environment_from_spec(EnvironmentSpec(name=str(tmp_path / "no_reward.py")), reward)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match=r"options\.reward: .*given the stage's reward: settings"):
+        environment_from_spec(EnvironmentSpec(name=str(tmp_path / "scores.py"), options={"reward": {}}), reward)
+
+    monkeypatch.chdir(tmp_path)
+    assert environment_from_spec(EnvironmentSpec(name="scores.py"), reward).reward == reward
+
+
 def test_a_stage_configs_environment_spec_makes_its_environment(tmp_path):
     from schemas.configs import EnvironmentSpec, SandboxLimits
     from stages.environments.registry import environment_from_spec

@@ -142,6 +142,70 @@ def test_grpo_runs_two_steps_with_a_tool_every_turn(tmp_path, tiny_model_input, 
     print({k: v for k, v in steps[-1].items() if k.startswith(("rollout/", "time/", "eval/"))})
 
 
+SCORES_WITH_THE_STAGES_REWARD = '''
+from schemas.configs import RewardSpec
+from stages.rewards.verifiers import score
+
+
+class _OneTurn:
+    def step(self, turn):
+        return None
+
+
+class Mine:
+    name, stop = "mine", ()
+
+    def __init__(self, reward):
+        self.reward = reward
+
+    def start(self, row):
+        return _OneTurn()
+
+    def score(self, row, completion, num_tokens=None, rm_score=None):
+        return score(row, completion, self.reward, num_tokens=num_tokens, rm_score=rm_score)
+
+
+def environment(reward=None, **options):  # None: made by hand, outside a stage
+    return Mine(reward or RewardSpec())
+'''
+
+
+def test_a_user_environment_scores_grpo_with_the_stages_reward(tmp_path, tiny_model_input, digit_prompts):
+    """Issue 59 item 5: grpo with `environment: {name: mine.py}` and `reward: {weights: {overlong: 1.0}, ...}`: the
+    file's environment() is given that reward and scores with it, so every step's reward is the overlong penalty the
+    config asks for (completions of 2-4 tokens past 6 - 5 = 1 are penalised), not accuracy + 0.2 format (the
+    defaults). Before, the file was given `options` only and scored, silently, with the default weights."""
+    path = tmp_path / "mine.py"
+    path.write_text(SCORES_WITH_THE_STAGES_REWARD)
+    cfg = _cfg(environment=EnvironmentSpec(name=str(path), max_turns=1))
+    grpo.check(cfg)
+    ctx = LocalContext(tmp_path / "run", seed=0)
+    grpo.run(cfg, {"model": tiny_model_input, "prompts": digit_prompts}, ctx)
+    steps = [m for step, m in ctx.metrics if step is not None and "reward/mean" in m]
+    assert len(steps) == 2
+    for m in steps:
+        assert m["reward/mean"] == pytest.approx(m["reward/overlong"]) and m["reward/unscored"] == 0
+    assert min(m["reward/overlong"] for m in steps) < 0
+
+
+def test_r1flow_run_refuses_a_user_environment_that_cannot_take_the_reward(tmp_path, monkeypatch, capsys):
+    """The same file without a `reward` parameter, named in r1-zero's grpo node from the command line: one error line
+    naming the file and the hook, before anything is computed or written."""
+    from flows.cli import main
+
+    path = tmp_path / "mine.py"
+    path.write_text(SCORES_WITH_THE_STAGES_REWARD.replace(
+        "def environment(reward=None, **options):  # None: made by hand, outside a stage\n    return Mine(reward or RewardSpec())",
+        "def environment(weight=1.0):\n    return Mine(RewardSpec())"))
+    assert "def environment(weight=1.0)" in path.read_text()
+    monkeypatch.setenv("R1FLOW_HOME", str(tmp_path / "untouched"))
+    assert main(["run", "--recipe", "r1-zero", "--profile", "tiny", "--set", f"grpo.environment.name={path}"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"r1flow: error: environment file {path}: environment() takes no "
+                                               f"`reward`"), err
+    assert not (tmp_path / "untouched").exists()
+
+
 def test_the_grpo_update_is_blind_to_observation_positions(tmp_path, tiny_model_input, digit_prompts, tool_file):
     """grpo's own advantages and mini-batch backward on the hand-made two-turn group (beta > 0, old_logprobs:
     sampler): d loss / d logp is 0 at every prompt, observation and padding position and not 0 at a sampled one;

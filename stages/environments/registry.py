@@ -1,15 +1,32 @@
 """Environments by name, and users' environments from a Python file.
 
-A user file defines `environment(**options)` returning an object with the `Environment` protocol's
+A user file defines `environment(reward, **options)` returning an object with the `Environment` protocol's
 `name`, `stop`, `start` and `score` (`stages.environments.base`). A config names it by path (anything
-ending in `.py`), as it would name a built-in; the file's bytes belong in the stage's cache salt
-(`environment_source_digest`), so editing it re-runs the nodes that use it.
+ending in `.py`; a relative path is read from the working directory of the process that runs the stage), as it
+would name a built-in; the file's bytes belong in the stage's cache salt (`environment_source_digest`), so
+editing it re-runs the nodes that use it.
+
+The hook, as `environment_from_spec` calls it: `environment(reward=<the stage's reward: settings, a RewardSpec>,
+**<environment.options>)`; a file whose `environment` takes no `reward` is refused (one ConfigError), so a
+stage's `reward:` (weights, strict_answer, overlong, ...) never silently misses the file; eval, which has no
+`reward:`, passes `RewardSpec()`. What scores a trajectory is the object's `score(row, completion, num_tokens,
+rm_score) -> Verdict` (`stages.rewards.verifiers`): `completion` is the model's own text (its turns, not the
+observations), `num_tokens` every token after the prompt, `rm_score` the reward model's score where the stage
+has one; `Verdict.reward` is what RL trains on (None: unscorable, 0), `correct` / `correct_lenient` what
+accuracy and rejection sampling read, `format_ok` the format rate, `components` the logged `reward/<name>`.
+`verifiers.score(row, completion, reward, num_tokens=num_tokens, rm_score=rm_score)` scores as every built-in
+does, with the config's weights. r1flow bounds a trajectory's tokens only (`max_total_tokens`, else `max_turns`
+x the per-turn `max_new_tokens`); the rest is the file's: when a trajectory ends (`step` returns None), and
+what a tool call may do and for how long (a step runs in the stage's process, unsandboxed and without a deadline:
+run model-written code through `stages.rewards.sandbox.run_program` with `SandboxLimits`, as `python` does).
+`max_turns`, `timeout_s`, `max_output_chars` and `syntax` are the python environment's, not passed to a file.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
+import inspect
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import MappingProxyType
@@ -39,12 +56,13 @@ def get_environment(name: str, **options) -> Environment:
         factory = ENVIRONMENTS[name]
     except KeyError:
         raise ConfigError(f"unknown environment {name!r}; built in: {', '.join(ENVIRONMENTS)}, "
-                          f"or the path of a Python file defining {USER_FACTORY}(**options)") from None
+                          f"or the path of a Python file defining {USER_FACTORY}(reward, **options)") from None
     return factory(**options)
 
 
-def load_environment_file(path: str | Path, **options) -> Environment:
-    """`environment(**options)` of the Python file at `path`, checked to have the protocol's members."""
+def load_environment_file(path: str | Path, reward: RewardSpec | None = None, **options) -> Environment:
+    """`environment(reward=reward, **options)` of the Python file at `path` (without `reward` when None), checked to
+    take `reward` and to return the protocol's members."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"environment file {path}: no such file")
@@ -53,13 +71,34 @@ def load_environment_file(path: str | Path, **options) -> Environment:
     spec.loader.exec_module(module)
     factory = getattr(module, USER_FACTORY, None)
     if not callable(factory):
-        raise ConfigError(f"environment file {path}: defines no function {USER_FACTORY}(**options)")
+        raise ConfigError(f"environment file {path}: defines no function {USER_FACTORY}(reward, **options)")
+    if reward is not None:
+        if not takes_keyword(factory, "reward"):
+            raise ConfigError(f"environment file {path}: {USER_FACTORY}() takes no `reward`, the stage's reward: "
+                              f"settings (a RewardSpec) it must score with; define {USER_FACTORY}(reward, **options) "
+                              f"and score with it, e.g. verifiers.score(row, completion, reward, num_tokens=...)")
+        options["reward"] = reward
     env = factory(**options)
     missing = [m for m in ("name", "stop", "start", "score") if not hasattr(env, m)]
     if missing:
         raise ConfigError(f"environment file {path}: {USER_FACTORY}() returned {type(env).__name__}, "
                           f"which lacks {', '.join(missing)}")
     return env
+
+
+def takes_keyword(function: Callable, name: str) -> bool:
+    """Whether `function` can be called with the keyword argument `name` (a parameter of that name, or **kwargs).
+
+    >>> takes_keyword(lambda reward, **options: None, "reward"), takes_keyword(lambda **o: None, "reward")
+    (True, True)
+    >>> takes_keyword(lambda times=1: None, "reward")
+    False
+    """
+    try:
+        params = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: let the call tell
+        return True
+    return any((p.name == name and p.kind is not p.POSITIONAL_ONLY) or p.kind is p.VAR_KEYWORD for p in params)
 
 
 def environment_source_digest(name: str) -> str | None:
@@ -96,18 +135,20 @@ def check_sampling_environment(stage: str, spec: EnvironmentSpec, reward: Reward
 
 
 def environment_from_spec(spec: EnvironmentSpec, reward: RewardSpec | None = None) -> Environment:
-    """The environment a stage's `environment:` names, scoring with the stage's `reward` (default `RewardSpec()`):
-    built-ins get the spec's fields (python: max_turns, timeout_s, max_output_chars, syntax, and the reward's
-    sandbox limits) and `options`; a user file gets `options` only. Any failure to make it (unknown name, missing or
-    broken file, bad values) is one ConfigError naming it."""
+    """The environment a stage's `environment:` names, scoring with the stage's `reward` (default `RewardSpec()`), which
+    every environment is given as `reward`: built-ins also get the spec's fields (python: max_turns, timeout_s,
+    max_output_chars, syntax, and the reward's sandbox limits), and `options`; a user file gets `options` (the module's
+    docstring). Any failure to make it (unknown name, missing or broken file, a file that takes no `reward`, bad
+    values) is one ConfigError naming it."""
     reward = reward if reward is not None else RewardSpec()
+    if "reward" in spec.options:
+        raise ConfigError(f"environment {spec.name!r}: options.reward: the environment is given the stage's reward: "
+                          f"settings as `reward`; set them there")
     known = {"single_turn": {}, "python": {"max_turns": spec.max_turns, "timeout_s": spec.timeout_s,
                                            "max_output_chars": spec.max_output_chars, "syntax": spec.syntax,
                                            "limits": reward.sandbox}}
     try:
-        if spec.name in known:
-            return get_environment(spec.name, reward=reward, **{**known[spec.name], **spec.options})
-        return get_environment(spec.name, **spec.options)
+        return get_environment(spec.name, reward=reward, **{**known.get(spec.name, {}), **spec.options})
     except ConfigError:
         raise
     except Exception as e:  # a user file that does not import, or options the environment refuses
