@@ -1,6 +1,7 @@
 """Cleaning up after runs that were killed (kill -9, a lost server): what a provably dead r1flow process on this
-host left behind, found once as each run starts (`reclaim_abandoned`): staging and incoming folders, Prefect flow
-and task runs still RUNNING (marked Crashed), MLflow runs still RUNNING (marked KILLED).
+host left behind, found once as each run starts (`reclaim_abandoned`): staging and incoming folders, the sandbox's
+run directories in the temporary directory (model-written programs), Prefect flow and task runs still RUNNING
+(marked Crashed), MLflow runs still RUNNING (marked KILLED).
 
 A flow run names its process in its labels (host id, pid and start ticks); the labels are also written first to a
 file under the home (`<home>/flow-runs/<flow run id>`), so a run whose Prefect server died before the label update
@@ -19,6 +20,7 @@ from typing import Any
 
 from flows.store import ArtifactStore, host_id, owner_gone, process_owner
 from flows.tracking import Tracker
+from stages.rewards.sandbox import sweep_run_dirs
 
 PREFECT_HOST_LABEL = "r1flow.host"  # flows.store.host_id(): a flow run an r1flow process on this host runs
 PREFECT_PROCESS_LABEL = "r1flow.process"  # "<pid>:<start ticks>" of that process
@@ -96,12 +98,12 @@ def mark_abandoned_flow_runs(flow_run_id: str | None = None, owners: Path | None
 def reclaim_abandoned(store: ArtifactStore, tracker: Tracker, flow_run_id: str | None,
                       log: Any = print) -> dict[str, Any]:
     """What runs killed earlier (kill -9) left, cleaned once as a run starts: their staging and incoming folders,
-    set-aside copies beyond the cap, their Prefect flow and task runs (Crashed) and MLflow runs (KILLED). Only what
-    a provably dead process owned; a failure here is a warning, never the run's failure. One line if anything was
-    done; the counts and the seconds it took are returned."""
+    set-aside copies beyond the cap, their sandbox run directories, their Prefect flow and task runs (Crashed) and
+    MLflow runs (KILLED). Only what a provably dead process owned; a failure here is a warning, never the run's
+    failure. One line if anything was done; the counts and the seconds it took are returned."""
     t0 = time.perf_counter()
     counts: dict[str, Any] = {}
-    for what, fn in (("folders", store.sweep),
+    for what, fn in (("folders", store.sweep), ("sandbox", lambda: sweep_run_dirs(owner_gone)),
                      ("prefect", lambda: mark_abandoned_flow_runs(flow_run_id, store.home / "flow-runs")
                       if flow_run_id else (0, 0)),
                      ("mlflow", tracker.mark_abandoned)):
@@ -112,9 +114,10 @@ def reclaim_abandoned(store: ArtifactStore, tracker: Tracker, flow_run_id: str |
     counts["seconds"] = time.perf_counter() - t0
     folders = counts.get("folders") or {}
     n_flows, n_tasks = counts.get("prefect") or (0, 0)
-    if any(folders.values()) or n_flows or n_tasks or counts.get("mlflow"):
-        log(f"r1flow: cleaned after killed runs: {folders.get('staging', 0)} staging and {folders.get('incoming', 0)} "
-            f"incoming folders of dead processes, {folders.get('corrupt', 0)} set-aside copies over the cap; marked "
+    if any(folders.values()) or counts.get("sandbox") or n_flows or n_tasks or counts.get("mlflow"):
+        log(f"r1flow: cleaned after killed runs: {folders.get('staging', 0)} staging, {folders.get('incoming', 0)} "
+            f"incoming and {counts.get('sandbox', 0)} sandbox folders of dead processes, {folders.get('corrupt', 0)} "
+            "set-aside copies over the cap; marked "
             f"{n_flows} Prefect flow runs and {n_tasks} task runs Crashed, {counts.get('mlflow', 0)} MLflow runs KILLED "
             f"({counts['seconds']:.2f} s)")
     return counts

@@ -211,3 +211,58 @@ def test_the_next_run_closes_a_killed_runs_prefect_and_mlflow_runs_and_folders(t
     assert [mlflow.get_run(r).info.status for r in dead_mlflow] == ["KILLED", "KILLED"]
     assert [mlflow.get_run(r).info.status for r in live_mlflow] == ["RUNNING", "RUNNING"]
     assert not dead_staging.exists() and live_staging.exists()
+
+
+_SANDBOXED = """
+from schemas.specs import SandboxLimits
+from stages.rewards.sandbox import run_program
+print(run_program("import time; time.sleep(120)", limits=SandboxLimits(wall_timeout_s=120, cpu_time_s=120)))
+"""
+
+
+def test_a_sandbox_run_directory_names_its_owner_as_the_store_does():
+    """The sweep judges a sandbox directory by the owner in its name, in flows/store.py's format."""
+    from stages.rewards.sandbox import run_owner
+
+    assert run_owner() == process_owner()
+
+
+@pytest.mark.slow
+def test_kill_9_during_a_sandboxed_program_leaves_its_folder_and_the_next_run_removes_it(tmp_path, live_process):
+    """Issue 59 item 12: kill -9 during a tool stage left `r1flow-sandbox-*` folders (model-written code) in the
+    temporary directory, and the next run's clean-up did not remove them. A process runs a program in the sandbox
+    (what a tool stage's reward and environment workers do) and is killed with kill -9 mid-program; the next
+    `r1flow run` removes its folder, and leaves a live process's, one named before folders named their owner and the
+    uid slots' lock folder."""
+    import time
+
+    from stages.rewards.sandbox import RUN_DIR_PREFIX, WEAK_ENV
+    from tests.conftest import clean_env
+
+    tmpdir, home = tmp_path / "tmpdir", tmp_path / "home"
+    tmpdir.mkdir()
+    env = {**clean_env(home), "PYTHONPATH": str(ROOT), "TMPDIR": str(tmpdir), WEAK_ENV: "1"}
+    proc = subprocess.Popen([sys.executable, "-c", _SANDBOXED], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (running := [p for p in tmpdir.glob(f"{RUN_DIR_PREFIX}*") if (p / "prog.py").exists()]):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "no program started in the sandbox"
+        time.sleep(0.2)
+    time.sleep(1.0)  # the program runs
+    proc.kill()
+    proc.wait()
+    (orphan,) = running
+    assert (orphan / "prog.py").read_text().startswith("import time")  # what kill -9 leaves behind
+    live_pid, live_ticks = live_process
+    kept = [_folder(tmpdir, f"{RUN_DIR_PREFIX}{live_pid}-{live_ticks}-{host_id()}-abcd1234"),  # a live run's
+            _folder(tmpdir, f"{RUN_DIR_PREFIX}k3j2h1g0"),  # named before directories named their owner
+            tmpdir / f"{RUN_DIR_PREFIX}uids"]  # made by the sandbox itself
+
+    # the next run (its only node's upstream is not cached: it ends with one error line once it has cleaned up)
+    run = subprocess.run([sys.executable, "-m", "flows.cli", "run", "--recipe", "sft-eval", "--profile", "tiny",
+                          "--only", "eval_sft"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 2 and "no valid cached outputs" in run.stderr, run.stderr[-3000:]
+    assert "0 incoming and 1 sandbox folders of dead processes" in run.stdout + run.stderr, run.stdout[-3000:]
+    assert not orphan.exists()
+    assert all(p.exists() for p in kept)

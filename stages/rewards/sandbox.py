@@ -23,7 +23,7 @@ the reward workers are threads. Two isolation modes; `isolation()` picks one per
         /libx32) as the symlinks a merged-/usr host has, or read-only binds;
       /dev with null, zero, random, urandom and the fd, stdin, stdout, stderr links into
         /proc/self/fd; /proc, the pid namespace's own; /tmp, read-only and empty;
-      the run's directory at its host path (RUN = $TMPDIR/r1flow-sandbox-*): RUN/prog.py
+      the run's directory at its host path (RUN = $TMPDIR/r1flow-sandbox-<owner>-*): RUN/prog.py
         (read-only), RUN/python (the interpreter's prefix, read-only, an overlay whose layers are
         named by descriptor so that /proc/self/mountinfo does not show its host path; it may live
         under a 0700 home such as pyenv's, hence bound and found through LD_LIBRARY_PATH), RUN/work
@@ -75,6 +75,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -83,6 +84,7 @@ import re
 import selectors
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -108,6 +110,11 @@ KILL_GRACE_S = 2.0  # how long the launcher gets to kill the program before its 
 PIVOT_ROOT_SYSCALLS = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "ppc64": 203, "s390x": 217}
 WEAK_ENV = "R1FLOW_SANDBOX_ALLOW_WEAK"  # =1: the host accepts the audit-hook mode for code rewards
 _MEMORY_ERROR = re.compile(r"^MemoryError\b|Cannot allocate memory", re.MULTILINE)
+# A run's directory names the process that runs the program: `<pid>-<start ticks>-<host id>`, the owner format of
+# flows/store.py (`process_owner`; a test keeps the two equal). A process killed with kill -9 mid-run leaves its
+# directory (model-written code) behind; `sweep_run_dirs` removes those whose owner is gone.
+RUN_DIR_PREFIX = "r1flow-sandbox-"
+_RUN_DIR_OWNER = re.compile(rf"^{RUN_DIR_PREFIX}(\d+)-(\d+)-([0-9a-f]{{8}})-")
 
 
 @dataclass(frozen=True)
@@ -233,12 +240,44 @@ def normalise_output(text: str) -> str:
 def _run(code: str, stdin: str, limits: SandboxLimits, *, namespaces: bool) -> tuple[SandboxResult, dict]:
     if not namespaces:
         _require_weak_opt_in()
-    base = tempfile.mkdtemp(prefix="r1flow-sandbox-")
+    base = tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{run_owner()}-")
     try:
         with _uid_slot() if namespaces else contextlib.nullcontext(None) as uid:
             return _run_in(base, code, stdin, limits, namespaces=namespaces, uid=uid)
     finally:
         _remove_tree(base)
+
+
+def run_owner() -> str:
+    """`<pid>-<start ticks>-<host id>` of this process: ticks from /proc/<pid>/stat (field 22), so that a reused
+    pid is not taken for the owner; the host id (8 hex characters of the host name and pid namespace) keeps a
+    temporary directory shared with another host or pid namespace from being judged here."""
+    pid = os.getpid()
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        ns = os.readlink("/proc/self/ns/pid")
+    except (OSError, IndexError, ValueError):
+        ticks, ns = 0, ""
+    host = hashlib.sha256(f"{socket.gethostname()}\0{ns}".encode()).hexdigest()[:8]
+    return f"{pid}-{ticks}-{host}"
+
+
+def sweep_run_dirs(gone, root: str | None = None) -> int:
+    """Remove the run directories in `root` (the temporary directory) whose owner is gone: `gone(pid, ticks, host)`
+    judges (flows/store.py's `owner_gone`: only provably gone, on this host). Directories named before they named
+    their owner, and the uid slots' lock directory, are left. Returns how many were removed."""
+    removed = 0
+    try:
+        entries = list(os.scandir(root or tempfile.gettempdir()))
+    except OSError:
+        return 0
+    for entry in entries:
+        m = _RUN_DIR_OWNER.match(entry.name)
+        if m and entry.is_dir(follow_symlinks=False) and gone(int(m[1]), int(m[2]), m[3]):
+            _remove_tree(entry.path)
+            removed += not os.path.exists(entry.path)
+    return removed
 
 
 def _remove_tree(path: str) -> None:
