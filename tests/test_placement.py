@@ -4,6 +4,7 @@ without a cluster. The cluster itself is exercised in tests/test_cluster.py."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 
@@ -112,6 +113,60 @@ def test_ray_options_reserve_per_process_and_nothing_for_a_multi_machine_stage()
     assert placement.ray_options(res, _Cfg(), Execution(parallel=2)) == {}
 
 
+def test_what_a_node_needs_of_the_clusters_machines():
+    """placement_demand: the task's reservation by Ray's names on one machine; a multi-machine stage's ranks need
+    num_processes CPUs on each of `nodes` machines (its task itself reserves nothing)."""
+    on = Execution(cluster="h:1")
+    res = NodeResources(cpus=2, gpus=0, memory_gb=1.5, labels={"a100": 1})
+    assert placement.placement_demand(res, _Cfg(), on) == ({"CPU": 2.0, "memory": 1.5 * 2**30, "a100": 1.0}, 1)
+    assert placement.placement_demand(NodeResources(cpus=0), object(), on) == ({}, 1)
+    assert placement.placement_demand(res, _Cfg(nodes=3, num_processes=2), on) == ({"CPU": 2.0}, 3)
+
+
+def test_a_demand_no_alive_node_holds_is_named_with_what_no_node_offers():
+    """unplaceable: a demand fits when enough alive nodes each have all of it (a dead node counts for nothing);
+    the message names the node, what no machine offers at all, and what the alive machines offer."""
+    nodes = [{"NodeID": "aaaaaaaa11", "Alive": True, "Resources": {"CPU": 1.0, "head": 1.0, "node:127.0.0.1": 1.0}},
+             {"NodeID": "bbbbbbbb22", "Alive": True, "Resources": {"CPU": 1.0, "trainer": 1.0}},
+             {"NodeID": "cccccccc33", "Alive": False, "Resources": {"CPU": 8.0, "a100": 1.0}}]
+    demands = {"sft": ({"CPU": 1.0, "a100": 1.0}, 1), "prompts": ({"CPU": 1.0}, 1), "eval": ({}, 1),
+               "dpo": ({"CPU": 1.0, "trainer": 1.0}, 1), "big": ({"CPU": 2.0}, 1), "wide": ({"CPU": 1.0}, 3),
+               "pair": ({"CPU": 1.0}, 2)}
+    missing = placement.unplaceable(demands, nodes)
+    assert list(missing) == ["sft", "big", "wide"]
+    line = placement.unplaceable_message(missing, nodes, "10.0.0.1:6379", 60.2)
+    assert "\n" not in line
+    assert line.startswith("node 'sft' needs CPU=1, a100=1 on one Ray node (no node offers a100); "
+                           "node 'big' needs CPU=2 on one Ray node (0 node(s) have that much); "
+                           "node 'wide' needs CPU=1 on each of 3 Ray nodes (it trains across machines) (2 node(s) "
+                           "have that much); still so after 60 s on the cluster at 10.0.0.1:6379 (its alive nodes: "
+                           "aaaaaaaa: CPU=1, head=1; bbbbbbbb: CPU=1, trainer=1)"), line
+
+
+def test_the_driver_waits_for_a_machine_that_fits_then_names_what_none_offers():
+    """wait_until_placeable polls the cluster's nodes: a machine that joins within the wait (an autoscaler's) ends
+    it; none within the wait is one ConfigError."""
+    import logging
+
+    small = {"NodeID": "a" * 8, "Alive": True, "Resources": {"CPU": 1.0}}
+    big = {"NodeID": "b" * 8, "Alive": True, "Resources": {"CPU": 1.0, "a100": 1.0}}
+
+    class Cluster:
+        def __init__(self, views):
+            self.views = views
+
+        def nodes(self):
+            return self.views.pop(0) if len(self.views) > 1 else self.views[0]
+
+    log = logging.getLogger("test")
+    placement.wait_until_placeable(Cluster([[small], [small], [small, big]]), {"sft": ({"a100": 1.0}, 1)}, "h:1", log,
+                                   wait_s=5, poll_s=0.01)
+    with pytest.raises(ConfigError, match=r"^node 'sft' needs a100=1 on one Ray node \(no node offers a100\); "
+                                          r"still so after 0 s"):
+        placement.wait_until_placeable(Cluster([[small]]), {"sft": ({"a100": 1.0}, 1)}, "h:1", log, wait_s=0.05,
+                                       poll_s=0.01)
+
+
 def test_execution_modes():
     assert not Execution().concurrent and Execution(parallel=2).concurrent and Execution(cluster="h:1").concurrent
     with pytest.raises(ConfigError, match="--parallel 0"):
@@ -128,7 +183,8 @@ def test_cluster_address_from_the_flag_or_ray_address(monkeypatch):
 
 
 def test_the_driver_refuses_a_cluster_run_it_cannot_serve(monkeypatch):
-    on = Execution(cluster="127.0.0.1:6379")
+    head = socket.create_server(("127.0.0.1", 0))  # something that answers where the cluster's head should
+    on = Execution(cluster=f"127.0.0.1:{head.getsockname()[1]}")
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
     with pytest.raises(ConfigError, match="needs a Prefect server that every cluster node can reach"):
         placement.check_driver(on, "/shared/home", "sqlite:////shared/home/mlflow.db")
@@ -138,8 +194,21 @@ def test_the_driver_refuses_a_cluster_run_it_cannot_serve(monkeypatch):
     with pytest.raises(ConfigError, match="not an absolute path"):
         placement.check_driver(on, "/shared/home", "sqlite:///mlflow.db")
     placement.check_driver(on, "s3://bucket/r1flow", "http://10.0.0.1:5000")
+    head.close()  # nothing answers there now: one line at once, not Ray's connection retries
+    with pytest.raises(ConfigError, match=f"no Ray cluster answers at {on.cluster} \\(connection refused\\)"):
+        placement.check_driver(on, "s3://bucket/r1flow", "http://10.0.0.1:5000")
     monkeypatch.delenv("PREFECT_API_URL")
     placement.check_driver(Execution(parallel=2), "home", "sqlite:///x.db")  # one machine: nothing to check
+
+
+def test_a_ray_address_names_the_port_its_first_connection_goes_to():
+    assert placement.head_endpoint("10.0.0.5:6380") == ("10.0.0.5", 6380)
+    assert placement.head_endpoint("head") == ("head", 6379)  # Ray's default GCS port
+    assert placement.head_endpoint("ray://head") == ("head", 10001)  # Ray Client's
+    assert placement.head_endpoint("ray://[::1]:10002") == ("::1", 10002)
+    assert placement.head_endpoint("auto") is None  # Ray finds it on this machine
+    with pytest.raises(ConfigError, match="expected HOST:PORT"):
+        placement.head_endpoint("head:port")
 
 
 def test_workers_get_the_runs_settings_and_the_cluster_marker(monkeypatch):
@@ -150,6 +219,16 @@ def test_workers_get_the_runs_settings_and_the_cluster_marker(monkeypatch):
     assert env["R1FLOW_HOME"] == "/shared/h" and env["R1FLOW_STORE"] == "s3://b/p"
     assert env["MLFLOW_TRACKING_URI"] == "http://10.0.0.1:5000" and env["PREFECT_API_URL"].endswith(":4200/api")
     assert env[placement.CLUSTER_VAR] == "1" and env["AWS_SECRET_ACCESS_KEY"] == "s" and "AWS_SESSION_TOKEN" not in env
+
+
+def test_workers_start_with_the_drivers_mkl_mode(monkeypatch):
+    """MKL reads MKL_CBWR at a process's first product, so a worker must start with it (a node's own environment
+    may have none): the driver's mode, else the default."""
+    settings = {"home": "/shared/h", "store": "/shared/h", "tracking_uri": "http://10.0.0.1:5000"}
+    monkeypatch.delenv("MKL_CBWR", raising=False)
+    assert placement.worker_env(settings)["MKL_CBWR"] == "AUTO,STRICT"
+    monkeypatch.setenv("MKL_CBWR", "COMPATIBLE")
+    assert placement.worker_env(settings)["MKL_CBWR"] == "COMPATIBLE"
 
 
 def test_a_run_outside_a_cluster_records_its_host_only(monkeypatch):

@@ -80,9 +80,13 @@ def choose_wait_policy(env: dict[str, str] | os._Environ = os.environ, load: flo
 def reproducible_products(env: dict[str, str] | os._Environ = os.environ) -> str:
     """MKL_CBWR=AUTO,STRICT for this process and everything it starts, unless the environment names a mode: MKL's
     matrix products then give the same bits on any number of threads, so a stage's outputs do not depend on the
-    share of the cores it was given. MKL reads the variable at its first call, so it must be set before a stage's
-    first product (the CLI's first step; `stage_share` again, for processes that did not start from the CLI, such
-    as a Ray worker's). Returns the mode in effect."""
+    share of the cores it was given. The mode also picks MKL's code path: a reward model's score head (a
+    matrix-vector product) rounds differently without it, even on one thread. MKL reads the variable once, at the
+    process's first product (not when torch is imported), and keeps that mode for good: it must be set before then
+    (the CLI's first step; `stage_share` again, for processes that did not start from the CLI). A Ray worker may
+    already have run a product when a stage task starts in it, so a cluster run hands the driver's mode to its
+    workers' environment as they start (flows.placement.worker_env), where a node's own environment may have none.
+    Returns the mode in effect."""
     return env.setdefault(REPRODUCIBLE_VAR, REPRODUCIBLE)
 
 

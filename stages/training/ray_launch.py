@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from schemas.errors import ConfigError, StageError
+from stages.runtime.threads import REPRODUCIBLE_VAR, reproducible_products
 
 NOT_SHARED = "multi-node stages need R1FLOW_HOME on a filesystem every node shares"
 INFEASIBLE_WAIT_S = 60.0  # too few machines with the resources: how long to wait for more (an autoscaler) before failing
@@ -76,8 +77,10 @@ def connect(stage: str, nodes: int) -> Any:
         raise ConfigError(f"{stage}.resources.nodes={nodes} needs a Ray cluster: run with "
                           f"`r1flow run --cluster ADDRESS` (or RAY_ADDRESS)")
     try:
-        # the ranks' output comes through their log files (see RankActor.run), not Ray's log forwarding
-        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
+        # the ranks' output comes through their log files (see RankActor.run), not Ray's log forwarding; MKL's mode
+        # must be in the rank processes' environment when they start (stages.runtime.threads.reproducible_products)
+        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False,
+                 runtime_env={"env_vars": {REPRODUCIBLE_VAR: reproducible_products(dict(os.environ))}})
     except ConnectionError as e:
         raise ConfigError(f"{stage}.resources.nodes={nodes}: cannot connect to the Ray cluster at "
                           f"RAY_ADDRESS={address}: {e}") from None
