@@ -126,6 +126,16 @@ def holder_gone(record: LeaseRecord | None) -> bool:
     return parsed is not None and owner_gone(*parsed)
 
 
+def takeover_message(key: str, stale: LeaseRecord | None, stale_expiry: float, now: float) -> str:
+    """Why a lease was taken over: it expired, or (before its expiry) its holder is a process of this host that is
+    gone (`holder_gone`)."""
+    whose = f"{stale.owner} on {stale.host}" if stale else "an unreadable lease"
+    if now > stale_expiry:
+        return f"lease {key}: took over from {whose}, expired {now - stale_expiry:.1f} s ago"
+    return (f"lease {key}: took over from {whose}: its holder (pid {stale.pid} on this host) is gone, "
+            f"{stale_expiry - now:.1f} s before its lease ran out")
+
+
 def wait_message(record: LeaseRecord | None, key: str) -> str:
     if record is None:
         return f"waiting for an unknown holder (unreadable lease) computing {key}"
@@ -328,9 +338,7 @@ class Lease:
                 self.files.delete(self.name)
             if self._create_now():
                 self.took_over = stale_id
-                self.log.warning(f"lease {self.key}: took over from "
-                                 f"{stale.owner + ' on ' + stale.host if stale else 'an unreadable lease'}, "
-                                 f"expired {time.time() - stale_expiry:.1f} s ago")
+                self.log.warning(takeover_message(self.key, stale, stale_expiry, time.time()))
                 return True
             return False
         finally:

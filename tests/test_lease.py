@@ -220,8 +220,9 @@ def test_two_processes_never_compute_at_once(store, tmp_path):
     assert _read(store, "contended") is None
 
 
-def test_a_killed_holder_on_this_host_is_taken_over_at_once(store, tmp_path):
-    """Its process is provably gone (flows.store.owner_gone): waiting for the expiry would only waste the ttl."""
+def test_a_killed_holder_on_this_host_is_taken_over_at_once(store, tmp_path, caplog):
+    """Its process is provably gone (flows.store.owner_gone): waiting for the expiry would only waste the ttl. The
+    takeover's line says so, not that the lease "expired -0.8 s ago" (its expiry is still ahead)."""
     p = _spawn(_HOLD_FOREVER, store.uri, str(tmp_path / "home-killed"))
     try:
         holder = p.stdout.readline().strip()
@@ -231,7 +232,8 @@ def test_a_killed_holder_on_this_host_is_taken_over_at_once(store, tmp_path):
         os.kill(p.pid, signal.SIGKILL)
         killed_at = time.time()
         p.wait(timeout=10)
-        with L.hold(store, "killed", ttl_s=30, renew_every_s=5, poll_s=0.05, skew_s=0, timeout_s=10) as held:
+        with caplog.at_level(logging.WARNING, logger="r1flow"), \
+                L.hold(store, "killed", ttl_s=30, renew_every_s=5, poll_s=0.05, skew_s=0, timeout_s=10) as held:
             taken = time.time()
             assert held.took_over == holder
     finally:
@@ -239,6 +241,8 @@ def test_a_killed_holder_on_this_host_is_taken_over_at_once(store, tmp_path):
             p.kill()
             p.wait()
     assert taken - killed_at < 5, taken - killed_at  # far sooner than the 30 s its last renewal promised
+    [line] = [r.message for r in caplog.records if "took over" in r.message]
+    assert f"its holder (pid {p.pid} on this host) is gone" in line and "expired" not in line, line
 
 
 def test_a_silent_holder_on_another_host_is_taken_over_after_its_expiry(store):
