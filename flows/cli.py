@@ -56,17 +56,19 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_stages(args: argparse.Namespace) -> int:
-    from schemas.configs import STAGE_CONFIGS
-    from stages import STAGE_MODULES, STAGE_SUMMARIES, get_stage
+    """Every stage, its inputs and outputs (and with -v its config fields): the same descriptions the documentation
+    site's stage pages are generated from (docs/hooks/reference.py)."""
+    from schemas.config_fields import config_fields
+    from stages import STAGE_MODULES, describe_stage
 
     for name in STAGE_MODULES:
-        module = get_stage(name)
-        ins = ", ".join(f"{k}:{v}" for k, v in module.INPUTS.items()) or "-"
-        outs = ", ".join(f"{k}:{v}" for k, v in module.OUTPUTS.items())
-        print(f"{name} (v{module.VERSION}) — {STAGE_SUMMARIES[name]}\n  inputs: {ins}\n  outputs: {outs}")
+        stage = describe_stage(name)
+        ins = ", ".join(f"{k}:{v}" for k, v in stage.inputs.items()) or "-"
+        outs = ", ".join(f"{k}:{v}" for k, v in stage.outputs.items())
+        print(f"{name} (v{stage.version}) — {stage.summary}\n  inputs: {ins}\n  outputs: {outs}")
         if args.verbose:
-            for field, info in STAGE_CONFIGS[name].model_fields.items():
-                print(f"    {field} = {info.get_default(call_default_factory=True)!r}  # {info.description}")
+            for field in config_fields(stage.config):
+                print(f"    {field.name} = {field.default!r}  # {field.description}")
     return 0
 
 

@@ -7,6 +7,7 @@ Modules are imported lazily so that listing stages or validating a recipe stays 
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 from types import ModuleType
 
 from schemas.errors import ConfigError
@@ -57,6 +58,25 @@ def get_stage(name: str) -> ModuleType:
     if name not in STAGE_MODULES:
         raise ConfigError(f"unknown stage {name!r}; known stages: {', '.join(STAGE_MODULES)}")
     return importlib.import_module(STAGE_MODULES[name])
+
+
+@dataclass(frozen=True)
+class StageDescription:
+    """What `r1flow stages` and the stage reference pages (docs/hooks/reference.py) show of a stage."""
+
+    name: str
+    version: str
+    summary: str
+    inputs: dict[str, str]  # name -> kind; `a|b` either kind, a trailing `?` optional
+    outputs: dict[str, str]
+    config: type
+    doc: str  # the module's docstring
+
+
+def describe_stage(name: str) -> StageDescription:
+    module = get_stage(name)
+    return StageDescription(name, module.VERSION, STAGE_SUMMARIES[name], dict(module.INPUTS), dict(module.OUTPUTS),
+                            module.CONFIG, module.__doc__ or "")
 
 # The sampler version the keys of sampling stages were computed under before it entered them: at this version
 # a key is what it was, so bringing the sampler in moved no cache entry.

@@ -186,7 +186,8 @@ class Verdict:
     correct_lenient: bool | None = None
 
 
-_SHAPING = ("accuracy", "format", "tags", "overlong", "repetition", "cosine", "language", "reward_model")
+# The components a weight of `RewardSpec.weights` may name besides a verifier's own (the reference page lists them).
+COMPONENTS = ("accuracy", "format", "tags", "overlong", "repetition", "cosine", "language", "reward_model")
 
 
 def score(
@@ -214,7 +215,7 @@ def score(
     absent component); a weight naming no component raises ValueError.
     """
     spec = spec if spec is not None else RewardSpec()
-    known = {*_SHAPING, *VERIFIERS}
+    known = {*COMPONENTS, *VERIFIERS}
     unknown = set(spec.weights) - known
     if unknown:
         raise ValueError(f"unknown reward weight(s) {sorted(unknown)}; known components: {sorted(known)}")
