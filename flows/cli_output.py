@@ -206,15 +206,16 @@ def ui_command(home: str) -> str:
 
 def print_gains(console, gains: list[dict]) -> None:
     """Each stage's paired gain over the model it was trained from (flows/gains.py), a line each."""
-    from flows.gains import fmt_gain
+    from flows.gains import fmt_gain, gain_labels
 
     if not gains:
         return
     console.print("stage gains, held-out accuracy points, paired by prompt [95% interval]:")
-    width = max(len(g["model"]) for g in gains)
-    for g in gains:
-        console.print(f"  {g['model']:<{width}}  {fmt_gain(g):<24} over {g['start']} ({g['relation'].removeprefix('over ')})"
-                      f", {g['prompts']} prompts", markup=False)
+    labels = gain_labels(gains)  # `[python]`: the environment an eval sampled in, where the gains span several
+    width = max(len(model) for model, _ in labels)
+    for g, (model, over) in zip(gains, labels, strict=True):
+        console.print(f"  {model:<{width}}  {fmt_gain(g):<24} over {over} ({g['relation'].removeprefix('over ')})"
+                      f", {g['prompts']} prompts", markup=False, soft_wrap=True)  # a line a gain, never cut
 
 
 def print_summary(result: dict, total: float, before_flow: float, console=None) -> None:
@@ -260,6 +261,9 @@ def print_summary(result: dict, total: float, before_flow: float, console=None) 
     if report.get("path"):
         console.print("report (with its comparison CSV/JSON and plots in the same folder):")
         line(report["path"])
+    elif report.get("url"):  # a tracking server: its mlflow-artifacts: URI opens nowhere, the UI's page does
+        console.print("report (in the MLflow parent run's Artifacts, with its comparison CSV/JSON and plots):")
+        line(report["url"])
     elif report.get("uri"):
         console.print("report (an artifact of the MLflow parent run; the UI shows it under Artifacts):")
         line(report["uri"])

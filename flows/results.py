@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 KEY_METRICS = {
     "import_model": ("parameters",),
     "prompts": ("train_rows", "eval_rows"),
-    "sft": ("final_loss", "trained_steps"),
+    "sft": ("final_loss", "steps", "resumed_from_step"),  # the stage's steps, not those of its last stretch alone
     "rejection_sampling": ("acceptance_rate", "accepted_rows", "sample_accuracy"),
     "preference_data": ("pairs", "mean_margin"),
     "reward_model": ("eval_accuracy", "eval_margin"),
@@ -23,6 +23,7 @@ KEY_METRICS = {
                 "heldout_nll_teacher"),
     "eval": ("accuracy", "accuracy_lenient", "format_rate", "pass_at_[0-9]", "pass_at_[0-9][0-9]", "mean_length"),
 }
+SHOWN_WHEN_NONZERO = frozenset({"resumed_from_step"})  # 0: the stage ran from its first step, which goes unsaid
 
 
 @dataclass
@@ -46,7 +47,8 @@ class StageResult:
 
 def key_metrics(stage: str, metrics: dict[str, float]) -> dict[str, float]:
     """The few metrics the summary table shows for a stage (patterns allow e.g. pass_at_4)."""
-    return {k: v for pattern in KEY_METRICS.get(stage, ()) for k, v in metrics.items() if fnmatch.fnmatchcase(k, pattern)}
+    return {k: v for pattern in KEY_METRICS.get(stage, ()) for k, v in metrics.items() if fnmatch.fnmatchcase(k, pattern)
+            and not (k in SHOWN_WHEN_NONZERO and not v)}
 
 
 def fmt_metric(v: float) -> str:

@@ -144,6 +144,36 @@ def test_a_run_without_evals_says_so():
     assert any("model comparison: none" in line for line in _render(result, WIDTH))
 
 
+def test_stages_that_overlapped_get_no_negative_start_up_overhead():
+    """23 stages of 12.5 s summed (287.5 s) within a 300 s run whose flow took 290 s: 12.5 s of overhead. Run side by
+    side, the same stages take 140 s of the flow: no overhead can be told apart, and none is printed below 0."""
+    def timing(result, total):
+        buf = io.StringIO()
+        print_summary(result, total=total, before_flow=10.0, console=Console(file=buf, width=200, highlight=False))
+        return next(line for line in buf.getvalue().splitlines() if line.startswith("stage work"))
+
+    assert timing(_result(), 300.0) == ("stage work 287.5 s; fixed start-up overhead 12.5 s (imports and validation "
+                                        "10.0 s, the rest Prefect/MLflow); total 300.0 s")
+    assert timing(_result(), 150.0) == ("stage work 287.5 s, summed over stages that ran side by side within the "
+                                        "flow's 140.0 s; imports and validation 10.0 s; total 150.0 s")
+
+
+def test_a_resumed_stage_shows_its_steps_and_where_it_resumed():
+    """An sft of 400 steps resumed at step 120 trained 280 here: the table says steps=400, resumed_from_step=120 (not
+    trained_steps=280, which reads as a short stage); from step 0 it says steps=400 alone."""
+    result = _result()
+    result["stages"] = [{**result["stages"][1], "node": "sft", "stage": "sft", "status": "run",
+                         "metrics": {"final_loss": 2.5, "steps": 400.0, "trained_steps": 280.0,
+                                     "resumed_from_step": 120.0}},
+                        {**result["stages"][1], "node": "sft_fresh", "stage": "sft", "status": "run",
+                         "metrics": {"final_loss": 2.5, "steps": 400.0, "trained_steps": 400.0,
+                                     "resumed_from_step": 0.0}}]
+    lines = _render(result, 200)
+    assert "final_loss=2.500, steps=400, resumed_from_step=120" in next(x for x in lines if x.strip().startswith("sft "))
+    fresh = next(x for x in lines if x.strip().startswith("sft_fresh"))
+    assert "final_loss=2.500, steps=400" in fresh and "resumed" not in fresh and "trained_steps" not in fresh
+
+
 # ---------------------------------------------------------------------------- the tiny r1 recipe through the CLI
 @pytest.mark.slow
 def test_tiny_r1_run_ends_with_comparison_report_path_and_ui_command(tmp_path):
