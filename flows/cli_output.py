@@ -218,6 +218,18 @@ def print_gains(console, gains: list[dict]) -> None:
                       f", {g['prompts']} prompts", markup=False, soft_wrap=True)  # a line a gain, never cut
 
 
+def time_line(stage_work: float, total: float, before_flow: float) -> str:
+    """(pure) Where a run's time went: the stages' seconds summed, and the rest of the total. Stages that ran side by
+    side (--parallel, --cluster) sum to more than the flow's wall time, which leaves no start-up overhead to tell
+    apart: then the line says so instead of printing a negative one."""
+    flow = total - before_flow
+    if stage_work <= flow:
+        return (f"stage work {stage_work:.1f} s; fixed start-up overhead {total - stage_work:.1f} s (imports and "
+                f"validation {before_flow:.1f} s, the rest Prefect/MLflow); total {total:.1f} s")
+    return (f"stage work {stage_work:.1f} s, summed over stages that ran side by side within the flow's {flow:.1f} s; "
+            f"imports and validation {before_flow:.1f} s; total {total:.1f} s")
+
+
 def print_summary(result: dict, total: float, before_flow: float, console=None) -> None:
     """The end of `r1flow run`: the per-stage table and timings, then the model comparison, where
     the report is, how to open the UIs and the URL of the MLflow parent run (each URL and path on
@@ -233,9 +245,7 @@ def print_summary(result: dict, total: float, before_flow: float, console=None) 
     table, _ = fit_table(console, stage_columns(result),
                          title=Text(f"r1flow run — recipe {result['recipe']}, profile {result['profile']}"))
     console.print(table)
-    stage_work = sum(r["seconds"] for r in result["stages"])
-    console.print(f"stage work {stage_work:.1f} s; fixed start-up overhead {total - stage_work:.1f} s "
-                  f"(imports and validation {before_flow:.1f} s, the rest Prefect/MLflow); total {total:.1f} s")
+    console.print(time_line(sum(r["seconds"] for r in result["stages"]), total, before_flow))
 
     def line(text: str) -> None:  # a path or URL: not wrapped, so it can be copied whole
         console.print(text, soft_wrap=True, markup=False)
