@@ -35,6 +35,7 @@ from mlflow.exceptions import MlflowException
 
 from flows.mlflow_runs import get_run, run_link
 from flows.recipes import Plan
+from flows.report_tables import markdown_tables
 from flows.results import fmt_metric
 from flows.tracking import Tracker
 
@@ -233,14 +234,12 @@ def comparison_markdown(payload: dict[str, Any], tracker: Tracker) -> list[str]:
     tasks = list(dict.fromkeys(m.group(1) for r in shown for k in r if (m := TASK_ACCURACY.fullmatch(k))))
     ks = {(r.get("pass_k"), r.get("pass_k_prompts")) for r in shown if r.get("pass_at_k") is not None}
     one_k = len(ks) == 1  # one k on one number of prompts: said once, in the header
-    titles = [fmt_pass_k(*next(iter(ks))) if key == "pass_at_k" and one_k else title for key, title in COMPARISON_COLUMNS]
-    md = ["", "## Model comparison", "",
-          "| eval | model | model fp | " + " | ".join(titles + [f"acc: {t}" for t in tasks]) + " |",
-          "|---|---|---|" + "---|" * (len(titles) + len(tasks))]
+    columns = sorted(COMPARISON_COLUMNS, key=lambda c: c[0] != "accuracy" and c[0] != "prompts")  # n by accuracy
+    titles = [fmt_pass_k(*next(iter(ks))) if key == "pass_at_k" and one_k else title for key, title in columns]
 
-    def line(label: str, row: dict[str, Any]) -> str:
+    def line(label: str, row: dict[str, Any]) -> list[str]:
         cells = []
-        for key, _ in COMPARISON_COLUMNS:
+        for key, _ in columns:
             cell = fmt_interval(row, key) if key == "accuracy" else _cell(row.get(key))
             if key == "pass_at_k" and not one_k and row.get(key) is not None:
                 n = row.get("pass_k_prompts")
@@ -248,12 +247,15 @@ def comparison_markdown(payload: dict[str, Any], tracker: Tracker) -> list[str]:
             cells.append(cell)
         cells += [fmt_interval(row, f"{t}/accuracy") for t in tasks]
         fp = row.get("model_fingerprint")
-        return f"| {label} | {row.get('model') or '?'} | {fp[:8] if fp else '—'} | " + " | ".join(cells) + " |"
+        return [label, row.get("model") or "?", fp[:8] if fp else "—", *cells]
 
+    lines = []
     for row in rows:
-        md.append(line(row["eval"], row))
+        lines.append(line(row["eval"], row))
         if row["eval"] in before:
-            md.append(line(f"↳ previous (run {prev['parent_run_id'][:8]})", before[row["eval"]]))
+            lines.append(line(f"↳ previous (run {prev['parent_run_id'][:8]})", before[row["eval"]]))
+    md = ["", "## Model comparison", "",
+          *markdown_tables(["eval", "model", "model fp", *titles, *(f"acc: {t}" for t in tasks)], lines)]
     md += ["", "Accuracy `a [low, high]`: the 95% percentile bootstrap interval of the accuracy over the eval's "
            "scored greedy prompts (`prompts` is the eval size); no interval: an eval logged without one. "
            "Overlapping intervals of two models do not by themselves show that they are equal: both were "
@@ -285,16 +287,18 @@ def tool_use_markdown(results: list[StageResult]) -> list[str]:
     evals = [r for r in results if r.stage == "eval" and r.status != "skipped" and "tool_calls_per_answer" in r.metrics]
     if not evals:
         return []
-    md = ["", "## Tool use (evals with a tool environment)", "",
-          "| eval | tool calls / answer | tool error rate | turns | accuracy | "
-          + " | ".join(f"acc, {label} (share)" for _, label in TOOL_BINS) + " |", "|---|---|---|---|---|---|---|---|"]
+    rows = []
     for r in evals:
         m = r.metrics
         bins = [f"{_cell(_finite(m.get(f'{key}/accuracy')))} ({_cell(_finite(m.get(f'{key}/share')))})"
                 for key, _ in TOOL_BINS]
-        md.append(f"| {r.node} | {_cell(_finite(m.get('tool_calls_per_answer')))} | "
-                  f"{_cell(_finite(m.get('tool_error_rate')))} | {_cell(_finite(m.get('turns')))} | "
-                  f"{fmt_interval(m, 'accuracy')} | " + " | ".join(bins) + " |")
-    md += ["", "Greedy answers; a bin with no answers has no accuracy (—). The tool error rate is over calls.", ""]
+        calls = _finite(m.get("tool_calls_per_answer"))
+        errors = _cell(_finite(m.get("tool_error_rate"))) if calls else "—"  # no calls (an older eval logged 0): none
+        rows.append([r.node, _cell(calls), errors, _cell(_finite(m.get("turns"))), fmt_interval(m, "accuracy"), *bins])
+    md = ["", "## Tool use (evals with a tool environment)", "",
+          *markdown_tables(["eval", "tool calls / answer", "tool error rate", "turns", "accuracy",
+                            *(f"acc, {label} (share)" for _, label in TOOL_BINS)], rows)]
+    md += ["", "Greedy answers; a bin with no answers has no accuracy (—). The tool error rate is over calls (— without "
+           "calls).", ""]
     return md
 

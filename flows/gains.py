@@ -14,9 +14,11 @@ A recipe's `compare:` list adds pairs of its own (e.g. the r1-tools arm with the
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from flows.recipes import Plan
+from flows.report_tables import markdown_tables
 from stages.math.stats import paired_bootstrap_diff
 
 if TYPE_CHECKING:
@@ -29,7 +31,7 @@ ALSO_COMPARED = {"teacher": "over its teacher"}  # other model inputs a stage's 
 def gain_pairs(plan: Plan) -> list[dict[str, str]]:
     """(pure) For every eval node E of a model node M and every model M was made from (its start, its teacher) that
     an eval node E0 on the same prompts input evaluates: {eval: E, model: M, compared_with: E0, start: the other
-    model's node, relation}. In plan order."""
+    model's node, relation, environment and over_environment: the environments E and E0 sample in}. In plan order."""
     evals = {n.name: n for n in plan.nodes if n.stage == "eval" and "model" in n.inputs}
     by_model = {(n.inputs["model"], n.inputs.get("prompts"), _environment(n)): name for name, n in evals.items()}
     pairs = []
@@ -48,11 +50,13 @@ def gain_pairs(plan: Plan) -> list[dict[str, str]]:
             if before is not None and before != name and before not in seen:
                 seen.add(before)
                 pairs.append({"eval": name, "model": model_node, "compared_with": before, "start": source[0],
-                              "relation": relation})
+                              "relation": relation, "environment": _environment(e),
+                              "over_environment": _environment(evals[before])})
     for name, over, label in plan.compare:  # the recipe's own pairs (e.g. two arms of one budget)
         if name in evals and over in evals:
             pairs.append({"eval": name, "model": evals[name].inputs["model"][0], "compared_with": over,
-                          "start": evals[over].inputs["model"][0], "relation": label})
+                          "start": evals[over].inputs["model"][0], "relation": label,
+                          "environment": _environment(evals[name]), "over_environment": _environment(evals[over])})
     return pairs
 
 
@@ -104,18 +108,33 @@ def fmt_gain(row: dict[str, Any]) -> str:
     return f"{100 * row['gain']:+.1f} [{100 * row['ci_low']:+.1f}, {100 * row['ci_high']:+.1f}]"
 
 
+def gain_labels(rows: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """(model, the model it is compared with) of each gain row, as the report and the end of `r1flow run` show them:
+    the nodes' names, each with the environment its eval sampled in (`sft_tools [python]`) when the rows span more
+    than one (r1-tools evaluates every model with and without the tool: the same two models twice)."""
+    several = len({r.get("environment") for r in rows} | {r.get("over_environment") for r in rows}) > 1
+
+    def label(node: str, environment: str | None) -> str:
+        return f"{node} [{Path(environment).name}]" if several and environment else node
+
+    return [(label(r["model"], r.get("environment")), label(r["start"], r.get("over_environment"))) for r in rows]
+
+
 def gains_markdown(rows: list[dict[str, Any]]) -> list[str]:
     """The report's "Stage gains" section (nothing without rows)."""
     if not rows:
         return []
-    md = ["", "## Stage gains (held-out accuracy, paired by prompt)", "",
-          "| model | compared with | gain, points [95% CI] | prompts | beyond the noise |", "|---|---|---|---|---|"]
-    for r in rows:
+    table = []
+    for r, (model, over) in zip(rows, gain_labels(rows), strict=True):
         verdict = "—" if r.get("gain") is None else (
             "gain" if r["ci_low"] > 0 else "loss" if r["ci_high"] < 0 else "no")
-        md.append(f"| {r['model']} ({r['eval']}) | {r['start']} {r['relation']} ({r['compared_with']}) | "
-                  f"{fmt_gain(r)} | {r['prompts']} | {verdict} |")
+        table.append([model, over, fmt_gain(r), verdict, str(r["prompts"]), r["relation"].removeprefix("over "),
+                      f"{r['eval']} over {r['compared_with']}"])
+    md = ["", "## Stage gains (held-out accuracy, paired by prompt)", "",
+          *markdown_tables(["model", "over", "gain, points [95% CI]", "beyond the noise", "prompts", "relation",
+                            "evals"], table)]
     md += ["", "Gain: accuracy of the model minus that of the model it was trained from (or its teacher), on the "
            "same greedy held-out prompts; the interval resamples prompts, the same for both models. \"beyond the "
-           "noise\": the interval excludes 0 (one training seed: the seed's own variation is not in it).", ""]
+           "noise\": the interval excludes 0 (one training seed: the seed's own variation is not in it). "
+           "`[name]`: the environment the model's eval sampled in.", ""]
     return md

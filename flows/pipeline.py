@@ -339,7 +339,7 @@ def run_plan(plan: Plan, s: Settings, only: set[str] = frozenset(), force: set[s
     tracker = Tracker(s.tracking_uri, experiment, s.mlflow_artifact_location)
     flow_run_id = _flow_run_id()
     reclaim_abandoned(store, tracker, flow_run_id)
-    parent = tracker.start_run(run_name(f"{plan.recipe} {plan.profile}", flow_run_id), {"r1flow.recipe": plan.recipe, "r1flow.profile": plan.profile,
+    parent = tracker.start_run(run_name(plan.profile, flow_run_id, plan.recipe), {"r1flow.recipe": plan.recipe, "r1flow.profile": plan.profile,
                                                                  "r1flow.flow_run_id": flow_run_id or "",
                                                                  "r1flow.execution": execution.describe()})
     tracker.log_params(parent, {"recipe": plan.recipe, "profile": plan.profile, "model": plan.model, "seed": plan.seed,

@@ -36,13 +36,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
+from urllib.parse import quote
 
 from mlflow.exceptions import MlflowException
 
 from flows.comparison import CI_HIGH, CI_LOW
 from flows.mlflow_runs import stage_runs
 from flows.recipes import Plan
-from flows.tracking import Tracker, sqlite_lock
+from flows.tracking import UI_QUERY, Tracker, sqlite_lock
 from stages import get_stage
 
 if TYPE_CHECKING:
@@ -93,12 +94,16 @@ class Registration:
         by_version: dict[str, list[str]] = {}
         for alias, v in self.aliases.items():
             by_version.setdefault(v, []).append(f"@{alias}")
-        name = f"[`{self.name}`]({tracker.uri.rstrip('/')}/#/models/{self.name})" if tracker.is_server else f"`{self.name}`"
+        # MLflow's registry pages in its model-training view: without workflowType they open in the GenAI one (whose
+        # sidebar has no Model registry), as a browser that never chose a view does
+        base = f"{tracker.uri.rstrip('/')}/#/models/{quote(self.name)}" if tracker.is_server else None
+        name = f"[`{self.name}`]({base}{UI_QUERY})" if base else f"`{self.name}`"
         lines = [f"Registered model {name} (load with `models:/{self.name}@{FINAL_ALIAS}` or "
                  f"`models:/{self.name}@{CHAMPION_ALIAS}`):", ""]
         for ref, v in self.versions.items():
             notes = by_version.get(v, []) + (["new"] if v in self.created else [])
-            lines.append(f"- {ref}: version {v}" + (f" ({', '.join(notes)})" if notes else ""))
+            version = f"[version {v}]({base}/versions/{v}{UI_QUERY})" if base else f"version {v}"
+            lines.append(f"- {ref}: {version}" + (f" ({', '.join(notes)})" if notes else ""))
         return "\n".join(lines)
 
 
@@ -126,8 +131,9 @@ def _ensure_registered_model(tracker: Tracker, name: str, recipe: str) -> None:
         try:
             tracker.client.create_registered_model(
                 name, tags={"r1flow.recipe": recipe},
+                # aliases in code: MLflow renders the description as markdown, a bare @final as a link to GitHub
                 description=f"r1flow recipe `{recipe}`: its final and evaluated models, one version per model "
-                            f"fingerprint. @{FINAL_ALIAS}: the final model of the newest run; @{CHAMPION_ALIAS}: "
+                            f"fingerprint. `@{FINAL_ALIAS}`: the final model of the newest run; `@{CHAMPION_ALIAS}`: "
                             f"the best eval accuracy of the newest run that evaluated every model.")
         except MlflowException as e:  # a concurrent run created it first
             if e.error_code != "RESOURCE_ALREADY_EXISTS":

@@ -1,8 +1,9 @@
 """Run visibility: the report of a pipeline run.
 
 **Report.** `build_report` turns the stage results of one pipeline run into markdown (one table
-row per stage node: a link to the stage's MLflow run, status run/cached/skipped, seconds, key
-metrics; the model comparison table; the registry entry) and PNG plots, only where there is data:
+row per stage node: a link to the stage's MLflow run, status run/cached/skipped, seconds; each node's
+key metrics in a list; the model comparison; the registry entry; every table split to fit a pane,
+flows/report_tables.py) and PNG plots, only where there is data:
 
 - `training_loss.png`: `train/loss` over steps, one panel per node of a loss-trained stage (sft,
   distill, reward_model, preference_optimization; their scales differ too much for one axis). Not
@@ -77,8 +78,9 @@ from flows.report_plots import (
     plot_panels,
     training_panels,
 )
+from flows.report_tables import markdown_tables
 from flows.results import fmt_metric, key_metrics
-from flows.tracking import Tracker
+from flows.tracking import UI_QUERY, Tracker
 
 if TYPE_CHECKING:
     from flows.results import StageResult
@@ -132,25 +134,23 @@ def build_report(plan: Plan, results: list[StageResult], tracker: Tracker, paren
     runs = {r.node: stage_runs(tracker, r) for r in results}
     md = [f"# r1flow run: recipe `{plan.recipe}`, profile `{plan.profile}`", "",
           f"MLflow parent run: {run_link(tracker, parent_run_id, tracker.experiment_id)}; this report and its "
-          f"plots are artifacts of that run under `{REPORT_DIR}/`.", "",
-          # the link before the metrics: a long metrics cell widens the table past a Prefect or MLflow pane (1269 px
-          # in 868 px), and what sits right of it is off-screen
-          "| stage (kind) | MLflow run | status | s | key metrics |",
-          "|---|---|---|---|---|"]
-    outputs = ["", "## Outputs", "", "Artifact fingerprints (`r1flow artifacts PREFIX` shows one).", "",
-               "| stage | output | fingerprint |", "|---|---|---|"]
+          f"plots are artifacts of that run under `{REPORT_DIR}/`.", ""]
+    stages, metrics, outputs = [], [], []
     for r in results:
-        metrics = ", ".join(_key_metric(plan, r, k, v) for k, v in key_metrics(r.stage, r.metrics).items())
-        outputs += [f"| {r.node} | {k} | `{v[:16]}` |" for k, v in r.outputs.items()]
+        shown = ", ".join(_key_metric(plan, r, k, v) for k, v in key_metrics(r.stage, r.metrics).items())
+        metrics += [f"- {r.node}: {shown}"] if shown else []
+        outputs += [[r.node, k, f"`{v[:16]}`"] for k, v in r.outputs.items()]
         sr = runs[r.node]
         link = "—"
         if sr is not None:
             link = run_link(tracker, sr.run_id, sr.experiment_id)
             if sr.source_run_id and sr.source_run_id != sr.run_id:
-                link += f" (produced by {run_link(tracker, sr.source_run_id, sr.source_experiment_id)})"
-        md.append(f"| {r.node} ({r.stage}) | {link} | {r.status} | {r.seconds:.1f} | {metrics} |")
-
-    md += ["", LOAD_NOTE]
+                link += f" (from {run_link(tracker, sr.source_run_id, sr.source_experiment_id)})"
+        stages.append([f"{r.node} ({r.stage})", link, r.status, f"{r.seconds:.1f}"])
+    # the key metrics in a list, which wraps: in a table cell (Prefect's never wrap) they widened the table past
+    # the pane, and what sat right of them was cut off
+    md += markdown_tables(["stage (kind)", "MLflow run", "status", "s"], stages)
+    md += ["", "Key metrics:", "", *metrics, "", LOAD_NOTE]
 
     rows = comparison_rows(plan, results)
     comparison = None
@@ -164,7 +164,8 @@ def build_report(plan: Plan, results: list[StageResult], tracker: Tracker, paren
 
     if registration is not None:
         md += ["", "## Model registry", "", registration.markdown(tracker)]
-    md += outputs
+    md += ["", "## Outputs", "", "Artifact fingerprints (`r1flow artifacts PREFIX` shows one).", ""]
+    md += markdown_tables(["stage", "output", "fingerprint"], outputs)
 
     images = _plots(results, runs, tracker, rows)
     md += ["", "## Plots", ""]
@@ -278,17 +279,23 @@ def _warn(message: str) -> None:
 def report_location(tracker: Tracker, parent_run_id: str, files: list[str]) -> dict[str, Any]:
     """Where `publish_report` put the report: `uri`, the artifact URI of `report/report.md`; `path`,
     its local file when the parent run's artifacts are on this machine and it exists (a local
-    tracking store keeps them under `<home>/mlartifacts/<run>/artifacts/`), else None; `files`,
-    the other files logged beside it (`report/...`, as `publish_report` returns them)."""
+    tracking store keeps them under `<home>/mlartifacts/<run>/artifacts/`), else None; `url`, with a
+    tracking server, the report in its UI (the run's Artifacts tab; an `mlflow-artifacts:` URI opens
+    nowhere), else None; `files`, the other files logged beside it (`report/...`, as `publish_report`
+    returns them)."""
     from urllib.parse import unquote, urlparse
 
-    base = tracker.client.get_run(parent_run_id).info.artifact_uri.rstrip("/")
-    uri = f"{base}/{REPORT_DIR}/report.md"
+    run = tracker.client.get_run(parent_run_id).info
+    uri = f"{run.artifact_uri.rstrip('/')}/{REPORT_DIR}/report.md"
     parsed = urlparse(uri)
     path = None
     if parsed.scheme in ("", "file"):
         local = Path(unquote(parsed.path) if parsed.scheme else uri)
         path = str(local) if local.is_file() else None
-    return {"uri": uri, "path": path, "files": [f for f in files if f != f"{REPORT_DIR}/report.md"]}
+    url = None
+    if tracker.is_server:
+        url = (f"{tracker.uri.rstrip('/')}/#/experiments/{run.experiment_id}/runs/{parent_run_id}/artifacts/"
+               f"{REPORT_DIR}/report.md{UI_QUERY}")
+    return {"uri": uri, "path": path, "url": url, "files": [f for f in files if f != f"{REPORT_DIR}/report.md"]}
 
 

@@ -48,12 +48,14 @@ def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def run_name(what: str, flow_run_id: str | None) -> str:
-    """An MLflow parent run name that tells runs apart: when (UTC, to the minute), a short id, then what ran. The
-    UI's name column shows ~20 characters (beside MLflow's assistant pane at 1280 px), so what differs between
-    runs of one experiment comes first: two runs started in the same minute differ in the id."""
+def run_name(what: str, flow_run_id: str | None, then: str = "") -> str:
+    """An MLflow parent run name that tells runs apart: when (UTC, to the minute), what ran (a pipeline run's
+    profile), a short id (the flow run's), then `then` (a pipeline run's recipe, which its experiment names already):
+    `11-29 03:44 tiny 2cb409 eval`. MLflow's runs table shows the first ~18 characters (beside its assistant pane at
+    1280 px), so what differs between runs of one experiment comes first: the time, the profile, and enough of the
+    id to tell apart two runs started in the same minute."""
     short = (flow_run_id or uuid.uuid4().hex)[:6]
-    return f"{datetime.now(UTC):%m-%d %H:%M} {short} {what}"
+    return f"{datetime.now(UTC):%m-%d %H:%M} {what} {short}" + (f" {then}" if then else "")
 
 
 @contextlib.contextmanager

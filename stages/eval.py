@@ -95,11 +95,11 @@ def summarize(rows: list[dict], k: int) -> dict[str, float]:
 
 def answer_tool_metrics(rows: list[dict]) -> dict[str, float]:
     """Over greedy rows sampled with a tool environment (pure: tested on literal rows): tool calls per answer, the
-    share of calls that failed, model turns per answer, and accuracy (with the share of answers) by the number of
-    calls an answer made: 0, 1, 2 or more (`calls_2plus`)."""
+    share of calls that failed (nan without calls, not 0), model turns per answer, and accuracy (with the share of
+    answers) by the number of calls an answer made: 0, 1, 2 or more (`calls_2plus`)."""
     calls = sum(r["tool_calls"] for r in rows)
     out = {"tool_calls_per_answer": calls / len(rows),
-           "tool_error_rate": sum(r["tool_errors"] for r in rows) / calls if calls else 0.0,
+           "tool_error_rate": sum(r["tool_errors"] for r in rows) / calls if calls else float("nan"),
            "turns": float(np.mean([r["turns"] for r in rows]))}
     for name, lo, hi in TOOL_CALL_BINS:
         group = [r for r in rows if lo <= r["tool_calls"] <= hi]

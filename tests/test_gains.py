@@ -6,6 +6,7 @@ import pytest
 
 from flows.gains import fmt_gain, gain_pairs, gains_markdown, greedy_scores, paired_gain, stage_gains
 from flows.recipes import load_plan
+from flows.report_tables import read_tables
 from flows.results import StageResult
 
 
@@ -71,7 +72,10 @@ def test_stage_gains_read_each_evals_greedy_rows_once():
     assert gains[0]["gain"] == pytest.approx(7 / 8) and gains[0]["prompts"] == 8 and gains[0]["ci_low"] > 0
     assert sorted(reads) == ["eval_base", "eval_sft_cold"]
     md = "\n".join(gains_markdown(gains))
-    assert "| sft_cold (eval_sft_cold) | base over its start (eval_base) | +87.5 [" in md and "| 8 | gain |" in md
+    [row] = read_tables(md.split("## Stage gains")[1])
+    assert row["gain, points [95% CI]"].startswith("+87.5 [") and {k: v for k, v in row.items() if "gain," not in k} == {
+        "model": "sft_cold", "over": "base", "beyond the noise": "gain", "prompts": "8", "relation": "its start",
+        "evals": "eval_sft_cold over eval_base"}  # one environment: the names alone
     assert gains_markdown([]) == []
 
 
@@ -88,6 +92,29 @@ def test_r1_tools_compares_within_an_environment_and_the_recipes_own_pairs():
         ("eval_sft_tools_python", "eval_sft_no_tool", "tool cold start with the tool over the no-tool one"),
     ]
     assert len(pairs) == 10
+
+
+def test_r1_tools_gains_say_which_environment_each_model_was_evaluated_in(capsys):
+    """r1-tools evaluates every model with the python tool and without it: the same two models are compared twice.
+    The end of `r1flow run` printed each such gain twice with the same text (issue 59); each line, and each row of
+    the report's table, names the environment its evals sampled in."""
+    from rich.console import Console
+
+    from flows.cli_output import print_gains
+
+    gains = [{**p, "gain": 0.1 * i, "ci_low": 0.0, "ci_high": 0.2, "prompts": 8, "note": ""}
+             for i, p in enumerate(gain_pairs(load_plan("r1-tools", "tiny", [])))]
+    print_gains(Console(width=200, highlight=False), gains)
+    lines = capsys.readouterr().out.splitlines()[1:]
+    assert len(lines) == len(gains) == len(set(lines)) == 10
+    assert any(line.strip().startswith("grpo_tools [python]") and "over sft_tools [python] (its start)" in line
+               for line in lines), lines
+    assert any(line.strip().startswith("grpo_tools [single_turn]") and "over sft_tools [single_turn] (its start)"
+               in line for line in lines), lines
+    assert any(line.strip().startswith("grpo_tools [python]") and "over grpo_no_tool [single_turn] (tool arm with" in
+               line for line in lines), lines
+    rows = read_tables("\n".join(gains_markdown(gains)).split("## Stage gains")[1])
+    assert len({(r["model"], r["over"], r["relation"]) for r in rows}) == len(rows) == 10
 
 
 def test_a_compare_entry_must_name_eval_nodes_of_the_recipe(tmp_path, monkeypatch):

@@ -12,6 +12,7 @@ import pytest
 
 from flows.cli import main
 from flows.recipes import DEFAULT_RECIPE, load_plan
+from flows.report_tables import read_tables
 from tests.conftest import harness_home
 
 pytestmark = pytest.mark.slow
@@ -45,9 +46,10 @@ def report_text(home: Path, result: dict) -> str:
 
 
 def comparison_table(report: str) -> list[str]:
-    """The rows of the report's model comparison table (header and separator dropped)."""
+    """The rows of the report's model comparison table (its split tables joined: flows/report_tables.py), each as a
+    markdown row."""
     section = report.split("## Model comparison", 1)[1].split("\n## ", 1)[0]
-    return [line for line in section.splitlines() if line.startswith("| ")][1:]  # the separator starts "|-"
+    return ["| " + " | ".join(row.values()) + " |" for row in read_tables(section)]
 
 
 def test_r1_is_the_default_recipe():

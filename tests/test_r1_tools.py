@@ -5,12 +5,14 @@ without it (single_turn: no tool metrics), on the same held-out prompts with the
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
 
 from flows.cli import main
 from flows.recipes import load_plan
+from flows.report_tables import read_tables
 from stages.rewards import sandbox
 from tests.conftest import harness_home
 
@@ -33,7 +35,7 @@ def test_the_plan_evaluates_every_model_with_and_without_the_tool():
     assert tools.model_copy(update={"environment": no_tool.environment}) == no_tool  # the same budget
 
 
-def test_r1_tools_end_to_end(tmp_path_factory, monkeypatch):
+def test_r1_tools_end_to_end(tmp_path_factory, monkeypatch, capsys):
     if sandbox.isolation()["mode"] != "namespaces":  # as tests/test_sandbox.py: this host's only mode, opted into
         monkeypatch.setenv(sandbox.WEAK_ENV, "1")
     with harness_home(tmp_path_factory.mktemp("r1-tools-home")) as home:
@@ -53,11 +55,22 @@ def test_r1_tools_end_to_end(tmp_path_factory, monkeypatch):
             assert 0 <= m["accuracy"] <= 1 and "chain_sum/accuracy" in m and "products/accuracy" in m, model
         assert all(k in tool for k in TOOL_METRICS), model
         assert not any(k in plain for k in TOOL_METRICS), model
-        assert tool["turns"] >= 1 and 0 <= tool["tool_error_rate"] <= 1
+        assert tool["turns"] >= 1 and (0 <= tool["tool_error_rate"] <= 1 if tool["tool_calls_per_answer"] else
+                                       math.isnan(tool["tool_error_rate"]))  # a rate over no calls is none
     # the report: a tool-use row per eval with the tool, RL over the tool cold start, the tool arm over the no-tool arm
-    section = report.split("## Tool use (evals with a tool environment)")[1].split("\n\n")[1]
-    assert [line.split()[1] for line in section.splitlines()[2:]] == [f"eval_{m}_python" for m in MODELS]
-    assert "| grpo_tools (eval_grpo_tools_python) | sft_tools over its start (eval_sft_tools_python) |" in report
-    assert "| grpo_tools (eval_grpo_tools_python) | grpo_no_tool tool arm with the tool over the no-tool arm " \
-           "(eval_grpo_no_tool) |" in report
+    tool_rows = read_tables(report.split("## Tool use (evals with a tool environment)")[1])
+    assert [r["eval"] for r in tool_rows] == [f"eval_{m}_python" for m in MODELS]
+    for r in tool_rows:  # a rate over no calls is none (issue 59)
+        calls, rate = by_node[r["eval"]]["metrics"]["tool_calls_per_answer"], r["tool error rate"]
+        assert (rate == "—") == (calls == 0), r
+    gains = {(g["model"], g["over"], g["relation"], g["evals"])
+             for g in read_tables(report.split("## Stage gains")[1])}
+    assert ("grpo_tools [python]", "sft_tools [python]", "its start", "eval_grpo_tools_python over eval_sft_tools_python") \
+        in gains
+    assert ("grpo_tools [python]", "grpo_no_tool [single_turn]", "tool arm with the tool over the no-tool arm",
+            "eval_grpo_tools_python over eval_grpo_no_tool") in gains
+    # the end of the run: a line a gain, each telling apart the evals with and without the tool (issue 59)
+    printed = capsys.readouterr().out.split("stage gains, held-out accuracy points")[1].splitlines()[1:]
+    printed = [line for line in printed if line.startswith("  ") and " over " in line]
+    assert len(printed) == len(result["comparison"]["gains"]) == len(set(printed)), printed
 

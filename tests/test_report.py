@@ -21,6 +21,7 @@ from flows.registry import (
 )
 from flows.report import artifact_key, build_report, publish_report
 from flows.report_plots import panel_figure, training_panels
+from flows.report_tables import read_tables
 from flows.results import StageResult
 from flows.store import ArtifactStore
 from flows.tracking import Tracker
@@ -94,10 +95,12 @@ def cached_rerun(tracker: Tracker, parent: str, first: list[StageResult]) -> lis
 
 
 def table_rows(markdown: str) -> dict[str, list[str]]:
-    """The stage table (the first table) by node: node, stage, status, seconds, key metrics, MLflow run (whatever
-    the column order of the table)."""
+    """The stage table (the first table) by node: node, stage, status, seconds, key metrics (from the list under the
+    table), MLflow run (whatever the column order of the table)."""
     rows, header = {}, None
-    for line in markdown.split("\n## ")[0].splitlines():
+    first = markdown.split("\n## ")[0]
+    metrics = dict(line[2:].split(": ", 1) for line in first.split("Key metrics:")[1].splitlines() if line.startswith("- "))
+    for line in first.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if not line.startswith("| ") or cells[0] == "---":
             continue
@@ -106,15 +109,16 @@ def table_rows(markdown: str) -> dict[str, list[str]]:
             continue
         by = dict(zip(header, cells, strict=True))
         node, _, stage = by["stage (kind)"].partition(" (")
-        rows[node] = [node, stage.rstrip(")"), by["status"], by["s"], by["key metrics"], by["MLflow run"]]
+        rows[node] = [node, stage.rstrip(")"), by["status"], by["s"], metrics.get(node, ""), by["MLflow run"]]
     return rows
 
 
 def test_the_stage_tables_mlflow_links_come_before_the_long_cells(tracker):
     """The report's MLflow column was off-screen (a 1269 px table in an 868 px pane): the stage table puts each
-    stage's link, and a cached stage's source run, right after the node's name, before the metrics. What precedes
-    the link in a row is the node, its kind and the link's 8-character label: within the first 60 characters
-    (about 420 px of text) of the row as shown."""
+    stage's link, and a cached stage's source run, right after the node's name, and the metrics, in a table cell
+    that never wraps in Prefect's pane, moved to a list under it (issue 59). What precedes the source run's link in
+    a row is the node, its kind and the link's 8-character label: within the first 60 characters (about 420 px of
+    text) of the row as shown."""
     import re
 
     plan = load_plan("sft-eval", "tiny")
@@ -122,10 +126,10 @@ def test_the_stage_tables_mlflow_links_come_before_the_long_cells(tracker):
     parent = tracker.start_run("parent-2", {})
     report = build_report(plan, cached_rerun(tracker, parent, first), tracker, parent)
     table = [line for line in report.markdown.split("\n## ")[0].splitlines() if line.startswith("| ")]
-    assert table[0] == "| stage (kind) | MLflow run | status | s | key metrics |"
+    assert table[0] == "| stage (kind) | MLflow run | status | s |"
     for line in table[2:]:
         shown = re.sub(r"\]\([^)]*\)", "]", line)  # a link shows as its label
-        assert shown.index("produced by [") < 60, shown
+        assert shown.index("(from [") < 60, shown
 
 
 def test_report_has_one_row_per_stage_with_status_and_link_and_plots_with_data(tracker):
@@ -141,7 +145,7 @@ def test_report_has_one_row_per_stage_with_status_and_link_and_plots_with_data(t
             in rows[r.node][5]
     assert "final_loss=1" in rows["sft"][4] and "accuracy=0.500 [0.400, 0.600], format_rate" in rows["eval_sft"][4]
     assert "accuracy=0.250, format_rate" in rows["eval_base"][4]  # no interval logged: the accuracy alone
-    assert len(rows["sft"]) == 6  # five columns: fits the page; the fingerprints have their own table
+    assert len(rows["sft"]) == 6  # four columns and the metrics' list: fits the page; the fingerprints have their own table
     outputs = report.markdown.split("## Outputs")[1].split("\n## ")[0]
     for r in results:
         for name, fingerprint in r.outputs.items():
@@ -149,11 +153,13 @@ def test_report_has_one_row_per_stage_with_status_and_link_and_plots_with_data(t
     assert "r1flow ui" in report.markdown and "mlflow ui" not in report.markdown  # local store: how to open the links (a command that works)
     # the comparison table names the model and its fingerprint, the accuracy with its interval and the
     # eval size; unlogged metrics are dashes
-    assert "| eval | model | model fp | accuracy [95% CI] | lenient acc | pass@k | format rate | mean length | " \
-           "tokens/s † | prompts |" in report.markdown
-    assert f"| eval_sft | sft | {fp('sft-1')[:8]} | 0.500 [0.400, 0.600] | — | — | 0.900 | — | — | 64 |\n" \
-        in report.markdown
-    assert f"| eval_base | base | {fp('base')[:8]} | 0.250 | — | — | 0.100 | — | — | — |\n" in report.markdown
+    # (in tables that fit Prefect's pane, read here as one: flows/report_tables.py)
+    compared = read_tables(report.markdown.split("## Model comparison")[1])
+    assert list(compared[0]) == ["eval", "model", "model fp", "accuracy [95% CI]", "prompts", "lenient acc", "pass@k",
+                                 "format rate", "mean length", "tokens/s †"]
+    assert [list(r.values()) for r in compared] == [
+        ["eval_base", "base", fp("base")[:8], "0.250", "—", "—", "—", "0.100", "—", "—"],
+        ["eval_sft", "sft", fp("sft-1")[:8], "0.500 [0.400, 0.600]", "64", "—", "—", "0.900", "—", "—"]]
     assert "95% percentile bootstrap interval" in report.markdown and "eval size" in report.markdown
     assert "↳ previous" not in report.markdown and "Compared with run" not in report.markdown  # no earlier run
     names = [n for n, _ in report.images]
@@ -170,7 +176,7 @@ def test_cached_stage_links_its_source_run_and_plots_its_curves(tracker):
     rows = table_rows(report.markdown)
     assert {cells[2] for cells in rows.values()} == {"cached"}
     sft_source = next(r.mlflow_run_id for r in first if r.node == "sft")
-    assert f"produced by [{sft_source[:8]}]" in rows["sft"][5]
+    assert f"(from [{sft_source[:8]}]" in rows["sft"][5]
     # curves read from the source run
     assert [n for n, _ in report.images] == ["training_loss.png", "eval.png", "train_sft.png"]
 
@@ -306,8 +312,8 @@ def test_pass_at_k_names_its_prompts_and_throughput_its_machine_load(tracker):
     results = [StageResult(node, "eval", "run", 1.0, "Completed", {"results": fp(node)}, m,
                            stage_run(tracker, parent, node, None, m)) for node, m in ev.items()]
     report = build_report(plan, results, tracker, parent)
-    header = next(line for line in report.markdown.splitlines() if line.startswith("| eval | model |"))
-    assert "| pass@2 (4 prompts) |" in header and "| tokens/s † |" in header
+    header = read_tables(report.markdown.split("## Model comparison")[1])[0]
+    assert "pass@2 (4 prompts)" in header and "tokens/s †" in header
     assert "pass_at_2=0.750 (4 prompts)" in table_rows(report.markdown)["eval_sft"][4]
     assert report.markdown.count("depends on the machine") == 2  # under the stage table and the comparison
 
@@ -396,9 +402,8 @@ def parent_run(tracker: Tracker, plan, name: str) -> str:
 
 
 def comparison_table(markdown: str) -> list[list[str]]:
-    section = markdown.split("## Model comparison")[1].split("\n## ")[0]
-    return [[c.strip() for c in line.strip().strip("|").split("|")] for line in section.splitlines()
-            if line.startswith("| ") and not line.startswith("| eval |")]
+    """The model comparison's rows, its split tables joined (flows/report_tables.py), in the columns' order."""
+    return [list(row.values()) for row in read_tables(markdown.split("## Model comparison")[1].split("\n## ")[0])]
 
 
 def test_rerun_with_changed_model_shows_the_previous_row_for_that_eval_only(tracker, tmp_path, monkeypatch):
@@ -432,7 +437,7 @@ def test_rerun_with_changed_model_shows_the_previous_row_for_that_eval_only(trac
         ["eval_base", "base", fp("base")[:8], "0.250"],
         ["eval_sft", "sft", fp("v2-sft")[:8], "0.100 [0.000, 0.200]"],
         [f"↳ previous (run {p1[:8]})", "sft", fp("sft-1")[:8], "0.500 [0.400, 0.600]"]]  # the old numbers, right below
-    assert table[2][6] == "0.900"  # format rate of the old sft
+    assert table[2][7] == "0.900"  # format rate of the old sft
     assert f"the same eval node in run [{p1[:8]}](" in report.markdown and "changed upstream config" in report.markdown
     prev = report.comparison["previous"]
     assert prev["parent_run_id"] == p1 and [(r["eval"], r["model_fingerprint"], r["accuracy"]) for r in prev["rows"]] == [
@@ -481,11 +486,14 @@ def test_previous_rows_from_before_intervals_show_the_accuracy_alone(tracker):
     from flows.comparison import comparison_csv, comparison_markdown
 
     md = "\n".join(comparison_markdown(payload, tracker))
-    assert "| accuracy [95% CI] | lenient acc | pass@4 | format rate | mean length | tokens/s † | prompts | acc: arith |" \
-        in md  # neither row says on how many prompts: the header cannot either
-    assert (f"| eval_sft | sft | {fp('new')[:8]} | 0.500 [0.375, 0.625] | — | 0.750 | 0.900 | 30 | 100 | 64 "
-            "| 0.250 [0.125, 0.375] |") in md
-    assert f"| ↳ previous (run p1p1p1p1) | sft | {fp('old')[:8]} | 0.375 | 0.500 | 0.500 | 0.800 | 40 | 90 | — | 0.125 |" in md
+    rows = read_tables(md.split("## Model comparison")[1])
+    # neither row says on how many prompts: the header cannot either
+    assert list(rows[0]) == ["eval", "model", "model fp", "accuracy [95% CI]", "prompts", "lenient acc", "pass@4",
+                             "format rate", "mean length", "tokens/s †", "acc: arith"]
+    assert list(rows[0].values()) == ["eval_sft", "sft", fp("new")[:8], "0.500 [0.375, 0.625]", "64", "—", "0.750",
+                                      "0.900", "30", "100", "0.250 [0.125, 0.375]"]
+    assert list(rows[1].values()) == ["↳ previous (run p1p1p1p1)", "sft", fp("old")[:8], "0.375", "—", "0.500", "0.500",
+                                      "0.800", "40", "90", "0.125"]
     lines = list(csv.DictReader(comparison_csv(payload).splitlines()))
     assert [(r["accuracy"], r["accuracy_ci_low"], r["accuracy_ci_high"], r["prompts"], r["arith/accuracy_ci_low"])
             for r in lines] == [("0.5", "0.375", "0.625", "64.0", "0.125"), ("0.375", "", "", "", "")]
@@ -585,6 +593,7 @@ def test_the_tool_use_section_shows_each_tool_evals_calls_errors_turns_and_accur
                StageResult("eval_python", "eval", "cached", 1.0, metrics=tool),
                StageResult("eval_gone", "eval", "skipped", 0.0, metrics=tool)]
     md = tool_use_markdown(results)
-    rows = [line for line in md if line.startswith("| eval_")]
-    assert rows == ["| eval_python | 1.250 | 0.200 | 2.250 | 0.750 [0.500, 1.000] | — (0) | 1 (0.750) | 0 (0.250) |"]
+    rows = read_tables("\n".join(md))
+    assert [list(r.values()) for r in rows] == [
+        ["eval_python", "1.250", "0.200", "2.250", "0.750 [0.500, 1.000]", "— (0)", "1 (0.750)", "0 (0.250)"]]
     assert tool_use_markdown(results[:1]) == []

@@ -12,7 +12,9 @@ the pages a user opens from what those commands printed.
   function, without the form).
 
 Issue 59 item 6: the flow run's page draws the recipe's DAG (test_flow.py's test_the_run_graph_is_the_recipes_dag
-checks the task runs' recorded inputs through the API, in order and with --parallel).
+checks the task runs' recorded inputs through the API, in order and with --parallel). Item 9: the report's location
+`r1flow run` prints opens it, its registry links open the model versions in MLflow's model-training view, every
+report table fits Prefect's artifact pane, and the runs table shows each run's profile.
 
 Skipped without Chromium (R1FLOW_CHROMIUM names the binary; else `chromium`, `chromium-browser`, `google-chrome`
 on PATH) or without the `websockets` package. One module fixture starts the servers; 2.5 min on 2 cores shared
@@ -286,7 +288,8 @@ def test_the_experiment_link_up_prints_opens_the_runs_table_with_readable_run_na
     before the column cuts it. Before issue 44 up printed the experiments list, whose links open an experiment on
     MLflow 3's GenAI overview (#/experiments/<id> redirects to /overview/usage?workflowType=genai); parent runs were
     named `<recipe> <profile> <time> <id>`, which the ~20-character column cut in the middle of the time (and
-    `<time> <recipe> <profile> <id>` after that lost the id: `11-27 15:17 eval tin…`)."""
+    `<time> <recipe> <profile> <id>` after that lost the id: `11-27 15:17 eval tin…`); before issue 59,
+    `<time> <id> <recipe> <profile>` lost the profile (`11-27 15:17 b2905c…`): now `<time> <profile> <id> <recipe>`."""
     info, browser, run = ui["info"], ui["browser"], ui["run"]
     printed = [line.strip() for line in ui["up"].splitlines() if line.strip().startswith("r1flow/eval: ")]
     assert len(printed) == 1, ui["up"]
@@ -307,8 +310,10 @@ def test_the_experiment_link_up_prints_opens_the_runs_table_with_readable_run_na
     shown_time = re.match(r"\d\d-\d\d \d\d:\d\d", cell)
     assert shown_time, f"the runs table shows {cell!r} of {name!r}"
     assert shown_time.group(0) in {f"{when:%m-%d %H:%M}", f"{datetime.fromtimestamp(when.timestamp() - 60, UTC):%m-%d %H:%M}"}
-    # and the short id after it, which tells apart two runs started in the same minute (the recipe is the experiment)
-    assert cell.startswith(name[: len("11-27 15:17 b2905c")]), f"the runs table shows {cell!r} of {name!r}"
+    # then the profile and the start of the flow run's short id, which tells apart two runs started in the same minute
+    # (the recipe is the experiment's name); issue 59: `11-27 15:17 b2905c eval tiny` showed no profile
+    assert cell.startswith(f"{shown_time.group(0)} tiny {run['flow_run_id'][:2]}"), \
+        f"the runs table shows {cell!r} of {name!r}"
 
 
 def test_the_run_link_run_prints_opens_the_run_in_the_model_training_view(ui):
@@ -317,7 +322,8 @@ def test_the_run_link_run_prints_opens_the_run_in_the_model_training_view(ui):
     under GenAI's Evaluations (the sidebar of traces, judges, evaluation runs)."""
     info, browser, run = ui["info"], ui["browser"], ui["run"]
     links = LINK.findall(ui["run_out"])
-    assert links == [run["link"]], ui["run_out"][-1500:]  # one link: MLflow's `View run` lines are silenced
+    # the report's page (issue 59) and the run's: MLflow's own `View run` lines are silenced
+    assert links == [run["report"]["url"], run["link"]], ui["run_out"][-1500:]
     assert "workflowType=machine_learning" in run["link"]
     name = _run_name(info, run["parent_run_id"])
     browser.open(run["link"])
@@ -451,3 +457,106 @@ def test_the_flow_run_page_draws_the_recipes_dag(ui):
     drawn = {node["label"]: {names[p["id"]] for p in node["parents"]} for _, node in graph["nodes"]}
     assert drawn == {"base": set(), "prompts": set(), "eval_base": {"base", "prompts"}}, drawn
     browser.wait("!!document.querySelector('canvas')", what="the run graph's canvas")
+
+
+# ---------------------------------------------------------------------------- issue 59 item 9
+# JS: every table on the page: its header, its width, and whether it fits inside every box that clips it
+TABLES_FIT = f"""[...document.querySelectorAll('table')].map(t => ({{
+  header: [...t.rows[0].cells].map(c => c.innerText.trim()).join(' | '), width: t.getBoundingClientRect().width,
+  fits: ({ON_SCREEN})(t) }}))"""
+
+
+def _tables_fit(browser: Browser, url: str, first_header: str) -> list[dict]:
+    browser.open(url)
+    browser.wait(f"[...document.querySelectorAll('th')].some(t => t.innerText.trim() === {json.dumps(first_header)})",
+                 what=f"the report's tables at {url}")
+    time.sleep(0.5)  # layout settles (images above the tables)
+    return browser.js(TABLES_FIT)
+
+
+def test_the_report_location_run_prints_opens_the_report(ui):
+    """With servers up, `r1flow run` prints where the report is as a URL that opens it: the MLflow UI's Artifacts
+    tab of the parent run, report.md shown, in the model-training view. Before issue 59 it printed the artifact's
+    `mlflow-artifacts:/...` URI, which no browser or shell opens."""
+    info, browser, run = ui["info"], ui["browser"], ui["run"]
+    lines = ui["run_out"].splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("report ("))
+    url = lines[at + 1].strip()
+    assert url.startswith(f"{info.mlflow.url}/#/experiments/{run['experiment_id']}/runs/{run['parent_run_id']}/"), \
+        lines[at: at + 2]
+    assert run["report"]["url"] == url and "mlflow-artifacts:" not in ui["run_out"]
+    browser.open(url)
+    browser.wait("document.body && document.body.innerText.includes('r1flow run: recipe eval, profile tiny') && "
+                 "document.body.innerText.includes('MLflow parent run')", what="report.md in the Artifacts tab")
+    browser.wait(_in_model_training_view(run["experiment_id"]), timeout=20, what="the model-training sidebar")
+
+
+def test_the_reports_registry_links_open_the_model_version_in_the_model_training_view(ui):
+    """The report's "Model registry" links, followed from its Prefect artifact page: each version's link opens that
+    version's registry page, and the model's link the model's, in MLflow's model-training view (its sidebar has
+    the Model registry entry, not GenAI's Prompts), and the model's description has no stray links (a bare
+    `@final` rendered as github.com/final). Before issue 59 the one link, `#/models/<name>`, opened the model in
+    the GenAI view."""
+    info, browser, run = ui["info"], ui["browser"], ui["run"]
+    browser.open(f"{info.prefect.url}/artifacts/artifact/{_report_artifact_id(info, run['flow_run_id'])}")
+    browser.wait("document.body && document.body.innerText.includes('Model registry')", what="the report")
+    links = browser.js("[...document.querySelectorAll('a')].map(a => [a.innerText.trim(), a.href])"
+                       ".filter(([, h]) => h.includes('/#/models/'))")
+    versions = [(text, href) for text, href in links if "/versions/" in href]
+    assert versions and len(links) == len(versions) + 1, links  # the registered model, then each version
+    registry_view = ("[...document.querySelectorAll('a')].some(a => a.innerText.trim() === 'Model registry') && "
+                     "![...document.querySelectorAll('a')].some(a => (a.getAttribute('href') || '') === '#/prompts')")
+    for text, href in links:
+        assert href.startswith(f"{info.mlflow.url}/#/models/r1flow-eval") and href.endswith(
+            "?workflowType=machine_learning"), href
+        browser.open(href)
+        shown = text.capitalize() if "/versions/" in href else "Versions"  # a version's page names it
+        browser.wait(f"document.body && document.body.innerText.includes({json.dumps(shown)})", what=f"{href}")
+        browser.wait(registry_view, timeout=20, what=f"the model-training view at {href}")
+        assert not browser.js("[...document.querySelectorAll('a')].some(a => a.href.includes('github.com'))"), href
+
+
+def test_every_report_table_fits_prefects_artifact_pane(ui):
+    """At a 1280 px window every table of the report is inside Prefect's artifact pane (its cells never wrap):
+    the run's own report, and one with r1-tools' longest names (its sections made by the report's own functions
+    from the recipe's plan: model comparison with a previous row, tool use, stage gains) published to the same
+    server. Before issue 59 the stage table (its key-metrics cell) and the model comparison were 1106 and 1211 px
+    wide in a 700 px pane: their right halves were cut."""
+    info, browser, run = ui["info"], ui["browser"], ui["run"]
+    tables = _tables_fit(browser, f"{info.prefect.url}/artifacts/artifact/"
+                                  f"{_report_artifact_id(info, run['flow_run_id'])}", "stage (kind)")
+    assert len(tables) >= 3 and all(t["fits"] for t in tables), (tables, browser.screenshot())
+    created = _get_json(f"{info.prefect_api_url}/artifacts/", {"key": "r1flow-report-tables", "type": "markdown",
+                                                               "data": _r1_tools_sections()})
+    tables = _tables_fit(browser, f"{info.prefect.url}/artifacts/artifact/{created['id']}", "eval")
+    headers = " / ".join(t["header"] for t in tables)
+    assert "tool error rate" in headers and "gain, points [95% CI]" in headers and "acc: products" in headers, headers
+    assert all(t["fits"] for t in tables), (tables, browser.screenshot())
+
+
+def _r1_tools_sections() -> str:
+    """The model comparison (with a previous row under each eval), tool use and stage gains of an r1-tools run, as
+    the report writes them, with numbers as wide as they get."""
+    from types import SimpleNamespace
+
+    from flows.comparison import comparison_markdown, comparison_payload, comparison_rows, tool_use_markdown
+    from flows.gains import gain_pairs, gains_markdown
+    from flows.recipes import load_plan
+    from flows.results import StageResult
+
+    plan = load_plan("r1-tools", "tiny")
+    wide = {"accuracy": 0.5, "accuracy_ci_low": 0.363, "accuracy_ci_high": 0.637, "accuracy_lenient": 0.516,
+            "pass_at_4": 0.828, "format_rate": 0.984, "mean_length": 187.25, "tokens_per_s": 1234.5, "prompts": 64.0,
+            "tool_calls_per_answer": 1.266, "tool_error_rate": 0.123, "turns": 2.266,
+            **{f"calls_{b}/{k}": 0.516 for b in ("0", "1", "2plus") for k in ("accuracy", "share")},
+            **{f"{t}/accuracy{s}": v for t in ("products", "chain_sum")
+               for s, v in (("", 0.5), ("_ci_low", 0.363), ("_ci_high", 0.637))}}
+    results = [StageResult(n.name, n.stage, "run", 12.3, outputs={"model" if n.stage != "eval" else "results": "f" * 64},
+                           metrics=wide if n.stage == "eval" else {}) for n in plan.nodes]
+    rows = comparison_rows(plan, results)
+    previous = {"parent_run_id": "7c68b6b3" * 4, "rows": [{**r, "model_fingerprint": "e" * 64} for r in rows]}
+    tracker = SimpleNamespace(experiment_id="1", run_url=lambda run_id, exp=None: None,
+                              run_path=lambda run_id, exp=None: f"#/experiments/1/runs/{run_id}")
+    gains = [{**p, "gain": -0.125, "ci_low": -0.25, "ci_high": 0.0, "prompts": 64, "note": ""} for p in gain_pairs(plan)]
+    md = comparison_markdown(comparison_payload(plan, "p" * 32, rows, previous), tracker)
+    return "\n".join([*md, *tool_use_markdown(results), *gains_markdown(gains)]) + "\n"

@@ -1,0 +1,65 @@
+"""The report's tables and names as users read them (issue 59 item 9): tables split to fit Prefect's artifact pane
+(flows/report_tables.py; the browser check is tests/test_ui_browser.py), a tool eval without tool calls, and the
+README's example of a run's name."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flows.report_tables import PANE_CHARS, column_groups, markdown_tables, read_tables, shown_width
+from flows.tracking import run_name
+from stages.rewards import sandbox
+from tests.conftest import clean_env
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_a_wide_table_splits_into_tables_that_fit_each_repeating_its_key_column():
+    headers = ["eval", *(f"metric number {i}" for i in range(8))]
+    rows = [["eval_grpo_no_tool_python", *(f"[0.{i}00](http://127.0.0.1:5000/#/a/very/long/url)" for i in range(8))],
+            ["↳ previous (run 7c68b6b3)", *("0.500 [0.363, 0.637]" for _ in range(8))]]
+    groups = column_groups(headers, rows)
+    assert len(groups) > 1 and all(g[0] == 0 for g in groups)
+    assert sorted(c for g in groups for c in g[1:]) == list(range(1, 9))  # every column once, in order
+    for g in groups:  # each table within the budget, as its cells show (a link as its text)
+        assert sum(max(shown_width(c) for c in [headers[i], *(r[i] for r in rows)]) + 3 for i in g) <= PANE_CHARS
+    lines = markdown_tables(headers, rows)
+    assert sum(line.startswith("| eval |") for line in lines) == len(groups)
+    assert [list(r.values()) for r in read_tables("\n".join(lines) + "\n\nText after the tables.\n| x |")] == rows
+    assert markdown_tables(["a", "b"], [["1", "2"]]) == ["| a | b |", "|---|---|", "| 1 | 2 |"]  # narrow: one table
+
+
+def test_the_readme_names_runs_as_runs_are_named():
+    """The README's example of a parent run's name (`11-26 13:40 cpu 3f2a9c r1`) is what run_name makes: time,
+    profile, the flow run's short id, recipe (issue 59: it showed the order of an older version)."""
+    readme = (ROOT / "README.md").read_text()
+    example = re.search(r"holds a parent run per pipeline run \(`([^`]+)`", readme).group(1)
+    made = run_name("cpu", "3f2a9c" + "0" * 26, "r1")
+    assert re.fullmatch(r"\d\d-\d\d \d\d:\d\d cpu 3f2a9c r1", made)
+    assert example[len("11-26 13:40"):] == made[len("11-26 13:40"):], (example, made)
+
+
+@pytest.mark.slow
+def test_a_tool_eval_without_tool_calls_shows_no_tool_error_rate(tmp_path, monkeypatch):
+    """`r1flow run` of an eval with the python tool on the tiny model, which calls no tool: the report's tool error
+    rate is "—" (a rate over no calls), not 0, and the eval logs it as nan."""
+    env = clean_env(tmp_path / "home")
+    if sandbox.isolation()["mode"] != "namespaces":  # as tests/test_sandbox.py: this host's only mode, opted into
+        env[sandbox.WEAK_ENV] = "1"
+    out = subprocess.run([sys.executable, "-m", "flows.cli", "run", "--recipe", "eval", "--profile", "tiny", "--set",
+                          "eval_base.max_prompts=2", "--set", "eval_base.environment.name=python", "--json",
+                          str(tmp_path / "run.json")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads((tmp_path / "run.json").read_text())
+    metrics = next(s["metrics"] for s in result["stages"] if s["node"] == "eval_base")
+    assert metrics["tool_calls_per_answer"] == 0 and math.isnan(metrics["tool_error_rate"])
+    report = Path(result["report"]["path"]).read_text()
+    [row] = read_tables(report.split("## Tool use")[1])
+    assert row["eval"] == "eval_base" and row["tool calls / answer"] == "0" and row["tool error rate"] == "—", row
