@@ -186,17 +186,25 @@ def _schedule_text(schedules: list[dict]) -> str:
 def unserved_schedules(api_url: str, server_started=None) -> list[str]:
     """A line for each deployment with an active schedule that no worker or `r1flow serve` runner has asked for runs
     within POLLED_WITHIN_S (nor since the server started): Prefect will mark its runs Late. Within RECONNECT_GRACE_S
-    of the server's start this waits out the grace first (a worker that outlived a restart asks again by then).
-    Plain HTTP, not Prefect's client: `r1flow status` stays quick."""
+    of the server's start, such a deployment is looked at again once the grace is over (a worker that outlived a
+    restart asks again by then). Plain HTTP, not Prefect's client: `r1flow status` stays quick."""
     import time
     from datetime import UTC, datetime
 
-    if server_started is not None:
-        wait = RECONNECT_GRACE_S - (datetime.now(UTC) - server_started).total_seconds()
-        if wait > 0:
-            print(f"r1flow: the Prefect server started {RECONNECT_GRACE_S - wait:.0f} s ago; waiting {wait:.0f} s "
-                  "for workers to poll it", flush=True)
-            time.sleep(wait)
+    lines = _unserved(api_url, server_started)
+    wait = 0.0 if server_started is None else \
+        RECONNECT_GRACE_S - (datetime.now(UTC) - server_started).total_seconds()
+    if lines and wait > 0:
+        print(f"r1flow: the Prefect server started {RECONNECT_GRACE_S - wait:.0f} s ago; waiting {wait:.0f} s for "
+              "workers to poll it", flush=True)
+        time.sleep(wait)
+        lines = _unserved(api_url, server_started)
+    return lines
+
+
+def _unserved(api_url: str, server_started) -> list[str]:
+    from datetime import UTC, datetime
+
     try:
         deployments = _prefect_post(api_url, "deployments/filter", {})
         scheduled = [d for d in deployments if not d.get("paused") and any(s.get("active") for s in d["schedules"])]
