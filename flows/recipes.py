@@ -129,6 +129,13 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return path, value
 
 
+# Two things are named `resources` on a node: its placement (`resources:` beside `config:` in a recipe node or a
+# profile, schemas.configs.NodeResources) and a training stage's `config.resources` (processes, machines, ddp/fsdp,
+# schemas.specs.ResourcesSpec). Their keys do not overlap, so `--set NODE.resources.KEY=` takes either: these keys set
+# the placement; the others (nodes, num_processes, processes_per_node, distributed_type, backend) the config.
+PLACEMENT_KEYS = frozenset(NodeResources.model_fields) - {"nodes", "processes_per_node"}
+
+
 def _set_path(d: dict, path: list[str], value: Any) -> None:
     for p in path[:-1]:
         if not isinstance(d.get(p), dict):
@@ -292,10 +299,12 @@ def load_plan(recipe: str = DEFAULT_RECIPE, profile: str = "cpu", overrides: lis
     node_seeds = {name: n.seed for name, n in rec.nodes.items()}
     _check_stages(rec)
     _apply_profile(rec, prof, overlay, recipe_name, node_cfgs)
-    model, seed = _apply_overrides(rec, parsed, node_cfgs, node_seeds, prof.model or rec.model, rec.seed)
+    placed: dict[str, dict] = {}  # --set NODE.resources.<placement key>: the node's placement, not its config
+    model, seed = _apply_overrides(rec, parsed, node_cfgs, node_seeds, prof.model or rec.model, rec.seed, placed)
     wiring = _wire_sources(rec, enabled)
 
-    resources = {name: node_resources(name, rec.nodes[name].stage, rec.nodes[name].resources, prof, node_cfgs)
+    resources = {name: node_resources(name, rec.nodes[name].stage, rec.nodes[name].resources, prof, node_cfgs,
+                                      placed.get(name, {}))
                  for name in wiring}
     cfgs = _validate_configs(rec, wiring, node_cfgs, model)
     user_set = {(path[0], path[1]): text for path, _, text in parsed if len(path) == 2}
@@ -369,9 +378,11 @@ def _apply_profile(rec: RecipeConfig, prof: ProfileConfig, overlay: RecipeOverla
 
 
 def _apply_overrides(rec: RecipeConfig, parsed: list[tuple[list[str], Any, str]], node_cfgs: dict[str, dict],
-                     node_seeds: dict[str, int | None], model: str, seed: int) -> tuple[str, int]:
-    """The `--set` overrides (options were applied with the recipe): `model=`, `seed=`, `<node>.seed=` and
-    `<node>.<key>=` (into `node_cfgs`, `node_seeds`). Returns (model, seed)."""
+                     node_seeds: dict[str, int | None], model: str, seed: int,
+                     placed: dict[str, dict]) -> tuple[str, int]:
+    """The `--set` overrides (options were applied with the recipe): `model=`, `seed=`, `<node>.seed=`,
+    `<node>.resources.<placement key>=` (into `placed`: see PLACEMENT_KEYS) and `<node>.<key>=` (into `node_cfgs`,
+    `node_seeds`). Returns (model, seed)."""
     for path, value, text in parsed:
         if path == ["model"]:
             model = str(value)
@@ -386,6 +397,8 @@ def _apply_overrides(rec: RecipeConfig, parsed: list[tuple[list[str], Any, str]]
                 node_seeds[path[0]] = int(value)
             elif len(path) < 2:
                 raise ConfigError(f"--set {text!r}: name a config key, e.g. {path[0]}.<key>=VALUE")
+            elif len(path) > 2 and path[1] == "resources" and path[2] in PLACEMENT_KEYS:
+                _set_path(placed.setdefault(path[0], {}), path[2:], value)
             else:
                 _set_path(node_cfgs[path[0]], path[1:], value)
         elif path[0] in rec.nodes:
@@ -489,11 +502,13 @@ def _node_inputs(rec: RecipeConfig, name: str, wiring: dict[str, str]) -> dict[s
 
 
 def node_resources(name: str, stage: str, declared: dict[str, Any], prof: ProfileConfig,
-                   node_cfgs: dict[str, dict]) -> NodeResources:
+                   node_cfgs: dict[str, dict], placed: dict[str, Any] | None = None) -> NodeResources:
     """A node's NodeResources: defaults < the recipe node's `resources` < the profile's for its stage type < the
-    profile's for its name. A training topology given here (nodes, processes_per_node) is written into the node's
-    config (`resources.nodes`, `resources.num_processes`), where it is part of the cache key."""
+    profile's for its name < `--set NODE.resources.<placement key>` (`placed`). A training topology given here
+    (nodes, processes_per_node) is written into the node's config (`resources.nodes`, `resources.num_processes`),
+    where it is part of the cache key."""
     merged = deep_merge(deep_merge(declared, prof.resources.get(stage, {})), prof.resources.get(name, {}))
+    merged = deep_merge(merged, placed or {})
     try:
         res = NodeResources.model_validate(merged)
     except ValidationError as e:

@@ -63,6 +63,27 @@ def test_the_placement_is_not_part_of_the_cache_key(tmp_path):
     assert node_key(plain.node("sft"), upstream)[0] == node_key(placed.node("sft"), upstream)[0]
 
 
+def test_set_reaches_both_things_named_resources(tmp_path):
+    """`--set NODE.resources.KEY=`: the placement's keys (cpus, gpus, memory_gb, labels) set the node's placement,
+    over the recipe's and the profile's, outside the cache key; the training config's keys (num_processes, nodes,
+    distributed_type, backend) set config.resources, in it. (Before: `sft.resources.labels: unknown key`.)"""
+    from flows.pipeline import node_key
+
+    recipe, profile = _recipe(tmp_path, node_resources="resources: {cpus: 3}")
+    upstream = {"base": {"model": "m" * 64}, "prompts": {"prompts": "p" * 64}}
+    plain = load_plan(recipe, profile)
+    placed = load_plan(recipe, profile, ["sft.resources.labels.a100=1", "sft.resources.gpus=1",
+                                         "eval_sft.resources.memory_gb=2"])
+    assert placed.node("sft").resources == NodeResources(cpus=3, gpus=1, labels={"a100": 1})
+    assert placed.node("eval_sft").resources == NodeResources(memory_gb=2)
+    assert node_key(plain.node("sft"), upstream)[0] == node_key(placed.node("sft"), upstream)[0]
+    trained = load_plan(recipe, profile, ["sft.resources.num_processes=2", "sft.resources.labels={a100: 2}"])
+    assert trained.node("sft").config.resources.num_processes == 2
+    assert trained.node("sft").resources.labels == {"a100": 2}
+    with pytest.raises(ConfigError, match=r"node 'sft' resources\.gpus"):
+        load_plan(recipe, profile, ["sft.resources.gpus=-1"])
+
+
 def test_processes_per_node_becomes_the_training_topology(tmp_path):
     recipe, profile = _recipe(tmp_path, node_resources="resources: {processes_per_node: 2}")
     assert load_plan(recipe, profile).node("sft").config.resources.num_processes == 2
