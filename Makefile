@@ -1,11 +1,11 @@
-# Two commands on a fresh machine:  `make run` (default pipeline)  and  `make test` (lint + tests).
+# Two commands on a fresh machine:  `make run` (default pipeline)  and  `make test` (lint + docs build + tests).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # Test files run on this many workers (pytest-xdist; each file whole on one worker: module fixtures once).
 TEST_WORKERS ?= 2
 
-.PHONY: setup run test lint clean bench bench-setup gpu-wheels learn
+.PHONY: setup run test lint clean bench bench-setup gpu-wheels learn docs docs-serve
 
 setup: $(VENV)/.installed
 
@@ -34,7 +34,21 @@ $(VENV)/.cluster-installed: $(VENV)/.installed
 	$(PY) -m compileall -q -j 2 $(VENV)/lib > /dev/null 2>&1 || true
 	touch $@
 
-test: lint $(VENV)/.cluster-installed
+# The documentation site (mkdocs.yml, docs/; its reference pages are written from the code at each build): the `docs`
+# extra goes into the same .venv, as the cluster extra does; `make run` never installs it.
+$(VENV)/.docs-installed: $(VENV)/.installed
+	$(PY) -m pip install -q -e ".[docs]"
+	touch $@
+
+# --strict: a broken link or anchor, or a page missing from the navigation, fails the build (and CI).
+docs: $(VENV)/.docs-installed
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+docs-serve: $(VENV)/.docs-installed
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve -a 127.0.0.1:8000
+
+test: lint $(VENV)/.cluster-installed $(VENV)/.docs-installed
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=40
 
 # Benchmarks against TRL (benchmarks/suite.py). TRL is not an r1flow dependency: it lives in its own venv
@@ -71,4 +85,4 @@ gpu-wheels: setup
 	$(PY) benchmarks/gpu_wheels.py download
 
 clean:
-	rm -rf $(VENV) $(BENCH_VENV) .r1flow
+	rm -rf $(VENV) $(BENCH_VENV) .r1flow site

@@ -3,8 +3,14 @@ and every section it cites exists there."""
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 DESIGN = ROOT / "docs" / "design.md"
@@ -33,3 +39,137 @@ def test_nothing_cites_a_design_file_outside_the_repository():
     bare = re.compile(r"(?<![/\w])DESIGN\.md")
     found = [str(p.relative_to(ROOT)) for p in _files() if p.name != "test_docs.py" and bare.search(p.read_text(errors="replace"))]
     assert found == [], "cite docs/design.md instead"
+
+
+# ---------------------------------------------------------------------------- the documentation site (issue 62)
+
+SITE_SOURCES = ("mkdocs.yml", "docs")
+
+
+def _hook():
+    """docs/hooks/reference.py, the MkDocs hook that writes the reference pages, as a module."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("r1flow_docs_reference", ROOT / "docs" / "hooks" / "reference.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _build(config: Path, site: Path) -> subprocess.CompletedProcess:
+    """`mkdocs build --strict`, as `make docs` and CI run it."""
+    return subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(config), "-d", str(site)],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+
+
+@pytest.mark.slow
+def test_the_site_builds_strict_with_a_page_for_every_stage(tmp_path):
+    from stages import STAGE_MODULES
+
+    done = _build(ROOT / "mkdocs.yml", tmp_path / "site")
+    assert done.returncode == 0, done.stderr[-3000:]
+    for name in STAGE_MODULES:
+        assert (tmp_path / "site" / "reference" / "stages" / name / "index.html").is_file(), name
+    for page in ("reference/cli", "reference/recipes", "reference/profiles", "reference/rewards", "reference/losses",
+                 "results", "design", "guides/new-stage"):
+        assert (tmp_path / "site" / page / "index.html").is_file(), page
+
+
+@pytest.mark.slow
+def test_a_broken_link_a_missing_anchor_and_a_page_outside_the_nav_fail_the_strict_build(tmp_path):
+    """The CI check is real: a copy of the site with a link to a page that does not exist, a link to an anchor that
+    does not exist, and a page the navigation leaves out fails `mkdocs build --strict`, each named."""
+    for name in SITE_SOURCES:
+        src = ROOT / name
+        (shutil.copytree if src.is_dir() else shutil.copy)(src, tmp_path / name)
+    concepts = tmp_path / "docs" / "concepts.md"
+    concepts.write_text(concepts.read_text() + "\n[gone](no-such-page.md) and [a claim](results/index.md#no-such-claim)\n")
+    (tmp_path / "docs" / "orphan.md").write_text("# Orphan\n\nIn no navigation.\n")
+    done = _build(tmp_path / "mkdocs.yml", tmp_path / "site")
+    assert done.returncode != 0
+    assert "contains a link 'no-such-page.md', but the target is not found" in done.stderr
+    assert "does not contain an anchor '#no-such-claim'" in done.stderr
+    assert "not included in the \"nav\" configuration" in done.stderr and "orphan.md" in done.stderr
+
+
+def test_a_stage_page_follows_its_config_class(monkeypatch):
+    """The generated reference changes with the code: a field's new description, a new field and a new default appear
+    on the stage's page (and in `r1flow stages -v`'s fields, the same walk), the old text is gone."""
+    from pydantic import Field
+
+    import stages.sft
+    from schemas.config_fields import config_fields
+    from schemas.configs import SFTConfig
+
+    hook = _hook()
+    before = hook.stage_page("sft")
+    old = SFTConfig.model_fields["packing"].description
+    assert text_of(old) in before
+    monkeypatch.setattr(SFTConfig.model_fields["packing"], "description", "Pack examples, as the test now says.")
+    after = hook.stage_page("sft")
+    assert "| `packing` | `bool` | `false` | Pack examples, as the test now says. |" in after
+    assert text_of(old) not in after
+
+    class Changed(SFTConfig):
+        packing: bool = Field(True, description="On by default in this test.")
+        new_knob: int | None = Field(3, description="A field added by the test.")
+
+    monkeypatch.setattr(stages.sft, "CONFIG", Changed)
+    changed = hook.stage_page("sft")
+    assert "| `packing` | `bool` | `true` | On by default in this test. |" in changed
+    assert "| `new_knob` | `int \\| None` | `3` | A field added by the test. |" in changed.replace("int | None", "int \\| None")
+    assert [f.name for f in config_fields(Changed)][-1] == "new_knob"
+
+
+def text_of(description: str) -> str:
+    return _hook().text(description)
+
+
+def test_nested_fields_carry_the_outer_default_and_every_field_is_on_its_page():
+    """A nested field's default is the one the stage's config gives it (rejection_sampling samples at 0.8, not
+    GenerationSpec's 1.0); every field of every stage config, nested ones dotted, is on the stage's page."""
+    from schemas.config_fields import config_fields
+    from stages import STAGE_MODULES, describe_stage
+
+    hook = _hook()
+    page = hook.stage_page("rejection_sampling")
+    assert "| `generation.temperature` | `float` | `0.8` |" in page
+    for name in STAGE_MODULES:
+        page = hook.stage_page(name)
+        missing = [f.name for f in config_fields(describe_stage(name).config, nested=True)
+                   if f"| `{f.name}` |" not in page]
+        assert not missing, f"{name}: {missing}"
+
+
+def test_the_cli_recipes_and_profiles_pages_cover_the_parser_and_the_yaml():
+    import argparse
+
+    from flows.cli import build_parser
+    from flows.recipes import PROFILE_DIR, RECIPE_DIR, available
+
+    hook = _hook()
+    cli = hook.cli_page()
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for name, parser in sub.choices.items():
+        assert f"## r1flow {name}\n" in cli, name
+        for action in parser._actions:
+            for option in [] if isinstance(action, argparse._HelpAction) else action.option_strings:
+                assert f"`{option}`" in cli, f"r1flow {name} {option}"
+    recipes, profiles = hook.recipes_page(), hook.profiles_page()
+    assert all(f"{{ #{r} }}" in recipes for r in available(RECIPE_DIR))
+    assert all(f"## {p} {{ #{p} }}" in profiles for p in available(PROFILE_DIR))
+
+
+def test_what_cites_a_section_of_the_old_notebook_finds_it_on_a_results_page():
+    """benchmarks/RESULTS.md moved to docs/results/ (a pointer stays): a section the code cites by its title
+    (`benchmarks/RESULTS.md, "The second half reworked"`) is a heading of a results page."""
+    headings = {re.sub(r" \{ #[\w-]+ \}$", "", line.lstrip("#").strip())
+                for page in (ROOT / "docs" / "results").glob("*.md") for line in page.read_text().splitlines()
+                if line.startswith("#")}
+    cite = re.compile(r'RESULTS\.md`?[,:]?\s*\(?((?:"[^"]+"(?:,\s*)?)+)')
+    cited = {(str(p.relative_to(ROOT)), " ".join(title.split())) for p in _files()
+             if p.name not in ("RESULTS.md", "test_docs.py")
+             for group in cite.findall(p.read_text(errors="replace")) for title in re.findall(r'"([^"]+)"', group)}
+    assert cited, "the pattern finds the citations"
+    missing = [(path, title) for path, title in cited if not any(h.startswith(title) for h in headings)]
+    assert not missing
