@@ -9,6 +9,7 @@ unit test, by hand, or under a Prefect task.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import random
@@ -22,7 +23,7 @@ import pyarrow.parquet as pq
 
 from schemas.artifacts import DATA_FILE, MANIFEST_FILE, MODEL_DIR, Manifest
 from schemas.datasets import validate
-from schemas.errors import ArtifactError, StageError
+from schemas.errors import ArtifactError, SchemaError, StageError
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,86 @@ def read_json_lines(path: Path) -> pa.Table:
         longest = max(map(len, f), default=0)
     block = min(max(JSON_BLOCK_BYTES, longest + 1), 2**31 - 1)  # block_size is an int32
     return pajson.read_json(path, read_options=pajson.ReadOptions(block_size=block))
+
+
+# ---------------------------------------------------------------------------- users' files
+# Every message about a user's file names where the problem is as an editor counts, from 1: `FILE: line N` in a
+# JSON-lines file (its own line, blank lines counted), `FILE: row N` in a parquet file or a dataset (row 1 first).
+
+
+def read_user_table(path: Path) -> pa.Table:
+    """A user's parquet or JSON-lines file as a table, read by pyarrow, every string checked as UTF-8. What cannot
+    be read is one SchemaError naming the file and, in a JSON-lines file, the line (`json_lines_problem`: pyarrow's
+    own words name a byte position or a 0-based row of its block), in a parquet file the row."""
+    parquet = path.suffix == ".parquet"
+    try:
+        table = pq.read_table(path) if parquet else read_json_lines(path)
+    except (pa.ArrowException, OSError) as e:
+        raise SchemaError((None if parquet else json_lines_problem(path))
+                          or f"{path}: cannot read ({type(e).__name__}: {e})") from None
+    try:
+        table.validate(full=True)  # pyarrow keeps the bytes as given: decoding them later would fail far from here
+    except pa.ArrowInvalid as e:
+        raise SchemaError((_parquet_problem(path, table) if parquet else json_lines_problem(path))
+                          or f"{path}: cannot read ({type(e).__name__}: {e})") from None
+    return table
+
+
+def _parquet_problem(path: Path, table: pa.Table) -> str | None:
+    for i in range(table.num_rows):  # only after a failed check: find the row
+        try:
+            table.slice(i, 1).to_pylist()
+        except UnicodeDecodeError as e:
+            return f"{path}: row {i + 1}: not UTF-8 text ({e.reason} at byte {e.start + 1} of a value)"
+    return None
+
+
+def json_type_name(value: Any) -> str:
+    """How a user's file calls a value's type: text, a number, true/false, a list, an object."""
+    return {bool: "true/false", int: "a number", float: "a number", str: "text", list: "a list",
+            dict: "an object"}.get(type(value), type(value).__name__)
+
+
+def json_lines_problem(path: Path) -> str | None:
+    """'FILE: line N: ...' for the first line of a JSON-lines file that is not UTF-8, not JSON, not an object, or
+    gives a field another type than an earlier line did (which pyarrow refuses); None when it finds none."""
+    try:
+        lines = path.read_bytes().split(b"\n")
+    except OSError:
+        return None
+    first: dict[str, tuple[str, int]] = {}  # field -> (its type, the line that gave it)
+    for n, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        try:
+            rec = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            return f"{path}: line {n}: not UTF-8 text (byte {raw[e.start]:#04x} at byte {e.start + 1} of the line)"
+        except json.JSONDecodeError as e:
+            return f"{path}: line {n}: not valid JSON ({e.msg} at character {e.colno})"
+        if not isinstance(rec, dict):
+            return f"{path}: line {n}: expected a JSON object, got {json_type_name(rec)}"
+        for key, value in rec.items():
+            if value is None:
+                continue
+            kind, line = first.setdefault(key, (json_type_name(value), n))
+            if kind != json_type_name(value):
+                return (f"{path}: line {n}: column {key!r} is {json_type_name(value)} ({repr(value)[:40]}) where line "
+                        f"{line} has {kind}: every line must give it the same type")
+    return None
+
+
+def record_where(path: Path | str, i: int, n_records: int) -> str:
+    """Where record `i` (0-based, as read) of a user's file is: 'FILE: line N' for a JSON-lines file with one
+    object per line (pyarrow skips blank lines; N counts them), else 'FILE: row N' (N = i + 1)."""
+    if not str(path).endswith(".parquet"):
+        try:
+            lines = [n for n, text in enumerate(Path(path).read_bytes().split(b"\n"), 1) if text.strip()]
+        except OSError:
+            lines = []
+        if len(lines) == n_records:
+            return f"{path}: line {lines[i]}"
+    return f"{path}: row {i + 1}"
 
 
 def write_dataset(ctx: StageContext, name: str, table: pa.Table, kind: str, metrics: dict | None = None) -> Output:

@@ -9,8 +9,10 @@ rejected → False) for KTO.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +21,15 @@ import pyarrow as pa
 from schemas.configs import PreferenceDataConfig
 from schemas.datasets import from_rows
 from schemas.errors import ConfigError, SchemaError
-from stages.base import Input, Output, StageContext, read_json_lines, write_dataset
+from stages.base import (
+    Input,
+    Output,
+    StageContext,
+    json_type_name,
+    read_user_table,
+    record_where,
+    write_dataset,
+)
 
 VERSION = "1"  # history: CHANGELOG.md
 CONFIG = PreferenceDataConfig
@@ -32,7 +42,7 @@ def check(cfg: PreferenceDataConfig) -> None:
         p = Path(f)
         if not p.exists():
             raise ConfigError(f"preference_data.files: {f} does not exist")
-        user_pairs(read_table(p), str(p))  # names the file, row and column now, before any compute
+        user_pairs(read_user_table(p), str(p))  # names the file, row and column now, before any compute
 
 
 def cache_salt(cfg: PreferenceDataConfig) -> str:
@@ -84,33 +94,29 @@ def balance(pairs: list[dict], seed: int) -> list[dict]:
     return [p for i, p in enumerate(pairs) if i in keep]
 
 
-def read_table(path: Path) -> pa.Table:
-    import pyarrow.parquet as pq
-
-    try:
-        return pq.read_table(path) if path.suffix == ".parquet" else read_json_lines(path)
-    except (pa.ArrowInvalid, OSError) as e:
-        raise SchemaError(f"{path}: cannot read ({e})") from None
-
-
-def _completion(value, where: str, row: int, col: str) -> tuple[list[dict] | None, str]:
+def _completion(value, at: Callable[[], str], col: str) -> tuple[list[dict] | None, str]:
     """A completion given as text, or as a conversation whose last turn is the assistant's."""
     if isinstance(value, str):
         return None, value
     if isinstance(value, list) and value and value[-1].get("role") == "assistant":
         return [{"role": m["role"], "content": m["content"]} for m in value[:-1]], value[-1]["content"]
-    raise SchemaError(f"{where}: row {row}: column {col!r} must be text or a conversation ending with an assistant turn")
+    raise SchemaError(f"{at()}: column {col!r} must be text or a conversation ending with an assistant turn, got "
+                      f"{json_type_name(value)}: {repr(value)[:60]}")
 
 
 def user_pairs(table: pa.Table, where: str) -> list[dict]:
+    """Preference pairs from a user's file (or a dataset) `where`; the first problem is one SchemaError naming it,
+    the line (a row from 1 where there are no lines) and the column."""
     cols = set(table.column_names)
     for col in ("chosen", "rejected"):
         if col not in cols:
             raise SchemaError(f"{where}: missing column {col!r} (has: {', '.join(sorted(cols))})")
+    records = table.to_pylist()
     pairs = []
-    for i, rec in enumerate(table.to_pylist()):
-        conv_c, chosen = _completion(rec["chosen"], where, i, "chosen")
-        _, rejected = _completion(rec["rejected"], where, i, "rejected")
+    for i, rec in enumerate(records):
+        at = functools.partial(record_where, where, i, len(records))  # read only for an error
+        conv_c, chosen = _completion(rec["chosen"], at, "chosen")
+        _, rejected = _completion(rec["rejected"], at, "rejected")
         if rec.get("messages"):
             messages = [{"role": m["role"], "content": m["content"]} for m in rec["messages"]]
         elif isinstance(rec.get("prompt"), str) and rec["prompt"].strip():
@@ -118,7 +124,7 @@ def user_pairs(table: pa.Table, where: str) -> list[dict]:
         elif conv_c:
             messages = conv_c
         else:
-            raise SchemaError(f"{where}: row {i}: needs a 'prompt' or 'messages' column (or conversations in 'chosen')")
+            raise SchemaError(f"{at()}: needs a 'prompt' or 'messages' column (or conversations in 'chosen')")
         pairs.append({"id": f"{Path(where).stem}-{i}", "messages": messages, "chosen": chosen, "rejected": rejected,
                       "chosen_score": rec.get("chosen_score"), "rejected_score": rec.get("rejected_score"),
                       "source": where, "task": f"file:{Path(where).stem}"})
@@ -141,7 +147,7 @@ def run(cfg: PreferenceDataConfig, inputs: dict[str, Input], ctx: StageContext) 
     if cfg.balance_tasks:
         pairs = balance(pairs, ctx.seed)
     for f in cfg.files:
-        pairs += user_pairs(read_table(Path(f)), f)
+        pairs += user_pairs(read_user_table(Path(f)), f)
     if cfg.hf_dataset:
         pairs += hf_pairs(cfg.hf_dataset, cfg.hf_split)
     if not pairs:

@@ -7,20 +7,21 @@ train/eval split is a seeded permutation per task, so the same config always giv
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
 
 from schemas.configs import PromptsConfig
 from schemas.datasets import from_rows
 from schemas.errors import ConfigError, SchemaError
-from stages.base import Output, StageContext, read_json_lines, write_dataset
+from stages.base import Output, StageContext, json_type_name, read_user_table, record_where, write_dataset
 from stages.rewards.answers import R1_SYSTEM_PROMPT
 from stages.rewards.verifiers import VERIFIERS
 
@@ -128,35 +129,25 @@ def reasoning_gym_rows(task: str, opts: dict, size: int, seed: int, system: str,
     return rows
 
 
-def read_user_file(path: Path) -> pa.Table:
-    import pyarrow.parquet as pq
-
-    try:
-        if path.suffix == ".parquet":
-            return pq.read_table(path)
-        return read_json_lines(path)  # lines of any length: an over-long prompt is then named by check_lengths
-    except (pa.ArrowException, OSError, UnicodeDecodeError) as e:  # not JSON lines / parquet, bad UTF-8, ...
-        raise SchemaError(f"{path}: cannot read ({type(e).__name__}: {e})") from None
-
-
 ROLES = ("system", "user", "assistant")
 
 
-def _file_messages(path: Path, i: int, value: Any) -> list[dict[str, str]]:
-    """A row's `messages` as the chat template takes them, or a SchemaError naming file, row and column."""
-    where = f"{path}: row {i}: column 'messages'"
+def _file_messages(at: Callable[[], str], value: Any) -> list[dict[str, str]]:
+    """A row's `messages` as the chat template takes them, or a SchemaError naming file, line (`at()`) and column."""
+    def bad(problem: str) -> SchemaError:
+        return SchemaError(f"{at()}: column 'messages'{problem}")
+
     if not isinstance(value, list):
-        raise SchemaError(f"{where} must be a list of {{role, content}} objects, got a {type(value).__name__}: "
-                          f"{str(value)[:60]!r}")
+        raise bad(f" must be a list of {{role, content}} objects, got {json_type_name(value)}: {str(value)[:60]!r}")
     out = []
     for j, m in enumerate(value):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise SchemaError(f"{where}[{j}] must be an object with string 'role' and 'content', got {str(m)[:60]!r}")
+            raise bad(f"[{j}] must be an object with string 'role' and 'content', got {str(m)[:60]!r}")
         if m["role"] not in ROLES:
-            raise SchemaError(f"{where}[{j}]: role {m['role']!r} unknown; known: {', '.join(ROLES)}")
+            raise bad(f"[{j}]: role {m['role']!r} unknown; known: {', '.join(ROLES)}")
         out.append({"role": m["role"], "content": m["content"]})
     if not any(m["role"] == "user" for m in out):
-        raise SchemaError(f"{where} has no user message")
+        raise bad(" has no user message")
     return out
 
 
@@ -171,54 +162,49 @@ def _raw_chars(rec: dict, system: str) -> int:
     return len(system) + len(question) if isinstance(question, str) else 0
 
 
-def _row_where(path: Path, i: int, n_records: int) -> str:
-    """'FILE: line N' for a JSON-lines file (pyarrow skips blank lines; N counts them), else 'FILE: row i'."""
-    if path.suffix != ".parquet":
-        try:
-            lines = [n for n, text in enumerate(path.read_bytes().split(b"\n"), 1) if text.strip()]
-        except OSError:
-            lines = []
-        if len(lines) == n_records:  # one object per line (an object over several lines: rows only)
-            return f"{path}: line {lines[i]}"
-    return f"{path}: row {i}"
-
-
 def check_lengths(path: Path, records: list[dict], system: str, max_chars: int, node: str = "prompts") -> None:
     """SchemaError naming the first record whose prompt is over `max_chars`: file, line, length, the key to raise."""
     over = [(i, n) for i, n in enumerate(_raw_chars(r, system) for r in records) if n > max_chars]
     if over:
         i, n = over[0]
-        raise SchemaError(_too_long(_row_where(path, i, len(records)), n, max_chars, node, more=len(over) - 1))
+        raise SchemaError(_too_long(record_where(path, i, len(records)), n, max_chars, node, more=len(over) - 1))
+
+
+def _file_question(at: Callable[[], str], system: str, question: Any) -> list[dict[str, str]]:
+    if isinstance(question, str) and question.strip():
+        return _messages(system, question)
+    if question is not None and not isinstance(question, str):
+        raise SchemaError(f"{at()}: column 'question' must be text, got {json_type_name(question)}: "
+                          f"{repr(question)[:60]}")
+    raise SchemaError(f"{at()}: column 'question' is empty (and there are no 'messages')")
 
 
 def file_rows(path: Path, system: str, max_chars: int | None = None, node: str = "prompts") -> list[dict]:
-    table = read_user_file(path)
+    """A user's prompt file as `prompts` rows; the first problem is one SchemaError naming the file, its line (row of
+    a parquet file, from 1) and the column."""
+    table = read_user_table(path)
     cols = set(table.column_names)
     if not {"question", "messages"} & cols:
         raise SchemaError(f"{path}: needs a 'question' or 'messages' column (has: {', '.join(sorted(cols))})")
-    try:
-        records = table.to_pylist()
-    except UnicodeDecodeError as e:  # pyarrow reads the bytes as given and decodes them here
-        raise SchemaError(f"{path}: cannot read (not UTF-8 text: {e})") from None
+    records = table.to_pylist()
     if max_chars is not None:
         check_lengths(path, records, system, max_chars, node)
     rows, first_seen = [], {}
     for i, rec in enumerate(records):
+        at = functools.partial(record_where, path, i, len(records))  # read only for an error
         if rec.get("messages"):
-            messages = _file_messages(path, i, rec["messages"])
-        elif isinstance(rec.get("question"), str) and rec["question"].strip():
-            messages = _messages(system, rec["question"])
+            messages = _file_messages(at, rec["messages"])
         else:
-            raise SchemaError(f"{path}: row {i}: column 'question' is empty")
+            messages = _file_question(at, system, rec.get("question"))
         answer = rec.get("answer")
         if isinstance(answer, float) and not math.isfinite(answer):  # else it would become the target "nan"
-            raise SchemaError(f"{path}: row {i}: column 'answer' is {answer}; leave it empty (null) for no answer")
+            raise SchemaError(f"{at()}: column 'answer' is {answer}; leave it empty (null) for no answer")
         verifier = rec.get("verifier") or ("math" if answer is not None else "none")
         if verifier not in VERIFIERS:
-            raise SchemaError(f"{path}: row {i}: column 'verifier' value {verifier!r} unknown; known: {sorted(VERIFIERS)}")
+            raise SchemaError(f"{at()}: column 'verifier' value {verifier!r} unknown; known: {sorted(VERIFIERS)}")
         split = rec.get("split")
         if split is not None and split not in ("train", "eval"):
-            raise SchemaError(f"{path}: row {i}: column 'split' must be 'train' or 'eval', got {split!r}")
+            raise SchemaError(f"{at()}: column 'split' must be 'train' or 'eval', got {split!r}")
         task = rec.get("task") or f"file:{path.stem}"
         text = json.dumps(messages, sort_keys=True)
         rows.append({
@@ -232,7 +218,7 @@ def file_rows(path: Path, system: str, max_chars: int | None = None, node: str =
         })
         seen = first_seen.setdefault(rows[-1]["id"], i)
         if seen != i and _content(rows[seen]) != _content(rows[-1]):
-            raise SchemaError(f"{_row_where(path, seen, len(records))} and {_row_where(path, i, len(records)).split(': ', 1)[1]}"
+            raise SchemaError(f"{record_where(path, seen, len(records))} and {at().split(': ', 1)[1]}"
                               f": id {rows[-1]['id']!r} names two different prompts; give each its own id")
     return rows
 

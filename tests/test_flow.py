@@ -214,11 +214,15 @@ def _write_nan_answer_parquet(path: Path) -> None:
     "name, content, message",
     [
         ("str.jsonl", json.dumps({"messages": "What is 2+2?", "answer": "4"}) + "\n",
-         "row 0: column 'messages' must be a list of {role, content} objects, got a str"),
+         "line 1: column 'messages' must be a list of {role, content} objects, got text"),
         ("role.jsonl", json.dumps({"messages": [{"role": "human", "content": "2+2?"}], "answer": "4"}) + "\n",
-         "row 0: column 'messages'[0]: role 'human' unknown"),
-        ("latin1.jsonl", b'{"question": "caf\xe9?", "answer": "4"}\n', "cannot read"),
-        ("nan.parquet", None, "row 1: column 'answer' is nan"),
+         "line 1: column 'messages'[0]: role 'human' unknown"),
+        # issue 59 item 13: the line, not pyarrow's byte position; the type, not "empty"; lines and rows from 1
+        ("latin1.jsonl", b'{"question": "2+2?", "answer": "4"}\n{"question": "caf\xe9?", "answer": "4"}\n',
+         "line 2: not UTF-8 text (byte 0xe9 at byte 18 of the line)"),
+        ("int.jsonl", json.dumps({"question": 5, "answer": "4"}) + "\n",
+         "line 1: column 'question' must be text, got a number: 5"),
+        ("nan.parquet", None, "row 2: column 'answer' is nan"),
     ],
 )
 def test_malformed_user_prompts_are_one_error_line_naming_file_and_row(name, content, message, capsys, tmp_path,

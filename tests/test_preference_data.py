@@ -8,7 +8,7 @@ from schemas.configs import PreferenceDataConfig
 from schemas.datasets import from_rows
 from schemas.errors import SchemaError
 from stages import preference_data as pd
-from stages.base import LocalContext, write_dataset
+from stages.base import LocalContext, read_user_table, write_dataset
 from tests.conftest import fake_input
 
 MSG = [{"role": "user", "content": "q"}]
@@ -46,10 +46,27 @@ def test_user_pairs_text_and_conversations():
     pairs = pd.user_pairs(convs, "hh.jsonl")  # HH-RLHF style: the prompt is the conversation before the answer
     assert pairs[0]["messages"] == [{"role": "user", "content": "hi"}]
     assert (pairs[0]["chosen"], pairs[0]["rejected"]) == ("hello", "go away")
-    with pytest.raises(SchemaError, match="row 0: column 'chosen' must be text"):
+    # no such file to count lines in: the row, from 1 (a file's rows and lines count from 1, issue 59 item 13)
+    with pytest.raises(SchemaError, match="^num.jsonl: row 1: column 'chosen' must be text .*got a number: 3$"):
         pd.user_pairs(pa.Table.from_pylist([{"prompt": "x", "chosen": 3, "rejected": "y"}]), "num.jsonl")
     with pytest.raises(SchemaError, match="missing column 'rejected'"):
         pd.user_pairs(pa.Table.from_pylist([{"prompt": "x", "chosen": "y"}]), "bad.jsonl")
+
+
+def test_a_bad_line_of_a_users_preference_file_is_named_by_its_line(tmp_path):
+    """Issue 59 item 13: rows were 0-based here, lines 1-based elsewhere; a blank line does not shift the count."""
+    f = tmp_path / "pairs.jsonl"
+    def turns(*roles):
+        return [{"role": role, "content": "x"} for role in roles]
+
+    good = json.dumps({"prompt": "2+2?", "chosen": "4", "rejected": "5"})
+    f.write_text(json.dumps({"chosen": turns("user", "assistant"), "rejected": turns("user", "assistant")}) + "\n\n"
+                 + json.dumps({"chosen": turns("user"), "rejected": turns("user", "assistant")}) + "\n")
+    with pytest.raises(SchemaError, match=rf"^{f}: line 3: column 'chosen' must be text or a conversation"):
+        pd.check(PreferenceDataConfig(files=[str(f)]))
+    f.write_text(good + "\n" + json.dumps({"prompt": "3+3?", "chosen": 6, "rejected": "5"}) + "\n")
+    with pytest.raises(SchemaError, match=rf"^{f}: line 2: column 'chosen' is a number \(6\) where line 1 has text"):
+        pd.check(PreferenceDataConfig(files=[str(f)]))
 
 
 def test_stage_writes_preferences_and_unpaired(tmp_path):
@@ -81,5 +98,5 @@ def test_a_pairs_file_with_a_line_of_megabytes_reads(tmp_path):
     user.write_text(json.dumps({"prompt": "hi", "chosen": "c" * 3_000_000, "rejected": "no"}) + "\n"
                     + json.dumps({"prompt": "ho", "chosen": "yes", "rejected": "n"}) + "\n")
     pd.check(PreferenceDataConfig(files=[str(user)]))
-    pairs = pd.user_pairs(pd.read_table(user), str(user))
+    pairs = pd.user_pairs(read_user_table(user), str(user))
     assert [len(p["chosen"]) for p in pairs] == [3_000_000, 3]

@@ -1,4 +1,5 @@
 import json
+import re
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -59,15 +60,44 @@ def test_user_files_jsonl_and_parquet(tmp_path):
     "record, message",
     [
         ({"prompt": "x"}, "needs a 'question' or 'messages' column"),
-        ({"question": "x", "verifier": "magic"}, "row 0: column 'verifier' value 'magic' unknown"),
-        ({"question": "x", "split": "dev"}, "row 0: column 'split' must be 'train' or 'eval'"),
-        ({"question": ""}, "row 0: column 'question' is empty"),
+        ({"question": "x", "verifier": "magic"}, "line 2: column 'verifier' value 'magic' unknown"),
+        ({"question": "x", "split": "dev"}, "line 2: column 'split' must be 'train' or 'eval'"),
+        ({"question": ""}, "line 2: column 'question' is empty"),
+        # issue 59 item 13: was "column 'question' is empty"
+        ({"question": 5}, "line 2: column 'question' must be text, got a number: 5"),
+        ({"question": ["2+2?"]}, "line 2: column 'question' must be text, got a list: ['2+2?']"),
     ],
 )
-def test_bad_user_files_are_rejected_naming_file_and_column(tmp_path, record, message):
+def test_bad_user_files_are_rejected_naming_file_line_and_column(tmp_path, record, message):
+    """Lines count from 1 as an editor counts them, the blank line before the record included."""
     f = tmp_path / "bad.jsonl"
-    f.write_text(json.dumps(record) + "\n")
-    with pytest.raises(SchemaError, match=str(f) + ".*" + message.replace("(", r"\(")):
+    f.write_text("\n" + json.dumps(record) + "\n")
+    with pytest.raises(SchemaError, match=str(f) + ".*" + re.escape(message)):
+        prompts.check(PromptsConfig(tasks={}, files=[str(f)]))
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [  # issue 59 item 13: pyarrow's words named a byte position or a 0-based row of its block, not the line
+        (b'{"question": "2+2?"}\n{"question": "caf\xe9?"}\n', "line 2: not UTF-8 text (byte 0xe9 at byte 18 of the line)"),
+        (b'{"question": "2+2?"}\n\n{"question": 5}\n',
+         "line 3: column 'question' is a number (5) where line 1 has text: every line must give it the same type"),
+        (b'{"question": "2+2?"}\n{"question": "3+3?",}\n', "line 2: not valid JSON ("),
+        (b'{"question": "2+2?"}\n["3+3?"]\n', "line 2: expected a JSON object, got a list"),
+    ],
+)
+def test_a_line_pyarrow_cannot_read_is_named_by_its_line(tmp_path, content, message):
+    f = tmp_path / "bad.jsonl"
+    f.write_bytes(content)
+    with pytest.raises(SchemaError) as e:
+        prompts.check(PromptsConfig(tasks={}, files=[str(f)]))
+    assert str(e.value).startswith(f"{f}: {message}"), str(e.value)
+
+
+def test_a_parquet_files_rows_count_from_1(tmp_path):
+    f = tmp_path / "bad.parquet"
+    pq.write_table(pa.Table.from_pylist([{"question": "2+2?", "split": "train"}, {"question": "x", "split": "dev"}]), f)
+    with pytest.raises(SchemaError, match=rf"^{f}: row 2: column 'split' must be 'train' or 'eval', got 'dev'"):
         prompts.check(PromptsConfig(tasks={}, files=[str(f)]))
 
 
@@ -123,7 +153,7 @@ def test_messages_prompts_count_every_message(tmp_path, suffix):
     else:
         pq.write_table(pa.Table.from_pylist(records), f)
     prompts.check(PromptsConfig(tasks={}, files=[str(f)], max_prompt_chars=400))
-    where = "line 2" if suffix == ".jsonl" else "row 1"  # parquet has no lines: the 0-based row, as other errors
+    where = "line 2" if suffix == ".jsonl" else "row 2"  # parquet has no lines: the row, from 1 as lines
     with pytest.raises(SchemaError, match=rf"{f}: {where}: the prompt is 400 characters, over the limit of 399 "):
         prompts.check(PromptsConfig(tasks={}, files=[str(f)], max_prompt_chars=399))
 
