@@ -215,7 +215,7 @@ def print_gains(console, gains: list[dict]) -> None:
     width = max(len(model) for model, _ in labels)
     for g, (model, over) in zip(gains, labels, strict=True):
         console.print(f"  {model:<{width}}  {fmt_gain(g):<24} over {over} ({g['relation'].removeprefix('over ')})"
-                      f", {g['prompts']} prompts", markup=False, soft_wrap=True)  # a line a gain, never cut
+                      f", {g['prompts']} prompts", markup=False)
 
 
 def time_line(stage_work: float, total: float, before_flow: float) -> str:

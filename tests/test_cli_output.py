@@ -132,11 +132,14 @@ def test_end_of_run_fits_the_width_without_cutting_a_cell(width, long_node):
 def test_a_tracking_server_gets_its_url_and_no_ui_command():
     result = _result()
     result["link"] = f"http://127.0.0.1:5555/#/experiments/1/runs/{'9' * 32}?workflowType=machine_learning"
-    result["report"] = {"uri": f"mlflow-artifacts:/1/{'9' * 32}/artifacts/report/report.md", "path": None, "files": []}
+    page = f"http://127.0.0.1:5555/#/experiments/1/runs/{'9' * 32}/artifacts/report/report.md?workflowType=machine_learning"
+    result["report"] = {"uri": f"mlflow-artifacts:/1/{'9' * 32}/artifacts/report/report.md", "path": None, "url": page,
+                        "files": []}
     lines = [line for line in _render(result, WIDTH) if line.strip()]
     assert lines[-1] == result["link"]
     assert not any(line.endswith(" ui") for line in lines)
-    assert result["report"]["uri"] in lines
+    # the report as a page that opens (issue 59), not its mlflow-artifacts: URI, which nothing opens
+    assert page in lines and not any("mlflow-artifacts:" in line for line in lines)
 
 
 def test_a_run_without_evals_says_so():

@@ -296,8 +296,8 @@ def test_every_command_uses_the_up_servers_without_exports(live_servers, session
         assert not [t for t in flow_run.tags if t.startswith("r1flow.")], flow_run.tags
         assert flow_run.labels["r1flow.host"] and flow_run.labels["r1flow.process"]
     parent = mlflow.get_run(run["parent_run_id"])  # on the server, not in a sqlite file under the home
-    # the runs table shows ~22 characters of a name: the time that tells runs apart first
-    assert parent.data.tags["r1flow.recipe"] == "eval" and re.fullmatch(r"\d\d-\d\d \d\d:\d\d [0-9a-f]{6} eval tiny",
+    # the runs table shows ~18 characters of a name: the time, then the profile and the id that tell runs apart
+    assert parent.data.tags["r1flow.recipe"] == "eval" and re.fullmatch(r"\d\d-\d\d \d\d:\d\d tiny [0-9a-f]{6} eval",
                                                                         parent.info.run_name)
     exp = mlflow.get_experiment(parent.info.experiment_id)
     assert exp.tags["mlflow.experimentKind"] == "custom_model_development"  # MLflow 3 opens the runs table
@@ -317,7 +317,7 @@ def test_every_command_uses_the_up_servers_without_exports(live_servers, session
     stage = json.loads((tmp_path / "st.json").read_text())
     stage_parent = mlflow.get_run(stage["parent_run_id"])
     assert stage_parent.data.tags["r1flow.output.results"] == stage["outputs"]["results"]
-    assert re.fullmatch(r"\d\d-\d\d \d\d:\d\d [0-9a-f]{6} eval \(stage\)", stage_parent.info.run_name)
+    assert re.fullmatch(r"\d\d-\d\d \d\d:\d\d eval \(stage\) [0-9a-f]{6}", stage_parent.info.run_name)
     with _prefect_client(info) as client:
         assert client.read_flow_run(stage["flow_run_id"]).state.is_completed()
         arts = client.read_artifacts(artifact_filter=ArtifactFilter(
