@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from flows.store import ArtifactStore, CacheRecord
 
 
 def canonical_json(obj: Any) -> str:
@@ -22,3 +26,14 @@ def cache_key(stage: str, version: str, config: dict[str, Any], inputs: dict[str
     if salt:
         payload["salt"] = salt
     return hashlib.sha256(canonical_json(payload).encode()).hexdigest()
+
+
+def reusable_record(store: ArtifactStore, key: str, node: str, log: Callable[[str], Any] = print) -> CacheRecord | None:
+    """The cache record of `key` if its outputs verify (`ArtifactStore.lookup`). A record whose output is damaged
+    (a file edited, missing or added, an edited manifest) is not reused: the node computes again, and one line per
+    damaged output says so, naming the node, the output, the artifact and why."""
+    damaged: list[tuple[str, str]] = []
+    record = store.lookup(key, damaged)
+    for output, why in damaged:
+        log(f"r1flow: {node}: its cached output {output!r} cannot be reused ({why}); computing {node} again")
+    return record

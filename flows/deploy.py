@@ -37,7 +37,7 @@ from typing import Any, Literal
 from prefect import flow
 from pydantic import BaseModel, Field, ValidationError, create_model
 
-from flows.cache import cache_key
+from flows.cache import cache_key, reusable_record
 from flows.recipes import (
     PROFILE_DIR,
     RECIPE_DIR,
@@ -193,7 +193,7 @@ def run_single_stage(stage: str, inputs: dict[str, str], overrides: dict[str, An
     ok = False
     t0 = time.perf_counter()
     try:
-        record = None if force else store.lookup(key)
+        record = None if force else reusable_record(store, key, name)
         state = submit_node(name, stage, config, resolved, seed, key, record=record, force=force, parent_run_id=parent,
                             s=s, experiment=experiment)
         out, cached, run_id = node_outcome(state, state.result(), record, tracker, parent, flow_run_id, node=name,

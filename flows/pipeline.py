@@ -27,7 +27,7 @@ from prefect.task_engine import run_task
 from prefect.utilities.annotations import quote
 
 from flows import lease, placement
-from flows.cache import cache_key, config_hash
+from flows.cache import cache_key, config_hash, reusable_record
 from flows.context import FlowContext
 from flows.placement import Execution
 from flows.recipes import Plan, load_plan
@@ -407,17 +407,20 @@ class _NodeRunner:
         key, inputs, _ = node_key(node, self.upstream)
         t0 = time.perf_counter()
         if node.name not in self.selected:  # an upstream of --only: must come from the cache
-            rec = self.store.lookup(key)
+            damaged: list[tuple[str, str]] = []
+            rec = self.store.lookup(key, damaged)
             if rec is None:
+                why = "".join(f" (output {output!r}: {problem})" for output, problem in damaged[:1])
                 raise ConfigError(f"--only {','.join(sorted(self.selected))}: upstream node {node.name!r} has no valid "
-                                  f"cached outputs for this config; run it first (or drop --only)")
+                                  f"cached outputs for this config{why}; run it first (or drop --only)")
             self.upstream[node.name] = rec.outputs
             self.results[node.name] = StageResult(node.name, node.stage, "cached", time.perf_counter() - t0, "",
                                                   rec.outputs, rec.metrics, rec.mlflow_run_id)
             self.progress.end(node.name, node.stage, "cached", self.results[node.name].seconds)
             return None
         forced = node.name in self.forced
-        record = None if forced else self.store.lookup(key)  # verified: every output file re-hashed
+        # verified: every output file re-hashed; a damaged one is recomputed with a line saying so
+        record = None if forced else reusable_record(self.store, key, node.name)
         if record is None:  # it computes (a cached node gets its end line only)
             self.progress.start(node.name, node.stage)
         upstream = {self.states[up].state_details.task_run_id for up, _ in node.inputs.values() if up in self.states}

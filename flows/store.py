@@ -264,7 +264,7 @@ class ArtifactStore:
             kind=kind, schema=schema, fingerprint=fp, files=files, rows=rows, producer=producer,
             parents=list(parents), metrics=metrics,
             extra=dict(extra or {}),
-        )
+        ).sealed()
         try:
             existing = self.verify(fp)
         except ArtifactError:
@@ -375,28 +375,40 @@ class ArtifactStore:
         return self.home / "remote-cache" / fingerprint
 
     def verify(self, fingerprint: str) -> Manifest:
-        """Check every file exists and matches its recorded hash. Raises ArtifactError."""
+        """Check the manifest is as published (its digest) and the artifact holds exactly its files, each matching
+        its recorded hash. Raises ArtifactError naming the artifact and the problem."""
         manifest = self.read_manifest(fingerprint)
+        what = f"artifact {fingerprint[:12]}"
         if manifest.fingerprint != fingerprint or fingerprint_of(manifest.files) != fingerprint:
-            raise ArtifactError(f"artifact {fingerprint[:12]}: manifest does not match its fingerprint")
-        if self.is_local:
-            root = Path(self.artifact_path(fingerprint))
+            raise ArtifactError(f"{what}: manifest does not match its fingerprint")
+        if manifest.digest is not None and manifest.digest != manifest.content_digest():
+            raise ArtifactError(f"{what}: {MANIFEST_FILE} was edited after it was published (its fields no longer "
+                                "match its digest)")
+        root = self.artifact_path(fingerprint)
+        present = self._files_in(root)
+        for rel in manifest.files:
+            if rel not in present:
+                raise ArtifactError(f"{what}: file {rel} is missing" + ("" if self.is_local else f" in {self.uri}"))
+        extra = sorted(present - set(manifest.files))
+        if extra:
+            raise ArtifactError(f"{what}: file {extra[0]} is not in its manifest"
+                                + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""))
+        if self.is_local:  # remote stores: existence here, hashes when downloaded (get)
             for rel, digest in manifest.files.items():
-                p = root / rel
-                if not p.is_file():
-                    raise ArtifactError(f"artifact {fingerprint[:12]}: file {rel} is missing")
-                if sha256_file(p) != digest:
-                    raise ArtifactError(f"artifact {fingerprint[:12]}: file {rel} does not match its hash")
-        else:
-            root = self.artifact_path(fingerprint)
-            try:
-                present = {p.removeprefix(f"{root}/") for p in self.fs.find(root)}
-            except FileNotFoundError:
-                present = set()
-            for rel in manifest.files:
-                if rel not in present:
-                    raise ArtifactError(f"artifact {fingerprint[:12]}: file {rel} is missing in {self.uri}")
+                if sha256_file(Path(root) / rel) != digest:
+                    raise ArtifactError(f"{what}: file {rel} does not match its hash")
         return manifest
+
+    def _files_in(self, root: str) -> set[str]:
+        """Every file under an artifact's folder but its manifest, as relative posix paths."""
+        if self.is_local:
+            base = Path(root)
+            return {p.relative_to(base).as_posix() for p in base.rglob("*") if p.is_file() or p.is_symlink()} - {
+                MANIFEST_FILE}
+        try:
+            return {p.removeprefix(f"{root}/") for p in self.fs.find(root)} - {MANIFEST_FILE}
+        except FileNotFoundError:
+            return set()
 
     def is_valid(self, fingerprint: str) -> bool:
         try:
@@ -497,13 +509,20 @@ class ArtifactStore:
             with self.fs.open(path, "w") as f:
                 f.write(rec.to_json())
 
-    def lookup(self, key: str) -> CacheRecord | None:
-        """The record for `key` if all its outputs still exist and match their fingerprints."""
+    def lookup(self, key: str, damaged: list[tuple[str, str]] | None = None) -> CacheRecord | None:
+        """The record for `key` if all its outputs still exist and verify. `damaged`, when given, receives (output
+        name, why) for each output of a record that does not: why a stage with a record is computed again."""
         try:
             with self.fs.open(self._cache_path(key), "r") as f:
                 rec = CacheRecord(**json.loads(f.read()))
         except (FileNotFoundError, ValueError, TypeError):
             return None
-        if all(self.is_valid(fp) for fp in rec.outputs.values()):
-            return rec
-        return None
+        problems = []
+        for name, fp in rec.outputs.items():
+            try:
+                self.verify(fp)
+            except ArtifactError as e:
+                problems.append((name, str(e)))
+        if damaged is not None:
+            damaged.extend(problems)
+        return None if problems else rec

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from datetime import UTC, datetime
 from typing import Any, Literal
 
@@ -43,10 +45,21 @@ class Manifest(BaseModel):
     created_at: str = Field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="seconds"))
     metrics: dict[str, float] = Field(default_factory=dict)
     extra: dict[str, Any] = Field(default_factory=dict, description="e.g. base model fingerprint of an adapter")
+    digest: str | None = Field(None, description="sha256 of the canonical JSON of every other field, set when "
+                               "published: an edited field no longer matches it (None: published before digests)")
 
     @property
     def schema_name(self) -> str:
         return self.schema_
+
+    def content_digest(self) -> str:
+        """sha256 of the manifest's fields but `digest`, as canonical JSON (sorted keys, no spaces)."""
+        fields = self.model_dump(mode="json", by_alias=True, exclude={"digest"})
+        return hashlib.sha256(json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+    def sealed(self) -> Manifest:
+        """This manifest with its digest set (what is published)."""
+        return self.model_copy(update={"digest": self.content_digest()})
 
     def to_json(self) -> str:
         return self.model_dump_json(by_alias=True, indent=2)

@@ -153,16 +153,32 @@ def test_changing_sft_learning_rate_reruns_sft_and_its_eval_only(home):
                                 "eval_sft": "run"}
 
 
-def test_deleted_artifact_file_makes_its_stage_rerun(home):
+def test_deleted_artifact_file_makes_its_stage_rerun(home, capsys, caplog):
+    caplog.set_level(logging.INFO, logger="prefect.flow_runs")  # print() in the flow may become a log record
     first = run(home)
     prompts_fp = next(s for s in first["stages"] if s["node"] == "prompts")["outputs"]["prompts"]
     (home / "artifacts" / prompts_fp / "data.parquet").unlink()
+    capsys.readouterr()
     result = run(home)
     st = statuses(result)
     assert st["prompts"] == "run"
     # prompts are deterministic: the same bytes come back, so everything downstream stays valid
     assert next(s for s in result["stages"] if s["node"] == "prompts")["outputs"]["prompts"] == prompts_fp
     assert st["sft"] == st["eval_sft"] == "cached"
+    # issue 59 item 14: it was recomputed without a word; the line names the node, the output, the artifact and why
+    said = capsys.readouterr().out + "\n".join(r.getMessage() for r in caplog.records)
+    assert (f"r1flow: prompts: its cached output 'prompts' cannot be reused (artifact {prompts_fp[:12]}: file "
+            "data.parquet is missing); computing prompts again") in said, said[-3000:]
+
+    # an edited manifest field: not reused either, with its line (the fingerprint covers the files only)
+    manifest = home / "artifacts" / prompts_fp / "manifest.json"
+    manifest.write_text(manifest.read_text().replace('"rows": ', '"rows": 1', 1))
+    capsys.readouterr()
+    assert statuses(run(home))["prompts"] == "run"
+    said = capsys.readouterr().out + "\n".join(r.getMessage() for r in caplog.records)
+    assert (f"r1flow: prompts: its cached output 'prompts' cannot be reused (artifact {prompts_fp[:12]}: "
+            "manifest.json was edited after it was published") in said, said[-3000:]
+    assert '"rows": 1' not in manifest.read_text()  # set aside and published again
 
 
 def test_only_and_force(home):

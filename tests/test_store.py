@@ -1,5 +1,6 @@
 import json
 import os
+import re
 
 import pytest
 
@@ -165,6 +166,49 @@ def test_verify_all_and_the_cli_report_every_damaged_artifact(tmp_path, monkeypa
     shutil.rmtree(tmp_path / "artifacts" / gone.fingerprint)
     assert main(["artifacts", "--verify"]) == 0
     assert "2 of 2 artifact(s)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("damage, why", [
+    # issue 59 item 14: both passed `r1flow artifacts --verify`
+    (lambda d: (d / "sub").mkdir() or (d / "sub" / "extra.bin").write_text("x"), "file sub/extra.bin is not in its manifest"),
+    (lambda d: (d / MANIFEST_FILE).write_text((d / MANIFEST_FILE).read_text().replace('"schema": "sft"',
+                                                                                      '"schema": "prompts"')),
+     "manifest.json was edited after it was published (its fields no longer match its digest)"),
+    (lambda d: (d / MANIFEST_FILE).write_text((d / MANIFEST_FILE).read_text().replace('"stage": "t"', '"stage": "x"')),
+     "manifest.json was edited after it was published"),
+])
+def test_artifacts_verify_fails_an_extra_file_and_an_edited_manifest_field_naming_them(tmp_path, monkeypatch, capsys,
+                                                                                        damage, why):
+    from flows.cli import main
+
+    store = ArtifactStore(tmp_path)
+    good = store.publish(stage(store, {"f": "1"}), kind="dataset", schema="sft", producer=PRODUCER, parents=[])
+    hurt = store.publish(stage(store, {"f": "2"}), kind="dataset", schema="sft", producer=PRODUCER, parents=[],
+                         metrics={"loss": 0.1 + 0.2})
+    assert store.verify(hurt.fingerprint).digest == hurt.digest is not None  # a manifest read back verifies
+    damage(tmp_path / "artifacts" / hurt.fingerprint)
+    with pytest.raises(ArtifactError, match=f"^artifact {hurt.fingerprint[:12]}: {re.escape(why)}"):
+        store.verify(hurt.fingerprint)
+    monkeypatch.setenv("R1FLOW_HOME", str(tmp_path))
+    assert main(["artifacts", "--verify"]) == 1
+    out = capsys.readouterr().out
+    assert f"DAMAGED {hurt.fingerprint[:12]}: artifact {hurt.fingerprint[:12]}: {why}" in out, out
+    assert "1 of 2 artifact(s)" in out and f"DAMAGED {good.fingerprint[:12]}" not in out
+    # the cache: a record whose output is damaged is not reused, and says why
+    store.record(CacheRecord(key="k" * 64, node="n", stage="s", outputs={"data": hurt.fingerprint},
+                             mlflow_run_id="r", duration_s=1.0, metrics={}))
+    damaged: list = []
+    assert store.lookup("k" * 64, damaged) is None and damaged[0][0] == "data" and why in damaged[0][1]
+
+
+def test_a_manifest_published_before_digests_still_verifies(tmp_path):
+    store = ArtifactStore(tmp_path)
+    m = store.publish(stage(store, {"f": "1"}), kind="dataset", schema="sft", producer=PRODUCER, parents=[])
+    path = tmp_path / "artifacts" / m.fingerprint / MANIFEST_FILE
+    old = json.loads(path.read_text())
+    del old["digest"]
+    path.write_text(json.dumps(old))
+    assert store.verify(m.fingerprint).digest is None
 
 
 # ---------------------------------------------------------------------------- a full disk (issue 44 item 14)
