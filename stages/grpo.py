@@ -52,7 +52,7 @@ from stages.runtime import distributed
 from stages.runtime.seeds import seed_stream
 from stages.sampling.completions import render_prompts
 from stages.sampling.generation import TransformersBackend, make_backend
-from stages.training import env_rollouts, groups, process_rewards, rl_loop, rollouts
+from stages.training import async_rollouts, env_rollouts, groups, process_rewards, rl_loop, rollouts
 from stages.training.checkpoints import resume
 from stages.training.loop import autocast
 from stages.training.optim import (
@@ -119,6 +119,12 @@ class Session:
     step_scorer: object | None = None  # a heads.StepScorer (the process_reward_model input): process supervision
     synced: int | None = None  # the step whose weights the sampler holds (fsdp)
     env: env_rollouts.EnvironmentRollouts | None = None  # multi-turn rollouts (None: single_turn, the backend samples)
+    rollouts: async_rollouts.AsyncRollouts | None = None  # async.max_staleness >= 1: the workers' groups
+
+    @property
+    def weight_cap(self) -> float:
+        """C of the per-token importance weight: async.importance_cap when asynchronous, else tis_cap."""
+        return self.cfg.async_.importance_cap if self.rollouts is not None else self.cfg.tis_cap
 
     @property
     def whole_policy(self) -> torch.nn.Module:
@@ -231,7 +237,7 @@ def advantages(s: Session, g: groups.Groups, rewards_by_rank: list[torch.Tensor]
                                  cfg.logprob_chunk, None if cached else True)
     u = Update(adv, n, batch, rollout_batch, shared)
     u.old_logp = torch.zeros_like(batch["loss_mask"])  # the first epoch's own passes fill it (exact: see above)
-    if cfg.old_logprobs == "sampler":
+    if cfg.old_logprobs == "sampler" or s.rollouts is not None:  # async: mu, the behaviour policy's log-probs
         u.sampler_logp = (batch["sampler_logprobs"] if s.env is not None  # multi-turn: already in the mask's layout
                           else place([list(c.logprobs or ()) for c in flat_comps], prompt_lens, batch["input_ids"].shape[1]))
         u.tis_w = torch.zeros_like(u.sampler_logp)
@@ -311,7 +317,7 @@ def minibatch_backward(s: Session, u: Update, idx: torch.Tensor, epoch: int, n_a
     if epoch == 0:  # params unchanged within an epoch: exact old log-probs
         u.old_logp[idx] = logp.detach().float().cpu()
     if u.sampler_logp is not None and epoch == 0:
-        w, tis_stats = rl.tis_weights(u.old_logp[idx], u.sampler_logp[idx], u.batch["loss_mask"][idx], cfg.tis_cap)
+        w, tis_stats = rl.tis_weights(u.old_logp[idx], u.sampler_logp[idx], u.batch["loss_mask"][idx], s.weight_cap)
         u.tis_w[idx] = w
         for k, val in tis_stats.items():
             train_stats[k].append(float(val))
@@ -391,19 +397,30 @@ def train_step(s: Session, step: int) -> dict[str, float]:
     if s.engine:  # the policy's current weights into the vLLM engine, in place (LoRA folded in)
         s.backend.sync(s.model, step)
     cfg = s.cfg
-    g = groups.sample_groups(s.backend, s.rows, cfg, s.ctx.seed, step, s.dist,
-                             s.scorer if cfg.reward.weights.get("reward_model", 0) != 0 else None,
-                             cfg.dynamic_sampling, cfg.max_refill_rounds, logprobs=cfg.old_logprobs == "sampler",
-                             env=s.env)
+    if s.rollouts is not None:  # sampled and scored by a rollout worker with policy version max(0, step - K)
+        delivery = s.rollouts.take(step)
+        g = delivery.groups
+    else:
+        g = groups.sample_groups(s.backend, s.rows, cfg, s.ctx.seed, step, s.dist,
+                                 s.scorer if cfg.reward.weights.get("reward_model", 0) != 0 else None,
+                                 cfg.dynamic_sampling, cfg.max_refill_rounds, logprobs=cfg.old_logprobs == "sampler",
+                                 env=s.env)
     rewards_by_rank, metrics = groups.gather_groups(g, s.dist, cfg.group_size)
     if not any(len(r) for r in rewards_by_rank):  # every group was flat: nothing to learn from this step
         metrics.update({"train/skipped": 1.0, "time/training": 0.0})
+        if s.rollouts is not None:
+            metrics.update(s.rollouts.step_metrics(delivery))
         return metrics
     t_train = time.perf_counter()
     u = advantages(s, g, rewards_by_rank, metrics)
     train_stats, grad_norm, lr = update(s, u, step)
     refresh_reference(s, step)
     metrics.update(train_metrics(s, train_stats, grad_norm, lr, t_train, t_step))
+    if s.rollouts is not None:
+        rows = trained_rows(u, cfg.group_size)
+        metrics.update(async_rollouts.weight_metrics(u.old_logp[rows], u.sampler_logp[rows],
+                                                     u.batch["loss_mask"][rows], s.weight_cap))
+        metrics.update(s.rollouts.step_metrics(delivery))
     return metrics
 
 
@@ -413,16 +430,26 @@ def run(cfg: GRPOConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[st
     if s.ref is not None and state.get("ref_is_policy"):  # refreshed before the crash: approximate by the policy
         s.dist.copy_weights(s.model, s.ref)
     loop = rl_loop.StepLoop("grpo", cfg, ctx, s.dist, state, s.model, s.optimizer, s.held_out)
-    done = loop.start
-    for step in range(loop.start, cfg.steps):
-        metrics = train_step(s, step)
-        done = step + 1
-        if "train/skipped" in metrics:
-            stop = loop.skipped_step(metrics, done, ref_state(cfg, done))
-        else:
-            stop = loop.end_step(metrics, done, lambda d: evaluate(s, d), ref_state(cfg, done),
-                                 reward=f"{metrics['reward/mean']:.3f}")
-        if stop:
-            break
+    if cfg.async_.max_staleness:  # the rollout workers start from the resumed step's weights
+        s.rollouts = async_rollouts.AsyncRollouts("grpo", cfg, ctx, inputs, s.rows, s.model, state)
+    done, finished = loop.start, False
+    try:
+        for step in range(loop.start, cfg.steps):
+            metrics = train_step(s, step)
+            done = step + 1
+            if s.rollouts is not None:  # the next version, for the workers, before the checkpoint and eval
+                s.rollouts.publish(done, s.model)
+            extra = {**ref_state(cfg, done), **(s.rollouts.checkpoint_state() if s.rollouts is not None else {})}
+            if "train/skipped" in metrics:
+                stop = loop.skipped_step(metrics, done, extra)
+            else:
+                stop = loop.end_step(metrics, done, lambda d: evaluate(s, d), extra,
+                                     reward=f"{metrics['reward/mean']:.3f}")
+            if stop:
+                break
+        finished = True
+    finally:
+        if s.rollouts is not None:
+            s.rollouts.close(finished)
     s.sync_sampler(done)  # fsdp: the final weights, whole, in the sampling copy (a collective)
     return loop.finish(inputs, s.whole_policy, s.tokenizer, merged_input, {"reward": "reward/mean"})

@@ -225,11 +225,13 @@ def test_recipe_rl_nodes_keep_their_configs_with_the_default_block_set_explicitl
 
 
 @pytest.mark.parametrize("recipe, setting, message", [
-    ("r1-zero", ["grpo.async.max_staleness=1"], "grpo.async.max_staleness: 1 asks for asynchronous RL, which is not "
-     "implemented yet; use --set grpo.async.max_staleness=0 (the synchronous loop)"),
-    ("r1", ["grpo_reasoning.async.max_staleness=2"], "grpo_reasoning.async.max_staleness: 2 asks for asynchronous "
-     "RL, which is not implemented yet; use --set grpo_reasoning.async.max_staleness=0"),
-    ("rl-compare", ["ppo.async.max_staleness=1"], "ppo.async.max_staleness: 1 asks for asynchronous RL"),
+    ("rl-compare", ["ppo.async.max_staleness=1"], "ppo.async.max_staleness: 1: asynchronous RL is implemented for "
+     "grpo only so far (ppo's critic is not wired into the rollout workers yet); use --set ppo.async.max_staleness=0"),
+    ("r1-zero", ["grpo.async.max_staleness=1", "grpo.resources.num_processes=2"], "grpo.resources.num_processes: 2 "
+     "does not go with async.max_staleness=1 yet (the rollout workers run beside one learner process on one "
+     "machine); use --set grpo.resources.num_processes=1, or --set grpo.async.max_staleness=0"),
+    ("r1", ["grpo_reasoning.async.max_staleness=2", "grpo_reasoning.generation.backend=vllm"],
+     "grpo_reasoning.generation.backend: vllm does not go with async.max_staleness=2 yet"),
     ("r1-zero", ["grpo.policy_loss=gspo", "grpo.async.max_staleness=1"], "grpo.policy_loss: gspo does not go with "
      "async.max_staleness=1 (the off-policy weight is per token, gspo's ratio per sequence); use --set "
      "grpo.policy_loss=token or cispo, or --set grpo.async.max_staleness=0"),
@@ -250,8 +252,18 @@ def test_async_settings_fail_the_plan_in_one_line_before_any_compute(recipe, set
 
 
 def test_the_step_loop_refuses_async_too():
-    """A stage driven by hand (no plan) still refuses before its first step, rather than running synchronously."""
-    cfg = GRPOConfig.model_validate({"async": {"max_staleness": 1}})
-    with pytest.raises(ConfigError, match="grpo.async.max_staleness: 1 asks for asynchronous RL"):
-        rl_loop.StepLoop("grpo", cfg, None, None, {"step": 0}, None, None, [])
+    """A stage driven by hand (no plan) still refuses what the asynchronous loop does not do before its first step,
+    rather than running synchronously."""
+    cfg = PPOConfig.model_validate({"async": {"max_staleness": 1}})
+    with pytest.raises(ConfigError, match="ppo.async.max_staleness: 1: asynchronous RL is implemented for grpo only"):
+        rl_loop.StepLoop("ppo", cfg, None, None, {"step": 0}, None, None, [])
     rl_loop.check_async("grpo", GRPOConfig())  # the synchronous default passes
+
+
+def test_busy_fractions_by_hand():
+    """Window [10, 20]: generation busy 8-12 and 11-15 (merged: 10-15 inside the window, 5 s) and 18-25 (18-20,
+    2 s): 0.7; training busy 14-19 (5 s): 0.5; both busy 14-15 and 18-19: 0.2. An empty window is all zeros."""
+    got = offpolicy.busy_fractions((10.0, 20.0), [(8.0, 12.0), (11.0, 15.0), (18.0, 25.0)], [(14.0, 19.0)])
+    assert got == pytest.approx({"generation": 0.7, "training": 0.5, "overlap": 0.2})
+    assert offpolicy.busy_fractions((5.0, 5.0), [(0.0, 9.0)], [(0.0, 9.0)]) == {
+        "generation": 0.0, "training": 0.0, "overlap": 0.0}

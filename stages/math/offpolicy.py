@@ -113,3 +113,30 @@ def staleness_histogram(staleness: Sequence[int], max_staleness: int) -> list[in
             raise ValueError(f"a group of staleness {s} was consumed; the bound is 0..{max_staleness}")
         counts[s] += 1
     return counts
+
+
+def _union(intervals: Sequence[tuple[float, float]], lo: float, hi: float) -> list[tuple[float, float]]:
+    """The intervals clipped to [lo, hi], merged where they overlap, in order."""
+    out: list[list[float]] = []
+    for a, b in sorted((max(a, lo), min(b, hi)) for a, b in intervals):
+        if b <= a:
+            continue
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def busy_fractions(window: tuple[float, float], generation: Sequence[tuple[float, float]],
+                   training: Sequence[tuple[float, float]]) -> dict[str, float]:
+    """Shares of a wall-clock window (start, end) in which generation was busy (any worker), training was busy, and
+    both were (the overlap), from their busy intervals (seconds, one clock); 0 for an empty window."""
+    lo, hi = window
+    if hi <= lo:
+        return {"generation": 0.0, "training": 0.0, "overlap": 0.0}
+    gen, train = _union(generation, lo, hi), _union(training, lo, hi)
+    both = sum(max(0.0, min(b, d) - max(a, c)) for a, b in gen for c, d in train)
+    span = hi - lo
+    return {"generation": sum(b - a for a, b in gen) / span, "training": sum(b - a for a, b in train) / span,
+            "overlap": both / span}

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from schemas.configs import ASYNC_POLICY_LOSSES, GenerationSpec
+from schemas.configs import ASYNC_POLICY_LOSSES, GenerationSpec, PPOConfig
 from schemas.errors import ConfigError
 from stages.base import Input, Output, StageContext
 from stages.rewards.verifiers import score
@@ -34,8 +34,9 @@ if TYPE_CHECKING:
 
 def check_async(node: str, cfg: RLConfig) -> None:
     """Plan-time refusals of the `async` block (the stages' `check`; `StepLoop` asks again): a policy loss the
-    per-token off-policy weight does not compose with, and, until the loop exists, any max_staleness >= 1 (a run
-    asked to overlap generation and training must not silently alternate them). `node`: the recipe node's name
+    per-token off-policy weight does not compose with, and what the asynchronous loop does not do yet: ppo, more
+    than one learner process or machine, fsdp, a colocated vLLM engine (a run asked to overlap generation and
+    training must not silently alternate them). `node`: the recipe node's name
     (the stage's where none is known), for the `--set` an error names."""
     k = cfg.async_.max_staleness
     loss = getattr(cfg, "policy_loss", "token")  # ppo's surrogate is the token one
@@ -43,9 +44,21 @@ def check_async(node: str, cfg: RLConfig) -> None:
         raise ConfigError(f"{node}.policy_loss: {loss} does not go with async.max_staleness={k} (the off-policy "
                           f"weight is per token, {loss}'s ratio per sequence); use --set {node}.policy_loss="
                           f"{' or '.join(ASYNC_POLICY_LOSSES)}, or --set {node}.async.max_staleness=0")
-    if k:
-        raise ConfigError(f"{node}.async.max_staleness: {k} asks for asynchronous RL, which is not implemented yet; "
-                          f"use --set {node}.async.max_staleness=0 (the synchronous loop)")
+    if not k:
+        return
+    off = f"or --set {node}.async.max_staleness=0 (the synchronous loop)"
+    if isinstance(cfg, PPOConfig):
+        raise ConfigError(f"{node}.async.max_staleness: {k}: asynchronous RL is implemented for grpo only so far "
+                          f"(ppo's critic is not wired into the rollout workers yet); use --set {node}.async."
+                          "max_staleness=0 (the synchronous loop)")
+    for field, value, allowed in (("resources.nodes", cfg.resources.nodes, 1),
+                                  ("resources.num_processes", cfg.resources.num_processes, 1),
+                                  ("resources.distributed_type", cfg.resources.distributed_type, "ddp"),
+                                  ("generation.backend", cfg.generation.backend, "transformers")):
+        if value != allowed:  # the Ray actor placement and the colocated engine come in the next increment
+            raise ConfigError(f"{node}.{field}: {value} does not go with async.max_staleness={k} yet (the rollout "
+                              f"workers run beside one learner process on one machine); use --set {node}.{field}="
+                              f"{allowed}, {off}")
 
 
 def eval_due(cfg: RLConfig, held_out: list[dict], done: int) -> bool:

@@ -1,0 +1,349 @@
+"""Asynchronous rollouts on one machine (issue 60): worker processes generate a step's groups with a policy version
+up to K = `async.max_staleness` steps older than the learner's, while the learner trains.
+
+The schedule is fixed, so a run is reproducible and resumable like the synchronous loop:
+- the groups the learner consumes at step s (0-based; it then holds version s, the weights after s steps; version 0
+  is the input model) are sampled with exactly version `behaviour_version(s, K)` = max(0, s - K), with the
+  synchronous loop's prompts and seeds (`groups.sample_groups`: `rollouts.pick_prompts`, `rollouts.rollout_seed`),
+  so every group's staleness is min(K, s), and nothing is dropped or reordered;
+- worker i of N generates the steps s with s % N == i, in order; it starts step s only once version max(0, s - K)
+  is published, so generation never runs more than K steps ahead of the learner (throttled by construction);
+- the learner publishes each version after its step as a safetensors file of the trainable weights (the adapter
+  under LoRA, every weight otherwise), written atomically into `<checkpoint_dir>/async-weights/`; a worker loads
+  the version it needs between steps. Versions are kept back to K before the oldest checkpoint on disk, so a
+  resumed learner finds the ones its next K steps were sampled with;
+- the checkpoint records every consumed group as (step, index, prompt id, version) (`checkpoint_state`); a resumed
+  learner checks the record covers exactly the steps before its own and restarts the workers there, so no group is
+  replayed or skipped.
+
+A worker scores its own groups (as `sample_groups` does: dynamic sampling's refills need the rewards, and the
+scoring then overlaps training too); the learner computes the advantages and trains. The cores are split evenly
+between the learner and its workers (`threads.stage_share`: each worker registers as a stage process), so on 2
+cores one worker and the learner get one thread each; the products are thread-count independent (MKL_CBWR), so
+the split does not change what is computed.
+
+A worker that stays silent for `sync_timeout_s` (loading a version, or generating the step the learner waits for;
+the start, model load included, may take max(sync_timeout_s, STARTUP_S)) or that dies ends the stage with one
+StageError line naming the worker, its pid, the host and the version.
+
+May import: `schemas`, `stages.base`, `stages.math`, `stages.modeling`, `stages.rewards`, `stages.runtime`,
+`stages.sampling`, and the rest of `stages.training`; never a stage module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import queue
+import shutil
+import socket
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from schemas.errors import StageError
+from stages.base import Input, StageContext, seed_everything
+from stages.math import offpolicy
+from stages.runtime import distributed, threads
+from stages.training.checkpoints import complete_checkpoints, replace_synced, trainable_state
+from stages.training.groups import Groups
+
+if TYPE_CHECKING:
+    from schemas.configs import GRPOConfig
+
+WEIGHTS_DIR = "async-weights"
+STARTUP_S = 120.0  # a worker's start (spawn, imports, model load) may take at least this long
+POLL_S = 0.02
+HANG_VAR = "R1FLOW_ASYNC_TEST_HANG"  # test hook, "<worker>:<version>": that worker stops answering at that sync
+EXIT_VAR = "R1FLOW_ASYNC_TEST_EXIT"  # test hook, "<worker>:<step>": that worker exits with code 3 before that step
+
+
+def behaviour_version(step: int, max_staleness: int) -> int:
+    """The policy version that samples step `step`'s groups: max(0, step - K)."""
+    return max(0, step - max_staleness)
+
+
+def version_file(root: Path, version: int) -> Path:
+    return root / f"weights-v{version:06d}.safetensors"
+
+
+# ---------------------------------------------------------------------------- the worker process
+
+
+@dataclasses.dataclass
+class WorkerJob:
+    """What a rollout worker needs (picklable: the config as its dump)."""
+
+    index: int
+    workers: int
+    stage: str
+    config: dict
+    model: Input
+    reward_model: Input | None
+    rows: list[dict]
+    seed: int
+    device: str
+    weights_dir: Path
+    start: int
+    parent: int  # the learner's pid: a worker whose learner is gone stops
+
+    def steps(self, total: int) -> range:
+        first = self.start + (self.index - self.start) % self.workers
+        return range(first, total, self.workers)
+
+
+def _hook(var: str, index: int, at: int) -> bool:
+    spec = os.environ.get(var, "")
+    return bool(spec) and spec == f"{index}:{at}"
+
+
+def _wait_for(path: Path, parent: int) -> None:
+    while not path.exists():
+        if os.getppid() != parent:
+            raise SystemExit(0)
+        time.sleep(POLL_S)
+
+
+def _load_version(job: WorkerJob, version: int, params: dict[str, torch.nn.Parameter]) -> None:
+    """Version `version`'s published weights into the worker's policy, once the learner has written them."""
+    path = version_file(job.weights_dir, version)
+    _wait_for(path, job.parent)
+    while _hook(HANG_VAR, job.index, version):  # test hook: a sync that never completes
+        _wait_for(path.with_suffix(".never"), job.parent)
+    tensors = load_file(path)
+    with torch.no_grad():
+        for name, t in tensors.items():
+            params[name].copy_(t)
+
+
+def _generate(job: WorkerJob, out) -> None:
+    from schemas.configs import GRPOConfig
+    from stages.sampling.generation import TransformersBackend
+    from stages.training import env_rollouts, groups
+    from stages.training.optim import load_trainable, resolve_precision
+
+    cfg = GRPOConfig.model_validate(job.config)
+    seed_everything(job.seed)
+    model, tokenizer, _ = load_trainable(job.model, cfg, job.device)
+    model.requires_grad_(False)
+    params = dict(model.named_parameters())
+    backend = TransformersBackend(model, tokenizer, resolve_precision(cfg.precision, job.device))
+    env = env_rollouts.open_environment(job.stage, cfg, backend, backend.autocast_dtype)
+    scorer = None
+    if job.reward_model is not None and cfg.reward.weights.get("reward_model", 0) != 0:
+        from stages.modeling.heads import RewardScorer
+
+        scorer = RewardScorer.from_input(job.reward_model, device=job.device)
+    out.put(("ready", job.index, -1, -1, None, 0.0, 0.0))
+    held = None
+    for step in job.steps(cfg.steps):
+        version = behaviour_version(step, cfg.async_.max_staleness)
+        if version != held:
+            _load_version(job, version, params)
+            held = version
+            out.put(("synced", job.index, step, version, None, 0.0, 0.0))
+        if _hook(EXIT_VAR, job.index, step):
+            os._exit(3)
+        t0 = time.monotonic()
+        out.put(("generating", job.index, step, version, None, t0, 0.0))
+        g = groups.sample_groups(backend, job.rows, cfg, job.seed, step, distributed.SINGLE, scorer,
+                                 cfg.dynamic_sampling, cfg.max_refill_rounds, logprobs=True, env=env)
+        g.rewards = [r.tolist() for r in g.rewards]  # plain lists through the queue (no shared-memory handles)
+        out.put(("groups", job.index, step, version, g, t0, time.monotonic()))
+
+
+def worker_main(job: WorkerJob, out) -> None:
+    """A rollout worker's process: load the policy, then generate its steps' groups into `out`; an exception is
+    one ("error", ...) message and exit code 1."""
+    try:
+        with threads.stage_share():
+            _generate(job, out)
+    except SystemExit:
+        raise
+    except BaseException as e:  # noqa: BLE001 - the learner reports it in one line
+        out.put(("error", job.index, -1, -1, f"{type(e).__name__}: {e}", 0.0, 0.0))
+        raise SystemExit(1) from None
+
+
+# ---------------------------------------------------------------------------- the learner's side
+
+
+@dataclasses.dataclass
+class Delivery:
+    """A step's groups as the learner consumes them."""
+
+    groups: Groups
+    version: int
+    staleness: int
+    generated: tuple[float, float]  # the worker's generation interval (monotonic clock, shared on the host)
+
+
+class AsyncRollouts:
+    """The learner's side: publishes versions, starts the workers, takes each step's groups in order, records what
+    it consumed, and measures how generation and training overlap."""
+
+    def __init__(self, stage: str, cfg: GRPOConfig, ctx: StageContext, inputs: dict[str, Input], rows: list[dict],
+                 model: torch.nn.Module, state: dict) -> None:
+        self.stage, self.cfg, self.k = stage, cfg, cfg.async_.max_staleness
+        self.timeout, self.start = cfg.async_.sync_timeout_s, state["step"]
+        self.dir = ctx.checkpoint_dir / WEIGHTS_DIR
+        self.host = socket.gethostname()
+        self.consumed: list[list] = resumed_record(state, self.start)
+        self._prepare_versions(model)
+        mp = torch.multiprocessing.get_context("spawn")
+        self.queue = mp.Queue()
+        n = cfg.async_.rollout_workers
+        self.procs = []
+        for i in range(n):
+            job = WorkerJob(i, n, stage, cfg.model_dump(mode="json", by_alias=True), inputs["model"],
+                            inputs.get("reward_model"), rows, ctx.seed, ctx.device, self.dir, self.start, os.getpid())
+            p = mp.Process(target=worker_main, args=(job, self.queue), daemon=True, name=f"{stage}-rollout-{i}")
+            p.start()
+            self.procs.append(p)
+        now = time.monotonic()
+        self.heard = [now + max(0.0, STARTUP_S - self.timeout)] * n  # when each worker last answered (start: more)
+        self.synced = [-1] * n
+        self.buffer: dict[int, Delivery] = {}
+        self.generation: list[tuple[float, float]] = []  # workers' generation intervals not yet counted
+        self.generating: dict[int, float] = {}  # worker -> when its generation under way began
+        self.mark = self.taken = now  # the start of the current step's window; when training last resumed
+
+    def _prepare_versions(self, model: torch.nn.Module) -> None:
+        """A fresh start: the folder emptied, version 0 published. A resumed one: versions after its step (of the
+        interrupted attempt) removed, the K before it checked, its own republished."""
+        if self.start == 0:
+            shutil.rmtree(self.dir, ignore_errors=True)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for path in self.dir.glob("weights-v*.safetensors"):
+            if int(path.stem.split("-v")[1]) > self.start:
+                path.unlink()
+        for v in range(behaviour_version(self.start, self.k), self.start):
+            if not version_file(self.dir, v).exists():
+                raise StageError(f"{self.stage}: cannot resume the asynchronous loop at step {self.start}: policy "
+                                 f"version {v}, which sampled step {v + self.k}, is missing from {self.dir}")
+        self.publish(self.start, model)
+
+    def publish(self, version: int, model: torch.nn.Module) -> None:
+        """The trainable weights after `version` steps, atomically; versions no resume or worker needs any more
+        (before the oldest checkpoint on disk, less K) removed."""
+        state = trainable_state(model)
+        replace_synced(version_file(self.dir, version), lambda p: save_file(state, p))
+        ckpts = [int(p.name.split("-")[1]) for p in complete_checkpoints(self.dir.parent)]
+        keep_from = min([version, *ckpts]) - self.k
+        for path in self.dir.glob("weights-v*.safetensors"):
+            if int(path.stem.split("-v")[1]) < keep_from:
+                path.unlink(missing_ok=True)
+
+    def _who(self, i: int) -> str:
+        return f"{self.stage}: async rollout worker {i} (pid {self.procs[i].pid} on {self.host})"
+
+    def _receive(self, step: int) -> None:
+        """One message, or a check of the worker that owns `step`: dead, or silent past its deadline."""
+        owner = step % len(self.procs)
+        version = behaviour_version(step, self.k)
+        try:
+            self._handle(self.queue.get(timeout=0.2))
+        except queue.Empty:
+            p = self.procs[owner]
+            if p.exitcode is not None:
+                raise StageError(f"{self._who(owner)} exited with code {p.exitcode} before delivering step {step}'s "
+                                 f"groups (policy version {version})") from None
+            if time.monotonic() - self.heard[owner] > self.timeout:
+                what = (f"did not load policy version {version}" if self.synced[owner] < version
+                        else f"did not deliver step {step}'s groups (policy version {version})")
+                raise StageError(f"{self._who(owner)} {what} within async.sync_timeout_s={self.timeout:g} s") from None
+
+    def _handle(self, message: tuple) -> None:
+        kind, i, s, v, payload, t0, t1 = message
+        self.heard[i] = time.monotonic()
+        if kind == "error":
+            raise StageError(f"{self._who(i)} failed: {payload}")
+        if kind == "synced":
+            self.synced[i] = v
+        elif kind == "generating":
+            self.generating[i] = t0
+        elif kind == "groups":
+            payload.rewards = [torch.tensor(r) for r in payload.rewards]
+            self.buffer[s] = Delivery(payload, v, step_staleness(s, v), (t0, t1))
+            self.generation.append((t0, t1))
+            self.generating.pop(i, None)
+
+    def take(self, step: int) -> Delivery:
+        """Step `step`'s groups (waiting for them), recorded as consumed."""
+        owner = step % len(self.procs)
+        self.heard[owner] = max(self.heard[owner], time.monotonic())  # silence counts from when the learner waits
+        while step not in self.buffer:
+            self._receive(step)
+        d = self.buffer.pop(step)
+        if d.staleness > self.k:
+            raise StageError(f"{self.stage}: step {step}'s groups came from policy version {d.version}, "
+                             f"{d.staleness} > async.max_staleness={self.k} versions old")
+        self.consumed += [[step, j, row["id"], d.version] for j, row in enumerate(d.groups.rows)]
+        self.taken = time.monotonic()  # training busy from here to `step_metrics`
+        return d
+
+    def step_metrics(self, d: Delivery) -> dict[str, float]:
+        """The step's staleness (histogram bins `async/staleness_<s>`, mean, max) and, over the wall-clock since
+        the previous step's metrics, the idle fractions of generation (every worker's generating and scoring) and
+        of training (from `take` to here), and the share with both busy (overlap)."""
+        with contextlib.suppress(queue.Empty):
+            while True:  # what the workers said while the learner trained
+                self._handle(self.queue.get_nowait())
+        now = time.monotonic()
+        hist = offpolicy.staleness_histogram([d.staleness] * len(d.groups.rows), self.k)
+        generation = self.generation + [(t0, now) for t0 in self.generating.values()]
+        busy = offpolicy.busy_fractions((self.mark, now), generation, [(self.taken, now)])
+        self.generation = []
+        self.mark = now
+        return {**{f"async/staleness_{s}": float(c) for s, c in enumerate(hist)},
+                "async/staleness_mean": float(d.staleness), "async/staleness_max": float(d.staleness),
+                "async/policy_version": float(d.version), "async/generation_idle": 1.0 - busy["generation"],
+                "async/training_idle": 1.0 - busy["training"], "async/overlap": busy["overlap"]}
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        return {"async_consumed": list(self.consumed)}
+
+    def close(self, finished: bool) -> None:
+        """Stop the workers (by their pids); after a finished run, remove the published versions."""
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+        for p in self.procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        self.queue.close()
+        if finished:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def step_staleness(step: int, version: int) -> int:
+    """How many versions older than the learner's (version `step` when it consumes step `step`) a group is."""
+    return step - version
+
+
+def resumed_record(state: dict, start: int) -> list[list]:
+    """The consumed groups a checkpoint recorded, checked to cover exactly steps 0..start-1 (each step's groups
+    numbered from 0), so a resumed learner neither replays nor skips a group."""
+    record = [list(x) for x in state.get("async_consumed", [])]
+    steps = sorted({x[0] for x in record})
+    if steps != list(range(start)):
+        raise StageError(f"the checkpoint at step {start} records consumed groups of steps {steps[:3]}...{steps[-3:]}"
+                         f" (expected 0..{start - 1}): it was not written by this asynchronous run")
+    for s in steps:
+        if [x[1] for x in record if x[0] == s] != list(range(sum(x[0] == s for x in record))):
+            raise StageError(f"the checkpoint at step {start} records step {s}'s groups out of order")
+    return record
+
+
+def weight_metrics(prox_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor,
+                   cap: float) -> dict[str, float]:
+    """A step's importance-weight diagnostics over its trained tokens (`offpolicy.weight_stats`): mean and
+    normalised ESS of min(pi_prox / mu, C), share truncated."""
+    w, raw = offpolicy.importance_weights(prox_logp, behaviour_logp, mask, cap)
+    return {f"async/{k}": float(v) for k, v in offpolicy.weight_stats(w, raw, mask, cap).items()}

@@ -1,0 +1,244 @@
+"""Asynchronous GRPO on one machine (issue 60, `stages.training.async_rollouts`): K = 0 is the synchronous loop;
+with K >= 1 rollout worker processes sample step s with the weights after step max(0, s - K), every consumed group's
+staleness is min(K, s) and none is dropped; the loss's importance weights are wired to the behaviour log-probs; a
+worker that hangs or dies ends the stage in one line; a resumed learner neither replays nor skips a group."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import time
+
+import pytest
+import torch
+
+from schemas.configs import GenerationSpec, GRPOConfig, LoraSpec
+from schemas.errors import StageError
+from stages import grpo
+from stages.base import LocalContext
+from stages.math import offpolicy
+from stages.training import async_rollouts
+from tests.test_grpo import short_is_better
+
+
+def _run(tmp_path, name, inputs, **kw):
+    ctx = LocalContext(tmp_path / name, seed=0)
+    out = grpo.run(short_is_better(**kw), inputs, ctx)["model"]
+    return ctx, out
+
+
+def _model_sha(out) -> str:
+    return hashlib.sha256((out.path / "model" / "model.safetensors").read_bytes()).hexdigest()
+
+
+def _step_metrics(ctx) -> dict[int, dict[str, float]]:
+    return {s: m for s, m in ctx.metrics if s is not None}
+
+
+def _consumed(ctx, step: int) -> list[list]:
+    return json.loads((ctx.checkpoint_dir / f"step-{step:06d}" / "state.json").read_text())["async_consumed"]
+
+
+def test_k0_spelled_out_is_the_synchronous_loop(tmp_path, tiny_model_input, digit_prompts):
+    """`async: {max_staleness: 0}` written out is the default: the same model bytes and the same metrics, step for
+    step, as the config without the block (the synchronous code path; no worker starts)."""
+    inputs = {"model": tiny_model_input, "prompts": digit_prompts}
+    plain_ctx, plain = _run(tmp_path, "plain", inputs, steps=3)
+    spelled_ctx, spelled = _run(tmp_path, "spelled", inputs, steps=3, **{"async": {"max_staleness": 0}})
+    assert _model_sha(plain) == _model_sha(spelled)
+    strip = lambda ctx: [(s, {k: v for k, v in m.items() if not k.startswith("time")}) for s, m in ctx.metrics]  # noqa: E731
+    assert strip(plain_ctx) == strip(spelled_ctx)
+    assert not any(k.startswith("async/") for _, m in spelled_ctx.metrics for k in m)
+    assert not (spelled_ctx.checkpoint_dir / async_rollouts.WEIGHTS_DIR).exists()
+
+
+def _check_schedule(ctx, k: int, steps: int, prompts: int) -> None:
+    """Every step's groups came from version max(0, s - K): staleness min(K, s) in the histogram and the consumed
+    record, every group of every step consumed once, in order."""
+    metrics = _step_metrics(ctx)
+    assert sorted(metrics) == list(range(1, steps + 1))
+    for done, m in metrics.items():
+        s = done - 1
+        assert m["async/staleness_max"] == m["async/staleness_mean"] == min(k, s) <= k
+        assert m["async/policy_version"] == max(0, s - k)
+        assert [m[f"async/staleness_{b}"] for b in range(k + 1)] == offpolicy.staleness_histogram([min(k, s)] * prompts, k)
+        for key in ("async/generation_idle", "async/training_idle", "async/overlap"):
+            assert 0.0 <= m[key] <= 1.0, key
+    consumed = _consumed(ctx, steps)
+    assert len(consumed) == steps * prompts  # nothing dropped
+    assert [(s, j) for s, j, _, _ in consumed] == [(s, j) for s in range(steps) for j in range(prompts)]
+    assert all(v == max(0, s - k) for s, _, _, v in consumed)
+
+
+@pytest.mark.slow
+def test_k1_runs_deterministically_whatever_the_number_of_workers(tmp_path, tiny_model_input, digit_prompts):
+    """K = 1 with one worker and with two: the same schedule, so the same model bytes and rewards; staleness is
+    exactly min(1, s); step 0 (the input model, staleness 0) has importance weights 1, and once the weights have
+    changed a stale step's weights are not all 1 (the behaviour log-probs reach the loss)."""
+    inputs = {"model": tiny_model_input, "prompts": digit_prompts}
+    one_ctx, one = _run(tmp_path, "one", inputs, steps=4, **{"async": {"max_staleness": 1}})
+    two_ctx, two = _run(tmp_path, "two", inputs, steps=4, **{"async": {"max_staleness": 1, "rollout_workers": 2}})
+    _check_schedule(one_ctx, 1, 4, 4)
+    _check_schedule(two_ctx, 1, 4, 4)
+    assert _model_sha(one) == _model_sha(two)
+    rewards = lambda ctx: [m["reward/mean"] for m in _step_metrics(ctx).values()]  # noqa: E731
+    assert rewards(one_ctx) == rewards(two_ctx)
+    assert _consumed(one_ctx, 4) == _consumed(two_ctx, 4)
+    m = _step_metrics(one_ctx)
+    assert m[1]["async/is_weight_mean"] == pytest.approx(1.0, abs=1e-5) and m[1]["async/is_weight_ess"] == pytest.approx(1.0, abs=1e-5)
+    stale = [m[d] for d in (3, 4)]  # versions 1 and 2 sample steps 2 and 3: the policy moved by then
+    assert any(abs(x["async/is_weight_mean"] - 1.0) > 1e-3 and x["async/is_weight_ess"] < 1.0 - 1e-4 for x in stale), stale
+    assert not (one_ctx.checkpoint_dir / async_rollouts.WEIGHTS_DIR).exists()  # removed after a finished run
+
+
+@pytest.mark.slow
+def test_k2_schedule_and_lora_adapter_sync(tmp_path, tiny_model_input, digit_prompts):
+    """K = 2 under LoRA (only the adapter is published): staleness 0, 1, 2, 2, the record complete."""
+    inputs = {"model": tiny_model_input, "prompts": digit_prompts}
+    ctx, out = _run(tmp_path, "k2", inputs, steps=4, lora=LoraSpec(r=4, alpha=8), **{"async": {"max_staleness": 2}})
+    _check_schedule(ctx, 2, 4, 4)
+    assert out.schema == "adapter"
+
+
+def test_published_versions_hold_only_the_trainable_weights(tmp_path, tiny_tokenizer):
+    """A version file is the trainable parameters by name (the adapter under LoRA), and versions older than the
+    oldest checkpoint less K are pruned while the ones a resume needs stay."""
+    from stages.modeling import models
+
+    model = models.apply_lora(models.build_tiny_model(tiny_tokenizer, seed=0), LoraSpec(r=2, alpha=4))
+    ctx = LocalContext(tmp_path / "v")
+    ro = async_rollouts.AsyncRollouts.__new__(async_rollouts.AsyncRollouts)
+    ro.k, ro.dir = 1, ctx.checkpoint_dir / async_rollouts.WEIGHTS_DIR
+    ro.dir.mkdir(parents=True)
+    (ctx.checkpoint_dir / "step-000002").mkdir()
+    (ctx.checkpoint_dir / "step-000002" / "state.json").write_text("{}")
+    for v in range(6):
+        ro.publish(v, model)
+    kept = sorted(p.name for p in ro.dir.iterdir())
+    assert kept == [f"weights-v{v:06d}.safetensors" for v in (1, 2, 3, 4, 5)]  # checkpoint 2 less K = 1
+    from safetensors.torch import load_file
+
+    names = set(load_file(ro.dir / kept[-1]))
+    assert names and names == {n for n, p in model.named_parameters() if p.requires_grad}
+    assert all("lora_" in n for n in names)
+
+
+# ---------------------------------------------------------------------------- the loss's weights, wired
+
+
+def _async_update(tmp_path, tiny_tokenizer, adv: torch.Tensor, behaviour_shift: torch.Tensor | None):
+    """One grpo update (mu 1, SGD lr 1, seq_mean) of the tiny model on 8 fixed rows (2 groups of 4); with
+    `behaviour_shift` (per row) the session is asynchronous (C = 2) and the behaviour log-probs are the model's own
+    less that shift, so each token's weight is min(exp(shift), 2). (parameter change, the update's weights)."""
+    from stages.modeling import models
+    from stages.runtime import distributed
+    from stages.training.rollout_batch import RolloutBatch
+    from stages.training.rollouts import build_batch
+
+    model = models.build_tiny_model(tiny_tokenizer, seed=0).train()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 60, (n,), generator=g).tolist() for n in (5, 3)]
+    comps = [torch.randint(3, 60, (1 + (3 * i) % 7,), generator=g).tolist() for i in range(8)]
+    batch = build_batch([prompts[i // 4] for i in range(8)], comps, pad_id=0)
+    cfg = GRPOConfig(group_size=4, prompts_per_step=2, minibatch_size=8, max_grad_norm=1e9, learning_rate=1.0,
+                     lora=LoraSpec(r=0), generation=GenerationSpec(max_new_tokens=8), **{"async": {"max_staleness": 1}})
+    trainable = list(model.parameters())
+    s = grpo.Session(cfg, LocalContext(tmp_path, seed=0), distributed.SINGLE, model, None, None, trainable,
+                     torch.optim.SGD(trainable, lr=1.0), None, tiny_tokenizer, 0, None, [], [], None, False)
+    rb = RolloutBatch(batch, prompts, comps, 4, 0, False, "cpu", 4096)
+    u = grpo.Update(adv, 8, batch, rb, False, old_logp=torch.zeros_like(batch["loss_mask"]))
+    if behaviour_shift is not None:
+        s.rollouts = object()  # asynchronous: the weight's cap is async.importance_cap
+        with torch.no_grad():
+            own = rb.logprobs(model, torch.arange(8))[0].float()
+        u.sampler_logp = (own - behaviour_shift[:, None]) * batch["loss_mask"]
+        u.tis_w = torch.zeros_like(u.sampler_logp)
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    grpo.update(s, u, step=0)
+    return {k: v.detach() - before[k] for k, v in model.named_parameters()}, u.tis_w
+
+
+def test_the_update_weights_each_token_by_min_prox_over_behaviour_and_cap(tmp_path, tiny_tokenizer):
+    """Behaviour log-probs below the learner's by log 1.5 (group 0) and log 3 (group 1): the weights are 1.5 and
+    min(3, C = 2) = 2 on every completion token, 0 elsewhere; in the first epoch the ratio to pi_prox is 1, so the
+    update equals the synchronous one with each row's advantage times its weight (1.5 A, 2 A)."""
+    adv = torch.tensor([1.0, -0.5, 0.25, -0.75, 0.6, -1.2, 0.3, 0.3])
+    shift = torch.tensor([1.5] * 4 + [3.0] * 4).log()
+    delta, w = _async_update(tmp_path / "a", tiny_tokenizer, adv, shift)
+    expected_row = torch.tensor([1.5] * 4 + [2.0] * 4)
+    on = w > 0
+    assert on.sum() > 0
+    torch.testing.assert_close(w[on], expected_row[:, None].expand_as(w)[on], rtol=1e-5, atol=1e-6)
+    ref, _ = _async_update(tmp_path / "s", tiny_tokenizer, adv * expected_row, None)
+    for name in delta:
+        torch.testing.assert_close(delta[name], ref[name], rtol=1e-4, atol=1e-7, msg=name)
+
+
+# ---------------------------------------------------------------------------- failures in one line
+
+
+@pytest.mark.slow
+def test_a_worker_that_hangs_in_a_sync_ends_the_stage_in_one_line(tmp_path, tiny_model_input, digit_prompts,
+                                                                  monkeypatch):
+    """Worker 0 stops answering when it loads version 1 (the sync before step 2 with K = 1): within
+    sync_timeout_s of the learner's wait, one line names the worker, its pid, the host and the version."""
+    import socket
+
+    monkeypatch.setenv(async_rollouts.HANG_VAR, "0:1")
+    t0 = time.monotonic()
+    with pytest.raises(StageError) as e:
+        _run(tmp_path, "hang", {"model": tiny_model_input, "prompts": digit_prompts}, steps=4,
+             **{"async": {"max_staleness": 1, "sync_timeout_s": 2}})
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert re.fullmatch(rf"grpo: async rollout worker 0 \(pid \d+ on {re.escape(socket.gethostname())}\) did not "
+                        r"load policy version 1 within async.sync_timeout_s=2 s", msg), msg
+    assert time.monotonic() - t0 < 120
+
+
+@pytest.mark.slow
+def test_a_worker_that_dies_ends_the_stage_in_one_line(tmp_path, tiny_model_input, digit_prompts, monkeypatch):
+    """Worker 0 exits with code 3 before generating step 2: one line with its pid, host, exit code, step, version."""
+    monkeypatch.setenv(async_rollouts.EXIT_VAR, "0:2")
+    with pytest.raises(StageError) as e:
+        _run(tmp_path, "dead", {"model": tiny_model_input, "prompts": digit_prompts}, steps=4,
+             **{"async": {"max_staleness": 1}})
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert re.fullmatch(r"grpo: async rollout worker 0 \(pid \d+ on \S+\) exited with code 3 before delivering "
+                        r"step 2's groups \(policy version 1\)", msg), msg
+
+
+# ---------------------------------------------------------------------------- resume
+
+
+@pytest.mark.slow
+def test_a_resumed_learner_neither_replays_nor_skips_a_group(tmp_path, tiny_model_input, digit_prompts):
+    """K = 1, killed after step 3 (last checkpoint: step 2): the resumed run trains steps 3-5 only, its record of
+    consumed groups equals an uninterrupted run's, and so do the model bytes."""
+    from tests.test_sft import CrashingContext, SimulatedCrash
+
+    inputs = {"model": tiny_model_input, "prompts": digit_prompts}
+    cfg = short_is_better(steps=5, checkpoint_every=2, **{"async": {"max_staleness": 1}})
+    ref_ctx = LocalContext(tmp_path / "ref", seed=0)
+    ref = grpo.run(cfg, inputs, ref_ctx)["model"]
+    root = tmp_path / "crash"
+    with pytest.raises(SimulatedCrash):
+        grpo.run(cfg, inputs, CrashingContext(root, crash_at=3))
+    assert len(_consumed(LocalContext(root), 2)) == 2 * 4
+    resumed = LocalContext(root, seed=0)
+    out = grpo.run(cfg, inputs, resumed)["model"]
+    # steps 1-2 come back from the checkpoint's history (logged first), 3-5 are trained: each once, in order
+    assert [s for s, m in resumed.metrics if s is not None and "train/loss" in m] == [1, 2, 3, 4, 5]
+    assert _consumed(resumed, 5) == _consumed(ref_ctx, 5)
+    assert _model_sha(out) == _model_sha(ref)
+
+
+def test_resumed_record_must_cover_exactly_the_steps_before():
+    ok = [[0, 0, "p1", 0], [0, 1, "p2", 0], [1, 0, "p3", 0], [1, 1, "p1", 0]]
+    assert async_rollouts.resumed_record({"async_consumed": ok}, 2) == ok
+    with pytest.raises(StageError, match="not written by this asynchronous run"):
+        async_rollouts.resumed_record({"step": 2}, 2)
+    with pytest.raises(StageError, match="out of order"):
+        async_rollouts.resumed_record({"async_consumed": [ok[0], ok[1], ok[3], ok[2]]}, 2)
