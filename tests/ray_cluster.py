@@ -27,6 +27,10 @@ from pathlib import Path
 VENV_BIN = Path(sys.executable).parent
 RAY = str(VENV_BIN / "ray")
 STOP_GRACE_S = 10.0
+# What r1flow, its CLI and tests/conftest.py export (MKL_CBWR, OMP_WAIT_POLICY, the home and the servers): a machine
+# of a real cluster has none of it, so `bare_nodes` starts the Ray nodes without it and a stage sees only what the
+# driver hands its workers.
+R1FLOW_VARIABLES = ("R1FLOW_", "PREFECT_", "MLFLOW_", "MKL_CBWR", "OMP_WAIT_POLICY", "TOKENIZERS_PARALLELISM")
 
 
 def ray_installed() -> bool:
@@ -60,6 +64,7 @@ class LoopbackCluster:
     port: int = 6379
     object_store_bytes: int = 100_000_000
     env: dict[str, str] = field(default_factory=dict)
+    bare_nodes: bool = False  # the Ray nodes start without R1FLOW_VARIABLES (the commands run in it keep `env`)
 
     def __post_init__(self):
         self.ns = f"r1flow-{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -74,8 +79,10 @@ class LoopbackCluster:
     def _prefix(self) -> list[str]:
         return ["ip", "netns", "exec", self.ns]
 
-    def _env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+    def _env(self, extra: dict[str, str] | None = None, bare: bool = False) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | self.env | (extra or {})
+        if bare:
+            env = {k: v for k, v in env.items() if not k.startswith(R1FLOW_VARIABLES)}
         env["RAY_USAGE_STATS_ENABLED"] = "0"
         # Ray 2.60's `ray start --head --block` turns token authentication on and writes ~/.ray/auth_token, which
         # every cluster on this machine would share: off here, where the namespace already keeps others out.
@@ -91,11 +98,13 @@ class LoopbackCluster:
             raise AssertionError(f"{' '.join(cmd)} exited {out.returncode}:\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}")
         return out
 
-    def popen(self, cmd: list[str], *, log: Path, env: dict[str, str] | None = None, **kw) -> subprocess.Popen:
-        """Start a command inside the namespace in a session of its own, output to `log`."""
+    def popen(self, cmd: list[str], *, log: Path, env: dict[str, str] | None = None, bare: bool = False,
+              **kw) -> subprocess.Popen:
+        """Start a command inside the namespace in a session of its own, output to `log` (bare: without
+        R1FLOW_VARIABLES)."""
         f = open(log, "ab")
         return subprocess.Popen([*self._prefix(), *cmd], stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=self._env(env), start_new_session=True, **kw)
+                                env=self._env(env, bare), start_new_session=True, **kw)
 
     def python(self, code: str, *, timeout: float = 300, env: dict[str, str] | None = None) -> str:
         """Run Python code in the namespace as a driver of this cluster; its stdout (check: exit 0)."""
@@ -147,7 +156,7 @@ class LoopbackCluster:
                    f"--temp-dir={self.temp_dir}", *common]
         else:
             cmd = [RAY, "start", f"--address={self.address}", f"--temp-dir={self.temp_dir}", *common]
-        node = RayNode(name, self.popen(cmd, log=log), resources, log)
+        node = RayNode(name, self.popen(cmd, log=log, bare=self.bare_nodes), resources, log)
         self.running[name] = node
         return node
 
@@ -173,6 +182,11 @@ class LoopbackCluster:
             for a in alive:
                 if all(a["resources"].get(k) == v for k, v in node.resources.items()):
                     node.node_id = a["id"]
+
+    def node_environ(self, name: str) -> dict[str, str]:
+        """The environment the node's `ray start` process runs with (`ip netns exec` execs it: the same pid)."""
+        raw = Path(f"/proc/{self.running[name].proc.pid}/environ").read_bytes()
+        return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
 
     def node_of(self, node_id: str) -> str:
         """The name of the node with this Ray node id."""

@@ -2,8 +2,15 @@
 network namespace of this test's own, loopback only), driven through the CLI as a user drives it:
 `r1flow up` for the servers, `r1flow run --cluster`, `r1flow status --cluster`.
 
-- The tiny `r1` recipe on two Ray nodes: every fingerprint equals the run without a cluster, its stages ran on
-  both nodes (manifest and MLflow tag), and independent stages overlapped in time.
+The Ray nodes start without any of r1flow's variables (`bare_nodes`: no MKL_CBWR, OMP_WAIT_POLICY, R1FLOW_*, ...),
+as a real cluster's machines would: what a stage needs comes from the driver.
+
+- The tiny `r1` recipe on two Ray nodes: every fingerprint equals the run without a cluster (reward_model's and
+  grpo_final's too, which MKL's mode changes), its stages ran on both nodes (manifest and MLflow tag), and
+  independent stages overlapped in time.
+- A wrong address: `r1flow run` and `r1flow status` say so in one line within seconds, before any flow run; status
+  pointed at something that is no Ray head ends on SIGTERM.
+- A node no machine can hold (a label none offers, more machines than there are): one line before any stage runs.
 - `--parallel 2` on one machine: the same fingerprints as the sequential run.
 - A machine lost mid-stage (its raylet and workers SIGKILLed): the stage is retried on another node, resumes
   from its checkpoint under the shared home, and the run's fingerprints equal an unbroken run's.
@@ -14,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -77,7 +85,7 @@ def cluster(home, tmp_path_factory):
     namespace; stopped by PID at the end."""
     root = tmp_path_factory.mktemp("ray")
     nodes = [("head", 1, {"head": 1}), ("worker", 1, {"worker": 1, "trainer": 1})]
-    c = LoopbackCluster(root, nodes=nodes, env=clean_env(home)).create_namespace()
+    c = LoopbackCluster(root, nodes=nodes, env=clean_env(home), bare_nodes=True).create_namespace()
     try:
         up = c.popen([R1FLOW, "up", "--detach"], log=root / "up.log")
         c.start_nodes()
@@ -119,12 +127,20 @@ def test_status_shows_the_clusters_nodes_and_resources(cluster):
 
 
 def test_tiny_r1_on_two_ray_nodes_equals_the_run_without_a_cluster(cluster, home, sequential):
+    """All outputs equal the local run's, on nodes started without MKL_CBWR: reward_model's (and grpo_final's, which
+    scores with it) differed around the 6th digit of the loss when the workers ran without MKL's strict mode."""
     from mlflow.tracking import MlflowClient
 
     from flows.store import ArtifactStore
+    from tests.ray_cluster import R1FLOW_VARIABLES
 
-    result, _ = run_on(cluster, home, *TINY)
+    for name in cluster.running:
+        assert not [k for k in cluster.node_environ(name) if k.startswith(R1FLOW_VARIABLES)], name
+    result, output = run_on(cluster, home, *TINY)
+    assert fingerprints(result)["reward_model"] == fingerprints(sequential)["reward_model"]
     assert fingerprints(result) == fingerprints(sequential)
+    timing = next(line for line in output.splitlines() if line.startswith("stage work"))
+    assert "overhead -" not in timing and "side by side" in timing, timing  # stages overlapped: no negative overhead
     ran = [s for s in result["stages"] if s["status"] == "run"]
     assert len(ran) == len(result["stages"]) == len(sequential["stages"])
     node_ids = {n.node_id for n in cluster.running.values()}
@@ -141,6 +157,69 @@ def test_tiny_r1_on_two_ray_nodes_equals_the_run_without_a_cluster(cluster, home
                 if a["node"] < b["node"] and a["ray_node_id"] != b["ray_node_id"]
                 and a["started_at"] < b["ended_at"] and b["started_at"] < a["ended_at"]]
     assert overlaps, [(s["node"], s["started_at"], s["ended_at"]) for s in ran]
+
+
+def _flow_runs(cluster: LoopbackCluster) -> int:
+    """How many flow runs the module's Prefect server holds (asked from inside the namespace)."""
+    servers = json.loads((Path(cluster.env["R1FLOW_HOME"]) / "servers" / "servers.json").read_text())
+    code = ("import json, urllib.request\n"
+            f"req = urllib.request.Request({servers['prefect_api_url'] + '/flow_runs/count'!r}, data=b'{{}}', "
+            "headers={'Content-Type': 'application/json'})\n"
+            "print(json.load(urllib.request.urlopen(req, timeout=30)))")
+    return int(cluster.python(code).strip())
+
+
+@pytest.mark.parametrize("command", [["run", *TINY], ["status"]])
+def test_a_wrong_address_is_one_line_within_seconds_before_any_flow_run(cluster, command):
+    """Nothing listens at 127.0.0.1:1: Ray's connect repeated its GCS errors until killed (and status ignored
+    SIGTERM meanwhile). Now one line, exit 2, and the Prefect server has no new flow run."""
+    before = _flow_runs(cluster)
+    start = time.monotonic()
+    r = cluster.run([R1FLOW, *command, "--cluster", "127.0.0.1:1"], timeout=120)
+    took = time.monotonic() - start
+    assert r.returncode == 2 and r.stdout == "", r.stdout + r.stderr
+    assert r.stderr.splitlines() == ["r1flow: error: no Ray cluster answers at 127.0.0.1:1 (connection refused): check "
+                                     "the address of its head (`ray start --head` prints it) or start one"], r.stderr
+    assert took < 30, took  # imports and the plan (run) included, on a busy 2-core machine
+    assert _flow_runs(cluster) == before
+
+
+def test_status_pointed_at_something_that_is_no_ray_head_ends_on_sigterm(cluster, tmp_path):
+    """The Prefect server's port answers TCP but is no Ray head: Ray's connect would retry it for good, in C, where
+    the SIGTERM handler it installs in the main thread never runs. Status connects from a helper thread instead."""
+    servers = json.loads((Path(cluster.env["R1FLOW_HOME"]) / "servers" / "servers.json").read_text())
+    port = servers["prefect_api_url"].rsplit(":", 1)[1].split("/")[0]
+    status = cluster.popen([R1FLOW, "status", "--cluster", f"127.0.0.1:{port}"], log=tmp_path / "status.log")
+    try:
+        deadline = time.monotonic() + 60
+        while b"Failed to connect to GCS" not in (tmp_path / "status.log").read_bytes():  # Ray is retrying now
+            assert status.poll() is None and time.monotonic() < deadline, (tmp_path / "status.log").read_text()
+            time.sleep(0.2)
+        os.kill(status.pid, signal.SIGTERM)
+        assert status.wait(timeout=10) == -signal.SIGTERM
+    finally:
+        if status.poll() is None:
+            status.kill()
+            status.wait()
+
+
+def test_a_node_no_machine_can_hold_fails_in_one_line_before_any_stage_runs(cluster, tmp_path, fault_recipe):
+    """A label no node offers (set with --set, the placement's key) hung for good; a stage trained across more
+    machines than the cluster has failed only once the stages before it had run, after a ~55-line traceback. Now
+    the driver waits 60 s for machines (an autoscaler's), then one r1flow line names both, and nothing ran."""
+    out = tmp_path / "run.json"
+    start = time.monotonic()
+    r = cluster.run([R1FLOW, "run", *TINY, *fault_recipe, "--set", "prompts.resources.labels.a100=1", "--set",
+                     "sft.resources.nodes=4", "--cluster", cluster.address, "--json", str(out)], timeout=600)
+    took = time.monotonic() - start
+    assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
+    errors = [line for line in r.stderr.splitlines() if line.startswith("r1flow: error:")]
+    assert len(errors) == 1 and errors[0].startswith(
+        "r1flow: error: node 'prompts' needs CPU=1, a100=1 on one Ray node (no node offers a100); node 'sft' needs "
+        "CPU=1 on each of 4 Ray nodes (it trains across machines)"), r.stderr[-3000:]
+    assert "Traceback" not in r.stdout + r.stderr, r.stderr[-6000:]
+    assert " ... (elapsed" not in r.stdout + r.stderr and not out.exists()  # no stage started; no summary
+    assert 60 <= took < 150, took
 
 
 def test_parallel_two_on_one_machine_gives_the_sequential_fingerprints(cluster, tmp_path, sequential):
@@ -214,7 +293,12 @@ def test_a_node_lost_mid_stage_retries_it_elsewhere_from_its_checkpoint(cluster,
     sft = next(s for s in result["stages"] if s["node"] == "sft")
     survivor = cluster.running["spare" if lost == "worker" else "worker"].node_id
     assert sft["ray_node_id"] == survivor
-    assert sft["metrics"]["resumed_from_step"] > 0  # from the lost node's checkpoint, not from scratch
+    resumed = int(sft["metrics"]["resumed_from_step"])
+    assert resumed > 0  # from the lost node's checkpoint, not from scratch
+    # the table shows the stage's 400 steps and where it resumed, not trained_steps=<the last stretch>
+    table = log.read_text()
+    assert re.search(r"(?<!_)steps=400\b", table) and f"resumed_from_step={resumed}" in table, table[-4000:]
+    assert "trained_steps" not in table
 
 
 def test_a_killed_driver_leaves_nothing_running_on_the_cluster(cluster, home, tmp_path, fault_recipe):
