@@ -242,3 +242,30 @@ def test_resumed_record_must_cover_exactly_the_steps_before():
         async_rollouts.resumed_record({"step": 2}, 2)
     with pytest.raises(StageError, match="out of order"):
         async_rollouts.resumed_record({"async_consumed": [ok[0], ok[1], ok[3], ok[2]]}, 2)
+
+
+# ---------------------------------------------------------------------------- multi-turn environments
+
+
+@pytest.mark.slow
+def test_a_multi_turn_environment_runs_asynchronously(tmp_path, tiny_model_input, digit_prompts, tiny_tokenizer):
+    """The worker runs the environment's rollouts (a tool answering every turn, from a user's file) and scores them
+    with a reward-model component (the worker loads the reward model): K = 1 runs 3 steps with tool calls every
+    step, staleness min(1, s), and the stale step's weights come from the trajectories' sampler log-probs."""
+    from schemas.configs import EnvironmentSpec, RewardSpec
+    from tests.test_grpo import _tiny_reward_model
+    from tests.test_grpo_tools import TOOL_EVERY_TURN, _cfg
+
+    path = tmp_path / "tool_every_turn.py"
+    path.write_text(TOOL_EVERY_TURN)
+    cfg = _cfg(steps=3, environment=EnvironmentSpec(name=str(path), max_turns=3, max_total_tokens=40),
+               reward=RewardSpec(weights={"overlong": 1.0, "reward_model": 0.1}, overlong_max_tokens=6,
+                                 overlong_buffer=5), **{"async": {"max_staleness": 1}})
+    grpo.check(cfg)
+    ctx = LocalContext(tmp_path / "run", seed=0)
+    grpo.run(cfg, {"model": tiny_model_input, "prompts": digit_prompts,
+                   "reward_model": _tiny_reward_model(tmp_path / "rm", tiny_tokenizer)}, ctx)
+    _check_schedule(ctx, 1, 3, 2)
+    for m in _step_metrics(ctx).values():
+        assert m["rollout/tool_calls"] > 0 and m["rollout/turns"] > 1 and "reward/reward_model" in m
+        assert 0.0 < m["async/is_weight_ess"] <= 1.0
