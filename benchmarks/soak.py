@@ -47,7 +47,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from flows import servers  # noqa: E402
+from flows.servers import servers  # noqa: E402
 from stages.runtime import lifetime  # noqa: E402
 
 R1FLOW = [sys.executable, "-m", "flows.cli"]
@@ -57,7 +57,7 @@ REFERENCE = {
     "grpo_final_lr": ["grpo_final.learning_rate=5e-4"],
 }
 VARIANTS = dict(REFERENCE)  # plus the soak's new variants
-LOST_LINE = "stopped responding"  # flows/watchdog.py's line for a server that went away
+LOST_LINE = "stopped responding"  # flows/run/watchdog.py's line for a server that went away
 LOST_WITHIN_S = 30.0
 
 

@@ -104,7 +104,7 @@ def _data_source(src: str, kinds: tuple[str, ...], node_outputs: dict[str, dict[
 
 def wire_plan(stages: dict[str, str], outputs: dict[str, dict[str, str]], cfgs: dict[str, Any],
               wiring: dict[str, dict[str, str]], user_set: dict[tuple[str, str], str]) -> dict[str, str]:
-    """The plan hook (flows/recipes.py calls it while planning, before any compute): wire every
+    """The plan hook (flows/plan/recipes.py calls it while planning, before any compute): wire every
     preference_optimization node for its loss (`LOSS_NEEDS`); returns the nodes dropped, with why.
 
     The data input takes the kind the loss trains on from the same upstream node (KTO: preference_data's

@@ -115,10 +115,10 @@ def tiny_model_input(session_dir, tiny_tokenizer):
 
 @pytest.fixture(scope="session")
 def live_servers(session_dir):
-    """Prefect and MLflow servers (`flows.servers.start`) on free 127.0.0.1 ports, started once per
+    """Prefect and MLflow servers (`flows.servers.servers.start`) on free 127.0.0.1 ports, started once per
     session under `<session>/servers-home` and stopped at teardown. Yields the ServerInfo;
-    `flows.servers.env_for(info)` gives PREFECT_API_URL and MLFLOW_TRACKING_URI."""
-    from flows import servers
+    `flows.servers.servers.env_for(info)` gives PREFECT_API_URL and MLFLOW_TRACKING_URI."""
+    from flows.servers import servers
 
     home = session_dir / "servers-home"
     info = servers.start(home)

@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from flows.cli import main
-from flows.cli_output import print_summary
-from flows.recipes import load_plan
-from flows.store import ArtifactStore
+from flows.cli.app import main
+from flows.cli.output import print_summary
+from flows.plan.recipes import load_plan
+from flows.store.artifacts import ArtifactStore
 from schemas.artifacts import Producer
 from schemas.errors import ConfigError
 from stages.runtime import lifetime

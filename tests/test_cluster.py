@@ -131,7 +131,7 @@ def test_tiny_r1_on_two_ray_nodes_equals_the_run_without_a_cluster(cluster, home
     scores with it) differed around the 6th digit of the loss when the workers ran without MKL's strict mode."""
     from mlflow.tracking import MlflowClient
 
-    from flows.store import ArtifactStore
+    from flows.store.artifacts import ArtifactStore
     from tests.ray_cluster import R1FLOW_VARIABLES
 
     for name in cluster.running:

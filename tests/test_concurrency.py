@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # (`duplicate column name: step`, `table _alembic_tmp_tags already exists`), as in the issue.
 OPEN_TOGETHER = """
 import sys, time
-from flows.tracking import Tracker
+from flows.track.tracking import Tracker
 while time.time() < float(sys.argv[2]):
     time.sleep(0.005)
 tracker = Tracker(f"sqlite:///{sys.argv[1]}/mlflow.db", "r1flow/together")
@@ -46,7 +46,7 @@ def test_runs_opening_a_fresh_sqlite_store_together_all_succeed(tmp_path):
 def test_moving_an_alias_is_retried_when_a_concurrent_run_moved_it():
     from mlflow.exceptions import MlflowException
 
-    from flows.registry import _set_alias
+    from flows.report.registry import _set_alias
 
     class Client:
         def __init__(self, failures: int, message: str):
@@ -73,8 +73,8 @@ def test_registration_holds_the_store_lock(tmp_path, monkeypatch):
     """Two runs finishing together register one at a time on a local store (one version per fingerprint)."""
     import fcntl
 
-    from flows import registry
-    from flows.tracking import sqlite_lock
+    from flows.report import registry
+    from flows.track.tracking import sqlite_lock
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     seen = []

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from flows import deploy, pipeline
+from flows.run import deploy, pipeline
 from schemas.errors import ArtifactError, ConfigError
 from tests.conftest import harness_home
 
@@ -43,7 +43,7 @@ def _enum(prop: dict, defs: dict) -> list | None:
 def test_the_run_forms_offer_recipes_and_profiles_as_choices_and_hide_internals():
     from prefect.utilities.callables import parameter_schema
 
-    from flows.recipes import PROFILE_DIR, RECIPE_DIR, available
+    from flows.plan.recipes import PROFILE_DIR, RECIPE_DIR, available
 
     schema = parameter_schema(deploy.recipe_pipeline.fn).model_dump()
     props, defs = schema["properties"], schema.get("definitions", {})
@@ -171,7 +171,7 @@ def home(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def eval_run(home):
-    from flows.cli import main
+    from flows.cli.app import main
 
     out = home / "eval-run.json"
     assert main(["run", "--recipe", "eval", "--profile", "tiny", "--json", str(out)]) == 0
@@ -186,7 +186,7 @@ def _outputs(result: dict, node: str) -> dict[str, str]:
 def test_single_stage_rerun_from_references_joins_the_lineage(home, eval_run):
     from mlflow.tracking import MlflowClient
 
-    from flows.store import ArtifactStore
+    from flows.store.artifacts import ArtifactStore
 
     model_fp, prompts_fp = _outputs(eval_run, "base")["model"], _outputs(eval_run, "prompts")["prompts"]
     prompts_run = next(s for s in eval_run["stages"] if s["node"] == "prompts")["mlflow_run_id"]
@@ -278,16 +278,16 @@ def test_entrypoints_resolve_to_the_flows():
     from prefect.flows import load_flow_from_entrypoint
 
     root = Path(deploy.__file__).resolve().parent.parent
-    f = load_flow_from_entrypoint(str(root / "flows/deploy.py:grpo_stage"))
+    f = load_flow_from_entrypoint(str(root / "flows/run/deploy.py:grpo_stage"))
     assert f.name == "r1flow-grpo"
     assert load_flow_from_entrypoint(str(root / deploy.PIPELINE_ENTRYPOINT)).name == "r1flow-pipeline"
-    assert load_flow_from_entrypoint(str(root / "flows/deploy.py:recipe_pipeline")).name == "r1flow-pipeline"
+    assert load_flow_from_entrypoint(str(root / "flows/run/deploy.py:recipe_pipeline")).name == "r1flow-pipeline"
 
 
 def test_nightly_recipe_new_prompts_leave_the_sft_model_cached(tmp_path):
     """The scheduled-refresh example: rewriting the new-prompts file changes the cache key of
     `new_prompts` only; `sft` hangs off `base` and `prompts`, whose keys stay put, so it is reused."""
-    from flows.recipes import load_plan
+    from flows.plan.recipes import load_plan
 
     f = tmp_path / "incoming.jsonl"
     keys = []
@@ -323,7 +323,7 @@ def test_a_blank_node_in_the_stage_form_is_named_after_the_model_it_evaluates(ho
     artifact lists the field the submission changed. Several candidates the inputs do not tell apart: one error."""
     from mlflow.tracking import MlflowClient
 
-    from flows.store import ArtifactStore
+    from flows.store.artifacts import ArtifactStore
 
     prompts_fp, base_fp = _outputs(eval_run, "prompts")["prompts"], _outputs(eval_run, "base")["model"]
     sft = deploy.STAGE_FLOWS["sft"](inputs={"model": base_fp, "data": prompts_fp}, config={"max_steps": 2},
@@ -357,7 +357,7 @@ def test_a_config_error_with_a_blank_node_names_the_node_the_inputs_resolve_to(h
     value: the error names eval_sft (the node the run resolves to), in the single-stage run the form's flow makes
     and in `r1flow stage` (one line, before Prefect starts); with the base model, eval_base. Before, the config
     was checked before the inputs were read, as the recipe's first eval node: `eval_base.max_prompts`."""
-    from flows.cli import main
+    from flows.cli.app import main
 
     prompts_fp, base_fp = _outputs(eval_run, "prompts")["prompts"], _outputs(eval_run, "base")["model"]
     sft = deploy.STAGE_FLOWS["sft"](inputs={"model": base_fp, "data": prompts_fp}, config={"max_steps": 2},
@@ -402,6 +402,6 @@ def test_a_cached_single_stage_rerun_gets_a_nested_run_like_a_cached_pipeline_no
 
 
 def source_config_max_prompts(run: dict) -> int:
-    from flows.recipes import load_plan
+    from flows.plan.recipes import load_plan
 
     return load_plan(run["recipe"], run["profile"]).node("eval_base").config.max_prompts

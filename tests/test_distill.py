@@ -323,7 +323,7 @@ def test_resume_after_a_crash_repeats_the_uninterrupted_run(world):
 @pytest.mark.slow
 def test_distill_recipe_runs_end_to_end_on_the_tiny_profile(tmp_path):
     """teacher → traces → student → distill → eval of both, through the CLI (Prefect, MLflow, store)."""
-    from flows.cli import main
+    from flows.cli.app import main
     from tests.conftest import harness_home
 
     with harness_home(tmp_path / "home") as home:

@@ -410,10 +410,10 @@ def test_the_pipeline_publishes_and_tracks_a_launched_stage(tmp_path, tiny_model
 
     from mlflow.tracking import MlflowClient
 
-    from flows.cache import cache_key
-    from flows.pipeline import execute_stage
-    from flows.settings import Settings
-    from flows.store import ArtifactStore
+    from flows.run.pipeline import execute_stage
+    from flows.servers.settings import Settings
+    from flows.store.artifacts import ArtifactStore
+    from flows.store.cache import cache_key
     from schemas.artifacts import Producer
 
     home = tmp_path / "home"

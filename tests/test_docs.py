@@ -144,8 +144,8 @@ def test_nested_fields_carry_the_outer_default_and_every_field_is_on_its_page():
 def test_the_cli_recipes_and_profiles_pages_cover_the_parser_and_the_yaml():
     import argparse
 
-    from flows.cli import build_parser
-    from flows.recipes import PROFILE_DIR, RECIPE_DIR, available
+    from flows.cli.app import build_parser
+    from flows.plan.recipes import PROFILE_DIR, RECIPE_DIR, available
 
     hook = _hook()
     cli = hook.cli_page()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from flows.cli import main
+from flows.cli.app import main
 from tests.conftest import harness_home
 
 pytestmark = pytest.mark.slow
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def home(tmp_path_factory):
-    import flows.pipeline  # noqa: F401  (Prefect configures logging once, on import: before caplog sets a level)
+    import flows.run.pipeline  # noqa: F401  (Prefect configures logging once, on import: before caplog sets a level)
 
     with harness_home(tmp_path_factory.mktemp("flow-home")) as path:
         yield path
@@ -80,7 +80,7 @@ def test_first_run_runs_every_stage_and_tracks_it(home, caplog, recwarn):
     manifest = json.loads((home / "artifacts" / results_fp / "manifest.json").read_text())
     assert manifest["schema"] == "eval" and manifest["producer"]["node"] == "eval_sft"
     assert "accuracy" in manifest["metrics"] and manifest["parents"]
-    # the run report (MLflow and Prefect) and the model registry (flows/report.py, flows/registry.py)
+    # the run report (MLflow and Prefect) and the model registry (flows/report/report.py, flows/report/registry.py)
     report = {a.path for a in client.list_artifacts(result["parent_run_id"], "report")}
     assert report == {"report/report.md", "report/training_loss.png", "report/eval.png", "report/train_sft.png",
                       "report/comparison.json", "report/comparison.csv"}

@@ -1,13 +1,13 @@
-"""flows/gains.py: each model-producing stage's held-out gain over the model it was trained from, paired by prompt."""
+"""flows/report/gains.py: each model-producing stage's held-out gain over the model it was trained from, paired by prompt."""
 
 from __future__ import annotations
 
 import pytest
 
-from flows.gains import fmt_gain, gain_pairs, gains_markdown, greedy_scores, paired_gain, stage_gains
-from flows.recipes import load_plan
-from flows.report_tables import read_tables
-from flows.results import StageResult
+from flows.plan.recipes import load_plan
+from flows.plan.results import StageResult
+from flows.report.gains import fmt_gain, gain_pairs, gains_markdown, greedy_scores, paired_gain, stage_gains
+from flows.report.tables import read_tables
 
 
 def test_the_r1_plan_compares_every_model_with_what_it_was_trained_from():
@@ -100,7 +100,7 @@ def test_r1_tools_gains_say_which_environment_each_model_was_evaluated_in(capsys
     the report's table, names the environment its evals sampled in."""
     from rich.console import Console
 
-    from flows.cli_output import print_gains
+    from flows.cli.output import print_gains
 
     gains = [{**p, "gain": 0.1 * i, "ci_low": 0.0, "ci_high": 0.2, "prompts": 8, "note": ""}
              for i, p in enumerate(gain_pairs(load_plan("r1-tools", "tiny", [])))]
@@ -119,7 +119,7 @@ def test_r1_tools_gains_say_which_environment_each_model_was_evaluated_in(capsys
 
 def test_a_compare_entry_must_name_eval_nodes_of_the_recipe(tmp_path, monkeypatch):
     """One clear error before any compute: an unknown node, or a node that is not an eval."""
-    from flows import recipes
+    from flows.plan import recipes
     from schemas.errors import ConfigError
 
     base = (recipes.RECIPE_DIR / "sft-eval.yaml").read_text()

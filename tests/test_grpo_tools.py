@@ -191,7 +191,7 @@ def test_a_user_environment_scores_grpo_with_the_stages_reward(tmp_path, tiny_mo
 def test_r1flow_run_refuses_a_user_environment_that_cannot_take_the_reward(tmp_path, monkeypatch, capsys):
     """The same file without a `reward` parameter, named in r1-zero's grpo node from the command line: one error line
     naming the file and the hook, before anything is computed or written."""
-    from flows.cli import main
+    from flows.cli.app import main
 
     path = tmp_path / "mine.py"
     path.write_text(SCORES_WITH_THE_STAGES_REWARD.replace(
@@ -322,9 +322,9 @@ def test_single_turn_keys_are_unchanged():
     so its key is cache_key(stage, VERSION, config, inputs, seed, "") as it was before stages had a cache_salt."""
     from collections import defaultdict
 
-    from flows import pipeline
-    from flows.cache import cache_key
-    from flows.recipes import PROFILE_DIR, RECIPE_DIR, available, load_plan
+    from flows.plan.recipes import PROFILE_DIR, RECIPE_DIR, available, load_plan
+    from flows.run import pipeline
+    from flows.store.cache import cache_key
     from stages import get_stage, stage_version
 
     upstream = defaultdict(lambda: defaultdict(lambda: "f" * 64))

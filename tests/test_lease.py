@@ -1,4 +1,4 @@
-"""flows/lease.py: the store's lease (one computation per cache key across machines), on a local store.
+"""flows/store/lease.py: the store's lease (one computation per cache key across machines), on a local store.
 
 The decisions are pure functions tested with hand-made numbers; the rest uses real processes: two contend for
 a key (their compute intervals must not overlap), a holder killed with SIGKILL is taken over after its ttl, and a
@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from flows import lease as L
-from flows.store import ArtifactStore
+from flows.store import lease as L
+from flows.store.artifacts import ArtifactStore
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -160,8 +160,8 @@ def test_stale_takeover_token_is_cleared(store):
 
 _WORKER = textwrap.dedent("""
     import json, sys, time
-    from flows.lease import hold
-    from flows.store import ArtifactStore
+    from flows.store.lease import hold
+    from flows.store.artifacts import ArtifactStore
     store_root, home, log, rounds = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
     store = ArtifactStore(store_root, home=home)
     print("ready", flush=True)
@@ -177,8 +177,8 @@ _WORKER = textwrap.dedent("""
 
 _HOLD_FOREVER = textwrap.dedent("""
     import sys, time
-    from flows.lease import Lease
-    from flows.store import ArtifactStore
+    from flows.store.lease import Lease
+    from flows.store.artifacts import ArtifactStore
     lease = Lease(ArtifactStore(sys.argv[1], home=sys.argv[2]), "killed", ttl_s=1.0, renew_every_s=0.25,
                   poll_s=0.05).acquire()
     print(lease.holder, flush=True)
@@ -221,7 +221,7 @@ def test_two_processes_never_compute_at_once(store, tmp_path):
 
 
 def test_a_killed_holder_on_this_host_is_taken_over_at_once(store, tmp_path, caplog):
-    """Its process is provably gone (flows.store.owner_gone): waiting for the expiry would only waste the ttl. The
+    """Its process is provably gone (flows.store.artifacts.owner_gone): waiting for the expiry would only waste the ttl. The
     takeover's line says so, not that the lease "expired -0.8 s ago" (its expiry is still ahead)."""
     p = _spawn(_HOLD_FOREVER, store.uri, str(tmp_path / "home-killed"))
     try:

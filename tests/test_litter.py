@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from flows.store import ArtifactStore, host_id, parse_owner, process_owner
+from flows.store.artifacts import ArtifactStore, host_id, parse_owner, process_owner
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _dead_process() -> tuple[int, int]:
     """(pid, start ticks) of a process that was killed with kill -9 (and reaped)."""
-    from flows.processes import proc_stat
+    from flows.servers.processes import proc_stat
 
     proc = subprocess.Popen([sys.executable, "-S", "-c", "import time; time.sleep(60)"])
     ticks = proc_stat(proc.pid)[2]
@@ -32,7 +32,7 @@ def _dead_process() -> tuple[int, int]:
 @pytest.fixture()
 def live_process():
     """(pid, start ticks) of another process that is running (a concurrent run on the same home)."""
-    from flows.processes import proc_stat
+    from flows.servers.processes import proc_stat
 
     proc = subprocess.Popen([sys.executable, "-S", "-c", "import time; time.sleep(120)"])
     try:
@@ -94,7 +94,7 @@ def test_a_failed_publish_leaves_no_incoming_folder(tmp_path, monkeypatch):
 
 
 def test_set_aside_copies_beyond_the_cap_are_removed_newest_kept(tmp_path):
-    from flows.store import KEEP_CORRUPT
+    from flows.store.artifacts import KEEP_CORRUPT
     from schemas.artifacts import Producer
 
     store = ArtifactStore(tmp_path / "store", home=tmp_path / "home")
@@ -133,11 +133,11 @@ def test_the_next_run_closes_a_killed_runs_prefect_and_mlflow_runs_and_folders(t
     from prefect.client.schemas import filters as f
     from prefect.states import Running
 
-    from flows.pipeline import pipeline
-    from flows.processes import proc_stat
-    from flows.reclaim import PREFECT_HOST_LABEL, PREFECT_PROCESS_LABEL
-    from flows.settings import Settings
-    from flows.tracking import Tracker
+    from flows.run.pipeline import pipeline
+    from flows.run.reclaim import PREFECT_HOST_LABEL, PREFECT_PROCESS_LABEL
+    from flows.servers.processes import proc_stat
+    from flows.servers.settings import Settings
+    from flows.track.tracking import Tracker
     from schemas.errors import ConfigError
     from tests.conftest import harness_home
 
@@ -221,7 +221,7 @@ print(run_program("import time; time.sleep(120)", limits=SandboxLimits(wall_time
 
 
 def test_a_sandbox_run_directory_names_its_owner_as_the_store_does():
-    """The sweep judges a sandbox directory by the owner in its name, in flows/store.py's format."""
+    """The sweep judges a sandbox directory by the owner in its name, in flows/store/artifacts.py's format."""
     from stages.rewards.sandbox import run_owner
 
     assert run_owner() == process_owner()

@@ -34,8 +34,8 @@ def public_functions() -> dict[str, set[str]]:
 
 
 STAGES = set(STAGE_MODULES.values())
-SCRIPTS = {_module(p) for p in (ROOT / "benchmarks").glob("*.py")} | {"stages.training.launch", "flows.cli",
-                                                                       "flows.prefect_server"}
+SCRIPTS = {_module(p) for p in (ROOT / "benchmarks").glob("*.py")} | {"stages.training.launch", "flows.cli.app",
+                                                                       "flows.servers.prefect_server"}
 
 # Interfaces: one meaning implemented by several modules, each called through its module.
 INTERFACES: dict[str, set[str]] = {
@@ -85,6 +85,6 @@ def test_every_allowed_clash_still_is_one():
 
 def test_the_check_sees_a_clash_and_spares_an_interface():
     where = {"f": {"stages.math.rl", "stages.math.steps"}, "run": {"stages.sft", "stages.grpo"},
-             "summarize": {"stages.sft", "benchmarks.suite"}, "g": {"flows.report"}}
+             "summarize": {"stages.sft", "benchmarks.suite"}, "g": {"flows.report.report"}}
     assert clashes(where) == {"f": {"stages.math.rl", "stages.math.steps"},
                               "summarize": {"stages.sft", "benchmarks.suite"}}

@@ -9,9 +9,9 @@ import torch
 from pydantic import ValidationError
 from torch.testing import assert_close
 
-from flows.cache import cache_key
-from flows.cli import main
-from flows.recipes import load_plan
+from flows.cli.app import main
+from flows.plan.recipes import load_plan
+from flows.store.cache import cache_key
 from schemas.configs import ASYNC_POLICY_LOSSES, AsyncConfig, GRPOConfig, PPOConfig
 from schemas.errors import ConfigError
 from stages.math import offpolicy, rl

@@ -1,4 +1,4 @@
-"""Where nodes run (flows/placement.py) and what they declare (`resources:` in recipes and profiles): fast checks
+"""Where nodes run (flows/run/placement.py) and what they declare (`resources:` in recipes and profiles): fast checks
 without a cluster. The cluster itself is exercised in tests/test_cluster.py."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from flows import placement
-from flows.placement import Execution
-from flows.recipes import load_plan
+from flows.plan.recipes import load_plan
+from flows.run import placement
+from flows.run.placement import Execution
 from schemas.configs import NodeResources
 from schemas.errors import ConfigError
 
@@ -53,7 +53,7 @@ def test_profile_by_name_beats_stage_type_beats_recipe(tmp_path):
 
 
 def test_the_placement_is_not_part_of_the_cache_key(tmp_path):
-    from flows.pipeline import node_key
+    from flows.run.pipeline import node_key
 
     recipe, profile = _recipe(tmp_path)
     plain = load_plan(recipe, profile)
@@ -67,7 +67,7 @@ def test_set_reaches_both_things_named_resources(tmp_path):
     """`--set NODE.resources.KEY=`: the placement's keys (cpus, gpus, memory_gb, labels) set the node's placement,
     over the recipe's and the profile's, outside the cache key; the training config's keys (num_processes, nodes,
     distributed_type, backend) set config.resources, in it. (Before: `sft.resources.labels: unknown key`.)"""
-    from flows.pipeline import node_key
+    from flows.run.pipeline import node_key
 
     recipe, profile = _recipe(tmp_path, node_resources="resources: {cpus: 3}")
     upstream = {"base": {"model": "m" * 64}, "prompts": {"prompts": "p" * 64}}
@@ -105,7 +105,7 @@ def test_a_bad_resource_names_the_node_and_field(tmp_path):
 
 
 def test_every_shipped_profile_and_recipe_resolves_resources():
-    from flows.recipes import PROFILE_DIR, RECIPE_DIR, available
+    from flows.plan.recipes import PROFILE_DIR, RECIPE_DIR, available
 
     for profile in available(PROFILE_DIR):
         for recipe in available(RECIPE_DIR):
@@ -269,11 +269,11 @@ def test_one_machine_configs_keep_the_keys_they_had_before_multi_machine_trainin
 
 
 def test_a_cluster_node_that_cannot_reach_a_server_fails_before_any_compute(tmp_path, monkeypatch):
-    """What a stage task on a cluster node does first (flows.pipeline.execute_stage): one line naming the node and
+    """What a stage task on a cluster node does first (flows.run.pipeline.execute_stage): one line naming the node and
     the server it could not reach; no lock, lease, MLflow run or artifact was made."""
     import socket
 
-    from flows.pipeline import execute_stage
+    from flows.run.pipeline import execute_stage
 
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
@@ -312,7 +312,7 @@ def test_parallel_stage_processes_share_the_cores_between_them(monkeypatch):
 
 
 def test_a_parallel_worker_runs_torch_and_its_children_with_its_share():
-    code = ("import os, torch; from flows.placement import use_threads; use_threads(3); "
+    code = ("import os, torch; from flows.run.placement import use_threads; use_threads(3); "
             "print(torch.get_num_threads(), os.environ['OMP_NUM_THREADS'], os.environ['R1FLOW_THREADS'])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={k: v for k, v in os.environ.items() if not k.endswith("_NUM_THREADS")})
@@ -332,7 +332,7 @@ def test_openmp_threads_sleep_on_a_busy_machine_unless_the_user_chose_a_policy(t
     assert choose_wait_policy(env, load=1.9, cores=2) == "default" and env == {}
     assert choose_wait_policy(env, load=0.1, cores=16) == "default" and env == {}
     assert choose_wait_policy({"OMP_WAIT_POLICY": "ACTIVE"}, load=9.0, cores=2) == "ACTIVE"
-    code = ("import os, sys; from flows.cli import main; main(['artifacts']); "
+    code = ("import os, sys; from flows.cli.app import main; main(['artifacts']); "
             "print(os.environ.get('OMP_WAIT_POLICY'), os.getloadavg()[0], len(os.sched_getaffinity(0)))")
     base = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"} | {"R1FLOW_HOME": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from flows.recipes import PROFILE_DIR, available, load_plan
+from flows.plan.recipes import PROFILE_DIR, available, load_plan
 from schemas.artifacts import MODEL_DIR
 from schemas.configs import GenerationSpec, LoraSpec, PPOConfig, RewardSpec
 from schemas.errors import ConfigError
@@ -263,7 +263,7 @@ def test_rl_compare_gives_both_algorithms_the_same_budget(profile):
 
 @pytest.mark.slow
 def test_rl_compare_recipe_end_to_end(tmp_path):
-    from flows.cli import main
+    from flows.cli.app import main
     from tests.conftest import harness_home
 
     with harness_home(tmp_path / "home") as home:

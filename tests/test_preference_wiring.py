@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from flows.recipes import RECIPE_DIR, available, load_plan
+from flows.plan.recipes import RECIPE_DIR, available, load_plan
 from schemas.errors import ConfigError
 from stages import get_stage
 from stages.preference_optimization import LOSS_NEEDS
@@ -113,7 +113,7 @@ def test_a_reference_shared_by_disagreeing_consumers_fails(tmp_path):
 
 @pytest.mark.parametrize("recipe", ["rlhf", "r1"])
 def test_a_contradicting_set_fails_before_compute_with_the_fix(recipe, tmp_path, monkeypatch, capsys):
-    from flows.cli import main
+    from flows.cli.app import main
 
     home = tmp_path / "untouched"
     monkeypatch.setenv("R1FLOW_HOME", str(home))
@@ -154,9 +154,9 @@ def test_kto_trains_through_the_planned_dag(tmp_path, tiny_model_input):
     scored samples: the KTO reference scores the unpaired rows and their KL pairs, and dpo reads it."""
     import shutil
 
-    from flows.pipeline import execute_stage, node_key
-    from flows.settings import Settings
-    from flows.store import ArtifactStore
+    from flows.run.pipeline import execute_stage, node_key
+    from flows.servers.settings import Settings
+    from flows.store.artifacts import ArtifactStore
     from schemas.artifacts import Producer
     from schemas.datasets import from_rows
     from stages.base import LocalContext, write_dataset

@@ -408,7 +408,7 @@ def test_prm_from_files_with_lora_and_one_error_for_a_bad_file(tmp_path, tiny_mo
     assert (out.path / "model" / "prm.json").exists() and not (out.path / "model" / "adapter_config.json").exists()
     assert out.metrics["solutions_train"] + out.metrics["eval_solutions"] == 12
     assert prm.cache_salt(cfg) != prm.cache_salt(cfg.model_copy(update={"files": []})) == ""
-    # a single-stage run (flows.deploy.run_single_stage) validates its JSON config first: the same salt
+    # a single-stage run (flows.run.deploy.run_single_stage) validates its JSON config first: the same salt
     assert prm.cache_salt(cfg) == prm.cache_salt(PRMConfig.model_validate(cfg.model_dump(mode="json")))
 
     bad = tmp_path / "bad.jsonl"
@@ -441,7 +441,7 @@ def test_prm_recipe_end_to_end_cached_and_each_new_stage_reruns_alone(tmp_path):
     """`r1flow run --recipe prm --profile tiny` runs every node; a second run reuses step_labels and prm
     from the cache; `r1flow stage` runs each new stage alone on the recorded artifacts: the same config
     is a cache hit with the same output, a changed one runs, and the PRM it publishes loads as a StepScorer."""
-    from flows.cli import main
+    from flows.cli.app import main
     from stages.modeling.heads import StepScorer
     from tests.conftest import harness_home
 

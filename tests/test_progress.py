@@ -82,7 +82,7 @@ def test_no_progress_no_per_step_calls(tiny_tokenizer, tiny_model, monkeypatch):
 
 def test_node_progress_lines_hand_worked():
     """The lines themselves (through `r1flow run`, once each on the terminal: tests/test_flow.py's first runs)."""
-    from flows.pipeline import NodeProgress
+    from flows.run.pipeline import NodeProgress
 
     log, handler = logging.getLogger("r1flow.test-progress"), _Records(logging.INFO)
     log.addHandler(handler)

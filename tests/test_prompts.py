@@ -171,7 +171,7 @@ def test_generated_prompts_obey_the_limit_too(tmp_path):
 def test_a_run_fails_at_planning_on_an_over_long_prompt_and_the_named_set_raises_the_limit(tmp_path):
     """The issue: a 1 MB prompt was accepted and an eval ran 16 minutes on it. Now the plan (made before any
     stage runs) stops with the file, line, length and the `--set` that raises the limit; that `--set` works."""
-    from flows.recipes import load_plan
+    from flows.plan.recipes import load_plan
 
     f = tmp_path / "big.jsonl"
     f.write_text(json.dumps({"question": "What is 2+2?", "answer": "4"}) + "\n"
@@ -185,7 +185,7 @@ def test_a_run_fails_at_planning_on_an_over_long_prompt_and_the_named_set_raises
 
 def test_the_plan_names_the_node_that_holds_the_file(tmp_path):
     """In nightly-preferences the user file is on `new_prompts`: the `--set` in the message must say so."""
-    from flows.recipes import load_plan
+    from flows.plan.recipes import load_plan
 
     f = tmp_path / "big.jsonl"
     f.write_text(json.dumps({"question": "x" * 70_000, "answer": "1"}) + "\n")
@@ -198,7 +198,7 @@ def test_a_2mb_prompt_line_through_the_cli_is_one_error_naming_file_line_length_
     """Issue 44 item 14: a JSON line over pyarrow's 1 MB blocks gave "cannot read (ArrowInvalid: straddling
     object straddles two block boundaries...)". Now the file reads, and the over-long row is the one error,
     printed by `r1flow run` (its entry point, in this process) before anything is computed."""
-    from flows.cli import main
+    from flows.cli.app import main
 
     f = tmp_path / "big.jsonl"
     f.write_text(json.dumps({"question": "What is 2+2?", "answer": "4"}) + "\n"
@@ -248,8 +248,8 @@ def test_a_users_own_held_out_set_for_a_single_stage_run_replaces_the_default_ta
     """Issue 47 item 6: `r1flow stage prompts --set files=[mine.jsonl] --set tasks={}` kept the default
     basic_arithmetic task (the `{}` merged into it), so 256 generated prompts joined the user's set. `{}` (and `[]`)
     now replace; a recipe's `--set prompts.tasks={}` did already."""
-    from flows.deploy import stage_config
-    from flows.recipes import deep_merge, load_plan, overrides_tree
+    from flows.plan.recipes import deep_merge, load_plan, overrides_tree
+    from flows.run.deploy import stage_config
 
     f = tmp_path / "mine.jsonl"
     f.write_text(json.dumps({"question": "What is 2+2?", "answer": "4", "split": "eval"}) + "\n")

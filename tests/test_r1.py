@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from flows.cli import main
-from flows.recipes import DEFAULT_RECIPE, load_plan
-from flows.report_tables import read_tables
+from flows.cli.app import main
+from flows.plan.recipes import DEFAULT_RECIPE, load_plan
+from flows.report.tables import read_tables
 from tests.conftest import harness_home
 
 pytestmark = pytest.mark.slow
@@ -46,7 +46,7 @@ def report_text(home: Path, result: dict) -> str:
 
 
 def comparison_table(report: str) -> list[str]:
-    """The rows of the report's model comparison table (its split tables joined: flows/report_tables.py), each as a
+    """The rows of the report's model comparison table (its split tables joined: flows/report/tables.py), each as a
     markdown row."""
     section = report.split("## Model comparison", 1)[1].split("\n## ", 1)[0]
     return ["| " + " | ".join(row.values()) + " |" for row in read_tables(section)]

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from flows.cli import main
-from flows.recipes import load_plan
-from flows.report_tables import read_tables
+from flows.cli.app import main
+from flows.plan.recipes import load_plan
+from flows.report.tables import read_tables
 from stages.rewards import sandbox
 from tests.conftest import harness_home
 

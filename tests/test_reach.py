@@ -1,4 +1,4 @@
-"""flows/reach.py: what a cluster node checks before any compute, against real local servers and folders.
+"""flows/run/reach.py: what a cluster node checks before any compute, against real local servers and folders.
 
 A tiny http.server on 127.0.0.1 plays Prefect (/api/health -> true) and MLflow (/health -> OK); a port
 that was bound and closed gives "connection refused"; a listening socket that never answers gives a timeout.
@@ -12,8 +12,8 @@ import threading
 
 import pytest
 
-from flows.reach import check_mlflow, check_reachable, check_store, describe_node, http_health
-from flows.settings import Settings
+from flows.run.reach import check_mlflow, check_reachable, check_store, describe_node, http_health
+from flows.servers.settings import Settings
 from schemas.errors import ConfigError
 
 WHERE = "cluster node 3f2a9c01 (host test)"
@@ -114,11 +114,11 @@ def test_store_or_sqlite_not_on_this_node(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# `r1flow up --host`: servers bound beyond 127.0.0.1 on purpose (flows/servers.py), then checked from "a node"
+# `r1flow up --host`: servers bound beyond 127.0.0.1 on purpose (flows/servers/servers.py), then checked from "a node"
 
 
 def test_exposure_warning_and_advertised_address(monkeypatch):
-    from flows import servers
+    from flows.servers import servers
 
     for safe in ("127.0.0.1", "localhost", "::1", "127.0.0.2", "[::1]"):
         assert servers.exposure_warning(safe) is None, safe
@@ -149,7 +149,7 @@ def test_up_on_127_0_0_2_binds_there_and_a_node_reaches_it(tmp_path):
     import urllib.request
     from pathlib import Path
 
-    from flows import servers
+    from flows.servers import servers
 
     home = tmp_path / "home"
     env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI")}

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from flows.recipes import PROFILE_DIR, RECIPE_DIR, available, load_plan, parse_override
+from flows.plan.recipes import PROFILE_DIR, RECIPE_DIR, available, load_plan, parse_override
 from schemas.errors import ConfigError
 
 

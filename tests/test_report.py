@@ -9,9 +9,11 @@ import json
 
 import pytest
 
-from flows.comparison import comparison_rows, previous_comparison
-from flows.recipes import load_plan
-from flows.registry import (
+from flows.plan.recipes import load_plan
+from flows.plan.results import StageResult
+from flows.report.comparison import comparison_rows, previous_comparison
+from flows.report.plots import panel_figure, training_panels
+from flows.report.registry import (
     CHAMPION_ALIAS,
     FINAL_ALIAS,
     evaluated_models,
@@ -19,12 +21,10 @@ from flows.registry import (
     register_models,
     registered_model_name,
 )
-from flows.report import artifact_key, build_report, publish_report
-from flows.report_plots import panel_figure, training_panels
-from flows.report_tables import read_tables
-from flows.results import StageResult
-from flows.store import ArtifactStore
-from flows.tracking import Tracker
+from flows.report.report import artifact_key, build_report, publish_report
+from flows.report.tables import read_tables
+from flows.store.artifacts import ArtifactStore
+from flows.track.tracking import Tracker
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -153,7 +153,7 @@ def test_report_has_one_row_per_stage_with_status_and_link_and_plots_with_data(t
     assert "r1flow ui" in report.markdown and "mlflow ui" not in report.markdown  # local store: how to open the links (a command that works)
     # the comparison table names the model and its fingerprint, the accuracy with its interval and the
     # eval size; unlogged metrics are dashes
-    # (in tables that fit Prefect's pane, read here as one: flows/report_tables.py)
+    # (in tables that fit Prefect's pane, read here as one: flows/report/tables.py)
     compared = read_tables(report.markdown.split("## Model comparison")[1])
     assert list(compared[0]) == ["eval", "model", "model fp", "accuracy [95% CI]", "prompts", "lenient acc", "pass@k",
                                  "format rate", "mean length", "tokens/s †"]
@@ -236,7 +236,7 @@ def test_grpo_plots_reward_kl_entropy_and_length_not_its_loss(tracker, monkeypat
     """A GRPO node gets train_grpo.png with the curves of its history (reward, components, accuracy
     on rollouts and held-out, KL, entropy, length, clipping) and a column in grpo.png; its ~1e-7
     loss is in no plot, and no training_loss.png is drawn for it."""
-    from flows import report as report_module
+    from flows.report import report as report_module
 
     drawn: dict[str, list] = {}
     real = report_module.plot_panels
@@ -321,7 +321,7 @@ def test_pass_at_k_names_its_prompts_and_throughput_its_machine_load(tracker):
     ev["eval_sft"]["pass_k_prompts"] = 2.0  # a count the eval logged wins over the config's
     rows = comparison_rows(plan, [dataclasses.replace(r, metrics=ev[r.node]) for r in results])
     assert [r["pass_k_prompts"] for r in rows] == [3, 2]
-    from flows.comparison import comparison_markdown, comparison_payload
+    from flows.report.comparison import comparison_markdown, comparison_payload
 
     md = "\n".join(comparison_markdown(comparison_payload(plan, parent, rows, None), tracker))
     assert "| pass@k |" in md and "| 0.500 (k=2, 3 prompts) |" in md and "| 0.750 (k=2, 2 prompts) |" in md
@@ -402,7 +402,7 @@ def parent_run(tracker: Tracker, plan, name: str) -> str:
 
 
 def comparison_table(markdown: str) -> list[list[str]]:
-    """The model comparison's rows, its split tables joined (flows/report_tables.py), in the columns' order."""
+    """The model comparison's rows, its split tables joined (flows/report/tables.py), in the columns' order."""
     return [list(row.values()) for row in read_tables(markdown.split("## Model comparison")[1].split("\n## ")[0])]
 
 
@@ -461,7 +461,7 @@ def test_rerun_with_changed_model_shows_the_previous_row_for_that_eval_only(trac
     assert report.comparison["previous"] == {"parent_run_id": p2, "rows": []}
 
     # a handful at most: with one try, run 3 only reaches run 2 (passing over nothing)
-    import flows.comparison as comparison_mod
+    import flows.report.comparison as comparison_mod
 
     monkeypatch.setattr(comparison_mod, "MAX_PREVIOUS_RUNS", 1)
     assert previous_comparison(tracker, plan, p3)["parent_run_id"] == p2
@@ -483,7 +483,7 @@ def test_previous_rows_from_before_intervals_show_the_accuracy_alone(tracker):
            "tokens_per_s": 90.0, "arith/accuracy": 0.125}
     payload = {"recipe": "sft-eval", "profile": "tiny", "parent_run_id": "p2" * 16, "rows": [now],
                "previous": {"parent_run_id": "p1" * 16, "rows": [old]}}
-    from flows.comparison import comparison_csv, comparison_markdown
+    from flows.report.comparison import comparison_csv, comparison_markdown
 
     md = "\n".join(comparison_markdown(payload, tracker))
     rows = read_tables(md.split("## Model comparison")[1])
@@ -502,7 +502,7 @@ def test_previous_rows_from_before_intervals_show_the_accuracy_alone(tracker):
 def test_prefect_artifact_failure_only_warns(tracker, monkeypatch, caplog):
     import prefect.artifacts
 
-    import flows.report as report_mod
+    import flows.report.report as report_mod
 
     def boom(**kwargs):
         raise RuntimeError("api down")
@@ -584,7 +584,7 @@ def test_registry_skips_skipped_nodes_and_keeps_aliases(tracker, tmp_path):
 def test_the_tool_use_section_shows_each_tool_evals_calls_errors_turns_and_accuracy_by_calls():
     """Only evals that logged tool metrics get a row (a plain eval and a skipped one do not); a bin with no answers
     shows — for its accuracy; no tool eval at all: no section."""
-    from flows.comparison import tool_use_markdown
+    from flows.report.comparison import tool_use_markdown
 
     tool = {"accuracy": 0.75, "accuracy_ci_low": 0.5, "accuracy_ci_high": 1.0, "tool_calls_per_answer": 1.25,
             "tool_error_rate": 0.2, "turns": 2.25, "calls_0/accuracy": float("nan"), "calls_0/share": 0.0,

@@ -1,5 +1,5 @@
 """The report's tables and names as users read them (issue 59 item 9): tables split to fit Prefect's artifact pane
-(flows/report_tables.py; the browser check is tests/test_ui_browser.py), a tool eval without tool calls, and the
+(flows/report/tables.py; the browser check is tests/test_ui_browser.py), a tool eval without tool calls, and the
 README's example of a run's name."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from flows.report_tables import PANE_CHARS, column_groups, markdown_tables, read_tables, shown_width
-from flows.tracking import run_name
+from flows.report.tables import PANE_CHARS, column_groups, markdown_tables, read_tables, shown_width
+from flows.track.tracking import run_name
 from stages.rewards import sandbox
 from tests.conftest import clean_env
 

@@ -1,4 +1,4 @@
-"""flows/store.py's s3:// branch and flows/lease.py on s3://, against moto's S3 server on 127.0.0.1.
+"""flows/store/artifacts.py's s3:// branch and flows/store/lease.py on s3://, against moto's S3 server on 127.0.0.1.
 
 This is how s3fs tests itself: a real S3 HTTP endpoint (moto's server) on a local port, with dummy
 credentials, rather than mocked client calls; everything below goes through s3fs, aiobotocore and HTTP. The
@@ -26,8 +26,8 @@ import pytest
 pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
 
-from flows import lease as L  # noqa: E402
-from flows.store import ArtifactStore, CacheRecord, hash_files  # noqa: E402
+from flows.store import lease as L  # noqa: E402
+from flows.store.artifacts import ArtifactStore, CacheRecord, hash_files  # noqa: E402
 from schemas.artifacts import MANIFEST_FILE, Producer  # noqa: E402
 from schemas.errors import ArtifactError  # noqa: E402
 
@@ -123,7 +123,7 @@ def test_publish_verify_get_and_list(uri, tmp_path):
 def test_a_half_uploaded_artifact_is_absent_and_replaced(uri, tmp_path):
     store = ArtifactStore(uri, home=tmp_path / "home")
     staged = _stage(store, {"a.txt": "x", "b.txt": "y"})
-    from flows.store import fingerprint_of
+    from flows.store.artifacts import fingerprint_of
 
     fp = fingerprint_of(hash_files(staged))
     store.fs.pipe_file(f"{store.artifact_path(fp)}/a.txt", b"x")  # killed before b.txt and the manifest
@@ -177,8 +177,8 @@ def test_lease_on_s3_is_exclusive_and_taken_over(uri, tmp_path):
 
 _S3_WORKER = textwrap.dedent("""
     import json, sys, time
-    from flows.lease import hold
-    from flows.store import ArtifactStore
+    from flows.store.lease import hold
+    from flows.store.artifacts import ArtifactStore
     uri, home, log = sys.argv[1:4]
     store = ArtifactStore(uri, home=home)
     print("ready", flush=True)

@@ -8,9 +8,9 @@ import ast
 from collections import defaultdict
 from pathlib import Path
 
-from flows import pipeline
-from flows.cache import cache_key
-from flows.recipes import load_plan
+from flows.plan.recipes import load_plan
+from flows.run import pipeline
+from flows.store.cache import cache_key
 from stages import SAMPLER_BASELINE, STAGE_MODULES, get_stage, sampling, stage_version
 
 ROOT = Path(__file__).resolve().parent.parent

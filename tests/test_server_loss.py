@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from flows import processes, servers
+from flows.servers import processes, servers
 from tests.conftest import clean_env
 
 pytestmark = pytest.mark.slow
@@ -225,9 +225,9 @@ def test_mlflow_server_killed_mid_run_one_line_naming_it_and_the_run_ends_crashe
 _API_LOG = """
 import sys
 from datetime import datetime, timezone
-from flows import watchdog
+from flows.run import watchdog
 url = sys.argv[2]
-if sys.argv[1] == "watched":  # as `r1flow run` watches up's servers (flows/cli.py)
+if sys.argv[1] == "watched":  # as `r1flow run` watches up's servers (flows/cli/app.py)
     watchdog.watch([watchdog.Watched("Prefect", url, f"{url}/api/health")], on_lost=lambda s, t: None, every_s=60)
 from prefect.logging.handlers import APILogWorker, emit_api_log
 emit_api_log({"name": "prefect.task_runs", "level": 20, "message": "a stage's line", "flow_run_id": None,

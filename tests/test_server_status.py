@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from flows import processes, servers
+from flows.servers import processes, servers
 from tests.conftest import clean_env
 
 pytestmark = pytest.mark.slow

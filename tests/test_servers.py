@@ -1,4 +1,4 @@
-"""`r1flow up` / `r1flow down`: local Prefect and MLflow servers (flows/servers.py).
+"""`r1flow up` / `r1flow down`: local Prefect and MLflow servers (flows/servers/servers.py).
 
 Real servers start twice in this file: the session fixture `live_servers` (conftest.py) and the
 CLI test. The other tests are fast: they fake the server commands or the recorded pids.
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from flows import processes, servers
+from flows.servers import processes, servers
 from schemas.errors import R1FlowError
 
 
@@ -212,7 +212,7 @@ def test_port_in_use_is_refused_before_spawning(tmp_path, monkeypatch):
 
 
 def test_prefect_host_guard_accepts_ip_literals_localhost_and_the_advertised_name():
-    from flows.prefect_server import host_allowed
+    from flows.servers.prefect_server import host_allowed
 
     names = frozenset({"head"})
     for ok in ("127.0.0.1:4200", "localhost:4200", "[::1]:4200", "10.0.0.5", "head:4200", "HEAD", "LocalHost"):
@@ -222,7 +222,7 @@ def test_prefect_host_guard_accepts_ip_literals_localhost_and_the_advertised_nam
 
 
 def test_prefect_origin_guard_accepts_only_the_servers_own_pages():
-    from flows.prefect_server import origin_allowed, own_origins
+    from flows.servers.prefect_server import origin_allowed, own_origins
 
     origins = frozenset(own_origins(4200, {"head"}))
     assert origins == {"http://127.0.0.1:4200", "http://localhost:4200", "http://[::1]:4200", "http://head:4200"}
@@ -275,7 +275,7 @@ def _status(url: str) -> int:
 
 _TEMPORARY = textwrap.dedent("""
     import sys
-    from flows.settings import make_home, prepare_environment, start_temporary_prefect
+    from flows.servers.settings import make_home, prepare_environment, start_temporary_prefect
     prepare_environment()
     make_home()
     start_temporary_prefect()
@@ -288,8 +288,8 @@ _TEMPORARY = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_the_temporary_prefect_server_refuses_a_foreign_host_header(tmp_path):
-    """A command without `r1flow up` (and no PREFECT_API_URL) starts Prefect's temporary server (flows/settings.py):
-    it is behind the same Host check as up's (flows/prefect_server.py), and it is the server Prefect's clients use."""
+    """A command without `r1flow up` (and no PREFECT_API_URL) starts Prefect's temporary server (flows/servers/settings.py):
+    it is behind the same Host check as up's (flows/servers/prefect_server.py), and it is the server Prefect's clients use."""
     from tests.conftest import clean_env, status_with_host
 
     proc = subprocess.Popen([sys.executable, "-c", _TEMPORARY], cwd=Path(__file__).resolve().parent.parent,

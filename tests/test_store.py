@@ -4,8 +4,8 @@ import re
 
 import pytest
 
-from flows.cache import cache_key
-from flows.store import ArtifactStore, CacheRecord, fingerprint_of, hash_files
+from flows.store.artifacts import ArtifactStore, CacheRecord, fingerprint_of, hash_files
+from flows.store.cache import cache_key
 from schemas.artifacts import MANIFEST_FILE, Producer
 from schemas.errors import ArtifactError
 
@@ -136,7 +136,7 @@ def test_undefined_metrics_leave_the_manifest_readable(tmp_path):
 
 
 def test_verify_all_and_the_cli_report_every_damaged_artifact(tmp_path, monkeypatch, capsys):
-    from flows.cli import main
+    from flows.cli.app import main
 
     store = ArtifactStore(tmp_path)
     good = store.publish(stage(store, {"f": "1"}), kind="dataset", schema="sft", producer=PRODUCER, parents=[])
@@ -179,7 +179,7 @@ def test_verify_all_and_the_cli_report_every_damaged_artifact(tmp_path, monkeypa
 ])
 def test_artifacts_verify_fails_an_extra_file_and_an_edited_manifest_field_naming_them(tmp_path, monkeypatch, capsys,
                                                                                         damage, why):
-    from flows.cli import main
+    from flows.cli.app import main
 
     store = ArtifactStore(tmp_path)
     good = store.publish(stage(store, {"f": "1"}), kind="dataset", schema="sft", producer=PRODUCER, parents=[])
@@ -241,7 +241,7 @@ def test_a_full_disk_while_a_stage_saves_its_model_is_one_line_naming_path_and_s
     """The issue: a raw `SafetensorError ... No space left on device` with tracebacks and no path. A stage
     (import_model re-saving a local model as bfloat16: save_pretrained, safetensors) writes its output into
     a staging folder on a filesystem with room for the config but not the weights."""
-    from flows.pipeline import execute_stage
+    from flows.run.pipeline import execute_stage
     from schemas.artifacts import MODEL_DIR
 
     home = tmp_path / "home"

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from flows import servers
+from flows.servers import servers
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
@@ -100,7 +100,7 @@ def test_recipe_deployment_triggered_through_the_api(team):
 def test_single_stage_rerun_through_its_deployment_joins_the_lineage(team):
     from mlflow.tracking import MlflowClient
 
-    from flows.store import ArtifactStore
+    from flows.store.artifacts import ArtifactStore
 
     if "eval_children" not in team:
         pytest.skip("needs the recipe run of the previous test")  # ordering only; that test fails on its own
@@ -131,7 +131,7 @@ def test_single_stage_rerun_through_its_deployment_joins_the_lineage(team):
     with _prefect_client(team["info"]) as prefect:
         shown = prefect.read_deployment_by_name("r1flow-eval/eval-served").parameters
     assert shown["recipe"] == "eval" and shown["profile"] == "tiny"
-    from flows.deploy import stage_config
+    from flows.run.deploy import stage_config
 
     expected, _, _ = stage_config("eval", "eval", "tiny", None, {"max_prompts": 6})
     assert shown["config"] == {**expected, "max_prompts": shown["config"]["max_prompts"]}
@@ -147,7 +147,7 @@ def test_single_stage_rerun_through_its_deployment_joins_the_lineage(team):
         (artifact,) = prefect.read_artifacts(artifact_filter=ArtifactFilter(
             flow_run_id=ArtifactFilterFlowRunId(any_=[run.id]), key=ArtifactFilterKey(any_=["stage-eval-base"])))
     assert "Fields changed: `max_prompts=6`" in artifact.data, artifact.data
-    from flows.tracking import flatten
+    from flows.track.tracking import flatten
 
     logged = {k: v for k, v in form_run[0].data.params.items() if k.startswith("config.")}
     assert logged and logged == {k: str(v) for k, v in flatten({"config": expected}).items()}
@@ -207,7 +207,7 @@ def test_two_runs_started_together_share_stages_safely(live_servers, tmp_path):
     both runs succeed, and every artifact verifies against its fingerprint."""
     from mlflow.tracking import MlflowClient
 
-    from flows.store import ArtifactStore
+    from flows.store.artifacts import ArtifactStore
 
     env = _env(live_servers, tmp_path)
     procs = {recipe: subprocess.Popen([*R1FLOW, "run", "--recipe", recipe, "--profile", "tiny", "--json",
@@ -428,13 +428,13 @@ def test_prefect_imported_before_the_servers_are_chosen_is_an_error_not_a_tempor
     right order Prefect uses those servers."""
     env = _bare_env(session_dir / "servers-home")
     late = ("import prefect.flows\n"
-            "from flows.settings import prepare_environment\n"
+            "from flows.servers.settings import prepare_environment\n"
             "prepare_environment()\n")
     out = subprocess.run([sys.executable, "-c", late], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
     assert ("RuntimeError: internal error: Prefect was imported before r1flow chose its servers (it uses a temporary "
             f"server, r1flow up's is {live_servers.prefect_api_url})") in out.stderr, out.stderr[-2000:]
-    right = ("from flows.settings import prepare_environment\n"
+    right = ("from flows.servers.settings import prepare_environment\n"
              "print(prepare_environment())\n"
              "from prefect.settings import get_current_settings\n"
              "print(get_current_settings().api.url)\n")

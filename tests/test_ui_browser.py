@@ -40,7 +40,7 @@ from pathlib import Path
 
 import pytest
 
-from flows import servers
+from flows.servers import servers
 from tests.conftest import clean_env
 
 pytestmark = pytest.mark.slow
@@ -539,10 +539,15 @@ def _r1_tools_sections() -> str:
     the report writes them, with numbers as wide as they get."""
     from types import SimpleNamespace
 
-    from flows.comparison import comparison_markdown, comparison_payload, comparison_rows, tool_use_markdown
-    from flows.gains import gain_pairs, gains_markdown
-    from flows.recipes import load_plan
-    from flows.results import StageResult
+    from flows.plan.recipes import load_plan
+    from flows.plan.results import StageResult
+    from flows.report.comparison import (
+        comparison_markdown,
+        comparison_payload,
+        comparison_rows,
+        tool_use_markdown,
+    )
+    from flows.report.gains import gain_pairs, gains_markdown
 
     plan = load_plan("r1-tools", "tiny")
     wide = {"accuracy": 0.5, "accuracy_ci_low": 0.363, "accuracy_ci_high": 0.637, "accuracy_lenient": 0.516,

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from flows import servers
+from flows.servers import servers
 from tests.conftest import clean_env, read_until, status_with_host
 
 pytestmark = pytest.mark.slow
@@ -195,7 +195,7 @@ def test_ui_after_down_serves_ups_store_on_its_port_and_restarts_at_once(up_home
 def test_ui_says_loudly_when_it_moves_and_keeps_the_port_it_got(tmp_path):
     """A home's local store (no `r1flow up`) with MLflow's usual port taken: `r1flow ui` warns that it serves
     elsewhere, and the next `r1flow ui` (the port free again) stays on the port it moved to."""
-    from flows.tracking import mlflow_client
+    from flows.track.tracking import mlflow_client
 
     home = tmp_path / "home"
     mlflow_client(f"sqlite:///{home}/mlflow.db").create_experiment("e")

@@ -6,7 +6,7 @@
 - recipes and profiles: from the YAML in flows/recipes and flows/profiles, read as the planner reads them;
 - rewards, verifiers and environments; preference losses, advantage estimators, policy losses, aggregations:
   from their registries;
-- the CLI: every subcommand and option of `flows.cli.build_parser()` with its help.
+- the CLI: every subcommand and option of `flows.cli.app.build_parser()` with its help.
 
 `on_config` lists the stage pages in the navigation under the entry whose page is `reference/stages/index.md`;
 `on_files` adds the pages. `pages()` is the whole output, for tests.
@@ -192,7 +192,7 @@ def stages_index() -> str:
 
 
 def _names(directory: Path) -> list[str]:
-    from flows.recipes import available
+    from flows.plan.recipes import available
 
     return available(directory)
 
@@ -200,7 +200,7 @@ def _names(directory: Path) -> list[str]:
 def recipe_section(name: str) -> str:
     """One recipe from its YAML as written (options and `when` before substitution), and the nodes each profile's
     plan runs, as `load_plan` makes them."""
-    from flows.recipes import DEFAULT_RECIPE, PROFILE_DIR, RECIPE_DIR, load_plan
+    from flows.plan.recipes import DEFAULT_RECIPE, PROFILE_DIR, RECIPE_DIR, load_plan
 
     path = RECIPE_DIR / f"{name}.yaml"
     raw = yaml.safe_load(path.read_text())
@@ -233,7 +233,7 @@ def recipe_section(name: str) -> str:
 
 
 def recipes_page() -> str:
-    from flows.recipes import RECIPE_DIR
+    from flows.plan.recipes import RECIPE_DIR
     from schemas.configs import NodeSpec, RecipeConfig
 
     names = _names(RECIPE_DIR)
@@ -261,7 +261,7 @@ def recipes_page() -> str:
 
 
 def profile_section(name: str) -> str:
-    from flows.recipes import PROFILE_DIR
+    from flows.plan.recipes import PROFILE_DIR
     from schemas.configs import ProfileConfig
 
     path = PROFILE_DIR / f"{name}.yaml"
@@ -288,7 +288,7 @@ def profile_section(name: str) -> str:
 
 
 def profiles_page() -> str:
-    from flows.recipes import PROFILE_DIR
+    from flows.plan.recipes import PROFILE_DIR
     from schemas.configs import ProfileConfig
 
     return "\n".join([
@@ -440,13 +440,13 @@ def _option_row(action: argparse.Action) -> list[str]:
 
 
 def cli_page() -> str:
-    from flows.cli import build_parser
+    from flows.cli.app import build_parser
 
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     helps = {c.dest: c.help or "" for c in sub._choices_actions}
     lines = ["# CLI", "", f"`r1flow`: {text(parser.description or '')} Generated from the parser "
-             "(`flows/cli.py` `build_parser`); `r1flow COMMAND --help` prints the same.", "",
+             "(`flows/cli/app.py` `build_parser`); `r1flow COMMAND --help` prints the same.", "",
              "Commands: " + ", ".join(f"[{n}](#r1flow-{n})" for n in sub.choices) + ".", ""]
     for name, p in sub.choices.items():
         p.formatter_class = functools.partial(argparse.HelpFormatter, width=110)

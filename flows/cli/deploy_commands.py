@@ -1,5 +1,5 @@
 """`r1flow stage`, `deploy`, `serve` and `worker`: one stage on existing artifacts, and the deployments of
-recipes and stages on a Prefect server (flows/deploy.py)."""
+recipes and stages on a Prefect server (flows/run/deploy.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 import os
 import sys
 
-from flows.cli_output import print_servers_used
+from flows.cli.output import print_servers_used
 
 
 def _input_refs(pairs: list[str]) -> dict[str, str]:
@@ -24,10 +24,10 @@ def _input_refs(pairs: list[str]) -> dict[str, str]:
 
 
 def cmd_stage(args: argparse.Namespace) -> int:
-    from flows.deploy import read_inputs, stage_config, stage_flow
-    from flows.recipes import overrides_tree
-    from flows.settings import Settings, make_home, start_temporary_prefect
-    from flows.store import ArtifactStore
+    from flows.plan.recipes import overrides_tree
+    from flows.run.deploy import read_inputs, stage_config, stage_flow
+    from flows.servers.settings import Settings, make_home, start_temporary_prefect
+    from flows.store.artifacts import ArtifactStore
 
     overrides = overrides_tree(args.set)
     refs = _input_refs(args.input)
@@ -56,8 +56,8 @@ def cmd_stage(args: argparse.Namespace) -> int:
 
 
 def _specs(args: argparse.Namespace, served: bool):
-    from flows.deploy import deployment_specs
-    from flows.recipes import DEFAULT_RECIPE, default_profile
+    from flows.plan.recipes import DEFAULT_RECIPE, default_profile
+    from flows.run.deploy import deployment_specs
     from stages import STAGE_MODULES
 
     recipes = args.recipe or ([] if args.stage else [DEFAULT_RECIPE])
@@ -66,13 +66,13 @@ def _specs(args: argparse.Namespace, served: bool):
                             args.tag or [], served=served)
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    """A Prefect worker (flows.worker) with r1flow's environment, registered with `r1flow up` so `r1flow down` stops
+    """A Prefect worker (flows.run.worker) with r1flow's environment, registered with `r1flow up` so `r1flow down` stops
     it."""
     import os
 
-    from flows import servers
-    from flows.settings import Settings, make_home, require_prefect_server
-    from flows.worker import run_worker
+    from flows.run.worker import run_worker
+    from flows.servers import servers
+    from flows.servers.settings import Settings, make_home, require_prefect_server
 
     url = require_prefect_server("worker", "polls a work pool")
     make_home()
@@ -86,11 +86,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_deploy(args: argparse.Namespace) -> int:
-    from flows.settings import require_prefect_server
+    from flows.servers.settings import require_prefect_server
 
     url = require_prefect_server("deploy", "registers deployments and their schedules")
     specs = _specs(args, served=False)
-    from flows.deploy import deploy, full_name
+    from flows.run.deploy import deploy, full_name
 
     deploy(specs, args.pool, image=args.image, replace=args.replace)
     for spec in specs:
@@ -105,9 +105,9 @@ def serve_hints(specs: list[dict], url: str) -> list[str]:
     hint, `prefect deployment run ...`, would go to a temporary server without PREFECT_API_URL)."""
     import shlex
 
-    from flows import processes
-    from flows.deploy import full_name
-    from flows.refs import REF_HELP
+    from flows.run.deploy import full_name
+    from flows.run.refs import REF_HELP
+    from flows.servers import processes
     from stages import get_stage
 
     prefect = " ".join(shlex.quote(p) for p in processes.console_script("prefect"))
@@ -125,13 +125,13 @@ def serve_hints(specs: list[dict], url: str) -> list[str]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from flows.settings import Settings, make_home, require_prefect_server
+    from flows.servers.settings import Settings, make_home, require_prefect_server
 
     url = require_prefect_server("serve", "registers deployments and serves their runs")
     make_home()
     specs = _specs(args, served=True)
-    from flows import servers
-    from flows.deploy import full_name, serve
+    from flows.run.deploy import full_name, serve
+    from flows.servers import servers
 
     home = Settings.from_env().home
     registered = servers.register_runner(home, name="serve")

@@ -111,8 +111,8 @@ def fit_table(console, columns: list[Column], row_styles: list[str] | None = Non
 def stage_columns(result: dict) -> list[Column]:
     """The per-stage table of a run: node, kind, status, seconds, key metrics, outputs (the
     outputs' fingerprints go first when narrow: the report and `r1flow artifacts` have them)."""
-    from flows.comparison import fmt_interval
-    from flows.results import fmt_metric, key_metrics
+    from flows.plan.results import fmt_metric, key_metrics
+    from flows.report.comparison import fmt_interval
 
     rows = result["stages"]
     metrics = [", ".join(f"{k}={fmt_interval(r['metrics'], k) if k == 'accuracy' else fmt_metric(v)}"
@@ -135,8 +135,8 @@ def comparison_columns(payload: dict) -> tuple[list[Column], list[str]]:
     model, accuracy with its 95% bootstrap interval and the eval size n; then, as width allows,
     pass@k, format rate, per-task accuracies and the model's fingerprint. A previous run's row
     (its model had another fingerprint) sits under the row of its eval node, as in the report."""
-    from flows.comparison import TASK_ACCURACY, fmt_interval
-    from flows.results import fmt_metric
+    from flows.plan.results import fmt_metric
+    from flows.report.comparison import TASK_ACCURACY, fmt_interval
 
     prev = payload.get("previous") or {}
     before = {p.get("eval"): p for p in prev.get("rows", [])}
@@ -205,8 +205,8 @@ def ui_command(home: str) -> str:
 
 
 def print_gains(console, gains: list[dict]) -> None:
-    """Each stage's paired gain over the model it was trained from (flows/gains.py), a line each."""
-    from flows.gains import fmt_gain, gain_labels
+    """Each stage's paired gain over the model it was trained from (flows/report/gains.py), a line each."""
+    from flows.report.gains import fmt_gain, gain_labels
 
     if not gains:
         return
@@ -238,8 +238,8 @@ def print_summary(result: dict, total: float, before_flow: float, console=None) 
 
     from rich.text import Text
 
-    from flows.servers import MLFLOW_UI_QUERY, ui_port
-    from flows.settings import Settings
+    from flows.servers.servers import MLFLOW_UI_QUERY, ui_port
+    from flows.servers.settings import Settings
 
     console = console or _console()
     table, _ = fit_table(console, stage_columns(result),

@@ -1,4 +1,4 @@
-"""`r1flow up`, `down`, `status` and `ui`: the servers of a home (flows/servers.py) from the command line."""
+"""`r1flow up`, `down`, `status` and `ui`: the servers of a home (flows/servers/servers.py) from the command line."""
 
 from __future__ import annotations
 
@@ -6,12 +6,12 @@ import argparse
 import sys
 import time
 
-from flows.cli_output import text_table
-from flows.servers import MLFLOW_UI_PORT  # `r1flow ui`'s first choice; a home keeps the one it got
+from flows.cli.output import text_table
+from flows.servers.servers import MLFLOW_UI_PORT  # `r1flow ui`'s first choice; a home keeps the one it got
 
 
 def _servers_home() -> str:
-    from flows.settings import Settings
+    from flows.servers.settings import Settings
 
     return Settings.from_env().home
 
@@ -24,7 +24,7 @@ def mlflow_ui_links(url: str) -> list[str]:
     import urllib.parse
     import urllib.request
 
-    from flows.servers import MLFLOW_UI_QUERY
+    from flows.servers.servers import MLFLOW_UI_QUERY
 
     base = url.rstrip("/")
     query = urllib.parse.urlencode({"filter": "name LIKE 'r1flow/%'", "max_results": 100})
@@ -39,7 +39,7 @@ def mlflow_ui_links(url: str) -> list[str]:
 
 
 def _print_servers(info) -> None:
-    from flows.servers import env_for
+    from flows.servers.servers import env_for
 
     for s, what in ((info.prefect, "Prefect UI"), (info.mlflow, "MLflow UI ")):
         took = f", up in {s.startup_s:.1f} s" if s.startup_s is not None else ""
@@ -54,7 +54,7 @@ def _print_servers(info) -> None:
 def cmd_up(args: argparse.Namespace) -> int:
     import signal
 
-    from flows import servers
+    from flows.servers import servers
 
     home = _servers_home()
     warning = servers.exposure_warning(args.host)
@@ -110,7 +110,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_down(args: argparse.Namespace) -> int:
-    from flows import servers
+    from flows.servers import servers
 
     home = _servers_home()
     stopped = servers.stop(home)
@@ -124,8 +124,8 @@ def cmd_down(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     """Exit code 1 when something a user relies on is missing: no servers, one of the two dead, or a scheduled
     deployment that nothing polls (its runs would go Late)."""
-    from flows import servers
-    from flows.placement import cluster_address
+    from flows.run.placement import cluster_address
+    from flows.servers import servers
 
     home = _servers_home()
     info = servers.status(home)
@@ -233,7 +233,7 @@ def _unserved(api_url: str, server_started) -> list[str]:
 
 
 def _print_cluster(address: str) -> None:
-    from flows.placement import cluster_nodes
+    from flows.run.placement import cluster_nodes
 
     nodes = cluster_nodes(address)
     alive = [n for n in nodes if n["alive"]]
@@ -254,7 +254,7 @@ def _ui_store(home) -> tuple[str, object, object, int | None]:
     import os
     from pathlib import Path
 
-    from flows import servers
+    from flows.servers import servers
 
     uri = os.environ.get("MLFLOW_TRACKING_URI")
     if uri:
@@ -275,7 +275,7 @@ def _ui_store(home) -> tuple[str, object, object, int | None]:
 def _ui_port(home, asked: int | None, kept: int | None) -> int:
     """--port, else the store's kept port (taken: an error naming what holds it), else the home's ui port
     (MLflow's usual 5000 the first time; when that is taken, a free one, said loudly, kept for next time)."""
-    from flows import processes, servers
+    from flows.servers import processes, servers
     from schemas.errors import ConfigError
 
     host = servers.HOST
@@ -316,9 +316,9 @@ def cmd_ui(args: argparse.Namespace) -> int:
     import subprocess
     from pathlib import Path
 
-    from flows import processes, servers
-    from flows.servers import HOST
-    from flows.settings import Settings
+    from flows.servers import processes, servers
+    from flows.servers.servers import HOST
+    from flows.servers.settings import Settings
     from schemas.errors import ConfigError
 
     settings = Settings.from_env()

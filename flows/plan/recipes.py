@@ -27,8 +27,8 @@ from schemas.errors import ConfigError
 from stages import STAGE_MODULES, get_stage
 from stages.base import declared_kinds
 
-RECIPE_DIR = Path(__file__).parent / "recipes"
-PROFILE_DIR = Path(__file__).parent / "profiles"
+RECIPE_DIR = Path(__file__).parents[1] / "recipes"  # the YAML stays in flows/recipes/, flows/profiles/
+PROFILE_DIR = Path(__file__).parents[1] / "profiles"
 # The default recipe: DeepSeek-R1's whole multi-stage recipe (flows/recipes/r1.yaml).
 DEFAULT_RECIPE = "r1"
 

@@ -1,4 +1,4 @@
-"""The model comparison of a pipeline run's report (flows/report.py).
+"""The model comparison of a pipeline run's report (flows/report/report.py).
 
 **Model comparison.** Every eval node of a recipe scores its model on the same held-out prompts, so
 `comparison_rows` (pure) makes one row per eval node that ran or was cached and logged `accuracy`:
@@ -33,14 +33,14 @@ from typing import TYPE_CHECKING, Any
 
 from mlflow.exceptions import MlflowException
 
-from flows.mlflow_runs import get_run, run_link
-from flows.recipes import Plan
-from flows.report_tables import markdown_tables
-from flows.results import fmt_metric
-from flows.tracking import Tracker
+from flows.plan.recipes import Plan
+from flows.plan.results import fmt_metric
+from flows.report.tables import markdown_tables
+from flows.track.mlflow_runs import get_run, run_link
+from flows.track.tracking import Tracker
 
 if TYPE_CHECKING:
-    from flows.results import StageResult
+    from flows.plan.results import StageResult
 
 REPORT_DIR = "report"
 

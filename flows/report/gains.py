@@ -17,12 +17,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from flows.recipes import Plan
-from flows.report_tables import markdown_tables
+from flows.plan.recipes import Plan
+from flows.report.tables import markdown_tables
 from stages.math.stats import paired_bootstrap_diff
 
 if TYPE_CHECKING:
-    from flows.results import StageResult
+    from flows.plan.results import StageResult
 
 START_INPUTS = ("model", "student")  # the input a training stage starts from, in the order looked for
 ALSO_COMPARED = {"teacher": "over its teacher"}  # other model inputs a stage's model is compared with

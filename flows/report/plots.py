@@ -1,4 +1,4 @@
-"""The PNG plots of a pipeline run's report (flows/report.py): which panels each stage's training plot has
+"""The PNG plots of a pipeline run's report (flows/report/report.py): which panels each stage's training plot has
 (`TRAINING_PANELS`, `training_panels`), and drawing panels of curves and the eval bars with matplotlib (Agg).
 Pure: curves in, PNG bytes out; reading them from MLflow is the report's."""
 
@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from flows.comparison import CI_HIGH, CI_LOW
+from flows.report.comparison import CI_HIGH, CI_LOW
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The recipe's models in the MLflow Model Registry, moved on by every pipeline run (flows/pipeline.py).
+"""The recipe's models in the MLflow Model Registry, moved on by every pipeline run (flows/run/pipeline.py).
 
 **Registry scheme.** One registered model per recipe, `r1flow-<recipe>`. Its versions are the
 recipe's model artifacts that matter:
@@ -40,15 +40,15 @@ from urllib.parse import quote
 
 from mlflow.exceptions import MlflowException
 
-from flows.comparison import CI_HIGH, CI_LOW
-from flows.mlflow_runs import stage_runs
-from flows.recipes import Plan
-from flows.tracking import UI_QUERY, Tracker, sqlite_lock
+from flows.plan.recipes import Plan
+from flows.report.comparison import CI_HIGH, CI_LOW
+from flows.track.mlflow_runs import stage_runs
+from flows.track.tracking import UI_QUERY, Tracker, sqlite_lock
 from stages import get_stage
 
 if TYPE_CHECKING:
-    from flows.results import StageResult
-    from flows.store import ArtifactStore
+    from flows.plan.results import StageResult
+    from flows.store.artifacts import ArtifactStore
 
 FINAL_ALIAS = "final"
 

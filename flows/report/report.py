@@ -3,7 +3,7 @@
 **Report.** `build_report` turns the stage results of one pipeline run into markdown (one table
 row per stage node: a link to the stage's MLflow run, status run/cached/skipped, seconds; each node's
 key metrics in a list; the model comparison; the registry entry; every table split to fit a pane,
-flows/report_tables.py) and PNG plots, only where there is data:
+flows/report/tables.py) and PNG plots, only where there is data:
 
 - `training_loss.png`: `train/loss` over steps, one panel per node of a loss-trained stage (sft,
   distill, reward_model, preference_optimization; their scales differ too much for one axis). Not
@@ -32,8 +32,8 @@ Prefect markdown artifact `r1flow-report-<recipe>` with the same text (a Prefect
 embed local files: it names where the PNGs are; with an MLflow server it embeds them by URL).
 MLflow errors propagate; a failed Prefect artifact only logs a warning.
 
-The model comparison is flows/comparison.py's, the registry entry flows/registry.py's, the plots
-flows/report_plots.py's; the MLflow runs behind the stage results are found by flows/mlflow_runs.py.
+The model comparison is flows/report/comparison.py's, the registry entry flows/report/registry.py's, the plots
+flows/report/plots.py's; the MLflow runs behind the stage results are found by flows/track/mlflow_runs.py.
 """
 
 from __future__ import annotations
@@ -49,7 +49,9 @@ from typing import TYPE_CHECKING, Any
 
 from prefect import get_run_logger  # imported with the module: Prefect sets up its logging on import
 
-from flows.comparison import (
+from flows.plan.recipes import Plan
+from flows.plan.results import fmt_metric, key_metrics
+from flows.report.comparison import (
     CI_HIGH,
     CI_LOW,
     COMPARISON_CSV,
@@ -65,11 +67,8 @@ from flows.comparison import (
     previous_comparison,
     tool_use_markdown,
 )
-from flows.gains import gains_markdown, stage_gains
-from flows.mlflow_runs import StageRuns, metric_curve, run_link, stage_runs
-from flows.recipes import Plan
-from flows.registry import Registration, slug
-from flows.report_plots import (
+from flows.report.gains import gains_markdown, stage_gains
+from flows.report.plots import (
     RL_STAGES,
     TRAINING_PANELS,
     Curve,
@@ -78,12 +77,13 @@ from flows.report_plots import (
     plot_panels,
     training_panels,
 )
-from flows.report_tables import markdown_tables
-from flows.results import fmt_metric, key_metrics
-from flows.tracking import UI_QUERY, Tracker
+from flows.report.registry import Registration, slug
+from flows.report.tables import markdown_tables
+from flows.track.mlflow_runs import StageRuns, metric_curve, run_link, stage_runs
+from flows.track.tracking import UI_QUERY, Tracker
 
 if TYPE_CHECKING:
-    from flows.results import StageResult
+    from flows.plan.results import StageResult
 
 log = logging.getLogger("r1flow")
 
@@ -158,7 +158,7 @@ def build_report(plan: Plan, results: list[StageResult], tracker: Tracker, paren
         comparison = comparison_payload(plan, parent_run_id, rows, previous_comparison(tracker, plan, parent_run_id))
         md += comparison_markdown(comparison, tracker)
         md += tool_use_markdown(results)
-        if read_eval is not None:  # each stage's paired gain over the model it was trained from (flows/gains.py)
+        if read_eval is not None:  # each stage's paired gain over the model it was trained from (flows/report/gains.py)
             comparison["gains"] = stage_gains(plan, results, read_eval)
             md += gains_markdown(comparison["gains"])
 

@@ -6,8 +6,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from flows.store import ArtifactStore
-from flows.tracking import Tracker
+from flows.store.artifacts import ArtifactStore
+from flows.track.tracking import Tracker
 from stages.base import check_finite_losses
 
 

@@ -18,7 +18,7 @@ and runs the stage through the same
 cached task as the pipeline: the same inputs and config give the same cache key, so the result
 joins the lineage (manifest parents, MLflow input tags) and a pipeline run later reuses it.
 
-Input references (flows/refs.py):
+Input references (flows/run/refs.py):
 - a fingerprint or a unique prefix of one (`r1flow artifacts` lists them);
 - `mlflow:<run id>[:<output>]`: an output of the stage run that MLflow run tracked;
 - `latest:<node>[@<recipe>][:<output>]`: the newest output of that node: from MLflow's
@@ -37,8 +37,7 @@ from typing import Any, Literal
 from prefect import flow
 from pydantic import BaseModel, Field, ValidationError, create_model
 
-from flows.cache import cache_key, reusable_record
-from flows.recipes import (
+from flows.plan.recipes import (
     PROFILE_DIR,
     RECIPE_DIR,
     _load_yaml,
@@ -48,10 +47,11 @@ from flows.recipes import (
     load_plan,
     pydantic_message,
 )
-from flows.refs import REF_HELP, resolve_ref
-from flows.settings import Settings
-from flows.store import ArtifactStore
-from flows.tracking import flatten, run_name
+from flows.run.refs import REF_HELP, resolve_ref
+from flows.servers.settings import Settings
+from flows.store.artifacts import ArtifactStore
+from flows.store.cache import cache_key, reusable_record
+from flows.track.tracking import flatten, run_name
 from schemas.configs import STAGE_CONFIGS, ProfileConfig
 from schemas.errors import ArtifactError, ConfigError
 from stages import STAGE_MODULES, STAGE_SUMMARIES, get_stage, stage_version
@@ -59,7 +59,7 @@ from stages.base import declared_kinds
 
 ROOT = Path(__file__).resolve().parent.parent
 log = logging.getLogger(__name__)
-PIPELINE_ENTRYPOINT = "flows/pipeline.py:pipeline"
+PIPELINE_ENTRYPOINT = "flows/run/pipeline.py:pipeline"
 SERVED_SUFFIX = "-served"
 RecipeName = Literal[tuple(available(RECIPE_DIR))]  # choices in the UI's run form
 ProfileName = Literal[tuple(available(PROFILE_DIR))]
@@ -165,9 +165,9 @@ def run_single_stage(stage: str, inputs: dict[str, str], overrides: dict[str, An
               seed: int | None = None, recipe: str | None = None, profile: str | None = None,
               settings: dict[str, str] | None = None, force: bool = False) -> dict[str, Any]:
     """Run one stage on referenced artifacts (inside a flow: the stage runs as the cached task)."""
-    from flows.pipeline import _flow_run_id, experiment_name, node_outcome, submit_node
-    from flows.reclaim import reclaim_abandoned
-    from flows.tracking import Tracker
+    from flows.run.pipeline import _flow_run_id, experiment_name, node_outcome, submit_node
+    from flows.run.reclaim import reclaim_abandoned
+    from flows.track.tracking import Tracker
     from stages.runtime import lifetime
 
     lifetime.reinstall()  # SIGTERM stops the run within seconds, not Prefect's bridge (stages/runtime/lifetime.py)
@@ -220,7 +220,7 @@ def run_single_stage(stage: str, inputs: dict[str, str], overrides: dict[str, An
 
 def stage_result_markdown(result: dict[str, Any], recipe: str | None, profile: str | None) -> str:
     """What a single-stage re-run shows on its Prefect flow run: inputs, outputs, key metrics, MLflow link."""
-    from flows.results import fmt_metric, key_metrics
+    from flows.plan.results import fmt_metric, key_metrics
 
     where = ", ".join(f"{k} `{v}`" for k, v in (("recipe", recipe), ("profile", profile)) if v) or "stage defaults"
     lines = [f"# Stage re-run: {result['node']} ({result['stage']})", "",
@@ -331,7 +331,7 @@ def _make_stage_flow(stage: str):
 
 
 STAGE_FLOWS = {stage: _make_stage_flow(stage) for stage in STAGE_MODULES}
-globals().update({f"{stage}_stage": f for stage, f in STAGE_FLOWS.items()})  # entrypoints flows/deploy.py:<stage>_stage
+globals().update({f"{stage}_stage": f for stage, f in STAGE_FLOWS.items()})  # entrypoints flows/run/deploy.py:<stage>_stage
 
 
 # ---------------------------------------------------------------------------- deployments
@@ -367,8 +367,8 @@ def recipe_pipeline(recipe: RecipeName, profile: ProfileName, overrides: list[st
         cluster: Ray cluster address (host:port of its head): run the stages there, independent ones at the same
             time (default: the worker's RAY_ADDRESS, if any).
     """
-    from flows.pipeline import run_plan
-    from flows.placement import Execution, cluster_address
+    from flows.run.pipeline import run_plan
+    from flows.run.placement import Execution, cluster_address
 
     plan = load_plan(recipe, profile, overrides or [])
     return run_plan(plan, Settings.from_env(), only=set(only or []), force=set(force or []),
@@ -398,9 +398,9 @@ def deployment_specs(recipes: list[str], stages: list[str], profile: str, overri
     for recipe in recipes:
         plan = load_plan(recipe, profile, overrides)
         if recipe in available(RECIPE_DIR):  # the form offers the project's recipes and profiles as choices
-            flow_, entrypoint = recipe_pipeline, "flows/deploy.py:recipe_pipeline"
+            flow_, entrypoint = recipe_pipeline, "flows/run/deploy.py:recipe_pipeline"
         else:  # a recipe file elsewhere: the pipeline flow itself, whose recipe is any name or path
-            from flows.pipeline import pipeline
+            from flows.run.pipeline import pipeline
 
             flow_, entrypoint = pipeline, PIPELINE_ENTRYPOINT
         specs.append({"flow": flow_, "entrypoint": entrypoint, "name": plan.recipe + suffix,
@@ -409,7 +409,7 @@ def deployment_specs(recipes: list[str], stages: list[str], profile: str, overri
     for stage in stages:
         if stage not in STAGE_FLOWS:
             raise ConfigError(f"unknown stage {stage!r}; known: {', '.join(STAGE_FLOWS)}")
-        specs.append({"flow": STAGE_FLOWS[stage], "entrypoint": f"flows/deploy.py:{stage}_stage",
+        specs.append({"flow": STAGE_FLOWS[stage], "entrypoint": f"flows/run/deploy.py:{stage}_stage",
                       "name": stage + suffix, "parameters": _stage_base(stage, recipes, profile),
                       "tags": ["r1flow", "stage", stage, *tags],
                       "description": f"Re-run the {stage} stage from cached artifacts: {STAGE_SUMMARIES[stage]}"})

@@ -26,18 +26,19 @@ from prefect.context import get_run_context
 from prefect.task_engine import run_task
 from prefect.utilities.annotations import quote
 
-from flows import lease, placement
-from flows.cache import cache_key, config_hash, reusable_record
-from flows.context import FlowContext
-from flows.placement import Execution
-from flows.recipes import Plan, load_plan
-from flows.reclaim import reclaim_abandoned
-from flows.registry import register_models
-from flows.report import build_report, publish_report, report_location
-from flows.results import StageResult
-from flows.settings import Settings, file_lock
-from flows.store import ArtifactStore, CacheRecord, raise_if_disk_full
-from flows.tracking import Tracker, run_name
+from flows.plan.recipes import Plan, load_plan
+from flows.plan.results import StageResult
+from flows.report.registry import register_models
+from flows.report.report import build_report, publish_report, report_location
+from flows.run import placement
+from flows.run.context import FlowContext
+from flows.run.placement import Execution
+from flows.run.reclaim import reclaim_abandoned
+from flows.servers.settings import Settings, file_lock
+from flows.store import lease
+from flows.store.artifacts import ArtifactStore, CacheRecord, raise_if_disk_full
+from flows.store.cache import cache_key, config_hash, reusable_record
+from flows.track.tracking import Tracker, run_name
 from schemas.artifacts import DATA_FILE, Producer
 from schemas.errors import ArtifactError, ConfigError, R1FlowError, StageError
 from stages import get_stage, stage_version
@@ -128,10 +129,10 @@ def execute_stage(
     s = Settings(**settings)
     log = log or logging.getLogger("r1flow")
     if placement.on_cluster():  # one clear line, before any compute, when this node cannot reach what the run uses
-        from flows.reach import check_reachable, describe_node
+        from flows.run.reach import check_reachable, describe_node
 
         check_reachable(s, os.environ.get("PREFECT_API_URL"), describe_node(placement.where()["ray_node_id"]))
-    # this machine's processes queue on the lock; other machines sharing the store on the lease (flows/lease.py)
+    # this machine's processes queue on the lock; other machines sharing the store on the lease (flows/store/lease.py)
     store = ArtifactStore(s.store, home=s.home)
     with stage_lock(s.home, key), lease.hold(store, key, log=log):
         return _execute_stage(node=node, stage=stage, config=config, inputs=inputs, seed=seed, key=key,
@@ -220,7 +221,7 @@ def submit_node(node: str, stage: str, config: dict[str, Any], inputs: dict[str,
                 record: CacheRecord | None, force: bool, parent_run_id: str, s: Settings, experiment: str,
                 upstream: Collection[UUID] = (), submit: Callable[[Any, dict[str, Any], dict], Any] | None = None):
     """Hand one node's stage task to Prefect: the one submit path of pipeline nodes (run_plan) and single-stage runs
-    (flows/deploy.py, run_single_stage). `record`: the store's verified record of `key` (None: not cached, or forced), so
+    (flows/run/deploy.py, run_single_stage). `record`: the store's verified record of `key` (None: not cached, or forced), so
     Prefect's cache of the key is refreshed unless the store holds it. `upstream`: the task runs of this flow run that
     made the node's inputs, recorded as its `inputs` parameter's task inputs (the edges of Prefect's run graph: `inputs`
     holds fingerprints, which Prefect cannot trace to the runs that made them). Called now (submit None: its final

@@ -13,7 +13,7 @@ any means, so a killed driver leaves nothing running on the cluster.
 What every cluster node needs: the same r1flow install with the `cluster` extra, R1FLOW_HOME on a path
 they all share (checkpoints, staging, the artifact store unless R1FLOW_STORE is an s3:// or gs:// URI),
 and the Prefect and MLflow servers at addresses they can reach (`r1flow up --host`). The driver checks what
-it can before any compute; each node checks what it reaches before its stage computes (flows.reach).
+it can before any compute; each node checks what it reaches before its stage computes (flows.run.reach).
 
 A node needs no r1flow variable of its own: what a stage task must see (the run's settings and servers, and
 MKL_CBWR, which MKL reads once, at a process's first matrix product, so it must be there when the worker process

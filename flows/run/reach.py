@@ -151,7 +151,7 @@ def check_reachable(settings: Any, prefect_api_url: str | None, where: str, *,
                     timeout_s: float = TIMEOUT_S) -> list[str]:
     """Check, from this node, the store (probe write/read/delete; a local path must exist), the Prefect API when a
     URL is given (GET <url>/health) and MLflow (GET <uri>/health for http(s); a sqlite file's folder must exist).
-    `settings`: a flows.settings.Settings or its to_dict(). Raises ConfigError (one line naming `where`) at the
+    `settings`: a flows.servers.settings.Settings or its to_dict(). Raises ConfigError (one line naming `where`) at the
     first failure; returns one line per thing checked."""
     d = settings if isinstance(settings, dict) else settings.to_dict()
     done = [check_store(str(d["store"]), where)]

@@ -18,11 +18,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from flows.store import ArtifactStore, host_id, owner_gone, process_owner
-from flows.tracking import Tracker
+from flows.store.artifacts import ArtifactStore, host_id, owner_gone, process_owner
+from flows.track.tracking import Tracker
 from stages.rewards.sandbox import sweep_run_dirs
 
-PREFECT_HOST_LABEL = "r1flow.host"  # flows.store.host_id(): a flow run an r1flow process on this host runs
+PREFECT_HOST_LABEL = "r1flow.host"  # flows.store.artifacts.host_id(): a flow run an r1flow process on this host runs
 PREFECT_PROCESS_LABEL = "r1flow.process"  # "<pid>:<start ticks>" of that process
 ABANDONED_FLOW_STATES = ("PENDING", "RUNNING", "CANCELLING")
 ABANDONED_TASK_STATES = ("SCHEDULED", "PENDING", "RUNNING", "CANCELLING", "PAUSED")

@@ -1,4 +1,4 @@
-"""`prefect server start` behind a Host-header check: `python -m flows.prefect_server server start ...`.
+"""`prefect server start` behind a Host-header check: `python -m flows.servers.prefect_server server start ...`.
 
 A web page on another site can reach a server on 127.0.0.1 through DNS rebinding: its own name, re-pointed at
 127.0.0.1, makes the browser send requests with `Host: <that name>`. MLflow 3 refuses such requests (403);
@@ -15,7 +15,7 @@ PREFECT_SERVER_CORS_ALLOWED_ORIGINS, which r1flow sets to the origins its UI is 
 127.0.0.1, localhost, [::1] and the allowed names, on the server's port; a `*` there is ignored). A request without
 an Origin (Prefect's clients, curl) is not a browser page's and passes.
 
-The temporary server a command starts when no server is configured (flows/settings.py,
+The temporary server a command starts when no server is configured (flows/servers/settings.py,
 `start_temporary_prefect`) is Prefect's `SubprocessASGIServer` (uvicorn on 127.0.0.1 with the factory
 `prefect.server.api.server:create_app`); `temporary_server` returns it with the factory `create_guarded_app`
 instead, the same app behind the same check. Prefect's clients in this process then find it as their own (it is
@@ -34,7 +34,7 @@ from pathlib import Path
 ALLOWED_HOSTS_ENV = "R1FLOW_PREFECT_ALLOWED_HOSTS"
 CORS_ORIGINS_ENV = "PREFECT_SERVER_CORS_ALLOWED_ORIGINS"  # Prefect's setting; r1flow's servers get `own_origins`
 ROOT = Path(__file__).resolve().parent.parent
-GUARDED_FACTORY = "flows.prefect_server:create_guarded_app"
+GUARDED_FACTORY = "flows.servers.prefect_server:create_guarded_app"
 
 
 def host_allowed(header: str, names: frozenset[str]) -> bool:
@@ -153,7 +153,7 @@ def temporary_server():
     """The process's temporary Prefect server, guarded: the instance Prefect's own clients use when no API URL is
     set. One Prefect made without the guard and not running yet is replaced. One already running is returned as
     it is: only in a process that used Prefect before an r1flow command (a test session, a notebook); an r1flow
-    command's own process starts the guarded one first (flows/settings.py, `start_temporary_prefect`)."""
+    command's own process starts the guarded one first (flows/servers/settings.py, `start_temporary_prefect`)."""
     from prefect.server.api.server import SubprocessASGIServer
 
     cls = _guarded_server_class()

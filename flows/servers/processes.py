@@ -1,5 +1,5 @@
-"""Processes and ports on this machine, for the servers r1flow starts (flows/servers.py, `r1flow ui`) and for
-the owners of folders and runs (flows/store.py): is a process (pid and start time) still the same and running,
+"""Processes and ports on this machine, for the servers r1flow starts (flows/servers/servers.py, `r1flow ui`) and for
+the owners of folders and runs (flows/store/artifacts.py): is a process (pid and start time) still the same and running,
 stop a process group with a grace, who holds a port, the tail of a log, is a URL healthy.
 
 Linux reads /proc (a reused pid is told apart by its start time, field 22 of /proc/<pid>/stat); without /proc

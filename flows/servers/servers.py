@@ -7,7 +7,7 @@ use an address other machines can use (`advertised_host`): the bind address itse
 (0.0.0.0, ::) this machine's hostname, or `--advertise ADDRESS`. MLflow 3 refuses requests whose Host header is
 not localhost or a private IP (DNS rebinding protection): an advertised name outside those is added to its
 allowed hosts (MLFLOW_SERVER_ALLOWED_HOSTS, unless already set); Prefect has no such setting, so its server runs
-behind the same check (flows/prefect_server.py). Both keep their state under `<home>/servers/` (their own sqlite
+behind the same check (flows/servers/prefect_server.py). Both keep their state under `<home>/servers/` (their own sqlite
 databases, 0600 in a 0700 home: both create an `alembic_version` table), run in their own sessions (a Ctrl-C in the
 terminal does not reach them; `stop` signals their process groups) and are recorded in
 `<home>/servers/servers.json`. Runners/workers that serve deployments against these servers
@@ -35,8 +35,8 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
-from flows.prefect_server import CORS_ORIGINS_ENV, own_origins
-from flows.processes import (
+from flows.servers.prefect_server import CORS_ORIGINS_ENV, own_origins
+from flows.servers.processes import (
     STOP_GRACE_S,
     console_script,
     group_alive,
@@ -265,8 +265,8 @@ def _check_port_free(port: int, what: str, host: str = HOST, whose: str | None =
 
 
 def _prefect_command(port: int) -> list[str]:
-    # `prefect server start` behind a Host-header check (flows/prefect_server.py)
-    return [sys.executable, "-m", "flows.prefect_server", "server", "start", "--host", HOST, "--port", str(port)]
+    # `prefect server start` behind a Host-header check (flows/servers/prefect_server.py)
+    return [sys.executable, "-m", "flows.servers.prefect_server", "server", "start", "--host", HOST, "--port", str(port)]
 
 
 def _with_host(cmd: list[str], host: str) -> list[str]:
@@ -280,7 +280,7 @@ def _with_host(cmd: list[str], host: str) -> list[str]:
 
 def _prefect_env(home: Path, port: int, host: str = HOST, advertise: str = HOST) -> dict[str, str]:
     api = f"{_url(advertise, port)}/api"
-    # names a browser may use besides IP literals and localhost (flows/prefect_server.py): the advertised one,
+    # names a browser may use besides IP literals and localhost (flows/servers/prefect_server.py): the advertised one,
     # the hostname for a wildcard bind, and any the user exported
     names = list(dict.fromkeys([advertise] + ([socket.gethostname()] if host in WILDCARDS else [])
                                + [n for n in os.environ.get("R1FLOW_PREFECT_ALLOWED_HOSTS", "").split(",") if n.strip()]))

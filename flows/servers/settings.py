@@ -35,7 +35,7 @@ def prepare_environment(home: str | None = None) -> str:
     """Decide the servers and Prefect's home, before Prefect or MLflow is imported. Returns where the
     servers came from (for messages).
 
-    The one place every command goes through (flows/cli.py calls it before dispatching): Prefect fixes
+    The one place every command goes through (flows/cli/app.py calls it before dispatching): Prefect fixes
     its settings when it is imported, so a command that imported it first would talk to a temporary
     server of its own. PREFECT_API_URL and MLFLOW_TRACKING_URI, each when not exported, are taken from
     the servers `r1flow up` started for this R1FLOW_HOME; Prefect's state and results go under
@@ -51,7 +51,7 @@ def prepare_environment(home: str | None = None) -> str:
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     # MLflow retries a request 7 times with backoff up to 120 s and waits 120 s for an answer: a lost tracking
-    # server hung a run for over 7 minutes. About 30 s of retries here; the run's watchdog (flows/watchdog.py)
+    # server hung a run for over 7 minutes. About 30 s of retries here; the run's watchdog (flows/run/watchdog.py)
     # says a server is gone after 15 s of silence, before these give up and print their tracebacks.
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "4")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "2")
@@ -59,7 +59,7 @@ def prepare_environment(home: str | None = None) -> str:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     source = "environment"
     if not (os.environ.get("PREFECT_API_URL") and os.environ.get("MLFLOW_TRACKING_URI")):
-        from flows import servers
+        from flows.servers import servers
 
         info = servers.status(home_path)  # `r1flow up` servers for this home: use them
         if info is not None:
@@ -77,7 +77,7 @@ def make_home() -> None:
     """Create R1FLOW_HOME and PREFECT_HOME, readable by this user only (Prefect's temporary server cannot create
     its database's folder). Commands call it once their input is validated: a command that fails validation
     writes nothing."""
-    from flows.servers import private_dir
+    from flows.servers.servers import private_dir
 
     for key in ("R1FLOW_HOME", "PREFECT_HOME"):
         if os.environ.get(key):
@@ -102,15 +102,15 @@ def start_temporary_prefect() -> None:
     """Without a Prefect server (no PREFECT_API_URL), start this command's temporary one now, one process at a
     time per database: each runs Prefect's migrations on `$PREFECT_HOME/prefect.db` as it starts, and commands
     started together on a new home ran them at once (`duplicate column name: last_polled`, issue 44), as they
-    did MLflow's (flows/tracking.py: `sqlite_lock`). The lock is `<db>.lock`, like MLflow's; the database is
+    did MLflow's (flows/track/tracking.py: `sqlite_lock`). The lock is `<db>.lock`, like MLflow's; the database is
     created 0600 first. Prefect then uses this server (one per process) for the command's flow. It refuses requests
-    with a foreign Host header (DNS rebinding), as `r1flow up`'s does (flows/prefect_server.py)."""
+    with a foreign Host header (DNS rebinding), as `r1flow up`'s does (flows/servers/prefect_server.py)."""
     if os.environ.get("PREFECT_API_URL"):
         return
     from prefect.settings import get_current_settings
 
-    from flows.prefect_server import temporary_server
-    from flows.servers import private_file
+    from flows.servers.prefect_server import temporary_server
+    from flows.servers.servers import private_file
 
     url = get_current_settings().server.database.connection_url
     url = url.get_secret_value() if url is not None else ""

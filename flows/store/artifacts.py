@@ -23,7 +23,7 @@ tests/test_s3_store.py) hold weaker guarantees than a POSIX path, and the code r
     absent; a publisher killed mid-upload leaves a manifest-less prefix that the next publish replaces;
   * verify() on a remote store checks that every file in the manifest exists (one listing), not its hash;
     get() downloads and re-hashes every file before a stage sees it;
-  * there is no atomic rename or compare-and-swap: the cross-machine lock is flows/lease.py's lease, whose
+  * there is no atomic rename or compare-and-swap: the cross-machine lock is flows/store/lease.py's lease, whose
     exclusive create on s3:// is a conditional PUT (If-None-Match: *);
   * listings are not cached (fsspec's directory cache would hide what other machines published after a
     listing, for the life of the process): every lookup asks the store.
@@ -48,7 +48,7 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from flows.processes import have_proc, proc_stat
+from flows.servers.processes import have_proc, proc_stat
 from schemas.artifacts import MANIFEST_FILE, Manifest, Producer
 from schemas.errors import ArtifactError
 from stages.base import Input

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from flows.store import ArtifactStore, CacheRecord
+    from flows.store.artifacts import ArtifactStore, CacheRecord
 
 
 def canonical_json(obj: Any) -> str:

@@ -1,12 +1,12 @@
 """A lease in the shared artifact store: one computation per cache key across machines.
 
-`stage_lock` (flows/pipeline.py) is an fcntl lock: it serialises the processes of ONE machine. Machines that
+`stage_lock` (flows/run/pipeline.py) is an fcntl lock: it serialises the processes of ONE machine. Machines that
 share a store (an NFS path or an object store URI) need a lock that lives in the store itself and that dies with
 its holder. This is a lease (as in Marin's executor): a small JSON file
 
     <store>/leases/<key>.json   {"key", "holder", "owner", "host", "pid", "acquired_at", "expires_at", "ttl_s"}
 
-written by an atomic create. `holder` is `process_owner()` (flows/store.py) plus a uuid: unique to one hold.
+written by an atomic create. `holder` is `process_owner()` (flows/store/artifacts.py) plus a uuid: unique to one hold.
 While held, a daemon thread pushes `expires_at` (wall clock, seconds since the epoch) `ttl_s` ahead every
 `renew_every_s`. A waiter polls; once `expires_at` (plus `skew_s` for clocks that disagree between machines) has
 passed, the holder is taken to be dead or cut off, and the lease is taken over. Release deletes the file only
@@ -49,7 +49,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from flows.store import ArtifactStore, owner_gone, parse_owner, process_owner
+from flows.store.artifacts import ArtifactStore, owner_gone, parse_owner, process_owner
 from schemas.errors import R1FlowError
 
 LEASES = "leases"

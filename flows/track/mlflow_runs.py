@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING
 
 from mlflow.exceptions import MlflowException
 
-from flows.tracking import Tracker
+from flows.track.tracking import Tracker
 
 if TYPE_CHECKING:
-    from flows.results import StageResult
+    from flows.plan.results import StageResult
 
 
 @dataclass

@@ -23,9 +23,9 @@ from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from flows.servers import MLFLOW_UI_QUERY, private_file
-from flows.settings import file_lock
-from flows.store import host_id, owner_gone, process_owner
+from flows.servers.servers import MLFLOW_UI_QUERY, private_file
+from flows.servers.settings import file_lock
+from flows.store.artifacts import host_id, owner_gone, process_owner
 
 PARAM_MAX = 6000
 # MLflow 3 opens an experiment on its GenAI (traces) view. Ours are training runs: the experiment says so (the UI
@@ -33,7 +33,7 @@ PARAM_MAX = 6000
 # selector, on in 3.17, reads the link's workflowType before the browser's stored choice, which defaults to GenAI).
 EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
 UI_QUERY = MLFLOW_UI_QUERY
-OWNER_HOST_TAG = "r1flow.host"  # flows.store.host_id() of the process that created the run
+OWNER_HOST_TAG = "r1flow.host"  # flows.store.artifacts.host_id() of the process that created the run
 OWNER_PROCESS_TAG = "r1flow.process"  # its "<pid>:<start ticks>"
 
 

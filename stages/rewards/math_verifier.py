@@ -100,7 +100,7 @@ def _math_fast_path(reference: str, answer: str | None) -> float | None:
 
 
 _CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-_THREADS = os.environ.get("R1FLOW_THREADS", "")  # this process's share under --parallel (flows.placement)
+_THREADS = os.environ.get("R1FLOW_THREADS", "")  # this process's share under --parallel (flows.run.placement)
 _MATH_WORKERS = max(1, min(4, int(_THREADS) if _THREADS.isdigit() and int(_THREADS) > 0 else _CORES))
 _MATH_STARTUP_S = 120.0  # a worker's first import of sympy; never charged to an answer's deadline
 _MATH_ATTEMPTS = 3  # submissions per check when another check's deadline killed the pool under it

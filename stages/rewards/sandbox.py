@@ -111,7 +111,7 @@ PIVOT_ROOT_SYSCALLS = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 2
 WEAK_ENV = "R1FLOW_SANDBOX_ALLOW_WEAK"  # =1: the host accepts the audit-hook mode for code rewards
 _MEMORY_ERROR = re.compile(r"^MemoryError\b|Cannot allocate memory", re.MULTILINE)
 # A run's directory names the process that runs the program: `<pid>-<start ticks>-<host id>`, the owner format of
-# flows/store.py (`process_owner`; a test keeps the two equal). A process killed with kill -9 mid-run leaves its
+# flows/store/artifacts.py (`process_owner`; a test keeps the two equal). A process killed with kill -9 mid-run leaves its
 # directory (model-written code) behind; `sweep_run_dirs` removes those whose owner is gone.
 RUN_DIR_PREFIX = "r1flow-sandbox-"
 _RUN_DIR_OWNER = re.compile(rf"^{RUN_DIR_PREFIX}(\d+)-(\d+)-([0-9a-f]{{8}})-")
@@ -265,7 +265,7 @@ def run_owner() -> str:
 
 def sweep_run_dirs(gone, root: str | None = None) -> int:
     """Remove the run directories in `root` (the temporary directory) whose owner is gone: `gone(pid, ticks, host)`
-    judges (flows/store.py's `owner_gone`: only provably gone, on this host). Directories named before they named
+    judges (flows/store/artifacts.py's `owner_gone`: only provably gone, on this host). Directories named before they named
     their owner, and the uid slots' lock directory, are left. Returns how many were removed."""
     removed = 0
     try:

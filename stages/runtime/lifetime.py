@@ -24,7 +24,7 @@ SystemExit(143) in the main thread (finally blocks close MLflow runs and stop la
 and a timer forces `os._exit` after `EXIT_GRACE_S` if a worker thread holds the interpreter
 (a generation in a task thread ignored SIGTERM for 11 minutes before). The sentinel then ends the
 children. Prefect installs its own SIGTERM bridge during a flow run; the flow body re-installs
-this one (flows/pipeline.py).
+this one (flows/run/pipeline.py).
 """
 
 from __future__ import annotations

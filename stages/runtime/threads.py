@@ -16,7 +16,7 @@ How many threads a stage process uses (`stage_share`): an equal share of the cor
 running a stage on this host at the moment it starts (each registers its pid in a per-user folder while its stage
 runs), so two runs or two evals side by side take half the cores each instead of all of them twice over. A run
 alone gets every core, as before. R1FLOW_THREADS wins; under `--parallel N` each worker's share of the pool is
-that override (flows.placement.use_threads). A running stage recounts between decode steps and training steps,
+that override (flows.run.placement.use_threads). A running stage recounts between decode steps and training steps,
 at most once a second (`rebalance`): one that started alone gives up half its threads when another arrives.
 
 Other work counts too, not only r1flow's stage processes: `rebalance` also measures how many cores the rest of the
@@ -85,7 +85,7 @@ def reproducible_products(env: dict[str, str] | os._Environ = os.environ) -> str
     process's first product (not when torch is imported), and keeps that mode for good: it must be set before then
     (the CLI's first step; `stage_share` again, for processes that did not start from the CLI). A Ray worker may
     already have run a product when a stage task starts in it, so a cluster run hands the driver's mode to its
-    workers' environment as they start (flows.placement.worker_env), where a node's own environment may have none.
+    workers' environment as they start (flows.run.placement.worker_env), where a node's own environment may have none.
     Returns the mode in effect."""
     return env.setdefault(REPRODUCIBLE_VAR, REPRODUCIBLE)
 

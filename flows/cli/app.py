@@ -1,8 +1,8 @@
 """The `r1flow` command line. Validates everything before importing Prefect or touching a model.
 
 Here: the parser, `main` (the environment, lifetime guards and errors of every command), `run` and the listing
-commands (stages, recipes, artifacts, models); the server commands are flows/cli_servers.py's, the single-stage
-and deployment commands flows/cli_deploy.py's, what they print flows/cli_output.py's."""
+commands (stages, recipes, artifacts, models); the server commands are flows/cli/server_commands.py's, the single-stage
+and deployment commands flows/cli/deploy_commands.py's, what they print flows/cli/output.py's."""
 
 from __future__ import annotations
 
@@ -16,22 +16,22 @@ import json  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 
-from flows.cli_deploy import add_deploy_commands  # noqa: E402
-from flows.cli_output import print_servers_used, print_summary, text_table  # noqa: E402
-from flows.cli_servers import add_server_commands  # noqa: E402
+from flows.cli.deploy_commands import add_deploy_commands  # noqa: E402
+from flows.cli.output import print_servers_used, print_summary, text_table  # noqa: E402
+from flows.cli.server_commands import add_server_commands  # noqa: E402
 from schemas.errors import R1FlowError  # noqa: E402
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from flows.recipes import DEFAULT_RECIPE, default_profile, load_plan
-    from flows.settings import Settings, make_home, start_temporary_prefect
+    from flows.plan.recipes import DEFAULT_RECIPE, default_profile, load_plan
+    from flows.servers.settings import Settings, make_home, start_temporary_prefect
 
     recipe = args.recipe or DEFAULT_RECIPE
     profile = args.profile or default_profile()
     plan = load_plan(recipe, profile, args.set)  # every config error surfaces here, before any compute
     for name in (args.only or []) + (args.force or []):
         plan.node(name)
-    from flows.placement import Execution, check_driver, cluster_address
+    from flows.run.placement import Execution, check_driver, cluster_address
     from stages.runtime import threads
 
     execution = Execution(parallel=args.parallel, cluster=cluster_address(args.cluster))
@@ -42,7 +42,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(f"r1flow: recipe {plan.recipe!r}, profile {plan.profile!r}, model {plan.model!r}, "
           f"{len(plan.nodes)} stages, {execution.describe()}; home {settings.home}; {threads.describe()}", flush=True)
     print_servers_used(args)
-    from flows.pipeline import pipeline
+    from flows.run.pipeline import pipeline
 
     t_flow = time.perf_counter()
     result = pipeline(recipe=recipe, profile=profile, overrides=list(args.set), only=args.only, force=args.force,
@@ -73,7 +73,7 @@ def cmd_stages(args: argparse.Namespace) -> int:
 
 
 def cmd_recipes(args: argparse.Namespace) -> int:
-    from flows.recipes import DEFAULT_RECIPE, PROFILE_DIR, RECIPE_DIR, available, load_plan
+    from flows.plan.recipes import DEFAULT_RECIPE, PROFILE_DIR, RECIPE_DIR, available, load_plan
 
     for name in available(RECIPE_DIR):
         plan = load_plan(name, "tiny", run_checks=False)
@@ -86,8 +86,8 @@ def cmd_recipes(args: argparse.Namespace) -> int:
 
 
 def _store():
-    from flows.settings import Settings
-    from flows.store import ArtifactStore
+    from flows.servers.settings import Settings
+    from flows.store.artifacts import ArtifactStore
 
     s = Settings.from_env()
     return ArtifactStore(s.store, home=s.home)
@@ -239,15 +239,15 @@ def main(argv: list[str] | None = None) -> int:
             lifetime.terminate_on_signals("r1flow: stopping ({name}); completed stages are cached and training "
                                           "resumes from its last checkpoint")
         if args.command in ENV_COMMANDS:
-            from flows.settings import prepare_environment
+            from flows.servers.settings import prepare_environment
 
             args.servers_source = prepare_environment()
         if args.command in RUN_COMMANDS:  # an r1flow error ends a run as its one line, without Prefect's traceback
-            from flows.cli_output import one_line_errors
+            from flows.cli.output import one_line_errors
 
             one_line_errors()
-        if supervised:  # a Prefect or MLflow server lost mid-run: one line and the run ends (flows/watchdog.py)
-            from flows import watchdog
+        if supervised:  # a Prefect or MLflow server lost mid-run: one line and the run ends (flows/run/watchdog.py)
+            from flows.run import watchdog
 
             watchdog.watch(watchdog.watched())
         code = args.func(args)
@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception:
         if not supervised:
             raise
-        from flows import watchdog
+        from flows.run import watchdog
 
         gone = watchdog.not_answering(watchdog.watched())
         if not gone:
