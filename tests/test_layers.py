@@ -1,6 +1,7 @@
 """The architecture, enforced: stage modules never import each other, each layer under `stages/`
-imports only the layers beneath it, flows/, stages/, schemas/ and benchmarks/ have no import cycles, and
-nothing beneath benchmarks/ imports it (docs/design.md, "Layers").
+imports only the layers beneath it, each package of flows/ only the packages beneath it (an import inside a
+function there says why it is not at the top), flows/, stages/, schemas/ and benchmarks/ have no import cycles,
+and nothing beneath benchmarks/ imports it (docs/design.md, "Layers").
 
 Imports are read from the source (every import statement, also inside functions), not by importing,
 so a lazy import counts like a top-level one. Imports under `if TYPE_CHECKING:` are annotations
@@ -34,6 +35,18 @@ LAYERS: dict[str, set[str]] = {
     "stages.training": {"schemas", "stages.math", "stages.rewards", "stages.runtime", "stages.modeling",
                         "stages.sampling", "stages.base", "stages.environments"},
 }
+
+# What each package of flows/ may import of flows/ (besides itself), bottom to top; docs/design.md §1 says why.
+FLOWS_LAYERS: dict[str, set[str]] = {
+    "flows.plan": set(),
+    "flows.servers": set(),
+    "flows.store": {"flows.servers"},
+    "flows.track": {"flows.plan", "flows.servers", "flows.store"},
+    "flows.report": {"flows.plan", "flows.servers", "flows.store", "flows.track"},
+    "flows.run": {"flows.plan", "flows.servers", "flows.store", "flows.track", "flows.report"},
+    "flows.cli": {"flows.plan", "flows.servers", "flows.store", "flows.track", "flows.report", "flows.run"},
+}
+
 
 def module_name(path: Path) -> str:
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
@@ -184,6 +197,72 @@ def test_the_checker_sees_a_stage_importing_a_stage_and_a_cycle(tmp_path):
     src.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from stages.base import Input\n"
                    "def f():\n    from stages import sft, grpo\n    import flows.report.report\n")
     assert imports_of(src, KNOWN) == {"stages.sft", "stages.grpo", "flows.report.report"}
+
+
+def flows_package(module: str) -> str | None:
+    """The package of flows/ a module belongs to ('flows.run', ...); None for `flows` itself."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == "flows" and len(parts) > 1 else None
+
+
+def flows_layer_violations(module: str, deps: set[str]) -> list[str]:
+    """The modules of flows/ that `module` imports but its package may not (FLOWS_LAYERS)."""
+    own = flows_package(module)
+    return sorted(d for d in deps if flows_package(d) not in (None, own) and flows_package(d) not in FLOWS_LAYERS[own])
+
+
+def test_every_module_of_flows_is_in_a_package_of_its_layers():
+    loose = sorted(m for m in MODULES if m.startswith("flows") and m != "flows" and flows_package(m) not in FLOWS_LAYERS)
+    assert not loose, f"modules of flows/ outside the packages of FLOWS_LAYERS: {loose}"
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if flows_package(m)))
+def test_each_flows_package_imports_only_the_packages_beneath_it(module):
+    wrong = flows_layer_violations(module, GRAPH[module])
+    own = flows_package(module)
+    assert not wrong, f"{module} ({own}) may import {sorted(FLOWS_LAYERS[own])} of flows/, not {wrong}"
+
+
+def test_the_flows_checker_sees_an_import_upwards():
+    assert flows_layer_violations("flows.store.cache", {"flows.run.pipeline", "flows.servers.settings"}) == \
+        ["flows.run.pipeline"]
+    assert flows_layer_violations("flows.plan.recipes", {"flows.plan.results", "stages.base"}) == []
+
+
+def lazy_imports_without_a_reason(path: Path) -> list[int]:
+    """Lines of imports inside functions (not under TYPE_CHECKING) with no `# lazy: <reason>` comment on their line
+    or on the comment line right above their block of imports."""
+    source = path.read_text()
+    lines = source.splitlines()
+    tree = ast.parse(source)
+    skip = _type_checking_only(tree) | {id(n) for n in tree.body}
+    missing = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Import | ast.ImportFrom) or id(node) in skip:
+            continue
+        i = node.lineno - 1
+        while i > 1 and (lines[i - 1].strip().startswith(("from ", "import ")) or  # the block, its groups too
+                         not lines[i - 1].strip() and lines[i - 2].strip().startswith(("from ", "import "))):
+            i -= 1
+        if "# lazy:" not in lines[node.lineno - 1] and not lines[i - 1].strip().startswith("# lazy:"):
+            missing.append(node.lineno)
+    return missing
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("flows")))
+def test_an_import_inside_a_function_of_flows_says_why(module):
+    """Imports belong at the top; one inside a function is there for start-up time (Prefect, MLflow, torch, ...
+    loaded only by the commands that need them), an optional extra (ray, prefect-ray), or the order Prefect needs
+    (its settings are fixed when it is imported), and says which."""
+    missing = lazy_imports_without_a_reason(MODULES[module])
+    assert not missing, f"{module}: imports inside functions at lines {missing} without a `# lazy: <reason>` comment"
+
+
+def test_the_lazy_import_checker_sees_a_missing_reason(tmp_path):
+    src = tmp_path / "mod.py"
+    src.write_text("import os\n\ndef f():\n    # lazy: start-up (torch)\n    import torch\n    import numpy\n\n"
+                   "def g():\n    import json\n    return json\n")
+    assert lazy_imports_without_a_reason(src) == [9]
 
 
 RUN_MAX_LINES = 80  # a stage's run() reads top to bottom as a few named phases (issue 31)

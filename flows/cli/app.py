@@ -14,15 +14,17 @@ import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
+import select  # noqa: E402
 import sys  # noqa: E402
 
 from flows.cli.deploy_commands import add_deploy_commands  # noqa: E402
-from flows.cli.output import print_servers_used, print_summary, text_table  # noqa: E402
+from flows.cli.output import one_line_errors, print_servers_used, print_summary, text_table  # noqa: E402
 from flows.cli.server_commands import add_server_commands  # noqa: E402
 from schemas.errors import R1FlowError  # noqa: E402
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    # lazy: start-up (`r1flow --help` loads none of these: yaml, the stages)
     from flows.plan.recipes import DEFAULT_RECIPE, default_profile, load_plan
     from flows.servers.settings import Settings, make_home, start_temporary_prefect
 
@@ -31,6 +33,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     plan = load_plan(recipe, profile, args.set)  # every config error surfaces here, before any compute
     for name in (args.only or []) + (args.force or []):
         plan.node(name)
+    # lazy: start-up (`r1flow --help` loads none of these: the stages' runtime)
     from flows.run.placement import Execution, check_driver, cluster_address
     from stages.runtime import threads
 
@@ -42,6 +45,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(f"r1flow: recipe {plan.recipe!r}, profile {plan.profile!r}, model {plan.model!r}, "
           f"{len(plan.nodes)} stages, {execution.describe()}; home {settings.home}; {threads.describe()}", flush=True)
     print_servers_used(args)
+    # lazy: start-up (`r1flow --help` loads none of these: Prefect, MLflow)
     from flows.run.pipeline import pipeline
 
     t_flow = time.perf_counter()
@@ -58,6 +62,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_stages(args: argparse.Namespace) -> int:
     """Every stage, its inputs and outputs (and with -v its config fields): the same descriptions the documentation
     site's stage pages are generated from (docs/hooks/reference.py)."""
+    # lazy: start-up (`r1flow --help` loads none of these)
     from schemas.config_fields import config_fields
     from stages import STAGE_MODULES, describe_stage
 
@@ -73,6 +78,7 @@ def cmd_stages(args: argparse.Namespace) -> int:
 
 
 def cmd_recipes(args: argparse.Namespace) -> int:
+    # lazy: start-up (`r1flow --help` loads none of these: yaml, the stages)
     from flows.plan.recipes import DEFAULT_RECIPE, PROFILE_DIR, RECIPE_DIR, available, load_plan
 
     for name in available(RECIPE_DIR):
@@ -86,6 +92,7 @@ def cmd_recipes(args: argparse.Namespace) -> int:
 
 
 def _store():
+    # lazy: start-up (`r1flow --help` loads none of these: fsspec)
     from flows.servers.settings import Settings
     from flows.store.artifacts import ArtifactStore
 
@@ -124,6 +131,7 @@ def cmd_artifacts(args: argparse.Namespace) -> int:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
+    # lazy: start-up (`r1flow --help` loads none of these: torch)
     from stages.modeling.models import BUILTIN_MODELS
 
     print("builtin models:")
@@ -192,8 +200,6 @@ RUN_COMMANDS = frozenset({"run", "stage"})
 def _stdout_gone() -> bool:
     """Has the reader of stdout gone (`r1flow stages -v | head -1`)? A pipe whose read end is closed
     polls as POLLERR on its write end; a BrokenPipeError from anything else is a real error."""
-    import select
-
     try:
         poller = select.poll()
         poller.register(sys.stdout.fileno(), select.POLLOUT)
@@ -205,8 +211,6 @@ def _stdout_gone() -> bool:
 def _quiet_exit_on_closed_stdout() -> int:
     """What the shell's own tools do when the reader goes: stop without a word. stdout is pointed at
     /dev/null so that the interpreter's last flush of it does not print a BrokenPipeError either."""
-    import os
-
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, sys.stdout.fileno())
     os.close(devnull)
@@ -222,16 +226,19 @@ def main(argv: list[str] | None = None) -> int:
     (exit code 141) when the reader of its output goes away (`r1flow stages -v | head -1`)."""
     args = build_parser().parse_args(argv)
     supervised = argv is None and args.command in RUN_COMMANDS
+    # lazy: start-up (`r1flow --help` loads none of these: the stages' runtime)
     from stages.runtime.threads import choose_wait_policy, reproducible_products
 
     choose_wait_policy()  # before anything loads torch (stages.runtime.threads)
     reproducible_products()  # before the first matrix product: outputs independent of the thread count
     if argv is None:
+        # lazy: start-up (`r1flow --help` loads none of these: the stages' runtime)
         from stages.runtime.lifetime import exit_without_final_collection
 
         exit_without_final_collection()
     try:
         if supervised or (argv is None and args.command == "ui"):
+            # lazy: start-up (`r1flow --help` loads none of these: the stages' runtime)
             from stages.runtime import lifetime
 
             lifetime.adopt()
@@ -239,14 +246,14 @@ def main(argv: list[str] | None = None) -> int:
             lifetime.terminate_on_signals("r1flow: stopping ({name}); completed stages are cached and training "
                                           "resumes from its last checkpoint")
         if args.command in ENV_COMMANDS:
+            # lazy: start-up (`r1flow --help` loads none of these)
             from flows.servers.settings import prepare_environment
 
             args.servers_source = prepare_environment()
         if args.command in RUN_COMMANDS:  # an r1flow error ends a run as its one line, without Prefect's traceback
-            from flows.cli.output import one_line_errors
-
             one_line_errors()
         if supervised:  # a Prefect or MLflow server lost mid-run: one line and the run ends (flows/run/watchdog.py)
+            # lazy: start-up (`r1flow --help` loads none of these)
             from flows.run import watchdog
 
             watchdog.watch(watchdog.watched())
@@ -263,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception:
         if not supervised:
             raise
+        # lazy: start-up (`r1flow --help` loads none of these)
         from flows.run import watchdog
 
         gone = watchdog.not_answering(watchdog.watched())
@@ -271,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         print(watchdog.lost_message(gone[0]), file=sys.stderr)  # the cause, not the traceback it caused
         return watchdog.EXIT_CODE
     except SystemExit as e:
+        # lazy: start-up (`r1flow --help` loads none of these: the stages' runtime)
         from stages.runtime import lifetime
 
         if not (supervised and lifetime.stopping()):
@@ -285,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         print("r1flow: interrupted; completed stages are cached and training resumes from its last checkpoint",
               file=sys.stderr)
         if supervised:  # a worker thread must not keep the process alive
+            # lazy: start-up (`r1flow --help` loads none of these: the stages' runtime)
             from stages.runtime import lifetime
 
             lifetime.exit_soon(130)

@@ -6,14 +6,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 
 from flows.cli.output import print_servers_used
+from flows.servers import processes, servers
+from schemas.errors import ConfigError
 
 
 def _input_refs(pairs: list[str]) -> dict[str, str]:
-    from schemas.errors import ConfigError
-
     refs = {}
     for text in pairs:
         name, sep, ref = text.partition("=")
@@ -24,6 +25,7 @@ def _input_refs(pairs: list[str]) -> dict[str, str]:
 
 
 def cmd_stage(args: argparse.Namespace) -> int:
+    # lazy: start-up (`r1flow --help` loads none of these: yaml, the stages, Prefect, fsspec)
     from flows.plan.recipes import overrides_tree
     from flows.run.deploy import read_inputs, stage_config, stage_flow
     from flows.servers.settings import Settings, make_home, start_temporary_prefect
@@ -56,6 +58,7 @@ def cmd_stage(args: argparse.Namespace) -> int:
 
 
 def _specs(args: argparse.Namespace, served: bool):
+    # lazy: start-up (`r1flow --help` loads none of these: yaml, the stages, Prefect)
     from flows.plan.recipes import DEFAULT_RECIPE, default_profile
     from flows.run.deploy import deployment_specs
     from stages import STAGE_MODULES
@@ -68,10 +71,8 @@ def _specs(args: argparse.Namespace, served: bool):
 def cmd_worker(args: argparse.Namespace) -> int:
     """A Prefect worker (flows.run.worker) with r1flow's environment, registered with `r1flow up` so `r1flow down` stops
     it."""
-    import os
-
+    # lazy: start-up (`r1flow --help` loads none of these: Prefect's worker)
     from flows.run.worker import run_worker
-    from flows.servers import servers
     from flows.servers.settings import Settings, make_home, require_prefect_server
 
     url = require_prefect_server("worker", "polls a work pool")
@@ -86,10 +87,12 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_deploy(args: argparse.Namespace) -> int:
+    # lazy: start-up (`r1flow --help` loads none of these)
     from flows.servers.settings import require_prefect_server
 
     url = require_prefect_server("deploy", "registers deployments and their schedules")
     specs = _specs(args, served=False)
+    # lazy: start-up (`r1flow --help` loads none of these: Prefect)
     from flows.run.deploy import deploy, full_name
 
     deploy(specs, args.pool, image=args.image, replace=args.replace)
@@ -103,11 +106,9 @@ def cmd_deploy(args: argparse.Namespace) -> int:
 def serve_hints(specs: list[dict], url: str) -> list[str]:
     """How to start the served deployments, as commands that work in a shell with nothing exported (Prefect's own
     hint, `prefect deployment run ...`, would go to a temporary server without PREFECT_API_URL)."""
-    import shlex
-
+    # lazy: start-up (`r1flow --help` loads none of these: Prefect, fsspec)
     from flows.run.deploy import full_name
     from flows.run.refs import REF_HELP
-    from flows.servers import processes
     from stages import get_stage
 
     prefect = " ".join(shlex.quote(p) for p in processes.console_script("prefect"))
@@ -125,13 +126,14 @@ def serve_hints(specs: list[dict], url: str) -> list[str]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    # lazy: start-up (`r1flow --help` loads none of these)
     from flows.servers.settings import Settings, make_home, require_prefect_server
 
     url = require_prefect_server("serve", "registers deployments and serves their runs")
     make_home()
     specs = _specs(args, served=True)
+    # lazy: start-up (`r1flow --help` loads none of these: Prefect)
     from flows.run.deploy import full_name, serve
-    from flows.servers import servers
 
     home = Settings.from_env().home
     registered = servers.register_runner(home, name="serve")

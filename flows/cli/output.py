@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import shlex
+import shutil
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
+from flows.servers.servers import MLFLOW_UI_QUERY, ui_port
 from schemas.errors import R1FlowError
 
 
 def print_servers_used(args: argparse.Namespace) -> None:
-    import os
-
     print(f"servers ({args.servers_source}): Prefect {os.environ.get('PREFECT_API_URL') or 'temporary'}, "
           f"MLflow {os.environ.get('MLFLOW_TRACKING_URI') or 'sqlite under the home'}", flush=True)
 
@@ -42,8 +45,7 @@ SUMMARY_WIDTH = 100  # columns of the end-of-run summary when stdout is not a te
 
 def _console(width: int | None = None):
     """A rich Console as wide as the terminal (or COLUMNS); SUMMARY_WIDTH when writing to a file or pipe."""
-    import os
-
+    # lazy: start-up (`r1flow --help` loads none of these: rich)
     from rich.console import Console
 
     if width is None and not sys.stdout.isatty() and not os.environ.get("COLUMNS", "").isdigit():
@@ -71,6 +73,7 @@ def fit_table(console, columns: list[Column], row_styles: list[str] | None = Non
     """A rich Table of the columns that fit the console's width: optional ones are dropped, highest
     `drop` first, until the table fits with its wrap columns at least WRAP_MIN wide (or as wide as
     their widest cell); only wrap columns then wrap. Returns (table, the headers of the dropped columns)."""
+    # lazy: start-up (`r1flow --help` loads none of these: rich)
     from rich import box
     from rich.cells import cell_len
     from rich.measure import Measurement
@@ -111,6 +114,7 @@ def fit_table(console, columns: list[Column], row_styles: list[str] | None = Non
 def stage_columns(result: dict) -> list[Column]:
     """The per-stage table of a run: node, kind, status, seconds, key metrics, outputs (the
     outputs' fingerprints go first when narrow: the report and `r1flow artifacts` have them)."""
+    # lazy: start-up (`r1flow --help` loads none of these: MLflow)
     from flows.plan.results import fmt_metric, key_metrics
     from flows.report.comparison import fmt_interval
 
@@ -135,6 +139,7 @@ def comparison_columns(payload: dict) -> tuple[list[Column], list[str]]:
     model, accuracy with its 95% bootstrap interval and the eval size n; then, as width allows,
     pass@k, format rate, per-task accuracies and the model's fingerprint. A previous run's row
     (its model had another fingerprint) sits under the row of its eval node, as in the report."""
+    # lazy: start-up (`r1flow --help` loads none of these: MLflow)
     from flows.plan.results import fmt_metric
     from flows.report.comparison import TASK_ACCURACY, fmt_interval
 
@@ -173,9 +178,6 @@ def comparison_columns(payload: dict) -> tuple[list[Column], list[str]]:
 def _r1flow_command() -> str:
     """How to call r1flow from this shell: `r1flow` when that is on PATH and is this installation,
     else the venv's script (relative to the working directory when under it), else `python -m flows.cli`."""
-    import shutil
-    from pathlib import Path
-
     script = Path(sys.executable).parent / "r1flow"
     found = shutil.which("r1flow")
     if found and (not script.exists() or Path(found).resolve() == script.resolve()):
@@ -191,10 +193,6 @@ def _r1flow_command() -> str:
 def ui_command(home: str) -> str:
     """A shell command that opens the MLflow UI on this home's tracking store (`r1flow ui`), with
     the environment it needs when this shell may not have it (a home other than ./.r1flow)."""
-    import os
-    import shlex
-    from pathlib import Path
-
     env = ""
     if Path(home).resolve() != Path(".r1flow").resolve():
         env = f"R1FLOW_HOME={shlex.quote(str(home))} "
@@ -206,6 +204,7 @@ def ui_command(home: str) -> str:
 
 def print_gains(console, gains: list[dict]) -> None:
     """Each stage's paired gain over the model it was trained from (flows/report/gains.py), a line each."""
+    # lazy: start-up (`r1flow --help` loads none of these: yaml, the stages)
     from flows.report.gains import fmt_gain, gain_labels
 
     if not gains:
@@ -234,11 +233,9 @@ def print_summary(result: dict, total: float, before_flow: float, console=None) 
     """The end of `r1flow run`: the per-stage table and timings, then the model comparison, where
     the report is, how to open the UIs and the URL of the MLflow parent run (each URL and path on
     a line of its own, never wrapped: they are copied)."""
-    import os
-
+    # lazy: start-up (`r1flow --help` loads none of these: rich)
     from rich.text import Text
 
-    from flows.servers.servers import MLFLOW_UI_QUERY, ui_port
     from flows.servers.settings import Settings
 
     console = console or _console()

@@ -3,14 +3,30 @@
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import signal
+import subprocess
 import sys
 import time
+import urllib.parse
+import urllib.request
+from datetime import UTC, datetime
+from pathlib import Path
 
 from flows.cli.output import text_table
-from flows.servers.servers import MLFLOW_UI_PORT  # `r1flow ui`'s first choice; a home keeps the one it got
+from flows.servers import processes, servers
+from flows.servers.servers import (
+    HOST,
+    MLFLOW_UI_PORT,  # `r1flow ui`'s first choice; a home keeps the one it got
+    MLFLOW_UI_QUERY,
+    env_for,
+)
+from schemas.errors import ConfigError
 
 
 def _servers_home() -> str:
+    # lazy: start-up (`r1flow --help` loads none of these)
     from flows.servers.settings import Settings
 
     return Settings.from_env().home
@@ -20,12 +36,6 @@ def mlflow_ui_links(url: str) -> list[str]:
     """Where to open MLflow's UI: each r1flow experiment's runs table (`<name>: <url>`). Not the experiments list:
     MLflow 3 opens an experiment clicked there on its GenAI overview (the list's links drop `workflowType`), so
     the list is given only while the server has no r1flow experiment (or cannot be asked)."""
-    import json
-    import urllib.parse
-    import urllib.request
-
-    from flows.servers.servers import MLFLOW_UI_QUERY
-
     base = url.rstrip("/")
     query = urllib.parse.urlencode({"filter": "name LIKE 'r1flow/%'", "max_results": 100})
     try:
@@ -39,8 +49,6 @@ def mlflow_ui_links(url: str) -> list[str]:
 
 
 def _print_servers(info) -> None:
-    from flows.servers.servers import env_for
-
     for s, what in ((info.prefect, "Prefect UI"), (info.mlflow, "MLflow UI ")):
         took = f", up in {s.startup_s:.1f} s" if s.startup_s is not None else ""
         print(f"{what}  {s.url}   (pid {s.pid}{took}; log {s.log})")
@@ -52,10 +60,6 @@ def _print_servers(info) -> None:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    import signal
-
-    from flows.servers import servers
-
     home = _servers_home()
     warning = servers.exposure_warning(args.host)
     if warning:
@@ -110,8 +114,6 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_down(args: argparse.Namespace) -> int:
-    from flows.servers import servers
-
     home = _servers_home()
     stopped = servers.stop(home)
     for line in stopped:
@@ -124,8 +126,8 @@ def cmd_down(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     """Exit code 1 when something a user relies on is missing: no servers, one of the two dead, or a scheduled
     deployment that nothing polls (its runs would go Late)."""
+    # lazy: start-up (`r1flow --help` loads none of these: the stages' runtime)
     from flows.run.placement import cluster_address
-    from flows.servers import servers
 
     home = _servers_home()
     info = servers.status(home)
@@ -156,8 +158,6 @@ RECONNECT_GRACE_S = 30  # after a server (re)start: three polls' time for worker
 
 
 def _started(text: str):
-    from datetime import datetime
-
     try:
         return datetime.fromisoformat(text)
     except (TypeError, ValueError):
@@ -165,9 +165,6 @@ def _started(text: str):
 
 
 def _prefect_post(api_url: str, path: str, body: dict) -> list[dict]:
-    import json
-    import urllib.request
-
     req = urllib.request.Request(f"{api_url.rstrip('/')}/{path}", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=10) as r:
@@ -188,9 +185,6 @@ def unserved_schedules(api_url: str, server_started=None) -> list[str]:
     within POLLED_WITHIN_S (nor since the server started): Prefect will mark its runs Late. Within RECONNECT_GRACE_S
     of the server's start, such a deployment is looked at again once the grace is over (a worker that outlived a
     restart asks again by then). Plain HTTP, not Prefect's client: `r1flow status` stays quick."""
-    import time
-    from datetime import UTC, datetime
-
     lines = _unserved(api_url, server_started)
     wait = 0.0 if server_started is None else \
         RECONNECT_GRACE_S - (datetime.now(UTC) - server_started).total_seconds()
@@ -203,8 +197,6 @@ def unserved_schedules(api_url: str, server_started=None) -> list[str]:
 
 
 def _unserved(api_url: str, server_started) -> list[str]:
-    from datetime import UTC, datetime
-
     try:
         deployments = _prefect_post(api_url, "deployments/filter", {})
         scheduled = [d for d in deployments if not d.get("paused") and any(s.get("active") for s in d["schedules"])]
@@ -233,6 +225,7 @@ def _unserved(api_url: str, server_started) -> list[str]:
 
 
 def _print_cluster(address: str) -> None:
+    # lazy: start-up (`r1flow --help` loads none of these: the stages' runtime)
     from flows.run.placement import cluster_nodes
 
     nodes = cluster_nodes(address)
@@ -251,11 +244,6 @@ def _ui_store(home) -> tuple[str, object, object, int | None]:
     when it is a local sqlite file, the port it belongs on when the home has one). MLFLOW_TRACKING_URI when set;
     else `r1flow up`'s store once the servers are down (`<home>/servers/mlflow.db`, on up's MLflow port, so
     the links of its runs open), else the home's own (`<home>/mlflow.db`, on the home's ui port)."""
-    import os
-    from pathlib import Path
-
-    from flows.servers import servers
-
     uri = os.environ.get("MLFLOW_TRACKING_URI")
     if uri:
         db = Path(uri.removeprefix("sqlite:///")) if uri.startswith("sqlite:///") else None
@@ -275,9 +263,6 @@ def _ui_store(home) -> tuple[str, object, object, int | None]:
 def _ui_port(home, asked: int | None, kept: int | None) -> int:
     """--port, else the store's kept port (taken: an error naming what holds it), else the home's ui port
     (MLflow's usual 5000 the first time; when that is taken, a free one, said loudly, kept for next time)."""
-    from flows.servers import processes, servers
-    from schemas.errors import ConfigError
-
     host = servers.HOST
     if asked is not None:
         e = servers.bind_error(asked, host)
@@ -311,15 +296,8 @@ def _ui_port(home, asked: int | None, kept: int | None) -> int:
 def cmd_ui(args: argparse.Namespace) -> int:
     """MLflow's UI on 127.0.0.1 for this home's tracking store, in the foreground until Ctrl-C; or,
     when tracking goes to a server (MLFLOW_TRACKING_URI, `r1flow up`), that server's URL."""
-    import os
-    import signal
-    import subprocess
-    from pathlib import Path
-
-    from flows.servers import processes, servers
-    from flows.servers.servers import HOST
+    # lazy: start-up (`r1flow --help` loads none of these)
     from flows.servers.settings import Settings
-    from schemas.errors import ConfigError
 
     settings = Settings.from_env()
     uri, home = settings.tracking_uri, Path(settings.home)

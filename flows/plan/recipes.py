@@ -537,6 +537,7 @@ def check_node(module, cfg, node: str) -> None:
 def default_profile() -> str:
     """gpu when CUDA is available, else cpu: the profile a command uses without --profile."""
     try:
+        # lazy: start-up (torch, only to see whether a GPU is there)
         import torch
 
         return "gpu" if torch.cuda.is_available() else "cpu"

@@ -119,6 +119,7 @@ PlotPanel = tuple[str, str, list[tuple[str, Curve]]]
 
 
 def _figure(panels: int, width: float = 4.6, height: float = 3.2):
+    # lazy: start-up (matplotlib, only when a report draws)
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -140,6 +141,7 @@ def _png(fig) -> bytes:
 
 def panel_figure(panels: list[PlotPanel], title: str):
     """A figure of curves over optimizer steps, one panel each (empty panels dropped), integer step ticks."""
+    # lazy: start-up (matplotlib, only when a report draws)
     from matplotlib.ticker import MaxNLocator
 
     panels = [p for p in panels if any(steps for _, (steps, _) in p[2])]

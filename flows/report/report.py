@@ -46,8 +46,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import unquote, urlparse
 
 from prefect import get_run_logger  # imported with the module: Prefect sets up its logging on import
+from prefect.artifacts import create_markdown_artifact
+from prefect.context import get_run_context
 
 from flows.plan.recipes import Plan
 from flows.plan.results import fmt_metric, key_metrics
@@ -234,8 +237,6 @@ def _plots(results: list[StageResult], runs: dict[str, StageRuns | None], tracke
 
 def _in_prefect_run() -> bool:
     try:
-        from prefect.context import get_run_context
-
         get_run_context()
         return True
     except Exception:  # MissingContextError outside a flow or task run
@@ -259,8 +260,6 @@ def publish_report(report: Report, tracker: Tracker, parent_run_id: str) -> dict
     out: dict[str, Any] = {"mlflow_artifacts": [f"{REPORT_DIR}/{n}" for n in names], "prefect_artifact_id": None}
     if _in_prefect_run():
         try:
-            from prefect.artifacts import create_markdown_artifact
-
             out["prefect_artifact_id"] = str(create_markdown_artifact(
                 markdown=report.markdown, key=report.key,
                 description=f"r1flow run report: recipe {report.recipe}, MLflow parent run {parent_run_id}"))
@@ -283,8 +282,6 @@ def report_location(tracker: Tracker, parent_run_id: str, files: list[str]) -> d
     tracking server, the report in its UI (the run's Artifacts tab; an `mlflow-artifacts:` URI opens
     nowhere), else None; `files`, the other files logged beside it (`report/...`, as `publish_report`
     returns them)."""
-    from urllib.parse import unquote, urlparse
-
     run = tracker.client.get_run(parent_run_id).info
     uri = f"{run.artifact_uri.rstrip('/')}/{REPORT_DIR}/report.md"
     parsed = urlparse(uri)

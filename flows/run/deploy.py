@@ -27,14 +27,25 @@ Input references (flows/run/refs.py):
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 import os
+import re
+import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any, Literal
 
-from prefect import flow
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.actions import WorkPoolCreate
+from prefect.client.schemas.schedules import CronSchedule
+from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+from prefect.runner import Runner
+from prefect.runtime import deployment as this_deployment
 from pydantic import BaseModel, Field, ValidationError, create_model
 
 from flows.plan.recipes import (
@@ -47,15 +58,20 @@ from flows.plan.recipes import (
     load_plan,
     pydantic_message,
 )
+from flows.plan.results import fmt_metric, key_metrics
+from flows.run.pipeline import _flow_run_id, experiment_name, node_outcome, pipeline, run_plan, submit_node
+from flows.run.placement import Execution, cluster_address
+from flows.run.reclaim import reclaim_abandoned
 from flows.run.refs import REF_HELP, resolve_ref
 from flows.servers.settings import Settings
 from flows.store.artifacts import ArtifactStore
 from flows.store.cache import cache_key, reusable_record
-from flows.track.tracking import flatten, run_name
+from flows.track.tracking import Tracker, flatten, run_name
 from schemas.configs import STAGE_CONFIGS, ProfileConfig
 from schemas.errors import ArtifactError, ConfigError
 from stages import STAGE_MODULES, STAGE_SUMMARIES, get_stage, stage_version
 from stages.base import declared_kinds
+from stages.runtime import lifetime
 
 ROOT = Path(__file__).resolve().parent.parent
 log = logging.getLogger(__name__)
@@ -165,11 +181,6 @@ def run_single_stage(stage: str, inputs: dict[str, str], overrides: dict[str, An
               seed: int | None = None, recipe: str | None = None, profile: str | None = None,
               settings: dict[str, str] | None = None, force: bool = False) -> dict[str, Any]:
     """Run one stage on referenced artifacts (inside a flow: the stage runs as the cached task)."""
-    from flows.run.pipeline import _flow_run_id, experiment_name, node_outcome, submit_node
-    from flows.run.reclaim import reclaim_abandoned
-    from flows.track.tracking import Tracker
-    from stages.runtime import lifetime
-
     lifetime.reinstall()  # SIGTERM stops the run within seconds, not Prefect's bridge (stages/runtime/lifetime.py)
 
     s = Settings(**settings) if settings else Settings.from_env()
@@ -220,8 +231,6 @@ def run_single_stage(stage: str, inputs: dict[str, str], overrides: dict[str, An
 
 def stage_result_markdown(result: dict[str, Any], recipe: str | None, profile: str | None) -> str:
     """What a single-stage re-run shows on its Prefect flow run: inputs, outputs, key metrics, MLflow link."""
-    from flows.plan.results import fmt_metric, key_metrics
-
     where = ", ".join(f"{k} `{v}`" for k, v in (("recipe", recipe), ("profile", profile)) if v) or "stage defaults"
     lines = [f"# Stage re-run: {result['node']} ({result['stage']})", "",
              f"**{result['status']}** in {result['seconds']:.1f} s; config from {where}, seed {result['seed']}.", "",
@@ -239,11 +248,6 @@ def stage_result_markdown(result: dict[str, Any], recipe: str | None, profile: s
 
 def publish_stage_result(result: dict[str, Any], recipe: str | None, profile: str | None) -> str | None:
     """A markdown artifact on the current flow run (key `stage-<node>`); a failure only warns, the result stands."""
-    import re
-
-    from prefect import get_run_logger
-    from prefect.artifacts import create_markdown_artifact
-
     key = "stage-" + re.sub(r"[^a-z0-9-]+", "-", result["node"].lower()).strip("-")
     try:
         return str(create_markdown_artifact(markdown=stage_result_markdown(result, recipe, profile), key=key,
@@ -341,8 +345,6 @@ def schedule_kwargs(cron: str | None, interval: float | None) -> dict[str, Any]:
     if cron and interval:
         raise ConfigError("give --cron or --interval, not both")
     if cron:
-        from prefect.client.schemas.schedules import CronSchedule
-
         try:
             CronSchedule(cron=cron)
         except (ValueError, ValidationError) as e:
@@ -367,9 +369,6 @@ def recipe_pipeline(recipe: RecipeName, profile: ProfileName, overrides: list[st
         cluster: Ray cluster address (host:port of its head): run the stages there, independent ones at the same
             time (default: the worker's RAY_ADDRESS, if any).
     """
-    from flows.run.pipeline import run_plan
-    from flows.run.placement import Execution, cluster_address
-
     plan = load_plan(recipe, profile, overrides or [])
     return run_plan(plan, Settings.from_env(), only=set(only or []), force=set(force or []),
                     execution=Execution(parallel=parallel, cluster=cluster_address(cluster)))
@@ -400,8 +399,6 @@ def deployment_specs(recipes: list[str], stages: list[str], profile: str, overri
         if recipe in available(RECIPE_DIR):  # the form offers the project's recipes and profiles as choices
             flow_, entrypoint = recipe_pipeline, "flows/run/deploy.py:recipe_pipeline"
         else:  # a recipe file elsewhere: the pipeline flow itself, whose recipe is any name or path
-            from flows.run.pipeline import pipeline
-
             flow_, entrypoint = pipeline, PIPELINE_ENTRYPOINT
         specs.append({"flow": flow_, "entrypoint": entrypoint, "name": plan.recipe + suffix,
                       "parameters": {"recipe": recipe, "profile": profile, "overrides": list(overrides)},
@@ -422,8 +419,6 @@ RUNNER_STOP_GRACE_S = 8.0  # SIGTERM to exit, whatever is left undone; `r1flow d
 def serve(specs: list[dict[str, Any]], limit: int | None = None) -> None:
     """Serve the deployments from this process (a Prefect runner; flow runs in subprocesses) until SIGTERM, which
     cancels its runs in progress and pauses its schedules (`r1flow down` sends it before stopping the servers)."""
-    import asyncio
-
     deployments = [s["flow"].to_deployment(name=s["name"], parameters=s["parameters"], tags=s["tags"],
                                            description=s["description"],
                                            **{k: s[k] for k in ("cron", "interval") if k in s})
@@ -437,8 +432,6 @@ def serve(specs: list[dict[str, Any]], limit: int | None = None) -> None:
 
 
 async def _start_and_say_so(runner: Any, n: int) -> None:
-    import asyncio
-
     started = asyncio.create_task(runner.start())
     while not (runner.started or started.done()):
         await asyncio.sleep(0.2)
@@ -449,14 +442,6 @@ async def _start_and_say_so(runner: Any, n: int) -> None:
 
 
 def _runner_class():
-    import asyncio
-    import signal
-    import sys
-
-    from prefect.runner import Runner
-
-    from stages.runtime import lifetime
-
     class StoppingRunner(Runner):
         """Prefect's SIGTERM handler calls the sync `stop()` inside the running loop, where it only creates the
         coroutine ("coroutine 'Runner.astop' was never awaited") and then raises SystemExit through the loop:
@@ -475,10 +460,6 @@ def _runner_class():
 
 
 def ensure_work_pool(name: str, kind: str = "process") -> None:
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import WorkPoolCreate
-    from prefect.exceptions import ObjectAlreadyExists
-
     with get_client(sync_client=True) as client:
         try:
             client.create_work_pool(WorkPoolCreate(name=name, type=kind))
@@ -488,9 +469,6 @@ def ensure_work_pool(name: str, kind: str = "process") -> None:
 
 def existing_elsewhere(specs: list[dict[str, Any]], pool: str | None) -> list[str]:
     """The deployments among `specs` that already exist with another work pool (None: served by a runner)."""
-    from prefect.client.orchestration import get_client
-    from prefect.exceptions import ObjectNotFound
-
     clashes = []
     with get_client(sync_client=True) as client:
         for s in specs:
@@ -528,12 +506,9 @@ def _shown_config(default: dict[str, Any]) -> dict[str, Any]:
     """The config a deployment's form showed (its `config` parameter), else the stage defaults."""
     shown = None
     try:
-        from prefect.client.orchestration import get_client
-        from prefect.runtime import deployment
-
-        if deployment.id:  # (runtime.deployment.parameters are the flow run's, not the deployment's defaults)
+        if this_deployment.id:  # (runtime.deployment.parameters are the flow run's, not the deployment's defaults)
             with get_client(sync_client=True) as client:
-                shown = (client.read_deployment(deployment.id).parameters or {}).get("config")
+                shown = (client.read_deployment(this_deployment.id).parameters or {}).get("config")
     except Exception as e:  # no deployment or no API: the stage defaults were what a form showed
         log.warning("could not read the deployment's parameters (%s: %s); the stage defaults are the base",
                     type(e).__name__, e)

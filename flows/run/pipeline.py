@@ -13,6 +13,7 @@ import contextlib
 import functools
 import logging
 import os
+import queue
 import shutil
 import time
 from collections.abc import Callable, Collection
@@ -20,9 +21,14 @@ from pathlib import Path
 from typing import Any
 from uuid import UUID
 
-from prefect import flow, get_run_logger, task
+import httpx
+import requests
+from mlflow.exceptions import MlflowException
+from prefect import flow, get_client, get_run_logger, task
 from prefect.client.schemas.objects import TaskRunResult
 from prefect.context import get_run_context
+from prefect.exceptions import MissingContextError
+from prefect.settings import PREFECT_API_URL, temporary_settings
 from prefect.task_engine import run_task
 from prefect.utilities.annotations import quote
 
@@ -33,6 +39,7 @@ from flows.report.report import build_report, publish_report, report_location
 from flows.run import placement
 from flows.run.context import FlowContext
 from flows.run.placement import Execution
+from flows.run.reach import check_reachable, describe_node
 from flows.run.reclaim import reclaim_abandoned
 from flows.servers.settings import Settings, file_lock
 from flows.store import lease
@@ -50,6 +57,7 @@ LOG_DATA_MAX_BYTES = 50 << 20  # datasets up to this size are copied into MLflow
 
 
 def default_device() -> str:
+    # lazy: start-up (torch: only a stage needs it; deploy and serve import this module)
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
@@ -77,21 +85,10 @@ def is_transient(exc: BaseException | None) -> bool:
         return False
     if isinstance(exc, TRANSIENT_ERRORS):
         return True
-    try:
-        import httpx
-
-        if isinstance(exc, httpx.TransportError):
-            return True
-    except ImportError:  # pragma: no cover - prefect depends on httpx
-        pass
-    try:
-        import requests
-
-        if isinstance(exc, (requests.ConnectionError, requests.Timeout)):
-            return True
-    except ImportError:  # pragma: no cover - mlflow depends on requests
-        pass
-    from mlflow.exceptions import MlflowException
+    if isinstance(exc, httpx.TransportError):  # Prefect's client (httpx is a dependency of prefect)
+        return True
+    if isinstance(exc, (requests.ConnectionError, requests.Timeout)):  # MLflow's (requests: of mlflow)
+        return True
 
     if isinstance(exc, MlflowException) and exc.error_code in ("TEMPORARILY_UNAVAILABLE", "REQUEST_LIMIT_EXCEEDED"):
         return True
@@ -129,8 +126,6 @@ def execute_stage(
     s = Settings(**settings)
     log = log or logging.getLogger("r1flow")
     if placement.on_cluster():  # one clear line, before any compute, when this node cannot reach what the run uses
-        from flows.run.reach import check_reachable, describe_node
-
         check_reachable(s, os.environ.get("PREFECT_API_URL"), describe_node(placement.where()["ray_node_id"]))
     # this machine's processes queue on the lock; other machines sharing the store on the lease (flows/store/lease.py)
     store = ArtifactStore(s.store, home=s.home)
@@ -285,8 +280,6 @@ class NodeProgress:
 
 
 def _run_logger() -> logging.Logger | logging.LoggerAdapter:
-    from prefect.exceptions import MissingContextError
-
     try:
         return get_run_logger()
     except MissingContextError:  # outside a flow run
@@ -442,8 +435,6 @@ class _NodeRunner:
         self.progress.end(node.name, node.stage, self.results[node.name].status, seconds)
 
     def _run_concurrently(self) -> None:
-        import queue
-
         runner = placement.task_runner(self.execution, self.s.to_dict())
         limit = self.execution.parallel if not self.execution.cluster else len(self.plan.nodes)
         done: queue.Queue[str] = queue.Queue()
@@ -456,6 +447,7 @@ class _NodeRunner:
         def submit(node, task_, params, dependencies):
             options = placement.ray_options(node.resources, node.config, self.execution)
             if options:
+                # lazy: optional extra (prefect-ray)
                 from prefect_ray.context import remote_options
 
                 with remote_options(**options):
@@ -516,12 +508,9 @@ def _children_share_this_api():
     """Without a configured Prefect server, --parallel's worker processes would each start a temporary server of
     their own (seconds and hundreds of MB each): point them at this process's instead, for the flow's duration
     (the task runner hands its children the settings in force when it starts)."""
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
     if PREFECT_API_URL.value():
         yield
         return
-    from prefect import get_client
 
     with get_client(sync_client=True) as client:
         url = str(client.api_url).rstrip("/")

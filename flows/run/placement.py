@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from schemas.errors import ConfigError
+from stages.runtime.lifetime import exit_without_final_collection
 from stages.runtime.threads import (
     REPRODUCIBLE_VAR,
     THREADS_VAR,
@@ -90,7 +91,6 @@ def use_threads(n: int) -> None:
     os.environ[THREADS_VAR] = str(n)
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(n)
-    from stages.runtime.lifetime import exit_without_final_collection
 
     exit_without_final_collection()  # the pool's shutdown waits for every worker to exit
 
@@ -168,11 +168,13 @@ def task_runner(execution: Execution, settings: dict[str, str]):
     """The Prefect task runner for a concurrent execution (None: run in this process, one after another)."""
     if execution.cluster:
         require_cluster_extra()
+        # lazy: optional extra (prefect-ray)
         from prefect_ray import RayTaskRunner
 
         return RayTaskRunner(address=execution.cluster, init_kwargs={
             "namespace": "r1flow", "runtime_env": {"env_vars": worker_env(settings)}, "log_to_driver": True})
     if execution.parallel > 1:
+        # lazy: start-up (Prefect; `r1flow run` loads this module to check the cluster before Prefect)
         from prefect.task_runners import ProcessPoolTaskRunner
 
         threads = thread_share(execution.parallel, available_cpus(), os.environ.get(THREADS_VAR))
@@ -271,6 +273,7 @@ def check_placeable(execution: Execution, nodes: list[Any], log: logging.Logger 
     machines than there are would fail only once its upstream stages had run."""
     if not execution.cluster:
         return
+    # lazy: optional extra (ray)
     import ray
 
     demands = {n.name: placement_demand(n.resources, n.config, execution) for n in nodes}
@@ -286,6 +289,7 @@ def where() -> dict[str, str]:
     """Where this process runs: the host name, and the Ray node id when it is a Ray worker."""
     out = {"host": socket.gethostname(), "ray_node_id": ""}
     if on_cluster():
+        # lazy: optional extra (ray)
         import ray
 
         if ray.is_initialized():
@@ -300,6 +304,7 @@ def cluster_nodes(address: str, timeout_s: float = STATUS_CONNECT_S) -> list[dic
     run while it waits: so it connects from a helper thread here, and SIGTERM still ends the command."""
     require_cluster_extra()
     check_cluster_answers(address)
+    # lazy: optional extra (ray)
     import ray
 
     failed: list[BaseException] = []

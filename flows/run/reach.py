@@ -21,6 +21,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import fsspec
+
 from schemas.errors import ConfigError
 
 TIMEOUT_S = 5.0
@@ -99,7 +101,6 @@ def check_store(store: str, where: str) -> str:
         if not ok:
             raise ConfigError(f"{where}: the artifact store {store} did not read back what this node wrote: {hint}")
         return f"store {store}: writable"
-    import fsspec
 
     try:
         fs, base = fsspec.core.url_to_fs(store, use_listings_cache=False)

@@ -18,6 +18,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from prefect import get_client
+from prefect.client.schemas import filters as f
+from prefect.client.schemas.objects import StateType
+from prefect.states import Crashed
+
 from flows.store.artifacts import ArtifactStore, host_id, owner_gone, process_owner
 from flows.track.tracking import Tracker
 from stages.rewards.sandbox import sweep_run_dirs
@@ -58,11 +63,6 @@ def mark_abandoned_flow_runs(flow_run_id: str | None = None, owners: Path | None
     `owners`: a folder on this host where the labels are also written, first, as a file named by the flow run:
     a Prefect server lost between creating the flow run and the label update leaves a run without labels that
     only this file ties to its (dead) process."""
-    from prefect import get_client
-    from prefect.client.schemas import filters as f
-    from prefect.client.schemas.objects import StateType
-    from prefect.states import Crashed
-
     mine = _owner_labels()
     if owners is not None and flow_run_id:
         owners.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,11 @@ to artifact fingerprints:
 
 from __future__ import annotations
 
+from mlflow.exceptions import MlflowException
+
+from flows.run.pipeline import experiment_name
 from flows.store.artifacts import ArtifactStore
+from flows.track.tracking import mlflow_client
 from schemas.errors import ArtifactError
 
 # No <...> placeholders: the Prefect UI renders descriptions as HTML and drops them.
@@ -38,9 +42,6 @@ def resolve_ref(ref: str, input_name: str, store: ArtifactStore, tracking_uri: s
     ref = ref.strip()
     if ref.startswith("mlflow:"):
         run_id, _, out = ref.removeprefix("mlflow:").partition(":")
-        from mlflow.exceptions import MlflowException
-
-        from flows.track.tracking import mlflow_client
 
         try:
             outputs = _run_outputs(mlflow_client(tracking_uri), run_id)
@@ -68,8 +69,6 @@ def _latest(node: str, recipe: str | None, out: str | None, input_name: str, sto
             if record is not None:
                 return _pick_output(record.outputs, out, input_name, where)
         raise ArtifactError(f"input {input_name!r}: {where}: no complete, valid outputs of node {node!r} in {store.uri}")
-    from flows.run.pipeline import experiment_name
-    from flows.track.tracking import mlflow_client
 
     client = mlflow_client(tracking_uri)
     exp = client.get_experiment_by_name(experiment_name(recipe))

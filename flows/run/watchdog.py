@@ -20,6 +20,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
+from stages.runtime import lifetime
+
 WATCH_EVERY_S = 2.0
 PROBE_TIMEOUT_S = 5.0
 SILENT_S = 15.0  # a busy server on 2 cores answers within seconds (a probe that times out waits this long)
@@ -79,8 +81,6 @@ def not_answering(servers: list[Watched]) -> list[Watched]:
 
 
 def _on_lost(server: Watched, silent_s: float) -> None:
-    from stages.runtime import lifetime
-
     # what the run does on its way out (close its MLflow runs) must not retry the lost server for minutes
     os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = "0"
     os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] = "5"

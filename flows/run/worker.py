@@ -11,6 +11,7 @@ it Crashed; its finished stages stay cached.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -18,15 +19,16 @@ import sys
 import threading
 from collections.abc import Callable
 
+from prefect.workers.base import BaseWorker
+
 from schemas.errors import ConfigError
+from stages.runtime import lifetime
 
 UNREGISTER_WAIT_S = 1.0  # on a signal: how long to try to remove this worker from `r1flow up`'s record
 
 
 def worker_class(kind: str):
     """The installed Prefect worker class of pool type `kind` (process, docker, kubernetes, ...)."""
-    from prefect.workers.base import BaseWorker
-
     cls = BaseWorker.get_worker_class_from_type(kind)
     if cls is None:
         raise ConfigError(f"--type {kind}: no Prefect worker of that type is installed (process is built in; others "
@@ -38,10 +40,6 @@ def run_worker(pool: str, kind: str = "process", limit: int | None = None,
                on_exit: Callable[[], None] | None = None) -> None:
     """Poll `pool` and run its flow runs until SIGTERM, SIGINT or SIGHUP; never returns: os._exit(0) once stopped (a
     stop asked for is a clean end), 1 with one line if the worker fails. `on_exit` runs first (unregistering)."""
-    import asyncio
-
-    from stages.runtime import lifetime
-
     cls = worker_class(kind)
     lifetime.adopt()  # the flow runs this worker starts carry its token: they end with it, however it ends
 

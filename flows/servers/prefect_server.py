@@ -105,6 +105,7 @@ def allowed_names() -> frozenset[str]:
 
 def allowed_origins() -> frozenset[str]:
     """Prefect's PREFECT_SERVER_CORS_ALLOWED_ORIGINS as this server process sees it, without `*`."""
+    # lazy: start-up (Prefect; every r1flow command loads this module)
     from prefect.settings import PREFECT_SERVER_CORS_ALLOWED_ORIGINS
 
     return frozenset(o.strip() for o in PREFECT_SERVER_CORS_ALLOWED_ORIGINS.value().split(",") if o.strip() not in ("", "*"))
@@ -117,6 +118,7 @@ def _guard(api) -> None:
 def create_guarded_app():
     """The uvicorn factory of the temporary server: Prefect's app (as `create_app()` makes it from the environment
     its `SubprocessASGIServer` sets: ephemeral, no UI) behind HostGuard."""
+    # lazy: start-up (Prefect; every r1flow command loads this module)
     import prefect.server.api.server as server
 
     api = server.create_app()
@@ -126,6 +128,7 @@ def create_guarded_app():
 
 @functools.cache
 def _guarded_server_class():
+    # lazy: start-up (Prefect; every r1flow command loads this module)
     from prefect.server.api.server import SubprocessASGIServer
     from prefect.settings import get_current_settings
 
@@ -154,6 +157,7 @@ def temporary_server():
     set. One Prefect made without the guard and not running yet is replaced. One already running is returned as
     it is: only in a process that used Prefect before an r1flow command (a test session, a notebook); an r1flow
     command's own process starts the guarded one first (flows/servers/settings.py, `start_temporary_prefect`)."""
+    # lazy: start-up (Prefect; every r1flow command loads this module)
     from prefect.server.api.server import SubprocessASGIServer
 
     cls = _guarded_server_class()
@@ -166,6 +170,7 @@ def temporary_server():
 
 
 def main() -> None:
+    # lazy: start-up (Prefect; every r1flow command loads this module)
     import prefect.server.api.server as server
     from prefect.cli import app
 

@@ -25,6 +25,8 @@ Standard library only: `r1flow up` must not pay for importing Prefect or MLflow.
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import ipaddress
 import json
 import os
 import socket
@@ -170,8 +172,6 @@ def env_for(info: ServerInfo) -> dict[str, str]:
 
 def is_loopback(host: str) -> bool:
     """127.0.0.0/8, ::1 or the name localhost: only this machine can connect."""
-    import ipaddress
-
     if host.lower() == "localhost":
         return True
     try:
@@ -332,8 +332,6 @@ def _spawn(cmd: list[str], env: dict[str, str], log: Path, cwd: Path) -> subproc
 @contextlib.contextmanager
 def locked(home: str | Path):
     """Serialise read-modify-write of servers.json between r1flow processes."""
-    import fcntl
-
     d = servers_dir(home)
     private_dir(d)
     with open(d / "servers.lock", "w") as f:

@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from flows.servers import servers
+from flows.servers.prefect_server import temporary_server
+from flows.servers.servers import private_dir, private_file
+from schemas.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -59,8 +66,6 @@ def prepare_environment(home: str | None = None) -> str:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     source = "environment"
     if not (os.environ.get("PREFECT_API_URL") and os.environ.get("MLFLOW_TRACKING_URI")):
-        from flows.servers import servers
-
         info = servers.status(home_path)  # `r1flow up` servers for this home: use them
         if info is not None:
             for key, value in servers.env_for(info).items():
@@ -77,8 +82,6 @@ def make_home() -> None:
     """Create R1FLOW_HOME and PREFECT_HOME, readable by this user only (Prefect's temporary server cannot create
     its database's folder). Commands call it once their input is validated: a command that fails validation
     writes nothing."""
-    from flows.servers.servers import private_dir
-
     for key in ("R1FLOW_HOME", "PREFECT_HOME"):
         if os.environ.get(key):
             private_dir(Path(os.environ[key]))
@@ -87,8 +90,6 @@ def make_home() -> None:
 @contextlib.contextmanager
 def file_lock(path: str | Path) -> Iterator[None]:
     """An exclusive lock on `path` (created, with its folder) across processes, released on exit."""
-    import fcntl
-
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
@@ -107,10 +108,8 @@ def start_temporary_prefect() -> None:
     with a foreign Host header (DNS rebinding), as `r1flow up`'s does (flows/servers/prefect_server.py)."""
     if os.environ.get("PREFECT_API_URL"):
         return
+    # lazy: order (Prefect fixes its settings when imported: after prepare_environment)
     from prefect.settings import get_current_settings
-
-    from flows.servers.prefect_server import temporary_server
-    from flows.servers.servers import private_file
 
     url = get_current_settings().server.database.connection_url
     url = url.get_secret_value() if url is not None else ""
@@ -125,10 +124,9 @@ def start_temporary_prefect() -> None:
 
 def _check_prefect_not_fixed() -> None:
     """An internal error if Prefect was imported before the servers were decided with other settings."""
-    import sys
-
     if "prefect.settings" not in sys.modules:
         return
+    # lazy: order (Prefect fixes its settings when imported: after prepare_environment)
     from prefect.settings import get_current_settings
 
     current = get_current_settings().api.url
@@ -140,14 +138,13 @@ def _check_prefect_not_fixed() -> None:
 def require_prefect_server(command: str, what: str) -> str:
     """The Prefect API URL a command that registers or schedules something will use; a ConfigError
     (before anything is registered) when it would go to a temporary server that exits with the command."""
-    from schemas.errors import ConfigError
-
     url = os.environ.get("PREFECT_API_URL")
     if not url:
         home = os.environ.get("R1FLOW_HOME", ".r1flow")
         raise ConfigError(f"r1flow {command} {what} with a Prefect server, and none is running for R1FLOW_HOME={home}: "
                           "start one with `r1flow up` (same R1FLOW_HOME), or set PREFECT_API_URL to a team server. "
                           "Without one it would go to a temporary server that exits with this command.")
+    # lazy: order (Prefect fixes its settings when imported: after prepare_environment)
     import prefect.settings  # noqa: F401  (now: the check below compares what it fixed at import)
 
     _check_prefect_not_fixed()
