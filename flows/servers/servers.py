@@ -54,7 +54,7 @@ from schemas.errors import R1FlowError
 
 HOST = "127.0.0.1"
 WILDCARDS = ("0.0.0.0", "::", "")
-MLFLOW_UI_QUERY = "?workflowType=machine_learning"  # MLflow 3's UI: open experiments on the runs table (tracking.py)
+MLFLOW_UI_QUERY = "?workflowType=machine_learning"  # MLflow 3's UI: open experiments on the runs table (flows/track/tracking.py)
 MLFLOW_UI_PORT = 5000  # `r1flow ui`'s first choice for a home's local store: MLflow's usual port
 
 
