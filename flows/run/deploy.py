@@ -73,7 +73,7 @@ from stages import STAGE_MODULES, STAGE_SUMMARIES, get_stage, stage_version
 from stages.base import declared_kinds
 from stages.runtime import lifetime
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository
 log = logging.getLogger(__name__)
 PIPELINE_ENTRYPOINT = "flows/run/pipeline.py:pipeline"
 SERVED_SUFFIX = "-served"

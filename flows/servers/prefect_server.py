@@ -33,7 +33,7 @@ from pathlib import Path
 
 ALLOWED_HOSTS_ENV = "R1FLOW_PREFECT_ALLOWED_HOSTS"
 CORS_ORIGINS_ENV = "PREFECT_SERVER_CORS_ALLOWED_ORIGINS"  # Prefect's setting; r1flow's servers get `own_origins`
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository
 GUARDED_FACTORY = "flows.servers.prefect_server:create_guarded_app"
 
 
