@@ -277,7 +277,8 @@ def test_transient_failure_is_retried_and_a_config_error_fails_the_flow_once(hom
 def test_entrypoints_resolve_to_the_flows():
     from prefect.flows import load_flow_from_entrypoint
 
-    root = Path(deploy.__file__).resolve().parent.parent
+    root = deploy.ROOT  # the source deployments register (from_source): the entrypoints are relative to it
+    assert root == Path(__file__).resolve().parents[1]
     f = load_flow_from_entrypoint(str(root / "flows/run/deploy.py:grpo_stage"))
     assert f.name == "r1flow-grpo"
     assert load_flow_from_entrypoint(str(root / deploy.PIPELINE_ENTRYPOINT)).name == "r1flow-pipeline"

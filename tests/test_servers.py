@@ -211,6 +211,14 @@ def test_port_in_use_is_refused_before_spawning(tmp_path, monkeypatch):
             servers.start(tmp_path, prefect_port=busy.getsockname()[1])
 
 
+def test_the_guarded_prefect_server_is_found_from_its_app_dir():
+    """uvicorn imports the guarded app's factory from --app-dir (ROOT), whatever is installed."""
+    from flows.servers.prefect_server import GUARDED_FACTORY, ROOT
+
+    module = GUARDED_FACTORY.split(":")[0]
+    assert (ROOT / (module.replace(".", "/") + ".py")).is_file(), (ROOT, module)
+
+
 def test_prefect_host_guard_accepts_ip_literals_localhost_and_the_advertised_name():
     from flows.servers.prefect_server import host_allowed
 
