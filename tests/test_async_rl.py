@@ -142,7 +142,8 @@ def _async_update(tmp_path, tiny_tokenizer, adv: torch.Tensor, behaviour_shift: 
     comps = [torch.randint(3, 60, (1 + (3 * i) % 7,), generator=g).tolist() for i in range(8)]
     batch = build_batch([prompts[i // 4] for i in range(8)], comps, pad_id=0)
     cfg = GRPOConfig(group_size=4, prompts_per_step=2, minibatch_size=8, max_grad_norm=1e9, learning_rate=1.0,
-                     lora=LoraSpec(r=0), generation=GenerationSpec(max_new_tokens=8), **{"async": {"max_staleness": 1}})
+                     lora=LoraSpec(r=0), generation=GenerationSpec(max_new_tokens=8), tis_cap=5.0,
+                     **{"async": {"max_staleness": 1, "importance_cap": 2.0}})  # the async cap, not tis_cap
     trainable = list(model.parameters())
     s = grpo.Session(cfg, LocalContext(tmp_path, seed=0), distributed.SINGLE, model, None, None, trainable,
                      torch.optim.SGD(trainable, lr=1.0), None, tiny_tokenizer, 0, None, [], [], None, False)
@@ -269,3 +270,36 @@ def test_a_multi_turn_environment_runs_asynchronously(tmp_path, tiny_model_input
     for m in _step_metrics(ctx).values():
         assert m["rollout/tool_calls"] > 0 and m["rollout/turns"] > 1 and "reward/reward_model" in m
         assert 0.0 < m["async/is_weight_ess"] <= 1.0
+
+
+# ---------------------------------------------------------------------------- through the CLI, into MLflow
+
+
+@pytest.mark.slow
+def test_r1flow_run_trains_grpo_asynchronously_and_logs_the_async_metrics_to_mlflow(tmp_path):
+    """`r1flow run --recipe r1-zero --profile tiny --set grpo.async.max_staleness=1`: the grpo node runs under
+    Prefect with its rollout workers, and its MLflow run has, per step, the staleness histogram (min(1, s)), the
+    importance weights' mean and ESS, the truncated share and the idle and overlap fractions."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from mlflow.tracking import MlflowClient
+
+    from tests.conftest import clean_env
+
+    home, out = tmp_path / "home", tmp_path / "run.json"
+    env = {**clean_env(home), "PREFECT_HOME": str(tmp_path / "prefect")}
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", "run", "--recipe", "r1-zero", "--profile", "tiny",
+                           "--set", "grpo.async.max_staleness=1", "--json", str(out)],
+                          cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    client = MlflowClient(f"sqlite:///{home}/mlflow.db")
+    runs = client.search_runs([result["experiment_id"]], f"tags.mlflow.parentRunId = '{result['parent_run_id']}'")
+    grpo_run = next(r for r in runs if r.data.tags["r1flow.node"] == "grpo")
+    stale = {m.step: m.value for m in client.get_metric_history(grpo_run.info.run_id, "async/staleness_max")}
+    assert stale and stale == {d: float(min(1, d - 1)) for d in stale}
+    for key in ("async/staleness_0", "async/staleness_1", "async/is_weight_mean", "async/is_weight_ess",
+                "async/is_truncated", "async/generation_idle", "async/training_idle", "async/overlap"):
+        assert len(client.get_metric_history(grpo_run.info.run_id, key)) == len(stale), key
