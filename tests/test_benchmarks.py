@@ -251,22 +251,24 @@ def test_peak_memory_window_sees_an_allocation():
 def test_learning_summary_has_a_ppo_row_and_its_paired_difference_with_grpo():
     """`benchmarks/learning.py --algo grpo,ppo`: the table gains the row "r1flow PPO, budget", and the verdicts the
     paired PPO-minus-GRPO difference on the same held-out prompts (here GRPO right on 3 of 4, PPO on 1: -50 points)."""
-    from benchmarks import learning
+    from benchmarks.learning_plan import TASK, Plan
+    from benchmarks.learning_report import table, verdict_lines
+    from benchmarks.learning_stats import summarize_learning
 
     def rows(correct):
-        return [{"prompt_id": f"p{i}", "task": learning.TASK, "correct": c, "format_ok": True, "num_tokens": 5}
+        return [{"prompt_id": f"p{i}", "task": TASK, "correct": c, "format_ok": True, "num_tokens": 5}
                 for i, c in enumerate(correct)]
 
     evals = {"start": {"rows": rows([0, 0, 0, 0])}, "r1flow_end_s0": {"rows": rows([1, 1, 1, 0])},
              "r1flow_ppo_end_s0": {"rows": rows([1, 0, 0, 0])}}
     runs = {"r1flow": [{"seed": 0, "snapshots": [], "steps": 10, "train_s": 60.0, "curve": []}],
             "r1flow_ppo": [{"seed": 0, "snapshots": [], "steps": 4, "train_s": 60.0, "curve": []}]}
-    summary = learning.summarize_learning(learning.Plan(seeds=1), evals, runs)
+    summary = summarize_learning(Plan(seeds=1), evals, runs)
     assert [r["label"] for r in summary["rows"]] == ["start model", "r1flow, budget", "r1flow PPO, budget"]
     assert summary["rows"][2]["steps"] == [4] and summary["rows"][2]["gain"]["gain"] == 0.25
     assert summary["ppo_minus_grpo"]["diff"] == -0.5
-    assert any("PPO minus GRPO -50.0 points" in line for line in learning.verdict_lines(summary))
-    assert any(line.startswith("| r1flow PPO, budget | 4 |") for line in learning.table(summary))
+    assert any("PPO minus GRPO -50.0 points" in line for line in verdict_lines(summary))
+    assert any(line.startswith("| r1flow PPO, budget | 4 |") for line in table(summary))
 
 
 def test_grpo_phase_clock_counts_each_phase_without_its_nested_phases(monkeypatch):
