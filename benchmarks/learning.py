@@ -212,9 +212,9 @@ def prepare_start(plan: Plan, prep_dir: Path, run_dir: Path, allocator: str) -> 
 def evaluate_in_child(run_dir: Path, tag: str, jobs: list[dict], prep_file: Path, allocator: str) -> dict:
     """The evaluations of `jobs` by the eval child (its jobs in `jobs<tag>.json`, its log `eval<tag>.log`)."""
     (run_dir / f"jobs{tag}.json").write_text(json.dumps(jobs))
-    return {k: v for k, v in run_learning_child("eval", run_dir / "plan.json", run_dir / "eval", run_dir / f"eval{tag}.log",
-                                                allocator, prep=prep_file, jobs=run_dir / f"jobs{tag}.json").items()
-            if isinstance(v, dict) and "rows" in v}
+    result = run_learning_child("eval", run_dir / "plan.json", run_dir / "eval", run_dir / f"eval{tag}.log", allocator,
+                                prep=prep_file, jobs=run_dir / f"jobs{tag}.json")
+    return {k: v for k, v in result.items() if isinstance(v, dict) and "rows" in v}
 
 
 def report_start(plan: Plan, evals: dict) -> dict:
@@ -259,9 +259,9 @@ def train_seed(plan: Plan, args: argparse.Namespace, run_dir: Path, prep_file: P
         print(f"[3/4] seed {SEED + k}, {side}: {'PPO' if side == 'r1flow_ppo' else 'GRPO'} for {plan.minutes:g} min",
               flush=True)
         trl_steps = runs["trl"][k]["steps"] if len(runs.get("trl", [])) > k else None
-        r = run_learning_child(side, run_dir / "plan.json", run_dir / f"seed{k}" / side, run_dir / f"seed{k}-{side}.log",
-                               args.allocator, quiet_wait=args.quiet_wait, prep=prep_file, seed=SEED + k,
-                               at_step=trl_steps if side == "r1flow" else None,
+        work, log = run_dir / f"seed{k}" / side, run_dir / f"seed{k}-{side}.log"
+        r = run_learning_child(side, run_dir / "plan.json", work, log, args.allocator, quiet_wait=args.quiet_wait,
+                               prep=prep_file, seed=SEED + k, at_step=trl_steps if side == "r1flow" else None,
                                every_step=1 if side == "r1flow" and trl_steps is None and "trl" in runs else None)
         pair = [s for s in order if s in ("r1flow", "trl")]
         r["seed"], r["first"] = SEED + k, (pair[0] == side if len(pair) == 2 and side in pair else None)
