@@ -272,7 +272,7 @@ class Check:
 def suite_numbers(raw: dict, tasks: list[str], model: str) -> dict:
     """Per framework and task the suite's summary (medians of warm steps, peak memory), and r1flow/TRL ratios."""
     sys.path.insert(0, str(ROOT))
-    from benchmarks import suite
+    from benchmarks import speed_report
 
     out: dict = {}
     steps_prompts = {}
@@ -281,7 +281,7 @@ def suite_numbers(raw: dict, tasks: list[str], model: str) -> dict:
         if not entry:
             continue
         results = entry["results"]
-        out[fw] = {t: suite.summarize_speed(t, results.get(f"{t}/{fw}")) for t in tasks}
+        out[fw] = {t: speed_report.summarize_speed(t, results.get(f"{t}/{fw}")) for t in tasks}
         out.setdefault("info", entry.get("info"))
         out.setdefault("shape", entry.get("shapes", entry.get("shape")))
         if data.get("allocator"):
@@ -293,11 +293,12 @@ def suite_numbers(raw: dict, tasks: list[str], model: str) -> dict:
     ratios = {}
     for t in tasks:
         a, b = (out.get(fw, {}).get(t) for fw in ("r1flow", "trl"))
-        ratios[t] = suite.speed_ratio(t, a, b)
+        ratios[t] = speed_report.speed_ratio(t, a, b)
         if a and b:
-            ratios[f"{t}_peak_memory"] = suite.ratio(a["peak_delta_mib"], b["peak_delta_mib"], False)
+            ratios[f"{t}_peak_memory"] = speed_report.ratio(a["peak_delta_mib"], b["peak_delta_mib"], False)
             if t == "grpo":
-                ratios["grpo_generation_tokens_per_s"] = suite.ratio(a["gen_tokens_per_s"], b["gen_tokens_per_s"], True)
+                ratios["grpo_generation_tokens_per_s"] = speed_report.ratio(a["gen_tokens_per_s"],
+                                                                            b["gen_tokens_per_s"], True)
     out["ratios"] = ratios
     return out
 

@@ -34,6 +34,10 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import learning  # noqa: E402
+from benchmarks.common import SEED  # noqa: E402
+from benchmarks.learning_plan import Plan, check_trl_extra, grpo_config, parse_set  # noqa: E402
+from benchmarks.learning_runs import new_run_dir  # noqa: E402
+from benchmarks.learning_stats import phase_means  # noqa: E402
 
 # what a TRL user on a CPU would try first: the whole step (8 prompts x 8) in one per-device batch instead of 4
 # accumulated micro-batches of 16, transformers' continuous batching for generation, and both
@@ -44,20 +48,20 @@ CANDIDATES = {"trl": ("", "per_device_train_batch_size=64", "use_transformers_co
 
 
 def parse_candidate(text: str) -> dict:
-    return learning.parse_set([t for t in text.split(";") if t], "--set")
+    return parse_set([t for t in text.split(";") if t], "--set")
 
 
-def check_candidate(side: str, extra: dict, base: learning.Plan) -> None:
+def check_candidate(side: str, extra: dict, base: Plan) -> None:
     """Before any compute: every key is a field of that side's GRPOConfig (r1flow's also validates its values)."""
     if side == "trl":
-        learning.check_trl_extra(extra)
+        check_trl_extra(extra)
     else:
-        learning.grpo_config(dataclasses.replace(base, r1flow_extra=extra), 1, 1.0)
+        grpo_config(dataclasses.replace(base, r1flow_extra=extra), 1, 1.0)
 
 
 def step_timing(run: dict) -> dict:
     """Steps and mean seconds a step by phase over the steps after the first (the warm-up)."""
-    phases = learning.phase_means([run]) or {}
+    phases = phase_means([run]) or {}
     phases["timed_steps"] = phases.pop("steps", 0)
     first = run["curve"][0]["step_s"] if run.get("curve") else float("nan")
     return {"steps": run["steps"], "train_s": run["train_s"], "first_step_s": first, **phases}
@@ -70,13 +74,13 @@ def main() -> None:
     ap.add_argument("--set", action="append", dest="candidates", metavar="K=V[;K=V]",
                     help="a candidate (that side's GRPOConfig fields, ';' between them; '' for the defaults); "
                     "repeatable")
-    ap.add_argument("--split-seed", type=int, default=learning.Plan().split_seed)
+    ap.add_argument("--split-seed", type=int, default=Plan().split_seed)
     ap.add_argument("--work-dir", default=str(ROOT / ".r1flow" / "learning"))
     ap.add_argument("--allocator", default="tuned")
     ap.add_argument("--quiet-wait", type=float, default=120.0)
     args = ap.parse_args()
     candidates = args.candidates if args.candidates is not None else list(CANDIDATES[args.side])
-    base = learning.Plan(split_seed=args.split_seed, minutes=args.minutes, seeds=1, curve_points=0)
+    base = Plan(split_seed=args.split_seed, minutes=args.minutes, seeds=1, curve_points=0)
     extras = [parse_candidate(c) for c in candidates]  # bad syntax or fields fail here, before any compute
     for extra in extras:
         try:
@@ -87,9 +91,9 @@ def main() -> None:
     prep_file = root / f"start-{base.model}-{base.prep_key()}" / "prep.json"
     if not prep_file.is_file():
         sys.exit(f"no start model for this plan at {prep_file.parent}: run `make learn ARGS=\"--start-only\"` first")
-    work = learning.new_run_dir(root / f"{args.side}-settings")
+    work = new_run_dir(root / f"{args.side}-settings")
     label = {"trl": "TRL", "r1flow": "r1flow"}[args.side]
-    print(f"{label} settings, {args.minutes:g} min each, training seed {learning.SEED}, one process each; work dir {work}",
+    print(f"{label} settings, {args.minutes:g} min each, training seed {SEED}, one process each; work dir {work}",
           flush=True)
     results = []
     for i, extra in enumerate(extras):
@@ -99,7 +103,7 @@ def main() -> None:
         t0 = time.perf_counter()
         try:
             run = learning.run_learning_child(args.side, plan_file, work / f"c{i}", work / f"c{i}.log", args.allocator,
-                                              quiet_wait=args.quiet_wait, prep=prep_file, seed=learning.SEED)
+                                              quiet_wait=args.quiet_wait, prep=prep_file, seed=SEED)
             row = {"settings": extra, **step_timing(run), "foreign_cpu": run.get("foreign_cpu")}
         except SystemExit as e:
             # the first line says how it ended ("the trl process failed (exit -9)": killed, on Linux most often for

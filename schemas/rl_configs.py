@@ -58,8 +58,8 @@ class AsyncConfig(Strict):
     and a config's dump (and so its cache key) leaves the block out while it is the default."""
 
     max_staleness: int = Field(0, ge=0, description="K: how many policy versions older than the learner's a consumed "
-                               "group may be. 0: the synchronous loop (sample, then train; as before). K >= 1 (grpo, "
-                               "one learner process): step s's groups are sampled by worker processes with the "
+                               "group may be. 0: the synchronous loop (sample, then train; as before). K >= 1 (grpo "
+                               "or ppo, one learner process): step s's groups are sampled by worker processes with the "
                                "weights after step max(0, s - K), so generation runs up to K steps ahead of training.")
     rollout_workers: int = Field(1, ge=1, description="Processes generating groups beside the learner when "
                                  "max_staleness >= 1 (worker i takes the steps s with s % N == i); each loads its own "

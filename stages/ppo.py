@@ -29,6 +29,11 @@ Choices and departures, on purpose:
 - an `environment:` other than single_turn rolls out multi-turn trajectories (`training.env_rollouts`): the
   losses, values and KL on the model's sampled tokens only, GAE across an observation as one transition
   (`masking.multiturn_gae`), the score on the last sampled token;
+- asynchronous (`async.max_staleness` K >= 1, `training.async_rollouts`, the machinery grpo uses): rollout workers
+  sample step s with the policy's weights after step max(0, s - K) and record each token's log-prob (mu); the
+  learner's old passes at consumption give pi_prox (its weights before the step's first epoch) and the values, so
+  the KL penalty, GAE and the critic's targets are the learner's, and the policy loss is the decoupled one
+  (`offpolicy.decoupled_policy_loss`: the clipped ratio to pi_prox times min(pi_prox / mu, async.importance_cap));
 - on N processes (ddp) each rolls out prompts_per_step / N prompts and takes minibatch_size / N rows of
   every mini-batch; advantages are whitened over every process's tokens, the loss normaliser is the
   mini-batch's global token count and gradients are summed (`stages.runtime.distributed`), so the update is the
@@ -48,7 +53,7 @@ from peft import PeftModel
 from schemas.configs import PPOConfig
 from schemas.errors import ConfigError, ModelError
 from stages.base import Input, Output, StageContext
-from stages.math import masking, rl
+from stages.math import masking, offpolicy, rl
 from stages.modeling import logprobs, models
 from stages.modeling.heads import (
     RewardScorer,
@@ -61,10 +66,11 @@ from stages.runtime import distributed
 from stages.runtime.seeds import seed_stream
 from stages.sampling.completions import Completion, render_prompts
 from stages.sampling.generation import make_backend
-from stages.training import env_rollouts, groups, rl_loop, rollouts
+from stages.training import async_rollouts, env_rollouts, groups, rl_loop, rollouts
 from stages.training.checkpoints import resume
 from stages.training.loop import autocast
 from stages.training.optim import clip_grad_norm, load_trainable, lr_factor, make_optimizer, resolve_precision
+from stages.training.rollout_batch import place
 from stages.training.rollouts import build_batch
 
 VERSION = "3"  # history: CHANGELOG.md
@@ -200,6 +206,7 @@ class Session:
     autocast_dtype: torch.dtype | None
     engine: bool  # a colocated vLLM engine samples; the policy's weights are pushed into it before each rollout
     env: env_rollouts.EnvironmentRollouts | None = None  # multi-turn rollouts (None: single_turn, the backend samples)
+    rollouts: async_rollouts.AsyncRollouts | None = None  # async.max_staleness >= 1: the workers' groups
 
     def autocast(self):
         return autocast(self.ctx.device, self.autocast_dtype)
@@ -247,26 +254,36 @@ class Rollout:
     scores: torch.Tensor  # (N,)
     seconds: float  # sampling
     score_seconds: float
+    behaviour_logp: torch.Tensor | None = None  # (N, L-1) asynchronous: mu, the sampling worker's log-probs
+    delivery: async_rollouts.Delivery | None = None  # asynchronous: the groups as the learner took them
 
 
 def rollout(s: Session, step: int) -> Rollout:
     """Sample this process's share of the step's prompts from the current policy and score each completion (the
-    reward's weighted components; unscorable: 0), as the groups of grpo (`groups.sample_groups`)."""
+    reward's weighted components; unscorable: 0), as the groups of grpo (`groups.sample_groups`); asynchronous:
+    the groups a rollout worker sampled and scored with the policy's weights after step max(0, step - K)."""
     cfg = s.cfg
     if s.engine:
         s.backend.sync(s.models.policy, step)
-    g = groups.sample_groups(s.backend, s.rows, cfg, s.ctx.seed, step, s.dist, s.scorer, env=s.env)
+    delivery = s.rollouts.take(step) if s.rollouts is not None else None
+    g = delivery.groups if delivery is not None else groups.sample_groups(s.backend, s.rows, cfg, s.ctx.seed, step,
+                                                                          s.dist, s.scorer, env=s.env)
     k = cfg.group_size
     flat = [c for cs in g.comps for c in cs]
+    behaviour = None
     if s.env is not None:  # the sampler's own ids; the loss mask on the model's tokens, never an observation's
         batch = env_rollouts.trajectory_rows(flat, s.pad_id)
+        behaviour = batch["sampler_logprobs"]
     else:
         texts = render_prompts(s.tokenizer, [r["messages"] for r in g.rows], cfg.generation.prefill)
         prompt_ids = [s.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
         batch = build_batch([p for p in prompt_ids for _ in range(k)], [list(c.token_ids) for c in flat], s.pad_id)
+        if delivery is not None:
+            behaviour = place([list(c.logprobs or ()) for c in flat], [len(p) for p in prompt_ids for _ in range(k)],
+                              batch["input_ids"].shape[1])
     scores = torch.cat(g.rewards) if g.rewards else torch.zeros(0)
     return Rollout([r for r in g.rows for _ in range(k)], flat, batch, [v for vs in g.verdicts for v in vs], scores,
-                   g.seconds, g.score_seconds)
+                   g.seconds, g.score_seconds, behaviour if delivery is not None else None, delivery)
 
 
 # ---------------------------------------------------------------------------- values and advantages
@@ -363,8 +380,13 @@ def micro_backward(s: Session, ro: Rollout, old: dict, adv: dict, idx: torch.Ten
         logp, entropy = logprobs.bucketed_token_logprobs(m.policy, ids, attn, cfg.logprob_chunk, with_entropy=True)
         values = token_values(m.critic, ids, attn)  # (B, T)
     old_logp = old["old_logp"][idx].to(dev)
-    pg, pg_stats = rl.policy_loss(logp.float(), old_logp, adv["advantages"][idx].to(dev), mask, "token",
-                                  cfg.epsilon, cfg.epsilon)
+    if ro.behaviour_logp is None:
+        pg, pg_stats = rl.policy_loss(logp.float(), old_logp, adv["advantages"][idx].to(dev), mask, "token",
+                                      cfg.epsilon, cfg.epsilon)
+    else:  # asynchronous: old_logp is pi_prox (the learner's weights when it took the groups), mu the worker's
+        pg, pg_stats = offpolicy.decoupled_policy_loss(logp.float(), old_logp, ro.behaviour_logp[idx].to(dev),
+                                                       adv["advantages"][idx].to(dev), mask, "token", cfg.epsilon,
+                                                       cfg.epsilon, cfg.async_.importance_cap)
     vf, vf_stats = rl.value_loss(values, old["old_values"][idx].to(dev), adv["returns"][idx].to(dev), mask,
                                  cfg.value_clip)
     ((pg.sum() * float(policy_on) + cfg.vf_coef * vf.sum()) / total).backward()
@@ -452,6 +474,10 @@ def train_step(s: Session, step: int) -> dict[str, float]:
     now = time.perf_counter()
     metrics.update({"time/generation": ro.seconds, "time/scoring": ro.score_seconds,
                     "time/training": now - t_train, "time/step": now - t_step})
+    if ro.delivery is not None:
+        metrics.update(async_rollouts.weight_metrics(old["old_logp"], ro.behaviour_logp, ro.batch["loss_mask"],
+                                                     s.cfg.async_.importance_cap))
+        metrics.update(s.rollouts.step_metrics(ro.delivery))
     return metrics
 
 
@@ -470,9 +496,21 @@ def run(cfg: PPOConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[str
     s, merged_input = open_session(cfg, inputs, ctx)
     state = resume(ctx, s.models.trained, s.optimizer, "ppo", cfg.steps)
     loop = rl_loop.StepLoop("ppo", cfg, ctx, s.dist, state, s.models.trained, s.optimizer, s.held_out)
-    for step in range(loop.start, cfg.steps):
-        metrics = train_step(s, step)
-        if loop.end_step(metrics, step + 1, lambda d: evaluate(s, d), reward=f"{metrics['reward/mean']:.3f}",
-                         value_loss=f"{metrics['train/value_loss']:.3g}"):
-            break
+    if cfg.async_.max_staleness:  # the rollout workers start from the resumed step's policy weights
+        s.rollouts = async_rollouts.AsyncRollouts("ppo", cfg, ctx, inputs, s.rows, s.models.policy, state)
+    finished = False
+    try:
+        for step in range(loop.start, cfg.steps):
+            metrics = train_step(s, step)
+            extra = None
+            if s.rollouts is not None:  # the next version, for the workers, before the checkpoint and eval
+                s.rollouts.publish(step + 1, s.models.policy)
+                extra = s.rollouts.checkpoint_state()
+            if loop.end_step(metrics, step + 1, lambda d: evaluate(s, d), extra,
+                             reward=f"{metrics['reward/mean']:.3f}", value_loss=f"{metrics['train/value_loss']:.3g}"):
+                break
+        finished = True
+    finally:
+        if s.rollouts is not None:
+            s.rollouts.close(finished)
     return loop.finish(inputs, s.models.policy, s.tokenizer, merged_input, SUMMARY_CURVES)

@@ -142,7 +142,8 @@ def _async_update(tmp_path, tiny_tokenizer, adv: torch.Tensor, behaviour_shift: 
     comps = [torch.randint(3, 60, (1 + (3 * i) % 7,), generator=g).tolist() for i in range(8)]
     batch = build_batch([prompts[i // 4] for i in range(8)], comps, pad_id=0)
     cfg = GRPOConfig(group_size=4, prompts_per_step=2, minibatch_size=8, max_grad_norm=1e9, learning_rate=1.0,
-                     lora=LoraSpec(r=0), generation=GenerationSpec(max_new_tokens=8), **{"async": {"max_staleness": 1}})
+                     lora=LoraSpec(r=0), generation=GenerationSpec(max_new_tokens=8), tis_cap=5.0,
+                     **{"async": {"max_staleness": 1, "importance_cap": 2.0}})  # the async cap, not tis_cap
     trainable = list(model.parameters())
     s = grpo.Session(cfg, LocalContext(tmp_path, seed=0), distributed.SINGLE, model, None, None, trainable,
                      torch.optim.SGD(trainable, lr=1.0), None, tiny_tokenizer, 0, None, [], [], None, False)
@@ -269,3 +270,151 @@ def test_a_multi_turn_environment_runs_asynchronously(tmp_path, tiny_model_input
     for m in _step_metrics(ctx).values():
         assert m["rollout/tool_calls"] > 0 and m["rollout/turns"] > 1 and "reward/reward_model" in m
         assert 0.0 < m["async/is_weight_ess"] <= 1.0
+
+
+# ---------------------------------------------------------------------------- through the CLI, into MLflow
+
+
+@pytest.mark.slow
+def test_r1flow_run_trains_grpo_asynchronously_and_logs_the_async_metrics_to_mlflow(tmp_path):
+    """`r1flow run --recipe r1-zero --profile tiny --set grpo.async.max_staleness=1`: the grpo node runs under
+    Prefect with its rollout workers, and its MLflow run has, per step, the staleness histogram (min(1, s)), the
+    importance weights' mean and ESS, the truncated share and the idle and overlap fractions."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from mlflow.tracking import MlflowClient
+
+    from tests.conftest import clean_env
+
+    home, out = tmp_path / "home", tmp_path / "run.json"
+    env = {**clean_env(home), "PREFECT_HOME": str(tmp_path / "prefect")}
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", "run", "--recipe", "r1-zero", "--profile", "tiny",
+                           "--set", "grpo.async.max_staleness=1", "--json", str(out)],
+                          cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    client = MlflowClient(f"sqlite:///{home}/mlflow.db")
+    runs = client.search_runs([result["experiment_id"]], f"tags.mlflow.parentRunId = '{result['parent_run_id']}'")
+    grpo_run = next(r for r in runs if r.data.tags["r1flow.node"] == "grpo")
+    stale = {m.step: m.value for m in client.get_metric_history(grpo_run.info.run_id, "async/staleness_max")}
+    assert stale and stale == {d: float(min(1, d - 1)) for d in stale}
+    for key in ("async/staleness_0", "async/staleness_1", "async/is_weight_mean", "async/is_weight_ess",
+                "async/is_truncated", "async/generation_idle", "async/training_idle", "async/overlap"):
+        assert len(client.get_metric_history(grpo_run.info.run_id, key)) == len(stale), key
+
+
+# ---------------------------------------------------------------------------- ppo through the same machinery
+
+
+def _ppo_run(tmp_path, name, inputs, **kw):
+    from stages import ppo
+    from tests.test_ppo import small
+
+    ctx = LocalContext(tmp_path / name, seed=0)
+    cfg = small(prompts_per_step=4, group_size=4, **kw)
+    ppo.check(cfg)
+    return ctx, ppo.run(cfg, inputs, ctx)["model"]
+
+
+def test_ppo_k0_spelled_out_is_the_synchronous_loop(tmp_path, tiny_model_input, digit_prompts):
+    """ppo with `async: {max_staleness: 0}` written out: the same model bytes and metrics as without the block."""
+    inputs = {"model": tiny_model_input, "prompts": digit_prompts}
+    plain_ctx, plain = _ppo_run(tmp_path, "plain", inputs, steps=2)
+    spelled_ctx, spelled = _ppo_run(tmp_path, "spelled", inputs, steps=2, **{"async": {"max_staleness": 0}})
+    assert _model_sha(plain) == _model_sha(spelled)
+    strip = lambda ctx: [(s, {k: v for k, v in m.items() if not k.startswith("time")}) for s, m in ctx.metrics]  # noqa: E731
+    assert strip(plain_ctx) == strip(spelled_ctx)
+    assert not any(k.startswith("async/") for _, m in spelled_ctx.metrics for k in m)
+    assert not (spelled_ctx.checkpoint_dir / async_rollouts.WEIGHTS_DIR).exists()
+
+
+def _ppo_policy_grad(tiny_tokenizer, adv: torch.Tensor, behaviour_shift: torch.Tensor | None) -> dict:
+    """The policy's gradient from one ppo mini-batch (`ppo.micro_backward`) on 8 fixed rows, with per-token
+    advantages `adv` broadcast over each row and pi_prox the policy's own log-probs (ratio 1, nothing clipped); with
+    `behaviour_shift` (per row) the rollout is asynchronous (C = 2) and mu = pi_prox / exp(shift)."""
+    from stages import ppo
+    from stages.modeling import logprobs, models
+    from stages.modeling.heads import reward_model_from_causal_lm
+    from stages.runtime import distributed
+    from stages.training.rollouts import build_batch
+    from tests.test_ppo import small
+
+    policy = models.build_tiny_model(tiny_tokenizer, seed=0).train()
+    critic = reward_model_from_causal_lm(models.build_tiny_model(tiny_tokenizer, seed=1), 0).train()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 60, (n,), generator=g).tolist() for n in (5, 3)]
+    comps = [torch.randint(3, 60, (1 + (3 * i) % 7,), generator=g).tolist() for i in range(8)]
+    batch = build_batch([prompts[i // 4] for i in range(8)], comps, pad_id=0)
+    mask = batch["loss_mask"]
+    cfg = small(**{"async": {"max_staleness": 1, "importance_cap": 2.0}})
+    s = ppo.Session(cfg, LocalContext("unused"), distributed.SINGLE, ppo.Models(policy, critic, None, False), None,
+                    None, tiny_tokenizer, 0, None, [], [], None, False)
+    with torch.no_grad():
+        own = logprobs.bucketed_token_logprobs(policy, batch["input_ids"], batch["attention_mask"])[0].float()
+    behaviour = None if behaviour_shift is None else (own - behaviour_shift[:, None]) * mask
+    ro = ppo.Rollout([], [], batch, [], torch.zeros(8), 0.0, 0.0, behaviour)
+    old = {"old_logp": own * mask, "old_values": torch.zeros_like(mask)}
+    advantages = {"advantages": adv[:, None] * mask, "returns": torch.zeros_like(mask)}
+    ppo.micro_backward(s, ro, old, advantages, torch.arange(8), float(mask.sum()), True)
+    return {k: p.grad.detach().clone() for k, p in policy.named_parameters() if p.grad is not None}
+
+
+def test_ppo_weights_each_tokens_policy_loss_by_min_prox_over_behaviour_and_cap(tiny_tokenizer):
+    """mu below pi_prox by log 1.5 (rows 0-3) and log 3 (rows 4-7): the weights are 1.5 and min(3, C = 2) = 2, so
+    the policy's gradient equals the synchronous one with each row's advantages times 1.5 and 2 (ratio 1 at
+    pi_prox: the clip is inactive, and the weight is a constant of the loss)."""
+    adv = torch.tensor([1.0, -0.5, 0.25, -0.75, 0.6, -1.2, 0.3, 0.3])
+    weights = torch.tensor([1.5] * 4 + [2.0] * 4)
+    got = _ppo_policy_grad(tiny_tokenizer, adv, torch.tensor([1.5] * 4 + [3.0] * 4).log())
+    want = _ppo_policy_grad(tiny_tokenizer, adv * weights, None)
+    plain = _ppo_policy_grad(tiny_tokenizer, adv, None)
+    assert got.keys() == want.keys() and got
+    for name in got:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-7, msg=name)
+    assert any(not torch.allclose(got[n], plain[n]) for n in got)  # the weight changes the update
+
+
+@pytest.mark.slow
+def test_ppo_k1_runs_deterministically_whatever_the_number_of_workers(tmp_path, tiny_model_input, digit_prompts):
+    """Asynchronous ppo, K = 1, with one worker and with two: staleness exactly min(1, s), every group consumed once
+    in order, the same model bytes (policy and critic trained alike: the values are the learner's) and rewards;
+    step 0 (the input model) has importance weights 1, and a stale step's are not all 1 (mu reaches the loss)."""
+    inputs = {"model": tiny_model_input, "prompts": digit_prompts}
+    one_ctx, one = _ppo_run(tmp_path, "one", inputs, steps=4, **{"async": {"max_staleness": 1}})
+    two_ctx, two = _ppo_run(tmp_path, "two", inputs, steps=4, **{"async": {"max_staleness": 1, "rollout_workers": 2}})
+    _check_schedule(one_ctx, 1, 4, 4)
+    _check_schedule(two_ctx, 1, 4, 4)
+    assert _model_sha(one) == _model_sha(two)
+    metrics = lambda ctx, key: [m[key] for m in _step_metrics(ctx).values()]  # noqa: E731
+    for key in ("reward/mean", "train/value_loss", "train/policy_loss", "async/is_weight_mean"):
+        assert metrics(one_ctx, key) == metrics(two_ctx, key), key
+    m = _step_metrics(one_ctx)
+    assert m[1]["async/is_weight_mean"] == pytest.approx(1.0, abs=1e-5) and m[1]["async/is_weight_ess"] == pytest.approx(1.0, abs=1e-5)
+    stale = [m[d] for d in (3, 4)]
+    assert any(abs(x["async/is_weight_mean"] - 1.0) > 1e-3 and x["async/is_weight_ess"] < 1.0 - 1e-4 for x in stale), stale
+    assert not (one_ctx.checkpoint_dir / async_rollouts.WEIGHTS_DIR).exists()
+
+
+@pytest.mark.slow
+def test_a_resumed_ppo_learner_neither_replays_nor_skips_a_group(tmp_path, tiny_model_input, digit_prompts):
+    """Asynchronous ppo, K = 1, killed after step 3 (last checkpoint: step 2): the resumed run trains steps 3-5, its
+    record of consumed groups equals an uninterrupted run's, and so do the model bytes."""
+    from stages import ppo
+    from tests.test_ppo import small
+    from tests.test_sft import CrashingContext, SimulatedCrash
+
+    inputs = {"model": tiny_model_input, "prompts": digit_prompts}
+    cfg = small(steps=5, prompts_per_step=4, group_size=4, checkpoint_every=2, **{"async": {"max_staleness": 1}})
+    ref_ctx = LocalContext(tmp_path / "ref", seed=0)
+    ref = ppo.run(cfg, inputs, ref_ctx)["model"]
+    root = tmp_path / "crash"
+    with pytest.raises(SimulatedCrash):
+        ppo.run(cfg, inputs, CrashingContext(root, crash_at=3))
+    assert len(_consumed(LocalContext(root), 2)) == 2 * 4
+    resumed = LocalContext(root, seed=0)
+    out = ppo.run(cfg, inputs, resumed)["model"]
+    assert [s for s, m in resumed.metrics if s is not None and "train/loss" in m] == [1, 2, 3, 4, 5]
+    assert _consumed(resumed, 5) == _consumed(ref_ctx, 5)
+    assert _model_sha(out) == _model_sha(ref)

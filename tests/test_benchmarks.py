@@ -1,13 +1,13 @@
-"""The benchmark suite's own logic (benchmarks/suite.py): medians, ratios, targets, the RESULTS.md section,
-the same allocator and prompts on both sides, fixed-length synthetic data and the memory window. No TRL and no
-training here: that is `make bench`."""
+"""The benchmark suite's own logic (benchmarks/suite.py, its numbers in benchmarks/speed_report.py): medians, ratios,
+targets, the RESULTS.md section, the same allocator and prompts on both sides, fixed-length synthetic data and the
+memory window. No TRL and no training here: that is `make bench`."""
 
 import json
 import random
 
 import pytest
 
-from benchmarks import common, suite
+from benchmarks import common, speed_report, suite
 from stages.modeling.models import build_tiny_tokenizer
 from stages.runtime import host_memory
 
@@ -32,50 +32,51 @@ def test_synthetic_rows_validate_as_their_dataset_kinds():
 
 
 def test_summaries_take_medians_of_warm_steps():
-    s = suite.summarize_speed("sft", {"step_s": [1.0, 3.0, 2.0], "batch": 4, "seq_len": 100.0, "peak_delta_mib": 10.0,
-                                "peak_mib": 50.0})
+    s = speed_report.summarize_speed("sft", {"step_s": [1.0, 3.0, 2.0], "batch": 4, "seq_len": 100.0,
+                                             "peak_delta_mib": 10.0, "peak_mib": 50.0})
     assert s["step_s"] == 2.0 and s["rate"] == pytest.approx(200.0)  # 4 x 100 tokens / 2 s
-    d = suite.summarize_speed("dpo", {"step_s": [0.5, 0.25], "batch": 2, "seq_len": 10.0, "peak_delta_mib": 1.0,
-                                "peak_mib": 2.0, "reference_s": 3.0})
+    d = speed_report.summarize_speed("dpo", {"step_s": [0.5, 0.25], "batch": 2, "seq_len": 10.0, "peak_delta_mib": 1.0,
+                                             "peak_mib": 2.0, "reference_s": 3.0})
     assert d["rate"] == pytest.approx(2 / 0.375)
     steps = [{"generation": g, "scoring": 0.1, "training": 1.0, "total": g + 1.1, "completion_tokens": 64.0}
              for g in (1.0, 2.0, 4.0)]
-    g = suite.summarize_speed("grpo", {"steps": steps, "completions": 16, "peak_delta_mib": 1.0, "peak_mib": 2.0})
+    g = speed_report.summarize_speed("grpo", {"steps": steps, "completions": 16, "peak_delta_mib": 1.0,
+                                              "peak_mib": 2.0})
     assert g["generation"] == 2.0 and g["total"] == pytest.approx(3.1)
     assert g["mean_length"] == 4.0 and g["gen_tokens_per_s"] == 32.0
-    assert suite.summarize_speed("grpo", None) is None
+    assert speed_report.summarize_speed("grpo", None) is None
 
 
 def test_repeats_pool_their_steps_and_keep_each_repeats_ratio():
     def sft(steps, peak):
         return {"step_s": steps, "batch": 4, "seq_len": 100.0, "peak_delta_mib": peak, "peak_mib": peak + 5}
 
-    ours = suite.pool([sft([1.0, 1.0], 10.0), sft([2.0, 2.0, 2.0], 12.0)])
-    theirs = suite.pool([sft([4.0], 9.0), None, sft([3.0], 8.0)])
+    ours = speed_report.pool([sft([1.0, 1.0], 10.0), sft([2.0, 2.0, 2.0], 12.0)])
+    theirs = speed_report.pool([sft([4.0], 9.0), None, sft([3.0], 8.0)])
     assert ours["step_s"] == [1.0, 1.0, 2.0, 2.0, 2.0] and ours["peak_delta_mib"] == 12.0
-    assert suite.summarize_speed("sft", ours)["step_s"] == 2.0  # the median of all five warm steps
+    assert speed_report.summarize_speed("sft", ours)["step_s"] == 2.0  # the median of all five warm steps
     assert theirs["step_s"] == [4.0, 3.0] and theirs["peak_mib"] == 14.0
     # repeat 1: 4.0 / 1.0; repeat 2: TRL failed, no ratio; repeat 3 has no r1flow run
-    assert suite.repeat_ratios("sft", ours, theirs) == [4.0]
-    assert suite.pool([None, None]) is None
+    assert speed_report.repeat_ratios("sft", ours, theirs) == [4.0]
+    assert speed_report.pool([None, None]) is None
     single = sft([1.0], 1.0)
-    assert suite.pool([single]) is single and suite.repeat_ratios("sft", single, single) == []
+    assert speed_report.pool([single]) is single and speed_report.repeat_ratios("sft", single, single) == []
 
 
 def test_ratios_say_how_many_times_better_r1flow_is():
-    assert suite.ratio(300.0, 100.0, higher_is_better=True) == 3.0  # throughput
-    assert suite.ratio(0.5, 2.0, higher_is_better=False) == 4.0  # seconds or MiB
-    assert suite.ratio(None, 2.0, True) is None
+    assert speed_report.ratio(300.0, 100.0, higher_is_better=True) == 3.0  # throughput
+    assert speed_report.ratio(0.5, 2.0, higher_is_better=False) == 4.0  # seconds or MiB
+    assert speed_report.ratio(None, 2.0, True) is None
 
 
 def test_targets_are_smollm2s_and_the_tiny_model_is_a_smoke_run():
-    assert suite.target_cell("smollm2", "cpu", "grpo", 3.2) == ">= 3x: met"
-    assert suite.target_cell("smollm2", "cpu", "grpo_long", 2.9) == ">= 3x: MISSED"  # both GRPO shapes carry 3x
-    assert suite.target_cell("smollm2", "cpu", "sft", 1.2) == ">= 1.5x: MISSED"
-    assert suite.target_cell("smollm2", "cpu", "dpo", None) == ">= 1.5x: n/a"
-    assert suite.target_cell("tiny", "cpu", "grpo", 1.0) == "smoke run"
-    assert suite.target_cell("1b", "cuda", "sft", 9.0) == "-"
-    assert {model for model, _, _ in suite.TARGETS} == {"smollm2"}
+    assert speed_report.target_cell("smollm2", "cpu", "grpo", 3.2) == ">= 3x: met"
+    assert speed_report.target_cell("smollm2", "cpu", "grpo_long", 2.9) == ">= 3x: MISSED"  # both GRPO shapes carry 3x
+    assert speed_report.target_cell("smollm2", "cpu", "sft", 1.2) == ">= 1.5x: MISSED"
+    assert speed_report.target_cell("smollm2", "cpu", "dpo", None) == ">= 1.5x: n/a"
+    assert speed_report.target_cell("tiny", "cpu", "grpo", 1.0) == "smoke run"
+    assert speed_report.target_cell("1b", "cuda", "sft", 9.0) == "-"
+    assert {model for model, _, _ in speed_report.TARGETS} == {"smollm2"}
 
 
 def _results():
@@ -92,7 +93,7 @@ def _results():
 def test_report_rows_carry_a_ratio_and_the_target(capsys):
     shape = common.shape_for("cpu", "smollm2", quick=True)
     shapes = {"sft": shape, "grpo": shape, "grpo_long": common.grpo_long_shape(shape, "cpu", "smollm2", quick=True)}
-    rows = suite.report("smollm2", "cpu", shapes, _results())
+    rows = speed_report.report("smollm2", "cpu", shapes, _results())
     assert rows and all(r[3].startswith("ratio ") for r in rows)
     by_label = {r[0]: r for r in rows}
     assert by_label["SFT tokens/s"][3] == "ratio 2.00x" and by_label["SFT tokens/s"][4] == ">= 1.5x: met"
@@ -101,19 +102,20 @@ def test_report_rows_carry_a_ratio_and_the_target(capsys):
     assert by_label["SFT peak memory (MiB over start)"][3] == "ratio 2.00x"
     assert "GRPO 4x8x128 mean completion tokens" in by_label
     assert "GRPO 4x8x128 step" in capsys.readouterr().out
-    tiny = suite.report("tiny", "cpu", shapes, _results())
+    tiny = speed_report.report("tiny", "cpu", shapes, _results())
     assert {r[4] for r in tiny if r[0] in ("SFT tokens/s", "GRPO 4x8x128 step")} == {"smoke run"}
 
 
 def test_results_section_states_command_and_environment_once_then_a_table_per_model():
     shape = common.shape_for("cpu", "smollm2")
     shapes = {"sft": shape, "grpo": shape, "grpo_long": common.grpo_long_shape(shape, "cpu", "smollm2")}
-    rows = suite.report("smollm2", "cpu", shapes, _results())
+    rows = speed_report.report("smollm2", "cpu", shapes, _results())
     report = {"env": {"MALLOC_MMAP_THRESHOLD_": "1073741824", "R1FLOW_MALLOC_TUNING": "0"},
               "in_process_tuning": False, "heap_serves_48MiB": True, "heap_serves_160MiB": True}
-    env = suite.environment_line("tuned", report, {"torch": "2.13", "threads": 2})
-    text = suite.speed_markdown_section('make bench ARGS="--models smollm2"', "cpu (2 cores)", "abc1234", env,
-                                        [(suite.shape_line("smollm2", "cpu", shapes), rows)], when="2026-11-26 08:00 UTC")
+    env = speed_report.environment_line("tuned", report, {"torch": "2.13", "threads": 2})
+    tables = [(speed_report.shape_line("smollm2", "cpu", shapes), rows)]
+    text = speed_report.speed_markdown_section('make bench ARGS="--models smollm2"', "cpu (2 cores)", "abc1234", env,
+                                               tables, when="2026-11-26 08:00 UTC")
     lines = text.splitlines()
     assert lines[0] == "## 2026-11-26 08:00 UTC, cpu (2 cores), r1flow abc1234"
     assert sum("Command: `make bench" in ln for ln in lines) == 1
@@ -216,7 +218,7 @@ def test_child_processes_report_the_same_allocator_on_both_sides(tmp_path, mode)
     prep.write_text("{}")
     shape = common.shape_for("cpu", "tiny")
     fair = suite.SameConditions()
-    for fw in suite.FRAMEWORKS:
+    for fw in speed_report.FRAMEWORKS:
         out = suite.run_speed_child(f"{fw}:allocator", "cpu", prep, shape, tmp_path, tmp_path / f"{fw}.log",
                                     timeout=300, allocator=mode)
         assert out is not None, (tmp_path / f"{fw}.log").read_text()
@@ -251,22 +253,24 @@ def test_peak_memory_window_sees_an_allocation():
 def test_learning_summary_has_a_ppo_row_and_its_paired_difference_with_grpo():
     """`benchmarks/learning.py --algo grpo,ppo`: the table gains the row "r1flow PPO, budget", and the verdicts the
     paired PPO-minus-GRPO difference on the same held-out prompts (here GRPO right on 3 of 4, PPO on 1: -50 points)."""
-    from benchmarks import learning
+    from benchmarks.learning_plan import TASK, Plan
+    from benchmarks.learning_report import table, verdict_lines
+    from benchmarks.learning_stats import summarize_learning
 
     def rows(correct):
-        return [{"prompt_id": f"p{i}", "task": learning.TASK, "correct": c, "format_ok": True, "num_tokens": 5}
+        return [{"prompt_id": f"p{i}", "task": TASK, "correct": c, "format_ok": True, "num_tokens": 5}
                 for i, c in enumerate(correct)]
 
     evals = {"start": {"rows": rows([0, 0, 0, 0])}, "r1flow_end_s0": {"rows": rows([1, 1, 1, 0])},
              "r1flow_ppo_end_s0": {"rows": rows([1, 0, 0, 0])}}
     runs = {"r1flow": [{"seed": 0, "snapshots": [], "steps": 10, "train_s": 60.0, "curve": []}],
             "r1flow_ppo": [{"seed": 0, "snapshots": [], "steps": 4, "train_s": 60.0, "curve": []}]}
-    summary = learning.summarize_learning(learning.Plan(seeds=1), evals, runs)
+    summary = summarize_learning(Plan(seeds=1), evals, runs)
     assert [r["label"] for r in summary["rows"]] == ["start model", "r1flow, budget", "r1flow PPO, budget"]
     assert summary["rows"][2]["steps"] == [4] and summary["rows"][2]["gain"]["gain"] == 0.25
     assert summary["ppo_minus_grpo"]["diff"] == -0.5
-    assert any("PPO minus GRPO -50.0 points" in line for line in learning.verdict_lines(summary))
-    assert any(line.startswith("| r1flow PPO, budget | 4 |") for line in learning.table(summary))
+    assert any("PPO minus GRPO -50.0 points" in line for line in verdict_lines(summary))
+    assert any(line.startswith("| r1flow PPO, budget | 4 |") for line in table(summary))
 
 
 def test_grpo_phase_clock_counts_each_phase_without_its_nested_phases(monkeypatch):

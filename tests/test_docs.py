@@ -173,3 +173,78 @@ def test_what_cites_a_section_of_the_old_notebook_finds_it_on_a_results_page():
     assert cited, "the pattern finds the citations"
     missing = [(path, title) for path, title in cited if not any(h.startswith(title) for h in headings)]
     assert not missing
+
+
+# ---------------------------------------------------------------------------- the README as a front door (issue 62)
+
+README = ROOT / "README.md"
+README_MAX_BYTES = 12_000  # issue 62: "README <= 12 KB"; the peers' front doors are 4-14 KB
+
+
+def _slug(heading: str) -> str:
+    """A heading's anchor as GitHub and MkDocs' toc both make it: lower case, punctuation dropped, spaces to dashes."""
+    text = re.sub(r"\s*\{[^}]*\}\s*$", "", heading).strip().lower()
+    return re.sub(r"\s", "-", re.sub(r"[^\w\- ]", "", text))
+
+
+def _anchors(page: Path) -> set[str]:
+    text = page.read_text()
+    found = {_slug(line.lstrip("#")) for line in text.splitlines() if re.match(r"#{1,6} ", line)}
+    found |= set(re.findall(r'\bid="([^"]+)"', text)) | set(re.findall(r"\{[^}]*#([\w-]+)[^}]*\}", text))
+    return found
+
+
+def _relative_links(markdown: str) -> list[str]:
+    prose = re.sub(r"```.*?```", "", markdown, flags=re.S)  # a code block's brackets are not links
+    links = re.findall(r"\]\(([^)\s]+)\)", prose)
+    return [link for link in links if not re.match(r"[a-z][a-z0-9+.-]*:", link)]
+
+
+def test_the_readme_is_a_front_door_of_at_most_12_kb():
+    size = len(README.read_bytes())
+    assert size <= README_MAX_BYTES, f"README.md is {size} bytes: move the detail into docs/ and link it"
+
+
+def test_every_relative_link_in_the_readme_resolves_to_a_file_and_its_anchor():
+    """The README's links are relative (they work on GitHub and in a checkout), each to a file of the repository and,
+    where it names one, an anchor that page has (a heading, or a row's id on the results page)."""
+    links = _relative_links(README.read_text())
+    assert len(links) >= 10, links  # the README links into the docs; the pattern finds them
+    broken = []
+    for link in links:
+        path, _, anchor = link.partition("#")
+        target = (ROOT / path).resolve() if path else README
+        if not target.is_relative_to(ROOT) or not target.is_file():
+            broken.append(f"{link}: no such file")
+        elif anchor and anchor not in _anchors(target):
+            broken.append(f"{link}: no anchor #{anchor} in {target.relative_to(ROOT)}")
+    assert not broken
+
+
+def test_the_readme_links_to_results_rather_than_copying_figures():
+    """A measured figure lives in one row of docs/results/index.md; the README links the row (issue 62: numbers copied
+    into the README drift)."""
+    prose = re.sub(r"```.*?```", "", README.read_text(), flags=re.S)
+    figures = re.findall(r"\[[-+]?\d[\d.]*, [-+]?\d[\d.]*\]|\d[\d.]*\s?(?:%|GB|MB|min\b|minutes|hours?\b|x\b)", prose)
+    assert not figures, figures
+    rows = {link.partition("#")[2] for link in _relative_links(prose) if link.startswith("docs/results/index.md#")}
+    assert {"default-run-time", "default-run-footprint"} <= rows, rows
+
+
+def test_the_readmes_test_command_is_what_ci_runs():
+    quickstart = README.read_text().split("## Quickstart", 1)[1]
+    assert re.search(r"^make test\b", quickstart, flags=re.M) and re.search(r"^make run\b", quickstart, flags=re.M)
+    assert (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1] == "make test"
+
+
+def test_the_quickstarts_command_list_names_every_command_of_the_parser():
+    """docs/quickstart.md's synopsis of the commands is written by hand: a command the parser gains must appear in it
+    (its flags are on the generated CLI page)."""
+    import argparse
+
+    from flows.cli import build_parser
+
+    block = (ROOT / "docs" / "quickstart.md").read_text().split("## The commands", 1)[1].split("```")[1]
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    missing = [name for name in sub.choices if not re.search(rf"\br1flow {re.escape(name)}\b", block)]
+    assert not missing

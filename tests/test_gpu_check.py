@@ -61,17 +61,18 @@ def test_cpu_smoke_run_fills_every_part_of_the_summary(tmp_path):
     assert learning["status"] == "ok", learning
     assert learning["numbers"]["r1flow"]["steps"] >= 1 and learning["numbers"]["table"][0]["model"] == "start model"
     # benchmarks/learning.py's own smoke checks (that run is this one; test_learning.py has the pure parts)
-    from benchmarks import learning as lb
+    from benchmarks.common import SEED
+    from benchmarks.learning_plan import QUICK, TASK, TRANSFER
 
     assert (out / "learning.png").stat().st_size > 10_000
     raw = json.loads((out / "learning.json").read_text())
-    assert len(raw["runs"]["r1flow"]) == lb.QUICK["seeds"]  # one run a seed
+    assert len(raw["runs"]["r1flow"]) == QUICK["seeds"]  # one run a seed
     for k, run in enumerate(raw["runs"]["r1flow"]):
-        assert 1 <= run["steps"] <= lb.QUICK["max_steps"] and run["seed"] == lb.SEED + k
-        assert {r["task"] for r in raw["evals"][f"r1flow_end_s{k}"]["rows"]} == {lb.TASK, lb.TRANSFER}
+        assert 1 <= run["steps"] <= QUICK["max_steps"] and run["seed"] == SEED + k
+        assert {r["task"] for r in raw["evals"][f"r1flow_end_s{k}"]["rows"]} == {TASK, TRANSFER}
         assert [s["name"] for s in run["snapshots"]] and all(s["name"].startswith("t") for s in run["snapshots"])
         assert all(c["generation_s"] > 0 and c["training_s"] > 0 for c in run["curve"])  # phases timed
-    assert len(raw["evals"]["start"]["rows"]) == lb.QUICK["eval_prompts"] + lb.QUICK["transfer_prompts"]
+    assert len(raw["evals"]["start"]["rows"]) == QUICK["eval_prompts"] + QUICK["transfer_prompts"]
     assert raw["summary"]["rows"][-1]["steps"] == [r["steps"] for r in raw["runs"]["r1flow"]]
     log = (out / "gpu_check.log").read_text()
     assert "| start model | 0 |" in log and "| r1flow, budget |" in log

@@ -274,3 +274,36 @@ def test_a_stage_run_reads_as_a_few_phases(stage):
     (run,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "run"]
     length = run.end_lineno - run.lineno + 1
     assert length <= RUN_MAX_LINES, f"{stage}.run is {length} lines: split it into named phases (<= {RUN_MAX_LINES})"
+
+
+MODULE_MAX_LINES = 600  # a module one reader can hold (issue 62: benchmarks/learning.py had grown to 1,192)
+FUNCTION_MAX_LINES = 80  # a function that reads top to bottom; methods and nested functions count alike
+
+
+def oversized(path: Path, label: str) -> list[str]:
+    """What in the module at `path` is over the limits: the module's lines, then each function's."""
+    text = path.read_text()
+    out = []
+    if (lines := len(text.splitlines())) > MODULE_MAX_LINES:
+        out.append(f"{label} is {lines} lines (<= {MODULE_MAX_LINES})")
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            if (length := node.end_lineno - node.lineno + 1) > FUNCTION_MAX_LINES:
+                out.append(f"{label}:{node.lineno} {node.name} is {length} lines (<= {FUNCTION_MAX_LINES})")
+    return out
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_no_module_over_600_lines_and_no_function_over_80(package):
+    found = [msg for name, path in MODULES.items() if name.split(".")[0] == package
+             for msg in oversized(path, str(path.relative_to(ROOT)))]
+    assert not found, "split by concern (see benchmarks/learning_*.py):\n  " + "\n  ".join(found)
+
+
+def test_the_size_check_sees_a_long_module_and_a_long_method(tmp_path):
+    src = tmp_path / "mod.py"
+    method = "    def f(self):\n" + "        pass\n" * 80  # 81 lines
+    src.write_text("class A:\n" + method + "\n" * 600)  # 1 + 81 + 600 lines
+    assert oversized(src, "mod.py") == ["mod.py is 682 lines (<= 600)", "mod.py:2 f is 81 lines (<= 80)"]
+    src.write_text("def g():\n" + "    pass\n" * 79)  # 80 lines: at the limit
+    assert oversized(src, "mod.py") == []

@@ -1,7 +1,9 @@
-"""benchmarks/learning.py: the statistics and table on literal evaluations, the snapshot and budget rules, bad
+"""benchmarks/learning.py and the modules it is split into (learning_plan, learning_children, learning_stats,
+learning_report, learning_runs): the statistics and table on literal evaluations, the snapshot and budget rules, bad
 settings refused before compute, and a smoke run of the whole script on the tiny model (r1flow's side: TRL lives
 only in the benchmark venv; no targets here)."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -9,7 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import learning
+from benchmarks import (
+    learning,
+    learning_children,
+    learning_plan,
+    learning_report,
+    learning_runs,
+    learning_stats,
+)
+from benchmarks.common import SEED, Snapshots
+from benchmarks.learning_plan import TASK, TRANSFER, Plan
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -20,33 +31,33 @@ def rows(task: str, correct: list[int], start: int = 0) -> list[dict]:
 
 
 def evaluation(task_correct: list[int], transfer_correct: list[int]) -> dict:
-    return {"rows": rows(learning.TASK, task_correct) + rows(learning.TRANSFER, transfer_correct), "seconds": 1.0}
+    return {"rows": rows(TASK, task_correct) + rows(TRANSFER, transfer_correct), "seconds": 1.0}
 
 
 def test_gains_are_paired_differences_over_the_same_prompts():
-    start = rows(learning.TASK, [0, 0, 1, 1])
-    end = rows(learning.TASK, [1, 0, 1, 1])
-    g = learning.gain_entry(start, end, learning.TASK)
+    start = rows(TASK, [0, 0, 1, 1])
+    end = rows(TASK, [1, 0, 1, 1])
+    g = learning_stats.gain_entry(start, end, TASK)
     assert g["gain"] == pytest.approx(0.25)
     assert g["ci"][0] <= 0.25 <= g["ci"][1] and g["ci"][0] >= 0.0  # no resample can lose: only gains were paired
     with pytest.raises(ValueError, match="other prompts"):
-        learning.gain_entry(start, rows(learning.TASK, [1, 0, 1, 1], start=1), learning.TASK)
+        learning_stats.gain_entry(start, rows(TASK, [1, 0, 1, 1], start=1), TASK)
 
 
 def test_paired_diff_refuses_other_prompts_or_another_order():
-    a = {"rows": rows(learning.TASK, [0, 1, 1])}
-    evals = {"a": a, "same": {"rows": rows(learning.TASK, [1, 1, 1])},
-             "shifted": {"rows": rows(learning.TASK, [1, 1, 1], start=1)},
-             "reordered": {"rows": list(reversed(rows(learning.TASK, [1, 1, 1])))},
-             "shorter": {"rows": rows(learning.TASK, [1, 1])}}
-    assert learning.paired_diff(evals, "a", "same")["diff"] == pytest.approx(1 / 3)
+    a = {"rows": rows(TASK, [0, 1, 1])}
+    evals = {"a": a, "same": {"rows": rows(TASK, [1, 1, 1])},
+             "shifted": {"rows": rows(TASK, [1, 1, 1], start=1)},
+             "reordered": {"rows": list(reversed(rows(TASK, [1, 1, 1])))},
+             "shorter": {"rows": rows(TASK, [1, 1])}}
+    assert learning_stats.paired_diff(evals, "a", "same")["diff"] == pytest.approx(1 / 3)
     with pytest.raises(ValueError, match=r"shifted scored other prompts than a .*position 0: basic_arithmetic-001 "
                                           r"against basic_arithmetic-000"):
-        learning.paired_diff(evals, "a", "shifted")
+        learning_stats.paired_diff(evals, "a", "shifted")
     with pytest.raises(ValueError, match="reordered scored other prompts than a"):
-        learning.paired_diff(evals, "a", "reordered")
+        learning_stats.paired_diff(evals, "a", "reordered")
     with pytest.raises(ValueError, match=r"\(2 against 3; first difference at position 2: none"):
-        learning.paired_diff(evals, "a", "shorter")
+        learning_stats.paired_diff(evals, "a", "shorter")
 
 
 def seeded_evals(n: int, start: list[int], **ends: list[list[int]]) -> dict:
@@ -58,7 +69,7 @@ def seeded_evals(n: int, start: list[int], **ends: list[list[int]]) -> dict:
     for kind, per_seed in ends.items():
         side, what = kind.split("__")
         for k, right in enumerate(per_seed):
-            out[learning.eval_name(side, what, k)] = evaluation(correct(right), [0] * n)
+            out[learning_stats.eval_name(side, what, k)] = evaluation(correct(right), [0] * n)
     return out
 
 
@@ -79,7 +90,7 @@ def test_summary_pools_seeds_and_compares_equal_steps_and_equal_time():
     trl, r1 = list(range(8)), list(range(20))
     evals = seeded_evals(n, [], trl__end=[trl, trl], r1flow__end=[r1, r1], r1flow__equal_steps=[trl, trl])
     runs = seeded_runs([12, 14], [56, 60])
-    s = learning.summarize_learning(learning.Plan(seeds=2), evals, runs)
+    s = learning_stats.summarize_learning(Plan(seeds=2), evals, runs)
     by = {r["name"]: r for r in s["rows"]}
     assert [r["name"] for r in s["rows"]] == ["start", "trl_end", "r1flow_equal_steps", "r1flow_end"]
     assert by["r1flow_end"]["gain"]["gain"] == pytest.approx(0.5) and by["r1flow_end"]["task"]["seeds"] == 2
@@ -90,7 +101,7 @@ def test_summary_pools_seeds_and_compares_equal_steps_and_equal_time():
     assert et["gain_a_ci"][0] > 0 and et["ratio_ci"] is not None and et["verdict"] == "met"
     assert s["equal_steps"] == {"diff": 0.0, "ci": [0.0, 0.0], "seeds": 2, "verdict": "same"}
     assert s["std"] == "sample"
-    text = "\n".join(learning.table(s) + learning.seed_table(s) + learning.verdict_lines(s))
+    text = "\n".join(learning_report.table(s) + learning_report.seed_table(s) + learning_report.verdict_lines(s))
     assert "| r1flow, budget | 56, 60 | 19.8, 19.8 | 50.0% [" in text
     assert "| TRL, budget | 1 | yes | 14 | 20.0 | 20.0% [" in text  # seed 1: TRL ran first
     assert "r1flow's gain minus TRL's +30.0 points [" in text and "2.50x TRL's gain [" in text
@@ -106,15 +117,15 @@ def test_summary_verdicts_a_barely_learning_trl_and_a_difference_at_equal_steps(
     n = 40
     evals = seeded_evals(n, [], trl__end=[[0], [0]], r1flow__end=[range(8), range(8)],
                          r1flow__equal_steps=[range(11), range(11)])
-    s = learning.summarize_learning(learning.Plan(seeds=2), evals, seeded_runs([12, 14], [56, 60]))
+    s = learning_stats.summarize_learning(Plan(seeds=2), evals, seeded_runs([12, 14], [56, 60]))
     assert s["equal_time"]["ratio"] == pytest.approx(8.0) and s["equal_time"]["ratio_ci"] is None
     assert s["equal_time"]["verdict"] == "undetermined"
     assert s["equal_steps"]["verdict"] == "higher"
-    text = "\n".join(learning.verdict_lines(s))
+    text = "\n".join(learning_report.verdict_lines(s))
     assert "its interval unbounded: TRL's gain interval reaches 0" in text and "undetermined" in text
     assert "r1flow HIGHER beyond the noise: INVESTIGATE" in text
     evals = seeded_evals(n, [], trl__end=[range(16), range(16)], r1flow__end=[range(8), range(8)])
-    s = learning.summarize_learning(learning.Plan(seeds=2), evals, seeded_runs([12, 14], [56, 60]))
+    s = learning_stats.summarize_learning(Plan(seeds=2), evals, seeded_runs([12, 14], [56, 60]))
     assert s["equal_time"]["verdict"] == "MISSED" and "equal_steps" not in s
 
 
@@ -122,19 +133,19 @@ def test_equal_time_verdict_rules():
     def c(diff_low, ratio, ratio_ci):
         return {"diff_ci": [diff_low, 1.0], "ratio": ratio, "ratio_ci": ratio_ci}
 
-    assert learning.equal_time_verdict(c(0.01, 3.0, [2.1, 5.0])) == "met"
-    assert learning.equal_time_verdict(c(0.01, 2.0, [1.1, 5.0])) == "met"  # the point at 2x, the interval below
-    assert learning.equal_time_verdict(c(0.01, 1.9, [1.1, 5.0])) == "MISSED"
-    assert learning.equal_time_verdict(c(0.0, 3.0, [2.1, 5.0])) == "MISSED"  # the difference not above 0
-    assert learning.equal_time_verdict(c(0.01, 9.0, None)) == "undetermined"
-    assert learning.equal_time_verdict(c(0.01, None, None)) == "undetermined"  # TRL gained nothing at all
+    assert learning_stats.equal_time_verdict(c(0.01, 3.0, [2.1, 5.0])) == "met"
+    assert learning_stats.equal_time_verdict(c(0.01, 2.0, [1.1, 5.0])) == "met"  # the point at 2x, the interval below
+    assert learning_stats.equal_time_verdict(c(0.01, 1.9, [1.1, 5.0])) == "MISSED"
+    assert learning_stats.equal_time_verdict(c(0.0, 3.0, [2.1, 5.0])) == "MISSED"  # the difference not above 0
+    assert learning_stats.equal_time_verdict(c(0.01, 9.0, None)) == "undetermined"
+    assert learning_stats.equal_time_verdict(c(0.01, None, None)) == "undetermined"  # TRL gained nothing at all
 
 
 def test_sides_take_turns_to_run_first():
-    assert [learning.run_order(["trl", "r1flow"], k) for k in range(3)] == [["r1flow", "trl"], ["trl", "r1flow"],
-                                                                           ["r1flow", "trl"]]
-    assert learning.run_order(["trl", "r1flow", "r1flow_ppo"], 1) == ["trl", "r1flow", "r1flow_ppo"]
-    assert learning.run_order(["r1flow"], 1) == ["r1flow"]
+    assert [learning_runs.run_order(["trl", "r1flow"], k) for k in range(3)] == [["r1flow", "trl"],
+                                                                                ["trl", "r1flow"], ["r1flow", "trl"]]
+    assert learning_runs.run_order(["trl", "r1flow", "r1flow_ppo"], 1) == ["trl", "r1flow", "r1flow_ppo"]
+    assert learning_runs.run_order(["r1flow"], 1) == ["r1flow"]
 
 
 def test_every_step_snapshots_settle_on_the_equal_steps_point(tmp_path):
@@ -144,16 +155,16 @@ def test_every_step_snapshots_settle_on_the_equal_steps_point(tmp_path):
         def save_pretrained(self, path):
             Path(path).mkdir(parents=True)
 
-    snaps = learning.Snapshots([150.0], tmp_path, at_step=None, every_step=True)
+    snaps = Snapshots([150.0], tmp_path, at_step=None, every_step=True)
     for step, t in ((1, 50.0), (2, 100.0), (3, 170.0)):
         snaps.after_step(Model(), step, t)
     run = {"snapshots": snaps.saved}
-    learning.settle_equal_steps(run, 2)
+    learning_runs.settle_equal_steps(run, 2)
     assert [(s["name"], s["step"]) for s in run["snapshots"]] == [("equal_steps", 2), ("t1", 3)]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step2", "t1"]
     assert run["every_step_save_s"] >= 0
     run = {"snapshots": [dict(s, name=f"step{s['step']}") for s in snaps.saved if s["name"] == "equal_steps"]}
-    learning.settle_equal_steps(run, 5)  # TRL took more steps than r1flow: no equal-steps point
+    learning_runs.settle_equal_steps(run, 5)  # TRL took more steps than r1flow: no equal-steps point
     assert run["snapshots"] == []
 
 
@@ -162,10 +173,10 @@ def test_phase_means_skip_the_first_step_and_need_every_phase():
         return {"generation_s": g, "scoring_s": sc, "training_s": tr, "step_s": g + sc + tr}
 
     runs = [{"curve": [step(50, 1, 50), step(10, 1, 5), step(20, 1, 7)]}, {"curve": [step(9, 9, 9), step(30, 1, 9)]}]
-    p = learning.phase_means(runs)
+    p = learning_stats.phase_means(runs)
     assert p == {"generation": 20.0, "scoring": 1.0, "training": 7.0, "total": 28.0, "steps": 3}
-    assert learning.phase_means([{"curve": [step(1, 1, 1), {"step_s": 3.0}]}]) is None  # an older run: no phases
-    lines = learning.phase_lines({"phases": {"trl": p, "r1flow": None}})
+    assert learning_stats.phase_means([{"curve": [step(1, 1, 1), {"step_s": 3.0}]}]) is None  # an older run: no phases
+    lines = learning_report.phase_lines({"phases": {"trl": p, "r1flow": None}})
     assert lines[2] == "| trl | 3 | 20.0 | 1.00 | 7.0 | 28.0 |" and len(lines) == 3
 
 
@@ -180,8 +191,8 @@ def test_snapshots_follow_the_curve_times_and_the_equal_steps_point(tmp_path):
         def save_pretrained(self, path):
             Path(path).mkdir(parents=True)
 
-    plan = learning.Plan(minutes=4.0, curve_points=3)  # curve at 60, 120, 180 s
-    snaps = learning.Snapshots(plan.curve_times(), tmp_path, at_step=2)
+    plan = Plan(minutes=4.0, curve_points=3)  # curve at 60, 120, 180 s
+    snaps = Snapshots(plan.curve_times(), tmp_path, at_step=2)
     for step, t in ((1, 50.0), (2, 130.0), (3, 170.0), (4, 250.0)):
         snaps.after_step(Model(), step, t)
     got = [(s["name"], s["step"]) for s in snaps.saved]
@@ -203,12 +214,12 @@ def test_bad_settings_fail_before_any_compute(tmp_path):
 
 def fake_training(work, steps: int, extra: dict) -> dict:
     """What a faked training child returns: `steps` steps of 10 s each, its snapshots saved as directories by
-    `learning.Snapshots` (the equal-steps point or every step, as the parent asked)."""
+    `Snapshots` (the equal-steps point or every step, as the parent asked)."""
     class Model:
         def save_pretrained(self, path):
             Path(path).mkdir(parents=True)
 
-    snaps = learning.Snapshots([], Path(work) / "snapshots", extra.get("at_step"), bool(extra.get("every_step")))
+    snaps = Snapshots([], Path(work) / "snapshots", extra.get("at_step"), bool(extra.get("every_step")))
     for step in range(1, steps + 1):
         snaps.after_step(Model(), step, 10.0 * step)
     return {"steps": steps, "train_s": 10.0 * steps, "snapshots": snaps.saved, "final": str(work),
@@ -224,38 +235,38 @@ def parent_args(tmp_path):
 
 
 def test_a_reused_trl_run_must_have_trained_on_the_same_plan(tmp_path):
-    plan = learning.Plan()
-    raw = {"plan": learning.dataclasses.asdict(plan), "runs": {"trl": [{"steps": 3}, {"steps": 4}, {"steps": 2}]},
+    plan = Plan()
+    raw = {"plan": dataclasses.asdict(plan), "runs": {"trl": [{"steps": 3}, {"steps": 4}, {"steps": 2}]},
            "evals": {}}
     (tmp_path / "learning.json").write_text(json.dumps(raw))
-    tried = learning.Plan(r1flow_extra={"dynamic_sampling": True})  # r1flow-only settings may differ
-    assert learning.reused_run(tmp_path, tried, "trl")["runs"]["trl"][0]["steps"] == 3
-    assert learning.reused_run(tmp_path, learning.Plan(seeds=2), "trl")["runs"]["trl"][1]["steps"] == 4  # fewer seeds: fine
+    tried = Plan(r1flow_extra={"dynamic_sampling": True})  # r1flow-only settings may differ
+    assert learning_runs.reused_run(tmp_path, tried, "trl")["runs"]["trl"][0]["steps"] == 3
+    assert learning_runs.reused_run(tmp_path, Plan(seeds=2), "trl")["runs"]["trl"][1]["steps"] == 4  # fewer seeds: fine
     with pytest.raises(SystemExit, match="it has 3 TRL seed"):
-        learning.reused_run(tmp_path, learning.Plan(seeds=4), "trl")
+        learning_runs.reused_run(tmp_path, Plan(seeds=4), "trl")
     with pytest.raises(SystemExit, match="learning_rate was 0.0002, this run's is 0.001"):
-        learning.reused_run(tmp_path, learning.Plan(learning_rate=1e-3), "trl")
+        learning_runs.reused_run(tmp_path, Plan(learning_rate=1e-3), "trl")
     with pytest.raises(SystemExit, match="no learning.json"):
-        learning.reused_run(tmp_path / "nowhere", plan, "trl")
+        learning_runs.reused_run(tmp_path / "nowhere", plan, "trl")
     raw["runs"]["trl"] = {"steps": 3}  # the one-seed version's layout
     (tmp_path / "learning.json").write_text(json.dumps(raw))
     with pytest.raises(SystemExit, match="one-seed version"):
-        learning.reused_run(tmp_path, plan, "trl")
+        learning_runs.reused_run(tmp_path, plan, "trl")
 
 
 def test_a_reused_r1flow_run_may_differ_in_trl_only_settings(tmp_path):
     """--r1flow-from: TRL's sensitivity rows train TRL only, against an earlier run's r1flow side of the same plan;
     TRL-only settings may differ, r1flow-only ones may not (that would be another r1flow)."""
-    raw = {"plan": learning.dataclasses.asdict(learning.Plan()), "runs": {"r1flow": [{"steps": 9}]}, "evals": {}}
+    raw = {"plan": dataclasses.asdict(Plan()), "runs": {"r1flow": [{"steps": 9}]}, "evals": {}}
     (tmp_path / "learning.json").write_text(json.dumps(raw))
-    tried = learning.Plan(seeds=1, trl_extra={"per_device_train_batch_size": 64})
-    assert learning.reused_run(tmp_path, tried, "r1flow")["runs"]["r1flow"][0]["steps"] == 9
+    tried = Plan(seeds=1, trl_extra={"per_device_train_batch_size": 64})
+    assert learning_runs.reused_run(tmp_path, tried, "r1flow")["runs"]["r1flow"][0]["steps"] == 9
     with pytest.raises(SystemExit, match="--r1flow-from .*its r1flow_extra was {}, this run's is {'dynamic_sampling'"):
-        learning.reused_run(tmp_path, learning.Plan(seeds=1, r1flow_extra={"dynamic_sampling": True}), "r1flow")
+        learning_runs.reused_run(tmp_path, Plan(seeds=1, r1flow_extra={"dynamic_sampling": True}), "r1flow")
     with pytest.raises(SystemExit, match="--r1flow-from .*it has 1 r1flow seed"):
-        learning.reused_run(tmp_path, learning.Plan(seeds=2), "r1flow")
+        learning_runs.reused_run(tmp_path, Plan(seeds=2), "r1flow")
     with pytest.raises(SystemExit, match="--trl-from .*that run has no TRL side"):
-        learning.reused_run(tmp_path, tried, "trl")
+        learning_runs.reused_run(tmp_path, tried, "trl")
 
 
 def test_a_trl_sensitivity_row_trains_trl_only_and_does_not_pair_unequal_steps(tmp_path, monkeypatch):
@@ -283,13 +294,13 @@ def test_a_trl_sensitivity_row_trains_trl_only_and_does_not_pair_unequal_steps(t
     monkeypatch.setattr(learning, "run_learning_child", fake_child)
     monkeypatch.setattr(learning, "plot", lambda *a, **k: None)
     args = parent_args(tmp_path)
-    first = learning.run_learning(learning.Plan(seeds=1), ["trl", "r1flow"], args)
+    first = learning.run_learning(Plan(seeds=1), ["trl", "r1flow"], args)
     assert trained == ["r1flow", "trl"] and first["summary"]["equal_steps"]["seeds"] == 1
     run_dir = next((tmp_path / "w").glob("run-*"))
     (run_dir / "learning.json").write_text(json.dumps(first))
-    assert learning.new_run_dir(tmp_path / "w") != run_dir  # a second run in the same second gets its own
+    assert learning_runs.new_run_dir(tmp_path / "w") != run_dir  # a second run in the same second gets its own
     trained.clear()
-    raw = learning.run_learning(learning.Plan(seeds=1, trl_extra={"per_device_train_batch_size": 64}),
+    raw = learning.run_learning(Plan(seeds=1, trl_extra={"per_device_train_batch_size": 64}),
                                 ["trl", "r1flow"], argparse.Namespace(**{**vars(args), "r1flow_from": str(run_dir)}))
     assert trained == ["trl"]
     assert raw["runs"]["r1flow"] == first["runs"]["r1flow"] and raw["runs"]["trl"][0]["steps"] == 4
@@ -298,8 +309,8 @@ def test_a_trl_sensitivity_row_trains_trl_only_and_does_not_pair_unequal_steps(t
     assert s["equal_time"]["diff"] == pytest.approx(0.25)  # r1flow +15 of 40, TRL +5 of 40
     assert s["trl_only"] == {"per_device_train_batch_size": 64}
     assert "equal_steps" not in s
-    assert s["equal_steps_unmatched"] == [{"seed": learning.SEED, "trl_steps": 4, "r1flow_step": 3}]
-    assert any("equal steps: not checked" in line and "step 3" in line for line in learning.verdict_lines(s))
+    assert s["equal_steps_unmatched"] == [{"seed": SEED, "trl_steps": 4, "r1flow_step": 3}]
+    assert any("equal steps: not checked" in line and "step 3" in line for line in learning_report.verdict_lines(s))
 
 
 def test_the_parent_alternates_sides_and_settles_equal_steps(tmp_path, monkeypatch):
@@ -325,7 +336,7 @@ def test_the_parent_alternates_sides_and_settles_equal_steps(tmp_path, monkeypat
     monkeypatch.setattr(learning, "run_learning_child", fake_child)
     monkeypatch.setattr(learning, "plot", lambda *a, **k: None)
     args = parent_args(tmp_path)
-    raw = learning.run_learning(learning.Plan(seeds=2), ["trl", "r1flow"], args)
+    raw = learning.run_learning(Plan(seeds=2), ["trl", "r1flow"], args)
     assert [c for c in calls if c[0] in ("trl", "r1flow")] == [("r1flow", 0, None, 1), ("trl", 0, None, None),
                                                                ("trl", 1, None, None), ("r1flow", 1, 3, None)]
     for run in raw["runs"]["r1flow"]:
@@ -367,7 +378,7 @@ def test_a_stopped_run_goes_on_with_the_sides_it_had_not_finished(tmp_path, monk
     args = parent_args(tmp_path)
     stop_at = ("r1flow", 1)
     with pytest.raises(KeyboardInterrupt):
-        learning.run_learning(learning.Plan(seeds=2), ["trl", "r1flow"], args)
+        learning.run_learning(Plan(seeds=2), ["trl", "r1flow"], args)
     assert trained == [("r1flow", 0, None), ("trl", 0, None), ("trl", 1, None)]
     run_dir = next((tmp_path / "w").glob("run-*"))
     assert sorted(p.relative_to(run_dir).as_posix() for p in run_dir.glob("seed*/*.json")) == [
@@ -376,13 +387,13 @@ def test_a_stopped_run_goes_on_with_the_sides_it_had_not_finished(tmp_path, monk
     assert [s["name"] for s in kept["snapshots"]] == ["equal_steps"]  # kept after its equal-steps point settled
 
     with pytest.raises(SystemExit, match="its learning_rate was 0.0002, this run's is 0.001"):
-        learning.run_learning(learning.Plan(seeds=2, learning_rate=1e-3), ["trl", "r1flow"],
+        learning.run_learning(Plan(seeds=2, learning_rate=1e-3), ["trl", "r1flow"],
                               argparse.Namespace(**{**vars(args), "resume": str(run_dir)}))
     with pytest.raises(SystemExit, match="no plan.json"):
-        learning.resumed_run_dir(tmp_path, learning.Plan())
+        learning_runs.resumed_run_dir(tmp_path, Plan())
     trained.clear()
     stop_at = None
-    raw = learning.run_learning(learning.Plan(seeds=2), ["trl", "r1flow"],
+    raw = learning.run_learning(Plan(seeds=2), ["trl", "r1flow"],
                                 argparse.Namespace(**{**vars(args), "resume": str(run_dir)}))
     assert trained == [("r1flow", 1, 3)]
     assert not (run_dir / "seed1" / "r1flow" / "snapshots" / "step1").exists()  # the stopped attempt's leftovers
@@ -392,13 +403,13 @@ def test_a_stopped_run_goes_on_with_the_sides_it_had_not_finished(tmp_path, monk
 
     # a finished run grows by the seeds it lacks; it never shrinks
     trained.clear()
-    raw = learning.run_learning(learning.Plan(seeds=3), ["trl", "r1flow"],
+    raw = learning.run_learning(Plan(seeds=3), ["trl", "r1flow"],
                                 argparse.Namespace(**{**vars(args), "resume": str(run_dir)}))
     assert trained == [("r1flow", 2, None), ("trl", 2, None)]  # seed 2's order: r1flow first, as seed 0's
     assert [r["steps"] for r in raw["runs"]["trl"]] == [3, 3, 3] and raw["summary"]["equal_steps"]["seeds"] == 3
     assert json.loads((run_dir / "plan.json").read_text())["seeds"] == 3
     with pytest.raises(SystemExit, match="it ran 3 seeds, this run asks for 2"):
-        learning.resumed_run_dir(run_dir, learning.Plan(seeds=2))
+        learning_runs.resumed_run_dir(run_dir, Plan(seeds=2))
 
 
 def test_the_split_seed_keys_the_start_model_and_the_report_says_which_split(tmp_path):
@@ -407,17 +418,17 @@ def test_the_split_seed_keys_the_start_model_and_the_report_says_which_split(tmp
     of the two held-out sets is counted from the prompts themselves."""
     from stages.base import LocalContext
 
-    tuned, fresh = learning.Plan(split_seed=0), learning.Plan()
+    tuned, fresh = Plan(split_seed=0), Plan()
     assert fresh.split_seed == 1 and tuned.prep_key() != fresh.prep_key()
-    assert learning.split_text(tuned, {}).startswith("Split seed 0: the tuning split")
-    text = learning.split_text(fresh, {"tuning_overlap": {"held_out": 256, "also_in_tuning_split": 61}})
+    assert learning_report.split_text(tuned, {}).startswith("Split seed 0: the tuning split")
+    text = learning_report.split_text(fresh, {"tuning_overlap": {"held_out": 256, "also_in_tuning_split": 61}})
     assert "Split seed 1: a fresh draw" in text and "61 of its 256 scored held-out prompts" in text
-    plan = learning.Plan(split_seed=1, train_prompts=48, eval_prompts=16, transfer_prompts=4)
-    prm = learning.make_prompts(plan, LocalContext(tmp_path / "fresh", seed=1))
-    overlap = learning.tuning_overlap(plan, prm.path, tmp_path)
-    same = learning.tuning_overlap(learning.Plan(split_seed=0, train_prompts=48, eval_prompts=16, transfer_prompts=4),
-                                   learning.make_prompts(plan, LocalContext(tmp_path / "zero", seed=0)).path,
-                                   tmp_path / "again")
+    plan = Plan(split_seed=1, train_prompts=48, eval_prompts=16, transfer_prompts=4)
+    prm = learning_children.make_prompts(plan, LocalContext(tmp_path / "fresh", seed=1))
+    overlap = learning_children.tuning_overlap(plan, prm.path, tmp_path)
+    zero = learning_children.make_prompts(plan, LocalContext(tmp_path / "zero", seed=0))
+    same = learning_children.tuning_overlap(Plan(split_seed=0, train_prompts=48, eval_prompts=16, transfer_prompts=4),
+                                            zero.path, tmp_path / "again")
     assert overlap["held_out"] == 16 and 0 <= overlap["also_in_tuning_split"] < 16
     assert same == {"held_out": 16, "also_in_tuning_split": 16}  # seed 0 against itself: every prompt
 
@@ -428,10 +439,10 @@ def test_trl_only_settings_are_parsed_and_checked_against_trls_config(monkeypatc
     import dataclasses
     import types
 
-    assert learning.parse_set(["bf16=true", "per_device_train_batch_size=64"], "--trl-set") == {
+    assert learning_plan.parse_set(["bf16=true", "per_device_train_batch_size=64"], "--trl-set") == {
         "bf16": True, "per_device_train_batch_size": 64}
     with pytest.raises(SystemExit, match="--trl-set 'bf16': expected KEY=VALUE"):
-        learning.parse_set(["bf16"], "--trl-set")
+        learning_plan.parse_set(["bf16"], "--trl-set")
 
     @dataclasses.dataclass
     class GRPOConfig:
@@ -439,7 +450,7 @@ def test_trl_only_settings_are_parsed_and_checked_against_trls_config(monkeypatc
         per_device_train_batch_size: int = 8
 
     monkeypatch.setitem(sys.modules, "trl", types.SimpleNamespace(GRPOConfig=GRPOConfig))
-    monkeypatch.setattr(learning.importlib.util, "find_spec", lambda name: object())
-    learning.check_trl_extra({"bf16": True, "per_device_train_batch_size": 64})
+    monkeypatch.setattr(learning_plan.importlib.util, "find_spec", lambda name: object())
+    learning_plan.check_trl_extra({"bf16": True, "per_device_train_batch_size": 64})
     with pytest.raises(ValueError, match="--trl-set: use_paged is not a field of TRL's GRPOConfig"):
-        learning.check_trl_extra({"bf16": True, "use_paged": True})
+        learning_plan.check_trl_extra({"bf16": True, "use_paged": True})

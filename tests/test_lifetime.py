@@ -198,7 +198,7 @@ def cpu_load():
             b.wait()
 
 
-SIGTERM_WITHIN_S = 10.0  # README: SIGTERM ends a run within 10 s, under load too
+SIGTERM_WITHIN_S = 10.0  # docs/limits.md: SIGTERM ends a run within 10 s, under load too
 
 
 @pytest.mark.slow

@@ -225,8 +225,9 @@ def test_recipe_rl_nodes_keep_their_configs_with_the_default_block_set_explicitl
 
 
 @pytest.mark.parametrize("recipe, setting, message", [
-    ("rl-compare", ["ppo.async.max_staleness=1"], "ppo.async.max_staleness: 1: asynchronous RL is implemented for "
-     "grpo only so far (ppo's critic is not wired into the rollout workers yet); use --set ppo.async.max_staleness=0"),
+    ("rl-compare", ["ppo.async.max_staleness=1", "ppo.resources.num_processes=2"], "ppo.resources.num_processes: 2 "
+     "does not go with async.max_staleness=1 yet (the rollout workers run beside one learner process on one "
+     "machine); use --set ppo.resources.num_processes=1, or --set ppo.async.max_staleness=0"),
     ("r1-zero", ["grpo.async.max_staleness=1", "grpo.resources.num_processes=2"], "grpo.resources.num_processes: 2 "
      "does not go with async.max_staleness=1 yet (the rollout workers run beside one learner process on one "
      "machine); use --set grpo.resources.num_processes=1, or --set grpo.async.max_staleness=0"),
@@ -254,9 +255,10 @@ def test_async_settings_fail_the_plan_in_one_line_before_any_compute(recipe, set
 def test_the_step_loop_refuses_async_too():
     """A stage driven by hand (no plan) still refuses what the asynchronous loop does not do before its first step,
     rather than running synchronously."""
-    cfg = PPOConfig.model_validate({"async": {"max_staleness": 1}})
-    with pytest.raises(ConfigError, match="ppo.async.max_staleness: 1: asynchronous RL is implemented for grpo only"):
+    cfg = PPOConfig.model_validate({"async": {"max_staleness": 1}, "resources": {"num_processes": 2}})
+    with pytest.raises(ConfigError, match="ppo.resources.num_processes: 2 does not go with async.max_staleness=1"):
         rl_loop.StepLoop("ppo", cfg, None, None, {"step": 0}, None, None, [])
+    rl_loop.check_async("ppo", PPOConfig.model_validate({"async": {"max_staleness": 1}}))  # ppo runs asynchronously
     rl_loop.check_async("grpo", GRPOConfig())  # the synchronous default passes
 
 

@@ -1,6 +1,6 @@
 """The report's tables and names as users read them (issue 59 item 9): tables split to fit Prefect's artifact pane
 (flows/report/tables.py; the browser check is tests/test_ui_browser.py), a tool eval without tool calls, and the
-README's example of a run's name."""
+documentation's example of a run's name (docs/operations/servers.md, moved there from the README, issue 62)."""
 
 from __future__ import annotations
 
@@ -36,11 +36,11 @@ def test_a_wide_table_splits_into_tables_that_fit_each_repeating_its_key_column(
     assert markdown_tables(["a", "b"], [["1", "2"]]) == ["| a | b |", "|---|---|", "| 1 | 2 |"]  # narrow: one table
 
 
-def test_the_readme_names_runs_as_runs_are_named():
-    """The README's example of a parent run's name (`11-26 13:40 cpu 3f2a9c r1`) is what run_name makes: time,
+def test_the_docs_name_runs_as_runs_are_named():
+    """The documentation's example of a parent run's name (`11-26 13:40 cpu 3f2a9c r1`) is what run_name makes: time,
     profile, the flow run's short id, recipe (issue 59: it showed the order of an older version)."""
-    readme = (ROOT / "README.md").read_text()
-    example = re.search(r"holds a parent run per pipeline run \(`([^`]+)`", readme).group(1)
+    page = (ROOT / "docs" / "operations" / "servers.md").read_text()
+    example = re.search(r"holds a parent run per pipeline run \(`([^`]+)`", page).group(1)
     made = run_name("cpu", "3f2a9c" + "0" * 26, "r1")
     assert re.fullmatch(r"\d\d-\d\d \d\d:\d\d cpu 3f2a9c r1", made)
     assert example[len("11-26 13:40"):] == made[len("11-26 13:40"):], (example, made)

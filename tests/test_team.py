@@ -155,8 +155,8 @@ def test_single_stage_rerun_through_its_deployment_joins_the_lineage(team):
 
 def test_serve_prints_commands_that_start_its_deployments_without_exports(team):
     """`r1flow serve` prints how to start each served deployment from a shell; in a shell with nothing exported
-    (the README's promise for `r1flow up` servers), the printed command creates the flow run on the served server.
-    Prefect's own hint (`prefect deployment run ...`) went to a temporary server there and failed."""
+    (docs/operations/servers.md's promise for `r1flow up` servers), the printed command creates the flow run on the
+    served server. Prefect's own hint (`prefect deployment run ...`) went to a temporary server there and failed."""
     import shlex
 
     log = (team["home"] / "serve.log").read_text()
@@ -238,7 +238,7 @@ def test_two_runs_started_together_share_stages_safely(live_servers, tmp_path):
 
 
 def _bare_env(home: Path) -> dict[str, str]:
-    """A shell where the user exported nothing but R1FLOW_HOME (the README's promise)."""
+    """A shell where the user exported nothing but R1FLOW_HOME (docs/operations/servers.md's promise)."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "PREFECT_HOME", "R1FLOW_STORE")}
     return {**env, "R1FLOW_HOME": str(home)}

@@ -27,9 +27,9 @@ def test_the_summary_leaves_out_the_warm_up_step():
 def test_an_r1flow_candidate_is_checked_against_r1flows_config_before_any_compute():
     from pydantic import ValidationError
 
-    from benchmarks import learning
+    from benchmarks.learning_plan import Plan
 
-    base = learning.Plan()
+    base = Plan()
     trl_settings.check_candidate("r1flow", {"precision": "bf16"}, base)  # a field, a valid value: no error
     with pytest.raises(ValidationError, match="precison"):
         trl_settings.check_candidate("r1flow", {"precison": "bf16"}, base)

@@ -53,7 +53,7 @@ from stages.training.checkpoints import complete_checkpoints, replace_synced, tr
 from stages.training.groups import Groups
 
 if TYPE_CHECKING:
-    from schemas.configs import GRPOConfig
+    from schemas.configs import RLConfig
 
 WEIGHTS_DIR = "async-weights"
 STARTUP_S = 120.0  # a worker's start (spawn, imports, model load) may take at least this long
@@ -120,13 +120,19 @@ def _load_version(job: WorkerJob, version: int, params: dict[str, torch.nn.Param
             params[name].copy_(t)
 
 
+def _config(job: WorkerJob) -> RLConfig:
+    """The stage's config, validated again from its dump (grpo's or ppo's: the one RL skeleton)."""
+    from schemas.configs import GRPOConfig, PPOConfig
+
+    return {"grpo": GRPOConfig, "ppo": PPOConfig}[job.stage].model_validate(job.config)
+
+
 def _generate(job: WorkerJob, out) -> None:
-    from schemas.configs import GRPOConfig
     from stages.sampling.generation import TransformersBackend
     from stages.training import env_rollouts, groups
     from stages.training.optim import load_trainable, resolve_precision
 
-    cfg = GRPOConfig.model_validate(job.config)
+    cfg = _config(job)
     seed_everything(job.seed)
     model, tokenizer, _ = load_trainable(job.model, cfg, job.device)
     model.requires_grad_(False)
@@ -150,8 +156,10 @@ def _generate(job: WorkerJob, out) -> None:
             os._exit(3)
         t0 = time.monotonic()
         out.put(("generating", job.index, step, version, None, t0, 0.0))
+        # dynamic sampling is grpo's (ppo's synchronous loop samples without it)
         g = groups.sample_groups(backend, job.rows, cfg, job.seed, step, distributed.SINGLE, scorer,
-                                 cfg.dynamic_sampling, cfg.max_refill_rounds, logprobs=True, env=env)
+                                 getattr(cfg, "dynamic_sampling", False), getattr(cfg, "max_refill_rounds", 0),
+                                 logprobs=True, env=env)
         g.rewards = [r.tolist() for r in g.rewards]  # plain lists through the queue (no shared-memory handles)
         out.put(("groups", job.index, step, version, g, t0, time.monotonic()))
 
@@ -186,7 +194,7 @@ class AsyncRollouts:
     """The learner's side: publishes versions, starts the workers, takes each step's groups in order, records what
     it consumed, and measures how generation and training overlap."""
 
-    def __init__(self, stage: str, cfg: GRPOConfig, ctx: StageContext, inputs: dict[str, Input], rows: list[dict],
+    def __init__(self, stage: str, cfg: RLConfig, ctx: StageContext, inputs: dict[str, Input], rows: list[dict],
                  model: torch.nn.Module, state: dict) -> None:
         self.stage, self.cfg, self.k = stage, cfg, cfg.async_.max_staleness
         self.timeout, self.start = cfg.async_.sync_timeout_s, state["step"]

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from schemas.configs import ASYNC_POLICY_LOSSES, GenerationSpec, PPOConfig
+from schemas.configs import ASYNC_POLICY_LOSSES, GenerationSpec
 from schemas.errors import ConfigError
 from stages.base import Input, Output, StageContext
 from stages.rewards.verifiers import score
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 def check_async(node: str, cfg: RLConfig) -> None:
     """Plan-time refusals of the `async` block (the stages' `check`; `StepLoop` asks again): a policy loss the
-    per-token off-policy weight does not compose with, and what the asynchronous loop does not do yet: ppo, more
+    per-token off-policy weight does not compose with, and what the asynchronous loop does not do yet: more
     than one learner process or machine, fsdp, a colocated vLLM engine (a run asked to overlap generation and
     training must not silently alternate them). `node`: the recipe node's name
     (the stage's where none is known), for the `--set` an error names."""
@@ -47,10 +47,6 @@ def check_async(node: str, cfg: RLConfig) -> None:
     if not k:
         return
     off = f"or --set {node}.async.max_staleness=0 (the synchronous loop)"
-    if isinstance(cfg, PPOConfig):
-        raise ConfigError(f"{node}.async.max_staleness: {k}: asynchronous RL is implemented for grpo only so far "
-                          f"(ppo's critic is not wired into the rollout workers yet); use --set {node}.async."
-                          "max_staleness=0 (the synchronous loop)")
     for field, value, allowed in (("resources.nodes", cfg.resources.nodes, 1),
                                   ("resources.num_processes", cfg.resources.num_processes, 1),
                                   ("resources.distributed_type", cfg.resources.distributed_type, "ddp"),
