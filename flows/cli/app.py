@@ -227,20 +227,15 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     supervised = argv is None and args.command in RUN_COMMANDS
     # lazy: start-up (`r1flow --help` loads none of these: the stages' runtime)
+    from stages.runtime import lifetime
     from stages.runtime.threads import choose_wait_policy, reproducible_products
 
     choose_wait_policy()  # before anything loads torch (stages.runtime.threads)
     reproducible_products()  # before the first matrix product: outputs independent of the thread count
     if argv is None:
-        # lazy: start-up (`r1flow --help` loads none of these: the stages' runtime)
-        from stages.runtime.lifetime import exit_without_final_collection
-
-        exit_without_final_collection()
+        lifetime.exit_without_final_collection()
     try:
         if supervised or (argv is None and args.command == "ui"):
-            # lazy: start-up (`r1flow --help` loads none of these: the stages' runtime)
-            from stages.runtime import lifetime
-
             lifetime.adopt()
         if supervised:
             lifetime.terminate_on_signals("r1flow: stopping ({name}); completed stages are cached and training "
@@ -279,9 +274,6 @@ def main(argv: list[str] | None = None) -> int:
         print(watchdog.lost_message(gone[0]), file=sys.stderr)  # the cause, not the traceback it caused
         return watchdog.EXIT_CODE
     except SystemExit as e:
-        # lazy: start-up (`r1flow --help` loads none of these: the stages' runtime)
-        from stages.runtime import lifetime
-
         if not (supervised and lifetime.stopping()):
             raise
         # SIGTERM/SIGHUP or a lost server (its line is written): skip the interpreter's exit, whose atexit hooks
@@ -294,9 +286,6 @@ def main(argv: list[str] | None = None) -> int:
         print("r1flow: interrupted; completed stages are cached and training resumes from its last checkpoint",
               file=sys.stderr)
         if supervised:  # a worker thread must not keep the process alive
-            # lazy: start-up (`r1flow --help` loads none of these: the stages' runtime)
-            from stages.runtime import lifetime
-
             lifetime.exit_soon(130)
         return 130
 
