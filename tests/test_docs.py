@@ -242,7 +242,7 @@ def test_the_quickstarts_command_list_names_every_command_of_the_parser():
     (its flags are on the generated CLI page)."""
     import argparse
 
-    from flows.cli import build_parser
+    from flows.cli.app import build_parser
 
     block = (ROOT / "docs" / "quickstart.md").read_text().split("## The commands", 1)[1].split("```")[1]
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
