@@ -20,6 +20,8 @@ from schemas.rl_configs import (
     GRPOConfig,
     PPOConfig,
     RLConfig,
+    WorkerResources,
+    placement_free,
 )
 from schemas.specs import (
     EnvironmentSpec,
@@ -39,6 +41,7 @@ from schemas.specs import (
 __all__ = [
     "ASYNC_POLICY_LOSSES", "AsyncConfig", "DEFAULT_EPSILON_LOW", "EnvironmentSpec", "GRPOConfig", "PPOConfig", "RLConfig", "GenerationSpec", "LoraSpec", "MemoryOptions",
     "Precision", "ResourcesSpec", "RewardSpec", "SandboxLimits", "StepDelimiter", "Strict", "TrainingConfig",
+    "WorkerResources", "placement_free",
 ]
 
 

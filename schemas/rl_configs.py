@@ -51,6 +51,21 @@ def _renamed(data: Any, stage: str, renamed: dict[str, str]) -> Any:
     return data
 
 
+class WorkerResources(Strict):
+    """Where asynchronous RL's rollout workers run when the stage runs on a Ray cluster: the Ray resources each
+    worker actor reserves. Placement, like a node's `resources:`: not part of the stage's cache key
+    (`placement_free`); on one machine (local worker processes) it is not read."""
+
+    cpus: float = Field(1, ge=0, description="CPU cores each rollout worker actor reserves (Ray num_cpus).")
+    gpus: float = Field(0, ge=0, description="GPUs each rollout worker actor reserves (Ray num_gpus); above 0 the "
+                        "worker samples on CUDA.")
+    memory_gb: float | None = Field(None, gt=0, description="Memory each rollout worker actor reserves, in GiB (Ray "
+                                    "memory); unset: no reservation.")
+    labels: dict[str, float] = Field(default_factory=dict, description="Custom resources the worker's machine must "
+                                     "offer, e.g. {gen: 1} for machines started with `ray start --resources='{\"gen\": "
+                                     "1}'`; the learner (the stage's task) goes where the node's `resources:` say.")
+
+
 class AsyncConfig(Strict):
     """Asynchronous RL (generate while training, AReaL-style bounded staleness): rollout workers sample groups with
     the policy version they hold while the learner trains; the learner consumes a group at most `max_staleness`
@@ -69,6 +84,24 @@ class AsyncConfig(Strict):
                                   "it (AReaL's truncated importance weight; 1 when K = 0).")
     sync_timeout_s: float = Field(300.0, gt=0, description="Seconds a weight sync or a rollout worker may stay silent "
                                   "before the stage fails, naming the worker, its node and the policy version.")
+    worker_resources: WorkerResources = Field(
+        default_factory=WorkerResources, exclude_if=lambda v: v == WorkerResources(),
+        description="On a Ray cluster (`r1flow run --cluster`) the rollout workers are Ray actors reserving these "
+        "resources (placement: not in the cache key); on one machine they are local processes and this is not read.")
+
+
+def placement_free(config: dict[str, Any]) -> dict[str, Any]:
+    """A stage config's dump as its cache key reads it: without `async.worker_resources` (where the rollout workers
+    run is placement, like a node's `resources:`), and without the `async` block when the rest of it is the default
+    (as the dump leaves it out then). Any other config is returned as it is."""
+    block = config.get("async")
+    if not isinstance(block, dict) or "worker_resources" not in block:
+        return config
+    out = {k: v for k, v in config.items() if k != "async"}
+    rest = {k: v for k, v in block.items() if k != "worker_resources"}
+    if rest != AsyncConfig().model_dump(mode="json"):
+        out["async"] = rest
+    return out
 
 
 class RLConfig(MemoryOptions):

@@ -208,6 +208,22 @@ def test_the_default_block_leaves_config_dumps_and_cache_keys_as_they_were(cls):
     assert cache_key(stage, version, changed.model_dump(mode="json"), {"model": "f" * 64}, 0) != key
 
 
+@pytest.mark.parametrize("cls", [GRPOConfig, PPOConfig])
+def test_where_the_rollout_workers_run_is_placement_outside_the_cache_key(cls):
+    """async.worker_resources (the Ray resources of the worker actors) is in the dump the stage task validates, and
+    out of the cache key: a block that differs only by it has the key of the same block without it, and a block
+    that is otherwise the default has the key of no block at all; default, it is left out of the dump."""
+    stage, inputs = cls.__name__.removesuffix("Config").lower(), {"model": "f" * 64}
+    placement = {"labels": {"gen": 1}, "cpus": 2, "gpus": 1, "memory_gb": 8}
+    for block, bare in (({"max_staleness": 1}, cls.model_validate({"async": {"max_staleness": 1}})), ({}, cls())):
+        placed = cls.model_validate({"async": {**block, "worker_resources": placement}})
+        dump = placed.model_dump(mode="json")
+        assert dump["async"]["worker_resources"] == {"cpus": 2.0, "gpus": 1.0, "memory_gb": 8.0, "labels": {"gen": 1.0}}
+        assert cls.model_validate(dump) == placed
+        assert cache_key(stage, "v", dump, inputs, 0) == cache_key(stage, "v", bare.model_dump(mode="json"), inputs, 0)
+    assert "worker_resources" not in cls.model_validate({"async": {"max_staleness": 1}}).model_dump(mode="json")["async"]
+
+
 def test_recipe_rl_nodes_keep_their_configs_with_the_default_block_set_explicitly():
     """The r1 recipe's RL nodes (GRPO and, with options.rl=ppo, PPO) dump the same config, so keep their cache
     keys, whether or not a --set spells out the default block."""
@@ -226,11 +242,11 @@ def test_recipe_rl_nodes_keep_their_configs_with_the_default_block_set_explicitl
 
 @pytest.mark.parametrize("recipe, setting, message", [
     ("rl-compare", ["ppo.async.max_staleness=1", "ppo.resources.num_processes=2"], "ppo.resources.num_processes: 2 "
-     "does not go with async.max_staleness=1 yet (the rollout workers run beside one learner process on one "
-     "machine); use --set ppo.resources.num_processes=1, or --set ppo.async.max_staleness=0"),
+     "does not go with async.max_staleness=1 yet (the rollout workers feed one learner process); "
+     "use --set ppo.resources.num_processes=1, or --set ppo.async.max_staleness=0"),
     ("r1-zero", ["grpo.async.max_staleness=1", "grpo.resources.num_processes=2"], "grpo.resources.num_processes: 2 "
-     "does not go with async.max_staleness=1 yet (the rollout workers run beside one learner process on one "
-     "machine); use --set grpo.resources.num_processes=1, or --set grpo.async.max_staleness=0"),
+     "does not go with async.max_staleness=1 yet (the rollout workers feed one learner process); "
+     "use --set grpo.resources.num_processes=1, or --set grpo.async.max_staleness=0"),
     ("r1", ["grpo_reasoning.async.max_staleness=2", "grpo_reasoning.generation.backend=vllm"],
      "grpo_reasoning.generation.backend: vllm does not go with async.max_staleness=2 yet"),
     ("r1-zero", ["grpo.policy_loss=gspo", "grpo.async.max_staleness=1"], "grpo.policy_loss: gspo does not go with "

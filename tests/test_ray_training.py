@@ -138,11 +138,13 @@ def _sft_config(resources: ResourcesSpec) -> SFTConfig:
                      checkpoint_every=3, lora=LoraSpec(r=0), lr_scheduler="constant", resources=resources)
 
 
-def _start_driver(cluster: LoopbackCluster, tmp: Path, cfg: SFTConfig, inputs: dict) -> tuple[subprocess.Popen, Path]:
+def _start_driver(cluster: LoopbackCluster, tmp: Path, cfg, inputs: dict, module: str = "stages.sft",
+                  task: dict | None = None) -> tuple[subprocess.Popen, Path]:
+    """The driver runs `module`'s stage in itself, or (`task`: Ray options) as a Ray task placed by them."""
     request, result = tmp / "request.json", tmp / "result.json"
-    request.write_text(json.dumps({"module": "stages.sft", "config": cfg.model_dump(mode="json"), "seed": 0,
+    request.write_text(json.dumps({"module": module, "config": cfg.model_dump(mode="json"), "seed": 0,
                                    "inputs": {k: launch._input_spec(v) for k, v in inputs.items()},
-                                   "root": str(tmp / "run")}))
+                                   "root": str(tmp / "run"), "task": task}))
     proc = cluster.popen([sys.executable, str(DRIVER), str(request), str(result)], log=tmp / "driver.log",
                          env={"RAY_ADDRESS": cluster.address})
     return proc, result
@@ -256,3 +258,52 @@ def test_a_killed_driver_leaves_no_rank_on_any_node(cluster, tmp_path, tiny_mode
         time.sleep(0.5)
     assert not _rank_actors(cluster) and not [pid for pid in ranks if Path(f"/proc/{pid}").exists()]
     print(f"rank actors gone {time.monotonic() - killed:.1f} s after the driver was killed")
+
+
+@needs_cluster
+@pytest.mark.slow
+def test_async_grpo_generates_on_one_ray_node_and_learns_on_the_other(cluster, tmp_path, tiny_model_input,
+                                                                     digit_prompts):
+    """Asynchronous grpo (K = 1) as a Ray task on the head node (resources {head: 1}, as a node's `resources:` place
+    a stage of `r1flow run --cluster`), its rollout worker a Ray actor on the worker node (async.worker_resources
+    labels {worker: 1}): the node ids it records say so, the schedule is min(K, s), the model's bytes equal the
+    one-machine asynchronous run's (worker processes beside the learner), and the placement leaves the cache key
+    as it is."""
+    import hashlib
+
+    from flows.cache import cache_key
+    from stages import grpo
+    from tests.test_async_rl import _check_schedule
+    from tests.test_grpo import short_is_better
+
+    placed = short_is_better(steps=3, **{"async": {"max_staleness": 1, "worker_resources": {"labels": {"worker": 1}}}})
+    here = short_is_better(steps=3, **{"async": {"max_staleness": 1}})
+    assert "worker_resources" in placed.model_dump(mode="json")["async"]  # the stage task gets it, the key does not
+    assert cache_key("grpo", grpo.VERSION, placed.model_dump(mode="json"), {}, 0) == \
+        cache_key("grpo", grpo.VERSION, here.model_dump(mode="json"), {}, 0)
+    inputs = {"model": tiny_model_input, "prompts": digit_prompts}
+    started = time.monotonic()
+    proc, result = _start_driver(cluster, tmp_path, placed, inputs, module="stages.grpo",
+                                 task={"num_cpus": 1, "resources": {"head": 1}})
+    try:
+        local = LocalContext(tmp_path / "one-machine", seed=0)  # meanwhile, the same stage on this machine
+        out_local = grpo.run(here, inputs, local)["model"]
+        rc = proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    log = (tmp_path / "driver.log").read_text(errors="replace")
+    assert rc == 0, log[-6000:]
+    got = json.loads(result.read_text())
+    params = got["params"]
+    assert params["async.placement"] == "ray", params
+    assert params["async.learner_node_id"] == cluster.running["head"].node_id, params
+    assert params["async.worker_node_ids"] == cluster.running["worker"].node_id, params
+    assert local.params["async.placement"] == "processes"
+    ray_ctx = LocalContext(tmp_path / "run")  # the driver's root: the checkpoints record the consumed groups
+    ray_ctx.metrics = [(step, m) for step, m in got["metrics"]]
+    _check_schedule(ray_ctx, 1, 3, 4)
+    sha = lambda d: hashlib.sha256((Path(d) / "model" / "model.safetensors").read_bytes()).hexdigest()  # noqa: E731
+    assert sha(got["outputs"]["model"]) == sha(out_local.path)
+    print(f"async grpo, learner on {params['async.learner_node_id'][:8]}, worker on "
+          f"{params['async.worker_node_ids'][:8]}: {time.monotonic() - started:.0f} s")

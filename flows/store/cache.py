@@ -8,6 +8,8 @@ import json
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from schemas.configs import placement_free
+
 if TYPE_CHECKING:
     from flows.store.artifacts import ArtifactStore, CacheRecord
 
@@ -22,7 +24,7 @@ def config_hash(config: dict[str, Any]) -> str:
 
 def cache_key(stage: str, version: str, config: dict[str, Any], inputs: dict[str, str], seed: int, salt: str = "") -> str:
     """`salt` carries content the config only names (a user's file, a local model directory)."""
-    payload = {"stage": stage, "version": version, "config": config, "inputs": dict(sorted(inputs.items())), "seed": seed}
+    payload = {"stage": stage, "version": version, "config": placement_free(config), "inputs": dict(sorted(inputs.items())), "seed": seed}
     if salt:
         payload["salt"] = salt
     return hashlib.sha256(canonical_json(payload).encode()).hexdigest()

@@ -1,5 +1,7 @@
-"""Asynchronous rollouts on one machine (issue 60): worker processes generate a step's groups with a policy version
-up to K = `async.max_staleness` steps older than the learner's, while the learner trains.
+"""Asynchronous rollouts (issue 60), for grpo and ppo alike: workers generate a step's groups with a policy version
+up to K = `async.max_staleness` steps older than the learner's, while the learner trains. On one machine the
+workers are processes beside the learner; when the stage runs on a Ray cluster they are Ray actors placed by
+`async.worker_resources` (`rollout_actors`), with the same schedule, messages and weight files.
 
 The schedule is fixed, so a run is reproducible and resumable like the synchronous loop:
 - the groups the learner consumes at step s (0-based; it then holds version s, the weights after s steps; version 0
@@ -24,7 +26,8 @@ the split does not change what is computed.
 
 A worker that stays silent for `sync_timeout_s` (loading a version, or generating the step the learner waits for;
 the start, model load included, may take max(sync_timeout_s, STARTUP_S)) or that dies ends the stage with one
-StageError line naming the worker, its pid, the host and the version.
+StageError line naming the worker, its pid, the host (and Ray node) and the version. Generation and training
+intervals are on the wall clock (time.time), which machines of a cluster share, unlike their monotonic clocks.
 
 May import: `schemas`, `stages.base`, `stages.math`, `stages.modeling`, `stages.rewards`, `stages.runtime`,
 `stages.sampling`, and the rest of `stages.training`; never a stage module.
@@ -49,6 +52,7 @@ from schemas.errors import StageError
 from stages.base import Input, StageContext, seed_everything
 from stages.math import offpolicy
 from stages.runtime import distributed, threads
+from stages.training import rollout_actors
 from stages.training.checkpoints import complete_checkpoints, replace_synced, trainable_state
 from stages.training.groups import Groups
 
@@ -89,7 +93,7 @@ class WorkerJob:
     device: str
     weights_dir: Path
     start: int
-    parent: int  # the learner's pid: a worker whose learner is gone stops
+    parent: int | None  # the learner's pid: a worker whose learner is gone stops; None: a Ray actor (Ray ends it)
 
     def steps(self, total: int) -> range:
         first = self.start + (self.index - self.start) % self.workers
@@ -101,9 +105,9 @@ def _hook(var: str, index: int, at: int) -> bool:
     return bool(spec) and spec == f"{index}:{at}"
 
 
-def _wait_for(path: Path, parent: int) -> None:
+def _wait_for(path: Path, parent: int | None) -> None:
     while not path.exists():
-        if os.getppid() != parent:
+        if parent is not None and os.getppid() != parent:
             raise SystemExit(0)
         time.sleep(POLL_S)
 
@@ -154,27 +158,73 @@ def _generate(job: WorkerJob, out) -> None:
             out.put(("synced", job.index, step, version, None, 0.0, 0.0))
         if _hook(EXIT_VAR, job.index, step):
             os._exit(3)
-        t0 = time.monotonic()
+        t0 = time.time()
         out.put(("generating", job.index, step, version, None, t0, 0.0))
         # dynamic sampling is grpo's (ppo's synchronous loop samples without it)
         g = groups.sample_groups(backend, job.rows, cfg, job.seed, step, distributed.SINGLE, scorer,
                                  getattr(cfg, "dynamic_sampling", False), getattr(cfg, "max_refill_rounds", 0),
                                  logprobs=True, env=env)
         g.rewards = [r.tolist() for r in g.rewards]  # plain lists through the queue (no shared-memory handles)
-        out.put(("groups", job.index, step, version, g, t0, time.monotonic()))
+        out.put(("groups", job.index, step, version, g, t0, time.time()))
 
 
 def worker_main(job: WorkerJob, out) -> None:
     """A rollout worker's process: load the policy, then generate its steps' groups into `out`; an exception is
     one ("error", ...) message and exit code 1."""
-    try:
-        with threads.stage_share():
+    try:  # a local worker takes its share of the machine's cores; Ray sets an actor's from its num_cpus
+        with threads.stage_share() if job.parent is not None else contextlib.nullcontext():
             _generate(job, out)
     except SystemExit:
         raise
     except BaseException as e:  # noqa: BLE001 - the learner reports it in one line
         out.put(("error", job.index, -1, -1, f"{type(e).__name__}: {e}", 0.0, 0.0))
         raise SystemExit(1) from None
+
+
+# ---------------------------------------------------------------------------- the workers on one machine
+
+
+class LocalWorker:
+    """The learner's handle on one worker process."""
+
+    def __init__(self, proc) -> None:
+        self.proc, self.host = proc, socket.gethostname()
+
+    def describe(self) -> str:
+        return f"pid {self.proc.pid} on {self.host}"
+
+    def exit_status(self) -> str | None:
+        """None while the process runs; else how it ended, as the rest of a sentence."""
+        return None if self.proc.exitcode is None else f"exited with code {self.proc.exitcode}"
+
+
+class LocalWorkers:
+    """The workers as spawned processes beside the learner, and their multiprocessing queue."""
+
+    def __init__(self, stage: str, jobs: list[WorkerJob]) -> None:
+        mp = torch.multiprocessing.get_context("spawn")
+        self.queue = mp.Queue()
+        self.workers: list[LocalWorker] = []
+        for job in jobs:
+            p = mp.Process(target=worker_main, args=(job, self.queue), daemon=True, name=f"{stage}-rollout-{job.index}")
+            p.start()
+            self.workers.append(LocalWorker(p))
+
+    def params(self) -> dict[str, str]:
+        return {"async.placement": "processes"}
+
+    def close(self) -> None:
+        """Stop the processes by their pids: SIGTERM, then SIGKILL after 10 s."""
+        procs = [w.proc for w in self.workers]
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        self.queue.close()
 
 
 # ---------------------------------------------------------------------------- the learner's side
@@ -187,7 +237,7 @@ class Delivery:
     groups: Groups
     version: int
     staleness: int
-    generated: tuple[float, float]  # the worker's generation interval (monotonic clock, shared on the host)
+    generated: tuple[float, float]  # the worker's generation interval (wall clock: shared across machines)
 
 
 class AsyncRollouts:
@@ -199,26 +249,25 @@ class AsyncRollouts:
         self.stage, self.cfg, self.k = stage, cfg, cfg.async_.max_staleness
         self.timeout, self.start = cfg.async_.sync_timeout_s, state["step"]
         self.dir = ctx.checkpoint_dir / WEIGHTS_DIR
-        self.host = socket.gethostname()
         self.consumed: list[list] = resumed_record(state, self.start)
         self._prepare_versions(model)
-        mp = torch.multiprocessing.get_context("spawn")
-        self.queue = mp.Queue()
-        n = cfg.async_.rollout_workers
-        self.procs = []
-        for i in range(n):
-            job = WorkerJob(i, n, stage, cfg.model_dump(mode="json", by_alias=True), inputs["model"],
-                            inputs.get("reward_model"), rows, ctx.seed, ctx.device, self.dir, self.start, os.getpid())
-            p = mp.Process(target=worker_main, args=(job, self.queue), daemon=True, name=f"{stage}-rollout-{i}")
-            p.start()
-            self.procs.append(p)
+        n, on_ray = cfg.async_.rollout_workers, rollout_actors.on_ray()
+        device = ("cuda" if cfg.async_.worker_resources.gpus else "cpu") if on_ray else ctx.device
+        jobs = [WorkerJob(i, n, stage, cfg.model_dump(mode="json", by_alias=True), inputs["model"],
+                          inputs.get("reward_model"), rows, ctx.seed, device, self.dir, self.start,
+                          None if on_ray else os.getpid()) for i in range(n)]
+        self.pool = (rollout_actors.RayWorkers(stage, jobs, worker_main, cfg.async_.worker_resources,
+                                               max(STARTUP_S, self.timeout), ctx.log)
+                     if on_ray else LocalWorkers(stage, jobs))
+        self.queue, self.workers = self.pool.queue, self.pool.workers
+        ctx.log_params(self.pool.params())
         now = time.monotonic()
         self.heard = [now + max(0.0, STARTUP_S - self.timeout)] * n  # when each worker last answered (start: more)
         self.synced = [-1] * n
         self.buffer: dict[int, Delivery] = {}
         self.generation: list[tuple[float, float]] = []  # workers' generation intervals not yet counted
         self.generating: dict[int, float] = {}  # worker -> when its generation under way began
-        self.mark = self.taken = now  # the start of the current step's window; when training last resumed
+        self.mark = self.taken = time.time()  # the start of the current step's window; when training last resumed
 
     def _prepare_versions(self, model: torch.nn.Module) -> None:
         """A fresh start: the folder emptied, version 0 published. A resumed one: versions after its step (of the
@@ -247,19 +296,19 @@ class AsyncRollouts:
                 path.unlink(missing_ok=True)
 
     def _who(self, i: int) -> str:
-        return f"{self.stage}: async rollout worker {i} (pid {self.procs[i].pid} on {self.host})"
+        return f"{self.stage}: async rollout worker {i} ({self.workers[i].describe()})"
 
     def _receive(self, step: int) -> None:
         """One message, or a check of the worker that owns `step`: dead, or silent past its deadline."""
-        owner = step % len(self.procs)
+        owner = step % len(self.workers)
         version = behaviour_version(step, self.k)
         try:
             self._handle(self.queue.get(timeout=0.2))
         except queue.Empty:
-            p = self.procs[owner]
-            if p.exitcode is not None:
-                raise StageError(f"{self._who(owner)} exited with code {p.exitcode} before delivering step {step}'s "
-                                 f"groups (policy version {version})") from None
+            ended = self.workers[owner].exit_status()
+            if ended is not None:
+                raise StageError(f"{self._who(owner)} {ended} before delivering step {step}'s groups (policy version "
+                                 f"{version})") from None
             if time.monotonic() - self.heard[owner] > self.timeout:
                 what = (f"did not load policy version {version}" if self.synced[owner] < version
                         else f"did not deliver step {step}'s groups (policy version {version})")
@@ -282,7 +331,7 @@ class AsyncRollouts:
 
     def take(self, step: int) -> Delivery:
         """Step `step`'s groups (waiting for them), recorded as consumed."""
-        owner = step % len(self.procs)
+        owner = step % len(self.workers)
         self.heard[owner] = max(self.heard[owner], time.monotonic())  # silence counts from when the learner waits
         while step not in self.buffer:
             self._receive(step)
@@ -291,7 +340,7 @@ class AsyncRollouts:
             raise StageError(f"{self.stage}: step {step}'s groups came from policy version {d.version}, "
                              f"{d.staleness} > async.max_staleness={self.k} versions old")
         self.consumed += [[step, j, row["id"], d.version] for j, row in enumerate(d.groups.rows)]
-        self.taken = time.monotonic()  # training busy from here to `step_metrics`
+        self.taken = time.time()  # training busy from here to `step_metrics`
         return d
 
     def step_metrics(self, d: Delivery) -> dict[str, float]:
@@ -301,7 +350,7 @@ class AsyncRollouts:
         with contextlib.suppress(queue.Empty):
             while True:  # what the workers said while the learner trained
                 self._handle(self.queue.get_nowait())
-        now = time.monotonic()
+        now = time.time()
         hist = offpolicy.staleness_histogram([d.staleness] * len(d.groups.rows), self.k)
         generation = self.generation + [(t0, now) for t0 in self.generating.values()]
         busy = offpolicy.busy_fractions((self.mark, now), generation, [(self.taken, now)])
@@ -316,16 +365,8 @@ class AsyncRollouts:
         return {"async_consumed": list(self.consumed)}
 
     def close(self, finished: bool) -> None:
-        """Stop the workers (by their pids); after a finished run, remove the published versions."""
-        for p in self.procs:
-            if p.is_alive():
-                p.terminate()
-        for p in self.procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-        self.queue.close()
+        """Stop the workers; after a finished run, remove the published versions."""
+        self.pool.close()
         if finished:
             shutil.rmtree(self.dir, ignore_errors=True)
 

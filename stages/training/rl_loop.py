@@ -51,9 +51,9 @@ def check_async(node: str, cfg: RLConfig) -> None:
                                   ("resources.num_processes", cfg.resources.num_processes, 1),
                                   ("resources.distributed_type", cfg.resources.distributed_type, "ddp"),
                                   ("generation.backend", cfg.generation.backend, "transformers")):
-        if value != allowed:  # the Ray actor placement and the colocated engine come in the next increment
+        if value != allowed:  # a learner on several processes or machines, and the colocated engine: not built yet
             raise ConfigError(f"{node}.{field}: {value} does not go with async.max_staleness={k} yet (the rollout "
-                              f"workers run beside one learner process on one machine); use --set {node}.{field}="
+                              f"workers feed one learner process); use --set {node}.{field}="
                               f"{allowed}, {off}")
 
 
