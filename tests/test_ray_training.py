@@ -271,7 +271,7 @@ def test_async_grpo_generates_on_one_ray_node_and_learns_on_the_other(cluster, t
     as it is."""
     import hashlib
 
-    from flows.cache import cache_key
+    from flows.store.cache import cache_key
     from stages import grpo
     from tests.test_async_rl import _check_schedule
     from tests.test_grpo import short_is_better
