@@ -500,15 +500,13 @@ def test_previous_rows_from_before_intervals_show_the_accuracy_alone(tracker):
 
 
 def test_prefect_artifact_failure_only_warns(tracker, monkeypatch, caplog):
-    import prefect.artifacts
-
     import flows.report.report as report_mod
 
     def boom(**kwargs):
         raise RuntimeError("api down")
 
     monkeypatch.setattr(report_mod, "_in_prefect_run", lambda: True)
-    monkeypatch.setattr(prefect.artifacts, "create_markdown_artifact", boom)
+    monkeypatch.setattr(report_mod, "create_markdown_artifact", boom)
     plan = load_plan("sft-eval", "tiny")
     parent = tracker.start_run("parent", {})
     report = build_report(plan, sft_eval_results(tracker, parent, loss=None), tracker, parent)
