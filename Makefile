@@ -80,7 +80,7 @@ learn: bench-setup
 
 # What a lent GPU machine lacks (pydantic, datasets, TRL, reasoning-gym, ... as cp312 wheels in .whl/) and SmolLM2's
 # config and tokenizer (.gpu/), both git-ignored and carried there; fails if more than 60 MiB would travel.
-# Then, there: bash benchmarks/gpu_check.sh --device cuda (README, "Running on a GPU").
+# Then, there: bash benchmarks/gpu_check.sh --device cuda (docs/development.md, "Running on a GPU").
 gpu-wheels: setup
 	$(PY) benchmarks/gpu_wheels.py download
 

@@ -170,7 +170,7 @@ def _add_run_command(sub) -> None:
                      "this machine, each in its own process (default 1: one after another, as the plan lists them)")
     run.add_argument("--cluster", metavar="ADDRESS", help="run the stages on the Ray cluster at ADDRESS (host:port of "
                      "its head, or ray://host:10001; default: RAY_ADDRESS when set); needs the cluster extra, a shared "
-                     "R1FLOW_HOME and servers every node reaches (README: Run on a cluster)")
+                     "R1FLOW_HOME and servers every node reaches (docs/operations/cluster.md)")
     run.set_defaults(func=cmd_run)
 
 

@@ -44,7 +44,7 @@ from pathlib import Path
 TOKEN_VAR = "R1FLOW_RUN_TOKEN"
 PARENT_VAR = "R1FLOW_RUN_PROCESS"  # "pid:start_ticks" of the CLI process, for watch_parent
 SENTINEL_GRACE_S = 3.0
-EXIT_GRACE_S = 8.0  # from the signal's arrival; README: a run ends within 10 s of SIGTERM
+EXIT_GRACE_S = 8.0  # from the signal's arrival; docs/limits.md: a run ends within 10 s of SIGTERM
 
 
 def exit_without_final_collection() -> None:
