@@ -403,27 +403,6 @@ class PRMConfig(TrainingConfig):
         return self
 
 
-STAGE_CONFIGS: dict[str, type[Strict]] = {
-    "import_model": ModelConfig,
-    "prompts": PromptsConfig,
-    "sft": SFTConfig,
-    "eval": EvalConfig,
-    "tool_demos": ToolDemosConfig,
-    "rejection_sampling": RejectionSamplingConfig,
-    "preference_data": PreferenceDataConfig,
-    "reward_model": RewardModelConfig,
-    "grpo": GRPOConfig,
-    "ppo": PPOConfig,
-    "reference_logprobs": ReferenceLogprobsConfig,
-    "preference_optimization": PreferenceOptimizationConfig,
-    "distill_traces": DistillTracesConfig,
-    "make_student": MakeStudentConfig,
-    "distill": DistillConfig,
-    "step_labels": StepLabelsConfig,
-    "prm": PRMConfig,
-}
-
-
 # ---------------------------------------------------------------------------- recipes
 
 

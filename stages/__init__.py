@@ -1,7 +1,11 @@
-"""Stages: one module per stage, each with VERSION, CONFIG, INPUTS, OUTPUTS and run(); `SAMPLES = True` where
-its results depend on what the samplers draw (`stage_version`).
+"""Stages: one module per stage (`stages/<name>.py`: VERSION, CONFIG, INPUTS, OUTPUTS and run(); `SAMPLES = True`
+where its results depend on what the samplers draw, `stage_version`), and `STAGES`, the one registry row per stage:
+its module, config class, summary, the key metrics of a run's table and the panels of its training plot. Every
+other table of stages derives from `STAGES` (`STAGE_MODULES`, `STAGE_CONFIGS`, `flows.plan.results.KEY_METRICS`,
+`flows.report.plots.TRAINING_PANELS`); `tests/test_stage_tables.py` checks that they agree with the modules.
 
-Modules are imported lazily so that listing stages or validating a recipe stays fast.
+The registry imports no stage module (only `schemas/`): listing stages, validating a recipe, a run's table and the
+report stay fast. Modules are imported lazily, by `get_stage`.
 """
 
 from __future__ import annotations
@@ -10,48 +14,190 @@ import importlib
 from dataclasses import dataclass
 from types import ModuleType
 
+from schemas.configs import (
+    DistillConfig,
+    DistillTracesConfig,
+    EvalConfig,
+    GRPOConfig,
+    MakeStudentConfig,
+    ModelConfig,
+    PPOConfig,
+    PreferenceDataConfig,
+    PreferenceOptimizationConfig,
+    PRMConfig,
+    PromptsConfig,
+    ReferenceLogprobsConfig,
+    RejectionSamplingConfig,
+    RewardModelConfig,
+    SFTConfig,
+    StepLabelsConfig,
+    Strict,
+    ToolDemosConfig,
+)
 from schemas.errors import ConfigError
 from stages import sampling
 
-STAGE_MODULES = {
-    "import_model": "stages.import_model",
-    "prompts": "stages.prompts",
-    "sft": "stages.sft",
-    "eval": "stages.eval",
-    "rejection_sampling": "stages.rejection_sampling",
-    "preference_data": "stages.preference_data",
-    "reward_model": "stages.reward_model",
-    "grpo": "stages.grpo",
-    "ppo": "stages.ppo",
-    "reference_logprobs": "stages.reference_logprobs",
-    "preference_optimization": "stages.preference_optimization",
-    "distill_traces": "stages.distill_traces",
-    "make_student": "stages.make_student",
-    "distill": "stages.distill",
-    "step_labels": "stages.step_labels",
-    "prm": "stages.prm",
-    "tool_demos": "stages.tool_demos",
+
+@dataclass(frozen=True)
+class Panel:
+    """One panel of a stage's training plot in the report (flows/report/plots.py draws it): the metrics its users
+    watch that share a y axis, from the keys the stage logs per step (`ctx.log_metrics(..., step=)`).
+
+    lines: (metric key, legend label); a key ending in `/*` stands for every logged key under that
+    prefix except `exclude`, each labelled by the rest of its name (GRPO's reward components)."""
+
+    title: str
+    ylabel: str
+    lines: tuple[tuple[str, str], ...]
+    exclude: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class StageEntry:
+    """A stage's row in `STAGES`.
+
+    key_metrics: the metrics a run's stage table shows (fnmatch patterns, e.g. `pass_at_[0-9]`).
+    panels: its training plot in the report; the first panel of a loss-trained stage (train/loss) is its panel in
+    the overview training_loss.png."""
+
+    module: str  # stages.<name>, whose CONFIG is `config`
+    config: type[Strict]
+    summary: str  # one line: `r1flow stages`, the reference pages, the Prefect deployments
+    key_metrics: tuple[str, ...] = ()
+    panels: tuple[Panel, ...] = ()
+
+
+_LR = Panel("learning rate", "learning rate", (("train/lr", "learning rate"),))
+
+_GRAD = Panel("gradient norm before clipping", "global L2 norm", (("train/grad_norm", "grad norm"),))
+
+STAGES: dict[str, StageEntry] = {
+    "import_model": StageEntry(
+        "stages.import_model", ModelConfig,
+        "import a model reference (builtin, local dir, hub name) as a model artifact",
+        key_metrics=("parameters",)),
+    "prompts": StageEntry(
+        "stages.prompts", PromptsConfig,
+        "verifiable prompts from reasoning-gym tasks and user files, with a train/eval split",
+        key_metrics=("train_rows", "eval_rows")),
+    "sft": StageEntry(
+        "stages.sft", SFTConfig,
+        "supervised fine-tuning (LoRA or full), loss on assistant tokens, resumable",
+        key_metrics=("final_loss", "steps", "resumed_from_step"),
+        panels=(Panel("train loss", "NLL per target token (nats)", (("train/loss", "train batch"),)), _LR, _GRAD)),
+    "eval": StageEntry(
+        "stages.eval", EvalConfig,
+        "greedy pass@1 and sampled pass@k on held-out prompts, format rate, length",
+        key_metrics=("accuracy", "accuracy_lenient", "format_rate", "pass_at_[0-9]", "pass_at_[0-9][0-9]", "mean_length")),
+    "rejection_sampling": StageEntry(
+        "stages.rejection_sampling", RejectionSamplingConfig,
+        "K scored samples per prompt; keep up to M verified ones as an sft dataset",
+        key_metrics=("acceptance_rate", "accepted_rows", "sample_accuracy")),
+    "preference_data": StageEntry(
+        "stages.preference_data", PreferenceDataConfig,
+        "chosen/rejected pairs from scored samples (and user files), plus unpaired rows for KTO",
+        key_metrics=("pairs", "mean_margin")),
+    "reward_model": StageEntry(
+        "stages.reward_model", RewardModelConfig,
+        "Bradley-Terry reward model (scalar head on a causal LM), held-out pairwise accuracy",
+        key_metrics=("eval_accuracy", "eval_margin"),
+        panels=(
+            Panel("Bradley-Terry loss", "loss per pair", (("train/loss", "train batch"),)),
+            Panel("pairwise accuracy", "fraction of pairs, chosen > rejected", (("train/accuracy", "train batch"),)),
+            _LR, _GRAD)),
+    "grpo": StageEntry(
+        "stages.grpo", GRPOConfig,
+        "GRPO with verifiable rewards; Dr. GRPO, DAPO, GSPO, CISPO, RLOO variants by config",
+        key_metrics=("reward_first", "reward_last", "eval_accuracy_last", "time_per_step"),
+        panels=(
+            Panel("mean reward", "reward (weighted sum)", (("reward/mean", "rollouts"),)),
+            Panel("reward components", "mean per completion (unweighted)", (("reward/*", ""),),
+                  frozenset({"reward/mean", "reward/std", "reward/zero_std_groups", "reward/unscored", "reward/accuracy",
+                             "reward/format_rate", "reward/process_mean", "reward/steps_per_completion"})),
+            Panel("accuracy", "fraction correct", (("reward/accuracy", "rollouts (sampled)"),
+                                                   ("eval/accuracy", "held-out (greedy)"))),
+            Panel("format rate", "fraction well-formed", (("reward/format_rate", "rollouts (sampled)"),
+                                                          ("eval/format_rate", "held-out (greedy)"))),
+            Panel("KL to the reference", "KL estimate per token (nats)", (("train/kl", "KL(policy || ref)"),)),
+            Panel("policy entropy", "nats per token", (("train/entropy", "entropy"),)),
+            Panel("completion length", "tokens", (("completion/mean_length", "mean"), ("completion/max_length", "max"))),
+            Panel("completions cut at max_new_tokens", "fraction of completions", (("completion/truncated_frac", "cut"),)),
+            Panel("clip fraction", "fraction of tokens clipped", (("train/clip_low", "ratio below 1 - eps_low"),
+                                                                  ("train/clip_high", "ratio above 1 + eps_high"))),
+            Panel("groups with equal rewards (no signal)", "fraction of groups", (("reward/zero_std_groups", "groups"),)),
+            Panel("process reward", "mean step score", (("reward/process_mean", "process reward"),)),
+            Panel("sampler / trainer mismatch", "KL per token (nats)", (("train/mismatch_kl", "mismatch KL"),)),
+            _GRAD)),
+    "ppo": StageEntry(
+        "stages.ppo", PPOConfig,
+        "PPO with a critic (value head on a policy copy or the reward model), KL-penalised rewards, GAE",
+        key_metrics=("reward_first", "reward_last", "explained_variance_last", "eval_accuracy_last", "time_per_step"),
+        panels=(
+            Panel("mean reward", "score per completion", (("reward/mean", "rollouts"),
+                                                          ("reward/kl_penalized", "score - beta * KL (the return)"))),
+            Panel("accuracy", "fraction correct", (("reward/accuracy", "rollouts (sampled)"),
+                                                   ("eval/accuracy", "held-out (greedy)"))),
+            Panel("KL to the reference", "KL estimate per token (nats)", (("train/kl", "KL(policy || ref)"),)),
+            Panel("value loss", "clipped squared error / 2", (("train/value_loss", "value loss"),)),
+            Panel("explained variance", "1 - Var(R - V) / Var(R)", (("train/explained_variance", "critic"),)),
+            Panel("clip fractions", "fraction of tokens clipped", (("train/clip_low", "policy, ratio below 1 - eps"),
+                                                                   ("train/clip_high", "policy, ratio above 1 + eps"),
+                                                                   ("train/value_clipfrac", "value"))),
+            Panel("approximate KL between updates", "k3 per token (nats)", (("train/approx_kl", "new || old"),)),
+            Panel("policy entropy", "nats per token", (("train/entropy", "entropy"),)),
+            Panel("completion length", "tokens", (("completion/mean_length", "mean"), ("completion/max_length", "max"))),
+            Panel("gradient norms before clipping", "global L2 norm", (("train/grad_norm", "policy"),
+                                                                        ("train/critic_grad_norm", "critic"))),
+        )),
+    "reference_logprobs": StageEntry(
+        "stages.reference_logprobs", ReferenceLogprobsConfig,
+        "the reference model's log-probs of every preference completion, computed once and cached",
+        key_metrics=("completions", "sequences_per_s")),
+    "preference_optimization": StageEntry(
+        "stages.preference_optimization", PreferenceOptimizationConfig,
+        "DPO, cDPO, IPO, SimPO, KTO, ORPO on preference pairs (or unpaired rows for KTO)",
+        key_metrics=("eval_accuracy", "eval_margin", "eval_kl", "units_per_s"),
+        panels=(
+            Panel("preference loss", "loss per pair (or example)", (("train/loss", "train batch"), ("eval/loss", "held-out"))),
+            Panel("reward accuracy", "fraction of pairs, chosen > rejected",
+                  (("train/rewards/accuracy", "train batch"), ("eval/accuracy", "held-out"))),
+            Panel("implicit reward margin", "chosen - rejected", (("train/rewards/margin", "train batch"),
+                                                                  ("eval/margin", "held-out"))),
+            Panel("implicit rewards", "beta * log-ratio to the reference",
+                  (("train/rewards/chosen", "chosen, train"), ("train/rewards/rejected", "rejected, train"),
+                   ("eval/chosen", "chosen, held-out"), ("eval/rejected", "rejected, held-out"))),
+            Panel("KL to the reference (held-out prompts)", "nats per completion", (("eval/kl", "KL(policy || ref)"),)),
+            _LR, _GRAD)),
+    "distill_traces": StageEntry(
+        "stages.distill_traces", DistillTracesConfig,
+        "n teacher traces per prompt, filtered by the verifier, as a re-usable sft dataset",
+        key_metrics=("traces", "keep_rate", "sample_accuracy", "sample_accuracy_lenient")),
+    "make_student": StageEntry(
+        "stages.make_student", MakeStudentConfig,
+        "a smaller student cut from the teacher by keeping a subset of its layers (weights copied)",
+        key_metrics=("parameters", "teacher_parameters", "layers")),
+    "distill": StageEntry(
+        "stages.distill", DistillConfig,
+        "train a student on a teacher: SFT on its traces, logit KD (KL at temperature T), or on-policy GKD",
+        key_metrics=("student_parameters", "teacher_parameters", "heldout_nll_before", "heldout_nll_after", "heldout_nll_teacher"),
+        panels=(
+            Panel("distillation loss", "loss per target token", (("train/loss", "train batch"),)),
+            Panel("student NLL of the training tokens", "NLL per target token (nats)", (("train/nll", "train batch"),)),
+            Panel("student sample length (on-policy)", "tokens", (("train/sample_length", "mean"),)),
+            _LR, _GRAD)),
+    "step_labels": StageEntry(
+        "stages.step_labels", StepLabelsConfig,
+        "Math-Shepherd step labels: K rollouts from every step prefix of sampled solutions, soft or hard"),
+    "prm": StageEntry(
+        "stages.prm", PRMConfig,
+        "process reward model: a head at every step's last token, BCE on step labels, step accuracy and AUROC"),
+    "tool_demos": StageEntry(
+        "stages.tool_demos", ToolDemosConfig,
+        "python-tool demonstrations from gold answers of arithmetic prompts, each checked in the sandbox"),
 }
 
-STAGE_SUMMARIES = {
-    "import_model": "import a model reference (builtin, local dir, hub name) as a model artifact",
-    "prompts": "verifiable prompts from reasoning-gym tasks and user files, with a train/eval split",
-    "sft": "supervised fine-tuning (LoRA or full), loss on assistant tokens, resumable",
-    "eval": "greedy pass@1 and sampled pass@k on held-out prompts, format rate, length",
-    "rejection_sampling": "K scored samples per prompt; keep up to M verified ones as an sft dataset",
-    "preference_data": "chosen/rejected pairs from scored samples (and user files), plus unpaired rows for KTO",
-    "reward_model": "Bradley-Terry reward model (scalar head on a causal LM), held-out pairwise accuracy",
-    "grpo": "GRPO with verifiable rewards; Dr. GRPO, DAPO, GSPO, CISPO, RLOO variants by config",
-    "ppo": "PPO with a critic (value head on a policy copy or the reward model), KL-penalised rewards, GAE",
-    "reference_logprobs": "the reference model's log-probs of every preference completion, computed once and cached",
-    "preference_optimization": "DPO, cDPO, IPO, SimPO, KTO, ORPO on preference pairs (or unpaired rows for KTO)",
-    "distill_traces": "n teacher traces per prompt, filtered by the verifier, as a re-usable sft dataset",
-    "make_student": "a smaller student cut from the teacher by keeping a subset of its layers (weights copied)",
-    "distill": "train a student on a teacher: SFT on its traces, logit KD (KL at temperature T), or on-policy GKD",
-    "step_labels": "Math-Shepherd step labels: K rollouts from every step prefix of sampled solutions, soft or hard",
-    "tool_demos": "python-tool demonstrations from gold answers of arithmetic prompts, each checked in the sandbox",
-    "prm": "process reward model: a head at every step's last token, BCE on step labels, step accuracy and AUROC",
-}
+STAGE_MODULES: dict[str, str] = {name: s.module for name, s in STAGES.items()}
+STAGE_CONFIGS: dict[str, type[Strict]] = {name: s.config for name, s in STAGES.items()}
 
 
 def get_stage(name: str) -> ModuleType:
@@ -75,7 +221,7 @@ class StageDescription:
 
 def describe_stage(name: str) -> StageDescription:
     module = get_stage(name)
-    return StageDescription(name, module.VERSION, STAGE_SUMMARIES[name], dict(module.INPUTS), dict(module.OUTPUTS),
+    return StageDescription(name, module.VERSION, STAGES[name].summary, dict(module.INPUTS), dict(module.OUTPUTS),
                             module.CONFIG, module.__doc__ or "")
 
 # The sampler version the keys of sampling stages were computed under before it entered them: at this version

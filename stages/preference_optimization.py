@@ -4,7 +4,7 @@ One step reads like the DPO paper: a micro-batch of pairs goes through the polic
 concatenated forward pass (chosen rows, then rejected rows), each completion's token log-probs
 are reduced to a sequence log-prob (sum, or mean for SimPO/ORPO), and the loss of
 `stages/math/preference.py` compares them with the reference's, read from a cached
-`reference_logprobs` artifact. The math lives in `preference_losses`; this module orders it.
+`reference_logprobs` artifact. The math lives in `stages.math.preference`; this module orders it.
 
 The reference:
 - from the `reference` input (a `reference_logprobs` artifact of the same model and data): the

@@ -14,9 +14,10 @@ import pytest
 from flows.plan.recipes import RECIPE_DIR, available, load_plan
 from schemas.errors import ConfigError
 from stages import get_stage
+from stages.math import preference as pl
 from stages.preference_optimization import LOSS_NEEDS
 
-LOSSES = ("dpo", "cdpo", "ipo", "simpo", "kto", "orpo")
+LOSSES = tuple(pl.LOSSES)  # every loss of the table (tests/test_stage_tables.py: the same as the config's Literal)
 # every recipe with a preference_optimization node (rlhf, r1, nightly-preferences today), found by walking them
 RECIPES = [r for r in available(RECIPE_DIR)
            if any(n.stage == "preference_optimization" for n in load_plan(r, "tiny", run_checks=False).nodes)]

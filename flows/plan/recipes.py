@@ -22,9 +22,9 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from schemas.configs import STAGE_CONFIGS, NodeResources, ProfileConfig, RecipeConfig, RecipeOverlay, RLConfig
+from schemas.configs import NodeResources, ProfileConfig, RecipeConfig, RecipeOverlay, RLConfig
 from schemas.errors import ConfigError
-from stages import STAGE_MODULES, get_stage
+from stages import STAGE_CONFIGS, STAGE_MODULES, get_stage
 from stages.base import declared_kinds
 
 RECIPE_DIR = Path(__file__).parents[1] / "recipes"  # the YAML stays in flows/recipes/, flows/profiles/

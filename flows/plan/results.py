@@ -6,23 +6,10 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass, field
 
-KEY_METRICS = {
-    "import_model": ("parameters",),
-    "prompts": ("train_rows", "eval_rows"),
-    "sft": ("final_loss", "steps", "resumed_from_step"),  # the stage's steps, not those of its last stretch alone
-    "rejection_sampling": ("acceptance_rate", "accepted_rows", "sample_accuracy"),
-    "preference_data": ("pairs", "mean_margin"),
-    "reward_model": ("eval_accuracy", "eval_margin"),
-    "grpo": ("reward_first", "reward_last", "eval_accuracy_last", "time_per_step"),
-    "ppo": ("reward_first", "reward_last", "explained_variance_last", "eval_accuracy_last", "time_per_step"),
-    "reference_logprobs": ("completions", "sequences_per_s"),
-    "preference_optimization": ("eval_accuracy", "eval_margin", "eval_kl", "units_per_s"),
-    "distill_traces": ("traces", "keep_rate", "sample_accuracy", "sample_accuracy_lenient"),
-    "make_student": ("parameters", "teacher_parameters", "layers"),
-    "distill": ("student_parameters", "teacher_parameters", "heldout_nll_before", "heldout_nll_after",
-                "heldout_nll_teacher"),
-    "eval": ("accuracy", "accuracy_lenient", "format_rate", "pass_at_[0-9]", "pass_at_[0-9][0-9]", "mean_length"),
-}
+from stages import STAGES
+
+# the metrics the summary table shows per stage: the key_metrics of its row in `stages.STAGES`
+KEY_METRICS: dict[str, tuple[str, ...]] = {name: s.key_metrics for name, s in STAGES.items() if s.key_metrics}
 SHOWN_WHEN_NONZERO = frozenset({"resumed_from_step"})  # 0: the stage ran from its first step, which goes unsaid
 
 

@@ -1,95 +1,18 @@
 """The PNG plots of a pipeline run's report (flows/report/report.py): which panels each stage's training plot has
-(`TRAINING_PANELS`, `training_panels`), and drawing panels of curves and the eval bars with matplotlib (Agg).
-Pure: curves in, PNG bytes out; reading them from MLflow is the report's."""
+(`TRAINING_PANELS`, from each stage's row in `stages.STAGES`; `training_panels`), and drawing panels of curves
+and the eval bars with matplotlib (Agg). Pure: curves in, PNG bytes out; reading them from MLflow is the report's."""
 
 from __future__ import annotations
 
 import io
 import math
-from dataclasses import dataclass
 from typing import Any
 
 from flows.report.comparison import CI_HIGH, CI_LOW
+from stages import STAGES, Panel
 
-
-@dataclass(frozen=True)
-class Panel:
-    """One panel of a stage's training plot: the metrics its users watch that share a y axis.
-
-    lines: (metric key, legend label); a key ending in `/*` stands for every logged key under that
-    prefix except `exclude`, each labelled by the rest of its name (GRPO's reward components)."""
-
-    title: str
-    ylabel: str
-    lines: tuple[tuple[str, str], ...]
-    exclude: frozenset[str] = frozenset()
-
-_LR = Panel("learning rate", "learning rate", (("train/lr", "learning rate"),))
-
-_GRAD = Panel("gradient norm before clipping", "global L2 norm", (("train/grad_norm", "grad norm"),))
-
-
-# what each stage's users watch, from the keys the stages log per step (ctx.log_metrics(..., step=));
-# the first panel of a loss-trained stage (train/loss) is its panel in the overview training_loss.png
-TRAINING_PANELS: dict[str, tuple[Panel, ...]] = {
-    "sft": (Panel("train loss", "NLL per target token (nats)", (("train/loss", "train batch"),)), _LR, _GRAD),
-    "distill": (
-        Panel("distillation loss", "loss per target token", (("train/loss", "train batch"),)),
-        Panel("student NLL of the training tokens", "NLL per target token (nats)", (("train/nll", "train batch"),)),
-        Panel("student sample length (on-policy)", "tokens", (("train/sample_length", "mean"),)),
-        _LR, _GRAD),
-    "reward_model": (
-        Panel("Bradley-Terry loss", "loss per pair", (("train/loss", "train batch"),)),
-        Panel("pairwise accuracy", "fraction of pairs, chosen > rejected", (("train/accuracy", "train batch"),)),
-        _LR, _GRAD),
-    "preference_optimization": (
-        Panel("preference loss", "loss per pair (or example)", (("train/loss", "train batch"), ("eval/loss", "held-out"))),
-        Panel("reward accuracy", "fraction of pairs, chosen > rejected",
-              (("train/rewards/accuracy", "train batch"), ("eval/accuracy", "held-out"))),
-        Panel("implicit reward margin", "chosen - rejected", (("train/rewards/margin", "train batch"),
-                                                              ("eval/margin", "held-out"))),
-        Panel("implicit rewards", "beta * log-ratio to the reference",
-              (("train/rewards/chosen", "chosen, train"), ("train/rewards/rejected", "rejected, train"),
-               ("eval/chosen", "chosen, held-out"), ("eval/rejected", "rejected, held-out"))),
-        Panel("KL to the reference (held-out prompts)", "nats per completion", (("eval/kl", "KL(policy || ref)"),)),
-        _LR, _GRAD),
-    "grpo": (
-        Panel("mean reward", "reward (weighted sum)", (("reward/mean", "rollouts"),)),
-        Panel("reward components", "mean per completion (unweighted)", (("reward/*", ""),),
-              frozenset({"reward/mean", "reward/std", "reward/zero_std_groups", "reward/unscored", "reward/accuracy",
-                         "reward/format_rate", "reward/process_mean", "reward/steps_per_completion"})),
-        Panel("accuracy", "fraction correct", (("reward/accuracy", "rollouts (sampled)"),
-                                               ("eval/accuracy", "held-out (greedy)"))),
-        Panel("format rate", "fraction well-formed", (("reward/format_rate", "rollouts (sampled)"),
-                                                      ("eval/format_rate", "held-out (greedy)"))),
-        Panel("KL to the reference", "KL estimate per token (nats)", (("train/kl", "KL(policy || ref)"),)),
-        Panel("policy entropy", "nats per token", (("train/entropy", "entropy"),)),
-        Panel("completion length", "tokens", (("completion/mean_length", "mean"), ("completion/max_length", "max"))),
-        Panel("completions cut at max_new_tokens", "fraction of completions", (("completion/truncated_frac", "cut"),)),
-        Panel("clip fraction", "fraction of tokens clipped", (("train/clip_low", "ratio below 1 - eps_low"),
-                                                              ("train/clip_high", "ratio above 1 + eps_high"))),
-        Panel("groups with equal rewards (no signal)", "fraction of groups", (("reward/zero_std_groups", "groups"),)),
-        Panel("process reward", "mean step score", (("reward/process_mean", "process reward"),)),
-        Panel("sampler / trainer mismatch", "KL per token (nats)", (("train/mismatch_kl", "mismatch KL"),)),
-        _GRAD),
-    "ppo": (
-        Panel("mean reward", "score per completion", (("reward/mean", "rollouts"),
-                                                      ("reward/kl_penalized", "score - beta * KL (the return)"))),
-        Panel("accuracy", "fraction correct", (("reward/accuracy", "rollouts (sampled)"),
-                                               ("eval/accuracy", "held-out (greedy)"))),
-        Panel("KL to the reference", "KL estimate per token (nats)", (("train/kl", "KL(policy || ref)"),)),
-        Panel("value loss", "clipped squared error / 2", (("train/value_loss", "value loss"),)),
-        Panel("explained variance", "1 - Var(R - V) / Var(R)", (("train/explained_variance", "critic"),)),
-        Panel("clip fractions", "fraction of tokens clipped", (("train/clip_low", "policy, ratio below 1 - eps"),
-                                                               ("train/clip_high", "policy, ratio above 1 + eps"),
-                                                               ("train/value_clipfrac", "value"))),
-        Panel("approximate KL between updates", "k3 per token (nats)", (("train/approx_kl", "new || old"),)),
-        Panel("policy entropy", "nats per token", (("train/entropy", "entropy"),)),
-        Panel("completion length", "tokens", (("completion/mean_length", "mean"), ("completion/max_length", "max"))),
-        Panel("gradient norms before clipping", "global L2 norm", (("train/grad_norm", "policy"),
-                                                                    ("train/critic_grad_norm", "critic"))),
-    ),
-}
+# what each stage's users watch: the panels of its row in `stages.STAGES`
+TRAINING_PANELS: dict[str, tuple[Panel, ...]] = {name: s.panels for name, s in STAGES.items() if s.panels}
 
 RL_STAGES = ("grpo", "ppo")  # their losses mean little to a reader (centred advantages): grpo.png compares them
 

@@ -67,9 +67,9 @@ from flows.servers.settings import Settings
 from flows.store.artifacts import ArtifactStore
 from flows.store.cache import cache_key, reusable_record
 from flows.track.tracking import Tracker, flatten, run_name
-from schemas.configs import STAGE_CONFIGS, ProfileConfig
+from schemas.configs import ProfileConfig
 from schemas.errors import ArtifactError, ConfigError
-from stages import STAGE_MODULES, STAGE_SUMMARIES, get_stage, stage_version
+from stages import STAGE_CONFIGS, STAGE_MODULES, STAGES, get_stage, stage_version
 from stages.base import declared_kinds
 from stages.runtime import lifetime
 
@@ -315,7 +315,7 @@ def _make_stage_flow(stage: str):
     ], return_annotation=dict)
     rerun.__annotations__ = {p.name: p.annotation for p in rerun.__signature__.parameters.values()}
     rerun.__annotations__["return"] = dict
-    rerun.__doc__ = f"""Re-run the {stage} stage: {STAGE_SUMMARIES[stage]}
+    rerun.__doc__ = f"""Re-run the {stage} stage: {STAGES[stage].summary}
 
     Args:
         inputs: One artifact reference per input: {REF_HELP}.
@@ -409,7 +409,7 @@ def deployment_specs(recipes: list[str], stages: list[str], profile: str, overri
         specs.append({"flow": STAGE_FLOWS[stage], "entrypoint": f"flows/run/deploy.py:{stage}_stage",
                       "name": stage + suffix, "parameters": _stage_base(stage, recipes, profile),
                       "tags": ["r1flow", "stage", stage, *tags],
-                      "description": f"Re-run the {stage} stage from cached artifacts: {STAGE_SUMMARIES[stage]}"})
+                      "description": f"Re-run the {stage} stage from cached artifacts: {STAGES[stage].summary}"})
     return specs
 
 
