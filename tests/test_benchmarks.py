@@ -297,3 +297,103 @@ def test_grpo_phase_clock_counts_each_phase_without_its_nested_phases(monkeypatc
     summary = grpo_phases.phase_summary([clock.steps[0], later, later])
     assert summary["first"]["step"] == 10.0 and summary["steps_measured"] == 2
     assert summary["mean"]["rollout"] == 1.0 and summary["mean"]["step"] == 1.5 and summary["mean"]["backward"] == 0.0
+
+
+# ---------------------------------------------------------------------------- benchmarks/async_throughput.py (issue 60)
+
+ASYNC_COLUMNS = ["placement", "K", "samples/s", "s/step", "t_gen s", "t_train s", "ceiling", "speed-up",
+                 "share of ceiling", "overlap", "gen idle", "train idle", "staleness mean"]
+
+
+def test_async_throughput_numbers_by_hand():
+    """Worked by hand, 16 completions a step, steps after the first measured. Sync: steps end at 10, 14, 18 s, each
+    3 s generating and 1 s training: 32 completions / 8 s = 4 samples/s, generation idle 1 - 3/4, training idle
+    1 - 1/4, ceiling (3 + 1) / 3 = 4/3. K = 1: steps end at 10, 13, 16 s: 32 / 6 = 5.33 samples/s, 4/3 times the
+    sync run's: the whole ceiling. A second repeat at half the K = 1 speed-up's gain (steps of 3.5 s: 32 / 7) makes
+    the spread: mean and half the range over the repeats."""
+    from benchmarks.async_throughput import order_of
+    from benchmarks.async_throughput_report import markdown_table, summarize_run, throughput_rows
+
+    def run(ends, gen, train, asynchronous=None):
+        metrics = [(s, {"time/generation": gen - 0.5, "time/scoring": 0.5, "time/training": train,
+                        **(asynchronous or {})}) for s in (1, 2, 3)]
+        return {"clock": {str(s): t for s, t in zip((1, 2, 3), ends, strict=True)}, "metrics": [*metrics, (None, {})]}
+
+    sync = summarize_run(run((10.0, 14.0, 18.0), 3.0, 1.0), 0, 1, 16)
+    assert sync["samples_per_s"] == 4.0 and sync["s_per_step"] == 4.0 and sync["steps_measured"] == 2
+    assert (sync["t_gen"], sync["t_train"], sync["overlap"], sync["staleness_mean"]) == (3.0, 1.0, 0.0, 0.0)
+    assert sync["generation_idle"] == 0.25 and sync["training_idle"] == 0.75
+    seen = {"async/overlap": 0.3, "async/generation_idle": 0.1, "async/training_idle": 0.6, "async/staleness_mean": 1.0}
+    fast = summarize_run(run((10.0, 13.0, 16.0), 3.0, 1.0, seen), 1, 1, 16)
+    assert fast["samples_per_s"] == pytest.approx(32 / 6) and fast["overlap"] == 0.3 and fast["staleness_mean"] == 1.0
+    slower = summarize_run(run((10.0, 13.5, 17.0), 3.0, 1.0, seen), 1, 1, 16)
+    runs = [{"placement": "local", "k": k, "repeat": r, **s}
+            for k, r, s in ((0, 0, sync), (1, 0, fast), (0, 1, sync), (1, 1, slower))]
+    rows = {row["k"]: row for row in throughput_rows(runs)}
+    assert rows[0]["speedup"]["mean"] == 1.0 and rows[0]["ceiling"]["mean"] == pytest.approx(4 / 3)
+    assert rows[1]["speedup"]["values"] == pytest.approx([4 / 3, 8 / 7])
+    assert rows[1]["speedup"]["mean"] == pytest.approx((4 / 3 + 8 / 7) / 2)
+    assert rows[1]["speedup"]["half_range"] == pytest.approx((4 / 3 - 8 / 7) / 2)
+    assert rows[1]["ceiling_share"]["values"] == pytest.approx([1.0, (8 / 7) / (4 / 3)])
+    assert "| local | 1 | 4.952 ± 0.381 | 3.25 ± 0.25 |" in markdown_table(list(rows.values()))
+    assert order_of([0, 1, 2], 0) == [0, 1, 2] and order_of([0, 1, 2], 1) == [2, 1, 0]
+
+
+def test_async_throughput_refuses_bad_settings_in_one_line_before_any_compute(tmp_path):
+    import subprocess
+    import sys
+
+    from benchmarks.async_throughput import ROOT
+
+    out = subprocess.run([sys.executable, "benchmarks/async_throughput.py", "--ks", "1,2", "--steps", "1",
+                          "--placements", "local,moon", "--work", str(tmp_path / "w")], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 1 and out.stdout == ""
+    assert out.stderr.count("\n") == 1 and out.stderr.startswith("async_throughput: --ks '1,2' must include 0")
+    assert "--steps 1 above it" in out.stderr and "unknown ['moon']" in out.stderr
+    assert not (tmp_path / "w").exists()
+
+
+def _table(stdout: str) -> tuple[list[str], list[list[str]]]:
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("|")]
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    return head, [[c.strip() for c in ln.strip("|").split("|")] for ln in lines[2:]]
+
+
+@pytest.mark.slow
+def test_async_throughput_smoke_run_prints_every_column(tmp_path):
+    """`benchmarks/async_throughput.py --model tiny`, 2 steps, K in {0, 1}, one machine: a row per K with every
+    column, finite sane values (K = 0: speed-up 1, no overlap, staleness 0; K = 1: staleness 1 after the warm-up
+    step), the threads split as said (K = 0: the learner 2; K = 1: learner 1 + worker 1 process), the environment
+    printed, and the JSON written."""
+    import math
+    import subprocess
+    import sys
+
+    from benchmarks.async_throughput import ROOT
+
+    out_json = tmp_path / "out.json"
+    proc = subprocess.run([sys.executable, "benchmarks/async_throughput.py", "--model", "tiny", "--steps", "2",
+                           "--ks", "0,1", "--placements", "local", "--repeats", "1", "--work", str(tmp_path / "w"),
+                           "--json", str(out_json)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    head, rows = _table(proc.stdout)
+    assert head == ASYNC_COLUMNS
+    assert [r[:2] for r in rows] == [["local", "0"], ["local", "1"]]
+    values = {int(r[1]): dict(zip(head[2:], map(float, r[2:]), strict=True)) for r in rows}
+    for k, v in values.items():
+        assert all(math.isfinite(x) for x in v.values()), v
+        assert v["samples/s"] > 0 and v["s/step"] > 0 and v["t_gen s"] > 0 and v["t_train s"] > 0, v
+        assert 1.0 <= v["ceiling"] <= 2.0 and v["speed-up"] > 0, v
+        assert v["share of ceiling"] == pytest.approx(v["speed-up"] / v["ceiling"], abs=0.011), v
+        for key in ("overlap", "gen idle", "train idle"):
+            assert 0.0 <= v[key] <= 1.0, (k, key, v)
+    assert values[0]["speed-up"] == 1.0 and values[0]["overlap"] == 0.0 and values[0]["staleness mean"] == 0.0
+    assert values[1]["staleness mean"] == 1.0
+    for needle in ("- CPU: ", "MKL_CBWR=", "OMP_WAIT_POLICY=", "load average (1, 5, 15 min) at the start",
+                   "Command: `.venv/bin/python benchmarks/async_throughput.py --model tiny"):
+        assert needle in proc.stdout
+    saved = json.loads(out_json.read_text())
+    threads = {r["k"]: (r["learner_threads"], r["worker_threads"]) for r in saved["runs"]}
+    assert threads == {0: ([2], None), 1: ([1], 1)}
+    assert [r["placement_params"].get("async.placement") for r in saved["runs"]] == [None, "processes"]
