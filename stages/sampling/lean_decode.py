@@ -17,8 +17,8 @@ projections (the tiny model, 16 rows: 0.78 -> 0.65 ms a step; SmolLM2-135M on CP
 within noise, for 430 MB of copies, so not there). The copies are taken when `lean_step` is called:
 it is called again after the weights change (`decode_rows` calls it per batch). Only plain
 `nn.Linear`s are fused (not LoRA layers, nor forwards replaced by anything but
-`rows_first.rows_first_linears`, whose layout choice is for large weights); each output is the same
-dot product either way (bit for bit in the tests).
+`rows_first.rows_first_linears`, whose layout choice is for large weights), and only where the fused
+product gives the separate products' bits (`fuses_exactly`, probed: not so with MKL's strict mode on every CPU).
 
 Only models whose decode step is exactly that are taken (`lean_step` returns None otherwise and
 the caller runs `model(...)`): Llama, Mistral and Qwen2 causal LMs with full attention in every
@@ -82,7 +82,29 @@ def fused_projections(layers, max_bytes: int = FUSE_MAX_BYTES) -> list[tuple]:
     size = sum(p.numel() * p.element_size() for pair in groups for g in pair if g for m in g for p in m.parameters())
     if size > max_bytes:
         return [(None, None)] * len(layers)
-    return [tuple(_concat(g) if g else None for g in pair) for pair in groups]
+    fused = [tuple(_concat(g) if g else None for g in pair) for pair in groups]
+    if not all(fuses_exactly(g, f) for g, f in zip(groups[0], fused[0], strict=True) if g):
+        return [(None, None)] * len(layers)
+    return fused
+
+
+PROBE_ROWS = (1, 7, 32)  # matrix products pick their kernels by shape: a few batch sizes a decode step meets
+
+
+@torch.no_grad()
+def fuses_exactly(linears, fused: tuple[torch.Tensor, torch.Tensor | None]) -> bool:
+    """Whether one product on the concatenated weights gives each linear's output bit for bit. It does with
+    MKL's default mode, but not on every CPU with the strict reproducible one (MKL_CBWR=AUTO,STRICT on an AMD
+    EPYC: ~1e-7 apart), where fusing would make the lean step differ from the model's forward; so it is probed
+    (once per lean step, on the first layer's shapes) rather than assumed."""
+    weight = linears[0].weight
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    for rows in PROBE_ROWS:
+        x = torch.randn(rows, 1, weight.shape[1], generator=gen).to(weight.device, weight.dtype)
+        whole = torch.nn.functional.linear(x, *fused)
+        if not torch.equal(whole, torch.cat([m(x) for m in linears], -1)):
+            return False
+    return True
 
 
 @dataclass(frozen=True)
