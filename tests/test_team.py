@@ -282,7 +282,10 @@ def test_every_command_uses_the_up_servers_without_exports(live_servers, session
     mlflow = MlflowClient(info.mlflow_tracking_uri)
 
     out = _r1flow(["status"], env)
-    assert out.returncode == 0 and info.prefect.url in out.stdout and info.mlflow.url in out.stdout
+    # status exits 1 for a scheduled deployment no worker polls: another test of this module's servers may leave one
+    late = "its runs will go Late" in out.stdout
+    assert out.returncode == (1 if late else 0), out.stdout + out.stderr
+    assert info.prefect.url in out.stdout and info.mlflow.url in out.stdout
 
     out = _r1flow(["run", "--recipe", "eval", "--profile", "tiny", "--json", str(tmp_path / "run.json")], env)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]

@@ -269,7 +269,7 @@ def print_summary(result: dict, total: float, before_flow: float, console=None) 
         console.print("report (with its comparison CSV/JSON and plots in the same folder):")
         line(report["path"])
     elif report.get("url"):  # a tracking server: its mlflow-artifacts: URI opens nowhere, the UI's page does
-        console.print("report (in the MLflow parent run's Artifacts, with its comparison CSV/JSON and plots):")
+        console.print("report (in the MLflow parent run's Artifacts, beside the comparison and plots):")  # < 80 columns: one line
         line(report["url"])
     elif report.get("uri"):
         console.print("report (an artifact of the MLflow parent run; the UI shows it under Artifacts):")
