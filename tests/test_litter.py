@@ -250,6 +250,7 @@ def test_kill_9_during_a_sandboxed_program_leaves_its_folder_and_the_next_run_re
         assert time.monotonic() < deadline, "no program started in the sandbox"
         time.sleep(0.2)
     time.sleep(1.0)  # the program runs
+    assert proc.poll() is None, proc.communicate()  # still running: the kill lands mid-program
     proc.kill()
     proc.wait()
     (orphan,) = running
@@ -257,7 +258,7 @@ def test_kill_9_during_a_sandboxed_program_leaves_its_folder_and_the_next_run_re
     live_pid, live_ticks = live_process
     kept = [_folder(tmpdir, f"{RUN_DIR_PREFIX}{live_pid}-{live_ticks}-{host_id()}-abcd1234"),  # a live run's
             _folder(tmpdir, f"{RUN_DIR_PREFIX}k3j2h1g0"),  # named before directories named their owner
-            tmpdir / f"{RUN_DIR_PREFIX}uids"]  # made by the sandbox itself
+            _folder(tmpdir, f"{RUN_DIR_PREFIX}uids")]  # the uid slots' locks (in /tmp whatever TMPDIR says)
 
     # the next run (its only node's upstream is not cached: it ends with one error line once it has cleaned up)
     run = subprocess.run([sys.executable, "-m", "flows.cli", "run", "--recipe", "sft-eval", "--profile", "tiny",

@@ -42,7 +42,7 @@ the reward workers are threads. Two isolation modes; `isolation()` picks one per
     the RLIMIT_NPROC accounting below;
   - ipc and uts namespaces;
   - credentials: setgroups([]), then setresgid/setresuid to a uid of the run's own (UID_BASE +
-    slot), then no_new_privs. Slots are flock'ed (files in $TMPDIR/r1flow-sandbox-uids), so
+    slot), then no_new_privs. Slots are flock'ed (files in /tmp/r1flow-sandbox-uids, whatever TMPDIR says), so
     concurrent runs in threads or other processes never share a uid. RLIMIT_NPROC counts the
     tasks of a uid and root is exempt from it: the uid change makes it bite, so the program gets
     1 + max_processes tasks and a fork bomb stops there.
@@ -106,6 +106,9 @@ MAX_FILE_BYTES = 16 * 2**20  # RLIMIT_FSIZE: largest file the program may write
 MAX_OPEN_FILES = 256
 UID_BASE = 2_000_000_000  # sandbox uids are UID_BASE + slot (namespaces mode)
 UID_SLOTS = 64  # concurrent runs per machine; more wait for a free slot
+# The slots are the machine's, so their locks are in one place whatever a process's TMPDIR: two runs with other
+# TMPDIRs would otherwise hold the same uid at once and share its process limit (RLIMIT_NPROC counts per uid).
+UID_LOCK_DIR = "/tmp/r1flow-sandbox-uids"
 KILL_GRACE_S = 2.0  # how long the launcher gets to kill the program before its group is SIGKILLed
 PIVOT_ROOT_SYSCALLS = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "ppc64": 203, "s390x": 217}
 WEAK_ENV = "R1FLOW_SANDBOX_ALLOW_WEAK"  # =1: the host accepts the audit-hook mode for code rewards
@@ -561,7 +564,7 @@ def _classify(killed_for: str | None, report: dict, stderr: str, cpu_limit: int)
 @contextlib.contextmanager
 def _uid_slot() -> Iterator[int]:
     """Hold a sandbox uid no other run (thread or process) uses meanwhile: flock on a root-only file."""
-    lock_dir = os.path.join(tempfile.gettempdir(), "r1flow-sandbox-uids")
+    lock_dir = UID_LOCK_DIR
     with contextlib.suppress(FileExistsError):
         os.mkdir(lock_dir, 0o700)
     st = os.lstat(lock_dir)
