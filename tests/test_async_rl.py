@@ -218,19 +218,24 @@ def test_a_worker_that_dies_ends_the_stage_in_one_line(tmp_path, tiny_model_inpu
 def test_a_resumed_learner_neither_replays_nor_skips_a_group(tmp_path, tiny_model_input, digit_prompts):
     """K = 1, killed after step 3 (last checkpoint: step 2): the resumed run trains steps 3-5 only, its record of
     consumed groups equals an uninterrupted run's, and so do the model bytes."""
+    cfg = short_is_better(steps=5, checkpoint_every=2, **{"async": {"max_staleness": 1}})
+    _resumes_without_replay_or_skip(grpo, cfg, {"model": tiny_model_input, "prompts": digit_prompts}, tmp_path)
+
+
+def _resumes_without_replay_or_skip(stage, cfg, inputs, tmp_path) -> None:
+    """`stage` (grpo or ppo) with `cfg` (5 steps, 4 prompts a step, checkpoint every 2), killed after step 3 and
+    resumed: steps 1-2 come back from the checkpoint's history (logged first), 3-5 are trained, each once, in
+    order; the consumed groups and the model bytes equal an uninterrupted run's."""
     from tests.test_sft import CrashingContext, SimulatedCrash
 
-    inputs = {"model": tiny_model_input, "prompts": digit_prompts}
-    cfg = short_is_better(steps=5, checkpoint_every=2, **{"async": {"max_staleness": 1}})
     ref_ctx = LocalContext(tmp_path / "ref", seed=0)
-    ref = grpo.run(cfg, inputs, ref_ctx)["model"]
+    ref = stage.run(cfg, inputs, ref_ctx)["model"]
     root = tmp_path / "crash"
     with pytest.raises(SimulatedCrash):
-        grpo.run(cfg, inputs, CrashingContext(root, crash_at=3))
+        stage.run(cfg, inputs, CrashingContext(root, crash_at=3))
     assert len(_consumed(LocalContext(root), 2)) == 2 * 4
     resumed = LocalContext(root, seed=0)
-    out = grpo.run(cfg, inputs, resumed)["model"]
-    # steps 1-2 come back from the checkpoint's history (logged first), 3-5 are trained: each once, in order
+    out = stage.run(cfg, inputs, resumed)["model"]
     assert [s for s, m in resumed.metrics if s is not None and "train/loss" in m] == [1, 2, 3, 4, 5]
     assert _consumed(resumed, 5) == _consumed(ref_ctx, 5)
     assert _model_sha(out) == _model_sha(ref)
@@ -403,18 +408,6 @@ def test_a_resumed_ppo_learner_neither_replays_nor_skips_a_group(tmp_path, tiny_
     record of consumed groups equals an uninterrupted run's, and so do the model bytes."""
     from stages import ppo
     from tests.test_ppo import small
-    from tests.test_sft import CrashingContext, SimulatedCrash
 
-    inputs = {"model": tiny_model_input, "prompts": digit_prompts}
     cfg = small(steps=5, prompts_per_step=4, group_size=4, checkpoint_every=2, **{"async": {"max_staleness": 1}})
-    ref_ctx = LocalContext(tmp_path / "ref", seed=0)
-    ref = ppo.run(cfg, inputs, ref_ctx)["model"]
-    root = tmp_path / "crash"
-    with pytest.raises(SimulatedCrash):
-        ppo.run(cfg, inputs, CrashingContext(root, crash_at=3))
-    assert len(_consumed(LocalContext(root), 2)) == 2 * 4
-    resumed = LocalContext(root, seed=0)
-    out = ppo.run(cfg, inputs, resumed)["model"]
-    assert [s for s, m in resumed.metrics if s is not None and "train/loss" in m] == [1, 2, 3, 4, 5]
-    assert _consumed(resumed, 5) == _consumed(ref_ctx, 5)
-    assert _model_sha(out) == _model_sha(ref)
+    _resumes_without_replay_or_skip(ppo, cfg, {"model": tiny_model_input, "prompts": digit_prompts}, tmp_path)
