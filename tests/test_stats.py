@@ -225,3 +225,68 @@ def test_two_sided_verdicts():
     assert stats.two_sided(-0.08, -0.004) == "lower"
     assert stats.two_sided(-0.01, 0.05) == "same"
     assert stats.two_sided(0.0, 0.05) == "same"  # an interval touching 0 does not exclude it
+
+
+# ---------------------------------------------------------------------------- time to accuracy
+
+
+def test_time_to_reach_interpolates_the_first_crossing():
+    """Curve 0.2, 0.3, 0.5, 0.6 at 0, 60, 120, 180 s. Target 0.4 is crossed between 60 s (0.3) and 120 s (0.5):
+    60 + (0.4 - 0.3) / (0.5 - 0.3) * 60 = 90 s. 0.5 is reached at 120 s exactly; 0.2 at the start (0.0); 0.7
+    never. A curve that dips (0.2, 0.5, 0.3, 0.6) first crosses 0.45 at 0 + 0.25 / 0.3 * 60 = 50 s, not later."""
+    t = [0, 60, 120, 180]
+    assert stats.time_to_reach(t, [0.2, 0.3, 0.5, 0.6], 0.4) == pytest.approx(90.0)
+    assert stats.time_to_reach(t, [0.2, 0.3, 0.5, 0.6], 0.5) == 120.0
+    assert stats.time_to_reach(t, [0.2, 0.3, 0.5, 0.6], 0.2) == 0.0
+    assert stats.time_to_reach(t, [0.2, 0.3, 0.5, 0.6], 0.7) is None
+    assert stats.time_to_reach(t, [0.2, 0.5, 0.3, 0.6], 0.45) == pytest.approx(50.0)
+    assert stats.time_to_reach([30, 90], [0.8, 0.9], 0.5) == 0.0  # at or above it at the first point: 0.0
+    with pytest.raises(ValueError, match="3 times and 2 accuracies"):
+        stats.time_to_reach([0, 1, 2], [0.1, 0.2], 0.5)
+
+
+def curves(*seeds_points):
+    """(S, T, P) from per seed, per point lists of 0/1 scores."""
+    return np.asarray(seeds_points, dtype=float)
+
+
+def test_time_to_accuracy_hand_worked_interpolation_and_a_start_above_the_target():
+    """One seed, two prompts. a (the reference): 0/2 at 0 s, 1/2 at 100 s, so the target is 0.5 and t_a = 100 s.
+    b: 0/2 at 0 s, 2/2 at 20 s: it crosses 0.5 half-way, at 10 s: speed-up 10. The prompt draws: (1, 1) makes the
+    target 1, a's curve 0 -> 1 (t_a 100) and b's 0 -> 1 (t_b 20): 5, probability 1/4; a mixed draw is the point
+    (10, probability 1/2); (2, 2) makes the target 0, which both start at: +inf, probability 1/4. So the 95%
+    interval is [5, inf]; b always gets there."""
+    a = curves([[0, 0], [1, 0]])
+    b = curves([[0, 0], [1, 1]])
+    c = stats.compare_time_to_accuracy(a, [[0, 100]], b, [[0, 20]], resamples=4000)
+    assert (c.target, c.t_a, c.t_b, c.speedup) == (0.5, 100.0, 10.0, 10.0)
+    assert c.ci == (5.0, math.inf) and c.never_reached_share == 0.0
+    assert (c.seeds, c.prompts) == (1, 2)
+    # b evaluated at more points than a (its own snapshots): the points of each side are its own
+    c = stats.compare_time_to_accuracy(a, [[0, 100]], curves([[0, 0], [1, 0], [1, 1]]), [[0, 5, 20]], resamples=400)
+    assert (c.t_b, c.speedup) == (5.0, 20.0)
+
+
+def test_time_to_accuracy_when_b_never_gets_there():
+    """One seed, two prompts. a: 0/2 at 0 s, 2/2 at 60 s (target 1, t_a 60). b: 0/2, then 1/2 at 30 s: it never
+    reaches 1, speed-up 0. Draws: (1, 1) gives b 0 -> 1, t_b 30, speed-up 2 (probability 1/4); any other draw leaves
+    b short (3/4). So the interval is [0, 2] and about 3/4 of the replicates never got there."""
+    a = curves([[0, 0], [1, 1]])
+    b = curves([[0, 0], [1, 0]])
+    c = stats.compare_time_to_accuracy(a, [[0, 60]], b, [[0, 30]], resamples=4000)
+    assert (c.target, c.t_a, c.t_b, c.speedup) == (1.0, 60.0, None, 0.0)
+    assert c.ci == (0.0, 2.0) and c.never_reached_share == pytest.approx(0.75, abs=0.03)
+
+
+def test_time_to_accuracy_pairs_the_seeds_and_averages_their_times():
+    """Two seeds, one prompt, every model right at the end. a's seeds end at 100 and 200 s, b's at 30 and 50 s:
+    the seed-mean curves reach 1 at 150 and 40 s, speed-up 3.75. A seed draw of (0, 0) gives 100 / 30 = 3.33, (1, 1)
+    200 / 50 = 4, a mixed one 3.75: the interval is [3.33, 4]. Drawing a's and b's seeds independently would pair
+    100 with 50 (2) and 200 with 30 (6.67) too."""
+    a = curves([[0], [1]], [[0], [1]])
+    b = curves([[0], [1]], [[0], [1]])
+    c = stats.compare_time_to_accuracy(a, [[0, 100], [0, 200]], b, [[0, 30], [0, 50]], resamples=4000)
+    assert (c.t_a, c.t_b, c.speedup) == (150.0, 40.0, 3.75)
+    assert c.ci == (pytest.approx(100 / 30), 4.0) and (c.seeds, c.prompts) == (2, 1)
+    with pytest.raises(ValueError, match=r"a \(2, 2, 1\), b \(1, 2, 1\)"):
+        stats.compare_time_to_accuracy(a, [[0, 100], [0, 200]], b[:1], [[0, 30]])

@@ -17,12 +17,18 @@ Where it departs from the textbook, or where a reader should be careful:
 - `seed_prompt_means` (and `seed_prompt_diff`, `compare_gains` on top of it) resamples training seeds and prompts
   together, one prompt draw shared by every seed (the prompts are crossed with the seeds, not nested in them). A
   ratio of two gains gets an interval only when the denominator's interval stays above 0 (`ratio_interval`).
+- `compare_time_to_accuracy` reads two sides' learning curves (held-out accuracy at fixed points of training) and
+  asks when the second first reaches the first's final accuracy (`time_to_reach`: linear between the two points
+  around the first crossing). Its interval resamples seeds and prompts as `seed_prompt_means` does, the target
+  recomputed in every replicate; a replicate whose b never gets there counts as speed-up 0, one whose b starts there
+  as +inf, and the quantiles are order statistics (no interpolation toward an infinite value).
 - Resamples are drawn in chunks of at most `CHUNK_ELEMENTS` indices, so memory stays bounded for
   any n; the numbers do not depend on the chunk size (one generator, drawn in order).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -248,3 +254,85 @@ def compare_gains(start, a, b, confidence: float = 0.95, resamples: int = 10_000
                           diff=d, diff_ci=percentile_interval(reps[:, 2], confidence),
                           ratio=g_b / g_a if g_a > 0 else None,
                           ratio_ci=ratio_interval(reps[:, 1], reps[:, 0], confidence))
+
+
+# ---------------------------------------------------------------------------- time to accuracy
+
+
+def time_to_reach(times, accuracies, target: float) -> float | None:
+    """When a learning curve (accuracies[i] at times[i], times non-decreasing) first reaches `target`: 0.0 when its
+    first point is already at or above it; else linear between the two points around the first crossing,
+    t[i-1] + (target - acc[i-1]) / (acc[i] - acc[i-1]) * (t[i] - t[i-1]); None when it never gets there."""
+    t, acc = _as_1d(times, "times"), _as_1d(accuracies, "accuracies")
+    if len(t) != len(acc) or len(t) == 0:
+        raise ValueError(f"time_to_reach: {len(t)} times and {len(acc)} accuracies (one each, at least one point)")
+    if acc[0] >= target:
+        return 0.0
+    for i in range(1, len(t)):
+        if acc[i] >= target:  # acc[i - 1] < target <= acc[i]: the denominator is above 0
+            return float(t[i - 1] + (target - acc[i - 1]) / (acc[i] - acc[i - 1]) * (t[i] - t[i - 1]))
+    return None
+
+
+def _speedup(t_a: float, t_b: float | None) -> float:
+    """t_a / t_b; 0.0 when b never reached the target, +inf when it started at or above it."""
+    if t_b is None:
+        return 0.0
+    return math.inf if t_b == 0 else t_a / t_b
+
+
+@dataclass(frozen=True)
+class TimeToAccuracy:
+    """How much sooner side b reaches side a's final accuracy than a does; the interval over seeds and prompts."""
+
+    target: float  # a's final accuracy: the mean over seeds and prompts at its last point
+    t_a: float  # when a's seed-mean curve first reaches the target (at its last point at the latest)
+    t_b: float | None  # the same for b; None: never
+    speedup: float  # t_a / t_b: 0.0 when b never reaches the target, +inf when b starts at or above it
+    ci: tuple[float, float]
+    never_reached_share: float  # the share of replicates in which b never reached the target
+    seeds: int
+    prompts: int
+
+
+def compare_time_to_accuracy(a, times_a, b, times_b, confidence: float = 0.95, resamples: int = 10_000,
+                             seed: int = 0) -> TimeToAccuracy:
+    """Side b's time to reach side a's final accuracy against a's own time. a (S, T_a, P) and b (S, T_b, P): each
+    seed's per-prompt correctness at each point of its curve (the start, snapshots, the end; the same P prompts
+    everywhere), times_a (S, T_a) and times_b (S, T_b) the seconds of training at those points. A side's curve is the
+    mean over seeds and prompts at each point, at the mean of its seeds' times there.
+
+    The interval draws the seeds (seed k of a with seed k of b) and the prompts (one draw for every seed, both sides
+    and every point) with replacement, as `seed_prompt_means` does, and recomputes the target, t_a, t_b and t_a / t_b
+    in each replicate; its bounds are order statistics (numpy's "inverted_cdf"), so an infinite replicate is never
+    averaged into a finite bound."""
+    _check(confidence, resamples)
+    x, y = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    ta, tb = np.asarray(times_a, dtype=np.float64), np.asarray(times_b, dtype=np.float64)
+    if (x.ndim != 3 or y.ndim != 3 or 0 in x.shape or 0 in y.shape or x.shape[0] != y.shape[0]
+            or x.shape[2] != y.shape[2] or ta.shape != x.shape[:2] or tb.shape != y.shape[:2]):
+        raise ValueError(f"compare_time_to_accuracy: a {x.shape}, b {y.shape}, times_a {ta.shape}, times_b "
+                         f"{tb.shape}: expected (S, T_a, P), (S, T_b, P), (S, T_a), (S, T_b), the same S and P")
+    s, n_a, p = x.shape
+    # every point's scores and its times as (S, P) arrays of one draw: a time is the same for each prompt, so its
+    # replicate is the drawn seeds' mean time
+    stacked = np.concatenate([x.transpose(1, 0, 2), y.transpose(1, 0, 2),
+                              np.repeat(ta.T[:, :, None], p, axis=2), np.repeat(tb.T[:, :, None], p, axis=2)])
+    reps = seed_prompt_means(stacked, resamples, seed)  # (resamples, 2 * (T_a + T_b))
+    n_ab = n_a + y.shape[1]
+
+    def measure(curve_a, curve_b, clock_a, clock_b) -> tuple[float, float, float | None]:
+        target = curve_a[-1]
+        t_a = time_to_reach(clock_a, curve_a, target)  # never None: a's last point is the target
+        return target, t_a, time_to_reach(clock_b, curve_b, target)
+
+    ratios, never = np.empty(resamples), 0
+    for r, row in enumerate(reps):
+        _, t_a, t_b = measure(row[:n_a], row[n_a:n_ab], row[n_ab:n_ab + n_a], row[n_ab + n_a:])
+        ratios[r] = _speedup(t_a, t_b)
+        never += t_b is None
+    target, t_a, t_b = measure(x.mean(axis=(0, 2)), y.mean(axis=(0, 2)), ta.mean(axis=0), tb.mean(axis=0))
+    alpha = 1.0 - confidence
+    low, high = np.quantile(ratios, [alpha / 2, 1 - alpha / 2], method="inverted_cdf")
+    return TimeToAccuracy(target=float(target), t_a=t_a, t_b=t_b, speedup=_speedup(t_a, t_b),
+                          ci=(float(low), float(high)), never_reached_share=never / resamples, seeds=s, prompts=p)
