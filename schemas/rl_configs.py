@@ -30,6 +30,9 @@ DEFAULT_EPSILON_LOW: dict[str, float | None] = {"token": 0.2, "gspo": 0.2, "cisp
 # times a per-token loss. gspo's ratio is one per sequence; a per-token weight inside it is neither GSPO nor AReaL.
 ASYNC_POLICY_LOSSES: tuple[str, ...] = ("token", "cispo")
 
+# How many dead rollout workers a stage's run replaces by default (`AsyncConfig.worker_restarts`).
+DEFAULT_WORKER_RESTARTS = 2
+
 
 def _renamed(data: Any, stage: str, renamed: dict[str, str]) -> Any:
     """A config dict with its deprecated field names replaced by the current ones, each with a FutureWarning
@@ -88,17 +91,29 @@ class AsyncConfig(Strict):
         default_factory=WorkerResources, exclude_if=lambda v: v == WorkerResources(),
         description="On a Ray cluster (`r1flow run --cluster`) the rollout workers are Ray actors reserving these "
         "resources (placement: not in the cache key); on one machine they are local processes and this is not read.")
+    worker_restarts: int = Field(
+        DEFAULT_WORKER_RESTARTS, ge=0, exclude_if=lambda v: v == DEFAULT_WORKER_RESTARTS,
+        description="How many times in a stage's run a rollout worker that dies (killed, out of memory, its Ray node "
+        "lost) is replaced: the new worker resumes at the first step whose groups the learner has not received, "
+        "with that step's policy version, so the outputs are the same; one death more fails the stage in one line. "
+        "A worker that raises an error or stays silent past sync_timeout_s is not replaced. Operational, like "
+        "worker_resources: not in the cache key.")
+
+
+# The `async` settings that do not change what a run computes: where the rollout workers run (placement, like a
+# node's `resources:`) and how often a dead one is replaced (a replacement delivers the same groups).
+OPERATIONAL_ASYNC_FIELDS: tuple[str, ...] = ("worker_resources", "worker_restarts")
 
 
 def placement_free(config: dict[str, Any]) -> dict[str, Any]:
-    """A stage config's dump as its cache key reads it: without `async.worker_resources` (where the rollout workers
-    run is placement, like a node's `resources:`), and without the `async` block when the rest of it is the default
-    (as the dump leaves it out then). Any other config is returned as it is."""
+    """A stage config's dump as its cache key reads it: without the operational `async` settings
+    (OPERATIONAL_ASYNC_FIELDS: `worker_resources`, `worker_restarts`), and without the `async` block when the rest of
+    it is the default (as the dump leaves it out then). Any other config is returned as it is."""
     block = config.get("async")
-    if not isinstance(block, dict) or "worker_resources" not in block:
+    if not isinstance(block, dict) or not any(k in block for k in OPERATIONAL_ASYNC_FIELDS):
         return config
     out = {k: v for k, v in config.items() if k != "async"}
-    rest = {k: v for k, v in block.items() if k != "worker_resources"}
+    rest = {k: v for k, v in block.items() if k not in OPERATIONAL_ASYNC_FIELDS}
     if rest != AsyncConfig().model_dump(mode="json"):
         out["async"] = rest
     return out

@@ -1,13 +1,18 @@
 """Asynchronous GRPO on one machine (issue 60, `stages.training.async_rollouts`): K = 0 is the synchronous loop;
 with K >= 1 rollout worker processes sample step s with the weights after step max(0, s - K), every consumed group's
 staleness is min(K, s) and none is dropped; the loss's importance weights are wired to the behaviour log-probs; a
-worker that hangs or dies ends the stage in one line; a resumed learner neither replays nor skips a group."""
+worker that hangs ends the stage in one line; a worker that dies is replaced (up to async.worker_restarts) with the
+same outputs, and one death more ends the stage in one line; a resumed learner neither replays nor skips a group."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import multiprocessing
+import os
 import re
+import signal
 import time
 
 import pytest
@@ -71,17 +76,47 @@ def _check_schedule(ctx, k: int, steps: int, prompts: int) -> None:
     assert all(v == max(0, s - k) for s, _, _, v in consumed)
 
 
+class KillingContext(LocalContext):
+    """SIGKILLs the learner's rollout worker process `name` once, as the metrics of step `at` are logged (the
+    learner has published version `at`): what the kernel's out-of-memory killer does to a worker."""
+
+    def __init__(self, root, name: str, at: int):
+        super().__init__(root, seed=0)
+        self.name, self.at, self.killed = name, at, []
+
+    def log_metrics(self, metrics, step=None):
+        super().log_metrics(metrics, step)
+        if step == self.at and not self.killed:
+            worker = next(p for p in multiprocessing.active_children() if p.name == self.name)
+            os.kill(worker.pid, signal.SIGKILL)
+            self.killed.append(worker.pid)
+
+
 @pytest.mark.slow
-def test_k1_runs_deterministically_whatever_the_number_of_workers(tmp_path, tiny_model_input, digit_prompts):
-    """K = 1 with one worker and with two: the same schedule, so the same model bytes and rewards; staleness is
-    exactly min(1, s); step 0 (the input model, staleness 0) has importance weights 1, and once the weights have
-    changed a stale step's weights are not all 1 (the behaviour log-probs reach the loss)."""
+def test_k1_runs_deterministically_whatever_the_number_of_workers_or_a_killed_one(tmp_path, tiny_model_input,
+                                                                                 digit_prompts, caplog):
+    """K = 1 with one worker and with two, worker 1 of the two killed (SIGKILL) after step 1: the same schedule, so
+    the same model bytes and rewards; the dead worker is replaced (one warning line naming it, its host and the
+    step its successor starts at: 1 or 3, whichever it had not delivered; `async/worker_restarts` counts it);
+    staleness is exactly min(1, s); step 0 (the input model, staleness 0) has importance weights 1, and once the
+    weights have changed a stale step's weights are not all 1 (the behaviour log-probs reach the loss)."""
     inputs = {"model": tiny_model_input, "prompts": digit_prompts}
     one_ctx, one = _run(tmp_path, "one", inputs, steps=4, **{"async": {"max_staleness": 1}})
-    two_ctx, two = _run(tmp_path, "two", inputs, steps=4, **{"async": {"max_staleness": 1, "rollout_workers": 2}})
+    two_ctx = KillingContext(tmp_path / "two", "grpo-rollout-1", at=1)
+    with caplog.at_level(logging.WARNING, logger="r1flow.stage"):
+        two = grpo.run(short_is_better(steps=4, **{"async": {"max_staleness": 1, "rollout_workers": 2}}), inputs,
+                       two_ctx)["model"]
     _check_schedule(one_ctx, 1, 4, 4)
     _check_schedule(two_ctx, 1, 4, 4)
     assert _model_sha(one) == _model_sha(two)
+    replaced = [r.getMessage() for r in caplog.records if "replaced" in r.getMessage()]
+    assert len(replaced) == 1 and two_ctx.killed, replaced
+    line = re.fullmatch(rf"grpo: async rollout worker 1 \(pid {two_ctx.killed[0]} on \S+\) exited with code -9 "
+                        r"before delivering step (\d)'s groups \(policy version (\d)\); replaced \(1 of "
+                        r"async.worker_restarts=2\) by pid \d+ on \S+, from step \1", replaced[0])
+    assert line and (line[1], line[2]) in {("1", "0"), ("3", "2")}, replaced[0]
+    assert _step_metrics(two_ctx)[4]["async/worker_restarts"] == 1.0
+    assert {m["async/worker_restarts"] for m in _step_metrics(one_ctx).values()} == {0.0}
     rewards = lambda ctx: [m["reward/mean"] for m in _step_metrics(ctx).values()]  # noqa: E731
     assert rewards(one_ctx) == rewards(two_ctx)
     assert _consumed(one_ctx, 4) == _consumed(two_ctx, 4)
@@ -199,16 +234,101 @@ def test_a_worker_that_hangs_in_a_sync_ends_the_stage_in_one_line(tmp_path, tiny
 
 
 @pytest.mark.slow
-def test_a_worker_that_dies_ends_the_stage_in_one_line(tmp_path, tiny_model_input, digit_prompts, monkeypatch):
-    """Worker 0 exits with code 3 before generating step 2: one line with its pid, host, exit code, step, version."""
+def test_a_worker_that_dies_past_its_restarts_ends_the_stage_in_one_line(tmp_path, tiny_model_input, digit_prompts,
+                                                                          monkeypatch, caplog):
+    """Worker 0 exits with code 3 before generating step 2, and so does its replacement (the hook holds for every
+    worker 0): with async.worker_restarts=1 the first death is one warning line and a new worker from step 2, the
+    second ends the stage in one line with the new pid, the host, exit code, step, version and the bound."""
     monkeypatch.setenv(async_rollouts.EXIT_VAR, "0:2")
-    with pytest.raises(StageError) as e:
+    with caplog.at_level(logging.WARNING, logger="r1flow.stage"), pytest.raises(StageError) as e:
         _run(tmp_path, "dead", {"model": tiny_model_input, "prompts": digit_prompts}, steps=4,
-             **{"async": {"max_staleness": 1}})
+             **{"async": {"max_staleness": 1, "worker_restarts": 1}})
     msg = str(e.value)
     assert "\n" not in msg
-    assert re.fullmatch(r"grpo: async rollout worker 0 \(pid \d+ on \S+\) exited with code 3 before delivering "
-                        r"step 2's groups \(policy version 1\)", msg), msg
+    last = re.fullmatch(r"grpo: async rollout worker 0 \(pid (\d+) on \S+\) exited with code 3 before delivering "
+                        r"step 2's groups \(policy version 1\); no replacement left \(async.worker_restarts=1\)", msg)
+    assert last, msg
+    replaced = [r.getMessage() for r in caplog.records if "replaced" in r.getMessage()]
+    first = re.fullmatch(r"grpo: async rollout worker 0 \(pid (\d+) on \S+\) exited with code 3 before delivering "
+                         r"step 2's groups \(policy version 1\); replaced \(1 of async.worker_restarts=1\) by pid "
+                         r"(\d+) on \S+, from step 2", replaced[0]) if len(replaced) == 1 else None
+    assert first and first[2] == last[1] != first[1], (replaced, msg)
+
+
+def _dead_worker_learner(restarts: int, steps: int, workers: int, taken: int, buffered: set[int]):
+    """The learner's side of a run of `steps` steps with `workers` workers whose steps before `taken` were consumed
+    and `buffered` received, and whose worker processes have all exited with code -9 (stand-ins that record the
+    replacements)."""
+
+    class Ended:
+        def __init__(self, pid):
+            self.pid = pid
+
+        def describe(self):
+            return f"pid {self.pid} on h"
+
+        def exit_status(self):
+            return "exited with code -9"
+
+    class Pool:
+        def __init__(self):
+            self.workers, self.started = [Ended(100 + i) for i in range(workers)], []
+
+        def drain(self, i):
+            return []
+
+        def replace(self, i, job):
+            self.started.append((i, job.start))
+            self.workers[i] = Ended(200 + len(self.started))
+
+    ro = async_rollouts.AsyncRollouts.__new__(async_rollouts.AsyncRollouts)
+    ro.stage, ro.k, ro.timeout, ro.log = "grpo", 1, 300.0, logging.getLogger("r1flow.stage")
+    ro.cfg = short_is_better(steps=steps, **{"async": {"max_staleness": 1, "worker_restarts": restarts}})
+    ro.pool = Pool()
+    ro.workers, ro.next, ro.restarts = ro.pool.workers, taken, 0
+    ro.jobs = [async_rollouts.WorkerJob(i, workers, "grpo", {}, None, None, [], 0, "cpu", None, 0, 1)
+               for i in range(workers)]
+    ro.buffer = {s: None for s in buffered}
+    ro.heard, ro.synced, ro.generating = [0.0] * workers, [0] * workers, {}
+    return ro
+
+
+def test_a_dead_worker_is_replaced_from_the_first_step_the_learner_has_not_received():
+    """Two workers, 6 steps, steps 0-1 consumed and 3 received: dead worker 0 resumes at step 2 and dead worker 1 at
+    step 5 (its step 3 is in); with 5 steps worker 1 owes nothing and is not replaced. With the bound spent (or 0)
+    a death is the one line, without a bound clause at 0."""
+    ro = _dead_worker_learner(restarts=2, steps=6, workers=2, taken=2, buffered={3})
+    ro._dead(0, "exited with code -9")
+    ro._dead(1, "exited with code -9")
+    assert ro.pool.started == [(0, 2), (1, 5)] and ro.restarts == 2
+    assert [j.start for j in ro.jobs] == [2, 5] and list(ro.jobs[0].steps(6)) == [2, 4] and list(ro.jobs[1].steps(6)) == [5]
+    with pytest.raises(StageError, match=r"^grpo: async rollout worker 0 \(pid 201 on h\) exited with code -9 before "
+                                         r"delivering step 2's groups \(policy version 1\); no replacement left "
+                                         r"\(async.worker_restarts=2\)$"):
+        ro._dead(0, "exited with code -9")
+    ro = _dead_worker_learner(restarts=2, steps=5, workers=2, taken=2, buffered={3})
+    ro._dead(1, "exited with code -9")
+    assert ro.pool.started == []
+    ro = _dead_worker_learner(restarts=0, steps=4, workers=1, taken=1, buffered=set())
+    with pytest.raises(StageError, match=r"^grpo: async rollout worker 0 \(pid 100 on h\) exited with code -9 before "
+                                         r"delivering step 1's groups \(policy version 0\)$"):
+        ro._dead(0, "exited with code -9")
+
+
+def test_worker_restarts_is_out_of_the_dump_while_default_and_out_of_the_cache_key():
+    """async.worker_restarts (default 2) is operational: left out of the dump while default, so dumps and keys of
+    today's configs stay as they were; set, it is in the dump the stage validates and out of the cache key."""
+    from flows.store.cache import cache_key
+
+    k1 = short_is_better(**{"async": {"max_staleness": 1}})
+    assert k1.async_.worker_restarts == 2 and "worker_restarts" not in k1.model_dump(mode="json")["async"]
+    for block, bare in (({"max_staleness": 1}, k1), ({}, short_is_better())):
+        set_ = short_is_better(**{"async": {**block, "worker_restarts": 5}})
+        dump = set_.model_dump(mode="json")
+        assert dump["async"]["worker_restarts"] == 5 and GRPOConfig.model_validate(dump) == set_
+        assert cache_key("grpo", "v", dump, {}, 0) == cache_key("grpo", "v", bare.model_dump(mode="json"), {}, 0)
+    with pytest.raises(ValueError, match="async.worker_restarts"):
+        short_is_better(**{"async": {"worker_restarts": -1}})
 
 
 # ---------------------------------------------------------------------------- resume

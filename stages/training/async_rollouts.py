@@ -25,9 +25,19 @@ cores one worker and the learner get one thread each; the products are thread-co
 the split does not change what is computed.
 
 A worker that stays silent for `sync_timeout_s` (loading a version, or generating the step the learner waits for;
-the start, model load included, may take max(sync_timeout_s, STARTUP_S)) or that dies ends the stage with one
-StageError line naming the worker, its pid, the host (and Ray node) and the version. Generation and training
-intervals are on the wall clock (time.time), which machines of a cluster share, unlike their monotonic clocks.
+the start, model load included, may take max(sync_timeout_s, STARTUP_S)), or that reports an error, ends the stage
+with one StageError line naming the worker, its pid, the host (and Ray node) and the version. A worker that dies
+(killed, out of memory, its Ray node lost) is replaced, up to `async.worker_restarts` times in the run, by a new
+one for the same steps, starting at the first of them whose groups the learner has not received: a step's groups
+depend only on the seed, the step and the published version max(0, s - K) (which is still on disk: the learner
+keeps every version from its own less K), so the replacement delivers the bytes the dead worker would have, and the
+run's outputs do not change; each replacement is a warning line (the dead worker, its node, the step) and counts in
+`async/worker_restarts`. One death beyond the bound ends the stage with the dead worker's one line. A local worker
+writes to a pipe of its own (`Outbox`), not to a queue shared with the others: a process killed while writing leaves
+a shared queue's lock held and a partial message in it, which would stall every other worker; the learner closes
+its copy of each pipe's writing end, so a dead worker's pipe reads to its end and then says so. Generation and
+training intervals are on the wall clock (time.time), which machines of a cluster share, unlike their monotonic
+clocks.
 
 May import: `schemas`, `stages.base`, `stages.math`, `stages.modeling`, `stages.rewards`, `stages.runtime`,
 `stages.sampling`, and the rest of `stages.training`; never a stage module.
@@ -41,7 +51,9 @@ import os
 import queue
 import shutil
 import socket
+import threading
 import time
+from multiprocessing import connection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -92,7 +104,7 @@ class WorkerJob:
     seed: int
     device: str
     weights_dir: Path
-    start: int
+    start: int  # the first step this worker generates is the first of its own from here
     parent: int | None  # the learner's pid: a worker whose learner is gone stops; None: a Ray actor (Ray ends it)
 
     def steps(self, total: int) -> range:
@@ -169,8 +181,8 @@ def _generate(job: WorkerJob, out) -> None:
 
 
 def worker_main(job: WorkerJob, out) -> None:
-    """A rollout worker's process: load the policy, then generate its steps' groups into `out`; an exception is
-    one ("error", ...) message and exit code 1."""
+    """A rollout worker's body (a local process or a Ray actor): load the policy, then generate its steps' groups
+    into `out`; an exception is one ("error", ...) message and exit code 1."""
     try:  # a local worker takes its share of the machine's cores; Ray sets an actor's from its num_cpus
         with threads.stage_share() if job.parent is not None else contextlib.nullcontext():
             _generate(job, out)
@@ -181,14 +193,48 @@ def worker_main(job: WorkerJob, out) -> None:
         raise SystemExit(1) from None
 
 
+class Outbox:
+    """A local worker's end of its pipe to the learner: a thread sends what `put` is given, so the worker never
+    waits for the learner to read (as a multiprocessing queue's feeder thread); `close` sends what is left."""
+
+    def __init__(self, conn: connection.Connection) -> None:
+        self.conn, self.pending = conn, queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._send, daemon=True, name="rollout-outbox")
+        self.thread.start()
+
+    def put(self, message: tuple) -> None:
+        self.pending.put(message)
+
+    def _send(self) -> None:
+        while (message := self.pending.get()) is not None:
+            try:
+                self.conn.send(message)
+            except OSError:  # the learner is gone: nobody reads
+                return
+
+    def close(self) -> None:
+        self.pending.put(None)
+        self.thread.join()
+        self.conn.close()
+
+
+def local_worker_main(job: WorkerJob, conn: connection.Connection) -> None:
+    """A local worker process: `worker_main` writing to its own pipe, flushed when it ends (not when it is killed)."""
+    out = Outbox(conn)
+    try:
+        worker_main(job, out)
+    finally:
+        out.close()
+
+
 # ---------------------------------------------------------------------------- the workers on one machine
 
 
 class LocalWorker:
-    """The learner's handle on one worker process."""
+    """The learner's handle on one worker process and the reading end of its pipe."""
 
-    def __init__(self, proc) -> None:
-        self.proc, self.host = proc, socket.gethostname()
+    def __init__(self, proc, conn: connection.Connection) -> None:
+        self.proc, self.conn, self.host = proc, conn, socket.gethostname()
 
     def describe(self) -> str:
         return f"pid {self.proc.pid} on {self.host}"
@@ -199,16 +245,45 @@ class LocalWorker:
 
 
 class LocalWorkers:
-    """The workers as spawned processes beside the learner, and their multiprocessing queue."""
+    """The workers as spawned processes beside the learner, each writing to a pipe of its own."""
 
     def __init__(self, stage: str, jobs: list[WorkerJob]) -> None:
-        mp = torch.multiprocessing.get_context("spawn")
-        self.queue = mp.Queue()
-        self.workers: list[LocalWorker] = []
-        for job in jobs:
-            p = mp.Process(target=worker_main, args=(job, self.queue), daemon=True, name=f"{stage}-rollout-{job.index}")
-            p.start()
-            self.workers.append(LocalWorker(p))
+        self.stage, self.mp = stage, torch.multiprocessing.get_context("spawn")
+        self.workers: list[LocalWorker] = [self._start(job) for job in jobs]
+
+    def _start(self, job: WorkerJob) -> LocalWorker:
+        reader, writer = self.mp.Pipe(duplex=False)
+        p = self.mp.Process(target=local_worker_main, args=(job, writer), daemon=True,
+                            name=f"{self.stage}-rollout-{job.index}")
+        p.start()
+        writer.close()  # the worker holds the only writing end: its pipe ends (EOFError) when the worker does
+        return LocalWorker(p, reader)
+
+    def replace(self, index: int, job: WorkerJob) -> None:
+        """A new process for worker `index` (whose process has ended), starting at `job.start`."""
+        old = self.workers[index]
+        old.conn.close()
+        old.proc.join(timeout=5)
+        self.workers[index] = self._start(job)
+
+    def get(self, timeout: float) -> tuple:
+        """The next message of any worker (queue.Empty after `timeout` s without one)."""
+        for conn in connection.wait([w.conn for w in self.workers if not w.conn.closed], timeout):
+            try:
+                return conn.recv()
+            except (EOFError, OSError):  # its worker ended and everything it sent was read
+                conn.close()
+        raise queue.Empty
+
+    def drain(self, index: int) -> list[tuple]:
+        """The messages an ended worker sent that are still unread (a message cut short by its death is dropped)."""
+        out, conn = [], self.workers[index].conn
+        while not conn.closed and conn.poll():
+            try:
+                out.append(conn.recv())
+            except (EOFError, OSError):
+                conn.close()
+        return out
 
     def params(self) -> dict[str, str]:
         return {"async.placement": "processes"}
@@ -224,7 +299,8 @@ class LocalWorkers:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
-        self.queue.close()
+        for w in self.workers:
+            w.conn.close()
 
 
 # ---------------------------------------------------------------------------- the learner's side
@@ -247,22 +323,23 @@ class AsyncRollouts:
     def __init__(self, stage: str, cfg: RLConfig, ctx: StageContext, inputs: dict[str, Input], rows: list[dict],
                  model: torch.nn.Module, state: dict) -> None:
         self.stage, self.cfg, self.k = stage, cfg, cfg.async_.max_staleness
-        self.timeout, self.start = cfg.async_.sync_timeout_s, state["step"]
+        self.timeout, self.start, self.log = cfg.async_.sync_timeout_s, state["step"], ctx.log
         self.dir = ctx.checkpoint_dir / WEIGHTS_DIR
         self.consumed: list[list] = resumed_record(state, self.start)
+        self.next = self.start  # the step the learner takes next
+        self.restarts = 0  # dead workers replaced in this run (at most async.worker_restarts)
         self._prepare_versions(model)
         n, on_ray = cfg.async_.rollout_workers, rollout_actors.on_ray()
         device = ("cuda" if cfg.async_.worker_resources.gpus else "cpu") if on_ray else ctx.device
-        jobs = [WorkerJob(i, n, stage, cfg.model_dump(mode="json", by_alias=True), inputs["model"],
-                          inputs.get("reward_model"), rows, ctx.seed, device, self.dir, self.start,
-                          None if on_ray else os.getpid()) for i in range(n)]
-        self.pool = (rollout_actors.RayWorkers(stage, jobs, worker_main, cfg.async_.worker_resources,
+        self.jobs = [WorkerJob(i, n, stage, cfg.model_dump(mode="json", by_alias=True), inputs["model"],
+                               inputs.get("reward_model"), rows, ctx.seed, device, self.dir, self.start,
+                               None if on_ray else os.getpid()) for i in range(n)]
+        self.pool = (rollout_actors.RayWorkers(stage, self.jobs, worker_main, cfg.async_.worker_resources,
                                                max(STARTUP_S, self.timeout), ctx.log)
-                     if on_ray else LocalWorkers(stage, jobs))
-        self.queue, self.workers = self.pool.queue, self.pool.workers
+                     if on_ray else LocalWorkers(stage, self.jobs))
+        self.workers = self.pool.workers  # the pool's list: a replacement takes its predecessor's place in it
         ctx.log_params(self.pool.params())
-        now = time.monotonic()
-        self.heard = [now + max(0.0, STARTUP_S - self.timeout)] * n  # when each worker last answered (start: more)
+        self.heard = [self._startup_deadline()] * n  # when each worker last answered (at its start: later)
         self.synced = [-1] * n
         self.buffer: dict[int, Delivery] = {}
         self.generation: list[tuple[float, float]] = []  # workers' generation intervals not yet counted
@@ -298,21 +375,58 @@ class AsyncRollouts:
     def _who(self, i: int) -> str:
         return f"{self.stage}: async rollout worker {i} ({self.workers[i].describe()})"
 
+    def _startup_deadline(self) -> float:
+        """A starting worker's `heard`: it has max(sync_timeout_s, STARTUP_S) to answer first."""
+        return time.monotonic() + max(0.0, STARTUP_S - self.timeout)
+
     def _receive(self, step: int) -> None:
-        """One message, or a check of the worker that owns `step`: dead, or silent past its deadline."""
+        """One message, or a check of the workers: a dead one that owes groups is replaced (or ends the stage), and
+        the owner of `step` silent past its deadline ends the stage."""
         owner = step % len(self.workers)
         version = behaviour_version(step, self.k)
         try:
-            self._handle(self.queue.get(timeout=0.2))
+            self._handle(self.pool.get(timeout=0.2))
         except queue.Empty:
-            ended = self.workers[owner].exit_status()
-            if ended is not None:
-                raise StageError(f"{self._who(owner)} {ended} before delivering step {step}'s groups (policy version "
-                                 f"{version})") from None
+            for i, w in enumerate(self.workers):
+                ended = w.exit_status()
+                if ended is not None:
+                    self._dead(i, ended)
+            if step in self.buffer:
+                return
             if time.monotonic() - self.heard[owner] > self.timeout:
                 what = (f"did not load policy version {version}" if self.synced[owner] < version
                         else f"did not deliver step {step}'s groups (policy version {version})")
                 raise StageError(f"{self._who(owner)} {what} within async.sync_timeout_s={self.timeout:g} s") from None
+
+    def _owed(self, i: int) -> int | None:
+        """Worker i's first step whose groups the learner has not received (taken or buffered); None: none is left."""
+        n = len(self.workers)
+        s = self.next + (i - self.next) % n
+        while s in self.buffer:
+            s += n
+        return s if s < self.cfg.steps else None
+
+    def _dead(self, i: int, ended: str) -> None:
+        """Worker i has ended (`ended`: how): what it sent before is handled; if it still owes a step, a new worker
+        starts at that step while replacements are left, else the stage ends in one line."""
+        for message in self.pool.drain(i):
+            self._handle(message)
+        step = self._owed(i)
+        if step is None:  # it finished its steps
+            return
+        bound = self.cfg.async_.worker_restarts
+        what = f"{self._who(i)} {ended} before delivering step {step}'s groups (policy version " \
+               f"{behaviour_version(step, self.k)})"
+        if self.restarts >= bound:
+            spent = f"; no replacement left (async.worker_restarts={bound})" if bound else ""
+            raise StageError(what + spent) from None
+        self.restarts += 1
+        self.jobs[i] = dataclasses.replace(self.jobs[i], start=step)
+        self.pool.replace(i, self.jobs[i])
+        self.heard[i], self.synced[i] = self._startup_deadline(), -1
+        self.generating.pop(i, None)
+        self.log.warning("%s; replaced (%d of async.worker_restarts=%d) by %s, from step %d", what, self.restarts,
+                         bound, self.workers[i].describe(), step)
 
     def _handle(self, message: tuple) -> None:
         kind, i, s, v, payload, t0, t1 = message
@@ -324,18 +438,21 @@ class AsyncRollouts:
         elif kind == "generating":
             self.generating[i] = t0
         elif kind == "groups":
-            payload.rewards = [torch.tensor(r) for r in payload.rewards]
-            self.buffer[s] = Delivery(payload, v, step_staleness(s, v), (t0, t1))
             self.generation.append((t0, t1))
             self.generating.pop(i, None)
+            if s >= self.next and s not in self.buffer:  # (a dead Ray actor's last message may follow its successor's)
+                payload.rewards = [torch.tensor(r) for r in payload.rewards]
+                self.buffer[s] = Delivery(payload, v, step_staleness(s, v), (t0, t1))
 
     def take(self, step: int) -> Delivery:
         """Step `step`'s groups (waiting for them), recorded as consumed."""
         owner = step % len(self.workers)
+        self.next = step
         self.heard[owner] = max(self.heard[owner], time.monotonic())  # silence counts from when the learner waits
         while step not in self.buffer:
             self._receive(step)
         d = self.buffer.pop(step)
+        self.next = step + 1
         if d.staleness > self.k:
             raise StageError(f"{self.stage}: step {step}'s groups came from policy version {d.version}, "
                              f"{d.staleness} > async.max_staleness={self.k} versions old")
@@ -346,10 +463,11 @@ class AsyncRollouts:
     def step_metrics(self, d: Delivery) -> dict[str, float]:
         """The step's staleness (histogram bins `async/staleness_<s>`, mean, max) and, over the wall-clock since
         the previous step's metrics, the idle fractions of generation (every worker's generating and scoring) and
-        of training (from `take` to here), and the share with both busy (overlap)."""
+        of training (from `take` to here), and the share with both busy (overlap); the dead workers replaced so far
+        in this run (`async/worker_restarts`)."""
         with contextlib.suppress(queue.Empty):
             while True:  # what the workers said while the learner trained
-                self._handle(self.queue.get_nowait())
+                self._handle(self.pool.get(timeout=0))
         now = time.time()
         hist = offpolicy.staleness_histogram([d.staleness] * len(d.groups.rows), self.k)
         generation = self.generation + [(t0, now) for t0 in self.generating.values()]
@@ -359,7 +477,8 @@ class AsyncRollouts:
         return {**{f"async/staleness_{s}": float(c) for s, c in enumerate(hist)},
                 "async/staleness_mean": float(d.staleness), "async/staleness_max": float(d.staleness),
                 "async/policy_version": float(d.version), "async/generation_idle": 1.0 - busy["generation"],
-                "async/training_idle": 1.0 - busy["training"], "async/overlap": busy["overlap"]}
+                "async/training_idle": 1.0 - busy["training"], "async/overlap": busy["overlap"],
+                "async/worker_restarts": float(self.restarts)}
 
     def checkpoint_state(self) -> dict[str, Any]:
         return {"async_consumed": list(self.consumed)}

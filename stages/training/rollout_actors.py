@@ -17,7 +17,9 @@ the one-machine loop's, so a run gives the same outputs on a cluster as on one m
   anyway, a file outlives the learner's process (Ray's object store frees what a dead owner put there), and one
   weight sync is then the same code on one machine and on a cluster.
 - **Lifetime.** The actors are owned by the learner's process: Ray ends them when it dies (even kill -9), so a
-  worker does not watch a parent pid, which means nothing on another machine; `close` kills them.
+  worker does not watch a parent pid, which means nothing on another machine; `close` kills them. Ray does not
+  restart a dead actor itself (max_restarts 0): the learner replaces it (`replace`) with a new actor, placed by the
+  same resources, that starts at the first step the learner has not received (`async_rollouts`).
 - **Threads.** Ray sets each actor's thread count from its num_cpus; a worker does not take a share of the
   machine's cores as a local worker process does (`threads.stage_share`).
 
@@ -121,25 +123,42 @@ class RayWorkers:
         from ray.util.queue import Queue
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        self.ray, self.stage = ray, stage
+        self.ray, self.stage, self.body, self.resources, self.start_s = ray, stage, body, resources, start_s
         self.learner_node = ray.get_runtime_context().get_node_id()
         self.wait_until_placeable(resources, log)
         here = NodeAffinitySchedulingStrategy(self.learner_node, soft=False)
         self.queue = Queue(actor_options={"num_cpus": 0, "scheduling_strategy": here})
-        self.workers: list[ActorWorker] = []
-        actor, actors = ray.remote(RolloutActor), []
+        self.workers: list[ActorWorker] = self._start(jobs)
+
+    def _start(self, jobs: list[Any]) -> list[ActorWorker]:
+        """One actor per job, each running the worker's body once it answered where it runs; not started within
+        start_s: one StageError line."""
+        actor, actors = self.ray.remote(RolloutActor), []
         try:
             for _ in jobs:
-                actors.append(actor.options(**actor_options(resources)).remote())
-            infos = ray.get([a.where.remote() for a in actors], timeout=start_s)
+                actors.append(actor.options(**actor_options(self.resources)).remote())
+            infos = self.ray.get([a.where.remote() for a in actors], timeout=self.start_s)
         except Exception as e:
             for a in actors:
-                ActorWorker(ray, a, {}, None).stop()
-            raise StageError(f"{stage}: the {len(jobs)} async rollout worker actors did not start within {start_s:.0f} s "
-                             f"(async.worker_resources {json.dumps(worker_demand(resources))}): "
-                             f"{type(e).__name__}") from None
-        for a, info, job in zip(actors, infos, jobs, strict=True):
-            self.workers.append(ActorWorker(ray, a, info, a.run.remote(body, job, self.queue)))
+                ActorWorker(self.ray, a, {}, None).stop()
+            raise StageError(f"{self.stage}: the {len(jobs)} async rollout worker actor(s) did not start within "
+                             f"{self.start_s:.0f} s (async.worker_resources {json.dumps(worker_demand(self.resources))}"
+                             f"): {type(e).__name__}") from None
+        return [ActorWorker(self.ray, a, info, a.run.remote(self.body, job, self.queue))
+                for a, info, job in zip(actors, infos, jobs, strict=True)]
+
+    def replace(self, index: int, job: Any) -> None:
+        """A new actor for worker `index` (whose actor has ended), starting at `job.start`."""
+        self.workers[index].stop()
+        self.workers[index] = self._start([job])[0]
+
+    def get(self, timeout: float) -> tuple:
+        """The next message of any worker (queue.Empty, which Ray's Empty is, after `timeout` s without one)."""
+        return self.queue.get_nowait() if timeout <= 0 else self.queue.get(timeout=timeout)
+
+    def drain(self, index: int) -> list[tuple]:
+        """Nothing: an actor's put returns once the queue holds the message, so an ended actor's are all in it."""
+        return []
 
     def wait_until_placeable(self, resources: WorkerResources, log: Any) -> None:
         """Until an alive machine offers what one worker needs; after INFEASIBLE_WAIT_S, one ConfigError line."""
