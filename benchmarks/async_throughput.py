@@ -253,13 +253,20 @@ def run_on_cluster(cluster, request: dict, name: str, work: Path) -> dict:
     proc = cluster.popen(child_command(req, result), log=log, env={"RAY_ADDRESS": cluster.address})
     out = _finish(proc, name, log, result)
     out["worker_threads"] = 1 if request["k"] else None  # Ray's num_cpus 1 on a node pinned to one core
-    params = out["params"]
-    where = (params.get("async.learner_node_id"), params.get("async.worker_node_ids"))
-    if request["k"] and where != (cluster.running["head"].node_id, cluster.running["worker"].node_id):
-        raise SystemExit(f"async_throughput: {name} ran the learner on node {where[0]} and its worker on {where[1]}, "
-                         f"not on the learn ({cluster.running['head'].node_id}) and gen "
-                         f"({cluster.running['worker'].node_id}) nodes; log {log}")
+    if request["k"] and (problem := misplaced(out["params"], cluster)):
+        raise SystemExit(f"async_throughput: {name} {problem}; log {log}")
     return out
+
+
+def misplaced(params: dict, cluster) -> str | None:
+    """None when an asynchronous stage's recorded node ids (its `async.*` params) put the learner on the `learn` node
+    (`start_cluster`'s head) and its one worker on the `gen` node; else where they ran, as the rest of a sentence."""
+    where = (params.get("async.learner_node_id"), params.get("async.worker_node_ids"))
+    want = (cluster.running["head"].node_id, cluster.running["worker"].node_id)
+    if where == want:
+        return None
+    return (f"ran the learner on node {where[0]} and its worker on {where[1]}, not on the learn ({want[0]}) and gen "
+            f"({want[1]}) nodes")
 
 
 def start_cluster(work: Path):

@@ -71,8 +71,15 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import MODEL_REFS, SEED  # noqa: E402
+from benchmarks.learning_async import (  # noqa: E402
+    check_placement,
+    cluster_cpu_seconds,
+    placement_problem,
+    run_in_cluster,
+    side_cluster,
+)
 from benchmarks.learning_children import learning_child_main  # noqa: E402
-from benchmarks.learning_plan import SIDES, TASK, Plan, build_plan  # noqa: E402
+from benchmarks.learning_plan import ASYNC_PLACEMENTS, SIDES, TASK, Plan, build_plan  # noqa: E402
 from benchmarks.learning_report import learning_markdown_section, listed, pct, plot, with_ci  # noqa: E402
 from benchmarks.learning_runs import (  # noqa: E402
     keep_side,
@@ -90,7 +97,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2", choices=sorted(MODEL_REFS))
     ap.add_argument("--device", default="cpu", help="cpu or cuda (cuda: 5 minutes a side by default)")
-    ap.add_argument("--sides", default="trl,r1flow", help="comma list of trl,r1flow,r1flow_ppo")
+    ap.add_argument("--sides", default="trl,r1flow", help="comma list of trl,r1flow,r1flow_ppo,r1flow_async "
+                    "(r1flow_async: r1flow's grpo with async {max_staleness: --async-staleness, rollout_workers: 1})")
+    ap.add_argument("--async-staleness", type=int, help=f"r1flow_async's K (default {Plan().async_staleness})")
+    ap.add_argument("--async-placement", choices=ASYNC_PLACEMENTS,
+                    help=f"r1flow_async's placement (default {Plan().async_placement}): local, the worker a process beside "
+                    "the learner on the same cores; ray, the learner a Ray task on one node and the worker an actor on "
+                    "the other of a 2-node loopback cluster, one core each (needs root and Ray)")
     ap.add_argument("--algo", default="grpo", help="r1flow's algorithm(s), comma list of grpo,ppo: ppo adds the side "
                     "r1flow_ppo (r1flow's ppo stage on the same budget, prompts and evaluator); ppo alone drops r1flow's "
                     "grpo side")
@@ -152,6 +165,8 @@ def main() -> None:
         plan = build_plan(args)
     except ValueError as e:  # pydantic's ValidationError names the field
         ap.error(f"bad settings: {e}")
+    if "r1flow_async" in sides and (problem := placement_problem(plan)):
+        ap.error(problem)
     run_learning(plan, sides, args)
 
 
@@ -256,13 +271,15 @@ def train_seed(plan: Plan, args: argparse.Namespace, run_dir: Path, prep_file: P
             print(f"[3/4] seed {SEED + k}, {side}: kept from the stopped run ({kept['steps']} steps)", flush=True)
             continue
         shutil.rmtree(run_dir / f"seed{k}" / side, ignore_errors=True)  # a side stopped part-way starts over
-        print(f"[3/4] seed {SEED + k}, {side}: {'PPO' if side == 'r1flow_ppo' else 'GRPO'} for {plan.minutes:g} min",
-              flush=True)
+        print(f"[3/4] seed {SEED + k}, {side}: {algorithm_label(plan, side)} for {plan.minutes:g} min", flush=True)
         trl_steps = runs["trl"][k]["steps"] if len(runs.get("trl", [])) > k else None
         work, log = run_dir / f"seed{k}" / side, run_dir / f"seed{k}-{side}.log"
-        r = run_learning_child(side, run_dir / "plan.json", work, log, args.allocator, quiet_wait=args.quiet_wait,
-                               prep=prep_file, seed=SEED + k, at_step=trl_steps if side == "r1flow" else None,
-                               every_step=1 if side == "r1flow" and trl_steps is None and "trl" in runs else None)
+        with side_cluster(plan, side, work) as cluster:
+            r = run_learning_child(side, run_dir / "plan.json", work, log, args.allocator, quiet_wait=args.quiet_wait,
+                                   cluster=cluster, prep=prep_file, seed=SEED + k,
+                                   at_step=trl_steps if side == "r1flow" else None,
+                                   every_step=1 if side == "r1flow" and trl_steps is None and "trl" in runs else None)
+            check_placement(r, cluster, log)
         pair = [s for s in order if s in ("r1flow", "trl")]
         r["seed"], r["first"] = SEED + k, (pair[0] == side if len(pair) == 2 and side in pair else None)
         runs[side].append(r)
@@ -272,6 +289,12 @@ def train_seed(plan: Plan, args: argparse.Namespace, run_dir: Path, prep_file: P
     if "r1flow" not in reused and len(runs.get("r1flow", [])) > k and len(runs.get("trl", [])) > k:
         settle_equal_steps(runs["r1flow"][k], runs["trl"][k]["steps"])
         keep_side(run_dir, k, "r1flow", runs["r1flow"][k])  # with its equal-steps point settled
+
+
+def algorithm_label(plan: Plan, side: str) -> str:
+    if side == "r1flow_async":
+        return f"asynchronous GRPO (K={plan.async_staleness}, {plan.async_placement})"
+    return "PPO" if side == "r1flow_ppo" else "GRPO"
 
 
 def evaluation_jobs(runs: dict, reused: set[str]) -> list[dict]:
@@ -310,7 +333,10 @@ def write_learning_results(plan: Plan, args: argparse.Namespace, run_dir: Path, 
 
 
 def run_learning_child(what: str, plan_file: Path, work: Path, log: Path, allocator: str, quiet_wait: float = 0.0,
-                       **extra) -> dict:
+                       cluster=None, **extra) -> dict:
+    """One child process (`--child WHAT`), inside `cluster`'s namespace as its driver when one is given; its result
+    with the wall-clock and the share of the CPUs other processes used meanwhile (neither this parent's children nor
+    the cluster's processes)."""
     from benchmarks.suite import _children_cpu, child_env, cpu_busy_seconds, wait_until_quiet
 
     result_file = work / f"{what}-result.json"
@@ -321,19 +347,20 @@ def run_learning_child(what: str, plan_file: Path, work: Path, log: Path, alloca
             cmd += [f"--{key.replace('_', '-')}", str(value)]
     if quiet_wait > 0:
         wait_until_quiet(quiet_wait)
-    busy0, own0 = cpu_busy_seconds(), _children_cpu()
+    busy0, own0, ray0 = cpu_busy_seconds(), _children_cpu(), cluster_cpu_seconds(cluster)
     t0 = time.perf_counter()
     with log.open("w") as fh:
-        proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT, env=child_env(allocator))
+        rc = (subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT, env=child_env(allocator)).returncode
+              if cluster is None else run_in_cluster(cluster, cmd, log, child_env(allocator)))
     wall = time.perf_counter() - t0
-    busy1, own1 = cpu_busy_seconds(), _children_cpu()
-    if proc.returncode or not result_file.exists():
-        raise SystemExit(f"learning.py: the {what} process failed (exit {proc.returncode}); its log, {log}:\n"
+    busy1, own1, ray1 = cpu_busy_seconds(), _children_cpu(), cluster_cpu_seconds(cluster)
+    if rc or not result_file.exists():
+        raise SystemExit(f"learning.py: the {what} process failed (exit {rc}); its log, {log}:\n"
                          + log.read_text()[-3000:])
     result = json.loads(result_file.read_text())
     result["wall_s"] = wall
     result["foreign_cpu"] = None if busy0 is None or busy1 is None else max(
-        0.0, (busy1 - busy0) - (own1 - own0)) / (wall * (os.cpu_count() or 1))
+        0.0, (busy1 - busy0) - (own1 - own0) - (ray1 - ray0)) / (wall * (os.cpu_count() or 1))
     return result
 
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import CACHE_DIR, MODEL_REFS, SEED, Snapshots, ensure_model_dir
+from benchmarks.common import CACHE_DIR, MODEL_REFS, ROOT, SEED, Snapshots, ensure_model_dir
 from benchmarks.learning_plan import TASK, TRANSFER, Plan, grpo_config, ppo_config
 
 RESULT_MARK = "LEARN-RESULT "
@@ -134,16 +135,21 @@ def step_prompts(prompts_dir: Path, plan: Plan, seed: int) -> list[list[str]]:
 
 
 def train_r1flow(plan: Plan, prep: dict, work: Path, at_step: int | None, algo: str = "grpo", seed: int = SEED,
-                 every_step: bool = False) -> dict:
+                 every_step: bool = False, staleness: int = 0) -> dict:
     """r1flow's grpo (or ppo) stage through `run_stage`, as the pipeline runs it, with `max_minutes` as the budget,
-    context seed `seed`. `at_step` or `every_step`: the equal-steps snapshot (`Snapshots`)."""
+    context seed `seed`. `at_step` or `every_step`: the equal-steps snapshot (`Snapshots`). `staleness` K >= 1: grpo's
+    asynchronous loop (the r1flow_async side), its `async.*` params (where the learner and the worker ran) and the
+    learner's threads in the result."""
     import importlib
+
+    import torch
 
     from stages.base import LocalContext
     from stages.training.launch import run_stage
 
     stage = importlib.import_module(f"stages.{algo}")  # the stage module whose policy loading is observed
-    cfg = (ppo_config if algo == "ppo" else grpo_config)(plan, plan.max_steps, plan.minutes)
+    cfg = (ppo_config(plan, plan.max_steps, plan.minutes) if algo == "ppo"
+           else grpo_config(plan, plan.max_steps, plan.minutes, staleness))
     if cfg.lora.r == 0:
         raise SystemExit("learning.py: LoRA only (snapshots are adapters); pass --lora-r > 0")
     snaps = Snapshots(plan.curve_times(), work / "snapshots", at_step, every_step)
@@ -167,17 +173,57 @@ def train_r1flow(plan: Plan, prep: dict, work: Path, at_step: int | None, algo: 
                 snaps.after_step(held["model"], step, elapsed)
 
     curve: list[dict] = []
+    ctx = Clocked(work / "run", seed=seed, device=plan.device)
     stage.load_trainable = observed_load
     try:
         out = run_stage(stage, cfg, {"model": stage_input_of(prep["start"]), "prompts": stage_input_of(prep["prompts"])},
-                        Clocked(work / "run", seed=seed, device=plan.device))["model"]
+                        ctx)["model"]
     finally:
         stage.load_trainable = load_trainable
     from schemas.artifacts import MODEL_DIR
 
+    extra = {"async": {k: v for k, v in ctx.params.items() if k.startswith("async.")},
+             "threads": torch.get_num_threads()} if staleness else {}
     return {"curve": curve, "snapshots": snaps.saved, "steps": len(curve),
             "train_s": curve[-1]["elapsed_s"] if curve else 0.0, "final": str(Path(out.path) / MODEL_DIR),
-            "final_kind": out.schema, "config": cfg.model_dump(mode="json"), "seed": seed}
+            "final_kind": out.schema, "config": cfg.model_dump(mode="json"), "seed": seed, **extra}
+
+
+def train_async(plan: Plan, prep: dict, work: Path, seed: int) -> dict:
+    """The r1flow_async side: grpo with async {max_staleness: K, rollout_workers: 1}. "local": the learner here and
+    its worker a process beside it, the cores split evenly between the two (R1FLOW_THREADS fixed to that share, so
+    other work on the machine cannot move it; a stage registry of this run's own). "ray": this process is the driver
+    (learning.py started it inside the loopback cluster's namespace, RAY_ADDRESS set); the learner is a Ray task on
+    the `learn` node (one CPU: Ray gives it one thread) and the worker an actor on the `gen` node (the config's
+    async.worker_resources). Either way the learner saves the snapshots: its task runs on this machine."""
+    from stages.runtime import threads
+
+    if plan.async_placement == "ray":
+        return learn_on_ray(plan, prep, work, seed)
+    os.environ.setdefault(threads.REGISTRY_VAR, str(work / "registry"))
+    os.environ.setdefault(threads.THREADS_VAR, str(threads.thread_share(2, threads.available_cpus())))
+    with threads.stage_share():  # the worker process inherits this environment and takes its share likewise
+        return train_r1flow(plan, prep, work, None, "grpo", seed, staleness=plan.async_staleness)
+
+
+def learn_on_ray(plan: Plan, prep: dict, work: Path, seed: int) -> dict:
+    """`train_r1flow` as a Ray task on the node offering the `learn` resource, with this process's benchmark
+    environment (HF offline, allocator variables) and this checkout importable."""
+    import logging
+
+    import ray
+
+    from benchmarks.common import ALLOCATOR_MODES
+    from benchmarks.suite import CHILD_ENV
+
+    names = {*CHILD_ENV, *(k for mode in ALLOCATOR_MODES.values() for k in mode)}
+    env = {"PYTHONPATH": str(ROOT), **{k: v for k, v in os.environ.items() if k in names}}
+    ray.init(address=os.environ["RAY_ADDRESS"], logging_level=logging.WARNING, runtime_env={"env_vars": env})
+    try:
+        task = ray.remote(max_retries=0, num_cpus=1, resources={"learn": 1})(train_r1flow)
+        return ray.get(task.remote(plan, prep, work, None, "grpo", seed, False, plan.async_staleness))
+    finally:
+        ray.shutdown()
 
 
 # ---------------------------------------------------------------------------- children: evaluation
@@ -248,6 +294,8 @@ def learning_child_main(args: argparse.Namespace) -> None:
     elif args.child in ("r1flow", "r1flow_ppo"):
         result = train_r1flow(plan, prep, work, args.at_step, "ppo" if args.child == "r1flow_ppo" else "grpo",
                               args.seed, bool(args.every_step))
+    elif args.child == "r1flow_async":
+        result = train_async(plan, prep, work, args.seed)
     elif args.child == "trl":
         from benchmarks import trl_side
 
@@ -257,6 +305,6 @@ def learning_child_main(args: argparse.Namespace) -> None:
         result = evaluate_jobs(plan, prep, json.loads(Path(args.jobs).read_text()), work)
     else:
         raise SystemExit(f"unknown child {args.child}")
-    result["threads"] = torch.get_num_threads()
+    result.setdefault("threads", torch.get_num_threads())  # r1flow_async: the learner's (a Ray task's, on a cluster)
     Path(args.result).write_text(json.dumps(result))
     print(RESULT_MARK + args.result, flush=True)

@@ -10,10 +10,19 @@ import importlib.util
 import json
 from dataclasses import dataclass, field
 
-SIDES = ("trl", "r1flow", "r1flow_ppo")  # r1flow_ppo: `--algo ppo`, r1flow's ppo stage on the same plan
+from schemas.errors import ConfigError
+
+# r1flow_ppo: `--algo ppo`, r1flow's ppo stage on the same plan; r1flow_async: r1flow's grpo with `async:`
+SIDES = ("trl", "r1flow", "r1flow_ppo", "r1flow_async")
 TASK = "basic_arithmetic"
 TRANSFER = "chain_sum"
 GAIN_TARGET = 2.0  # r1flow's held-out gain at equal wall-clock over TRL's (issue 26)
+# issue 60: r1flow's time to reach TRL's final held-out accuracy against TRL's, at least SPEEDUP_TARGET times shorter
+# with the interval's low end above SPEEDUP_FLOOR; asynchronous r1flow reaches sync's final accuracy in at most
+# ASYNC_TIME_SHARE of sync's time
+SPEEDUP_TARGET, SPEEDUP_FLOOR = 6.0, 4.0
+ASYNC_TIME_SHARE = 0.7
+ASYNC_PLACEMENTS = ("local", "ray")
 
 
 @dataclass
@@ -67,6 +76,11 @@ class Plan:
     # TRL-only GRPOConfig fields (`--trl-set`): the sensitivity row, TRL at the settings a TRL user on this machine
     # would try (e.g. per_device_train_batch_size = the whole step, bf16 on a CPU with AMX), reported with the results
     trl_extra: dict = field(default_factory=dict)
+    # the r1flow_async side: grpo with async {max_staleness, rollout_workers: 1}; "local": the worker a process beside
+    # the learner on the same cores, "ray": the learner a Ray task on the `learn` node and the worker an actor on the
+    # `gen` node of a 2-node loopback cluster, one core each (benchmarks/learning_async.py)
+    async_staleness: int = 1
+    async_placement: str = "ray"
 
     def prep_key(self) -> str:
         keys = ("model", "task", "transfer", "train_prompts", "eval_prompts", "transfer_prompts", "curve_prompts",
@@ -86,9 +100,10 @@ QUICK = {"seeds": 2, "minutes": 0.1, "max_steps": 200, "train_prompts": 32, "eva
          "minibatch_size": 4, "max_new_tokens": 8, "eval_batch": 8}
 
 
-def grpo_config(plan: Plan, steps: int, max_minutes: float):
+def grpo_config(plan: Plan, steps: int, max_minutes: float, staleness: int = 0):
     """r1flow's GRPOConfig on the plan. std "sample": TRL's GRPOTrainer divides a group's centred rewards by
-    torch.std (ddof 1), so r1flow does the same here (its default is the population std)."""
+    torch.std (ddof 1), so r1flow does the same here (its default is the population std). `staleness` K >= 1: the
+    r1flow_async side's asynchronous loop, one rollout worker (on the `gen` node in the ray placement)."""
     from schemas.configs import GenerationSpec, GRPOConfig, LoraSpec, RewardSpec
 
     shared = dict(steps=steps, prompts_per_step=plan.prompts_per_step, group_size=plan.group_size,
@@ -98,6 +113,10 @@ def grpo_config(plan: Plan, steps: int, max_minutes: float):
                   minibatch_size=plan.minibatch_size, mu=1, beta=plan.beta, advantage="grpo", std="sample",
                   aggregation="seq_mean", learning_rate=plan.learning_rate, checkpoint_every=100_000,
                   max_minutes=max_minutes)
+    if staleness:
+        shared["async"] = {"max_staleness": staleness, "rollout_workers": 1}
+        if plan.async_placement == "ray":
+            shared["async"]["worker_resources"] = {"cpus": 1, "labels": {"gen": 1}}
     return GRPOConfig(**{**shared, **plan.r1flow_extra})
 
 
@@ -151,7 +170,7 @@ def build_plan(args: argparse.Namespace) -> Plan:
         plan = dataclasses.replace(plan, **QUICK)
     for name in ("seeds", "split_seed", "minutes", "max_steps", "eval_prompts", "transfer_prompts", "curve_prompts", "curve_points",
                  "cold_steps", "prompts_per_step", "group_size", "max_new_tokens", "temperature", "learning_rate",
-                 "lora_r", "beta"):
+                 "lora_r", "beta", "async_staleness", "async_placement"):
         value = getattr(args, name)
         if value is not None:
             setattr(plan, name, value)
@@ -165,4 +184,22 @@ def build_plan(args: argparse.Namespace) -> Plan:
     if plan.seeds < 1:
         raise ValueError(f"seeds: at least 1 training seed a side, got {plan.seeds}")
     grpo_config(plan, plan.max_steps, plan.minutes)  # bad settings fail here, before any compute
+    if "r1flow_async" in args.sides.split(","):
+        check_async_side(plan)
     return plan
+
+
+def check_async_side(plan: Plan) -> None:
+    """Before any compute, the r1flow_async side's settings: K >= 1 (K = 0 is the r1flow side) and a config the
+    asynchronous loop accepts (grpo's plan-time check: e.g. a per-sequence policy loss in --r1flow-set is refused)."""
+    from stages import grpo
+
+    if plan.async_staleness < 1:
+        raise ValueError(f"async_staleness: the r1flow_async side needs K >= 1, got {plan.async_staleness} (K = 0 is "
+                         "the synchronous loop: the r1flow side)")
+    if plan.async_placement not in ASYNC_PLACEMENTS:
+        raise ValueError(f"async_placement: {plan.async_placement!r}, expected one of {', '.join(ASYNC_PLACEMENTS)}")
+    try:
+        grpo.check(grpo_config(plan, plan.max_steps, plan.minutes, plan.async_staleness), "r1flow_async")
+    except ConfigError as e:
+        raise ValueError(str(e)) from None

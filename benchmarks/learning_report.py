@@ -101,6 +101,43 @@ def verdict_lines(summary: dict) -> list[str]:
     pg = summary.get("ppo_minus_grpo")
     if pg:
         out.append(f"- equal wall-clock, r1flow: PPO minus GRPO {points(pg)} (paired, {pg['seeds']} seed(s))")
+    return out + time_to_accuracy_lines(summary)
+
+
+def side_words(summary: dict, side: str) -> str:
+    a = summary.get("async_side") or {}
+    return {"trl": "TRL", "r1flow": "r1flow (sync)", "r1flow_ppo": "r1flow PPO",
+            "r1flow_async": f"r1flow async (K={a.get('max_staleness')}, {a.get('placement')})"}[side]
+
+
+def speedup_text(x: float) -> str:
+    return "inf" if x == float("inf") else f"{x:.2f}"
+
+
+def time_to_accuracy_lines(summary: dict) -> list[str]:
+    """The time-to-accuracy verdicts (issue 60) and asynchronous r1flow's held-out accuracy at equal wall-clock."""
+    out = []
+    for r in summary.get("time_to_accuracy", []):
+        ref, side = side_words(summary, r["reference"]), side_words(summary, r["side"])
+        reached = "never reached it" if r["t_b"] is None else f"{r['t_b'] / 60:.1f} min"
+        goal = (f">= {r['goal']:g}x, the interval's low end above {r['floor']:g}x" if r["reference"] == "trl" else
+                f">= {r['goal']:.2f}x, i.e. at most {1 / r['goal']:.2g}x sync's time, the interval's low end above "
+                f"{r['floor']:g}x")
+        g = r["reference_gain"]
+        verdict = {"met": "met", "MISSED": "MISSED",
+                   "undetermined": f"undetermined ({ref}'s gain on these prompts, "
+                                   f"{with_ci(g['gain'], g['ci'], signed=True)} points, cannot be told from 0)"}
+        out.append(f"- time to accuracy, {side} against {ref}: wall-clock to reach {ref}'s final held-out accuracy "
+                   f"({pct(r['target'])} on the {r['prompts']} curve prompts), {r['seeds']} seed(s): {ref} "
+                   f"{r['t_a'] / 60:.1f} min, {side} {reached}: {speedup_text(r['speedup'])}x "
+                   f"[{speedup_text(r['ci'][0])}, {speedup_text(r['ci'][1])}] (the noise: 95% interval resampling "
+                   f"seeds and prompts; {side} never reached it in {pct(r['never_reached_share'])} of the replicates)."
+                   f" Goal ({goal}): {verdict[r['verdict']]}")
+    if a := summary.get("async_equal_time"):
+        verdict = {"same": "not below sync beyond the noise: pass", "higher": "higher beyond the noise: pass",
+                   "lower": "LOWER beyond the noise: MISSED (async must not end below sync)"}[a["verdict"]]
+        out.append(f"- equal wall-clock, {side_words(summary, 'r1flow_async')} minus r1flow (sync): {points(a)} "
+                   f"(paired, two-sided; {a['seeds']} seed(s), {a['prompts']} held-out prompts): {verdict}")
     return out
 
 
@@ -124,7 +161,7 @@ def plot(path: Path, plan: Plan, prep: dict, evals: dict, runs: dict) -> None:
     from stages.math.stats import bootstrap_ci
 
     fig, (ax_acc, ax_rew) = plt.subplots(1, 2, figsize=(11, 4.2))
-    colors = {"r1flow": "tab:blue", "trl": "tab:orange", "r1flow_ppo": "tab:green"}
+    colors = {"r1flow": "tab:blue", "trl": "tab:orange", "r1flow_ppo": "tab:green", "r1flow_async": "tab:purple"}
     ids = curve_ids(prep)  # the start and end models' full evaluations include these prompts: read them there
     start = [r for r in evals["start"]["rows"] if r["prompt_id"] in ids]
     for side, side_runs in runs.items():
@@ -160,6 +197,20 @@ def plot(path: Path, plan: Plan, prep: dict, evals: dict, runs: dict) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def async_text(plan: Plan, runs: dict) -> str:
+    """What the r1flow_async side ran, for the report."""
+    if "r1flow_async" not in runs:
+        return ""
+    where = ("the learner a Ray task on the `learn` node and its rollout worker an actor on the `gen` node of a "
+             "2-node loopback Ray cluster, one core a node (benchmarks/loopback_cluster.py)"
+             if plan.async_placement == "ray" else
+             "the rollout worker a process beside the learner on the same cores, one thread each")
+    return (f"r1flow async (`--sides ...,r1flow_async`): r1flow's grpo with async {{max_staleness: "
+            f"{plan.async_staleness}, rollout_workers: 1}}, placement {plan.async_placement}: {where}; otherwise the "
+            f"r1flow side's plan, prompts and snapshots; its clock includes the worker's start, which the learner's "
+            f"first step waits for. ")
 
 
 def split_text(plan: Plan, prep: dict) -> str:
@@ -198,6 +249,7 @@ def learning_markdown_section(plan: Plan, command: str, info: dict, code: str, s
                 f"({plan.prompts_per_step} prompts x {plan.group_size} samples), one epoch in the same mini-batches, "
                 f"beta as the KL penalty in the per-token rewards, the critic a LoRA copy of the policy. "
                 if "r1flow_ppo" in runs else "")
+             + async_text(plan, runs)
              + f"Training seeds {seeds} on each side (prompt order, sampling, LoRA initialisation; seed k of one side "
              f"has seed k's prompt order on the other)"
              + ("; r1flow trains first for even k, TRL for odd k. " if {"r1flow", "trl"} <= set(runs) else ". ")
@@ -205,7 +257,12 @@ def learning_markdown_section(plan: Plan, command: str, info: dict, code: str, s
              f"Evaluation: r1flow's eval stage, greedy, strict accuracy. Pooled rows: the mean over seeds, 95% "
              f"intervals from a bootstrap that resamples the seeds and the prompts (one prompt draw shared by every "
              f"seed and side: stages/math/stats.py, seed_prompt_means); gains and differences paired (seed k with "
-             f"seed k, each prompt with itself).",
+             f"seed k, each prompt with itself). Time to accuracy: each side's curve is its held-out accuracy on the "
+             f"first {plan.curve_prompts} held-out prompts at the start (0 min), at each snapshot and at the end, "
+             f"averaged over seeds at the seeds' mean minutes; the time a curve first reaches the reference's final "
+             f"accuracy is read between the two points around the crossing (linear); the interval recomputes the "
+             f"target and both times in every replicate of the same bootstrap (stages/math/stats.py, "
+             f"compare_time_to_accuracy).",
              "", *table(summary), "", "Each seed (intervals over prompts only):", "", *seed_table(summary), "",
              *verdict_lines(summary), ""]
     if phase := phase_lines(summary):

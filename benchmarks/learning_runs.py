@@ -11,6 +11,8 @@ from pathlib import Path
 
 from benchmarks.learning_plan import Plan
 
+ASYNC_ONLY = ("async_staleness", "async_placement")  # Plan fields read by the r1flow_async side alone
+
 
 def run_order(sides: list[str], seed_index: int) -> list[str]:
     """Which side trains first for a seed: r1flow for even seed indices, TRL for odd ones, any other side after
@@ -108,15 +110,20 @@ def reused_run(path: Path, plan: Plan, side: str) -> dict:
         raise SystemExit(f"{flag} {path}: it has {len(raw['runs'][side])} {name} seed(s), this run asks for "
                          f"{plan.seeds}")
     other_extra = "r1flow_extra" if side == "trl" else "trl_extra"
-    if difference := plan_difference(raw["plan"], plan, ignore=(other_extra, "seeds")):
+    ignore = (other_extra, "seeds", *ASYNC_ONLY)  # settings of the sides not reused
+    if difference := plan_difference(raw["plan"], plan, ignore=ignore):
         raise SystemExit(f"{flag} {path}: {difference}")
     return raw
 
 
 def plan_difference(earlier: dict, plan: Plan, ignore: tuple[str, ...] = ()) -> str | None:
     """The first field (in Plan's order, less `ignore`) in which an earlier run's plan (as its JSON holds it) differs
-    from `plan`, said as "its KEY was A, this run's is B"; None when they agree."""
+    from `plan`, said as "its KEY was A, this run's is B"; None when they agree. A field the earlier plan lacks (it
+    predates the field) counts as the field's default: a field joins Plan with the default that does what the runs
+    before it did (the async side's settings: those runs had no such side)."""
+    defaults = json.loads(json.dumps(dataclasses.asdict(Plan())))
     for key, value in json.loads(json.dumps(dataclasses.asdict(plan))).items():
-        if key not in ignore and earlier.get(key) != value:
-            return f"its {key} was {earlier.get(key)!r}, this run's is {value!r}"
+        had = earlier.get(key, defaults[key])
+        if key not in ignore and had != value:
+            return f"its {key} was {had!r}, this run's is {value!r}"
     return None

@@ -7,11 +7,26 @@ import dataclasses
 
 import numpy as np
 
-from benchmarks.learning_plan import GAIN_TARGET, TASK, TRANSFER, Plan, grpo_config
+from benchmarks.learning_plan import (
+    ASYNC_TIME_SHARE,
+    GAIN_TARGET,
+    SPEEDUP_FLOOR,
+    SPEEDUP_TARGET,
+    TASK,
+    TRANSFER,
+    Plan,
+    grpo_config,
+)
 
 ROW_KINDS = (("trl", "end", "TRL, budget"), ("r1flow", "equal_steps", "r1flow, TRL's steps"),
-             ("r1flow", "end", "r1flow, budget"), ("r1flow_ppo", "end", "r1flow PPO, budget"))
+             ("r1flow", "end", "r1flow, budget"), ("r1flow_ppo", "end", "r1flow PPO, budget"),
+             ("r1flow_async", "end", "r1flow async, budget"))
 PHASES = ("generation", "scoring", "training")
+# time to accuracy: (reference, side, goal for the speed-up, what the interval's low end must be above). Against
+# sync r1flow the goal is issue 60's "sync's final accuracy in <= 0.7x sync's time", faster beyond the noise.
+TIME_TO_ACCURACY = (("trl", "r1flow", SPEEDUP_TARGET, SPEEDUP_FLOOR),
+                    ("trl", "r1flow_async", SPEEDUP_TARGET, SPEEDUP_FLOOR),
+                    ("r1flow", "r1flow_async", 1 / ASYNC_TIME_SHARE, 1.0))
 
 
 def eval_name(side: str, what: str, seed_index: int) -> str:
@@ -146,10 +161,7 @@ def summarize_learning(plan: Plan, evals: dict, runs: dict) -> dict:
            "r1flow_only": dict(plan.r1flow_extra), "trl_only": dict(plan.trl_extra)}
 
     def both(side_a: str, what_a: str, side_b: str, what_b: str) -> tuple[list[int], list[str], list[str]]:
-        """The seed indices evaluated on both sides, and their evaluations' names on each."""
-        n = min(len(runs.get(side_a, [])), len(runs.get(side_b, [])))
-        ks = [k for k in range(n) if eval_name(side_a, what_a, k) in evals and eval_name(side_b, what_b, k) in evals]
-        return ks, [eval_name(side_a, what_a, k) for k in ks], [eval_name(side_b, what_b, k) for k in ks]
+        return paired_names(evals, runs, side_a, what_a, side_b, what_b)
 
     _, trl, r1 = both("trl", "end", "r1flow", "end")
     if trl:  # the headline: gains at equal wall-clock, seed k of one side paired with seed k of the other
@@ -177,4 +189,94 @@ def summarize_learning(plan: Plan, evals: dict, runs: dict) -> dict:
         diff, lo, hi = seed_prompt_diff(x[: len(grpo)], x[len(grpo):])
         out["ppo_minus_grpo"] = {"diff": diff, "ci": [lo, hi], "seeds": len(grpo)}
     out["phases"] = {side: phase_means(rs) for side, rs in runs.items()}
+    if "r1flow_async" in runs:
+        out["async_side"] = {"max_staleness": plan.async_staleness, "placement": plan.async_placement}
+    out["time_to_accuracy"] = [row for ref, side, goal, floor in TIME_TO_ACCURACY
+                               if (row := time_to_accuracy_row(evals, runs, ref, side, goal, floor)) is not None]
+    _, sync, asynchronous = both("r1flow", "end", "r1flow_async", "end")
+    if sync:
+        out["async_equal_time"] = async_equal_time(evals, sync, asynchronous)
     return out
+
+
+def paired_names(evals: dict, runs: dict, side_a: str, what_a: str, side_b: str,
+                 what_b: str) -> tuple[list[int], list[str], list[str]]:
+    """The seed indices evaluated on both sides (model `what_a` of one, `what_b` of the other), and their
+    evaluations' names on each."""
+    n = min(len(runs.get(side_a, [])), len(runs.get(side_b, [])))
+    ks = [k for k in range(n) if eval_name(side_a, what_a, k) in evals and eval_name(side_b, what_b, k) in evals]
+    return ks, [eval_name(side_a, what_a, k) for k in ks], [eval_name(side_b, what_b, k) for k in ks]
+
+
+# ---------------------------------------------------------------------------- time to accuracy
+
+
+def curve_prompt_ids(evals: dict, runs: dict) -> set[str] | None:
+    """The prompts of the learning curves: those a snapshot's evaluation scored (`--curve-prompts`, the first
+    held-out ones); None when no run has a snapshot on the curve."""
+    for side, side_runs in runs.items():
+        for k, run in enumerate(side_runs):
+            for snap in run.get("snapshots", []):
+                if snap["name"].startswith("t") and (name := eval_name(side, snap["name"], k)) in evals:
+                    return set(prompt_ids(evals[name]["rows"], TASK))
+    return None
+
+
+def side_curves(evals: dict, runs: dict, side: str, ks: list[int], ids: set[str] | None) -> tuple[np.ndarray, np.ndarray]:
+    """(S, T, P) correctness and (S, T) seconds of one side's seeds `ks` at the points `plot` draws: the start model
+    (0 s), every `t*` snapshot each of these seeds saved, the end model (its training seconds); start and end on the
+    curve prompts `ids` only (all held-out prompts when None). ValueError unless every point scored the same prompts
+    in the same order."""
+    runs_k = [runs[side][k] for k in ks]
+    names = [[snap["name"] for snap in r.get("snapshots", []) if snap["name"].startswith("t")] for r in runs_k]
+    common = [n for n in names[0] if all(n in other for other in names[1:])]
+    keep = (lambda rows: rows) if ids is None else (lambda rows: [r for r in rows if r["prompt_id"] in ids])
+    x, t = [], []
+    for k, run in zip(ks, runs_k, strict=True):
+        snaps = {snap["name"]: snap for snap in run.get("snapshots", [])}
+        local = {"start": {"rows": keep(evals["start"]["rows"])},
+                 "end": {"rows": keep(evals[eval_name(side, "end", k)]["rows"])},
+                 **{n: evals[eval_name(side, n, k)] for n in common}}
+        x.append(scores(local, ["start", *common, "end"], TASK))
+        t.append([0.0, *(snaps[n]["elapsed_s"] for n in common), run["train_s"]])
+    return np.stack(x), np.array(t, dtype=np.float64)
+
+
+def time_to_accuracy_row(evals: dict, runs: dict, ref: str, side: str, goal: float, floor: float) -> dict | None:
+    """`side`'s wall-clock to reach `ref`'s final accuracy on the curve prompts against `ref`'s own time, seeds
+    paired (`stages.math.stats.compare_time_to_accuracy`), with `ref`'s gain on the same prompts (start to end), and
+    the verdict: "undetermined" when that gain's interval reaches 0 (the target is then the start's accuracy, as in
+    `equal_time_verdict`), else "met" when the speed-up is at least `goal` and its interval's low end above `floor`,
+    "MISSED" otherwise. None unless both sides have every model of a seed evaluated."""
+    from stages.math.stats import compare_time_to_accuracy, seed_prompt_diff
+
+    n = min(len(runs.get(ref, [])), len(runs.get(side, [])))
+
+    def evaluated(s: str, k: int) -> bool:
+        return all(eval_name(s, w, k) in evals for w in ["end", *(snap["name"] for snap in runs[s][k].get("snapshots", [])
+                                                                  if snap["name"].startswith("t"))])
+
+    ks = [k for k in range(n) if evaluated(ref, k) and evaluated(side, k)]
+    if not ks:
+        return None
+    ids = curve_prompt_ids(evals, runs)
+    (a, times_a), (b, times_b) = side_curves(evals, runs, ref, ks, ids), side_curves(evals, runs, side, ks, ids)
+    if a.shape[2] != b.shape[2] or (a[:, 0] != b[:, 0]).any():
+        raise ValueError(f"time to accuracy: {ref} and {side} start from other scores on the curve prompts")
+    c = dataclasses.asdict(compare_time_to_accuracy(a, times_a, b, times_b))
+    gain, lo, hi = seed_prompt_diff(a[:, 0], a[:, -1])
+    c.update(reference=ref, side=side, goal=goal, floor=floor, reference_gain={"gain": gain, "ci": [lo, hi]},
+             ci=list(c["ci"]))
+    c["verdict"] = ("undetermined" if lo <= 0 else
+                    "met" if c["speedup"] >= goal and c["ci"][0] > floor else "MISSED")
+    return c
+
+
+def async_equal_time(evals: dict, sync: list[str], asynchronous: list[str]) -> dict:
+    """Held-out accuracy at equal wall-clock, asynchronous r1flow minus sync (their end models, seed k with seed
+    k), two-sided: "lower" beyond the noise is a miss (async must not end below sync)."""
+    from stages.math.stats import seed_prompt_diff, two_sided
+
+    x = scores(evals, [*sync, *asynchronous], TASK)
+    diff, lo, hi = seed_prompt_diff(x[: len(sync)], x[len(sync):])
+    return {"diff": diff, "ci": [lo, hi], "seeds": len(sync), "prompts": x.shape[1], "verdict": two_sided(lo, hi)}

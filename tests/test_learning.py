@@ -212,14 +212,41 @@ def test_bad_settings_fail_before_any_compute(tmp_path):
     assert not any(tmp_path.iterdir())  # nothing made
 
 
-def fake_training(work, steps: int, extra: dict) -> dict:
+def test_bad_async_settings_fail_before_any_compute(tmp_path, monkeypatch, capsys):
+    """learning.py's main in this process (its imports are loaded already): one `bad settings` line, exit 2,
+    nothing made."""
+    for extra, needle in ((["--async-staleness", "0"], "async_staleness: the r1flow_async side needs K >= 1"),
+                          (["--async-placement", "local", "--r1flow-set", "policy_loss=gspo"],
+                           "policy_loss: gspo does not go with async.max_staleness=1"),
+                          (["--async-placement", "gpu"], "invalid choice: 'gpu'")):
+        monkeypatch.setattr(sys, "argv", ["learning.py", "--model", "tiny", "--sides", "r1flow_async",
+                                          "--work-dir", str(tmp_path), *extra])
+        with pytest.raises(SystemExit) as e:
+            learning.main()
+        assert e.value.code == 2 and needle in capsys.readouterr().err, extra
+    assert not any(tmp_path.iterdir())
+
+
+def test_the_ray_placement_names_what_this_machine_lacks(monkeypatch):
+    from benchmarks import learning_async, loopback_cluster
+
+    assert learning_async.placement_problem(Plan(async_placement="local")) is None
+    monkeypatch.setattr(loopback_cluster, "ray_installed", lambda: True)
+    monkeypatch.setattr(loopback_cluster, "netns_available", lambda: False)
+    assert learning_async.placement_problem(Plan()) == ("--async-placement ray needs root and `ip netns` for the "
+                                                        "loopback cluster (or --async-placement local)")
+    monkeypatch.setattr(loopback_cluster, "ray_installed", lambda: False)
+    assert learning_async.placement_problem(Plan()).startswith("--async-placement ray needs Ray")
+
+
+def fake_training(work, steps: int, extra: dict, curve_times: tuple[float, ...] = ()) -> dict:
     """What a faked training child returns: `steps` steps of 10 s each, its snapshots saved as directories by
-    `Snapshots` (the equal-steps point or every step, as the parent asked)."""
+    `Snapshots` (the curve's at `curve_times`, the equal-steps point or every step, as the parent asked)."""
     class Model:
         def save_pretrained(self, path):
             Path(path).mkdir(parents=True)
 
-    snaps = Snapshots([], Path(work) / "snapshots", extra.get("at_step"), bool(extra.get("every_step")))
+    snaps = Snapshots(list(curve_times), Path(work) / "snapshots", extra.get("at_step"), bool(extra.get("every_step")))
     for step in range(1, steps + 1):
         snaps.after_step(Model(), step, 10.0 * step)
     return {"steps": steps, "train_s": 10.0 * steps, "snapshots": snaps.saved, "final": str(work),
@@ -454,3 +481,190 @@ def test_trl_only_settings_are_parsed_and_checked_against_trls_config(monkeypatc
     learning_plan.check_trl_extra({"bf16": True, "per_device_train_batch_size": 64})
     with pytest.raises(ValueError, match="--trl-set: use_paged is not a field of TRL's GRPOConfig"):
         learning_plan.check_trl_extra({"bf16": True, "use_paged": True})
+
+
+# ---------------------------------------------------------------------------- time to accuracy (issue 60)
+
+
+def curve_evals(n: int, curve: int, **models: list[int]) -> dict:
+    """evals for the learning curves: "start" and every `side__what__k` given as how many of the first prompts it got
+    right: end models on all n held-out prompts (and n transfer ones), snapshots ("t1", ...) on the first `curve`."""
+    out = {"start": evaluation([0] * n, [0] * n)}
+    for kind, right in models.items():
+        side, what, k = kind.split("__")
+        size = n if what == "end" else curve
+        correct = [int(i < right) for i in range(size)]
+        out[learning_stats.eval_name(side, what, int(k))] = (evaluation(correct, [0] * n) if what == "end"
+                                                              else {"rows": rows(TASK, correct), "seconds": 1.0})
+    return out
+
+
+def curve_run(k: int, t1_s: float, end_s: float) -> dict:
+    return {"seed": k, "first": None, "steps": 10, "train_s": end_s, "curve": [],
+            "snapshots": [{"name": "t1", "step": 3, "elapsed_s": t1_s, "adapter": "-"}]}
+
+
+def test_time_to_accuracy_rows_read_the_curves_and_give_each_verdict():
+    """40 held-out prompts, the curves on the first 20; nothing right at the start; two identical seeds a side.
+    TRL: 2 of 20 at 300 s, prompts 0-7 at the end (1200 s): its final accuracy on the curve prompts is 8/20 = 40%
+    (20% on all 40: the start and end models are read on the curve prompts only), reached at 1200 s. r1flow: 20 of
+    20 at 100 s, so it crosses 40% at 0.4 * 100 = 40 s: 30x, and in every replicate it gets there by 100 s while TRL
+    needs 1200 (or 300, if a draw holds prompts 0-1 and none of 2-7: (14/20)^20 = 0.08%): the interval is far above
+    4x: met. r1flow async: 20 of 20 at 50 s, sync's final 100% at 50 s against sync's 100 s: 2.0x in every replicate,
+    [2, 2], at least 1/0.7 = 1.43x with the low end above 1: met. At equal wall-clock async ends right on prompts
+    0-21 and sync on 0-19: +5 points, and a draw misses both extra prompts with probability (38/40)^40 = 13%, so
+    the interval reaches 0: not below sync, pass."""
+    n, curve = 40, 20
+    evals = curve_evals(n, curve, **{f"{side}__{what}__{k}": right for k in (0, 1) for side, what, right in (
+        ("trl", "t1", 2), ("trl", "end", 8), ("r1flow", "t1", 20), ("r1flow", "end", 20),
+        ("r1flow_async", "t1", 20), ("r1flow_async", "end", 22))})
+    runs = {"trl": [curve_run(k, 300.0, 1200.0) for k in (0, 1)],
+            "r1flow": [curve_run(k, 100.0, 1200.0) for k in (0, 1)],
+            "r1flow_async": [curve_run(k, 50.0, 1200.0) for k in (0, 1)]}
+    s = learning_stats.summarize_learning(Plan(seeds=2, async_placement="local"), evals, runs)
+    by = {(r["reference"], r["side"]): r for r in s["time_to_accuracy"]}
+    assert list(by) == [("trl", "r1flow"), ("trl", "r1flow_async"), ("r1flow", "r1flow_async")]
+    r = by["trl", "r1flow"]
+    assert (r["target"], r["t_a"], r["t_b"], r["speedup"]) == (0.4, 1200.0, pytest.approx(40.0), pytest.approx(30.0))
+    assert r["ci"][0] > 4.0 and r["never_reached_share"] == 0.0 and (r["seeds"], r["prompts"]) == (2, 20)
+    assert r["reference_gain"]["gain"] == pytest.approx(0.4) and r["verdict"] == "met"
+    assert by["trl", "r1flow_async"]["speedup"] == pytest.approx(60.0)  # 40% at 0.4 * 50 = 20 s
+    r = by["r1flow", "r1flow_async"]
+    assert (r["target"], r["t_a"], r["t_b"], r["speedup"], r["ci"]) == (1.0, 100.0, 50.0, 2.0, [2.0, 2.0])
+    assert r["verdict"] == "met"
+    assert s["async_equal_time"]["diff"] == pytest.approx(0.05) and s["async_equal_time"]["verdict"] == "same"
+    assert s["async_equal_time"]["prompts"] == n
+    text = "\n".join(learning_report.table(s) + learning_report.verdict_lines(s))
+    assert "| r1flow async, budget | 10, 10 | 20.0, 20.0 | 55.0% [" in text
+    assert ("time to accuracy, r1flow (sync) against TRL: wall-clock to reach TRL's final held-out accuracy (40.0% "
+            "on the 20 curve prompts), 2 seed(s): TRL 20.0 min, r1flow (sync) 0.7 min: 30.00x [") in text
+    assert "Goal (>= 6x, the interval's low end above 4x): met" in text
+    assert ("time to accuracy, r1flow async (K=1, local) against r1flow (sync): wall-clock to reach r1flow (sync)'s "
+            "final held-out accuracy (100.0% on the 20 curve prompts), 2 seed(s): r1flow (sync) 1.7 min, r1flow async "
+            "(K=1, local) 0.8 min: 2.00x [2.00, 2.00]") in text
+    assert "Goal (>= 1.43x, i.e. at most 0.7x sync's time, the interval's low end above 1x): met" in text
+    assert ("equal wall-clock, r1flow async (K=1, local) minus r1flow (sync): +5.0 points [" in text
+            and "(paired, two-sided; 2 seed(s), 40 held-out prompts): not below sync beyond the noise: pass" in text)
+
+
+def test_time_to_accuracy_misses_never_reached_and_undetermined():
+    """TRL as before (40% on the curve prompts at 1200 s). r1flow: 4 of 20 at 600 s, 6 of 20 (30%) at the end: it
+    never reaches 40%, speed-up 0: MISSED, "never reached it". Async against sync's final 30%: sync gets there at
+    1200 s; async has 2 of 20 at 600 s and 10 of 20 at 1200 s, crossing 30% at 600 + (0.3 - 0.1) / (0.5 - 0.1) * 600
+    = 900 s: 1.33x, under 1/0.7: MISSED. Its end models: right on 10 prompts against sync's 6: higher. A TRL right on
+    prompt 0 only: its gain on the curve prompts cannot be told from 0 (a draw misses it with probability
+    (19/20)^20 = 36%): undetermined, whatever the speed-up."""
+    n, curve = 40, 20
+    evals = curve_evals(n, curve, **{f"{side}__{what}__{k}": right for k in (0, 1) for side, what, right in (
+        ("trl", "t1", 2), ("trl", "end", 8), ("r1flow", "t1", 4), ("r1flow", "end", 6),
+        ("r1flow_async", "t1", 2), ("r1flow_async", "end", 10))})
+    runs = {side: [curve_run(k, t1, 1200.0) for k in (0, 1)]
+            for side, t1 in (("trl", 300.0), ("r1flow", 600.0), ("r1flow_async", 600.0))}
+    s = learning_stats.summarize_learning(Plan(seeds=2), evals, runs)
+    by = {(r["reference"], r["side"]): r for r in s["time_to_accuracy"]}
+    r = by["trl", "r1flow"]
+    assert (r["t_b"], r["speedup"], r["verdict"]) == (None, 0.0, "MISSED") and r["never_reached_share"] > 0.5
+    r = by["r1flow", "r1flow_async"]
+    assert (r["t_a"], r["t_b"], r["verdict"]) == (1200.0, pytest.approx(900.0), "MISSED")
+    assert r["speedup"] == pytest.approx(4 / 3)
+    assert s["async_equal_time"]["verdict"] == "higher"
+    text = "\n".join(learning_report.verdict_lines(s))
+    assert "r1flow (sync) never reached it: 0.00x [" in text and "Goal (>= 6x, the interval's low end above 4x): MISSED" in text
+    assert "r1flow async (K=1, ray) 15.0 min: 1.33x [" in text
+    assert "higher beyond the noise: pass" in text
+    evals.update(curve_evals(n, curve, trl__t1__0=0, trl__t1__1=0, trl__end__0=1, trl__end__1=1))
+    s = learning_stats.summarize_learning(Plan(seeds=2), evals, runs)
+    r = s["time_to_accuracy"][0]
+    assert r["reference_gain"]["ci"][0] <= 0 and r["verdict"] == "undetermined"
+    assert "undetermined (TRL's gain on these prompts, +5.0 [" in "\n".join(learning_report.verdict_lines(s))
+
+
+def test_the_async_side_trains_after_each_seeds_pair_and_joins_the_verdicts(tmp_path, monkeypatch):
+    """`--sides trl,r1flow,r1flow_async` with the children faked: each seed trains its r1flow/TRL pair in its turn,
+    then r1flow_async (no equal-steps point, no cluster in the local placement); its end model and curve snapshot are
+    evaluated (the snapshot on the curve prompts) and the summary has its time-to-accuracy rows and the equal
+    wall-clock check. --resume after a stop during seed 1's async side trains that side only."""
+    import argparse
+
+    calls, stop_at = [], None
+    right = {"start": 0, "trl_end": 8, "trl_t1": 2, "r1flow_end": 20, "r1flow_t1": 20, "r1flow_equal_steps": 8,
+             "r1flow_async_end": 20, "r1flow_async_t1": 20}
+
+    def fake_child(what, plan_file, work, log, allocator, quiet_wait=0.0, **extra):
+        if what == "prep":
+            Path(work).mkdir(parents=True)
+            return {"start_dir": str(tmp_path / "start")}
+        if what == "eval":
+            out = {}
+            for job in json.loads(Path(extra["jobs"]).read_text()):
+                k, size = right[job["name"].rsplit("_s", 1)[0]], 40 if job["prompts"] == "prompts" else 20
+                out[job["name"]] = evaluation([int(i < k) for i in range(size)], [0] * 40) if size == 40 else {
+                    "rows": rows(TASK, [int(i < k) for i in range(size)]), "seconds": 1.0}
+            return out
+        if stop_at == (what, extra.get("seed")):
+            raise KeyboardInterrupt
+        calls.append((what, extra.get("seed"), extra.get("at_step"), extra.get("every_step"), extra.get("cluster")))
+        steps = {"trl": 3, "r1flow": 5, "r1flow_async": 6}[what]
+        return fake_training(work, steps, extra, curve_times=(20.0,))
+
+    monkeypatch.setattr(learning, "run_learning_child", fake_child)
+    monkeypatch.setattr(learning, "plot", lambda *a, **k: None)
+    args = parent_args(tmp_path)
+    plan = Plan(seeds=2, async_placement="local", async_staleness=2)
+    sides = ["trl", "r1flow", "r1flow_async"]
+    stop_at = ("r1flow_async", 1)
+    with pytest.raises(KeyboardInterrupt):
+        learning.run_learning(plan, sides, args)
+    stop_at = None
+    raw = learning.run_learning(plan, sides, argparse.Namespace(
+        **{**vars(args), "resume": str(next((tmp_path / "w").glob("run-*")))}))
+    assert [c[:2] for c in calls] == [("r1flow", 0), ("trl", 0), ("r1flow_async", 0), ("trl", 1), ("r1flow", 1),
+                                      ("r1flow_async", 1)]
+    assert all(c[2:] == (None, None, None) for c in calls if c[0] == "r1flow_async")
+    assert [r["first"] for r in raw["runs"]["r1flow_async"]] == [None, None]
+    assert {"r1flow_async_end_s0", "r1flow_async_t1_s1"} <= set(raw["evals"])
+    assert len(raw["evals"]["r1flow_async_t1_s1"]["rows"]) == 20  # a snapshot on the curve prompts
+    s = raw["summary"]
+    assert [(r["reference"], r["side"]) for r in s["time_to_accuracy"]] == [
+        ("trl", "r1flow"), ("trl", "r1flow_async"), ("r1flow", "r1flow_async")]
+    assert s["async_equal_time"]["diff"] == 0.0 and s["async_side"] == {"max_staleness": 2, "placement": "local"}
+    run_dir = next((tmp_path / "w").glob("run-*"))
+    section = learning_report.learning_markdown_section(Plan(**json.loads((run_dir / "plan.json").read_text())),
+                                                        "cmd", {"device_name": "cpu"}, "abc", s, raw["runs"], {},
+                                                        run_dir / "learning.png")
+    assert "r1flow's grpo with async {max_staleness: 2, rollout_workers: 1}, placement local: the rollout worker" in section
+
+
+def test_the_async_side_on_the_cluster_checks_where_the_learner_and_worker_ran(tmp_path, monkeypatch):
+    """The ray placement with the cluster faked: the side's child gets the cluster, and a run whose recorded node ids
+    put the learner or the worker elsewhere than the `learn` and `gen` nodes fails in one line."""
+    import contextlib
+    import types
+
+    node = types.SimpleNamespace
+    cluster = node(running={"head": node(node_id="LEARN"), "worker": node(node_id="GEN")})
+    where = {}
+
+    @contextlib.contextmanager
+    def fake_cluster(plan, side, work):
+        yield cluster if side == "r1flow_async" else None
+
+    def fake_child(what, plan_file, work, log, allocator, quiet_wait=0.0, **extra):
+        if what == "prep":
+            Path(work).mkdir(parents=True)
+            return {"start_dir": str(tmp_path / "start")}
+        if what == "eval":
+            return {j["name"]: evaluation([1] * 4, [0] * 4) for j in json.loads(Path(extra["jobs"]).read_text())}
+        assert extra["cluster"] is (cluster if what == "r1flow_async" else None)
+        return {**fake_training(work, 2, extra), "async": dict(where)}
+
+    monkeypatch.setattr(learning, "run_learning_child", fake_child)
+    monkeypatch.setattr(learning, "side_cluster", fake_cluster)
+    monkeypatch.setattr(learning, "plot", lambda *a, **k: None)
+    where.update({"async.learner_node_id": "LEARN", "async.worker_node_ids": "GEN"})
+    raw = learning.run_learning(Plan(seeds=1), ["r1flow", "r1flow_async"], parent_args(tmp_path))
+    assert raw["runs"]["r1flow_async"][0]["async"]["async.worker_node_ids"] == "GEN"
+    where["async.worker_node_ids"] = "LEARN"
+    with pytest.raises(SystemExit, match=r"^learning.py: r1flow_async ran the learner on node LEARN and its worker on "
+                                         r"LEARN, not on the learn \(LEARN\) and gen \(GEN\) nodes; log .*seed0-r1flow_async.log$"):
+        learning.run_learning(Plan(seeds=1), ["r1flow", "r1flow_async"], parent_args(tmp_path / "again"))
