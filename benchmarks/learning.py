@@ -5,6 +5,7 @@
     make learn ARGS="--minutes 5 --device cuda"  # a lent GPU
     make learn ARGS="--seeds 1"                  # one seed a side (intervals over prompts only)
     make learn ARGS="--algo grpo,ppo"             # adds r1flow's PPO on the same budget (row "r1flow PPO")
+    make learn ARGS="--minutes 5 --sides trl,r1flow,r1flow_async --curve-points 4"   # adds asynchronous r1flow (issue 60)
     make learn ARGS="--resume .r1flow/learning/run-20261128-062000"   # go on with a stopped run's seeds
     .venv/bin/python benchmarks/learning.py --model tiny --quick --sides r1flow   # the CI smoke run
 
@@ -35,6 +36,12 @@ allocator variables and offline flags for every child):
    seed k of r1flow paired with seed k of TRL). The headline is the paired difference r1flow's gain minus
    TRL's at equal wall-clock, and their ratio with its interval, reported unbounded when TRL's gain interval
    reaches 0. The equal-steps check is two-sided: a difference beyond the noise either way says "investigate".
+   Time to accuracy (issue 60; the gain ratio saturates once both sides converge, this does not): from the learning
+   curves (the start, every snapshot, the end, on the curve prompts), how long r1flow takes to reach TRL's final
+   held-out accuracy against TRL's own time (`compare_time_to_accuracy`: seed-mean curves, the first crossing read
+   linearly between two points; the interval recomputes target and times in each replicate of the same bootstrap).
+   Goal 6x with the interval's low end above 4x; "undetermined" when TRL's gain on those prompts cannot be told
+   from 0.
 6. `--trl-set KEY=VALUE` (TRL's GRPOConfig, TRL's side only) and `--r1flow-set` (r1flow's) make the sensitivity
    rows: e.g. TRL with the whole step in one per-device batch, or bf16 on a CPU with AMX (a setting that helps one
    side is offered to both, `benchmarks/trl_settings.py --side r1flow`; on the RESULTS machine bf16 speeds TRL up
@@ -42,11 +49,20 @@ allocator variables and offline flags for every child):
    side's own settings.
    `--r1flow-from RUN` (or `--trl-from RUN`) reuses an earlier run's trained and evaluated side of the same plan,
    so a sensitivity row trains only the side that changed, against the very same runs of the other.
-7. Each side of each seed, once trained, is kept in the run directory (`seed<k>/<side>.json`, written whole):
+7. `--sides ...,r1flow_async`: r1flow's grpo with `async: {max_staleness: K, rollout_workers: 1}` (`--async-staleness
+   K`, default 1), the r1flow side's plan otherwise, trained after each seed's r1flow/TRL pair; its clock includes
+   the worker's start, which the learner's first step waits for. `--async-placement ray` (the default; root and Ray):
+   the learner a Ray task on the `learn` node, the worker an actor on the `gen` node of a 2-node loopback cluster in
+   a network namespace, one core a node (async_throughput.py's `start_cluster`, started for the side and stopped
+   after it; the recorded node ids are checked); `local`: the worker a process beside the learner, one thread each.
+   Its rows: time to TRL's final accuracy (goal as above), time to sync r1flow's final accuracy (goal: at most 0.7x
+   sync's time, the interval's low end above 1x) and its held-out accuracy minus sync's at equal wall-clock
+   (two-sided: below sync beyond the noise is a miss).
+8. Each side of each seed, once trained, is kept in the run directory (`seed<k>/<side>.json`, written whole):
    `--resume RUN` goes on with a run that stopped (killed, or a session that ended) on the same plan, training only
    the sides not kept, so three seeds need not fit one sitting; every model is evaluated at the end. With a larger
    `--seeds` it adds seeds to a finished run (e.g. a one-seed sensitivity row grown to three).
-8. A table (stdout and `--markdown`), one row a seed, the seconds a step by phase, the raw numbers (`--json`,
+9. A table (stdout and `--markdown`), one row a seed, the seconds a step by phase, the raw numbers (`--json`,
    default in the work dir) and a plot of held-out accuracy and training reward against wall-clock minutes for
    both sides (`--plot`).
 """
