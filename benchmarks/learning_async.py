@@ -21,6 +21,9 @@ def placement_problem(plan: Plan) -> str | None:
     nothing."""
     if plan.async_placement != "ray":
         return None
+    if plan.device != "cpu":
+        return (f"--async-placement ray is the 2-node loopback cluster of one CPU core a node; with --device "
+                f"{plan.device} use --async-placement local")
     from benchmarks.loopback_cluster import netns_available, ray_installed
 
     if not ray_installed():

@@ -231,6 +231,7 @@ def test_the_ray_placement_names_what_this_machine_lacks(monkeypatch):
     from benchmarks import learning_async, loopback_cluster
 
     assert learning_async.placement_problem(Plan(async_placement="local")) is None
+    assert "with --device cuda use --async-placement local" in learning_async.placement_problem(Plan(device="cuda"))
     monkeypatch.setattr(loopback_cluster, "ray_installed", lambda: True)
     monkeypatch.setattr(loopback_cluster, "netns_available", lambda: False)
     assert learning_async.placement_problem(Plan()) == ("--async-placement ray needs root and `ip netns` for the "
