@@ -1,6 +1,8 @@
 """Training stages across machines (issue 43, part 2): `resources: {nodes: N, num_processes: M}` runs the stage
 as N × M Ray actors in a STRICT_SPREAD placement group (`stages.training.ray_launch`), running the same rank
-code as `accelerate launch`, so the results are the single-node data-parallel ones.
+code as `accelerate launch`, so the results are the single-node data-parallel ones. Asynchronous grpo's rollout
+workers as Ray actors on the other node (issue 60): the same bytes as on one machine, a killed actor replaced with
+the same bytes, a hung one a single line within async.sync_timeout_s.
 
 The cluster is real (tests/ray_cluster.py): a head and a worker node, one CPU each, in a network namespace
 of their own on loopback. The pytest process is outside that namespace, so everything that talks to Ray runs
@@ -16,6 +18,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -25,7 +28,7 @@ import torch
 from schemas.configs import LoraSpec, ResourcesSpec, SFTConfig
 from schemas.errors import ConfigError
 from stages.base import LocalContext
-from stages.training import launch, ray_launch
+from stages.training import async_rollouts, launch, ray_launch
 from tests.ray_cluster import LoopbackCluster, netns_available, ray_installed
 from tests.test_distributed import RTOL, TWO, _curve, _sft_input
 
@@ -162,6 +165,34 @@ def _rank_actors(cluster: LoopbackCluster) -> list[int]:
     return found
 
 
+def _rollout_actors_running(cluster: LoopbackCluster) -> list[int]:
+    """Ray worker processes in the namespace running a rollout actor's loop (Ray titles them after the method)."""
+    found = []
+    for pid in cluster.processes():
+        try:
+            if b"RolloutActor.run" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(pid)
+        except OSError:
+            pass
+    return found
+
+
+def _on_rollout_actor_once_published(cluster: LoopbackCluster, run_root: Path, version: int, sig: int,
+                                     proc: subprocess.Popen, timeout: float = 240) -> int:
+    """As soon as the learner of the driver's run at `run_root` has published `version`, send `sig` to the rollout
+    actor running its loop; its pid."""
+    path = async_rollouts.version_file(LocalContext(run_root).checkpoint_dir / async_rollouts.WEIGHTS_DIR, version)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        pids = _rollout_actors_running(cluster) if path.exists() else []
+        if len(pids) == 1:
+            os.kill(pids[0], sig)
+            return pids[0]
+        time.sleep(0.02)
+    raise AssertionError(f"version {version} was not published with one rollout actor running (driver exit code "
+                         f"{proc.poll()}, actors {_rollout_actors_running(cluster)})")
+
+
 @needs_cluster
 @pytest.mark.slow
 def test_sft_on_two_ray_nodes_follows_the_two_process_accelerate_run(cluster, tmp_path, tiny_model_input, sft_rows):
@@ -266,9 +297,11 @@ def test_async_grpo_generates_on_one_ray_node_and_learns_on_the_other(cluster, t
                                                                      digit_prompts):
     """Asynchronous grpo (K = 1) as a Ray task on the head node (resources {head: 1}, as a node's `resources:` place
     a stage of `r1flow run --cluster`), its rollout worker a Ray actor on the worker node (async.worker_resources
-    labels {worker: 1}): the node ids it records say so, the schedule is min(K, s), the model's bytes equal the
-    one-machine asynchronous run's (worker processes beside the learner), and the placement leaves the cache key
-    as it is."""
+    labels {worker: 1}), that actor's process killed (SIGKILL) as soon as the learner published version 1 (it still
+    owes step 3, sampled with version 2): a new actor on the worker node replaces it from the first step the learner
+    had not received (one warning line naming the dead actor's pid and Ray node and the step), the node ids recorded
+    say where everything ran, the schedule is min(K, s), the model's bytes equal the one-machine asynchronous run's
+    (worker processes beside the learner, none killed), and the placement leaves the cache key as it is."""
     import hashlib
 
     from flows.store.cache import cache_key
@@ -276,8 +309,8 @@ def test_async_grpo_generates_on_one_ray_node_and_learns_on_the_other(cluster, t
     from tests.test_async_rl import _check_schedule
     from tests.test_grpo import short_is_better
 
-    placed = short_is_better(steps=3, **{"async": {"max_staleness": 1, "worker_resources": {"labels": {"worker": 1}}}})
-    here = short_is_better(steps=3, **{"async": {"max_staleness": 1}})
+    placed = short_is_better(steps=4, **{"async": {"max_staleness": 1, "worker_resources": {"labels": {"worker": 1}}}})
+    here = short_is_better(steps=4, **{"async": {"max_staleness": 1}})
     assert "worker_resources" in placed.model_dump(mode="json")["async"]  # the stage task gets it, the key does not
     assert cache_key("grpo", grpo.VERSION, placed.model_dump(mode="json"), {}, 0) == \
         cache_key("grpo", grpo.VERSION, here.model_dump(mode="json"), {}, 0)
@@ -285,6 +318,9 @@ def test_async_grpo_generates_on_one_ray_node_and_learns_on_the_other(cluster, t
     started = time.monotonic()
     proc, result = _start_driver(cluster, tmp_path, placed, inputs, module="stages.grpo",
                                  task={"num_cpus": 1, "resources": {"head": 1}})
+    killed: list = []
+    killer = threading.Thread(target=lambda: killed.append(_killed_after(cluster, tmp_path / "run", proc)))
+    killer.start()
     try:
         local = LocalContext(tmp_path / "one-machine", seed=0)  # meanwhile, the same stage on this machine
         out_local = grpo.run(here, inputs, local)["model"]
@@ -292,18 +328,75 @@ def test_async_grpo_generates_on_one_ray_node_and_learns_on_the_other(cluster, t
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+        killer.join()
     log = (tmp_path / "driver.log").read_text(errors="replace")
     assert rc == 0, log[-6000:]
+    assert isinstance(killed[0], int), killed
     got = json.loads(result.read_text())
     params = got["params"]
+    worker_node = cluster.running["worker"].node_id
     assert params["async.placement"] == "ray", params
     assert params["async.learner_node_id"] == cluster.running["head"].node_id, params
-    assert params["async.worker_node_ids"] == cluster.running["worker"].node_id, params
+    assert params["async.worker_node_ids"] == worker_node, params
     assert local.params["async.placement"] == "processes"
+    replaced = re.findall(rf"grpo: async rollout worker 0 \(pid {killed[0]} on \S+, Ray node {worker_node}\) died "
+                          r"\(\w+\) before delivering step (\d)'s groups \(policy version (\d)\); replaced \(1 of "
+                          rf"async.worker_restarts=2\) by pid (\d+) on \S+, Ray node {worker_node}, from step (\d)", log)
+    replaced = sorted(set(replaced))  # (the driver's log has every line of a Ray worker twice)
+    assert len(replaced) == 1 and replaced[0][0] == replaced[0][3] in "123", (replaced, log[-4000:])
+    assert int(replaced[0][1]) == max(0, int(replaced[0][0]) - 1) and int(replaced[0][2]) != killed[0]
     ray_ctx = LocalContext(tmp_path / "run")  # the driver's root: the checkpoints record the consumed groups
     ray_ctx.metrics = [(step, m) for step, m in got["metrics"]]
-    _check_schedule(ray_ctx, 1, 3, 4)
+    _check_schedule(ray_ctx, 1, 4, 4)
+    assert [m["async/worker_restarts"] for s, m in ray_ctx.metrics if s == 4] == [1.0]
     sha = lambda d: hashlib.sha256((Path(d) / "model" / "model.safetensors").read_bytes()).hexdigest()  # noqa: E731
     assert sha(got["outputs"]["model"]) == sha(out_local.path)
     print(f"async grpo, learner on {params['async.learner_node_id'][:8]}, worker on "
-          f"{params['async.worker_node_ids'][:8]}: {time.monotonic() - started:.0f} s")
+          f"{params['async.worker_node_ids'][:8]}, killed and replaced from step {replaced[0][0]}: "
+          f"{time.monotonic() - started:.0f} s")
+
+
+def _killed_after(cluster: LoopbackCluster, run_root: Path, proc: subprocess.Popen) -> int | str:
+    """The rollout actor SIGKILLed once version 1 is published (its pid), or why not."""
+    try:
+        return _on_rollout_actor_once_published(cluster, run_root, 1, signal.SIGKILL, proc)
+    except AssertionError as e:
+        return str(e)
+
+
+@needs_cluster
+@pytest.mark.slow
+def test_a_hung_rollout_actor_ends_the_stage_in_one_line_within_the_sync_timeout(cluster, tmp_path, tiny_model_input,
+                                                                                  digit_prompts):
+    """The rollout actor of asynchronous grpo (K = 1, 4 steps, async.sync_timeout_s=10) stopped (SIGSTOP) as soon as
+    the learner published version 1: it still owes step 3 at least, so the learner ends the stage within the
+    timeout of its wait with one line naming the actor's pid, its Ray node and the policy version (a hang is not
+    replaced: the actor is alive)."""
+    from tests.test_grpo import short_is_better
+
+    cfg = short_is_better(steps=4, **{"async": {"max_staleness": 1, "sync_timeout_s": 10,
+                                                "worker_resources": {"labels": {"worker": 1}}}})
+    proc, result = _start_driver(cluster, tmp_path, cfg, {"model": tiny_model_input, "prompts": digit_prompts},
+                                 module="stages.grpo", task={"num_cpus": 1, "resources": {"head": 1}})
+    stopped = None
+    try:
+        stopped = _on_rollout_actor_once_published(cluster, tmp_path / "run", 1, signal.SIGSTOP, proc)
+        at = time.monotonic()
+        rc = proc.wait(timeout=120)
+        waited = time.monotonic() - at
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        if stopped is not None and Path(f"/proc/{stopped}").exists():
+            os.kill(stopped, signal.SIGKILL)
+    log = (tmp_path / "driver.log").read_text(errors="replace")
+    assert rc != 0, log[-4000:]
+    got = json.loads(result.read_text())
+    assert "StageError" in got["error"], got
+    line = rf"grpo: async rollout worker 0 \(pid {stopped} on \S+, Ray node {cluster.running['worker'].node_id}\) " \
+           r"did not (load policy version \d|deliver step \d's groups \(policy version \d\)) within " \
+           r"async.sync_timeout_s=10 s"
+    assert re.search(rf"(^|StageError: ){line}\Z", got["message"].strip(), re.M), got["message"]
+    assert waited < 10 + 30, waited  # the timeout, a learner step and the driver's exit
+    assert "replaced" not in log
+    print(f"hung rollout actor: the stage ended {waited:.1f} s after the SIGSTOP")
