@@ -531,3 +531,35 @@ def test_a_resumed_ppo_learner_neither_replays_nor_skips_a_group(tmp_path, tiny_
 
     cfg = small(steps=5, prompts_per_step=4, group_size=4, checkpoint_every=2, **{"async": {"max_staleness": 1}})
     _resumes_without_replay_or_skip(ppo, cfg, {"model": tiny_model_input, "prompts": digit_prompts}, tmp_path)
+
+
+@pytest.mark.slow
+def test_async_ppo_runs_a_multi_turn_environment(tmp_path, tiny_model_input, digit_prompts):
+    """Asynchronous ppo (K = 1, 2 steps) with a tool answering every turn (a user's environment file): the worker
+    runs the multi-turn rollouts and records mu on the model's tokens, the learner's critic and GAE take the
+    trajectories; staleness is min(1, s), every group is consumed once, and each step logs the async metrics beside
+    the tool's: weights 1 at step 0 (sampled by the learner's own version 0), not all 1 at the stale step 1 (mu, from
+    the trajectories' sampler log-probs, reaches the loss)."""
+    import math
+
+    from schemas.configs import EnvironmentSpec, PPOConfig
+    from stages import ppo
+    from tests.test_grpo_tools import TOOL_EVERY_TURN, _cfg
+
+    path = tmp_path / "tool_every_turn.py"
+    path.write_text(TOOL_EVERY_TURN)
+    # every reward is the same here: whitened, the advantages would be 0 and the policy would not move at all
+    cfg = _cfg(PPOConfig, environment=EnvironmentSpec(name=str(path), max_turns=3, max_total_tokens=40), beta=0.05,
+               whiten_advantages=False, **{"async": {"max_staleness": 1}})
+    ppo.check(cfg)
+    ctx = LocalContext(tmp_path / "run", seed=0)
+    ppo.run(cfg, {"model": tiny_model_input, "prompts": digit_prompts}, ctx)
+    _check_schedule(ctx, 1, 2, 2)
+    m = _step_metrics(ctx)
+    for step in m.values():
+        assert step["rollout/turns"] > 1 and step["rollout/tool_calls"] > 0 and step["rollout/observation_tokens"] > 0
+        assert math.isfinite(step["train/value_loss"]) and math.isfinite(step["train/policy_loss"])
+        assert 0.0 < step["async/is_weight_ess"] <= 1.0 and 0.0 <= step["async/is_truncated"] <= 1.0
+        assert step["async/worker_restarts"] == 0.0
+    assert m[1]["async/is_weight_mean"] == pytest.approx(1.0, abs=1e-5) and m[1]["async/is_weight_ess"] == pytest.approx(1.0, abs=1e-5)
+    assert abs(m[2]["async/is_weight_mean"] - 1.0) > 1e-4 and m[2]["async/is_weight_ess"] < 1.0 - 1e-4, m[2]
