@@ -479,23 +479,36 @@ def test_a_filler_keeps_every_sharded_rank_running_the_same_forwards():
     assert not distributed.Dist(0, 1, fsdp=True).sharded and fsdp.sharded
 
 
+# 21 examples, batch 4: the last micro-batch of an epoch holds one example and the second rank runs a weight-0 filler
+SHARDED_SFT = SFTConfig(max_steps=6, batch_size=4, grad_accum=2, learning_rate=3e-3, warmup_ratio=0.0, max_length=128,
+                        checkpoint_every=3, lora=LoraSpec(r=0), lr_scheduler="constant", resources=FSDP2)
+
+
+@pytest.fixture(scope="module")
+def sharded_sft(tmp_path_factory, tiny_model_input):
+    """SHARDED_SFT's uninterrupted run on 2 processes (its inputs, context and model), which the loss-curve test and the
+    resume test both compare against: one launch of 2 ranks for both."""
+    from stages import sft
+
+    root = tmp_path_factory.mktemp("sharded-sft")
+    inputs = {"model": tiny_model_input, "data": _sft_input(root / "data", 21)}
+    two = LocalContext(root / "two")
+    out = launch.run_stage(sft, SHARDED_SFT, inputs, two)["model"]
+    return inputs, two, out
+
+
 @pytest.mark.slow
-def test_sft_sharded_on_two_processes_follows_the_single_process_loss_curve(tmp_path, tiny_model_input):
+def test_sft_sharded_on_two_processes_follows_the_single_process_loss_curve(tmp_path, tiny_model_input, sharded_sft):
     """FSDP: each process holds half of every weight, gradient and Adam moment; the reduce-scatter
-    sums, so the curve is the single-process one. 21 examples, batch 4: the last micro-batch of the
-    epoch holds one example and the second rank runs a weight-0 filler. Checkpoints hold the full
-    weights; the saved model is the same as the single process's."""
+    sums, so the curve is the single-process one (SHARDED_SFT: the second rank runs a weight-0 filler at the end
+    of every epoch). Checkpoints hold the full weights; the saved model is the same as the single process's."""
     from safetensors.torch import load_file
 
     from stages import sft
 
-    data = _sft_input(tmp_path / "data", 21)
-    cfg = SFTConfig(max_steps=6, batch_size=4, grad_accum=2, learning_rate=3e-3, warmup_ratio=0.0, max_length=128,
-                    checkpoint_every=3, lora=LoraSpec(r=0), lr_scheduler="constant")
-    inputs = {"model": tiny_model_input, "data": data}
-    one, two = LocalContext(tmp_path / "one"), LocalContext(tmp_path / "two")
-    out1 = sft.run(cfg, inputs, one)["model"]
-    out2 = launch.run_stage(sft, cfg.model_copy(update={"resources": FSDP2}), inputs, two)["model"]
+    inputs, two, out2 = sharded_sft
+    one = LocalContext(tmp_path / "one")
+    out1 = sft.run(SHARDED_SFT.model_copy(update={"resources": ResourcesSpec()}), inputs, one)["model"]
     worst = _assert_same_curve(one, two, "train/loss", 6)
     _assert_same_curve(one, two, "train/grad_norm", 6)
     print(f"sft fsdp: max relative loss difference 2 vs 1 processes over 6 steps: {worst:.2e}")
@@ -511,17 +524,15 @@ def test_sft_sharded_on_two_processes_follows_the_single_process_loss_curve(tmp_
 
 
 @pytest.mark.slow
-def test_sft_sharded_resumes_from_its_checkpoint(tmp_path, tiny_model_input, sft_data):
+def test_sft_sharded_resumes_from_its_checkpoint(tmp_path, sharded_sft):
     """A sharded run stopped after 3 steps and resumed to 6 (the full weights and Adam moments gathered
-    into the checkpoint, loaded back into each process's shards) follows the uninterrupted run; a
-    checkpoint written without fsdp is refused by a sharded resume, by name."""
+    into the checkpoint, loaded back into each process's shards) follows the uninterrupted run (the module's
+    `sharded_sft`, the same config); a checkpoint written without fsdp is refused by a sharded resume, by name."""
     from stages import sft
 
-    cfg = SFTConfig(max_steps=6, batch_size=4, learning_rate=3e-3, warmup_ratio=0.0, max_length=128,
-                    checkpoint_every=3, lora=LoraSpec(r=0), lr_scheduler="constant", resources=FSDP2)
-    inputs = {"model": tiny_model_input, "data": sft_data}
-    whole, parts = LocalContext(tmp_path / "whole"), LocalContext(tmp_path / "parts")
-    launch.run_stage(sft, cfg, inputs, whole)
+    cfg = SHARDED_SFT
+    inputs, whole, _ = sharded_sft
+    parts = LocalContext(tmp_path / "parts")
     launch.run_stage(sft, cfg.model_copy(update={"max_steps": 3}), inputs, parts)
     out = launch.run_stage(sft, cfg, inputs, parts)["model"]
     assert out.metrics["resumed_from_step"] == 3 and out.metrics["trained_steps"] == 3
