@@ -72,6 +72,25 @@ def test_logprobs_unaffected_by_left_padding(backend):
     assert alone[0][0].logprobs == pytest.approx(batched[0][0].logprobs, abs=1e-4)
 
 
+@pytest.mark.parametrize("cache", ["dynamic", "graph"])  # decode_rows, decode_static
+def test_sampled_logprobs_read_at_decode_equal_a_second_pass_under_temperature_and_top_k(backend, tiny_tokenizer,
+                                                                                         cache):
+    """Sampling log-probs come from the decode step that drew each token (no second pass over prompt and completion,
+    which cost a local async worker more than its decoding): the model's log-prob of the token before temperature and
+    top-k, the quantity `sampled_completion_logprobs` computes by a forward pass; 0 past a completion's end."""
+    spec = GenerationSpec(max_new_tokens=7, temperature=0.7, top_k=20, batch_size=4, cache=cache)
+    out, _ = backend.generate(CONVS, spec, n=2, seed=3, logprobs=True, progress=False)
+    for conv, comps in zip(CONVS, out, strict=True):
+        enc = tiny_tokenizer(tiny_tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True),
+                             return_tensors="pt", add_special_tokens=False)
+        for c in comps:
+            ids = torch.tensor([c.token_ids])
+            second = sampled_completion_logprobs(backend.model, enc["input_ids"], enc["attention_mask"], ids,
+                                                 torch.ones_like(ids))[0].tolist()
+            assert len(c.logprobs) == c.num_tokens
+            assert list(c.logprobs) == pytest.approx(second, abs=1e-5)
+
+
 def test_completion_logprobs_masks_padding():
     """A 'model' whose logits are fixed: vocab 3, log_softmax of [0, 0, ln 2] is
     [ln 1/4, ln 1/4, ln 1/2]. Completion tokens [2, 0] → [ln .5, ln .25]; masked position → 0."""

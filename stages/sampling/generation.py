@@ -153,19 +153,23 @@ class TransformersBackend:
                     static = (spec.cache == "graph" and lean_decode.applies(model)
                               and lean_decode.takes_cache(cache, LEAN_CACHE_LAYERS))
                     decode = decode_static if static else decode_rows  # graph on other models: decode_rows
+                    step_lps = (torch.zeros(p_ids.shape[0], spec.max_new_tokens, device=device) if logprobs
+                                else None)
                     new = decode(model, p_ids, p_mask, cache, spec.max_new_tokens, eos_ids, pad_id,
                                  warpers=procs[:-1], sampler=procs[-1] if procs else None, stop=stop,
-                                 progress=steps)
+                                 progress=steps, logprobs=step_lps)
                 else:
-                    new = self._generate(enc, n, spec, eos_ids, pad_id, steps)
+                    new, step_lps = self._generate(enc, n, spec, eos_ids, pad_id, steps), None
             rows = self._rows(new.tolist(), eos_ids, spec.stop, pad_id)
             bar.batch_done([len(ids) for ids, _, _ in rows])
             lps = None
-            if logprobs:
+            if logprobs:  # read at the step that sampled each token; a second pass only where generate() sampled
                 lens = torch.tensor([len(r[0]) for r in rows], device=device)
                 cmask = (torch.arange(new.shape[1], device=device)[None, :] < lens[:, None]).long()
-                lps = sampled_completion_logprobs(model, enc["input_ids"].repeat_interleave(n, 0),
-                                                  enc["attention_mask"].repeat_interleave(n, 0), new * cmask, cmask).tolist()
+                lps = (step_lps[:, : new.shape[1]] * cmask if step_lps is not None else
+                       sampled_completion_logprobs(model, enc["input_ids"].repeat_interleave(n, 0),
+                                                   enc["attention_mask"].repeat_interleave(n, 0), new * cmask, cmask)
+                       ).tolist()
             for j, (ids, text, finish) in enumerate(rows):
                 stats.new_tokens += len(ids)
                 lp = tuple(lps[j][: len(ids)]) if lps is not None else None

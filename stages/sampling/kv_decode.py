@@ -88,7 +88,8 @@ COMPACT_SHARE = 0.5  # decode_rows drops finished rows once they are half the ro
 def decode_rows(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache, max_new_tokens: int,
                 eos_ids: list[int], pad_id: int, warpers=(), sampler: BlockRaceSampler | None = None,
                 stop=None, compact_share: float = COMPACT_SHARE, trace: list | None = None,
-                lean: bool = True, progress: GenerationProgress | None = None) -> torch.Tensor:
+                lean: bool = True, progress: GenerationProgress | None = None,
+                logprobs: torch.Tensor | None = None) -> torch.Tensor:
     """New tokens [rows, steps] continuing left-padded prompts from a cache of all but their last column.
 
     The loop `generate(do_sample=False, logits_processor=[*warpers, sampler])` runs, without its
@@ -109,6 +110,9 @@ def decode_rows(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, ca
     modules and arithmetic as `model(...)` without its per-call machinery), else `model(...)`.
     `progress`: told after every step the tokens it added and the rows it ended (integers the loop counts
     anyway: no extra device sync).
+    `logprobs`: a float32 [rows, max_new_tokens] buffer that gets each sampled token's log-prob under the model's
+    distribution at that step (the logits before `warpers`: the same quantity as a forward pass over prompt and
+    completion, read from the step that sampled the token instead of a second pass); 0 after a row's end.
     """
     rows, width, device = input_ids.shape[0], input_ids.shape[1], input_ids.device
     out = torch.full((rows, max_new_tokens), pad_id, dtype=torch.long, device=device)
@@ -137,11 +141,14 @@ def decode_rows(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, ca
             scores = res.logits[:, -1, :].float()
         if trace is not None:
             trace.append((live.clone(), scores.clone()))
+        model_logp = torch.log_softmax(scores, -1) if logprobs is not None else None
         for warp in warpers:
             scores = warp(None, scores)
         nxt = sampler.draw(scores, live, rows) if sampler is not None else scores.argmax(-1)
         nxt = nxt.masked_fill(done, pad_id)
         out[live, step] = nxt
+        if model_logp is not None:
+            logprobs[live, step] = sampled_logprob(model_logp, nxt, done)
         steps = step + 1
         done = done | torch.isin(nxt, eos)
         if seq is not None:
@@ -163,11 +170,17 @@ def decode_rows(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, ca
     return out[:, :steps]
 
 
+def sampled_logprob(model_logp: torch.Tensor, tokens: torch.Tensor, done: torch.Tensor) -> torch.Tensor:
+    """Each row's log-prob of the token it sampled, from log_softmax of the step's logits [rows, vocab]; 0 for rows
+    already done (their token is padding)."""
+    return model_logp.gather(-1, tokens[:, None]).squeeze(-1).masked_fill(done, 0.0)
+
+
 @torch.no_grad()
 def decode_static(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache, max_new_tokens: int,
                   eos_ids: list[int], pad_id: int, warpers=(), sampler: BlockRaceSampler | None = None,
                   stop=None, progress: GenerationProgress | None = None, graphs: bool | None = None,
-                  check_every: int = 8) -> torch.Tensor:
+                  check_every: int = 8, logprobs: torch.Tensor | None = None) -> torch.Tensor:
     """`decode_rows` over `lean_decode.StaticDecode`: fixed shapes, on CUDA one graph replay a token.
 
     Same inputs and tokens as `decode_rows` (up to float rounding: attention runs over every column
@@ -191,11 +204,14 @@ def decode_static(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
     for step in range(max_new_tokens):
         threads.rebalance()  # a batch decodes for a minute: the share follows other work within a second
         scores = dec.step(token, pos).float()
+        model_logp = torch.log_softmax(scores, -1) if logprobs is not None else None
         for warp in warpers:
             scores = warp(None, scores)
         nxt = sampler.draw(scores, live, rows) if sampler is not None else scores.argmax(-1)
         nxt = nxt.masked_fill(done, pad_id)
         out[:, step] = nxt
+        if model_logp is not None:
+            logprobs[:, step] = sampled_logprob(model_logp, nxt, done)
         steps = step + 1
         was_done = done
         done = done | torch.isin(nxt, eos)
