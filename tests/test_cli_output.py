@@ -1,5 +1,6 @@
 """What the terminal shows: the end of `r1flow run` (stage table, model comparison, report path,
-the command that opens the MLflow UI, the parent run's URL) within 100 columns; `r1flow ui`; and
+the command that opens the MLflow UI, the parent run's URL) within 100 columns (rendered here; a real tiny `r1` run's
+end in tests/test_r1.py, whose first run goes through the CLI); `r1flow ui`; and
 the small defects of issue 29 (a closed pipe, `r1flow models` wording, `r1flow artifacts` columns
 with a long node name, "did you mean" for an unknown config key)."""
 
@@ -175,44 +176,6 @@ def test_a_resumed_stage_shows_its_steps_and_where_it_resumed():
     assert "final_loss=2.500, steps=400, resumed_from_step=120" in next(x for x in lines if x.strip().startswith("sft "))
     fresh = next(x for x in lines if x.strip().startswith("sft_fresh"))
     assert "final_loss=2.500, steps=400" in fresh and "resumed" not in fresh and "trained_steps" not in fresh
-
-
-# ---------------------------------------------------------------------------- the tiny r1 recipe through the CLI
-@pytest.mark.slow
-def test_tiny_r1_run_ends_with_comparison_report_path_and_ui_command(tmp_path):
-    home = tmp_path / "home"
-    out = tmp_path / "run.json"
-    env = _env(home, COLUMNS=str(WIDTH))
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", "run", "--profile", "tiny", "--json", str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(out.read_text())
-    lines = proc.stdout.splitlines()
-    lines = lines[next(i for i, line in enumerate(lines) if "r1flow run — recipe r1" in line):]  # the summary
-    print("\n".join(lines))  # shown with `pytest -rP`: what a user sees at the end of the run
-    assert _too_wide(lines) == [], _too_wide(lines)
-    assert "…" not in proc.stdout
-
-    start = next(i for i, line in enumerate(lines) if line.startswith("model comparison"))
-    rows = [line for line in lines[start:] if line.strip().startswith("eval_")]
-    assert [line.split()[:2] for line in rows] == [[ev, model] for ev, model in EVALUATED.items()]
-    n = {r["eval"]: int(r["prompts"]) for r in result["comparison"]["rows"]}
-    for line in rows:
-        assert ACCURACY.search(line) and re.search(rf"\]\s+{n[line.split()[0]]}\b", line), line
-
-    tail = [line for line in lines[start:] if line.strip()]
-    report = Path(result["report"]["path"])
-    assert report == home / "mlartifacts" / result["parent_run_id"] / "artifacts" / "report" / "report.md"
-    assert report.is_file() and str(report) in tail
-    assert (report.parent / "comparison.json").is_file()
-    # the command runs from where `r1flow run` ran: the venv's script, and this home
-    command = tail[-3]
-    assert command.startswith(f"R1FLOW_HOME={home} ") and command.endswith(" ui"), command
-    shown = subprocess.run(["bash", "-c", f"{command} --help"], cwd=ROOT, env=env, capture_output=True, text=True,
-                           timeout=120)
-    assert shown.returncode == 0 and "--port" in shown.stdout, shown.stderr
-    assert tail[-1] == (f"http://127.0.0.1:5000/#/experiments/{result['experiment_id']}/runs/"
-                        f"{result['parent_run_id']}?workflowType=machine_learning")
 
 
 # ---------------------------------------------------------------------------- r1flow ui

@@ -1,11 +1,16 @@
 """The default `r1` recipe end to end on the tiny profile: every stage runs, every model is
 evaluated on the same held-out prompts (with a transfer task), a second run is fully cached, and
 changing `dpo.beta` re-runs exactly dpo and its descendants, whose old and new results the report
-shows side by side."""
+shows side by side. The first run goes through the CLI, as a user starts it in a 100-column terminal: what it
+prints at the end (stage table, model comparison, report path, the command that opens the MLflow UI, the parent
+run's URL) is checked here too (tests/test_cli_output.py has the rest of what the terminal shows)."""
 
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +19,7 @@ from flows.cli.app import main
 from flows.plan.recipes import DEFAULT_RECIPE, load_plan
 from flows.report.tables import read_tables
 from tests.conftest import harness_home
+from tests.test_cli_output import ACCURACY, ROOT, WIDTH, _env, _too_wide
 
 pytestmark = pytest.mark.slow
 
@@ -25,6 +31,19 @@ EVALUATED = {"eval_base": "base", "eval_sft_cold": "sft_cold", "eval_grpo_reason
 def home(tmp_path_factory):
     with harness_home(tmp_path_factory.mktemp("r1-home")) as path:
         yield path
+
+
+@pytest.fixture(scope="module")
+def first_run(home) -> tuple[dict, str, dict[str, str]]:
+    """The module's first run: `python -m flows.cli run --profile tiny` (no --recipe: the default) on the module's
+    home with nothing exported (a temporary Prefect server, the home's MLflow store), COLUMNS=100. Its --json result,
+    its stdout and its environment; the end-to-end test goes on from it in-process, the terminal test reads it."""
+    out = home / "first-run.json"
+    env = _env(home, COLUMNS=str(WIDTH))
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", "run", "--profile", "tiny", "--json", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text()), proc.stdout, env
 
 
 def run(home: Path, *args: str) -> dict:
@@ -56,8 +75,8 @@ def test_r1_is_the_default_recipe():
     assert DEFAULT_RECIPE == "r1"
 
 
-def test_r1_end_to_end_then_cached_then_dpo_beta_reruns_only_its_descendants(home):
-    first = run(home)
+def test_r1_end_to_end_then_cached_then_dpo_beta_reruns_only_its_descendants(home, first_run):
+    first = first_run[0]
     assert first["recipe"] == "r1"
     st = statuses(first)
     assert set(st.values()) == {"run"}, st
@@ -97,6 +116,36 @@ def test_r1_end_to_end_then_cached_then_dpo_beta_reruns_only_its_descendants(hom
     new_fp = {s["node"]: s["outputs"].get("model") for s in changed["stages"]}
     assert old_fp["dpo"] != new_fp["dpo"] and old_fp["sft"] == new_fp["sft"]
     assert any(old_fp["dpo"][:8] in line for line in previous) and any(new_fp["dpo"][:8] in line for line in rows)
+
+
+def test_tiny_r1_run_ends_with_comparison_report_path_and_ui_command(home, first_run):
+    result, stdout, env = first_run
+    lines = stdout.splitlines()
+    lines = lines[next(i for i, line in enumerate(lines) if "r1flow run — recipe r1" in line):]  # the summary
+    print("\n".join(lines))  # shown with `pytest -rP`: what a user sees at the end of the run
+    assert _too_wide(lines) == [], _too_wide(lines)
+    assert "…" not in stdout
+
+    start = next(i for i, line in enumerate(lines) if line.startswith("model comparison"))
+    rows = [line for line in lines[start:] if line.strip().startswith("eval_")]
+    assert [line.split()[:2] for line in rows] == [[ev, model] for ev, model in EVALUATED.items()]
+    n = {r["eval"]: int(r["prompts"]) for r in result["comparison"]["rows"]}
+    for line in rows:
+        assert ACCURACY.search(line) and re.search(rf"\]\s+{n[line.split()[0]]}\b", line), line
+
+    tail = [line for line in lines[start:] if line.strip()]
+    report = Path(result["report"]["path"])
+    assert report == home / "mlartifacts" / result["parent_run_id"] / "artifacts" / "report" / "report.md"
+    assert report.is_file() and str(report) in tail
+    assert (report.parent / "comparison.json").is_file()
+    # the command runs from where `r1flow run` ran: the venv's script, and this home
+    command = tail[-3]
+    assert command.startswith(f"R1FLOW_HOME={home} ") and command.endswith(" ui"), command
+    shown = subprocess.run(["bash", "-c", f"{command} --help"], cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=120)
+    assert shown.returncode == 0 and "--port" in shown.stdout, shown.stderr
+    assert tail[-1] == (f"http://127.0.0.1:5000/#/experiments/{result['experiment_id']}/runs/"
+                        f"{result['parent_run_id']}?workflowType=machine_learning")
 
 
 def test_r1_without_preferences_runs_the_final_rl_from_the_sft_model(home):
