@@ -270,12 +270,15 @@ def misplaced(params: dict, cluster) -> str | None:
 
 
 def start_cluster(work: Path):
-    """Head (`learn`) on the first core, the other node (`gen`) on the second, one CPU each, in a namespace."""
+    """Head (`learn`) on the first core, the other node (`gen`) on the second, one CPU each, in a namespace. Ray
+    starts its worker processes at nice 15 (its `worker_niceness`); here they run at 0, as the local placement's
+    processes do, so that other work on the machine slows both placements alike."""
     from benchmarks.loopback_cluster import LoopbackCluster
 
     first, second = sorted(os.sched_getaffinity(0))[:2]
     nodes = [("head", 1, {"learn": 1}), ("worker", 1, {"gen": 1})]
-    return LoopbackCluster(work / "cluster", nodes=nodes, pinned={"head": str(first), "worker": str(second)}).start()
+    return LoopbackCluster(work / "cluster", nodes=nodes, pinned={"head": str(first), "worker": str(second)},
+                           env={"RAY_worker_niceness": "0"}).start()
 
 
 def check_args(args: argparse.Namespace) -> list[int]:
