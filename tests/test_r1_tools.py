@@ -63,6 +63,10 @@ def test_r1_tools_end_to_end(tmp_path_factory, monkeypatch, capsys):
     for r in tool_rows:  # a rate over no calls is none (issue 59)
         calls, rate = by_node[r["eval"]]["metrics"]["tool_calls_per_answer"], r["tool error rate"]
         assert (rate == "—") == (calls == 0), r
+    # the untrained tiny model calls no tool: its tool error rate is "—" in the report, not 0, and logged as nan
+    base = by_node["eval_base_python"]["metrics"]
+    assert base["tool_calls_per_answer"] == 0 and math.isnan(base["tool_error_rate"]), base
+    assert tool_rows[0]["tool calls / answer"] == "0" and tool_rows[0]["tool error rate"] == "—", tool_rows[0]
     gains = {(g["model"], g["over"], g["relation"], g["evals"])
              for g in read_tables(report.split("## Stage gains")[1])}
     assert ("grpo_tools [python]", "sft_tools [python]", "its start", "eval_grpo_tools_python over eval_sft_tools_python") \

@@ -1,22 +1,16 @@
 """The report's tables and names as users read them (issue 59 item 9): tables split to fit Prefect's artifact pane
-(flows/report/tables.py; the browser check is tests/test_ui_browser.py), a tool eval without tool calls, and the
-documentation's example of a run's name (docs/operations/servers.md, moved there from the README, issue 62)."""
+(flows/report/tables.py; the browser check is tests/test_ui_browser.py) and the documentation's example of a run's
+name (docs/operations/servers.md, moved there from the README, issue 62). A tool eval without tool calls (its tool
+error rate "—", not 0): tests/test_r1_tools.py's eval_base_python, in the same end-to-end run that checks every other
+tool row."""
 
 from __future__ import annotations
 
-import json
-import math
 import re
-import subprocess
-import sys
 from pathlib import Path
-
-import pytest
 
 from flows.report.tables import PANE_CHARS, column_groups, markdown_tables, read_tables, shown_width
 from flows.track.tracking import run_name
-from stages.rewards import sandbox
-from tests.conftest import clean_env
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -44,22 +38,3 @@ def test_the_docs_name_runs_as_runs_are_named():
     made = run_name("cpu", "3f2a9c" + "0" * 26, "r1")
     assert re.fullmatch(r"\d\d-\d\d \d\d:\d\d cpu 3f2a9c r1", made)
     assert example[len("11-26 13:40"):] == made[len("11-26 13:40"):], (example, made)
-
-
-@pytest.mark.slow
-def test_a_tool_eval_without_tool_calls_shows_no_tool_error_rate(tmp_path, monkeypatch):
-    """`r1flow run` of an eval with the python tool on the tiny model, which calls no tool: the report's tool error
-    rate is "—" (a rate over no calls), not 0, and the eval logs it as nan."""
-    env = clean_env(tmp_path / "home")
-    if sandbox.isolation()["mode"] != "namespaces":  # as tests/test_sandbox.py: this host's only mode, opted into
-        env[sandbox.WEAK_ENV] = "1"
-    out = subprocess.run([sys.executable, "-m", "flows.cli", "run", "--recipe", "eval", "--profile", "tiny", "--set",
-                          "eval_base.max_prompts=2", "--set", "eval_base.environment.name=python", "--json",
-                          str(tmp_path / "run.json")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads((tmp_path / "run.json").read_text())
-    metrics = next(s["metrics"] for s in result["stages"] if s["node"] == "eval_base")
-    assert metrics["tool_calls_per_answer"] == 0 and math.isnan(metrics["tool_error_rate"])
-    report = Path(result["report"]["path"]).read_text()
-    [row] = read_tables(report.split("## Tool use")[1])
-    assert row["eval"] == "eval_base" and row["tool calls / answer"] == "0" and row["tool error rate"] == "—", row
