@@ -5,20 +5,20 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# Each process waits for the same instant, then opens the (fresh) store: without the lock, 4 of 4 failed here
-# (`duplicate column name: step`, `table _alembic_tmp_tags already exists`), as in the issue.
+# Each process imports MLflow, says so, waits for the word, then opens the (fresh) store; the word goes to all at
+# once: without the lock, 4 of 4 failed here (`duplicate column name: step`, `table _alembic_tmp_tags already exists`),
+# as in the issue.
 OPEN_TOGETHER = """
-import sys, time
+import sys
 from flows.track.tracking import Tracker
-while time.time() < float(sys.argv[2]):
-    time.sleep(0.005)
+print("ready", flush=True)
+sys.stdin.readline()
 tracker = Tracker(f"sqlite:///{sys.argv[1]}/mlflow.db", "r1flow/together")
 run = tracker.start_run("r", {})
 tracker.log_metrics(run, {"x": 1.0})
@@ -31,9 +31,13 @@ print(run)
 def test_runs_opening_a_fresh_sqlite_store_together_all_succeed(tmp_path):
     from mlflow.tracking import MlflowClient
 
-    start = time.time() + 10  # after every interpreter has imported MLflow
-    procs = [subprocess.Popen([sys.executable, "-c", OPEN_TOGETHER, str(tmp_path), str(start)], cwd=ROOT,
+    procs = [subprocess.Popen([sys.executable, "-c", OPEN_TOGETHER, str(tmp_path)], cwd=ROOT, stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(4)]
+    for p in procs:  # every interpreter has imported MLflow (a fixed 10 s wait did not promise it under load)
+        assert p.stdout.readline() == "ready\n", p.communicate(timeout=60)[1][-2000:]
+    for p in procs:  # then all open the store at once
+        p.stdin.write("go\n")
+        p.stdin.flush()
     outs = [p.communicate(timeout=300) for p in procs]
     for p, (_out, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, err[-2000:]
