@@ -88,8 +88,8 @@ COMPACT_SHARE = 0.5  # decode_rows drops finished rows once they are half the ro
 def decode_rows(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache, max_new_tokens: int,
                 eos_ids: list[int], pad_id: int, warpers=(), sampler: BlockRaceSampler | None = None,
                 stop=None, compact_share: float = COMPACT_SHARE, trace: list | None = None,
-                lean: bool = True, progress: GenerationProgress | None = None,
-                logprobs: torch.Tensor | None = None) -> torch.Tensor:
+                lean: bool = True, progress: GenerationProgress | None = None, logprobs: torch.Tensor | None = None
+                ) -> torch.Tensor:
     """New tokens [rows, steps] continuing left-padded prompts from a cache of all but their last column.
 
     The loop `generate(do_sample=False, logits_processor=[*warpers, sampler])` runs, without its
@@ -104,15 +104,12 @@ def decode_rows(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, ca
     draws its random numbers for every row of the batch, done or not, as generate() does, and hands
     each live row its own (same up to float rounding: a smaller batch can sum in another order).
     Finished rows are padded with `pad_id` after their last token; steps = the longest row's length.
-    `stop`: a transformers StoppingCriteria called on (live rows' prompt + new tokens, None).
-    `trace`: when a list, gets (live row indices, float logits) per step (tests).
+    `stop`: a StoppingCriteria on (live rows' prompt + new tokens, None). `trace`: gets (live rows, logits) a step.
     `lean`: run each step through `lean_decode.lean_step` where the model and cache allow it (the same
     modules and arithmetic as `model(...)` without its per-call machinery), else `model(...)`.
-    `progress`: told after every step the tokens it added and the rows it ended (integers the loop counts
-    anyway: no extra device sync).
-    `logprobs`: a float32 [rows, max_new_tokens] buffer that gets each sampled token's log-prob under the model's
-    distribution at that step (the logits before `warpers`: the same quantity as a forward pass over prompt and
-    completion, read from the step that sampled the token instead of a second pass); 0 after a row's end.
+    `progress`: told after every step the tokens it added and the rows it ended (no extra device sync).
+    `logprobs`: a float32 [rows, max_new_tokens] buffer filled with each sampled token's log-prob before `warpers`
+    (what a second forward pass over prompt and completion gives, read at the step that drew it); 0 past an end.
     """
     rows, width, device = input_ids.shape[0], input_ids.shape[1], input_ids.device
     out = torch.full((rows, max_new_tokens), pad_id, dtype=torch.long, device=device)
