@@ -71,6 +71,21 @@ _LR = Panel("learning rate", "learning rate", (("train/lr", "learning rate"),))
 
 _GRAD = Panel("gradient norm before clipping", "global L2 norm", (("train/grad_norm", "grad norm"),))
 
+# asynchronous grpo and ppo (`async.max_staleness` >= 1; a synchronous run logs none of these, so none is drawn)
+_ASYNC_NOT_STALENESS = frozenset({"async/staleness_mean", "async/staleness_max", "async/policy_version",
+                                  "async/is_weight_mean", "async/is_weight_ess", "async/is_truncated",
+                                  "async/generation_idle", "async/training_idle", "async/overlap",
+                                  "async/worker_restarts"})
+_ASYNC = (
+    Panel("async: groups by staleness", "groups a step", (("async/*", ""),), _ASYNC_NOT_STALENESS),
+    Panel("async: importance weights min(pi_prox / mu, C)", "per token", (
+        ("async/is_weight_mean", "mean"), ("async/is_weight_ess", "effective sample size (share)"),
+        ("async/is_truncated", "share truncated at C"))),
+    Panel("async: who waits", "share of the wall-clock", (
+        ("async/overlap", "both busy"), ("async/generation_idle", "generation idle"),
+        ("async/training_idle", "training idle"))),
+)
+
 STAGES: dict[str, StageEntry] = {
     "import_model": StageEntry(
         "stages.import_model", ModelConfig,
@@ -127,7 +142,7 @@ STAGES: dict[str, StageEntry] = {
             Panel("groups with equal rewards (no signal)", "fraction of groups", (("reward/zero_std_groups", "groups"),)),
             Panel("process reward", "mean step score", (("reward/process_mean", "process reward"),)),
             Panel("sampler / trainer mismatch", "KL per token (nats)", (("train/mismatch_kl", "mismatch KL"),)),
-            _GRAD)),
+            _GRAD, *_ASYNC)),
     "ppo": StageEntry(
         "stages.ppo", PPOConfig,
         "PPO with a critic (value head on a policy copy or the reward model), KL-penalised rewards, GAE",
@@ -148,6 +163,7 @@ STAGES: dict[str, StageEntry] = {
             Panel("completion length", "tokens", (("completion/mean_length", "mean"), ("completion/max_length", "max"))),
             Panel("gradient norms before clipping", "global L2 norm", (("train/grad_norm", "policy"),
                                                                         ("train/critic_grad_norm", "critic"))),
+            *_ASYNC,
         )),
     "reference_logprobs": StageEntry(
         "stages.reference_logprobs", ReferenceLogprobsConfig,

@@ -232,6 +232,25 @@ def test_training_panels_pick_what_each_stage_watches_among_the_logged_keys():
     assert [k for k, _ in ppo[3][1]] == ["train/clip_high", "train/value_clipfrac"]
 
 
+def test_async_runs_get_staleness_weight_and_idle_panels_and_synchronous_runs_none():
+    """Issue 60: an asynchronous grpo or ppo run's report plots its staleness histogram, the importance weights
+    (mean, ESS, share truncated) and the idle and overlap shares per step; a synchronous run logs none of them and
+    gets no such panel."""
+    logged = {"reward/mean", "async/staleness_0", "async/staleness_1", "async/staleness_mean", "async/staleness_max",
+              "async/policy_version", "async/is_weight_mean", "async/is_weight_ess", "async/is_truncated",
+              "async/generation_idle", "async/training_idle", "async/overlap", "async/worker_restarts"}
+    for stage in ("grpo", "ppo"):
+        panels = {p.title: lines for p, lines in training_panels(stage, logged) if p.title.startswith("async")}
+        assert panels == {
+            "async: groups by staleness": [("async/staleness_0", "staleness_0"), ("async/staleness_1", "staleness_1")],
+            "async: importance weights min(pi_prox / mu, C)": [
+                ("async/is_weight_mean", "mean"), ("async/is_weight_ess", "effective sample size (share)"),
+                ("async/is_truncated", "share truncated at C")],
+            "async: who waits": [("async/overlap", "both busy"), ("async/generation_idle", "generation idle"),
+                                 ("async/training_idle", "training idle")]}, stage
+        assert not any(p.title.startswith("async") for p, _ in training_panels(stage, {"reward/mean", "train/kl"}))
+
+
 def test_grpo_plots_reward_kl_entropy_and_length_not_its_loss(tracker, monkeypatch):
     """A GRPO node gets train_grpo.png with the curves of its history (reward, components, accuracy
     on rollouts and held-out, KL, entropy, length, clipping) and a column in grpo.png; its ~1e-7
