@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -250,7 +251,34 @@ def materialize(start_dir: str, adapter: str | None, dest: Path) -> Path:
 
 def evaluate_jobs(plan: Plan, prep: dict, jobs: list[dict], work: Path) -> dict:
     """r1flow's eval stage for every job {name, dir | adapter, prompts: "prompts" | "curve_prompts"}: per-prompt
-    correctness and format, in a fixed prompt order."""
+    correctness and format, in a fixed prompt order. Each job's result is kept (`evals/<name>/result.json`, written
+    whole) with the job and its model's files' sizes and times, so a run resumed after a stop in its evaluation
+    (`--resume`; 48 models take most of an hour on 2 cores) evaluates only what it had not, and never reuses a result
+    for a model that changed."""
+    out = {}
+    for job in jobs:
+        kept = work / "evals" / job["name"] / "result.json"
+        key = {"job": job, "plan": dataclasses.asdict(plan), "model": _files_stamp(job)}
+        if kept.exists() and (old := json.loads(kept.read_text())).get("key") == key:
+            out[job["name"]] = old["result"]
+            print(f"  eval {job['name']}: kept from the stopped run", file=sys.stderr, flush=True)
+            continue
+        out.update(_evaluate_jobs(plan, prep, [job], work))
+        tmp = kept.with_suffix(".tmp")
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps({"key": key, "result": out[job["name"]]}))
+        tmp.rename(kept)
+    return out
+
+
+def _files_stamp(job: dict) -> list:
+    """(name, size, mtime_ns) of every file of a job's model directory or adapter: a retrained model differs."""
+    root = Path(job.get("dir") or job["adapter"])
+    files = [root] if root.is_file() else [f for f in root.rglob("*") if f.is_file()]
+    return sorted([str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files)
+
+
+def _evaluate_jobs(plan: Plan, prep: dict, jobs: list[dict], work: Path) -> dict:
     import pyarrow.parquet as pq
 
     from benchmarks.common import stage_input

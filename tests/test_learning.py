@@ -669,3 +669,30 @@ def test_the_async_side_on_the_cluster_checks_where_the_learner_and_worker_ran(t
     with pytest.raises(SystemExit, match=r"^learning.py: r1flow_async ran the learner on node LEARN and its worker on "
                                          r"LEARN, not on the learn \(LEARN\) and gen \(GEN\) nodes; log .*seed0-r1flow_async.log$"):
         learning.run_learning(Plan(seeds=1), ["r1flow", "r1flow_async"], parent_args(tmp_path / "again"))
+
+
+def test_a_resumed_evaluation_keeps_what_was_evaluated_and_redoes_a_changed_model(tmp_path, monkeypatch):
+    """Evaluating 48 models takes most of an hour on 2 cores: a run stopped during it keeps each finished result
+    (`evals/<name>/result.json`) and a resumed run evaluates only the others; a model whose files changed since
+    (a side trained again) is evaluated again, never served the old result."""
+    from benchmarks import learning_children
+
+    plan = Plan()
+    adapters = {name: tmp_path / name for name in ("a", "b")}
+    for path in adapters.values():
+        path.mkdir()
+        (path / "adapter.safetensors").write_bytes(b"weights")
+    jobs = [{"name": name, "adapter": str(path), "prompts": "curve_prompts"} for name, path in adapters.items()]
+    evaluated = []
+
+    def fake(plan_, prep, batch, work):
+        evaluated.extend(j["name"] for j in batch)
+        return {j["name"]: {"rows": [{"prompt_id": "p0", "correct": len(evaluated)}], "seconds": 1.0} for j in batch}
+
+    monkeypatch.setattr(learning_children, "_evaluate_jobs", fake)
+    first = learning_children.evaluate_jobs(plan, {}, jobs, tmp_path / "eval")
+    assert evaluated == ["a", "b"]
+    assert learning_children.evaluate_jobs(plan, {}, jobs, tmp_path / "eval") == first and evaluated == ["a", "b"]
+    (adapters["b"] / "adapter.safetensors").write_bytes(b"weights, trained again")
+    again = learning_children.evaluate_jobs(plan, {}, jobs, tmp_path / "eval")
+    assert evaluated == ["a", "b", "b"] and again["a"] == first["a"] and again["b"] != first["b"]
