@@ -88,8 +88,8 @@ if str(ROOT) not in sys.path:
 
 from benchmarks.common import MODEL_REFS, SEED  # noqa: E402
 from benchmarks.learning_async import (  # noqa: E402
+    ClusterCpu,
     check_placement,
-    cluster_cpu_seconds,
     placement_problem,
     run_in_cluster,
     side_cluster,
@@ -363,20 +363,20 @@ def run_learning_child(what: str, plan_file: Path, work: Path, log: Path, alloca
             cmd += [f"--{key.replace('_', '-')}", str(value)]
     if quiet_wait > 0:
         wait_until_quiet(quiet_wait)
-    busy0, own0, ray0 = cpu_busy_seconds(), _children_cpu(), cluster_cpu_seconds(cluster)
+    busy0, own0 = cpu_busy_seconds(), _children_cpu()
     t0 = time.perf_counter()
-    with log.open("w") as fh:
+    with log.open("w") as fh, ClusterCpu(cluster) as ray_cpu:
         rc = (subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT, env=child_env(allocator)).returncode
               if cluster is None else run_in_cluster(cluster, cmd, log, child_env(allocator)))
     wall = time.perf_counter() - t0
-    busy1, own1, ray1 = cpu_busy_seconds(), _children_cpu(), cluster_cpu_seconds(cluster)
+    busy1, own1 = cpu_busy_seconds(), _children_cpu()
     if rc or not result_file.exists():
         raise SystemExit(f"learning.py: the {what} process failed (exit {rc}); its log, {log}:\n"
                          + log.read_text()[-3000:])
     result = json.loads(result_file.read_text())
     result["wall_s"] = wall
     result["foreign_cpu"] = None if busy0 is None or busy1 is None else max(
-        0.0, (busy1 - busy0) - (own1 - own0) - (ray1 - ray0)) / (wall * (os.cpu_count() or 1))
+        0.0, (busy1 - busy0) - (own1 - own0) - ray_cpu.seconds()) / (wall * (os.cpu_count() or 1))
     return result
 
 

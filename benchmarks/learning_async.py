@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -65,18 +66,46 @@ def run_in_cluster(cluster, cmd: list[str], log: Path, env: dict[str, str]) -> i
         raise
 
 
-def cluster_cpu_seconds(cluster) -> float:
-    """CPU seconds used so far by the processes in the cluster's namespace, their reaped children included (a Ray
-    worker that ended counts in its raylet's); 0.0 without a cluster. The learner and worker run there, not in
-    the parent's children, so the share of the CPUs "other processes" used leaves this out too."""
-    if cluster is None:
-        return 0.0
-    ticks = 0
-    for pid in cluster.processes():
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            ticks += sum(int(x) for x in fields[11:15])  # utime, stime, cutime, cstime
-    return ticks / os.sysconf("SC_CLK_TCK")
+class ClusterCpu:
+    """CPU seconds the processes in `cluster`'s namespace use while it is entered (None: no cluster, 0.0). Sampled
+    every `every` s per process (pid and start time), their own user and system time: Ray's worker processes, the
+    learner and the rollout actor among them, end with the job and are not reaped by a process of the namespace, so
+    their time would vanish from any one reading taken after the run (the "other processes used 81-90%" of the
+    first run). A process's last `every` s are not counted."""
+
+    def __init__(self, cluster, every: float = 0.5) -> None:
+        self.cluster, self.every, self.seen = cluster, every, {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _sample(self) -> None:
+        for pid in self.cluster.processes():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                self.seen[(pid, fields[19])] = int(fields[11]) + int(fields[12])  # utime + stime; start time keys
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            self._sample()
+
+    def __enter__(self) -> ClusterCpu:
+        if self.cluster is not None:
+            self._sample()
+            self.before = dict(self.seen)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.cluster is not None:
+            self._stop.set()
+            self._thread.join()
+            self._sample()
+
+    def seconds(self) -> float:
+        if self.cluster is None:
+            return 0.0
+        ticks = sum(v - self.before.get(k, 0) for k, v in self.seen.items())
+        return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def check_placement(result: dict, cluster, log: Path) -> None:

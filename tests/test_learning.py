@@ -696,3 +696,27 @@ def test_a_resumed_evaluation_keeps_what_was_evaluated_and_redoes_a_changed_mode
     (adapters["b"] / "adapter.safetensors").write_bytes(b"weights, trained again")
     again = learning_children.evaluate_jobs(plan, {}, jobs, tmp_path / "eval")
     assert evaluated == ["a", "b", "b"] and again["a"] == first["a"] and again["b"] != first["b"]
+
+
+def test_the_cluster_cpu_counts_processes_that_end_before_the_run_does():
+    """The async side's learner and worker are Ray worker processes that end with the job, reaped by no process of
+    the namespace: read once after the run, their CPU time vanished and was counted as "other processes" (81-90% in
+    the first run). Sampled while they live, a process that burned ~1 s of CPU and ended is counted."""
+    import time
+
+    from benchmarks.learning_async import ClusterCpu
+
+    class OneProcessCluster:
+        def __init__(self):
+            self.proc = subprocess.Popen([sys.executable, "-c", "import time\nt = time.process_time()\n"
+                                          "while time.process_time() - t < 1.0: pass"])
+
+        def processes(self):
+            return [self.proc.pid] if self.proc.poll() is None else []
+
+    cluster = OneProcessCluster()
+    with ClusterCpu(cluster, every=0.05) as cpu:
+        cluster.proc.wait()
+        time.sleep(0.1)
+    assert 0.6 <= cpu.seconds() <= 1.5, cpu.seconds()
+    assert ClusterCpu(None).__enter__().seconds() == 0.0
