@@ -153,28 +153,27 @@ def _start_driver(cluster: LoopbackCluster, tmp: Path, cfg, inputs: dict, module
     return proc, result
 
 
-def _rank_actors(cluster: LoopbackCluster) -> list[int]:
-    """Ray worker processes in the namespace that are (or were about to be) rank actors."""
+def _titled(cluster: LoopbackCluster, title: bytes) -> list[int]:
+    """Ray worker processes in the namespace whose command line (Ray titles a worker after its actor and method)
+    holds `title`."""
     found = []
     for pid in cluster.processes():
         try:
-            if b"RankActor" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            if title in Path(f"/proc/{pid}/cmdline").read_bytes():
                 found.append(pid)
         except OSError:
             pass
     return found
+
+
+def _rank_actors(cluster: LoopbackCluster) -> list[int]:
+    """Ray worker processes in the namespace that are (or were about to be) rank actors."""
+    return _titled(cluster, b"RankActor")
 
 
 def _rollout_actors_running(cluster: LoopbackCluster) -> list[int]:
-    """Ray worker processes in the namespace running a rollout actor's loop (Ray titles them after the method)."""
-    found = []
-    for pid in cluster.processes():
-        try:
-            if b"RolloutActor.run" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                found.append(pid)
-        except OSError:
-            pass
-    return found
+    """Ray worker processes in the namespace running a rollout actor's loop."""
+    return _titled(cluster, b"RolloutActor.run")
 
 
 def _on_rollout_actor_once_published(cluster: LoopbackCluster, run_root: Path, version: int, sig: int,
