@@ -315,6 +315,24 @@ def test_a_dead_worker_is_replaced_from_the_first_step_the_learner_has_not_recei
         ro._dead(0, "exited with code -9")
 
 
+def test_a_local_workers_outbox_flushes_what_it_was_given_even_when_nobody_reads():
+    """`flush` returns once every message put has gone down the pipe (the exit hook flushes, then os._exit skips the
+    sending thread: without it the hook's worker lost its last groups and died 'before' an earlier step than the
+    test's); with the reading end closed, `flush` still returns (the messages are dropped) and `close` ends."""
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    out = async_rollouts.Outbox(writer)
+    for s in range(50):
+        out.put(("groups", 0, s, 0, "x" * 100, 0.0, 0.0))  # within the pipe's buffer
+    out.flush()
+    assert [reader.recv()[2] for _ in range(50)] == list(range(50)) and not reader.poll()
+    reader.close()
+    for s in range(3):
+        out.put(("groups", 0, s, 0, "x" * 100, 0.0, 0.0))  # within the pipe's buffer
+    out.flush()
+    out.close()
+    assert not out.thread.is_alive()
+
+
 def test_worker_restarts_is_out_of_the_dump_while_default_and_out_of_the_cache_key():
     """async.worker_restarts (default 2) is operational: left out of the dump while default, so dumps and keys of
     today's configs stay as they were; set, it is in the dump the stage validates and out of the cache key."""

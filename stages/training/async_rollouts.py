@@ -169,6 +169,9 @@ def _generate(job: WorkerJob, out) -> None:
             held = version
             out.put(("synced", job.index, step, version, None, 0.0, 0.0))
         if _hook(EXIT_VAR, job.index, step):
+            # what it sent has left first (os._exit skips the outbox's thread), so the step it dies before is the
+            # test's step, not an earlier one whose groups were still in the outbox
+            getattr(out, "flush", lambda: None)()
             os._exit(3)
         t0 = time.time()
         out.put(("generating", job.index, step, version, None, t0, 0.0))
@@ -198,7 +201,7 @@ class Outbox:
     waits for the learner to read (as a multiprocessing queue's feeder thread); `close` sends what is left."""
 
     def __init__(self, conn: connection.Connection) -> None:
-        self.conn, self.pending = conn, queue.SimpleQueue()
+        self.conn, self.pending = conn, queue.Queue()
         self.thread = threading.Thread(target=self._send, daemon=True, name="rollout-outbox")
         self.thread.start()
 
@@ -206,11 +209,19 @@ class Outbox:
         self.pending.put(message)
 
     def _send(self) -> None:
+        gone = False
         while (message := self.pending.get()) is not None:
             try:
-                self.conn.send(message)
-            except OSError:  # the learner is gone: nobody reads
-                return
+                if not gone:
+                    self.conn.send(message)
+            except OSError:  # the learner is gone: nobody reads (what is left is dropped, so `flush` returns)
+                gone = True
+            finally:
+                self.pending.task_done()
+
+    def flush(self) -> None:
+        """Wait until every message put so far has been sent."""
+        self.pending.join()
 
     def close(self) -> None:
         self.pending.put(None)
