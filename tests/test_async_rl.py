@@ -233,6 +233,40 @@ def test_a_worker_that_hangs_in_a_sync_ends_the_stage_in_one_line(tmp_path, tiny
     assert time.monotonic() - t0 < 120
 
 
+class SlowLearner(LocalContext):
+    """Sleeps `pause` s after each step's metrics: a learner far slower than its workers."""
+
+    def __init__(self, root, pause: float):
+        super().__init__(root, seed=0)
+        self.pause = pause
+
+    def log_metrics(self, metrics, step=None):
+        super().log_metrics(metrics, step)
+        if step is not None:
+            time.sleep(self.pause)
+
+
+@pytest.mark.slow
+def test_neither_a_slow_learner_nor_a_slow_worker_makes_a_group_older_than_k(tmp_path, tiny_model_input,
+                                                                            digit_prompts, monkeypatch):
+    """K = 2, once with a learner that sleeps 1.5 s a step (the workers run ahead and are throttled: generation idles
+    more than training) and once with a worker that sleeps 1.5 s a step (the learner waits: training idles more):
+    both consume every group once, in order, exactly min(2, s) versions old, and train the same bytes."""
+    inputs = {"model": tiny_model_input, "prompts": digit_prompts}
+    cfg = short_is_better(steps=4, **{"async": {"max_staleness": 2}})
+    slow_learner = SlowLearner(tmp_path / "learner", pause=1.5)
+    a = grpo.run(cfg, inputs, slow_learner)["model"]
+    monkeypatch.setenv(async_rollouts.SLOW_VAR, "1.5")
+    slow_worker = LocalContext(tmp_path / "worker", seed=0)
+    b = grpo.run(cfg, inputs, slow_worker)["model"]
+    for ctx in (slow_learner, slow_worker):
+        _check_schedule(ctx, 2, 4, 4)
+    assert _model_sha(a) == _model_sha(b)
+    idle = lambda ctx, key: sum(m[key] for m in _step_metrics(ctx).values())  # noqa: E731
+    assert idle(slow_learner, "async/generation_idle") > idle(slow_learner, "async/training_idle")
+    assert idle(slow_worker, "async/training_idle") > idle(slow_worker, "async/generation_idle")
+
+
 @pytest.mark.slow
 def test_a_worker_that_dies_past_its_restarts_ends_the_stage_in_one_line(tmp_path, tiny_model_input, digit_prompts,
                                                                           monkeypatch, caplog):

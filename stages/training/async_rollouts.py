@@ -76,6 +76,7 @@ STARTUP_S = 120.0  # a worker's start (spawn, imports, model load) may take at l
 POLL_S = 0.02
 HANG_VAR = "R1FLOW_ASYNC_TEST_HANG"  # test hook, "<worker>:<version>": that worker stops answering at that sync
 EXIT_VAR = "R1FLOW_ASYNC_TEST_EXIT"  # test hook, "<worker>:<step>": that worker exits with code 3 before that step
+SLOW_VAR = "R1FLOW_ASYNC_TEST_SLOW"  # test hook, "<seconds>": every worker sleeps that long before each step's groups
 
 
 def behaviour_version(step: int, max_staleness: int) -> int:
@@ -175,6 +176,7 @@ def _generate(job: WorkerJob, out) -> None:
             os._exit(3)
         t0 = time.time()
         out.put(("generating", job.index, step, version, None, t0, 0.0))
+        time.sleep(float(os.environ.get(SLOW_VAR) or 0))  # test hook: a slow worker
         # dynamic sampling is grpo's (ppo's synchronous loop samples without it)
         g = groups.sample_groups(backend, job.rows, cfg, job.seed, step, distributed.SINGLE, scorer,
                                  getattr(cfg, "dynamic_sampling", False), getattr(cfg, "max_refill_rounds", 0),
