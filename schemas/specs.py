@@ -44,9 +44,14 @@ class GenerationSpec(Strict):
     batch_size: int = Field(16, ge=1, description="Prompts per generate() call.")
     stop: list[str] = Field(default_factory=list, description="Extra stop strings (EOS always stops).")
     backend: Literal["transformers", "vllm"] = Field(
-        "transformers", description="Generation backend; vllm needs the optional extra and a GPU. grpo and distill "
-        "on_policy run it colocated (in the trainer's process, the trained weights pushed into it in place before "
-        "every rollout)."
+        "transformers", description="Generation backend; vllm needs vLLM installed (the `vllm` extra on CUDA; on a "
+        "CPU machine its CPU build, docs/guides/vllm.md). grpo, ppo and distill on_policy run it colocated (in the "
+        "trainer's process, the trained weights pushed into it in place before every rollout, each push timed)."
+    )
+    sync_timeout_s: float = Field(
+        600.0, gt=0, description="backend vllm, colocated: a push of the trained weights into the engine that takes "
+        "longer ends the stage with one line naming the step (left out of the config's dump, and so of cache keys, "
+        "while 600)."
     )
     prefill: str = Field(
         "", description="Text the assistant turn starts with, e.g. `<think>\\n` (R1-Zero's template ends the prompt "
@@ -60,6 +65,15 @@ class GenerationSpec(Strict):
         "every token (Llama, Mistral, Qwen2 with sdpa; other models use dynamic; on CPU it runs eagerly, correct but "
         "not faster). Same tokens either way, up to float rounding.",
     )
+
+    @model_serializer(mode="wrap")
+    def _sync_timeout_while_default(self, handler):
+        """`sync_timeout_s` is left out while it is the default: the configs (and cache keys) of every stage stay
+        what they were before it existed."""
+        data = handler(self)
+        if self.sync_timeout_s == 600.0 and isinstance(data, dict):
+            data.pop("sync_timeout_s", None)
+        return data
 
 
 Precision = Literal["auto", "fp32", "bf16", "fp16"]

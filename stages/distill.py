@@ -271,6 +271,7 @@ class Session:
     trainable: list[torch.nn.Parameter] = dataclasses.field(default_factory=list)
     warmup: int = 0
     tokens_seen: int = 0  # this process's tokens trained on (attention-mask ones)
+    synced: float | None = None  # seconds of this step's push of the student's weights into the vLLM engine
 
 
 # ---------------------------------------------------------------------------- phases
@@ -391,7 +392,7 @@ def sample_student(s: Session, step: int, n: int) -> tuple[list[tuple[Example, i
         dist.copy_weights(s.student, s.sampler)  # a collective: every rank, every step
     seed = seed_stream(s.ctx.seed, "rollout", step, 0, dist.rank)
     if s.backend is not None:  # the student's current weights into the engine, in place (LoRA folded in)
-        s.backend.sync(s.student, step)
+        s.synced = s.backend.sync(s.student, step, cfg.generation.sync_timeout_s)
         comps, stats = s.backend.generate(convs, cfg.generation, n=1, seed=seed, progress=False)
     else:
         comps, stats = generate(s.sampler if s.sampler is not None else s.student, s.tokenizer, convs, cfg.generation,
@@ -420,6 +421,7 @@ def step_batches(s: Session, step: int) -> tuple[list[list[Example]], dict[str, 
         examples += [ex for ex, _ in sampled]
         info.update({"train/student_sequences": float(total - n_teacher),
                      "time/generation": s.dist.max(stats.seconds),
+                     **({"time/weight_sync": s.synced} if s.synced is not None else {}),
                      "train/sample_length": float(np.mean([n for _, n in sampled]))})
     return [examples[i : i + cfg.batch_size] for i in range(0, len(examples), cfg.batch_size)], info
 

@@ -380,7 +380,7 @@ def evaluate(s: Session, done: int) -> dict[str, float]:
     if not s.dist.is_main:
         return {}
     if s.engine:
-        s.backend.sync(s.model, done)
+        s.backend.sync(s.model, done, s.cfg.generation.sync_timeout_s)
     if s.env is not None:  # with the tools of the training rollouts
         return s.env.held_out_eval(s.held_out, s.cfg.generation, s.ctx.seed)
     return rl_loop.held_out_eval(s.backend, s.held_out, s.cfg.generation, s.ctx.seed)
@@ -394,9 +394,9 @@ def train_step(s: Session, step: int) -> dict[str, float]:
     its metrics. A step whose groups were all flat (every process's) trains nothing: `train/skipped`."""
     t_step = time.perf_counter()
     s.sync_sampler(step)
-    if s.engine:  # the policy's current weights into the vLLM engine, in place (LoRA folded in)
-        s.backend.sync(s.model, step)
     cfg = s.cfg
+    # the policy's current weights into the vLLM engine, in place (LoRA folded in), timed
+    synced = s.backend.sync(s.model, step, cfg.generation.sync_timeout_s) if s.engine else None
     if s.rollouts is not None:  # sampled and scored by a rollout worker with policy version max(0, step - K)
         delivery = s.rollouts.take(step)
         g = delivery.groups
@@ -406,6 +406,8 @@ def train_step(s: Session, step: int) -> dict[str, float]:
                                  cfg.dynamic_sampling, cfg.max_refill_rounds, logprobs=cfg.old_logprobs == "sampler",
                                  env=s.env)
     rewards_by_rank, metrics = groups.gather_groups(g, s.dist, cfg.group_size)
+    if synced is not None:
+        metrics["time/weight_sync"] = synced
     if not any(len(r) for r in rewards_by_rank):  # every group was flat: nothing to learn from this step
         metrics.update({"train/skipped": 1.0, "time/training": 0.0})
         if s.rollouts is not None:

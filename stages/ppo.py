@@ -207,6 +207,7 @@ class Session:
     engine: bool  # a colocated vLLM engine samples; the policy's weights are pushed into it before each rollout
     env: env_rollouts.EnvironmentRollouts | None = None  # multi-turn rollouts (None: single_turn, the backend samples)
     rollouts: async_rollouts.AsyncRollouts | None = None  # async.max_staleness >= 1: the workers' groups
+    synced: float | None = None  # seconds of this step's push of the policy's weights into the vLLM engine
 
     def autocast(self):
         return autocast(self.ctx.device, self.autocast_dtype)
@@ -263,8 +264,7 @@ def rollout(s: Session, step: int) -> Rollout:
     reward's weighted components; unscorable: 0), as the groups of grpo (`groups.sample_groups`); asynchronous:
     the groups a rollout worker sampled and scored with the policy's weights after step max(0, step - K)."""
     cfg = s.cfg
-    if s.engine:
-        s.backend.sync(s.models.policy, step)
+    s.synced = s.backend.sync(s.models.policy, step, cfg.generation.sync_timeout_s) if s.engine else None
     delivery = s.rollouts.take(step) if s.rollouts is not None else None
     g = delivery.groups if delivery is not None else groups.sample_groups(s.backend, s.rows, cfg, s.ctx.seed, step,
                                                                           s.dist, s.scorer, env=s.env)
@@ -474,6 +474,8 @@ def train_step(s: Session, step: int) -> dict[str, float]:
     now = time.perf_counter()
     metrics.update({"time/generation": ro.seconds, "time/scoring": ro.score_seconds,
                     "time/training": now - t_train, "time/step": now - t_step})
+    if s.synced is not None:
+        metrics["time/weight_sync"] = s.synced
     if ro.delivery is not None:
         metrics.update(async_rollouts.weight_metrics(old["old_logp"], ro.behaviour_logp, ro.batch["loss_mask"],
                                                      s.cfg.async_.importance_cap))
@@ -486,7 +488,7 @@ def evaluate(s: Session, done: int) -> dict[str, float]:
     if not s.dist.is_main:
         return {}
     if s.engine:
-        s.backend.sync(s.models.policy, done)
+        s.backend.sync(s.models.policy, done, s.cfg.generation.sync_timeout_s)
     if s.env is not None:  # with the tools of the training rollouts
         return s.env.held_out_eval(s.held_out, s.cfg.generation, s.ctx.seed)
     return rl_loop.held_out_eval(s.backend, s.held_out, s.cfg.generation, s.ctx.seed)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -123,19 +124,41 @@ class VLLMBackend:
             torch.set_num_threads = set_num_threads
         self.holds = 0  # the training step whose weights the engine holds (`sync`): the directory's are step 0's
 
-    def sync(self, model, step: int) -> None:
+    def sync(self, model, step: int, timeout_s: float = 600.0) -> float | None:
         """Before sampling at `step`: `model`'s weights into the engine (`load_weights(policy_weights(model))`),
-        unless it holds that step's already."""
-        if self.holds != step:
-            self.load_weights(policy_weights(model))
-            self.holds = step
+        unless it holds that step's already. Returns the push's seconds (None: nothing pushed); a push that takes
+        over `timeout_s` is one ModelError naming the step."""
+        if self.holds == step:
+            return None
+        seconds = self.load_weights(policy_weights(model), timeout_s, f"step {step}'s")
+        self.holds = step
+        return seconds
 
-    def load_weights(self, weights) -> None:
+    def load_weights(self, weights, timeout_s: float = 600.0, which: str = "the") -> float:
         """Replace the engine's weights by `weights` ((name, tensor) pairs under the model's checkpoint names,
-        `policy_weights`), in place, and drop the prefix cache. Colocated engines only (the model is in this
-        process)."""
-        self.llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights(weights)
-        self.llm.reset_prefix_cache()
+        `policy_weights`), in place (`_reload_in_place`), and drop the prefix cache, whose keys and values came from
+        the old weights; returns the seconds it took. Colocated engines only (the model is in this process). The
+        push runs in a thread of its own: past `timeout_s` the caller gets one ModelError and the stage ends (the
+        engine, half written, is not used again)."""
+        t0, failed = time.perf_counter(), []
+
+        def push() -> None:
+            try:
+                self.llm.collective_rpc(_reload_in_place, args=(weights,))
+                self.llm.reset_prefix_cache()
+            except BaseException as e:  # noqa: BLE001 - reported below, in the caller's thread
+                failed.append(e)
+
+        thread = threading.Thread(target=push, daemon=True, name="vllm-weight-sync")
+        thread.start()
+        thread.join(timeout_s)
+        if thread.is_alive():
+            raise ModelError(f"vLLM weight sync: {which} weights were not in the engine within "
+                             f"generation.sync_timeout_s={timeout_s:g} s")
+        if failed:
+            raise ModelError(f"vLLM weight sync: {which} weights failed to load into the engine: "
+                             f"{type(failed[0]).__name__}: {failed[0]}") from failed[0]
+        return time.perf_counter() - t0
 
     def generate(self, conversations: list[list[dict]], spec: GenerationSpec, n: int = 1, seed: int = 0,
                  logprobs: bool = False, desc: str = "generate", progress: bool = True,
@@ -173,6 +196,21 @@ class VLLMBackend:
         self.llm.llm_engine.engine_core.shutdown()
         del self.llm
         cleanup_dist_env_and_memory()
+
+
+def _reload_in_place(worker, weights) -> None:
+    """On the engine's worker: vLLM's in-place reload (`reload_weights` with the weights given: each layer's
+    checkpoint-format parameters restored, loaded, and processed again as after a load from disk, which on vLLM's
+    CPU build repacks every linear layer's weight into its oneDNN handle), then every embedding-method layer processed
+    again: an output head tied to the input embedding loads nothing of its own (vLLM logs "ParallelLMHead: Failed to
+    load weights" and keeps its old handle), so on the CPU build it went on computing logits from the old embedding
+    until repacked here. No-op on CUDA, where the head reads the shared tensor."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    worker.model_runner.reload_weights(weights_iterator=weights)
+    for module in worker.model_runner.get_model().modules():
+        if isinstance(getattr(module, "quant_method", None), UnquantizedEmbeddingMethod):
+            module.quant_method.process_weights_after_loading(module)
 
 
 def policy_weights(model):
