@@ -447,14 +447,15 @@ def test_process_supervision_composes_normalise_then_accumulate():
 
 def test_tis_weights_hand_computed():
     """trainer - sampler log-prob differences 0.2 and -1.0 (third token masked): weights e^0.2 = 1.221403
-    and e^-1 = 0.367879; gap = (0.2 + 1.0) / 2 = 0.6; k3 KL(sampler||trainer) per token is
+    and e^-1 = 0.367879; mean |delta| (logprob_drift) = (0.2 + 1.0) / 2 = 0.6; k3 KL(sampler||trainer) per token is
     e^d - 1 - d: 0.021403 and 0.367879, mean 0.194641; nothing reaches the cap 2."""
     trainer = torch.tensor([[-1.0, -2.0, -0.5]])
     sampler = torch.tensor([[-1.2, -1.0, float("-inf")]])
     mask = torch.tensor([[1, 1, 0]])
     w, stats = rl.tis_weights(trainer, sampler, mask, cap=2.0)
     assert_close(w, torch.tensor([[1.221403, 0.367879, 0.0]]), atol=1e-6, rtol=0)
-    assert_close(stats["gap"], torch.tensor(0.6), atol=1e-6, rtol=0)
+    assert_close(rl.logprob_drift(trainer, sampler, mask)["mean"], torch.tensor(0.6, dtype=torch.float64), atol=1e-6,
+                 rtol=0)
     assert_close(stats["mismatch_kl"], torch.tensor(0.194641), atol=1e-6, rtol=0)
     assert_close(stats["weight_mean"], torch.tensor(0.794641), atol=1e-6, rtol=0)
     assert float(stats["clipped"]) == 0.0
@@ -470,6 +471,34 @@ def test_tis_weights_truncate_at_the_cap_and_carry_no_gradient():
     with pytest.raises(ValueError, match="cap"):
         rl.tis_weights(trainer, sampler, torch.ones(1, 2), cap=0.0)
 
+
+
+def test_logprob_drift_hand_computed():
+    """trainer - sampler on the five masked tokens: 0.25, -1.0, 0.0625, 0.0, 0.5 (binary fractions: exact), the
+    masked-out 5.0 and -inf padding count for nothing. |delta| sorted: 0, 0.0625, 0.25, 0.5, 1.0; mean 1.8125 / 5
+    = 0.3625; p99 at position 0.99 * 4 = 3.96: 0.5 + 0.96 * (1.0 - 0.5) = 0.98; max 1.0; above 0.1: 0.25, 0.5, 1.0,
+    3 of 5 = 0.6; strictly above 0.25: 2 of 5 = 0.4."""
+    trainer = torch.tensor([[-1.0, -2.0, -0.5, -3.0], [-0.25, -2.0, 0.0, 0.0]])
+    sampler = torch.tensor([[-1.25, -1.0, -0.5625, -3.0], [-0.75, -7.0, float("-inf"), float("-inf")]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 0, 0, 0]])
+    d = rl.logprob_drift(trainer, sampler, mask)
+    assert {k: float(v) for k, v in d.items()} == pytest.approx(
+        {"mean": 0.3625, "p99": 0.98, "max": 1.0, "share_above": 0.6}, abs=1e-12)
+    assert float(rl.logprob_drift(trainer, sampler, mask, threshold=0.25)["share_above"]) == pytest.approx(0.4)
+    assert all(float(v) == 0.0 for v in rl.logprob_drift(trainer, sampler, torch.zeros(2, 4)).values())
+
+
+def test_logprob_drift_p99_is_torch_quantile_and_a_sampler_inf_shows():
+    """p99 is torch.quantile's linear interpolation on |delta| (random log-probs, a random mask). Tokens the sampler
+    gave -inf show as inf, never nan: |delta| 0.5, inf, inf puts p99 between the two infs (position 1.98)."""
+    g = torch.Generator().manual_seed(0)
+    trainer, sampler = -torch.rand(6, 50, generator=g), -torch.rand(6, 50, generator=g)
+    mask = torch.rand(6, 50, generator=g) > 0.3
+    delta = (trainer.double() - sampler.double())[mask].abs()
+    assert float(rl.logprob_drift(trainer, sampler, mask)["p99"]) == pytest.approx(float(delta.quantile(0.99)), abs=1e-12)
+    d = rl.logprob_drift(torch.zeros(1, 3), torch.tensor([[-0.5, float("-inf"), float("-inf")]]), torch.ones(1, 3))
+    assert [float(d[k]) for k in ("mean", "p99", "max")] == [float("inf")] * 3
+    assert float(d["share_above"]) == 1.0
 
 # ---------------------------------------------------------------------------- PPO with a critic (issue 32)
 

@@ -273,8 +273,8 @@ def tis_weights(trainer_logp: Tensor, sampler_logp: Tensor, mask: Tensor,
     token's loss by w corrects that, and the cap bounds the variance (Yao et al. 2025,
     "Your efficient RL framework secretly brings you off-policy RL training", TIS).
     trainer_logp, sampler_logp, mask: (B, T). Returns w (B, T) detached, 0 where mask is 0, and
-    stats over masked tokens: gap = mean |trainer - sampler| log-prob, mismatch_kl = k3 estimate
-    of KL(sampler || trainer) on the sampler's tokens, weight_mean, clipped (fraction at the cap).
+    stats over masked tokens: mismatch_kl = k3 estimate of KL(sampler || trainer) on the sampler's
+    tokens, weight_mean, clipped (fraction at the cap). How far the log-probs are apart: `logprob_drift`.
     """
     if cap <= 0:
         raise ValueError(f"tis cap must be > 0, got {cap}")
@@ -285,12 +285,37 @@ def tis_weights(trainer_logp: Tensor, sampler_logp: Tensor, mask: Tensor,
     mf = m.to(trainer_logp.dtype)
     n = mf.sum().clamp(min=1)
     stats = {
-        "gap": (diff.abs() * mf).sum() / n,
         "mismatch_kl": (kl_k3(torch.zeros_like(diff), diff) * mf).sum() / n,  # k3(p=sampler, q=trainer), shifted
         "weight_mean": (w * mf).sum() / n,
         "clipped": ((raw > cap).to(mf.dtype) * mf).sum() / n,
     }
     return w, stats
+
+
+def logprob_drift(trainer_logp: Tensor, sampler_logp: Tensor, mask: Tensor,
+                  threshold: float = 0.1) -> dict[str, Tensor]:
+    """How far the sampler's log-probs of its own tokens are from the trainer's recomputation of the same tokens.
+
+    |delta| = |trainer - sampler| per masked token, in float64 (the difference of two fp32 numbers is then exact).
+    Returns scalars: mean, p99, max of |delta|, and share_above, the fraction of masked tokens with |delta| >
+    threshold (strictly). p99 is the linear interpolation between order statistics (numpy's and torch.quantile's
+    default, Hyndman-Fan type 7): the sorted values at position 0.99 * (n - 1). trainer_logp, sampler_logp,
+    mask: (B, T). A token the sampler gave -inf has |delta| inf. No masked token: every stat 0.
+    """
+    m = mask.bool()
+    delta = (trainer_logp.detach().double() - sampler_logp.detach().double())[m].abs()  # (n,)
+    n = delta.numel()
+    if n == 0:
+        zero = torch.zeros((), dtype=torch.float64)
+        return {"mean": zero, "p99": zero, "max": zero, "share_above": zero}
+    ordered = delta.sort().values
+    pos = 0.99 * (n - 1)
+    lo = int(pos)  # torch.quantile refuses more than 2^24 values: a step can have more tokens
+    hi, frac = min(lo + 1, n - 1), pos - lo
+    # no interpolation where none is needed: with inf among the values it would give inf - inf or 0 * inf = nan
+    p99 = ordered[lo] if frac == 0 or ordered[hi] == ordered[lo] else ordered[lo] + frac * (ordered[hi] - ordered[lo])
+    return {"mean": delta.mean(), "p99": p99, "max": ordered[-1],
+            "share_above": (delta > threshold).double().mean()}
 
 
 # ---------------------------------------------------------------------------- aggregation
