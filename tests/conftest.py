@@ -142,11 +142,18 @@ def digit_prompts(tmp_path):
 
 
 class _FakeEngineModel:
-    """vLLM's model inside the engine: load_weights takes (checkpoint name, tensor) pairs."""
+    """vLLM's model inside the engine: load_weights takes (checkpoint name, tensor) pairs; its model runner's
+    in-place `reload_weights(weights_iterator=...)` loads them the same way."""
 
     def __init__(self, hf):
         self.hf = hf
         self.pushes: list[dict[str, torch.Tensor]] = []
+
+    def reload_weights(self, weights_iterator):
+        self.load_weights(weights_iterator)
+
+    def get_model(self):
+        return self.hf
 
     def load_weights(self, weights):
         params = dict(self.hf.named_parameters())
@@ -169,13 +176,16 @@ class _FakeLLM:
 
         self.hf = AutoModelForCausalLM.from_pretrained(model).eval()
         self.inner = _FakeEngineModel(self.hf)
-        self.llm_engine = SimpleNamespace(model_executor=SimpleNamespace(
-            driver_worker=SimpleNamespace(model_runner=SimpleNamespace(model=self.inner))))
+        self.worker = SimpleNamespace(model_runner=self.inner)
         self.resets, self.prompts, self.weights_at_generate = 0, [], []
         _FakeLLM.made.append(self)
 
     def reset_prefix_cache(self):
         self.resets += 1
+
+    def collective_rpc(self, method, args=(), kwargs=None):
+        """vLLM's: `method` (a callable) on each worker (here the one), as method(worker, *args, **kwargs)."""
+        return [method(self.worker, *args, **(kwargs or {}))]
 
     def generate(self, prompts, params, use_tqdm=False):
         self.weights_at_generate.append({n: p.detach().clone() for n, p in self.hf.named_parameters()})
@@ -213,6 +223,11 @@ def fake_vllm(monkeypatch):
     module = types.ModuleType("vllm")
     module.LLM, module.SamplingParams = _FakeLLM, _FakeSamplingParams
     monkeypatch.setitem(sys.modules, "vllm", module)
+    for name in ("vllm.model_executor", "vllm.model_executor.layers"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    embedding = types.ModuleType("vllm.model_executor.layers.vocab_parallel_embedding")
+    embedding.UnquantizedEmbeddingMethod = type("UnquantizedEmbeddingMethod", (), {})  # no layer of the fake has one
+    monkeypatch.setitem(sys.modules, embedding.__name__, embedding)
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)  # restored (unset) after the test
     _FakeLLM.made.clear()

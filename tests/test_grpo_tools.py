@@ -295,15 +295,16 @@ def test_check_refuses_before_compute(tmp_path, stage, cls):
     cases = [(EnvironmentSpec(name="nope"), {}, "unknown environment 'nope'"),
              (EnvironmentSpec(name=str(tmp_path / "missing.py")), {}, "no such file"),
              (EnvironmentSpec(name=str(broken)), {}, "SyntaxError"),
-             (EnvironmentSpec(name="python", timeout_s=1, options={"max_turns": 0}), {}, "multiple values|max_turns"),
-             (EnvironmentSpec(name="python"), {"generation": GenerationSpec(backend="vllm", temperature=1.0)},
-              "vllm")]
+             (EnvironmentSpec(name="python", timeout_s=1, options={"max_turns": 0}), {}, "multiple values|max_turns")]
     if stage is grpo:
         cases.append((EnvironmentSpec(name="python"), {"process_coef": 0.5}, "process_coef"))
     for spec, kw, message in cases:
         with pytest.raises(ConfigError, match=message):
             stage.check(_cfg(cls, environment=spec, **kw))
     stage.check(_cfg(cls))  # single_turn
+    # vLLM samples multi-turn too (tests/test_vllm_cpu.py, against a real engine)
+    stage.check(_cfg(cls, environment=EnvironmentSpec(name="python"),
+                     generation=GenerationSpec(backend="vllm", temperature=1.0)))
 
 
 def test_cache_salt_is_a_user_files_digest_a_built_ins_version_and_empty_for_single_turn(tool_file):

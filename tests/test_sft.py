@@ -436,7 +436,7 @@ def test_a_tool_transcript_labels_exactly_the_model_segments():
 
 def test_a_tool_transcripts_tokens_are_the_multiturn_samplers():
     """The sampler's sequence for the same turns: the rendered prompt, each turn's tokens, each observation
-    tokenized alone (`_step_episodes`: one batch call, no special tokens), then the end-of-turn token; the model
+    tokenized alone (`step_episodes`: one batch call, no special tokens), then the end-of-turn token; the model
     mask is the labels' mask."""
     from stages.sampling.completions import render_prompts, stop_token_ids
 

@@ -113,7 +113,7 @@ class RolloutStats(GenerationStats):
 
 
 @dataclass
-class _Row:
+class TrajectoryRow:
     """A trajectory being built."""
 
     episode: Episode
@@ -244,7 +244,7 @@ def _check_cache(cache) -> None:
                          f"{type(cache).__name__} ({sorted({type(x).__name__ for x in getattr(cache, 'layers', [])})})")
 
 
-def _step_episodes(rows: list[_Row], live: list[int], out: torch.Tensor, lps: torch.Tensor,
+def step_episodes(rows: list[TrajectoryRow], live: list[int], out: torch.Tensor, lps: torch.Tensor,
                    ends: list[tuple[int, TurnEnd]], tokenizer, max_total_tokens: int, env_name: str, workers: int
                    ) -> tuple[list[int], list[list[int]]]:
     """Records each live row's turn, hands it to its episode (`workers` episodes at a time, in threads), and
@@ -295,7 +295,7 @@ def _step_episodes(rows: list[_Row], live: list[int], out: torch.Tensor, lps: to
     return keep, observations
 
 
-def _rollout_batch(model, tokenizer, enc, rows: list[_Row], env: Environment, spec: GenerationSpec,
+def _rollout_batch(model, tokenizer, enc, rows: list[TrajectoryRow], env: Environment, spec: GenerationSpec,
                    n: int, max_total_tokens: int, stats: RolloutStats) -> None:
     """Rolls out the trajectories `rows` (the n samples of prompt i of the left-padded batch `enc` at
     rows[i * n : (i + 1) * n]) to their ends."""
@@ -322,7 +322,7 @@ def _rollout_batch(model, tokenizer, enc, rows: list[_Row], env: Environment, sp
         real = torch.arange(out.shape[1], device=device)[None, :] < torch.tensor([e for e, _ in ends], device=device)[:, None]
         ids, mask = torch.cat([ids, out], 1), torch.cat([mask, real.to(mask.dtype)], 1)
         t0 = time.perf_counter()
-        keep, observations = _step_episodes(rows, live, out, sampler.logprobs(), ends, tokenizer, max_total_tokens,
+        keep, observations = step_episodes(rows, live, out, sampler.logprobs(), ends, tokenizer, max_total_tokens,
                                             env.name, getattr(env, "step_workers", 1))
         stats.environment_seconds += time.perf_counter() - t0
         if not keep:
@@ -337,7 +337,7 @@ def _rollout_batch(model, tokenizer, enc, rows: list[_Row], env: Environment, sp
         stats.observation_tokens += sum(len(o) for o in observations)
 
 
-def _finished(row: _Row, tokenizer) -> Trajectory:
+def finished_trajectory(row: TrajectoryRow, tokenizer) -> Trajectory:
     transcript = tokenizer.decode(row.ids[row.prompt_length:], skip_special_tokens=True)
     return Trajectory(tuple(row.ids), tuple(row.mask), tuple(row.lps), row.prompt_length,
                       row.prefill + "".join(row.texts), row.prefill + transcript, len(row.texts), row.tool_calls,
@@ -415,7 +415,7 @@ def sample_trajectories(model, tokenizer, prompt_rows: Sequence[Mapping[str, Any
             enc = tokenizer([texts[i] for i in idx], return_tensors="pt", padding=True,
                             add_special_tokens=False).to(device)
             prompt_ids = [ids[m.bool()].tolist() for ids, m in zip(enc["input_ids"], enc["attention_mask"], strict=True)]
-            rows = [_Row(call_environment(env.name, "start", lambda i=i: env.start(prompt_rows[i])), prefills[i],
+            rows = [TrajectoryRow(call_environment(env.name, "start", lambda i=i: env.start(prompt_rows[i])), prefills[i],
                          list(p), len(p))
                     for i, p in zip(idx, prompt_ids, strict=True) for _ in range(n)]
             torch.manual_seed(seed_stream(seed, "generate_batch", b))  # generate()'s stream: single_turn samples its tokens
@@ -425,7 +425,7 @@ def sample_trajectories(model, tokenizer, prompt_rows: Sequence[Mapping[str, Any
             with rows_first_linears(model), precision:
                 _rollout_batch(model, tokenizer, enc, rows, env, spec, n, max_total_tokens, stats)
             for j, row in enumerate(rows):
-                results[idx[j // n]].append(_finished(row, tokenizer))
+                results[idx[j // n]].append(finished_trajectory(row, tokenizer))
     finally:
         model.train(was_training)
     stats.new_tokens = sum(t.sampled_tokens for ts in results for t in ts)

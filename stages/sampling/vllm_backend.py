@@ -34,7 +34,13 @@ import torch
 from schemas.configs import GenerationSpec
 from schemas.errors import ModelError
 from stages.runtime.seeds import seed_stream
-from stages.sampling.completions import Completion, GenerationStats, render_prompts, row_prefills
+from stages.sampling.completions import (
+    Completion,
+    GenerationStats,
+    render_prompts,
+    row_prefills,
+    stop_token_ids,
+)
 
 COLOCATED_GPU_MEMORY = 0.3  # vLLM's share of the GPU beside a trainer (R1FLOW_VLLM_GPU_MEMORY_UTILIZATION overrides)
 CPU_KV_CACHE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE where unset (else vLLM reserves a share of the machine's memory)
@@ -187,6 +193,62 @@ class VLLMBackend:
         stats.seconds = time.perf_counter() - t0
         return results, stats
 
+    def trajectories(self, prompt_rows: list[dict], env, spec: GenerationSpec, n: int = 1, seed: int = 0,
+                     max_total_tokens: int | None = None, prefills: list[str] | None = None):
+        """`multiturn.sample_trajectories` on this engine: n trajectories per row (in order) with the environment
+        `env`, and their `RolloutStats`. Turn after turn, every live trajectory is one request whose prompt is its
+        token ids so far (prompt, sampled turns, observations), so nothing is re-tokenized and the trainer reads the
+        sampler's ids; the engine's prefix cache keeps what earlier turns computed. A turn ends at an end-of-turn
+        token (`stop_token_ids`, as r1flow's decode), at a stop string (the spec's and the environment's, within
+        the turn) or at the row's budget: min(max_new_tokens, what is left of `max_total_tokens`). The episode then
+        answers (`multiturn.step_episodes`, tool calls side by side) and an observation's tokens are appended as
+        r1flow's loop appends them. Turn t of trajectory j of row i draws with its own seed, so what it samples
+        depends neither on the batch nor on the other trajectories."""
+        from vllm import SamplingParams
+
+        from stages.environments.base import call_environment
+        from stages.sampling import multiturn
+
+        t0 = time.perf_counter()
+        max_total_tokens = max_total_tokens or spec.max_new_tokens
+        env = multiturn.bind_environment(env, self.tokenizer)
+        conversations = [list(r["messages"]) for r in prompt_rows]
+        prefills = row_prefills(conversations, spec, prefills)
+        texts = render_prompts(self.tokenizer, conversations, prefills, tools=getattr(env, "tools", None))
+        rows = []
+        for i, text in enumerate(texts):
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            rows += [multiturn.TrajectoryRow(call_environment(env.name, "start", lambda i=i: env.start(prompt_rows[i])),
+                                             prefills[i], list(ids), len(ids)) for _ in range(n)]
+        stats = multiturn.RolloutStats(prompts=len(texts), completions=len(rows))
+        stops, eos = [*spec.stop, *env.stop], stop_token_ids(self.tokenizer)
+        live, turn = list(range(len(rows))), 0
+        while live:
+            params = [SamplingParams(n=1, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k or -1,
+                                     max_tokens=min(spec.max_new_tokens, max_total_tokens - rows[t].used),
+                                     stop=stops or None, stop_token_ids=eos, include_stop_str_in_output=True,
+                                     logprobs=0, seed=seed_stream(seed, "vllm_turn", t // n, t % n, turn))
+                      for t in live]
+            outs = self.llm.generate([{"prompt_token_ids": list(rows[t].ids)} for t in live], params, use_tqdm=False)
+            turns = [(list(o.outputs[0].token_ids), [next(iter(d.values())).logprob for d in o.outputs[0].logprobs],
+                      _turn_end(o.outputs[0])) for o in outs]
+            width = max(len(ids) for ids, _, _ in turns)
+            out = torch.tensor([ids + [0] * (width - len(ids)) for ids, _, _ in turns], dtype=torch.long)
+            lps = torch.tensor([lp + [0.0] * (width - len(lp)) for _, lp, _ in turns])
+            t_env = time.perf_counter()
+            keep, observations = multiturn.step_episodes(rows, live, out, lps, [(len(ids), end) for ids, _, end in turns],
+                                                         self.tokenizer, max_total_tokens, env.name,
+                                                         getattr(env, "step_workers", 1))
+            stats.environment_seconds += time.perf_counter() - t_env
+            stats.observation_tokens += sum(len(o) for o in observations)
+            live, turn = [live[r] for r in keep], turn + 1
+        results = [[multiturn.finished_trajectory(rows[i * n + j], self.tokenizer) for j in range(n)]
+                   for i in range(len(texts))]
+        stats.new_tokens = sum(t.sampled_tokens for ts in results for t in ts)
+        stats.turns = sum(t.turns for ts in results for t in ts)
+        stats.seconds = time.perf_counter() - t0
+        return results, stats
+
     def close(self) -> None:
         """Shut the engine down and free it (KV cache, weights) with vLLM's process groups, so that the next engine
         starts afresh in this process. One engine at a time: the groups are the process's, and shutting any engine
@@ -211,6 +273,14 @@ def _reload_in_place(worker, weights) -> None:
     for module in worker.model_runner.get_model().modules():
         if isinstance(getattr(module, "quant_method", None), UnquantizedEmbeddingMethod):
             module.quant_method.process_weights_after_loading(module)
+
+
+def _turn_end(completion) -> str:
+    """How vLLM ended a turn, as r1flow's decode names it (`TurnEnd`): its budget ("length"), a stop string (a str
+    `stop_reason`) or an end-of-turn token ("eos")."""
+    if completion.finish_reason == "length":
+        return "length"
+    return "stop" if isinstance(completion.stop_reason, str) else "eos"
 
 
 def policy_weights(model):

@@ -3,12 +3,13 @@
 With `single_turn` (the default) none of this runs: the stages sample through their backend as before
 (`groups.sample_groups` with no environment), so their behaviour and cache keys are unchanged. Otherwise:
 - `check_environment`: the environment is made at plan time (an unknown name, a missing or broken user file:
-  one ConfigError) and the settings that cannot go with it are refused (the vLLM backend, prefix sharing's
-  shared-prompt passes assume prompt + one completion; each stage names its own);
+  one ConfigError) and the settings that cannot go with it are refused (prefix sharing's shared-prompt passes
+  assume prompt + one completion; each stage names its own);
 - `rl_environment_salt`: grpo's and ppo's cache salt, their environment's (`registry.environment_salt`);
 - `EnvironmentRollouts`: G trajectories per prompt from the policy's own KV-cache decode loop
   (`sampling.multiturn.sample_trajectories`: the rollout GenerationSpec per turn, every turn counted against
-  `max_total_tokens`), scored by the environment (`Environment.score` on the model's own text);
+  `max_total_tokens`), or from the colocated vLLM engine turn by turn (`VLLMBackend.trajectories`, the same
+  trajectories' layout), scored by the environment (`Environment.score` on the model's own text);
 - `trajectory_rows`: the trainer's rows are the sampler's token ids as they are (`trajectories.trajectory_batch`),
   the loss mask 1 on the model's sampled tokens only, so an observation token has no policy loss, KL or entropy
   term, and the sampler's log-probs in the same layout;
@@ -54,14 +55,11 @@ def total_token_budget(cfg: RLConfig) -> int:
 
 def check_environment(stage: str, cfg: RLConfig, refusals: Sequence[tuple[str, bool]] = ()) -> Environment | None:
     """The run's environment, made now so a bad name or file fails before any compute (None for single_turn); a
-    ConfigError for each setting in `refusals` (what, on) that is on, and for the vLLM backend."""
+    ConfigError for each setting in `refusals` (what, on) that is on."""
     if cfg.environment.is_single_turn:
         return None
     env = environment_from_spec(cfg.environment, cfg.reward)
     name = cfg.environment.name
-    if cfg.generation.backend == "vllm":
-        refusals = [("generation.backend: vllm (multi-turn rollouts run r1flow's own decode loop; use "
-                     "generation.backend: transformers)", True), *refusals]
     for what, on in refusals:
         if on:
             raise ConfigError(f"{stage}.environment: {name!r} does not go with {what}; use environment "
@@ -77,17 +75,21 @@ def rl_environment_salt(cfg: RLConfig) -> str:
 @dataclasses.dataclass
 class EnvironmentRollouts:
     """Trajectories of `model` (the policy's whole weights) with `env`, each at most `max_total_tokens` after
-    its prompt, decoded in `autocast_dtype` (None: as the caller's autocast state is)."""
+    its prompt, decoded in `autocast_dtype` (None: as the caller's autocast state is); or, with `engine` (a
+    colocated `VLLMBackend` holding the policy's weights), sampled by vLLM turn by turn (`VLLMBackend.trajectories`)."""
 
     env: Environment
-    model: torch.nn.Module
+    model: torch.nn.Module | None
     tokenizer: object
     max_total_tokens: int
     autocast_dtype: torch.dtype | None = None
+    engine: object | None = None
 
     def generate(self, rows: list[dict], spec: GenerationSpec, n: int, seed: int
                  ) -> tuple[list[list[Trajectory]], RolloutStats]:
         """n trajectories of each row (in order), `spec` the per-turn GenerationSpec, `seed` the rollout's."""
+        if self.engine is not None:
+            return self.engine.trajectories(rows, self.env, spec, n=n, seed=seed, max_total_tokens=self.max_total_tokens)
         return sample_trajectories(self.model, self.tokenizer, rows, self.env, spec, n=n, seed=seed,
                                    max_total_tokens=self.max_total_tokens, autocast_dtype=self.autocast_dtype)
 
@@ -115,11 +117,13 @@ class EnvironmentRollouts:
 
 def open_environment(stage: str, cfg: RLConfig, backend, autocast_dtype: torch.dtype | None
                      ) -> EnvironmentRollouts | None:
-    """The run's multi-turn rollouts from the model and tokenizer of the stage's `backend` (a TransformersBackend:
-    the vLLM one is refused), None for single_turn (the backend samples)."""
+    """The run's multi-turn rollouts from the stage's `backend`: r1flow's decode loop on a TransformersBackend's
+    model, or the vLLM engine itself (`generation.backend: vllm`); None for single_turn (the backend samples)."""
     env = check_environment(stage, cfg)
     if env is None:
         return None
+    if cfg.generation.backend == "vllm":
+        return EnvironmentRollouts(env, None, backend.tokenizer, total_token_budget(cfg), engine=backend)
     return EnvironmentRollouts(env, backend.model, backend.tokenizer, total_token_budget(cfg), autocast_dtype)
 
 
