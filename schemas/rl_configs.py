@@ -201,7 +201,8 @@ class GRPOConfig(RLConfig):
     old_logprobs: Literal["trainer", "sampler"] = Field(
         "trainer", description="trainer: recompute old log-probs with the trainer's forward pass before the update; "
         "sampler: take the sampler's log-probs, read the trainer's from the first epoch's own pass (no extra pass) "
-        "and correct the mismatch by truncated importance sampling, logging the log-prob gap."
+        "and correct the mismatch by truncated importance sampling, logging how far the two are apart per step "
+        "(sampler/logprob_delta_*: mean, p99, max, share above 0.1 nats)."
     )
     tis_cap: float = Field(2.0, gt=0, description="Truncated importance sampling cap C (old_logprobs: sampler).")
     process_coef: float = Field(

@@ -17,7 +17,8 @@ Departures from the papers, on purpose:
 - a completion that cannot be scored (reward None) gets reward 0 and is counted in `unscored`;
 - `old_logprobs: sampler` takes the trainer's old log-probs from the first epoch's own forward pass
   (the parameters do not change within an epoch, so they are exact) and multiplies each token's
-  policy loss by the truncated IS weight min(pi_trainer / pi_sampler, tis_cap);
+  policy loss by the truncated IS weight min(pi_trainer / pi_sampler, tis_cap); how far the two log-probs of the
+  trained tokens are apart is logged per step (`sampler/logprob_delta_*`, `rollouts.drift_metrics`; async too);
 - process supervision (`process_coef > 0`) adds the accumulated, group-normalised step rewards to the
   outcome advantage instead of replacing it, so verifiable rewards still count (`stages.training.process_rewards`:
   from the `process_reward_model` input, or the reward model scoring each step prefix);
@@ -262,7 +263,7 @@ def reference_logprobs(s: Session, u: Update) -> torch.Tensor:
 # ---------------------------------------------------------------------------- the update
 
 
-TRAIN_STATS = ("loss", "clip_low", "clip_high", "kl", "entropy", "gap", "mismatch_kl", "weight_mean", "clipped")
+TRAIN_STATS = ("loss", "clip_low", "clip_high", "kl", "entropy", "mismatch_kl", "weight_mean", "clipped")
 
 
 def update(s: Session, u: Update, step: int) -> tuple[dict[str, list[float]], float, float]:
@@ -366,10 +367,9 @@ def train_metrics(s: Session, train_stats: dict[str, list[float]], grad_norm: fl
     }
     if totals["kl"][1]:
         metrics["train/kl"] = totals["kl"][0] / totals["kl"][1]
-    if totals["gap"][1]:
+    if totals["mismatch_kl"][1]:
         metrics.update({f"train/{name}": totals[k][0] / totals[k][1] for name, k in (
-            ("logprob_gap", "gap"), ("mismatch_kl", "mismatch_kl"), ("tis_weight_mean", "weight_mean"),
-            ("tis_clipped", "clipped"))})
+            ("mismatch_kl", "mismatch_kl"), ("tis_weight_mean", "weight_mean"), ("tis_clipped", "clipped"))})
     return metrics
 
 
@@ -418,11 +418,26 @@ def train_step(s: Session, step: int) -> dict[str, float]:
     train_stats, grad_norm, lr = update(s, u, step)
     refresh_reference(s, step)
     metrics.update(train_metrics(s, train_stats, grad_norm, lr, t_train, t_step))
+    if cfg.old_logprobs == "sampler" or s.rollouts is not None:  # every process: the drift is gathered
+        metrics.update(sampler_metrics(s, u))
     if s.rollouts is not None:
-        rows = trained_rows(u, cfg.group_size)
-        metrics.update(async_rollouts.weight_metrics(u.old_logp[rows], u.sampler_logp[rows],
-                                                     u.batch["loss_mask"][rows], s.weight_cap))
         metrics.update(s.rollouts.step_metrics(delivery))
+    return metrics
+
+
+def sampler_metrics(s: Session, u: Update) -> dict[str, float]:
+    """The sampler's log-probs against the trainer's first-epoch ones on the step's trained tokens: their drift
+    (`rollouts.drift_metrics`, every process's tokens) and, asynchronous, the importance weights. Asynchronous the
+    sampler is a worker holding the weights of `async/staleness_mean` versions ago, so the drift holds that change
+    of the policy as well as the numerics."""
+    if u.n == 0:  # no groups on this process (dynamic sampling): it still joins the gather
+        empty = torch.zeros(0, 0)
+        return rollouts.drift_metrics(empty, empty, empty, s.dist)
+    rows = trained_rows(u, s.cfg.group_size)
+    trained = (u.old_logp[rows], u.sampler_logp[rows], u.batch["loss_mask"][rows])
+    metrics = rollouts.drift_metrics(*trained, s.dist)
+    if s.rollouts is not None:
+        metrics.update(async_rollouts.weight_metrics(*trained, s.weight_cap))
     return metrics
 
 

@@ -34,6 +34,7 @@ Choices and departures, on purpose:
   learner's old passes at consumption give pi_prox (its weights before the step's first epoch) and the values, so
   the KL penalty, GAE and the critic's targets are the learner's, and the policy loss is the decoupled one
   (`offpolicy.decoupled_policy_loss`: the clipped ratio to pi_prox times min(pi_prox / mu, async.importance_cap));
+  how far mu is from pi_prox on the step's tokens is logged as `sampler/logprob_delta_*` (`rollouts.drift_metrics`);
 - on N processes (ddp) each rolls out prompts_per_step / N prompts and takes minibatch_size / N rows of
   every mini-batch; advantages are whitened over every process's tokens, the loss normaliser is the
   mini-batch's global token count and gradients are summed (`stages.runtime.distributed`), so the update is the
@@ -476,7 +477,8 @@ def train_step(s: Session, step: int) -> dict[str, float]:
                     "time/training": now - t_train, "time/step": now - t_step})
     if s.synced is not None:
         metrics["time/weight_sync"] = s.synced
-    if ro.delivery is not None:
+    if ro.delivery is not None:  # the worker's log-probs (mu) against the learner's (pi_prox) of the same tokens
+        metrics.update(rollouts.drift_metrics(old["old_logp"], ro.behaviour_logp, ro.batch["loss_mask"], s.dist))
         metrics.update(async_rollouts.weight_metrics(old["old_logp"], ro.behaviour_logp, ro.batch["loss_mask"],
                                                      s.cfg.async_.importance_cap))
         metrics.update(s.rollouts.step_metrics(ro.delivery))

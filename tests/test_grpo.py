@@ -218,15 +218,20 @@ def test_a_process_reward_model_needs_process_supervision(tmp_path, tiny_model_i
 
 def test_sampler_logprobs_match_the_trainer_and_tis_weights_are_one(tmp_path, tiny_model_input, digit_prompts):
     """On CPU in fp32 the sampler's log-probs (the generation engine's teacher-forced pass, left
-    padded) equal the trainer's (right padded, train mode) to rounding: the logged gap is ~0 and
-    every TIS weight is 1. A misaligned placement would show a gap of whole nats."""
+    padded) equal the trainer's (right padded, train mode) to rounding: every step logs the drift
+    (sampler/logprob_delta_*: mean, p99, max, share above 0.1 nats), it is ~0, and every TIS weight is 1. A
+    misaligned placement would show a drift of whole nats. Measured (2 steps): mean |delta| 2.2e-7 and 2.1e-7, p99
+    and max 9.5e-7 and 4.8e-7 (fp32 rounding); the bounds (mean 1e-5, max 1e-4) leave about 50x and 100x for
+    other CPUs' kernels, and no token is 0.1 apart."""
     ctx = LocalContext(tmp_path / "s")
     grpo.run(short_is_better(steps=2, old_logprobs="sampler", mu=2), {"model": tiny_model_input,
                                                                       "prompts": digit_prompts}, ctx)
-    steps = [m for s, m in ctx.metrics if s is not None and "train/logprob_gap" in m]
+    steps = [m for s, m in ctx.metrics if s is not None and "reward/mean" in m]
     assert len(steps) == 2
     for m in steps:
-        assert m["train/logprob_gap"] < 1e-4
+        drift = [m[f"sampler/logprob_delta_{k}"] for k in ("mean", "p99", "max", "share_above_0.1")]
+        assert all(d >= 0 for d in drift) and drift[0] <= drift[2] and drift[1] <= drift[2], drift
+        assert drift[0] < 1e-5 and drift[2] < 1e-4 and drift[3] == 0.0, drift
         assert m["train/mismatch_kl"] < 1e-6
         assert m["train/tis_weight_mean"] == pytest.approx(1.0, abs=1e-4)
         assert m["train/tis_clipped"] == 0.0
@@ -273,8 +278,8 @@ def test_prefill_is_part_of_the_prompt_the_trainer_scores(tmp_path, tiny_model_i
     cfg = short_is_better(steps=1, old_logprobs="sampler",
                           generation=GenerationSpec(max_new_tokens=8, temperature=1.0, batch_size=8, prefill="<t>"))
     grpo.run(cfg, {"model": tiny_model_input, "prompts": digit_prompts}, ctx)
-    (m,) = [m for s, m in ctx.metrics if s is not None and "train/logprob_gap" in m]
-    assert m["train/logprob_gap"] < 1e-4
+    (m,) = [m for s, m in ctx.metrics if s is not None and "sampler/logprob_delta_mean" in m]
+    assert m["sampler/logprob_delta_mean"] < 1e-4
 
 
 @pytest.mark.parametrize("lora_r", [0, 4])

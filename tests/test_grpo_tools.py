@@ -271,7 +271,7 @@ def test_grpo_runs_with_the_python_environment(tmp_path, tiny_model_input, digit
     assert len(steps) == 2
     for m in steps:
         assert {"rollout/tool_calls", "rollout/tool_error_rate", "rollout/turns", "rollout/observation_tokens",
-                "train/logprob_gap", "train/kl", "reward/reward_model"} <= set(m)
+                "sampler/logprob_delta_mean", "train/kl", "reward/reward_model"} <= set(m)
         assert m["rollout/turns"] >= 1
 
 

@@ -8,7 +8,8 @@
   training tensors of prompt + completion rows (`build_batch`), completions without their text for gathering
   (`text_free`);
 - metrics: the rollout's rewards, accuracy, components and lengths (`rollout_metrics`), mini-batch statistics
-  summed over every process (`stat_totals`).
+  summed over every process (`stat_totals`), how far the sampler's log-probs are from the trainer's
+  (`drift_metrics`).
 
 The groups of a step are `stages.training.groups`; the step loop and the end of a run `stages.training.rl_loop`.
 
@@ -27,6 +28,7 @@ import torch
 from schemas.configs import RewardSpec
 from schemas.errors import ConfigError, SchemaError
 from stages.base import Input, StageContext, seed_everything
+from stages.math import rl
 from stages.modeling import logprobs
 from stages.rewards.verifiers import Verdict, score
 from stages.runtime import distributed
@@ -173,3 +175,20 @@ def stat_totals(stats: dict[str, list], dist: distributed.Dist) -> dict[str, tup
     keys = sorted(stats)
     flat = dist.sum([x for k in keys for x in (stat_sum(stats[k]), len(stats[k]))])
     return {k: (flat[2 * i], int(flat[2 * i + 1])) for i, k in enumerate(keys)}
+
+
+DRIFT_THRESHOLD = 0.1  # nats: `sampler/logprob_delta_share_above_0.1`, the share of tokens further apart than this
+
+
+def drift_metrics(trainer_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor,
+                  dist: distributed.Dist) -> dict[str, float]:
+    """`rl.logprob_drift` over every process's trained tokens, as `sampler/logprob_delta_{mean,p99,max}` and
+    `sampler/logprob_delta_share_above_0.1`. trainer_logp, sampler_logp, mask: this process's (N, T); every process
+    calls it (a gather), one without rows with empty tensors."""
+    m = mask.bool()
+    parts = dist.gather((trainer_logp.detach().cpu()[m.cpu()], sampler_logp.detach().cpu()[m.cpu()]))
+    trainer, sampler = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    d = rl.logprob_drift(trainer, sampler, torch.ones_like(trainer, dtype=torch.bool), DRIFT_THRESHOLD)
+    return {"sampler/logprob_delta_mean": float(d["mean"]), "sampler/logprob_delta_p99": float(d["p99"]),
+            "sampler/logprob_delta_max": float(d["max"]),
+            f"sampler/logprob_delta_share_above_{DRIFT_THRESHOLD:g}": float(d["share_above"])}
