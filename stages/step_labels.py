@@ -52,7 +52,7 @@ from stages.environments.registry import check_sampling_environment, environment
 from stages.math.steps import cap_spans, mc_labels, step_spans
 from stages.rewards.verifiers import score
 from stages.runtime.seeds import seed_stream
-from stages.sampling.generation import make_backend
+from stages.sampling.generation import make_backend, release
 from stages.sampling.multiturn import sample_trajectories
 from stages.training.checkpoints import replace_synced
 from stages.training.optim import resolve_precision
@@ -340,6 +340,7 @@ def run(cfg: StepLabelsConfig, inputs: dict[str, Input], ctx: StageContext) -> d
 
     rows, dropped, n_rollouts, correct = [], 0, 0, []
     labelled = label_solutions(solutions, sampler, cfg, ctx.seed, Journal(ctx.checkpoint_dir, ctx.log))
+    release(sampler.backend)
     for sol, (steps, labels, details) in zip(solutions, labelled, strict=True):
         n_rollouts += details["rollouts_generated"]
         correct.append(details["correct"])

@@ -15,6 +15,7 @@ import importlib.util
 
 import pyarrow.parquet as pq
 import pytest
+import torch
 from pydantic import ValidationError
 
 from schemas.artifacts import DATA_FILE, MODEL_DIR
@@ -41,6 +42,14 @@ def test_eval_backend_stays_out_of_the_cache_key_by_default_and_vllm_is_single_t
     assert EvalConfig(backend="vllm").model_dump(mode="json")["backend"] == "vllm"
     with pytest.raises(ValidationError, match="backend 'vllm' samples single-turn answers; environment 'python'"):
         EvalConfig(backend="vllm", environment={"name": "python"})
+
+
+def test_sync_timeout_stays_out_of_the_dump_while_default():
+    """Configs and cache keys of every stage stay what they were before `generation.sync_timeout_s` existed."""
+    assert "sync_timeout_s" not in GenerationSpec().model_dump(mode="json")
+    assert GenerationSpec(sync_timeout_s=60).model_dump(mode="json")["sync_timeout_s"] == 60
+    with pytest.raises(ValidationError, match="sync_timeout_s"):
+        GenerationSpec(sync_timeout_s=0)
 
 
 def test_cpu_engine_options_turn_chunked_prefill_off_with_a_step_that_holds_the_context(tmp_path):
@@ -123,6 +132,219 @@ class TestTinyEngine:
         deltas = [abs(a - b) for g, r in zip(got, ref, strict=True) for a, b in zip(g[0].logprobs, r[0].logprobs,
                                                                                       strict=True)]
         assert len(deltas) == sum(r[0].num_tokens for r in ref) and max(deltas) < 1e-5
+
+
+@needs_vllm
+def test_weights_synced_in_place_generate_as_a_fresh_engine_on_the_saved_weights(tmp_path, vllm_tiny_input,
+                                                                               tiny_tokenizer):
+    """A trainer's weights moved (noise on every parameter) go into the running
+    engine (`load_weights`, no reload from disk): its greedy tokens change and equal those of a fresh engine started
+    from the moved weights saved, and r1flow's own decode of the moved model. (vLLM's CPU build packs each linear
+    layer's weight into a oneDNN handle after loading; the model's own `load_weights` then failed: "'Parameter'
+    object has no attribute 'weight_loader'". vLLM's in-place `reload_weights` restores and repacks the layers.)"""
+    model, tokenizer = load_model(vllm_tiny_input.model_dir)
+    torch.manual_seed(1)
+    with torch.no_grad():  # (0.05 left the tiny model's greedy tokens as they were: all 18)
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    spec = GenerationSpec(max_new_tokens=16, temperature=0.0)
+    engine = VLLMBackend(vllm_tiny_input.model_dir, tiny_tokenizer, seed=0)
+    try:
+        before = [g[0].token_ids for g in engine.generate(CONVS[:16], spec, progress=False)[0]]
+        seconds = engine.sync(model, step=1)
+        synced = [g[0].token_ids for g in engine.generate(CONVS[:16], spec, progress=False)[0]]
+        assert seconds > 0 and engine.sync(model, step=1) is None  # timed; the step's weights are pushed once
+    finally:
+        engine.close()
+    save_model(model, tokenizer, tmp_path / "moved")
+    fresh_engine = VLLMBackend(tmp_path / "moved", tiny_tokenizer, seed=0)
+    try:
+        fresh = [g[0].token_ids for g in fresh_engine.generate(CONVS[:16], spec, progress=False)[0]]
+    finally:
+        fresh_engine.close()
+    ours = [g[0].token_ids for g in TransformersBackend(model, tokenizer).generate(CONVS[:16], spec, progress=False)[0]]
+    assert synced == fresh == ours
+    assert synced != before
+
+
+@needs_vllm
+def test_a_weight_sync_past_its_timeout_is_one_line(vllm_tiny_input, tiny_tokenizer, monkeypatch):
+    """A push that does not finish (the engine's reload stuck: here it sleeps 30 s) ends in one ModelError naming
+    the step and the timeout, after the timeout and not after the push; a push that fails is one line too."""
+    import time
+
+    from stages.sampling import vllm_backend
+
+    model, _ = load_model(vllm_tiny_input.model_dir)
+    engine = VLLMBackend(vllm_tiny_input.model_dir, tiny_tokenizer, seed=0)
+    try:
+        monkeypatch.setattr(vllm_backend, "_reload_in_place", lambda worker, weights: time.sleep(30))
+        t0 = time.monotonic()
+        with pytest.raises(ModelError, match=r"^vLLM weight sync: step 3's weights were not in the engine within "
+                                             r"generation.sync_timeout_s=1 s$"):
+            engine.sync(model, step=3, timeout_s=1)
+        assert time.monotonic() - t0 < 10
+        monkeypatch.setattr(vllm_backend, "_reload_in_place", lambda worker, weights: 1 / 0)
+        with pytest.raises(ModelError, match=r"^vLLM weight sync: step 4's weights failed to load into the engine: "
+                                             r"ZeroDivisionError: division by zero$"):
+            engine.sync(model, step=4)
+    finally:
+        engine.close()
+
+
+@needs_vllm
+def test_grpo_samples_on_vllm_with_the_weights_pushed_every_step(tmp_path, vllm_tiny_input, digit_prompts):
+    """A GRPO stage of 3 steps whose sampler is vLLM (`generation.backend: vllm`, the trainer's log-probs against
+    vLLM's as the behaviour policy: `old_logprobs: sampler`): every step after the first pushes the trained weights
+    into the engine (timed: `time/weight_sync`), the engine's log-probs of its own tokens match the trainer's
+    (`sampler/logprob_delta_*`, fp32: per step mean 1.2-1.7e-7 and max 9.5e-7 measured; 1e-5 and 1e-4 asserted), and
+    the model trains (its weights move)."""
+    from stages import grpo
+    from tests.test_grpo import short_is_better
+
+    cfg = short_is_better(steps=3, old_logprobs="sampler",
+                          generation=GenerationSpec(max_new_tokens=8, temperature=1.0, batch_size=8, backend="vllm"))
+    ctx = LocalContext(tmp_path / "run", seed=0)
+    out = grpo.run(cfg, {"model": vllm_tiny_input, "prompts": digit_prompts}, ctx)["model"]
+    steps = {s: m for s, m in ctx.metrics if s is not None and "time/step" in m}
+    assert sorted(steps) == [1, 2, 3]
+    assert [("time/weight_sync" in steps[s]) for s in (1, 2, 3)] == [False, True, True]
+    assert all(steps[s]["time/weight_sync"] > 0 for s in (2, 3))
+    drift = [(m["sampler/logprob_delta_mean"], m["sampler/logprob_delta_max"]) for m in steps.values()
+             if "sampler/logprob_delta_mean" in m]
+    print("vLLM/trainer log-prob drift per step (mean, max):", drift)
+    assert len(drift) == 3 and max(mean for mean, _ in drift) < 1e-5 and max(mx for _, mx in drift) < 1e-4, drift
+    before, _ = load_model(vllm_tiny_input.model_dir)
+    after, _ = load_model(out.path / MODEL_DIR)
+    assert any(not torch.equal(a, b) for a, b in zip(before.state_dict().values(), after.state_dict().values(),
+                                                      strict=True))
+
+
+@needs_vllm
+def test_ppo_and_lora_grpo_sample_on_vllm_with_the_weights_pushed_every_step(tmp_path, vllm_tiny_input,
+                                                                            digit_prompts):
+    """PPO (policy and critic, full weights) and GRPO training a LoRA adapter (pushed folded into the base weights,
+    `policy_weights`) on vLLM, 3 steps each: steps 2 and 3 push the weights (timed), and the policy gets gradients."""
+    from schemas.configs import LoraSpec
+    from stages import grpo, ppo
+    from tests.test_grpo import short_is_better
+    from tests.test_ppo import small
+
+    gen = GenerationSpec(max_new_tokens=6, temperature=1.0, batch_size=8, backend="vllm")
+    inputs = {"model": vllm_tiny_input, "prompts": digit_prompts}
+    for name, stage, cfg in (("ppo", ppo, small(steps=3, generation=gen)),
+                             ("lora", grpo, short_is_better(steps=3, generation=gen, lora=LoraSpec(r=4, alpha=8)))):
+        ctx = LocalContext(tmp_path / name, seed=0)
+        stage.run(cfg, inputs, ctx)
+        steps = {s: m for s, m in ctx.metrics if s is not None and "time/step" in m}
+        assert sorted(steps) == [1, 2, 3], name
+        assert [("time/weight_sync" in steps[s]) for s in (1, 2, 3)] == [False, True, True], name
+        assert all(steps[s]["time/weight_sync"] > 0 for s in (2, 3)), name
+        assert any(steps[s]["train/grad_norm"] > 0 for s in (1, 2, 3)), (name, steps)
+
+
+@needs_vllm
+def test_multi_turn_trajectories_on_vllm_are_r1flows_own(tmp_path, vllm_tiny_input):
+    """Multi-turn rollouts on the engine (`VLLMBackend.trajectories`) with a scripted environment (rows end after 1
+    to 4 turns, observations of different lengths): greedy, the same trajectories as r1flow's decode loop, token for
+    token, mask for mask; sampled (temperature 1, 2 per prompt), the trainer's one forward pass over the sampler's
+    ids gives the engine's log-probs of every sampled token (fp32, within 1e-5), none at observations."""
+    from stages.modeling.logprobs import token_logprobs
+    from stages.sampling.multiturn import sample_trajectories
+    from stages.training.trajectories import trajectory_batch
+    from tests.test_multiturn import SCRIPT, Scripted, _row
+
+    model, tokenizer = load_model(vllm_tiny_input.model_dir)
+    rows = [_row(i) for i in range(4)]
+    greedy = GenerationSpec(max_new_tokens=6, temperature=0.0, batch_size=4)
+    engine = VLLMBackend(vllm_tiny_input.model_dir, tokenizer, seed=0)
+    try:
+        got, stats = engine.trajectories(rows, Scripted(SCRIPT), greedy, max_total_tokens=200)
+        sampled, _ = engine.trajectories(rows, Scripted(SCRIPT), GenerationSpec(max_new_tokens=6, temperature=1.0),
+                                         n=2, seed=5, max_total_tokens=200)
+        again, _ = engine.trajectories(rows, Scripted(SCRIPT), GenerationSpec(max_new_tokens=6, temperature=1.0),
+                                       n=2, seed=5, max_total_tokens=200)
+    finally:
+        engine.close()
+    ref, _ = sample_trajectories(model, tokenizer, rows, Scripted(SCRIPT), greedy, max_total_tokens=200)
+    fields = lambda t: (t.token_ids, t.model_mask, t.prompt_length, t.turns, t.tool_calls, t.finish_reason,  # noqa: E731
+                        t.text, t.transcript)
+    assert [fields(t) for ts in got for t in ts] == [fields(t) for ts in ref for t in ts]
+    assert sorted({ts[0].turns for ts in got}) == [1, 2, 3, 4] and stats.turns == sum(ts[0].turns for ts in got)
+    flat = [t for ts in sampled for t in ts]
+    assert [t.token_ids for t in flat] == [t.token_ids for ts in again for t in ts]  # seeded
+    batch = trajectory_batch(flat, tokenizer.pad_token_id)
+    with torch.no_grad():
+        logp, _ = token_logprobs(model.eval(), batch["input_ids"], batch["attention_mask"])
+    mask = batch["loss_mask"].bool()
+    assert int(mask.sum()) == sum(t.sampled_tokens for t in flat)
+    torch.testing.assert_close(logp[mask], batch["sampler_logprobs"][mask], rtol=0, atol=1e-5)
+
+
+@needs_vllm
+def test_grpo_runs_a_tool_every_turn_on_vllm(tmp_path, vllm_tiny_input, digit_prompts):
+    """grpo with a user environment that calls the python tool every turn (tests/test_grpo_tools.py's), sampled by
+    vLLM with the weights pushed each step: trajectories of several turns with tool output, and the held-out eval
+    uses the tool too."""
+    from schemas.configs import EnvironmentSpec
+    from stages import grpo
+    from tests.test_grpo_tools import TOOL_EVERY_TURN, _cfg
+
+    tool = tmp_path / "tool_every_turn.py"
+    tool.write_text(TOOL_EVERY_TURN)
+    cfg = _cfg(environment=EnvironmentSpec(name=str(tool), max_turns=3, max_total_tokens=40), eval_every=2,
+               eval_prompts=2, generation=GenerationSpec(max_new_tokens=8, temperature=1.0, batch_size=8,
+                                                         backend="vllm"))
+    grpo.check(cfg)
+    ctx = LocalContext(tmp_path / "run", seed=0)
+    grpo.run(cfg, {"model": vllm_tiny_input, "prompts": digit_prompts}, ctx)
+    steps = [m for step, m in ctx.metrics if step is not None and "reward/mean" in m]
+    assert len(steps) == 2 and "time/weight_sync" in steps[1]
+    for m in steps:
+        assert m["rollout/turns"] > 1 and m["rollout/tool_calls"] > 0 and m["rollout/observation_tokens"] > 0
+        assert m["rollout/tool_error_rate"] == 0.0
+    assert steps[-1]["eval/tool_calls"] > 0 and "eval/accuracy" in steps[-1]
+
+
+@needs_vllm
+def test_the_sampling_stages_on_vllm_write_what_r1flows_decode_writes(tmp_path, vllm_tiny_input, digit_prompts):
+    """rejection_sampling, distill_traces and step_labels (rollouts of given solutions' steps: prefilled prompts) with
+    `generation.backend: vllm`, greedy, one after another in this process (each stage shuts its engine down:
+    `generation.release`): the rows they write are those of r1flow's own decode; sampled (temperature 1),
+    rejection_sampling writes its samples too."""
+    from schemas.configs import DistillTracesConfig, RejectionSamplingConfig, StepLabelsConfig
+    from stages import distill_traces, rejection_sampling, step_labels
+    from tests.test_prm import CUT, RIGHT, WRONG, samples_input
+
+    solutions = samples_input(tmp_path, [{"prompt_id": "p3", "completion": RIGHT},
+                                         {"prompt_id": "p5", "completion": WRONG},
+                                         {"prompt_id": "p7", "completion": CUT, "finish": "length"}])
+
+    def runs(backend: str, temperature: float = 0.0) -> dict[str, list[dict]]:
+        spec = GenerationSpec(max_new_tokens=8, temperature=temperature, batch_size=4, backend=backend)
+        stages = {
+            "rejection_sampling": (rejection_sampling, RejectionSamplingConfig(
+                num_samples=2, generation=spec, max_prompts=3, require_correct=False, require_format=False)),
+            "distill_traces": (distill_traces, DistillTracesConfig(num_samples=1, generation=spec, max_prompts=3,
+                                                                   filter="none")),
+            "step_labels": (step_labels, StepLabelsConfig(rollouts=2, generation=spec)),  # rollouts of given steps
+        }
+        out = {}
+        for name, (module, cfg) in stages.items():
+            inputs = {"model": vllm_tiny_input, "prompts": digit_prompts}
+            if name == "step_labels":
+                inputs["solutions"] = solutions
+            result = module.run(cfg, inputs, LocalContext(tmp_path / f"{backend}-{temperature}-{name}", seed=0))
+            artifact = result[{"rejection_sampling": "samples", "distill_traces": "traces", "step_labels": "steps"}[name]]
+            out[name] = [{k: v for k, v in r.items() if k not in ("metadata",)}
+                         for r in pq.read_table(artifact.path / DATA_FILE).to_pylist()]
+        return out
+
+    on_vllm, ours = runs("vllm"), runs("transformers")
+    for name in on_vllm:
+        assert on_vllm[name] and on_vllm[name] == ours[name], name
+    sampled = runs("vllm", 1.0)["rejection_sampling"]
+    assert len(sampled) >= 3
 
 
 @needs_vllm

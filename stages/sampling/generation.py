@@ -253,7 +253,17 @@ def sample_with(model_input, conversations: list[list[dict]], spec: GenerationSp
     model, tokenizer = model_input.load_model()
     model.to(device)
     backend = make_backend(spec, model, tokenizer, model_input.model_dir, autocast_dtype=auto_precision(device))
-    return backend.generate(conversations, spec, n=n, seed=seed, desc=desc)
+    try:
+        return backend.generate(conversations, spec, n=n, seed=seed, desc=desc)
+    finally:
+        release(backend)
+
+
+def release(backend) -> None:
+    """A stage is done with `backend`: a vLLM engine is shut down (one engine at a time per process, and the next
+    stage of a flow may start its own); r1flow's own needs nothing."""
+    if isinstance(backend, VLLMBackend):
+        backend.close()
 
 
 def generate(model, tokenizer, conversations: list[list[dict]], spec: GenerationSpec, n: int = 1, seed: int = 0,
