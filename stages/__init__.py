@@ -86,6 +86,16 @@ _ASYNC = (
         ("async/training_idle", "training idle"))),
 )
 
+# grpo with old_logprobs: sampler, async grpo and ppo: |log p_trainer - log p_sampler| of the step's trained tokens
+# (`stages.training.rollouts.drift_metrics`; asynchronous, the policy's change since the worker's version too)
+_DRIFT = (
+    Panel("sampler vs trainer log-probs", "|delta log-prob| per token (nats)", (
+        ("sampler/logprob_delta_mean", "mean"), ("sampler/logprob_delta_p99", "p99"),
+        ("sampler/logprob_delta_max", "max"))),
+    Panel("tokens where sampler and trainer disagree", "share of tokens",
+          (("sampler/logprob_delta_share_above_0.1", "|delta| > 0.1 nats"),)),
+)
+
 STAGES: dict[str, StageEntry] = {
     "import_model": StageEntry(
         "stages.import_model", ModelConfig,
@@ -142,7 +152,7 @@ STAGES: dict[str, StageEntry] = {
             Panel("groups with equal rewards (no signal)", "fraction of groups", (("reward/zero_std_groups", "groups"),)),
             Panel("process reward", "mean step score", (("reward/process_mean", "process reward"),)),
             Panel("sampler / trainer mismatch", "KL per token (nats)", (("train/mismatch_kl", "mismatch KL"),)),
-            _GRAD, *_ASYNC)),
+            *_DRIFT, _GRAD, *_ASYNC)),
     "ppo": StageEntry(
         "stages.ppo", PPOConfig,
         "PPO with a critic (value head on a policy copy or the reward model), KL-penalised rewards, GAE",
@@ -163,7 +173,7 @@ STAGES: dict[str, StageEntry] = {
             Panel("completion length", "tokens", (("completion/mean_length", "mean"), ("completion/max_length", "max"))),
             Panel("gradient norms before clipping", "global L2 norm", (("train/grad_norm", "policy"),
                                                                         ("train/critic_grad_norm", "critic"))),
-            *_ASYNC,
+            *_DRIFT, *_ASYNC,
         )),
     "reference_logprobs": StageEntry(
         "stages.reference_logprobs", ReferenceLogprobsConfig,

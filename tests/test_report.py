@@ -251,6 +251,26 @@ def test_async_runs_get_staleness_weight_and_idle_panels_and_synchronous_runs_no
         assert not any(p.title.startswith("async") for p, _ in training_panels(stage, {"reward/mean", "train/kl"}))
 
 
+def test_sampler_logprob_drift_gets_two_panels_where_logged_and_none_elsewhere():
+    """Issue 61: a grpo run with old_logprobs: sampler, or an asynchronous grpo or ppo run, plots the sampler/trainer
+    log-prob drift per step: |delta| mean, p99 and max in nats on one panel, the share of tokens above 0.1 nats on
+    another; the keys are the ones the stages log (`rollouts.drift_metrics`). A run that logs none gets neither."""
+    import torch
+
+    from stages.runtime.distributed import SINGLE
+    from stages.training.rollouts import drift_metrics
+
+    logged = {"reward/mean", *drift_metrics(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2), SINGLE)}
+    titles = ("sampler vs trainer log-probs", "tokens where sampler and trainer disagree")
+    for stage in ("grpo", "ppo"):
+        panels = {p.title: lines for p, lines in training_panels(stage, logged) if p.title in titles}
+        assert panels == {
+            titles[0]: [("sampler/logprob_delta_mean", "mean"), ("sampler/logprob_delta_p99", "p99"),
+                        ("sampler/logprob_delta_max", "max")],
+            titles[1]: [("sampler/logprob_delta_share_above_0.1", "|delta| > 0.1 nats")]}, stage
+        assert not any(p.title in titles for p, _ in training_panels(stage, {"reward/mean", "train/kl"}))
+
+
 def test_grpo_plots_reward_kl_entropy_and_length_not_its_loss(tracker, monkeypatch):
     """A GRPO node gets train_grpo.png with the curves of its history (reward, components, accuracy
     on rollouts and held-out, KL, entropy, length, clipping) and a column in grpo.png; its ~1e-7
