@@ -97,6 +97,26 @@ def test_batch_advantages_need_the_gathered_rewards():
     assert not torch.allclose(a0, rl.group_advantages(by_rank[0], "batch"))
 
 
+def test_the_logprob_drift_is_over_every_processs_tokens():
+    """Rank 0 trained tokens with |trainer - sampler| 0.25 and 0 (a padded one masked out), rank 1 one token of 0.5,
+    rank 2 (no groups) none: the drift is of the three together, sorted (0, 0.25, 0.5): mean 0.25, p99 at position
+    0.99 * 2 = 1.98: 0.25 + 0.98 * 0.25 = 0.495, max 0.5, 2 of 3 above 0.1 nats (rank 0 alone: max 0.25)."""
+    from stages.training.rollouts import drift_metrics
+
+    parts = [(torch.tensor([-1.0, -2.0]), torch.tensor([-1.25, -2.0])), (torch.tensor([-0.5]), torch.tensor([-1.0])),
+             (torch.zeros(0), torch.zeros(0))]
+
+    class Rank0:  # what all_gather_object hands rank 0: its own masked tokens, then the other ranks'
+        def gather(self, obj):
+            return [obj, *parts[1:]]
+
+    d = drift_metrics(torch.tensor([[-1.0, -2.0, 0.0]]), torch.tensor([[-1.25, -2.0, float("-inf")]]),
+                      torch.tensor([[1, 1, 0]]), Rank0())
+    assert d == pytest.approx({"sampler/logprob_delta_mean": 0.25, "sampler/logprob_delta_p99": 0.495,
+                               "sampler/logprob_delta_max": 0.5, "sampler/logprob_delta_share_above_0.1": 2 / 3},
+                              abs=1e-12)
+
+
 @pytest.mark.parametrize("kind", sorted(rl.ADVANTAGES))
 @pytest.mark.parametrize("std", ["population", "sample"])
 def test_sharded_advantages_are_the_single_process_advantages(kind, std):
@@ -288,10 +308,12 @@ def test_grpo_on_two_processes_rolls_out_whole_groups_and_logs_global_metrics(tm
                      generation=GenerationSpec(max_new_tokens=6, temperature=1.0, batch_size=8),
                      reward=RewardSpec(weights={"overlong": 1.0}, overlong_max_tokens=4, overlong_buffer=3),
                      advantage="batch", aggregation="token_mean", minibatch_size=4, checkpoint_every=100,
-                     resources=TWO)
+                     old_logprobs="sampler", resources=TWO)
     ctx = LocalContext(tmp_path / "two")
     out = launch.run_stage(grpo, cfg, {"model": tiny_model_input, "prompts": prompts}, ctx)["model"]
     assert len(_curve(ctx, "reward/mean")) == 2 and len(_curve(ctx, "train/loss")) == 2
+    # the drift's gather across the two processes runs (fp32 on CPU: rounding only, as on one process)
+    assert len(_curve(ctx, "sampler/logprob_delta_max")) == 2 and max(_curve(ctx, "sampler/logprob_delta_max")) < 1e-4
     lengths = _curve(ctx, "completion/mean_length")
     assert all(1 <= x <= 6 for x in lengths)
     assert out.metrics["steps"] == 2 and (out.path / "model" / "model.safetensors").exists()
