@@ -395,8 +395,10 @@ def train_step(s: Session, step: int) -> dict[str, float]:
     t_step = time.perf_counter()
     s.sync_sampler(step)
     cfg = s.cfg
-    # the policy's current weights into the vLLM engine, in place (LoRA folded in), timed
-    synced = s.backend.sync(s.model, step, cfg.generation.sync_timeout_s) if s.engine else None
+    # the policy's current weights into the vLLM engine, in place (LoRA folded in), timed; asynchronous, the workers'
+    # engines sample (each pushed the version it samples with) and the learner's only evaluates
+    sampling = s.engine and s.rollouts is None
+    synced = s.backend.sync(s.model, step, cfg.generation.sync_timeout_s) if sampling else None
     if s.rollouts is not None:  # sampled and scored by a rollout worker with policy version max(0, step - K)
         delivery = s.rollouts.take(step)
         g = delivery.groups

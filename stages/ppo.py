@@ -266,7 +266,9 @@ def rollout(s: Session, step: int) -> Rollout:
     reward's weighted components; unscorable: 0), as the groups of grpo (`groups.sample_groups`); asynchronous:
     the groups a rollout worker sampled and scored with the policy's weights after step max(0, step - K)."""
     cfg = s.cfg
-    s.synced = s.backend.sync(s.models.policy, step, cfg.generation.sync_timeout_s) if s.engine else None
+    # asynchronous, the workers' engines sample (each pushed its version) and the learner's only evaluates
+    sampling = s.engine and s.rollouts is None
+    s.synced = s.backend.sync(s.models.policy, step, cfg.generation.sync_timeout_s) if sampling else None
     delivery = s.rollouts.take(step) if s.rollouts is not None else None
     # on vLLM the engine's log-probs come along, for the sampler/trainer drift (the loss does not use them)
     g = delivery.groups if delivery is not None else groups.sample_groups(s.backend, s.rows, cfg, s.ctx.seed, step,

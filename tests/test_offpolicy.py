@@ -247,8 +247,8 @@ def test_recipe_rl_nodes_keep_their_configs_with_the_default_block_set_explicitl
     ("r1-zero", ["grpo.async.max_staleness=1", "grpo.resources.num_processes=2"], "grpo.resources.num_processes: 2 "
      "does not go with async.max_staleness=1 yet (the rollout workers feed one learner process); "
      "use --set grpo.resources.num_processes=1, or --set grpo.async.max_staleness=0"),
-    ("r1", ["grpo_reasoning.async.max_staleness=2", "grpo_reasoning.generation.backend=vllm"],
-     "grpo_reasoning.generation.backend: vllm does not go with async.max_staleness=2 yet"),
+    ("r1", ["grpo_reasoning.async.max_staleness=2", "grpo_reasoning.resources.distributed_type=fsdp"],
+     "grpo_reasoning.resources.distributed_type: fsdp does not go with async.max_staleness=2 yet"),
     ("r1-zero", ["grpo.policy_loss=gspo", "grpo.async.max_staleness=1"], "grpo.policy_loss: gspo does not go with "
      "async.max_staleness=1 (the off-policy weight is per token, gspo's ratio per sequence); use --set "
      "grpo.policy_loss=token or cispo, or --set grpo.async.max_staleness=0"),

@@ -352,6 +352,27 @@ def test_the_sampling_stages_on_vllm_write_what_r1flows_decode_writes(tmp_path, 
 
 
 @needs_vllm
+def test_async_grpo_workers_sample_on_vllm(tmp_path, vllm_tiny_input, digit_prompts):
+    """Asynchronous grpo (K = 1, 4 steps) with `generation.backend: vllm`: the rollout worker samples on an engine of
+    its own and pushes each version it loads into it (in place); every group is consumed once, in order, min(1, s)
+    versions old. The drift of the worker's log-probs from the learner's is rounding at step 0 (the same weights:
+    measured below 3e-7) and the policy's change at the stale steps (above 1e-3 once the weights moved)."""
+    from stages import grpo
+    from tests.test_async_rl import _check_schedule, _step_metrics
+    from tests.test_grpo import short_is_better
+
+    cfg = short_is_better(steps=4, generation=GenerationSpec(max_new_tokens=8, temperature=1.0, batch_size=8,
+                                                             backend="vllm"), **{"async": {"max_staleness": 1}})
+    ctx = LocalContext(tmp_path / "run", seed=0)
+    grpo.run(cfg, {"model": vllm_tiny_input, "prompts": digit_prompts}, ctx)
+    _check_schedule(ctx, 1, 4, 4)
+    m = _step_metrics(ctx)
+    assert m[1]["sampler/logprob_delta_mean"] < 1e-5
+    assert any(m[s]["sampler/logprob_delta_mean"] > 1e-3 for s in (3, 4)), m
+    assert all("time/weight_sync" not in m[s] for s in m)  # the learner's engine does not sample: no per-step push
+
+
+@needs_vllm
 def test_eval_stage_on_vllm_answers_as_on_transformers(tmp_path, vllm_tiny_input, digit_prompts):
     """eval with backend: vllm, the user's way (the stage's run on a model artifact and prompts): the greedy answers
     are r1flow's own decode's, and the pass@k samples are there."""

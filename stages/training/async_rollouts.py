@@ -154,8 +154,15 @@ def _generate(job: WorkerJob, out) -> None:
     model, tokenizer, _ = load_trainable(job.model, cfg, job.device)
     model.requires_grad_(False)
     params = dict(model.named_parameters())
-    backend = TransformersBackend(model, tokenizer, resolve_precision(cfg.precision, job.device))
-    env = env_rollouts.open_environment(job.stage, cfg, backend, backend.autocast_dtype)
+    precision = resolve_precision(cfg.precision, job.device)
+    engine = cfg.generation.backend == "vllm"  # a vLLM engine samples; the model holds each version to push it in
+    if engine:
+        from stages.sampling.vllm_backend import VLLMBackend
+
+        backend = VLLMBackend(job.model.model_dir, tokenizer, seed=job.seed)
+    else:
+        backend = TransformersBackend(model, tokenizer, precision)
+    env = env_rollouts.open_environment(job.stage, cfg, backend, precision)
     scorer = None
     if job.reward_model is not None and cfg.reward.weights.get("reward_model", 0) != 0:
         from stages.modeling.heads import RewardScorer
@@ -167,6 +174,8 @@ def _generate(job: WorkerJob, out) -> None:
         version = behaviour_version(step, cfg.async_.max_staleness)
         if version != held:
             _load_version(job, version, params)
+            if engine:  # in place, LoRA folded in (the engine holds version 0, the directory's, from the start)
+                backend.sync(model, version, cfg.generation.sync_timeout_s)
             held = version
             out.put(("synced", job.index, step, version, None, 0.0, 0.0))
         if _hook(EXIT_VAR, job.index, step):

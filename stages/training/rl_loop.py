@@ -35,8 +35,8 @@ if TYPE_CHECKING:
 def check_async(node: str, cfg: RLConfig) -> None:
     """Plan-time refusals of the `async` block (the stages' `check`; `StepLoop` asks again): a policy loss the
     per-token off-policy weight does not compose with, and what the asynchronous loop does not do yet: more
-    than one learner process or machine, fsdp, a colocated vLLM engine (a run asked to overlap generation and
-    training must not silently alternate them). `node`: the recipe node's name
+    than one learner process or machine, fsdp (a run asked to overlap generation and training must not silently
+    alternate them). A vLLM backend samples in the workers (each its own engine, every version pushed in place). `node`: the recipe node's name
     (the stage's where none is known), for the `--set` an error names."""
     k = cfg.async_.max_staleness
     loss = getattr(cfg, "policy_loss", "token")  # ppo's surrogate is the token one
@@ -49,9 +49,8 @@ def check_async(node: str, cfg: RLConfig) -> None:
     off = f"or --set {node}.async.max_staleness=0 (the synchronous loop)"
     for field, value, allowed in (("resources.nodes", cfg.resources.nodes, 1),
                                   ("resources.num_processes", cfg.resources.num_processes, 1),
-                                  ("resources.distributed_type", cfg.resources.distributed_type, "ddp"),
-                                  ("generation.backend", cfg.generation.backend, "transformers")):
-        if value != allowed:  # a learner on several processes or machines, and the colocated engine: not built yet
+                                  ("resources.distributed_type", cfg.resources.distributed_type, "ddp")):
+        if value != allowed:  # a learner on several processes or machines: not built yet
             raise ConfigError(f"{node}.{field}: {value} does not go with async.max_staleness={k} yet (the rollout "
                               f"workers feed one learner process); use --set {node}.{field}="
                               f"{allowed}, {off}")
