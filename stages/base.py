@@ -25,6 +25,11 @@ from schemas.artifacts import DATA_FILE, MANIFEST_FILE, MODEL_DIR, Manifest
 from schemas.datasets import validate
 from schemas.errors import ArtifactError, SchemaError, StageError
 
+LINEAGE_INPUT_PREFIX = "lineage."
+"""A stage with `LINEAGE_OF = "<input>"` also gets, as inputs named `lineage.<fingerprint[:12]>`, every dataset among
+the ancestors of that input's artifact (its manifests' `parents`, transitively): the runner adds them
+(`flows/store/lineage.py`), so they are in the node's cache key. The eval's decontamination reads them."""
+
 
 @dataclass(frozen=True)
 class Input:

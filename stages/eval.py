@@ -20,20 +20,29 @@ turns, tool_calls and tool_errors, and the metrics add tool calls per answer, th
 turns, and accuracy by the number of calls (`tool_metrics`). single_turn takes generate()'s path as
 before: same rows, same files, same keys; with `backend: vllm` a vLLM engine (`stages.sampling.vllm_backend`),
 started once for both passes and shut down before the scorer loads, answers instead.
+
+Decontamination (`stages.math.contamination`, docs/guides/decontamination.md): before the model loads, the held-out
+prompts are checked against every dataset among the evaluated model's ancestors (`LINEAGE_OF`: the runner hands them
+as `lineage.*` inputs): exact question, 13-word overlap, answer leakage. `contamination/*` metrics (count, share, by
+check), `contaminated` (1 above `contamination_threshold`), examples in the output manifest's `extra` and the run's
+`contamination.json`; `fail_on_contamination` fails the eval there, one line.
 """
 
 from __future__ import annotations
 
+import tempfile
 from collections import defaultdict
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 
 from schemas.configs import EvalConfig, GenerationSpec
 from schemas.datasets import from_rows
-from schemas.errors import SchemaError
-from stages.base import Input, Output, StageContext, seed_everything, write_dataset
+from schemas.errors import SchemaError, StageError
+from stages.base import LINEAGE_INPUT_PREFIX, Input, Output, StageContext, seed_everything, write_dataset
 from stages.environments.registry import environment_from_spec, environment_salt
+from stages.math import contamination
 from stages.math.rerank import best_pick, majority_pick, rerank_accuracy
 from stages.math.stats import bootstrap_ci
 from stages.modeling import heads
@@ -41,10 +50,11 @@ from stages.rewards.verifiers import pass_at_k, score
 from stages.sampling.generation import auto_precision, generate, make_backend
 from stages.sampling.multiturn import sample_trajectories
 
-VERSION = "5"  # history: CHANGELOG.md
+VERSION = "6"  # history: CHANGELOG.md
 SAMPLES = True  # its outputs depend on what the samplers draw: SAMPLER_VERSION is in its key
 CONFIG = EvalConfig
 INPUTS = {"model": "model", "prompts": "prompts", "scorer": "model?"}
+LINEAGE_OF = "model"  # the datasets among its ancestors come as `lineage.*` inputs (stages.base.LINEAGE_INPUT_PREFIX)
 OUTPUTS = {"results": "eval"}
 CI_CONFIDENCE = 0.95
 CI_SEED = 0  # fixed, not the run's seed: the same rows always give the same interval
@@ -208,11 +218,42 @@ def eval_rows(mode: str, prompts: list[dict], answers: list[list[dict]]) -> list
     return rows
 
 
+def check_contamination(cfg: EvalConfig, prompts: list[dict], inputs: dict[str, Input],
+                        ctx: StageContext) -> tuple[dict[str, float], dict]:
+    """The held-out prompts against the `lineage.*` datasets: (metrics, the manifest's `extra` record), the record
+    also logged as `contamination.json`. Above the threshold `contaminated` is 1, a warning says so, and with
+    `fail_on_contamination` the eval stops here with one line."""
+    lineage = sorted((k for k in inputs if k.startswith(LINEAGE_INPUT_PREFIX)), key=lambda k: inputs[k].fingerprint)
+    held = [contamination.HeldOut(p["id"], contamination.user_text(p["messages"]), p["answer"]) for p in prompts]
+    training = (row for k in lineage for row in contamination.training_rows(
+        inputs[k].manifest.schema_name, inputs[k].table().to_pylist(), inputs[k].label, cfg.split))
+    findings = contamination.find_contamination(held, training)
+    datasets = [inputs[k].fingerprint for k in lineage]
+    metrics = contamination.contamination_metrics(findings, len(datasets))
+    metrics["contaminated"] = float(metrics["contamination/share"] > cfg.contamination_threshold)
+    record = {"datasets": datasets, "examples": contamination.examples(findings)}
+    with tempfile.TemporaryDirectory(prefix="r1flow-contamination-") as tmp:
+        path = Path(tmp) / "contamination.json"
+        path.write_text(contamination.report_json(findings, datasets))
+        ctx.log_file(path)
+    if metrics["contaminated"]:
+        first = record["examples"][0]
+        what = (f"{metrics['contamination/prompts']:.0f} of {len(prompts)} held-out prompts "
+                f"({metrics['contamination/share']:.1%}) are in the model's training data, above "
+                f"contamination_threshold {cfg.contamination_threshold:g}; e.g. {first['prompt_id']!r}: "
+                + ", ".join(f"{k} in {v}" for k, v in first["matches"].items()))
+        if cfg.fail_on_contamination:
+            raise StageError(f"eval: {what} (fail_on_contamination)")
+        ctx.log.warning("eval: contaminated: %s", what)
+    return metrics, record
+
+
 def run(cfg: EvalConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[str, Output]:
     prompts = round_robin_prompts(inputs["prompts"].table("prompts"), cfg.split, cfg.max_prompts)
     if not prompts:
         raise SchemaError(f"{inputs['prompts'].label}: no prompts with split={cfg.split!r} to evaluate")
     check_scorer(cfg, inputs)
+    contamination_metrics, contamination_record = check_contamination(cfg, prompts, inputs, ctx)
     seed_everything(ctx.seed)
     model, tokenizer = inputs["model"].load_model()
     model.to(ctx.device)
@@ -247,8 +288,11 @@ def run(cfg: EvalConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[st
         scores = sampled_scores(cfg, rows, prompts, inputs["scorer"], ctx.device) if scored else None
         metrics.update(rerank_metrics(rows, scores, cfg.rerank))
     metrics["prompts"] = float(len(prompts))
+    metrics.update(contamination_metrics)
     ctx.log_metrics({k: v for k, v in metrics.items() if v == v})  # MLflow rejects NaN
     ctx.log.info("eval: accuracy %.3f, format rate %.3f, %.1f tokens/s",
                  metrics.get("accuracy", float("nan")), metrics.get("format_rate", float("nan")), metrics["tokens_per_s"])
     table = from_rows(rows, "eval", where="eval output")
-    return {"results": write_dataset(ctx, "results", table, "eval", metrics)}
+    results = write_dataset(ctx, "results", table, "eval", metrics)
+    results.extra["contamination"] = contamination_record
+    return {"results": results}

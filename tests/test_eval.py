@@ -8,7 +8,7 @@ import pytest
 
 from schemas.configs import EvalConfig
 from schemas.datasets import from_rows
-from schemas.errors import ConfigError, SchemaError
+from schemas.errors import ConfigError, SchemaError, StageError
 from stages import eval as eval_stage
 from stages.base import LocalContext, write_dataset
 from stages.math.stats import bootstrap_ci
@@ -81,9 +81,31 @@ def test_eval_stage_on_tiny_model(tmp_path, tiny_model_input):
     data = write_dataset(LocalContext(tmp_path / "d"), "p", from_rows(prompts, "prompts"), "prompts")
     ctx = LocalContext(tmp_path / "run")
     cfg = EvalConfig(max_prompts=6, max_new_tokens=8, batch_size=4, pass_k=3, pass_k_prompts=2)
-    out = eval_stage.run(cfg, {"model": tiny_model_input, "prompts": fake_input(data.path, "dataset", "prompts")},
-                         ctx)["results"]
+    # the model's lineage (the runner adds it): its SFT data holds held-out p3 with its answer; the prompts dataset
+    # itself is an ancestor too, but its rows are all of the held-out split, which no stage trains on
+    sft = write_dataset(LocalContext(tmp_path / "s"), "s", from_rows([
+        {"id": "s1", "messages": [{"role": "user", "content": "3 + 1 ?"}, {"role": "assistant", "content": "<answer>4"}],
+         "source": "user", "metadata": "{}"}], "sft"), "sft")
+    lineage = {"lineage.sft": fake_input(sft.path, "dataset", "sft"),
+               "lineage.prompts": fake_input(data.path, "dataset", "prompts")}
+    out = eval_stage.run(cfg, {"model": tiny_model_input, "prompts": fake_input(data.path, "dataset", "prompts"),
+                               **lineage}, ctx)["results"]
     assert out.rows == 6 + 2 * 3
+    assert {k: v for k, v in out.metrics.items() if k.startswith("contamina")} == {
+        "contamination/prompts": 1.0, "contamination/share": 1 / 6, "contamination/datasets": 2.0,
+        "contamination/exact": 1.0, "contamination/ngram": 0.0, "contamination/answer_leak": 1.0, "contaminated": 1.0}
+    assert out.extra["contamination"]["examples"] == [{"prompt_id": "p3", "question": "3+1?", "matches": {
+        "answer_leak": f"{lineage['lineage.sft'].label} row 1", "exact": f"{lineage['lineage.sft'].label} row 1"}}]
+    assert [f.name for f in ctx.files] == ["contamination.json"]  # logged to the run (MLflow, in a pipeline)
+    with pytest.raises(StageError, match=r"^eval: 1 of 6 held-out prompts \(16.7%\) are in the model's training data, "
+                       r"above contamination_threshold 0.1; e.g. 'p3': answer_leak in .* row 1, exact in .* row 1 "
+                       r"\(fail_on_contamination\)$"):  # before the model loads: its folder is not there
+        eval_stage.run(cfg.model_copy(update={"contamination_threshold": 0.1, "fail_on_contamination": True}),
+                       {"model": fake_input(tmp_path / "no-model", "model", "model"),
+                        "prompts": fake_input(data.path, "dataset", "prompts"), **lineage}, LocalContext(tmp_path / "f"))
+    high = eval_stage.check_contamination(cfg.model_copy(update={"contamination_threshold": 0.2}), [
+        *prompts], lineage, LocalContext(tmp_path / "h"))[0]
+    assert high["contamination/share"] == 1 / 6 and high["contaminated"] == 0.0  # 1/6 is under 0.2
     for key in ("accuracy", "accuracy_ci_low", "accuracy_ci_high", "format_rate", "mean_length", "pass_at_3",
                 "tokens_per_s", "math/accuracy", "other/accuracy", "math/accuracy_ci_low", "other/accuracy_ci_high"):
         assert key in out.metrics, key
@@ -97,7 +119,8 @@ def test_eval_stage_on_tiny_model(tmp_path, tiny_model_input):
 
     a = pq.read_table(out.path / "data.parquet").to_pylist()
     b = pq.read_table(again.path / "data.parquet").to_pylist()
-    assert a == b  # greedy and seeded sampling are deterministic
+    assert a == b  # greedy and seeded sampling are deterministic (the lineage changes no answer)
+    assert again.metrics["contamination/prompts"] == 0 and again.metrics["contaminated"] == 0  # no lineage: clean
     assert json.dumps(a[0])  # rows are plain JSON-able values
 
 
@@ -249,3 +272,10 @@ def test_eval_with_an_environment_records_turns_and_tool_calls(tmp_path, tiny_mo
 def test_an_unknown_environment_fails_the_check():
     with pytest.raises(ConfigError):
         eval_stage.check(EvalConfig(environment={"name": "nope"}))
+
+
+def test_contamination_settings_leave_the_default_key_alone():
+    """Out of the config's dump (so of every eval's cache key) while default; in it when set."""
+    assert not {"contamination_threshold", "fail_on_contamination"} & set(EvalConfig().model_dump(mode="json"))
+    set_ = EvalConfig(contamination_threshold=0.05, fail_on_contamination=True).model_dump(mode="json")
+    assert set_["contamination_threshold"] == 0.05 and set_["fail_on_contamination"] is True

@@ -307,3 +307,36 @@ def test_a_full_store_while_publishing_leaves_no_half_artifact(tmp_path, small_f
     with pytest.raises(ArtifactError, match=rf"^no space left on device writing {root}/cache/"):
         store.record(rec)
     assert os.listdir(root / "cache") == []
+
+
+def test_lineage_is_every_text_dataset_among_the_ancestors(tmp_path):
+    """flows/store/lineage.py on a small graph: base -> sft model (from sft data and prompts) -> samples (from the
+    sft model and prompts) -> dpo model (from sft model and preferences made of the samples); an eval result is not
+    training text. The dpo model's lineage: the four text datasets, sorted, each once; the base has none."""
+    from flows.store.lineage import ancestor_datasets, with_lineage
+    from stages import eval as eval_stage
+    from stages import sft as sft_stage
+
+    store = ArtifactStore(tmp_path / "store")
+
+    def put(name: str, kind: str, schema: str, *parents: str) -> str:
+        return store.publish(stage(store, {"f": name}), kind=kind, schema=schema, producer=PRODUCER,
+                             parents=list(parents)).fingerprint
+
+    base, prompts, data = put("base", "model", "model"), put("p", "dataset", "prompts"), put("d", "dataset", "sft")
+    sft = put("sft", "model", "model", base, data, prompts)
+    samples = put("s", "dataset", "samples", sft, prompts)
+    evals = put("e", "dataset", "eval", sft, prompts)
+    prefs = put("q", "dataset", "preferences", samples, evals)
+    dpo = put("dpo", "model", "model", sft, prefs)
+    assert ancestor_datasets(store, dpo) == sorted([prompts, data, samples, prefs])
+    assert ancestor_datasets(store, base) == []
+    assert with_lineage(eval_stage, {"model": sft, "prompts": prompts}, store) == {
+        "model": sft, "prompts": prompts, **{f"lineage.{fp[:12]}": fp for fp in (data, prompts)}}
+    assert with_lineage(sft_stage, {"model": sft, "data": data}, store) == {"model": sft, "data": data}
+    # a parent gone from the store: one line naming it and who names it, before any compute
+    gone = put("x", "model", "model", "0" * 64)
+    with pytest.raises(ArtifactError, match=rf"^the lineage of artifact {gone[:12]}: 000000000000, a parent of "
+                       rf"{gone[:12]}, cannot be read \(artifact 000000000000: not in store .*\); its training data "
+                       r"cannot be checked$"):
+        ancestor_datasets(store, gone)

@@ -66,6 +66,7 @@ from flows.run.refs import REF_HELP, resolve_ref
 from flows.servers.settings import Settings
 from flows.store.artifacts import ArtifactStore
 from flows.store.cache import cache_key, reusable_record
+from flows.store.lineage import with_lineage
 from flows.track.tracking import Tracker, flatten, run_name
 from schemas.configs import ProfileConfig
 from schemas.errors import ArtifactError, ConfigError
@@ -189,6 +190,7 @@ def run_single_stage(stage: str, inputs: dict[str, str], overrides: dict[str, An
     resolved, producers = read_inputs(stage, inputs, store, s.tracking_uri)
     # config errors name the node the inputs make it (a blank node), before any file is re-hashed
     config, name, recipe_seed = stage_config(stage, recipe, profile, node, overrides or {}, producers)
+    resolved = with_lineage(module, resolved, store)  # an eval's model's ancestor datasets, as the pipeline's node_key
     for fp in resolved.values():
         store.verify(fp)  # every file matches, before any compute
     seed = seed if seed is not None else (recipe_seed if recipe_seed is not None else 0)

@@ -45,6 +45,7 @@ from flows.servers.settings import Settings, file_lock
 from flows.store import lease
 from flows.store.artifacts import ArtifactStore, CacheRecord, raise_if_disk_full
 from flows.store.cache import cache_key, config_hash, reusable_record
+from flows.store.lineage import with_lineage
 from flows.track.tracking import Tracker, run_name
 from schemas.artifacts import DATA_FILE, Producer
 from schemas.errors import ArtifactError, ConfigError, R1FlowError, StageError
@@ -286,9 +287,15 @@ def _run_logger() -> logging.Logger | logging.LoggerAdapter:
         return logging.getLogger("r1flow")
 
 
-def node_key(plan_node, upstream: dict[str, dict[str, str]]) -> tuple[str, dict[str, str], str]:
+def node_key(plan_node, upstream: dict[str, dict[str, str]],
+             store: ArtifactStore | None = None) -> tuple[str, dict[str, str], str]:
+    """(cache key, inputs, salt) of a node whose upstream nodes made `upstream`; with the store, an eval's inputs
+    gain its model's ancestor datasets (flows/store/lineage.py). Without one (keys compared from a plan alone, in
+    tests): the inputs of the plan only."""
     module = get_stage(plan_node.stage)
     inputs = {inp: upstream[up][out] for inp, (up, out) in plan_node.inputs.items()}
+    if store is not None:
+        inputs = with_lineage(module, inputs, store)
     salt = module.cache_salt(plan_node.config) if hasattr(module, "cache_salt") else ""
     return cache_key(plan_node.stage, stage_version(module), plan_node.config_dict, inputs, plan_node.seed, salt), inputs, salt
 
@@ -398,7 +405,7 @@ class _NodeRunner:
     def _start(self, node, submit):
         """Reuse an upstream-of-`--only` node from the cache, or hand the node's stage task to Prefect: called now
         (submit None: its final state) or submitted (its future). None when nothing was submitted."""
-        key, inputs, _ = node_key(node, self.upstream)
+        key, inputs, _ = node_key(node, self.upstream, self.store)
         t0 = time.perf_counter()
         if node.name not in self.selected:  # an upstream of --only: must come from the cache
             damaged: list[tuple[str, str]] = []

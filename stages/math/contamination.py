@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 NGRAM = 13
 MIN_COVERAGE = 0.8
 MAX_EXAMPLES = 5
+TEXT_KINDS = ("prompts", "sft", "samples", "preferences", "unpaired", "steps")  # dataset kinds with training text
 KEPT_PUNCTUATION = frozenset("-*/%()[]")
 _WORD = re.compile(r"\d+(?:\.\d+)?|\w+|\S")
 
