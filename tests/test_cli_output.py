@@ -69,7 +69,8 @@ def _row(eval_node: str, model: str, fp: str, acc: float) -> dict:
             "format_rate": 0.99, "mean_length": 31.0, "tokens_per_s": 120.0, "prompts": 288.0,
             "basic_arithmetic/accuracy": acc, "basic_arithmetic/accuracy_ci_low": max(0.0, acc - 0.06),
             "basic_arithmetic/accuracy_ci_high": acc + 0.06, "chain_sum/accuracy": 0.094,
-            "chain_sum/accuracy_ci_low": 0.0, "chain_sum/accuracy_ci_high": 0.219}
+            "chain_sum/accuracy_ci_low": 0.0, "chain_sum/accuracy_ci_high": 0.219,
+            "contamination/prompts": 0.0, "contamination/share": 0.0, "contaminated": 0.0}
 
 
 def _result(long_node: str = "grpo_reasoning") -> dict:
@@ -128,6 +129,25 @@ def test_end_of_run_fits_the_width_without_cutting_a_cell(width, long_node):
     assert tail[-3].endswith("r1flow ui")
     assert "/h/mlartifacts/9/artifacts/report/report.md" in lines
     assert "  beside it: comparison.csv, comparison.json, 2 PNG plots" in lines
+
+
+def test_a_wide_terminal_shows_the_contamination_column():
+    """The held-out prompts found in each model's training data, after the format rate: 0 for a clean eval, count and
+    share (and `contaminated` past its threshold) for one that is not; — for a row from before the check."""
+    result = _result()
+    rows = result["comparison"]["rows"]
+    rows[1].update({"contamination/prompts": 3.0, "contamination/share": 3 / 288, "contaminated": 1.0})
+    for previous in result["comparison"]["previous"]["rows"]:
+        for key in ("contamination/prompts", "contamination/share", "contaminated"):
+            del previous[key]
+    lines = _render(result, 220)
+    start = next(i for i, line in enumerate(lines) if line.startswith("model comparison"))
+    header = next(line for line in lines[start:] if line.strip().startswith("eval "))
+    end = header.index("contaminated") + len("contaminated")  # a right-justified column ends there
+    cells = {line.split()[0]: line[end - 21:end].split() for line in lines[start:]
+             if line.strip().startswith(("eval_", "↳"))}
+    assert cells[rows[0]["eval"]] == ["0"] and cells[rows[1]["eval"]] == ["3", "(1.0%)", "contaminated"]
+    assert cells["↳"] == ["—"]
 
 
 def test_a_tracking_server_gets_its_url_and_no_ui_command():

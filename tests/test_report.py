@@ -74,7 +74,8 @@ def sft_eval_results(tracker: Tracker, parent: str, *, sft_fp: str = "sft-1", ac
     eval from before intervals."""
     ev = {"eval_base": {"accuracy": acc_base, "format_rate": 0.1},
           "eval_sft": {"accuracy": acc_sft, "accuracy_ci_low": acc_sft - 0.1, "accuracy_ci_high": acc_sft + 0.1,
-                       "format_rate": 0.9, "prompts": 64.0}}
+                       "format_rate": 0.9, "prompts": 64.0, "contamination/prompts": 2.0,
+                       "contamination/share": 2 / 64, "contaminated": 1.0}}
     out = []
     for node, stage, outputs in [("base", "import_model", {"model": fp("base")}),
                                  ("prompts", "prompts", {"prompts": fp("prompts")}),
@@ -156,10 +157,12 @@ def test_report_has_one_row_per_stage_with_status_and_link_and_plots_with_data(t
     # (in tables that fit Prefect's pane, read here as one: flows/report/tables.py)
     compared = read_tables(report.markdown.split("## Model comparison")[1])
     assert list(compared[0]) == ["eval", "model", "model fp", "accuracy [95% CI]", "prompts", "lenient acc", "pass@k",
-                                 "format rate", "mean length", "tokens/s †"]
+                                 "format rate", "mean length", "tokens/s †", "contaminated ‡"]
     assert [list(r.values()) for r in compared] == [
-        ["eval_base", "base", fp("base")[:8], "0.250", "—", "—", "—", "0.100", "—", "—"],
-        ["eval_sft", "sft", fp("sft-1")[:8], "0.500 [0.400, 0.600]", "64", "—", "—", "0.900", "—", "—"]]
+        ["eval_base", "base", fp("base")[:8], "0.250", "—", "—", "—", "0.100", "—", "—", "—"],
+        ["eval_sft", "sft", fp("sft-1")[:8], "0.500 [0.400, 0.600]", "64", "—", "—", "0.900", "—", "—",
+         "2 (3.1%) contaminated"]]
+    assert "‡ contaminated: held-out prompts found in the evaluated model's training data" in report.markdown
     assert "95% percentile bootstrap interval" in report.markdown and "eval size" in report.markdown
     assert "↳ previous" not in report.markdown and "Compared with run" not in report.markdown  # no earlier run
     names = [n for n, _ in report.images]
@@ -403,7 +406,7 @@ def test_comparison_rows_on_literal_results():
            "pass_at_4": 0.75, "pass_at_1_sampled": 0.3, "format_rate": 1.0, "mean_length": 30.0, "tokens_per_s": 100.0,
            "arith/accuracy": 0.4, "arith/accuracy_ci_low": 0.0, "arith/accuracy_ci_high": 0.8,
            "count/accuracy": 0.8, "count/accuracy_ci_low": float("nan"), "count/accuracy_ci_high": float("nan"),
-           "prompts": 10.0}
+           "prompts": 10.0, "contamination/prompts": 0.0, "contamination/share": 0.0, "contaminated": 0.0}
     results = [StageResult("base", "import_model", "cached", 0.0, "", {"model": fp("base")}, {}, "r0"),
                StageResult("prompts", "prompts", "cached", 0.0, "", {"prompts": fp("prompts")}, {}, "r1"),
                StageResult("sft", "sft", "run", 1.0, "", {"model": fp("sft")}, {}, "r2"),
@@ -425,6 +428,9 @@ def test_comparison_rows_on_literal_results():
         0.2, 0.8, None, None)
     assert (s["arith/accuracy_ci_low"], s["arith/accuracy_ci_high"], s["count/accuracy_ci_low"]) == (0.0, 0.8, None)
     assert (s["prompts"], b["prompts"]) == (10.0, None)
+    # decontamination: a clean eval's 0 is a number; an eval from before the check has none
+    assert [(r["contamination/prompts"], r["contamination/share"], r["contaminated"]) for r in rows] == [
+        (None, None, None), (0.0, 0.0, 0.0)]
     assert list(s)[list(s).index("accuracy"):][:3] == ["accuracy", "accuracy_ci_low", "accuracy_ci_high"]
     assert set(b) == set(s) and not any(k.endswith(("accuracy_lenient", "pass_at_4")) and "/" in k for k in b)
 
@@ -528,11 +534,11 @@ def test_previous_rows_from_before_intervals_show_the_accuracy_alone(tracker):
     rows = read_tables(md.split("## Model comparison")[1])
     # neither row says on how many prompts: the header cannot either
     assert list(rows[0]) == ["eval", "model", "model fp", "accuracy [95% CI]", "prompts", "lenient acc", "pass@4",
-                             "format rate", "mean length", "tokens/s †", "acc: arith"]
+                             "format rate", "mean length", "tokens/s †", "contaminated ‡", "acc: arith"]
     assert list(rows[0].values()) == ["eval_sft", "sft", fp("new")[:8], "0.500 [0.375, 0.625]", "64", "—", "0.750",
-                                      "0.900", "30", "100", "0.250 [0.125, 0.375]"]
+                                      "0.900", "30", "100", "—", "0.250 [0.125, 0.375]"]
     assert list(rows[1].values()) == ["↳ previous (run p1p1p1p1)", "sft", fp("old")[:8], "0.375", "—", "0.500", "0.500",
-                                      "0.800", "40", "90", "0.125"]
+                                      "0.800", "40", "90", "—", "0.125"]
     lines = list(csv.DictReader(comparison_csv(payload).splitlines()))
     assert [(r["accuracy"], r["accuracy_ci_low"], r["accuracy_ci_high"], r["prompts"], r["arith/accuracy_ci_low"])
             for r in lines] == [("0.5", "0.375", "0.625", "64.0", "0.125"), ("0.375", "", "", "", "")]

@@ -137,11 +137,12 @@ def stage_columns(result: dict) -> list[Column]:
 def comparison_columns(payload: dict) -> tuple[list[Column], list[str]]:
     """The report's model comparison (flows/comparison.comparison_payload) for a terminal: each eval's
     model, accuracy with its 95% bootstrap interval and the eval size n; then, as width allows,
-    pass@k, format rate, per-task accuracies and the model's fingerprint. A previous run's row
+    pass@k, format rate, the held-out prompts found in the model's training data, per-task accuracies and the
+    model's fingerprint. A previous run's row
     (its model had another fingerprint) sits under the row of its eval node, as in the report."""
     # lazy: start-up (`r1flow --help` loads none of these: MLflow)
     from flows.plan.results import fmt_metric
-    from flows.report.comparison import TASK_ACCURACY, fmt_interval
+    from flows.report.comparison import TASK_ACCURACY, fmt_contamination, fmt_interval
 
     prev = payload.get("previous") or {}
     before = {p.get("eval"): p for p in prev.get("rows", [])}
@@ -168,6 +169,7 @@ def comparison_columns(payload: dict) -> tuple[list[Column], list[str]]:
         Column("n", [f"{r['prompts']:.0f}" if r.get("prompts") is not None else "—" for r in rows], justify="right"),
         Column(f"pass@{ks[0]}" if len(ks) == 1 else "pass@k", [pass_cell(r) for r in rows], drop=2, justify="right"),
         Column("format", [num(r.get("format_rate")) for r in rows], drop=1, justify="right"),
+        Column("contaminated", [fmt_contamination(r) for r in rows], drop=3, justify="right"),
     ]
     columns += [Column(f"acc: {t}", [fmt_interval(r, f"{t}/accuracy") for r in rows], drop=4) for t in tasks]
     columns.append(Column("model fp", [(r.get("model_fingerprint") or "—")[:8] for r in rows], drop=5))

@@ -5,7 +5,8 @@
 eval node, model node, model and eval-output fingerprints, status, accuracy and its 95% bootstrap
 interval (`accuracy_ci_low`, `accuracy_ci_high`; `stages.eval` logs them), lenient accuracy, pass@k
 (the k that was logged), format rate, mean length, tokens/s, the eval size (`prompts`) and
-`<task>/accuracy` with its interval for every task seen. Wherever the report shows an eval's
+`<task>/accuracy` with its interval for every task seen, and the held-out prompts found in the model's
+training data (`contamination/prompts`, its share, `contaminated`: `stages.eval`'s decontamination). Wherever the report shows an eval's
 accuracy (stage table, comparison table, `eval.png`) its interval is next to it, `0.500 [0.363,
 0.637]`; evals logged before r1flow had intervals show the accuracy alone. The report shows the rows
 under "Model comparison"; `publish_report` logs them (full
@@ -52,7 +53,9 @@ MAX_PREVIOUS_RUNS = 5  # earlier parent runs tried for a comparison.json before 
 
 COMPARISON_COLUMNS = (("accuracy", "accuracy [95% CI]"), ("accuracy_lenient", "lenient acc"), ("pass_at_k", "pass@k"),
                       ("format_rate", "format rate"), ("mean_length", "mean length"), ("tokens_per_s", "tokens/s †"),
-                      ("prompts", "prompts"))
+                      ("prompts", "prompts"), ("contamination/prompts", "contaminated ‡"))
+
+CONTAMINATION_KEYS = ("contamination/share", "contaminated")  # beside contamination/prompts in each row
 
 CI_LOW, CI_HIGH = "_ci_low", "_ci_high"  # `<accuracy key><suffix>`: the eval stage's 95% bootstrap interval
 
@@ -111,7 +114,8 @@ def comparison_rows(plan: Plan, results: list[StageResult]) -> list[dict[str, An
     accuracy, accuracy_ci_low, accuracy_ci_high (its 95% bootstrap interval), accuracy_lenient,
     pass_k and pass_at_k (the largest k logged as `pass_at_<k>`), pass_k_prompts (how many prompts
     pass@k was computed on, `pass_k_prompts`), format_rate, mean_length,
-    tokens_per_s, prompts (the eval size), and `<task>/accuracy`, `<task>/accuracy_ci_low`,
+    tokens_per_s, prompts (the eval size), contamination/prompts, contamination/share, contaminated (held-out
+    prompts in the model's training data), and `<task>/accuracy`, `<task>/accuracy_ci_low`,
     `<task>/accuracy_ci_high` for every task any row has; every row has every key, None where a
     value is missing or not finite.
     """
@@ -134,6 +138,7 @@ def comparison_rows(plan: Plan, results: list[StageResult]) -> list[dict[str, An
                 row.update(with_interval(r.metrics, key))
             elif key != "pass_at_k":
                 row[key] = _finite(r.metrics.get(key))
+        row.update({key: _finite(r.metrics.get(key)) for key in CONTAMINATION_KEYS})
         for t in tasks:
             row.update(with_interval(r.metrics, f"{t}/accuracy"))
         rows.append(row)
@@ -226,6 +231,17 @@ def _cell(value: Any) -> str:
     return fmt_metric(value) if _is_finite(value) else "—"
 
 
+def fmt_contamination(row: dict[str, Any]) -> str:
+    """`0`, `2 (25.0%)`, or `2 (25.0%) contaminated` past the eval's threshold: held-out prompts found in the model's
+    training data; "—" for an eval logged before the check."""
+    count, share = row.get("contamination/prompts"), row.get("contamination/share")
+    if not _is_finite(count):
+        return "—"
+    if not count or not _is_finite(share):
+        return _cell(count)
+    return f"{count:.0f} ({share:.1%})" + (" contaminated" if row.get("contaminated") else "")
+
+
 def comparison_markdown(payload: dict[str, Any], tracker: Tracker) -> list[str]:
     """The "Model comparison" section: the table, then what its previous rows are."""
     rows, prev = payload["rows"], payload["previous"]
@@ -240,7 +256,8 @@ def comparison_markdown(payload: dict[str, Any], tracker: Tracker) -> list[str]:
     def line(label: str, row: dict[str, Any]) -> list[str]:
         cells = []
         for key, _ in columns:
-            cell = fmt_interval(row, key) if key == "accuracy" else _cell(row.get(key))
+            cell = (fmt_interval(row, key) if key == "accuracy" else fmt_contamination(row)
+                    if key == "contamination/prompts" else _cell(row.get(key)))
             if key == "pass_at_k" and not one_k and row.get(key) is not None:
                 n = row.get("pass_k_prompts")
                 cell += f" (k={row.get('pass_k')}" + (f", {n} prompts)" if n else ")")
@@ -265,7 +282,11 @@ def comparison_markdown(payload: dict[str, Any], tracker: Tracker) -> list[str]:
            "averaged over the first N eval prompts only (header or cell: `N prompts`), so it is noisier than "
            "the greedy accuracy on all `prompts`.", "",
            "† tokens/s: wall-clock generation throughput of the eval; it depends on the machine and its load while "
-           "the eval ran, so compare it only between runs on the same, equally idle machine.", ""]
+           "the eval ran, so compare it only between runs on the same, equally idle machine.", "",
+           "‡ contaminated: held-out prompts found in the evaluated model's training data (every dataset among its "
+           "ancestors: same question, 13-word overlap, or the answer in a completion of the same question), with "
+           "their share; `contaminated` past the eval's `contamination_threshold` (docs/guides/decontamination.md).",
+           ""]
     if prev is not None:
         link = run_link(tracker, prev["parent_run_id"], tracker.experiment_id)
         md.append(f"Rows marked previous: the same eval node in run {link}, whose model had another fingerprint "
