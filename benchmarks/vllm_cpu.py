@@ -18,12 +18,13 @@ Each measurement is one `VLLM-RESULT {json}` line; a markdown table of them ends
   log-prob margin there and vLLM's token's rank. A flip is put down to float rounding when that margin is at most
   twice the largest log-prob gap between the two sides on the tokens they agree on (`rounding_explains`); a wider
   one points to a bug. The call is timed too (an eval shape, with log-probs on both sides, once a side).
-- speed: new tokens per second (wall-clock of the backend's `generate`, tokenizing included) at eval shapes (greedy;
-  r1flow in batches of 64, as the cpu profile's eval) and GRPO group shapes (prompts x 8 samples, temperature 1;
-  r1flow's batch of 24 prompts, as the cpu profile's grpo), `--repeats` times with the order of the sides alternated
-  (vLLM first in even repeats; `side_order`); median and range over the repeats, and the median of the repeats'
-  vLLM / r1flow ratios.
-- start-up: vLLM's import and its engine's start (`VLLMBackend(...)`, once) beside r1flow's model load (once).
+- speed: new tokens per second (wall-clock of the backend's `generate`, tokenizing included) and per CPU-second of
+  this process at eval shapes (greedy; r1flow in batches of 64, as the cpu profile's eval) and GRPO group shapes
+  (prompts x 8 samples, temperature 1; r1flow's batch of 24 prompts, as the cpu profile's grpo), `--repeats` times
+  with the order of the sides alternated (vLLM first in even repeats; `side_order`); median and range over the
+  repeats, and the median of the repeats' vLLM / r1flow ratios. Untimed first calls of each path come before.
+- start-up: the import of vLLM's engine (`from vllm import LLM`) and its start (`VLLMBackend(...)`), once, beside
+  r1flow's model load, once.
 - weight sync: r1flow's model moved by N(0, 1e-4^2) noise on every weight, then pushed into the engine
   (`VLLMBackend.sync`), `--syncs` times: median and range of the seconds. Then a check that the pushes land: the
   two sides' largest log-prob gap on 16 prompts x 32 greedy tokens after the last push, and after one more move that
@@ -134,8 +135,9 @@ def emit(record: dict) -> dict:
 
 
 def held_out_conversations(count: int) -> list[list[dict]]:
-    """`count` held-out prompts of the default prompts stage (its size raised so the eval split holds them)."""
-    cfg = PromptsConfig(size=4 * count, eval_fraction=0.25)
+    """The first `count` held-out prompts of the default prompts stage, its size raised so that the eval split holds
+    them (a quarter of the rows, after repeated prompts are dropped: size 1024 held out 250, 1280 310)."""
+    cfg = PromptsConfig(size=5 * count, eval_fraction=0.25)
     convs = [r["messages"] for r in build_prompts(cfg, seed=0) if r["split"] == "eval"]
     if len(convs) < count:
         raise SystemExit(f"vllm_cpu: the prompts stage gave {len(convs)} held-out prompts, not {count}")
@@ -348,9 +350,10 @@ def warm_up(sides: dict, threads: int) -> None:
 
 
 def start_engine(model_dir: Path, tokenizer) -> tuple[VLLMBackend, dict]:
-    """One engine for every measurement; vLLM's import timed apart from its start."""
+    """One engine for every measurement; the import of vLLM's engine timed apart from its start (`import vllm` alone
+    loads little: its names load on first use)."""
     t0 = time.perf_counter()
-    import vllm  # noqa: F401  # lazy: timed apart from the engine's start (vLLM's own import is seconds)
+    from vllm import LLM  # noqa: F401  # lazy: timed apart from the engine's start (seconds)
 
     import_s = time.perf_counter() - t0
     t0 = time.perf_counter()
