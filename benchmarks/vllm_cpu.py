@@ -1,9 +1,10 @@
 """vLLM's CPU build against r1flow's own decode on the same cores (issue 61): greedy agreement and speed.
 
-    /opt/vllm-venv/bin/python benchmarks/vllm_cpu.py           # the measurement: 10-20 minutes on 2 cores
-    /opt/vllm-venv/bin/python benchmarks/vllm_cpu.py --quick   # tiny shapes, a smoke run of a minute or two
+    /opt/vllm-venv/bin/python benchmarks/vllm_cpu.py           # the measurement: 13 minutes on 2 shared cores
+    /opt/vllm-venv/bin/python benchmarks/vllm_cpu.py --quick   # tiny shapes, a smoke run: about 2 minutes
 
-It runs where vLLM's CPU build is installed (a venv of its own: docs/guides/vllm.md). One process holds both sides:
+It runs where vLLM's CPU build is installed, a venv of its own (docs/guides/vllm.md; `.vllm-venv/bin/python` for the
+one `make test-vllm` builds). Results of 2026-11-29: docs/results/vllm.md. One process holds both sides:
 r1flow's decode (`TransformersBackend`, as the stages call it) on the embedded SmolLM2-135M-Instruct, loaded once, and
 one vLLM engine (`VLLMBackend`: fp32, eager, the 1 GiB KV cache r1flow gives it unless VLLM_CPU_KVCACHE_SPACE says
 otherwise) started once from the same model folder. Both compute on this process's torch thread pool at the same
