@@ -333,6 +333,10 @@ def test_a_blank_node_in_the_stage_form_is_named_after_the_model_it_evaluates(ho
     result = deploy.STAGE_FLOWS["eval"](inputs={"model": sft["outputs"]["model"], "prompts": prompts_fp},
                                         config={"max_prompts": 2}, recipe="sft-eval", profile="tiny")
     assert result["node"] == "eval_sft"
+    # as a pipeline node: the model's ancestor datasets (sft's data) are inputs, in the key (flows/store/lineage.py)
+    assert result["inputs"] == {"model": sft["outputs"]["model"], "prompts": prompts_fp,
+                                f"lineage.{prompts_fp[:12]}": prompts_fp}
+    assert result["metrics"]["contamination/datasets"] == 1.0
     store = ArtifactStore(str(home), home=str(home))
     assert store.verify(result["outputs"]["results"]).producer.node == "eval_sft"
     run = MlflowClient(f"sqlite:///{home}/mlflow.db").get_run(result["mlflow_run_id"])

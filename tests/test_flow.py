@@ -97,6 +97,16 @@ def test_first_run_runs_every_stage_and_tracks_it(home, caplog, recwarn):
     sft_fp = next(s for s in result["stages"] if s["node"] == "sft")["outputs"]["model"]
     assert final.tags["r1flow.node"] == "sft" and final.tags["r1flow.fingerprint"] == sft_fp
     assert client.get_model_version_by_alias("r1flow-sft-eval", "champion").tags["r1flow.node"] in ("base", "sft")
+    # decontamination: eval_sft checked its 16 held-out prompts against the prompts' train split (sft's data, the
+    # one dataset among its model's ancestors) and found none; the base model has no ancestors to check
+    rows = {r["eval"]: r for r in result["comparison"]["rows"]}
+    assert [(rows[e]["contamination/prompts"], rows[e]["contaminated"]) for e in ("eval_base", "eval_sft")] == [
+        (0.0, 0.0), (0.0, 0.0)]
+    assert by_node["eval_sft"].data.metrics["contamination/datasets"] == 1.0
+    assert by_node["eval_base"].data.metrics["contamination/datasets"] == 0.0
+    prompts_fp = next(s for s in result["stages"] if s["node"] == "prompts")["outputs"]["prompts"]
+    assert by_node["eval_sft"].data.tags[f"r1flow.input.lineage.{prompts_fp[:12]}"] == prompts_fp
+    assert "contaminated ‡" in artifacts[0]["data"]
 
 
 def test_second_run_is_fully_cached(home, caplog):
@@ -151,6 +161,42 @@ def test_changing_sft_learning_rate_reruns_sft_and_its_eval_only(home):
     result = run(home, "--set", "sft.learning_rate=1e-3")
     assert statuses(result) == {"base": "cached", "prompts": "cached", "sft": "run", "eval_base": "cached",
                                 "eval_sft": "run"}
+
+
+def test_sft_data_holding_held_out_prompts_shows_them_as_contaminated(home, tmp_path, capsys):
+    """Issue 63 item 1, through the CLI: a user's prompt file puts "What is 17 + 25?" (answer 42) in both splits, so
+    sft's data (the train split's gold answers) holds a held-out prompt with its answer. eval_sft finds it (exact
+    question, answer leaked) among its 4 held-out prompts: 1, 25%, contaminated (threshold 0), in its MLflow run and
+    the report's column; eval_base's model has no training data: 0. With fail_on_contamination the eval stops, one
+    line. sft trains 2 steps and the evals sample no pass@k: the check needs no trained model."""
+    from mlflow.tracking import MlflowClient
+
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"id": "leak-train", "question": "What is 17 + 25?", "answer": "42", "split": "train"},
+        {"id": "leak-eval", "question": "What is 17 + 25?", "answer": "42", "split": "eval"},
+        {"id": "clean-eval", "question": "What is 18 + 26?", "answer": "44", "split": "eval"}]))
+    small = ["--set", f"prompts.files=[{mine}]", "--set", "sft.max_steps=2",
+             *(f"--set={e}.{k}" for e in ("eval_base", "eval_sft") for k in ("max_prompts=4", "pass_k=0"))]
+    result = run(home, *small)
+    rows = {r["eval"]: r for r in result["comparison"]["rows"]}
+    assert (rows["eval_base"]["contamination/prompts"], rows["eval_base"]["contaminated"]) == (0.0, 0.0)
+    assert (rows["eval_sft"]["contamination/prompts"], rows["eval_sft"]["contamination/share"],
+            rows["eval_sft"]["contaminated"]) == (1.0, 0.25, 1.0)
+    client = MlflowClient(f"sqlite:///{home}/mlflow.db")
+    sft_eval = client.get_run(rows["eval_sft"]["mlflow_run_id"]).data.metrics
+    assert {k: sft_eval[k] for k in ("contamination/exact", "contamination/ngram", "contamination/answer_leak")} == {
+        "contamination/exact": 1.0, "contamination/ngram": 0.0, "contamination/answer_leak": 1.0}
+    manifest = json.loads((home / "artifacts" / rows["eval_sft"]["eval_fingerprint"] / "manifest.json").read_text())
+    [example] = manifest["extra"]["contamination"]["examples"]
+    assert example["prompt_id"] == "leak-eval" and set(example["matches"]) == {"exact", "answer_leak"}
+    report = client.download_artifacts(result["parent_run_id"], "report/report.md", str(tmp_path))
+    assert "| 1 (25.0%) contaminated |" in Path(report).read_text()
+    capsys.readouterr()
+    assert main(["run", "--recipe", "sft-eval", "--profile", "tiny", *small,
+                 "--set", "eval_sft.fail_on_contamination=true"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "eval: 1 of 4 held-out prompts (25.0%) are in the model's training data" in err[0], err
 
 
 def test_deleted_artifact_file_makes_its_stage_rerun(home, capsys, caplog):
