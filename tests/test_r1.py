@@ -94,6 +94,12 @@ def test_r1_end_to_end_then_cached_then_dpo_beta_reruns_only_its_descendants(hom
 
     rows = comparison_table(report_text(home, first))
     assert [row.split(" | ")[:2] for row in rows] == [[f"| {ev}", model] for ev, model in EVALUATED.items()]
+    # decontamination: every model's held-out prompts against all the datasets it descends from (prompts, samples,
+    # SFT data, preferences, traces): none found, shown as 0 in the report's column
+    section = report_text(home, first).split("## Model comparison", 1)[1].split("\n## ", 1)[0]
+    assert [r["contaminated ‡"] for r in read_tables(section)] == ["0"] * len(EVALUATED)
+    assert by_node["eval_base"]["metrics"]["contamination/datasets"] == 0
+    assert by_node["eval_student"]["metrics"]["contamination/datasets"] >= 5  # prompts, cold_start's two, rs, traces...
     assert not any("previous" in row for row in rows)  # the first run of this recipe and profile
 
     again = run(home)
