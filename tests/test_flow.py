@@ -167,8 +167,9 @@ def test_sft_data_holding_held_out_prompts_shows_them_as_contaminated(home, tmp_
     """Issue 63 item 1, through the CLI: a user's prompt file puts "What is 17 + 25?" (answer 42) in both splits, so
     sft's data (the train split's gold answers) holds a held-out prompt with its answer. eval_sft finds it (exact
     question, answer leaked) among its 4 held-out prompts: 1, 25%, contaminated (threshold 0), in its MLflow run and
-    the report's column; eval_base's model has no training data: 0. With fail_on_contamination the eval stops, one
-    line. sft trains 2 steps and the evals sample no pass@k: the check needs no trained model."""
+    the report's column (the clean default: the first test). With fail_on_contamination the eval stops, one line.
+    Cheap: sft trains 2 steps, eval_sft samples no pass@k (the check needs no trained model), eval_base is left out
+    (--only; base is cached)."""
     from mlflow.tracking import MlflowClient
 
     mine = tmp_path / "mine.jsonl"
@@ -176,11 +177,11 @@ def test_sft_data_holding_held_out_prompts_shows_them_as_contaminated(home, tmp_
         {"id": "leak-train", "question": "What is 17 + 25?", "answer": "42", "split": "train"},
         {"id": "leak-eval", "question": "What is 17 + 25?", "answer": "42", "split": "eval"},
         {"id": "clean-eval", "question": "What is 18 + 26?", "answer": "44", "split": "eval"}]))
-    small = ["--set", f"prompts.files=[{mine}]", "--set", "sft.max_steps=2",
-             *(f"--set={e}.{k}" for e in ("eval_base", "eval_sft") for k in ("max_prompts=4", "pass_k=0"))]
-    result = run(home, *small)
+    small = ["--set", f"prompts.files=[{mine}]", "--set", "sft.max_steps=2", "--set", "eval_sft.max_prompts=4",
+             "--set", "eval_sft.pass_k=0"]
+    result = run(home, *small, "--only", "prompts", "--only", "sft", "--only", "eval_sft")
     rows = {r["eval"]: r for r in result["comparison"]["rows"]}
-    assert (rows["eval_base"]["contamination/prompts"], rows["eval_base"]["contaminated"]) == (0.0, 0.0)
+    assert list(rows) == ["eval_sft"]
     assert (rows["eval_sft"]["contamination/prompts"], rows["eval_sft"]["contamination/share"],
             rows["eval_sft"]["contaminated"]) == (1.0, 0.25, 1.0)
     client = MlflowClient(f"sqlite:///{home}/mlflow.db")
@@ -193,7 +194,7 @@ def test_sft_data_holding_held_out_prompts_shows_them_as_contaminated(home, tmp_
     report = client.download_artifacts(result["parent_run_id"], "report/report.md", str(tmp_path))
     assert "| 1 (25.0%) contaminated |" in Path(report).read_text()
     capsys.readouterr()
-    assert main(["run", "--recipe", "sft-eval", "--profile", "tiny", *small,
+    assert main(["run", "--recipe", "sft-eval", "--profile", "tiny", *small, "--only", "eval_sft",
                  "--set", "eval_sft.fail_on_contamination=true"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "eval: 1 of 4 held-out prompts (25.0%) are in the model's training data" in err[0], err
