@@ -146,6 +146,8 @@ def test_report_has_one_row_per_stage_with_status_and_link_and_plots_with_data(t
             in rows[r.node][5]
     assert "final_loss=1" in rows["sft"][4] and "accuracy=0.500 [0.400, 0.600], format_rate" in rows["eval_sft"][4]
     assert "accuracy=0.250, format_rate" in rows["eval_base"][4]  # no interval logged: the accuracy alone
+    # held-out prompts in the model's training data: a key metric where there are any
+    assert "contamination/prompts=2" in rows["eval_sft"][4] and "contamination" not in rows["eval_base"][4]
     assert len(rows["sft"]) == 6  # four columns and the metrics' list: fits the page; the fingerprints have their own table
     outputs = report.markdown.split("## Outputs")[1].split("\n## ")[0]
     for r in results:

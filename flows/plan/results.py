@@ -10,7 +10,8 @@ from stages import STAGES
 
 # the metrics the summary table shows per stage: the key_metrics of its row in `stages.STAGES`
 KEY_METRICS: dict[str, tuple[str, ...]] = {name: s.key_metrics for name, s in STAGES.items() if s.key_metrics}
-SHOWN_WHEN_NONZERO = frozenset({"resumed_from_step"})  # 0: the stage ran from its first step, which goes unsaid
+# 0: the stage ran from its first step, or no held-out prompt was in the model's training data; that goes unsaid
+SHOWN_WHEN_NONZERO = frozenset({"resumed_from_step", "contamination/prompts"})
 
 
 @dataclass
