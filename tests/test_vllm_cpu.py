@@ -96,8 +96,11 @@ def test_the_suites_tiny_model_is_refused_before_the_engine_starts(tiny_model_in
 
 @pytest.fixture(scope="class")
 def engine(vllm_tiny_input, tiny_tokenizer):
-    """One engine on the tiny model for the tests of `TestTinyEngine`, shut down after them."""
+    """One engine on the tiny model for the tests of `TestTinyEngine`, shut down after them. The stage's torch thread
+    count is what it was before the engine started (vLLM asks for 1 as it starts)."""
+    threads = torch.get_num_threads()
     backend = VLLMBackend(vllm_tiny_input.model_dir, tiny_tokenizer, seed=0)
+    assert torch.get_num_threads() == threads
     yield backend
     backend.close()
 

@@ -121,13 +121,17 @@ class VLLMBackend:
             seed += int(os.environ["RANK"])
             gpu_memory_utilization = float(os.environ.get("R1FLOW_VLLM_GPU_MEMORY_UTILIZATION", COLOCATED_GPU_MEMORY))
             kwargs["distributed_executor_backend"] = "external_launcher"
-        set_num_threads = torch.set_num_threads
+        set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
         try:
             self.llm = LLM(model=str(model_dir), seed=seed, gpu_memory_utilization=gpu_memory_utilization, **kwargs)
         finally:
             # vLLM's CPU worker replaces torch.set_num_threads with a no-op for the process it binds threads in; the
-            # in-process engine binds none, and r1flow's stage keeps sharing the cores (stages/runtime/threads.py)
+            # in-process engine binds none, and r1flow's stage keeps sharing the cores (stages/runtime/threads.py).
+            # The engine also asks for 1 thread as it starts ("Reducing Torch threads"), a no-op only while that
+            # replacement comes first: the stage's thread count is put back whatever the order.
             torch.set_num_threads = set_num_threads
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
         self.holds = 0  # the training step whose weights the engine holds (`sync`): the directory's are step 0's
 
     def sync(self, model, step: int, timeout_s: float = 600.0) -> float | None:
