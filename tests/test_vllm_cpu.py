@@ -216,7 +216,6 @@ def test_grpo_samples_on_vllm_with_the_weights_pushed_every_step(tmp_path, vllm_
     assert all(steps[s]["time/weight_sync"] > 0 for s in (2, 3))
     drift = [(m["sampler/logprob_delta_mean"], m["sampler/logprob_delta_max"]) for m in steps.values()
              if "sampler/logprob_delta_mean" in m]
-    print("vLLM/trainer log-prob drift per step (mean, max):", drift)
     assert len(drift) == 3 and max(mean for mean, _ in drift) < 1e-5 and max(mx for _, mx in drift) < 1e-4, drift
     before, _ = load_model(vllm_tiny_input.model_dir)
     after, _ = load_model(out.path / MODEL_DIR)
