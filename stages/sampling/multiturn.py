@@ -398,10 +398,7 @@ def sample_trajectories(model, tokenizer, prompt_rows: Sequence[Mapping[str, Any
         raise ModelError(f"multi-turn rollouts run r1flow's decode loop; {type(model).__name__} does not take it "
                          f"(a causal LM with get_decoder() and logits_to_keep)")
     max_total_tokens = max_total_tokens or spec.max_new_tokens
-    env = bind_environment(env, tokenizer)
-    conversations = [list(r["messages"]) for r in prompt_rows]
-    prefills = row_prefills(conversations, spec, prefills)
-    texts = render_prompts(tokenizer, conversations, prefills, tools=getattr(env, "tools", None))
+    env, prefills, texts = rollout_prompts(tokenizer, prompt_rows, env, spec, prefills)
     order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
     batches = [order[i : i + spec.batch_size] for i in range(0, len(order), spec.batch_size)]
     results: list[list[Trajectory]] = [[] for _ in texts]
@@ -415,9 +412,8 @@ def sample_trajectories(model, tokenizer, prompt_rows: Sequence[Mapping[str, Any
             enc = tokenizer([texts[i] for i in idx], return_tensors="pt", padding=True,
                             add_special_tokens=False).to(device)
             prompt_ids = [ids[m.bool()].tolist() for ids, m in zip(enc["input_ids"], enc["attention_mask"], strict=True)]
-            rows = [TrajectoryRow(call_environment(env.name, "start", lambda i=i: env.start(prompt_rows[i])), prefills[i],
-                         list(p), len(p))
-                    for i, p in zip(idx, prompt_ids, strict=True) for _ in range(n)]
+            rows = [r for i, p in zip(idx, prompt_ids, strict=True)
+                    for r in start_rows(env, prompt_rows[i], prefills[i], p, n)]
             torch.manual_seed(seed_stream(seed, "generate_batch", b))  # generate()'s stream: single_turn samples its tokens
             # None leaves the caller's autocast state alone (as generation's backend does)
             precision = (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None
@@ -428,7 +424,29 @@ def sample_trajectories(model, tokenizer, prompt_rows: Sequence[Mapping[str, Any
                 results[idx[j // n]].append(finished_trajectory(row, tokenizer))
     finally:
         model.train(was_training)
+    return results, finish_stats(stats, results, t0)
+
+
+def rollout_prompts(tokenizer, prompt_rows: Sequence[Mapping[str, Any]], env: Environment, spec: GenerationSpec,
+                    prefills: list[str] | None) -> tuple[Environment, list[str], list[str]]:
+    """What a multi-turn sampler starts from (r1flow's loop here, vLLM's `VLLMBackend.trajectories`): the environment
+    bound to the tokenizer, each row's prefill, and its prompt text as the chat template renders it with the tools."""
+    env = bind_environment(env, tokenizer)
+    conversations = [list(r["messages"]) for r in prompt_rows]
+    prefills = row_prefills(conversations, spec, prefills)
+    return env, prefills, render_prompts(tokenizer, conversations, prefills, tools=getattr(env, "tools", None))
+
+
+def start_rows(env: Environment, prompt_row: Mapping[str, Any], prefill: str, prompt_ids: list[int],
+               n: int) -> list[TrajectoryRow]:
+    """The n trajectories of one prompt, each with its own episode of `env` started."""
+    return [TrajectoryRow(call_environment(env.name, "start", lambda: env.start(prompt_row)), prefill, list(prompt_ids),
+                          len(prompt_ids)) for _ in range(n)]
+
+
+def finish_stats(stats: RolloutStats, results: list[list[Trajectory]], t0: float) -> RolloutStats:
+    """`stats` with the sampled tokens and turns of `results`, and the seconds since `t0`."""
     stats.new_tokens = sum(t.sampled_tokens for ts in results for t in ts)
     stats.turns = sum(t.turns for ts in results for t in ts)
     stats.seconds = time.perf_counter() - t0
-    return results, stats
+    return stats

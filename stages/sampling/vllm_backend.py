@@ -210,20 +210,13 @@ class VLLMBackend:
         depends neither on the batch nor on the other trajectories."""
         from vllm import SamplingParams
 
-        from stages.environments.base import call_environment
         from stages.sampling import multiturn
 
         t0 = time.perf_counter()
         max_total_tokens = max_total_tokens or spec.max_new_tokens
-        env = multiturn.bind_environment(env, self.tokenizer)
-        conversations = [list(r["messages"]) for r in prompt_rows]
-        prefills = row_prefills(conversations, spec, prefills)
-        texts = render_prompts(self.tokenizer, conversations, prefills, tools=getattr(env, "tools", None))
-        rows = []
-        for i, text in enumerate(texts):
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-            rows += [multiturn.TrajectoryRow(call_environment(env.name, "start", lambda i=i: env.start(prompt_rows[i])),
-                                             prefills[i], list(ids), len(ids)) for _ in range(n)]
+        env, prefills, texts = multiturn.rollout_prompts(self.tokenizer, prompt_rows, env, spec, prefills)
+        rows = [r for i, text in enumerate(texts) for r in multiturn.start_rows(
+            env, prompt_rows[i], prefills[i], self.tokenizer(text, add_special_tokens=False)["input_ids"], n)]
         stats = multiturn.RolloutStats(prompts=len(texts), completions=len(rows))
         stops, eos = [*spec.stop, *env.stop], stop_token_ids(self.tokenizer)
         live, turn = list(range(len(rows))), 0
@@ -248,10 +241,7 @@ class VLLMBackend:
             live, turn = [live[r] for r in keep], turn + 1
         results = [[multiturn.finished_trajectory(rows[i * n + j], self.tokenizer) for j in range(n)]
                    for i in range(len(texts))]
-        stats.new_tokens = sum(t.sampled_tokens for ts in results for t in ts)
-        stats.turns = sum(t.turns for ts in results for t in ts)
-        stats.seconds = time.perf_counter() - t0
-        return results, stats
+        return results, multiturn.finish_stats(stats, results, t0)
 
     def close(self) -> None:
         """Shut the engine down and free it (KV cache, weights) with vLLM's process groups, so that the next engine
