@@ -52,6 +52,11 @@ def prepare_environment(home: str | None = None) -> str:
     home_path = Path(home or os.environ.get("R1FLOW_HOME", ".r1flow")).expanduser().resolve()  # not created here:
     os.environ["R1FLOW_HOME"] = str(home_path)  # a command that fails validation writes nothing
     os.environ.setdefault("PREFECT_HOME", str(home_path / "prefect"))
+    # Prefect derives these from PREFECT_HOME, except where the derivation does not see it (3.7 put results, and a
+    # server its memo store, under ~/.prefect): named, so nothing of a run lands outside its home.
+    prefect_home = Path(os.environ["PREFECT_HOME"])
+    os.environ.setdefault("PREFECT_RESULTS_LOCAL_STORAGE_PATH", str(prefect_home / "storage"))
+    os.environ.setdefault("PREFECT_SERVER_MEMO_STORE_PATH", str(prefect_home / "memo_store.toml"))
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     # Prefect waits 20 s for its ephemeral server; on a busy 2-core machine it has taken longer (seen in the
     # test suite: "Timed out while attempting to connect to ephemeral Prefect API server").
