@@ -66,7 +66,8 @@ def _specs(args: argparse.Namespace, served: bool):
     recipes = args.recipe or ([] if args.stage else [DEFAULT_RECIPE])
     stages = list(STAGE_MODULES) if args.all_stages else (args.stage or [])
     return deployment_specs(recipes, stages, args.profile or default_profile(), args.set, args.cron, args.interval,
-                            args.tag or [], served=served)
+                            args.tag or [], served=served, fail_on_regression=args.fail_on_regression,
+                            regression_tolerance=args.regression_tolerance)
 
 def cmd_worker(args: argparse.Namespace) -> int:
     """A Prefect worker (flows.run.worker) with r1flow's environment, registered with `r1flow up` so `r1flow down` stops
@@ -163,6 +164,11 @@ def _add_deploy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cron", help='schedule the recipe deployments, e.g. "0 2 * * *" (02:00 every night)')
     p.add_argument("--interval", type=float, metavar="SECONDS", help="schedule every N seconds instead")
     p.add_argument("--tag", action="append", help="extra deployment tag (repeatable)")
+    p.add_argument("--fail-on-regression", action=argparse.BooleanOptionalAction, default=True,
+                   help="a recipe deployment's run fails when an eval's accuracy dropped beyond its paired interval "
+                   "since the deployment's last successful run (default: on; docs/guides/regressions.md)")
+    p.add_argument("--regression-tolerance", type=float, default=0.0, metavar="POINTS",
+                   help="accuracy points a drop's whole interval must exceed to fail the run (default 0)")
 
 
 def add_deploy_commands(sub) -> None:

@@ -160,7 +160,7 @@ def _search_value(value: str) -> str | None:
     return None
 
 
-def _load_comparison(tracker: Tracker, run_id: str) -> dict[str, Any] | None:
+def load_comparison(tracker: Tracker, run_id: str) -> dict[str, Any] | None:
     with tempfile.TemporaryDirectory(prefix="r1flow-comparison-") as tmp:
         try:
             path = tracker.client.download_artifacts(run_id, f"{REPORT_DIR}/{COMPARISON_JSON}", tmp)
@@ -192,7 +192,7 @@ def previous_comparison(tracker: Tracker, plan: Plan, parent_run_id: str) -> dic
         if tried == MAX_PREVIOUS_RUNS:
             break
         tried += 1
-        if (data := _load_comparison(tracker, run.info.run_id)) is not None:
+        if (data := load_comparison(tracker, run.info.run_id)) is not None:
             return {**data, "parent_run_id": run.info.run_id}
     return None
 

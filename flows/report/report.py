@@ -81,6 +81,7 @@ from flows.report.plots import (
     training_panels,
 )
 from flows.report.registry import Registration, slug
+from flows.report.regressions import regressions_markdown
 from flows.report.tables import markdown_tables
 from flows.track.mlflow_runs import StageRuns, metric_curve, run_link, stage_runs
 from flows.track.tracking import UI_QUERY, Tracker
@@ -131,9 +132,11 @@ def _key_metric(plan: Plan, r: StageResult, key: str, value: float) -> str:
 
 def build_report(plan: Plan, results: list[StageResult], tracker: Tracker, parent_run_id: str,
                  registration: Registration | None = None,
-                 read_eval: Callable[[str], list[dict[str, Any]]] | None = None) -> Report:
+                 read_eval: Callable[[str], list[dict[str, Any]]] | None = None,
+                 regressions: dict[str, Any] | None = None) -> Report:
     """The run's report: markdown (stage table, model comparison beside the previous run's where a
-    model's fingerprint changed, registry entry, plots), the PNGs and the comparison payload."""
+    model's fingerprint changed, a deployment's regressions against its last successful run, registry entry, plots),
+    the PNGs and the comparison payload."""
     runs = {r.node: stage_runs(tracker, r) for r in results}
     md = [f"# r1flow run: recipe `{plan.recipe}`, profile `{plan.profile}`", "",
           f"MLflow parent run: {run_link(tracker, parent_run_id, tracker.experiment_id)}; this report and its "
@@ -164,6 +167,8 @@ def build_report(plan: Plan, results: list[StageResult], tracker: Tracker, paren
         if read_eval is not None:  # each stage's paired gain over the model it was trained from (flows/report/gains.py)
             comparison["gains"] = stage_gains(plan, results, read_eval)
             md += gains_markdown(comparison["gains"])
+    if regressions:  # a deployment's run (flows/run/regressions.py)
+        md += regressions_markdown(regressions)
 
     if registration is not None:
         md += ["", "## Model registry", "", registration.markdown(tracker)]

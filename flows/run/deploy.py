@@ -63,6 +63,7 @@ from flows.run.pipeline import _flow_run_id, experiment_name, node_outcome, pipe
 from flows.run.placement import Execution, cluster_address
 from flows.run.reclaim import reclaim_abandoned
 from flows.run.refs import REF_HELP, resolve_ref
+from flows.run.regressions import RegressionPolicy, final_state
 from flows.servers.settings import Settings
 from flows.store.artifacts import ArtifactStore
 from flows.store.cache import cache_key, reusable_record
@@ -358,7 +359,8 @@ def schedule_kwargs(cron: str | None, interval: float | None) -> dict[str, Any]:
 @flow(name="r1flow-pipeline", persist_result=True, result_serializer="json", log_prints=True)
 def recipe_pipeline(recipe: RecipeName, profile: ProfileName, overrides: list[str] | None = None,
                     only: list[str] | None = None, force: list[str] | None = None, parallel: int = 1,
-                    cluster: str | None = None) -> dict[str, Any]:
+                    cluster: str | None = None, fail_on_regression: bool = True,
+                    regression_tolerance: float = 0.0) -> Any:
     """Run a recipe: every stage node in dependency order, reusing cached outputs where valid.
 
     Args:
@@ -370,10 +372,16 @@ def recipe_pipeline(recipe: RecipeName, profile: ProfileName, overrides: list[st
         parallel: Run up to this many independent stages at once on the worker's machine (each in its own process).
         cluster: Ray cluster address (host:port of its head): run the stages there, independent ones at the same
             time (default: the worker's RAY_ADDRESS, if any).
+        fail_on_regression: Fail the run when an eval's accuracy dropped beyond its paired interval since this
+            deployment's last successful run (off: the run still compares and reports; a run with it off that
+            completes is the next run's baseline).
+        regression_tolerance: Accuracy points a drop's whole interval must exceed to fail the run (0: any drop
+            beyond the noise).
     """
     plan = load_plan(recipe, profile, overrides or [])
-    return run_plan(plan, Settings.from_env(), only=set(only or []), force=set(force or []),
-                    execution=Execution(parallel=parallel, cluster=cluster_address(cluster)))
+    return final_state(run_plan(plan, Settings.from_env(), only=set(only or []), force=set(force or []),
+                                execution=Execution(parallel=parallel, cluster=cluster_address(cluster)),
+                                regression=RegressionPolicy(fail_on_regression, regression_tolerance)))
 
 
 def _stage_base(stage: str, recipes: list[str], profile: str) -> dict[str, Any]:
@@ -388,14 +396,20 @@ def _stage_base(stage: str, recipes: list[str], profile: str) -> dict[str, Any]:
 
 def deployment_specs(recipes: list[str], stages: list[str], profile: str, overrides: list[str],
                      cron: str | None = None, interval: float | None = None,
-                     tags: list[str] = (), served: bool = False) -> list[dict[str, Any]]:
+                     tags: list[str] = (), served: bool = False, fail_on_regression: bool = True,
+                     regression_tolerance: float = 0.0) -> list[dict[str, Any]]:
     """What to register: flow, entrypoint, name, parameters, schedule, tags, description. Validates
     every recipe with its overrides first, so a bad one fails before anything is registered.
     Recipe deployments are named after the recipe, stage deployments after the stage; `served`
-    (`r1flow serve`) adds SERVED_SUFFIX so they never replace work-pool deployments."""
+    (`r1flow serve`) adds SERVED_SUFFIX so they never replace work-pool deployments. A recipe deployment's runs fail
+    on a regression unless `fail_on_regression` is off; either setting is a parameter only where not the default."""
     suffix = SERVED_SUFFIX if served else ""
     specs = []
     sched = schedule_kwargs(cron, interval)
+    if regression_tolerance < 0:
+        raise ConfigError(f"--regression-tolerance {regression_tolerance:g}: a drop in accuracy points, >= 0")
+    regression = {k: v for k, v, default in (("fail_on_regression", fail_on_regression, True),
+                                             ("regression_tolerance", regression_tolerance, 0.0)) if v != default}
     for recipe in recipes:
         plan = load_plan(recipe, profile, overrides)
         if recipe in available(RECIPE_DIR):  # the form offers the project's recipes and profiles as choices
@@ -403,7 +417,7 @@ def deployment_specs(recipes: list[str], stages: list[str], profile: str, overri
         else:  # a recipe file elsewhere: the pipeline flow itself, whose recipe is any name or path
             flow_, entrypoint = pipeline, PIPELINE_ENTRYPOINT
         specs.append({"flow": flow_, "entrypoint": entrypoint, "name": plan.recipe + suffix,
-                      "parameters": {"recipe": recipe, "profile": profile, "overrides": list(overrides)},
+                      "parameters": {"recipe": recipe, "profile": profile, "overrides": list(overrides), **regression},
                       "tags": ["r1flow", "recipe", plan.recipe, *tags], "description": plan.description, **sched})
     for stage in stages:
         if stage not in STAGE_FLOWS:

@@ -41,6 +41,13 @@ from flows.run.context import FlowContext
 from flows.run.placement import Execution
 from flows.run.reach import check_reachable, describe_node
 from flows.run.reclaim import reclaim_abandoned
+from flows.run.regressions import (
+    RegressionPolicy,
+    compare_with_baseline,
+    failing,
+    final_state,
+    regression_metrics,
+)
 from flows.servers.settings import Settings, file_lock
 from flows.store import lease
 from flows.store.artifacts import ArtifactStore, CacheRecord, raise_if_disk_full
@@ -309,7 +316,7 @@ def experiment_name(recipe: str) -> str:
 @flow(name="r1flow-pipeline", persist_result=True, result_serializer="json", log_prints=True)
 def pipeline(recipe: str, profile: str, overrides: list[str] | None = None, only: list[str] | None = None,
              force: list[str] | None = None, settings: dict[str, str] | None = None, parallel: int = 1,
-             cluster: str | None = None) -> dict[str, Any]:
+             cluster: str | None = None, fail_on_regression: bool = True, regression_tolerance: float = 0.0) -> Any:
     """Run a recipe: every stage node in dependency order, reusing cached outputs where valid.
 
     Args:
@@ -322,17 +329,25 @@ def pipeline(recipe: str, profile: str, overrides: list[str] | None = None, only
         parallel: Run up to this many independent stages at once on this machine (each in its own process).
         cluster: Ray cluster address (host:port or ray://host:10001): every stage runs on the cluster where its
             resources fit; independent stages run at the same time.
+        fail_on_regression: A run of a deployment fails when an eval's accuracy dropped beyond its paired interval
+            since the deployment's last successful run (docs/guides/regressions.md).
+        regression_tolerance: Accuracy points a drop's whole interval must exceed to fail the run (0: any drop
+            beyond the noise).
     """
     plan = load_plan(recipe, profile, overrides or [])
     s = Settings(**settings) if settings else Settings.from_env()
-    return run_plan(plan, s, only=set(only or []), force=set(force or []),
-                    execution=Execution(parallel=parallel, cluster=placement.cluster_address(cluster)))
+    return final_state(run_plan(plan, s, only=set(only or []), force=set(force or []),
+                                execution=Execution(parallel=parallel, cluster=placement.cluster_address(cluster)),
+                                regression=RegressionPolicy(fail_on_regression, regression_tolerance)))
 
 
 # Flow run labels (not tags: the UI shows tags in every flow run's header; this is bookkeeping)
 
 def run_plan(plan: Plan, s: Settings, only: set[str] = frozenset(), force: set[str] = frozenset(),
-             execution: Execution = Execution()) -> dict[str, Any]:
+             execution: Execution = Execution(), regression: RegressionPolicy | None = None) -> dict[str, Any]:
+    """Run the plan's nodes, then its report; `regression`: in a deployment's run, compare its evals with the
+    deployment's last successful run (flows/run/regressions.py; the MLflow parent run ends FAILED on a regression
+    that the policy fails on)."""
     for name in only | force:
         plan.node(name)  # raises a clear error for unknown names
     placement.check_driver(execution, s.store, s.tracking_uri)
@@ -359,18 +374,23 @@ def run_plan(plan: Plan, s: Settings, only: set[str] = frozenset(), force: set[s
         summary.update({f"{r.node}/seconds": r.seconds for r in results if r.status != "skipped"})
         tracker.log_metrics(parent, summary)
 
+        def read_eval(fingerprint: str) -> list[dict[str, Any]]:
+            return resolve_input(store, fingerprint).table("eval").to_pylist()
+
+        check = regression and compare_with_baseline(plan, results, tracker, flow_run_id, read_eval, regression)
+        tracker.log_metrics(parent, regression_metrics(check))
         registration = register_models(plan, results, tracker, store=store, parent_run_id=parent)
-        report = build_report(plan, results, tracker, parent, registration,
-                              read_eval=lambda fp: resolve_input(store, fp).table("eval").to_pylist())
+        report = build_report(plan, results, tracker, parent, registration, read_eval=read_eval, regressions=check)
         published = publish_report(report, tracker, parent)
-        ok = True
+        ok = not failing(check)
     finally:
         tracker.end(parent, ok)
     return {"recipe": plan.recipe, "profile": plan.profile, "parent_run_id": parent,
             "experiment_id": tracker.experiment_id, "link": tracker.run_link(parent), "flow_run_id": flow_run_id,
             "execution": execution.describe(), "stages": [r.__dict__ for r in results],
             # the end of `r1flow run` prints these: the comparison table (None: no eval rows) and where the report is
-            "comparison": report.comparison, "report": report_location(tracker, parent, published["mlflow_artifacts"])}
+            "comparison": report.comparison, "report": report_location(tracker, parent, published["mlflow_artifacts"]),
+            "regressions": check}
 
 
 class _NodeRunner:
