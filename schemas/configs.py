@@ -36,6 +36,7 @@ from schemas.specs import (
     Strict,
     TrainingConfig,
     environment_field,
+    publish_checkpoints_field,
 )
 
 __all__ = [
@@ -124,6 +125,7 @@ class SFTConfig(TrainingConfig):
         "Let me work this out step by step and check the result.",
         description="Only for `prompts` input: the `<think>` text of targets built from gold answers.",
     )
+    publish_checkpoints_every: int = publish_checkpoints_field()
 
 
 class EvalConfig(Strict):

@@ -20,6 +20,7 @@ from schemas.specs import (
     StepDelimiter,
     Strict,
     environment_field,
+    publish_checkpoints_field,
 )
 
 # The clip range below 1 each policy loss uses when epsilon_low is unset: PPO's 0.2 for the ratio-clipping
@@ -147,6 +148,7 @@ class RLConfig(MemoryOptions):
     precision: Precision = Field("auto", description="auto: bf16 on GPUs that support it, else fp32.")
     checkpoint_every: int = Field(10, ge=1, description="Save a resumable checkpoint every N steps.")
     keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept on disk.")
+    publish_checkpoints_every: int = publish_checkpoints_field()
     eval_every: int = Field(0, ge=0, description="Greedy held-out eval every N steps (0: off).")
     eval_prompts: int = Field(32, ge=1, description="Held-out prompts for the periodic eval.")
     split: Literal["train", "eval"] = Field("train", description="Prompts split to train on.")

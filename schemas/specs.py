@@ -181,6 +181,14 @@ class EnvironmentSpec(Strict):
         return self.max_total_tokens or self.max_turns * max_new_tokens
 
 
+def publish_checkpoints_field() -> Any:
+    """A training stage's `publish_checkpoints_every`: absent from the config's dump (and so its cache key) while 0."""
+    return Field(0, ge=0, exclude_if=lambda v: v == 0, description="Publish the model every N steps (not the last: "
+                 "that is the stage's output) as an artifact of its own, evaluated beside the training by the recipe's "
+                 "eval node of this node's model; the held-out curve goes to MLflow and the report "
+                 "(docs/guides/checkpoint-evals.md). 0: off.")
+
+
 def environment_field(description: str = "What answers the model's turns while sampling (single_turn: none).") -> Any:
     """A stage config's `environment` field: absent from the config's dump (and so its cache key) while default."""
     return Field(default_factory=EnvironmentSpec, exclude_if=lambda v: v == EnvironmentSpec(), description=description)

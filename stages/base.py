@@ -105,6 +105,9 @@ class StageContext(Protocol):
     def log_params(self, params: dict[str, Any]) -> None: ...
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None: ...
     def log_file(self, path: Path, subdir: str = "") -> None: ...
+    # A runner that evaluates published checkpoints also has `publish_checkpoint(step, output)`: `output` (a model
+    # staged in `output_dir`) is the model after `step`; the runner publishes and evaluates it beside the training
+    # (`stages.training.loop.CheckpointPublisher` calls it; docs/guides/checkpoint-evals.md).
 
 
 def check_finite_losses(metrics: dict[str, float], step: int | None) -> None:
@@ -251,6 +254,7 @@ class LocalContext:
         self.params: dict[str, Any] = {}
         self.metrics: list[tuple[int | None, dict[str, float]]] = []
         self.files: list[Path] = []
+        self.checkpoints: list[tuple[int, Output]] = []  # publish_checkpoint's, in order
 
     def output_dir(self, name: str) -> Path:
         path = self.root / "outputs" / name
@@ -266,6 +270,9 @@ class LocalContext:
 
     def log_file(self, path: Path, subdir: str = "") -> None:
         self.files.append(Path(path))
+
+    def publish_checkpoint(self, step: int, output: Output) -> None:
+        self.checkpoints.append((step, output))
 
 
 def declared_kinds(spec: str) -> set[str]:

@@ -55,7 +55,7 @@ from stages.sampling.completions import render_prompts
 from stages.sampling.generation import TransformersBackend, make_backend, release
 from stages.training import async_rollouts, env_rollouts, groups, process_rewards, rl_loop, rollouts
 from stages.training.checkpoints import resume
-from stages.training.loop import autocast
+from stages.training.loop import CheckpointPublisher, autocast
 from stages.training.optim import (
     clip_grad_norm,
     load_trainable,
@@ -448,7 +448,9 @@ def run(cfg: GRPOConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[st
     state = resume(ctx, s.model, s.optimizer, "grpo", cfg.steps)
     if s.ref is not None and state.get("ref_is_policy"):  # refreshed before the crash: approximate by the policy
         s.dist.copy_weights(s.model, s.ref)
-    loop = rl_loop.StepLoop("grpo", cfg, ctx, s.dist, state, s.model, s.optimizer, s.held_out)
+    publish = CheckpointPublisher(ctx, s.dist, cfg.publish_checkpoints_every, cfg.steps, lambda: s.whole_policy,
+                                  s.tokenizer, cfg.lora, merged_input, inputs["model"])
+    loop = rl_loop.StepLoop("grpo", cfg, ctx, s.dist, state, s.model, s.optimizer, s.held_out, publish)
     if cfg.async_.max_staleness:  # the rollout workers start from the resumed step's weights
         s.rollouts = async_rollouts.AsyncRollouts("grpo", cfg, ctx, inputs, s.rows, s.model, state)
     done, finished = loop.start, False

@@ -69,7 +69,7 @@ from stages.sampling.completions import Completion, render_prompts
 from stages.sampling.generation import make_backend, release
 from stages.training import async_rollouts, env_rollouts, groups, rl_loop, rollouts
 from stages.training.checkpoints import resume
-from stages.training.loop import autocast
+from stages.training.loop import CheckpointPublisher, autocast
 from stages.training.optim import clip_grad_norm, load_trainable, lr_factor, make_optimizer, resolve_precision
 from stages.training.rollout_batch import place
 from stages.training.rollouts import build_batch
@@ -507,7 +507,9 @@ def evaluate(s: Session, done: int) -> dict[str, float]:
 def run(cfg: PPOConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[str, Output]:
     s, merged_input = open_session(cfg, inputs, ctx)
     state = resume(ctx, s.models.trained, s.optimizer, "ppo", cfg.steps)
-    loop = rl_loop.StepLoop("ppo", cfg, ctx, s.dist, state, s.models.trained, s.optimizer, s.held_out)
+    publish = CheckpointPublisher(ctx, s.dist, cfg.publish_checkpoints_every, cfg.steps, lambda: s.models.policy,
+                                  s.tokenizer, cfg.lora, merged_input, inputs["model"])
+    loop = rl_loop.StepLoop("ppo", cfg, ctx, s.dist, state, s.models.trained, s.optimizer, s.held_out, publish)
     if cfg.async_.max_staleness:  # the rollout workers start from the resumed step's policy weights
         s.rollouts = async_rollouts.AsyncRollouts("ppo", cfg, ctx, inputs, s.rows, s.models.policy, state)
     finished = False

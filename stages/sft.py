@@ -30,6 +30,7 @@ from stages.modeling import logprobs, models, prefix_sharing
 from stages.rewards.answers import gold_completion
 from stages.runtime import distributed
 from stages.training.loop import (
+    CheckpointPublisher,
     Loop,
     StepResult,
     autocast,
@@ -196,7 +197,10 @@ def run(cfg: SFTConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[str
     data = tokenize_examples(conversations, tokenizer, model, cfg, inputs["data"].label)
     s = open_session(cfg, ctx, dist, model, data)
     start = resume_session(s)
-    elapsed = s.loop.train(start, "sft", partial(train_step, s))
+    publish = CheckpointPublisher(ctx, dist, cfg.publish_checkpoints_every, cfg.max_steps,
+                                  lambda: dist.full_model(s.loop.model, ctx.device), tokenizer, cfg.lora, merged_input,
+                                  inputs["model"])
+    elapsed = s.loop.train(start, "sft", partial(train_step, s), publish)
     (tokens_seen,) = dist.sum([s.tokens_seen])
     plain = dist.full_model(s.loop.model, ctx.device)  # fsdp: gathered, rank 0 only
     out, is_adapter = save_policy(ctx, dist, plain, tokenizer, cfg.lora, merged_input)

@@ -34,8 +34,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     for name in (args.only or []) + (args.force or []):
         plan.node(name)
     # lazy: start-up (`r1flow --help` loads none of these: the stages' runtime)
+    from flows.run.checkpoint_evals import check_plan
     from flows.run.placement import Execution, check_driver, cluster_address
     from stages.runtime import threads
+
+    check_plan(plan, set(args.only) if args.only else {n.name for n in plan.nodes})  # checkpoint evals (run_plan too)
 
     execution = Execution(parallel=args.parallel, cluster=cluster_address(args.cluster))
     settings = Settings.from_env()

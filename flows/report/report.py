@@ -54,6 +54,7 @@ from prefect.context import get_run_context
 
 from flows.plan.recipes import Plan
 from flows.plan.results import fmt_metric, key_metrics
+from flows.report.checkpoint_curve import checkpoint_report
 from flows.report.comparison import (
     CI_HIGH,
     CI_LOW,
@@ -176,6 +177,9 @@ def build_report(plan: Plan, results: list[StageResult], tracker: Tracker, paren
     md += markdown_tables(["stage", "output", "fingerprint"], outputs)
 
     images = _plots(results, runs, tracker, rows)
+    curve_md, curve_images = checkpoint_report(plan, results, runs, tracker)  # docs/guides/checkpoint-evals.md
+    md += curve_md
+    images += curve_images
     md += ["", "## Plots", ""]
     if not images:
         md.append("No training curves or eval results in this run.")

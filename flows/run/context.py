@@ -6,14 +6,15 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from flows.run.checkpoint_evals import CheckpointEvals
 from flows.store.artifacts import ArtifactStore
 from flows.track.tracking import Tracker
-from stages.base import check_finite_losses
+from stages.base import Output, check_finite_losses
 
 
 class FlowContext:
     def __init__(self, *, store: ArtifactStore, tracker: Tracker, run_id: str, cache_key: str, seed: int,
-                 device: str, log: logging.Logger | logging.LoggerAdapter):
+                 device: str, log: logging.Logger | logging.LoggerAdapter, checkpoint_evals: CheckpointEvals | None = None):
         self.store = store
         self.tracker = tracker
         self.run_id = run_id
@@ -24,6 +25,7 @@ class FlowContext:
         self.log = log
         self.staging = store.new_staging_dir()
         self.last_metrics: dict[str, float] = {}
+        self.checkpoint_evals = checkpoint_evals
 
     def output_dir(self, name: str) -> Path:
         path = self.staging / name
@@ -40,3 +42,8 @@ class FlowContext:
 
     def log_file(self, path: Path, subdir: str = "") -> None:
         self.tracker.log_file(self.run_id, path, subdir)
+
+    def publish_checkpoint(self, step: int, output: Output) -> None:
+        """The model after `step`, published and evaluated beside the training (flows/run/checkpoint_evals.py)."""
+        if self.checkpoint_evals is not None:
+            self.checkpoint_evals.submit(step, output)

@@ -10,6 +10,7 @@ artifact downstream. Tasks pass fingerprints and run ids, never tensors or table
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import logging
 import os
@@ -37,6 +38,7 @@ from flows.plan.results import StageResult
 from flows.report.registry import register_models
 from flows.report.report import build_report, publish_report, report_location
 from flows.run import placement
+from flows.run.checkpoint_evals import CheckpointEvals, check_plan, eval_spec
 from flows.run.context import FlowContext
 from flows.run.placement import Execution
 from flows.run.reach import check_reachable, describe_node
@@ -62,6 +64,8 @@ from stages.runtime import lifetime, threads
 from stages.training.launch import run_stage
 
 LOG_DATA_MAX_BYTES = 50 << 20  # datasets up to this size are copied into MLflow; larger ones by pointer
+# set while a stage runs in this context: a checkpoint eval beside it (flows/run/checkpoint_evals.py) shares its threads
+_STAGE_RUNNING: contextvars.ContextVar[bool] = contextvars.ContextVar("r1flow_stage_running", default=False)
 
 
 def default_device() -> str:
@@ -128,9 +132,11 @@ def execute_stage(
     *, node: str, stage: str, config: dict[str, Any], inputs: dict[str, str], seed: int, key: str,
     parent_run_id: str | None, settings: dict[str, str], experiment: str, flow_run_id: str | None = None,
     log: logging.Logger | logging.LoggerAdapter | None = None, refresh: bool = False,
+    checkpoint_eval: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Run one stage (or reuse its recorded outputs) and publish its artifacts. Plain function:
-    the Prefect task wraps it, tests call it directly."""
+    the Prefect task wraps it, tests call it directly. `checkpoint_eval`: what its published checkpoints' evals run
+    (flows/run/checkpoint_evals.py, `eval_spec`)."""
     s = Settings(**settings)
     log = log or logging.getLogger("r1flow")
     if placement.on_cluster():  # one clear line, before any compute, when this node cannot reach what the run uses
@@ -140,11 +146,11 @@ def execute_stage(
     with stage_lock(s.home, key), lease.hold(store, key, log=log):
         return _execute_stage(node=node, stage=stage, config=config, inputs=inputs, seed=seed, key=key,
                               parent_run_id=parent_run_id, s=s, store=store, experiment=experiment,
-                              flow_run_id=flow_run_id, log=log, refresh=refresh)
+                              flow_run_id=flow_run_id, log=log, refresh=refresh, checkpoint_eval=checkpoint_eval)
 
 
 def _execute_stage(*, node, stage, config, inputs, seed, key, parent_run_id, s: Settings, store: ArtifactStore,
-                   experiment, flow_run_id, log, refresh) -> dict[str, Any]:
+                   experiment, flow_run_id, log, refresh, checkpoint_eval=None) -> dict[str, Any]:
     started_at, here = time.time(), placement.where()
     record = None if refresh else store.lookup(key)
     if record is not None:
@@ -162,25 +168,26 @@ def _execute_stage(*, node, stage, config, inputs, seed, key, parent_run_id, s: 
                                        **{f"r1flow.input.{k}": v for k, v in inputs.items()}}, parent_run_id)
     tracker.log_params(run_id, {"config": config, "seed": seed,
                                 "inputs": {k: v[:16] for k, v in inputs.items()}})
+    producer = Producer(stage=stage, node=node, stage_version=module.VERSION, config_hash=config_hash(config),
+                        cache_key=key, mlflow_run_id=run_id, flow_run_id=flow_run_id, host=here["host"],
+                        ray_node_id=here["ray_node_id"] or None)
+    evals = CheckpointEvals(checkpoint_eval, node=node, producer=producer, parents=sorted(set(inputs.values())),
+                            store=store, tracker=tracker, run_id=run_id, log=log,
+                            run_eval=functools.partial(_run_checkpoint_eval, store=store, s=s, experiment=experiment))
     ctx = FlowContext(store=store, tracker=tracker, run_id=run_id, cache_key=key, seed=seed,
-                      device=default_device(), log=log)
+                      device=default_device(), log=log, checkpoint_evals=evals)
     t0 = time.perf_counter()
     ok = False
     try:
         try:
-            # in this process, or under accelerate launch (resources); on a cluster Ray sets the threads per task
-            share = contextlib.nullcontext() if placement.on_cluster() else threads.stage_share(log)
-            with share:
-                outputs = run_stage(module, cfg, resolved, ctx)
+            outputs = _run_stage_here(module, cfg, resolved, ctx, log)
         except Exception as e:  # a full disk: one line naming the file (else the staging folder) and the store
             raise_if_disk_full(e, ctx.staging, store.uri)
             raise
         if set(outputs) != set(module.OUTPUTS):
             raise ArtifactError(f"stage {stage!r} returned outputs {sorted(outputs)}, declared {sorted(module.OUTPUTS)}")
+        evals.finish()  # the evals of its checkpoints still running: their curve is in the run before it ends
         seconds = time.perf_counter() - t0
-        producer = Producer(stage=stage, node=node, stage_version=module.VERSION, config_hash=config_hash(config),
-                            cache_key=key, mlflow_run_id=run_id, flow_run_id=flow_run_id, host=here["host"],
-                            ray_node_id=here["ray_node_id"] or None)
         published, metrics = {}, {}
         for name, out in outputs.items():
             manifest = store.publish(out.path, kind=out.kind, schema=out.schema, producer=producer,
@@ -202,8 +209,33 @@ def _execute_stage(*, node, stage, config, inputs, seed, key, parent_run_id, s: 
         return {"outputs": published, "metrics": metrics, "seconds": seconds, "reused": False, "mlflow_run_id": run_id,
                 "started_at": started_at, "ended_at": time.time(), **here}
     finally:
+        evals.close()
         shutil.rmtree(ctx.staging, ignore_errors=True)
         tracker.end(run_id, ok)
+
+
+def _run_stage_here(module, cfg, resolved, ctx: FlowContext, log) -> dict[str, Any]:
+    """`run_stage` in this process, or under accelerate launch (resources), with this process's share of the cores;
+    on a cluster Ray sets the threads per task, and a checkpoint eval beside its stage shares the stage's."""
+    nested = _STAGE_RUNNING.get()
+    share = contextlib.nullcontext() if placement.on_cluster() or nested else threads.stage_share(log)
+    token = _STAGE_RUNNING.set(True)
+    try:
+        with share:
+            return run_stage(module, cfg, resolved, ctx)
+    finally:
+        _STAGE_RUNNING.reset(token)
+
+
+def _run_checkpoint_eval(node: str, config: dict[str, Any], inputs: dict[str, str], seed: int, key: str,
+                         parent_run_id: str, *, store: ArtifactStore, s: Settings, experiment: str) -> dict[str, Any]:
+    """A checkpoint's eval as an eval node's stage task (a Prefect task run, its MLflow run nested under the training
+    stage's), reused from the store when its key is there; its result, `reused` true for a cache hit."""
+    record = reusable_record(store, key, node)
+    state = submit_node(node, "eval", config, inputs, seed, key, record=record, force=False,
+                        parent_run_id=parent_run_id, s=s, experiment=experiment)
+    out = state.result()
+    return {**out, "reused": state.name == "Cached" or out["reused"]}
 
 
 def _task_key(_context, parameters: dict[str, Any]) -> str:
@@ -214,26 +246,31 @@ def _task_key(_context, parameters: dict[str, Any]) -> str:
       log_prints=True, retries=2, retry_delay_seconds=10, retry_condition_fn=_retry_transient)
 def stage_task(node: str, stage: str, config: dict[str, Any], inputs: dict[str, str], seed: int, key: str,
                parent_run_id: str | None, settings: dict[str, str], experiment: str,
-               refresh: bool = False, threads: int | None = None) -> dict[str, Any]:
+               refresh: bool = False, checkpoint_eval: dict[str, Any] | None = None, threads: int | None = None) -> dict[str, Any]:
     if threads:  # a --parallel worker process: its share of the cores (placement.pool_threads)
         placement.use_threads(threads)
     return execute_stage(node=node, stage=stage, config=config, inputs=inputs, seed=seed, key=key,
                          parent_run_id=parent_run_id, settings=settings, experiment=experiment,
-                         flow_run_id=_flow_run_id(), log=get_run_logger(), refresh=refresh)
+                         flow_run_id=_flow_run_id(), log=get_run_logger(), refresh=refresh,
+                         checkpoint_eval=checkpoint_eval)
 
 
 def submit_node(node: str, stage: str, config: dict[str, Any], inputs: dict[str, str], seed: int, key: str, *,
                 record: CacheRecord | None, force: bool, parent_run_id: str, s: Settings, experiment: str,
-                upstream: Collection[UUID] = (), submit: Callable[[Any, dict[str, Any], dict], Any] | None = None):
+                upstream: Collection[UUID] = (), submit: Callable[[Any, dict[str, Any], dict], Any] | None = None,
+                checkpoint_eval: dict[str, Any] | None = None):
     """Hand one node's stage task to Prefect: the one submit path of pipeline nodes (run_plan) and single-stage runs
     (flows/run/deploy.py, run_single_stage). `record`: the store's verified record of `key` (None: not cached, or forced), so
     Prefect's cache of the key is refreshed unless the store holds it. `upstream`: the task runs of this flow run that
     made the node's inputs, recorded as its `inputs` parameter's task inputs (the edges of Prefect's run graph: `inputs`
     holds fingerprints, which Prefect cannot trace to the runs that made them). Called now (submit None: its final
-    state) or handed to `submit(task, parameters, dependencies)` (a task runner's future)."""
+    state) or handed to `submit(task, parameters, dependencies)` (a task runner's future). `checkpoint_eval`: what the
+    evals of the checkpoints it publishes run (flows/run/checkpoint_evals.py)."""
     task_ = stage_task.with_options(refresh_cache=record is None)
     params = dict(node=node, stage=stage, config=config, inputs=inputs, seed=seed, key=key, parent_run_id=parent_run_id,
                   settings=s.to_dict(), experiment=experiment, refresh=force)
+    if checkpoint_eval is not None:  # absent otherwise: a stage task's parameters as they were
+        params["checkpoint_eval"] = checkpoint_eval
     dependencies = {"inputs": {TaskRunResult(id=run_id) for run_id in upstream}}
     if submit is None:
         # In this process Prefect would look every value inside the parameters up among this flow run's task results by
@@ -365,6 +402,7 @@ def run_plan(plan: Plan, s: Settings, only: set[str] = frozenset(), force: set[s
                                 "force": ",".join(sorted(force)), "options": plan.options,
                                 "parallel": execution.parallel, "cluster": execution.cluster or ""})
     selected = set(only) if only else {n.name for n in plan.nodes}
+    check_plan(plan, selected)  # checkpoint evals: one line before any compute
     runner = _NodeRunner(plan, s, store, tracker, parent, experiment, flow_run_id, selected, plan.ancestors(selected),
                          set(force), execution)
     ok = False
@@ -449,7 +487,8 @@ class _NodeRunner:
         upstream = {self.states[up].state_details.task_run_id for up, _ in node.inputs.values() if up in self.states}
         handle = submit_node(node.name, node.stage, node.config_dict, inputs, node.seed, key, record=record,
                              force=forced, parent_run_id=self.parent, s=self.s, experiment=self.experiment,
-                             upstream=upstream, submit=None if submit is None else functools.partial(submit, node))
+                             upstream=upstream, submit=None if submit is None else functools.partial(submit, node),
+                             checkpoint_eval=eval_spec(self.plan, node, self.upstream))
         return handle, key, record, t0
 
     def _finish(self, node, key: str, record: CacheRecord | None, t0: float, state, out: dict[str, Any]) -> None:

@@ -40,6 +40,12 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return sorted(done, key=_step_of, reverse=True)
 
 
+def publish_due(every: int, done: int, total: int) -> bool:
+    """Whether the model after step `done` of `total` is published for a checkpoint eval (`publish_checkpoints_every`:
+    every `every` steps, 0 never; not after the last step, whose model is the stage's output and has its own eval)."""
+    return every > 0 and done % every == 0 and done < total
+
+
 def latest_checkpoint(root: Path) -> Path | None:
     done = complete_checkpoints(root)
     return done[0] if done else None

@@ -10,6 +10,7 @@ Around each step the loop sets the scheduled learning rate, saves a checkpoint e
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import time
 from collections.abc import Callable
@@ -22,7 +23,7 @@ from schemas.configs import LoraSpec, TrainingConfig
 from stages.base import Input, Output, StageContext, model_output_dir
 from stages.modeling import models
 from stages.runtime import distributed, threads
-from stages.training.checkpoints import resume, save_checkpoint
+from stages.training.checkpoints import publish_due, resume, save_checkpoint
 from stages.training.optim import clip_grad_norm, lr_factor, make_optimizer, micro_batch_indices, set_lr
 
 
@@ -66,10 +67,11 @@ class Loop:
         threads.rebalance()  # this stage's share of the cores, if another r1flow run started or ended
         return grad_norm
 
-    def train(self, start: int, desc: str, step: Callable[[int, float], StepResult]) -> float:
+    def train(self, start: int, desc: str, step: Callable[[int, float], StepResult],
+              publish: Callable[[int], None] | None = None) -> float:
         """Steps start .. max_steps - 1 of `step`, each after setting the scheduled learning rate, then a
-        checkpoint (every checkpoint_every steps and at the last), the step's metrics and the progress bar;
-        the seconds they took."""
+        checkpoint (every checkpoint_every steps and at the last), `publish(done)` (a `CheckpointPublisher`), the
+        step's metrics and the progress bar; the seconds they took."""
         cfg, dist = self.cfg, self.dist
         self.model.train()
         t0 = time.perf_counter()
@@ -81,6 +83,8 @@ class Loop:
             if done % cfg.checkpoint_every == 0 or done == cfg.max_steps:
                 save_checkpoint(self.ctx.checkpoint_dir, done, self.model, self.optimizer, {"step": done, **result.state},
                                 cfg.keep_checkpoints, dist)
+            if publish is not None:
+                publish(done)
             self.ctx.log_metrics(result.metrics, step=done)
             bar.set_postfix(**result.postfix)
             bar.update(1)
@@ -127,10 +131,10 @@ def curve_tail(curve: list) -> list:
 
 
 def save_policy(ctx: StageContext, dist: distributed.Dist, plain, tokenizer, lora: LoraSpec,
-                merged_input: bool) -> tuple[Path, bool]:
-    """Rank 0 saves the trained causal LM (`plain`: unsharded), merged or as an adapter; (the artifact's staging
-    directory, whether it is an adapter)."""
-    out, model_dir = model_output_dir(ctx, "model")
+                merged_input: bool, name: str = "model") -> tuple[Path, bool]:
+    """Rank 0 saves the trained causal LM (`plain`: unsharded), merged or as an adapter, as output `name`; (the
+    artifact's staging directory, whether it is an adapter)."""
+    out, model_dir = model_output_dir(ctx, name)
     merge = lora.merge or merged_input
     if dist.is_main:
         models.save_model(plain, tokenizer, model_dir, merge=merge)
@@ -141,3 +145,32 @@ def policy_output(out: Path, is_adapter: bool, model_input: Input, metrics: dict
     """The `model` output of a stage that trains the input model: an adapter names its base's fingerprint."""
     extra = {"base_fingerprint": model_input.fingerprint} if is_adapter else {}
     return Output("model", "adapter" if is_adapter else "model", out, metrics=metrics, extra=extra)
+
+
+@dataclasses.dataclass
+class CheckpointPublisher:
+    """Hands the model as it is after every `every`-th step of `total` (`publish_due`) to the runner as a model of its
+    own (the context's `publish_checkpoint`), which publishes and evaluates it while the training goes on
+    (docs/guides/checkpoint-evals.md). A context without `publish_checkpoint` gets nothing."""
+
+    ctx: StageContext
+    dist: distributed.Dist
+    every: int
+    total: int
+    policy: Callable[[], torch.nn.Module]  # the whole model being trained, as save_policy takes it
+    tokenizer: object
+    lora: LoraSpec
+    merged_input: bool
+    model_input: Input
+
+    def __call__(self, done: int) -> None:
+        publish = getattr(self.ctx, "publish_checkpoint", None)
+        if publish is None or not publish_due(self.every, done, self.total):
+            return
+        plain = self.policy()
+        if isinstance(plain, torch.nn.Module) and self.lora.r > 0 and (self.lora.merge or self.merged_input):
+            plain = copy.deepcopy(plain)  # saving merges the adapter in place: the training goes on with the original
+        out, is_adapter = save_policy(self.ctx, self.dist, plain, self.tokenizer, self.lora, self.merged_input,
+                                      name=f"checkpoint-{done:06d}")
+        if self.dist.is_main:
+            publish(done, policy_output(out, is_adapter, self.model_input, {"step": float(done)}))

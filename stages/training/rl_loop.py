@@ -90,12 +90,14 @@ def summarize_curves(history: list[dict], curves: dict[str, str]) -> dict[str, f
 
 class StepLoop:
     """The bookkeeping around a run's steps. `state`: what `checkpoints.resume` returned; `module` and `optimizer`:
-    what a checkpoint holds (every trained model as one module); `held_out`: the prompts of the periodic eval."""
+    what a checkpoint holds (every trained model as one module); `held_out`: the prompts of the periodic eval;
+    `publish`: a `training.loop.CheckpointPublisher`, called after each step that trained."""
 
     def __init__(self, stage: str, cfg: RLConfig, ctx: StageContext, dist: distributed.Dist, state: dict,
-                 module: torch.nn.Module, optimizer: torch.optim.Optimizer, held_out: list[dict]) -> None:
+                 module: torch.nn.Module, optimizer: torch.optim.Optimizer, held_out: list[dict],
+                 publish: Callable[[int], None] | None = None) -> None:
         check_async(stage, cfg)
-        self.stage, self.cfg, self.ctx, self.dist = stage, cfg, ctx, dist
+        self.stage, self.cfg, self.ctx, self.dist, self.publish = stage, cfg, ctx, dist, publish
         self.module, self.optimizer, self.held_out = module, optimizer, held_out
         self.start: int = state["step"]
         self.history: list[dict] = state.get("history", [])
@@ -127,6 +129,8 @@ class StepLoop:
         self.history.append(metrics)
         if done % self.cfg.checkpoint_every == 0 or done == self.cfg.steps or out_of_time:
             self.checkpoint(done, extra)
+        if self.publish is not None:  # a CheckpointPublisher: the model after this step, evaluated beside the training
+            self.publish(done)
         self.ctx.log_metrics(metrics, step=done)
         self.bar.set_postfix(**postfix)
         self.bar.update(1)

@@ -1,0 +1,157 @@
+"""Checkpoint evals (docs/guides/checkpoint-evals.md): a training node's published checkpoints evaluated beside it.
+The pure pieces (when a step publishes, the report's rows, the plan's one-line refusals), then the sft-eval recipe
+through the CLI on the tiny profile: the evals run while sft trains, the curve is in MLflow and report.md, and a
+re-run of sft reuses them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flows.cli.app import main
+from flows.plan.recipes import load_plan
+from flows.report.checkpoint_curve import checkpoint_rows
+from flows.run.checkpoint_evals import check_plan, eval_spec
+from schemas.configs import SFTConfig
+from schemas.errors import ConfigError
+from schemas.rl_configs import GRPOConfig
+from stages.training.checkpoints import publish_due
+from tests.conftest import harness_home
+
+
+def test_publish_due_every_n_steps_but_the_last():
+    assert [d for d in range(1, 31) if publish_due(10, d, 30)] == [10, 20]  # 30: the stage's own output
+    assert [d for d in range(1, 8) if publish_due(3, d, 7)] == [3, 6]
+    assert not any(publish_due(0, d, 30) for d in range(1, 31))  # 0: off
+
+
+def test_the_setting_leaves_the_default_key_alone():
+    for cls in (SFTConfig, GRPOConfig):
+        assert "publish_checkpoints_every" not in cls().model_dump(mode="json")
+        assert cls(publish_checkpoints_every=5).model_dump(mode="json")["publish_checkpoints_every"] == 5
+
+
+def test_report_rows():
+    rows = checkpoint_rows(([10, 20], [0.25, 0.5]), ([10], [0.75]), (30, "eval_sft", 0.625, None))
+    assert rows == [["10", "checkpoint", "0.250", "0.750"], ["20", "checkpoint", "0.500", "—"],
+                    ["30", "final (eval_sft)", "0.625", "—"]]
+    assert checkpoint_rows(([], []), ([], []), None) == []
+
+
+def test_the_plan_names_the_eval_or_refuses_in_one_line():
+    plan = load_plan("sft-eval", "tiny", ["sft.publish_checkpoints_every=10"])
+    check_plan(plan, {n.name for n in plan.nodes})
+    spec = eval_spec(plan, plan.node("sft"), {"prompts": {"prompts": "p" * 64}})
+    assert (spec["node"], spec["inputs"], spec["seed"]) == ("eval_sft", {"prompts": "p" * 64}, plan.node("eval_sft").seed)
+    assert spec["config"] == plan.node("eval_sft").config_dict
+    off = load_plan("sft-eval", "tiny", [])
+    assert eval_spec(off, off.node("sft"), {}) is None  # off: no spec
+    # r1's RL node: its eval's prompts are made before it
+    r1 = load_plan("r1", "tiny", ["grpo_reasoning.publish_checkpoints_every=1"])
+    check_plan(r1, {"grpo_reasoning"})
+    assert eval_spec(r1, r1.node("grpo_reasoning"), {"prompts": {"prompts": "p" * 64}})["node"] == "eval_grpo_reasoning"
+    two = load_plan("sft-eval", "tiny", ["sft.publish_checkpoints_every=10", "sft.resources.num_processes=2"])
+    with pytest.raises(ConfigError, match=r"^sft.publish_checkpoints_every=10: checkpoint evals need the stage in one "
+                                          r"process .*; use --set sft.publish_checkpoints_every=0$"):
+        check_plan(two, {"sft"})
+
+
+def test_a_node_no_eval_reads_is_one_line_before_any_compute(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("R1FLOW_HOME", str(tmp_path))
+    recipe = tmp_path / "no-eval.yaml"
+    recipe.write_text("name: no-eval\nmodel: tiny-random\nnodes:\n  base: {stage: import_model, config: {ref: tiny-random}}\n"
+                      "  prompts: {stage: prompts}\n"
+                      "  sft: {stage: sft, inputs: {model: base.model, data: prompts.prompts}}\n")
+    assert main(["run", "--recipe", str(recipe), "--profile", "tiny", "--set", "sft.publish_checkpoints_every=10"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["r1flow: error: sft.publish_checkpoints_every=10: no eval node of recipe 'no-eval' reads sft.model, "
+                   "so its checkpoints have no held-out eval to run; use --set sft.publish_checkpoints_every=0"]
+    assert not (tmp_path / "artifacts").exists()  # nothing computed
+
+
+# ---------------------------------------------------------------------------- through the CLI
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory):
+    import flows.run.pipeline  # noqa: F401  (Prefect configures logging once, on import)
+
+    with harness_home(tmp_path_factory.mktemp("checkpoint-evals-home")) as path:
+        yield path
+
+
+def run(home, *args: str) -> dict:
+    out = home / "last-run.json"
+    assert main(["run", "--recipe", "sft-eval", "--profile", "tiny", "--json", str(out),
+                 "--set", "sft.max_steps=30", "--set", "sft.publish_checkpoints_every=10", *args]) == 0
+    return json.loads(out.read_text())
+
+
+def sft_run(client, result: dict):
+    return next(r for r in client.search_runs([result["experiment_id"]],
+                                              f"tags.mlflow.parentRunId = '{result['parent_run_id']}'")
+                if r.data.tags["r1flow.node"] == "sft")
+
+
+def evals_record(client, run) -> dict:
+    path = client.download_artifacts(run.info.run_id, "checkpoint_evals.json")
+    return json.loads(open(path).read())
+
+
+@pytest.mark.slow
+def test_checkpoint_evals_run_beside_sft_show_their_curve_and_are_reused(home):
+    from mlflow.tracking import MlflowClient
+    from prefect.client.orchestration import get_client
+
+    result = run(home)
+    client = MlflowClient(f"sqlite:///{home}/mlflow.db")
+    sft = sft_run(client, result)
+    record = evals_record(client, sft)
+    evals = record["evals"]
+    assert [(e["step"], e["eval"], e["cached"]) for e in evals] == [(10, "eval_sft@sft-step10", False),
+                                                                    (20, "eval_sft@sft-step20", False)]
+    # beside the training: each eval started after sft did, the first ended before sft's last step did
+    started = sft.info.start_time / 1000
+    assert all(started <= e["started_at"] < e["ended_at"] for e in evals)
+    assert evals[0]["ended_at"] < record["training_ended_at"]
+    # the checkpoint: a model artifact of its own, parents sft's inputs, marked with its step
+    manifest = json.loads((home / "artifacts" / evals[0]["checkpoint"] / "manifest.json").read_text())
+    sft_manifest = json.loads((home / "artifacts" / result_of(result, "sft")["model"] / "manifest.json").read_text())
+    assert manifest["kind"] == "model" and manifest["parents"] == sft_manifest["parents"]
+    assert (manifest["extra"]["checkpoint_of"], manifest["extra"]["checkpoint_step"]) == ("sft", 10)
+    assert manifest["producer"]["mlflow_run_id"] == sft.info.run_id
+    # each eval: an MLflow run nested under sft's, and a Prefect task run of this flow run
+    eval_runs = {r.data.tags["r1flow.node"]: r for r in client.search_runs(
+        [result["experiment_id"]], f"tags.mlflow.parentRunId = '{sft.info.run_id}'")}
+    assert set(eval_runs) == {"eval_sft@sft-step10", "eval_sft@sft-step20"}
+    assert eval_runs["eval_sft@sft-step10"].data.tags["r1flow.input.model"] == evals[0]["checkpoint"]
+    with get_client(sync_client=True) as prefect:
+        tasks = prefect.request("POST", "/task_runs/filter",
+                                json={"flow_runs": {"id": {"any_": [result["flow_run_id"]]}}}).json()
+    assert {"eval_sft@sft-step10", "eval_sft@sft-step20"} <= {t["name"] for t in tasks}
+    # the curve: MLflow (sft's run, at the checkpoint's step) and the report
+    history = client.get_metric_history(sft.info.run_id, "checkpoint_eval/accuracy")
+    assert sorted(m.step for m in history) == [10, 20]
+    assert [m.value for m in sorted(history, key=lambda m: m.step)] == [e["checkpoint_eval/accuracy"] for e in evals]
+    report = open(client.download_artifacts(result["parent_run_id"], "report/report.md")).read()
+    final = result_of(result, "eval_sft", "metrics")["accuracy"]
+    table = ["| step | model | accuracy | format rate |", "|---|---|---|---|",
+             *[f"| {e['step']} | checkpoint | {e['checkpoint_eval/accuracy']:.3f} | "
+               f"{e['checkpoint_eval/format_rate']:.3f} |" for e in evals]]
+    assert "## Held-out accuracy by checkpoint" in report
+    assert "\n".join(table) in report, report
+    assert f"| 30 | final (eval_sft) | {final:.3f} |" in report
+    assert "report/checkpoints.png" in {a.path for a in client.list_artifacts(result["parent_run_id"], "report")}
+
+    # sft again (--force): the same checkpoints, so every eval is reused from the cache
+    again = run(home, "--force", "sft")
+    assert result_of(again, "sft", "status") == "run"
+    record2 = evals_record(client, sft_run(client, again))
+    assert [(e["step"], e["checkpoint"], e["results"], e["cached"]) for e in record2["evals"]] == [
+        (e["step"], e["checkpoint"], e["results"], True) for e in evals]
+    assert "## Held-out accuracy by checkpoint" in open(
+        client.download_artifacts(again["parent_run_id"], "report/report.md")).read()
+
+
+def result_of(result: dict, node: str, what: str = "outputs"):
+    return next(s[what] for s in result["stages"] if s["node"] == node)
