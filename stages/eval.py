@@ -4,7 +4,8 @@ Writes one `eval` dataset (a row per completion) and summary metrics: accuracy (
 must be in the <answer> block or a \\boxed{}), accuracy_lenient (else the last number counts, so a
 base model that has not learnt the format is measured fairly), pass@k
 (unbiased estimator over the sampled completions), format rate, mean completion length,
-generation throughput, and the same per task. Each accuracy comes with a 95% percentile bootstrap
+generation throughput, and the same per task; per slice (`task_slices`: tasks trained on vs held out only, i.e.
+transfer) the accuracy with its interval. Each accuracy comes with a 95% percentile bootstrap
 interval over the scored greedy prompts (`accuracy_ci_low`, `accuracy_ci_high`, and per task;
 `stages.math.stats.bootstrap_ci`, seed `CI_SEED`), so a reader can tell a gain from eval noise.
 
@@ -50,7 +51,7 @@ from stages.rewards.verifiers import pass_at_k, score
 from stages.sampling.generation import auto_precision, generate, make_backend
 from stages.sampling.multiturn import sample_trajectories
 
-VERSION = "6"  # history: CHANGELOG.md
+VERSION = "7"  # history: CHANGELOG.md
 SAMPLES = True  # its outputs depend on what the samplers draw: SAMPLER_VERSION is in its key
 CONFIG = EvalConfig
 INPUTS = {"model": "model", "prompts": "prompts", "scorer": "model?"}
@@ -60,6 +61,9 @@ CI_CONFIDENCE = 0.95
 CI_SEED = 0  # fixed, not the run's seed: the same rows always give the same interval
 TOOL_COLUMNS = ("turns", "tool_calls", "tool_errors")  # optional eval columns (schemas.datasets.OPTIONAL_COLUMNS)
 TOOL_CALL_BINS = (("calls_0", 0, 0), ("calls_1", 1, 1), ("calls_2plus", 2, 1 << 30))
+SLICES = ("trained", "transfer")  # `task_slices`: the kind the recipe trains on, and held-out-only tasks
+SLICE_PREFIX = "slice/"  # `slice/<slice>/accuracy` ...: an eval's accuracy per slice, where it has both
+PER_SLICE = ("accuracy", "accuracy_ci_low", "accuracy_ci_high")
 PER_TASK = ("accuracy", "accuracy_ci_low", "accuracy_ci_high", "accuracy_lenient", "format_rate", "mean_length",
             "tool_calls_per_answer", "tool_error_rate", "turns")
 
@@ -76,6 +80,28 @@ def round_robin_prompts(table: pa.Table, split: str, max_prompts: int) -> list[d
             if q and len(picked) < max_prompts:
                 picked.append(q.pop(0))
     return picked
+
+
+def task_slices(prompt_rows: list[dict]) -> dict[str, str]:
+    """(pure) task -> "trained" where the prompts have a train-split row of it (the kind a recipe trains on), else
+    "transfer": held out only (`eval_tasks`, a task of a user file's eval split), so no stage can have trained on it."""
+    trained = {r["task"] for r in prompt_rows if r["split"] == "train"}
+    return {r["task"]: SLICES[r["task"] not in trained] for r in prompt_rows}
+
+
+def slice_metrics(rows: list[dict], slices: dict[str, str], k: int) -> dict[str, float]:
+    """(pure) `<task>/transfer` (1 for a transfer task, 0 for a trained one) for every task of the rows and, where the
+    rows have both slices, each slice's accuracy with its 95% interval and its greedy prompts
+    (`slice/<slice>/accuracy`, ..., `slice/<slice>/prompts`)."""
+    tasks = sorted({r["task"] for r in rows})
+    out = {f"{t}/transfer": float(slices[t] == "transfer") for t in tasks}
+    if len({slices[t] for t in tasks}) < 2:
+        return out
+    for name in SLICES:
+        part = [r for r in rows if slices[r["task"]] == name]
+        out.update({f"{SLICE_PREFIX}{name}/{m}": v for m, v in summarize(part, k).items() if m in PER_SLICE})
+        out[f"{SLICE_PREFIX}{name}/prompts"] = float(sum(r["mode"] == "greedy" for r in part))
+    return out
 
 
 def summarize(rows: list[dict], k: int) -> dict[str, float]:
@@ -249,7 +275,8 @@ def check_contamination(cfg: EvalConfig, prompts: list[dict], inputs: dict[str, 
 
 
 def run(cfg: EvalConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[str, Output]:
-    prompts = round_robin_prompts(inputs["prompts"].table("prompts"), cfg.split, cfg.max_prompts)
+    prompt_table = inputs["prompts"].table("prompts")
+    prompts = round_robin_prompts(prompt_table, cfg.split, cfg.max_prompts)
     if not prompts:
         raise SchemaError(f"{inputs['prompts'].label}: no prompts with split={cfg.split!r} to evaluate")
     check_scorer(cfg, inputs)
@@ -282,6 +309,7 @@ def run(cfg: EvalConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[st
         for name, value in summarize([r for r in rows if r["task"] == task], cfg.pass_k).items():
             if name in PER_TASK or name.startswith("pass_at_"):
                 metrics[f"{task}/{name}"] = value
+    metrics.update(slice_metrics(rows, task_slices(prompt_table.select(["task", "split"]).to_pylist()), cfg.pass_k))
     metrics["tokens_per_s"] = new_tokens / seconds if seconds else 0.0
     if cfg.rerank != "none":
         scored = cfg.rerank in ("orm", "prm")  # check_scorer made sure the scorer is wired then

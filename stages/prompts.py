@@ -3,6 +3,11 @@
 Each reasoning-gym task is generated with a seed derived from (stage seed, task name), so adding a
 task never changes the prompts of another. Ids are content hashes of (task, question): the
 train/eval split is a seeded permutation per task, so the same config always gives the same split.
+
+A task named `NAME-LABEL` is reasoning-gym's NAME under a name of its own (`basic_arithmetic-phrased: {format_style:
+natural}`): its own seed, ids and per-task metrics, so a variant of a trained task (new phrasings, a wider number
+range) can be held out in `eval_tasks` beside the task itself. An `eval_tasks` question that is also a question of the
+train split is dropped: held-out-only means no stage trains on it.
 """
 
 from __future__ import annotations
@@ -39,6 +44,11 @@ def prompt_id(task: str, question: str) -> str:
     return hashlib.sha256(f"{task}\0{question}".encode()).hexdigest()[:16]
 
 
+def generator(task: str) -> str:
+    """The reasoning-gym dataset a task name generates from: `NAME-LABEL` (a variant under its own name) is NAME."""
+    return task.split("-", 1)[0]
+
+
 def check(cfg: PromptsConfig, node: str = "prompts") -> None:
     """Fail before any compute on unknown tasks, bad options, missing files or over-long prompts in them.
 
@@ -49,14 +59,14 @@ def check(cfg: PromptsConfig, node: str = "prompts") -> None:
 
     for section, tasks in (("tasks", cfg.tasks), ("eval_tasks", cfg.eval_tasks)):
         for name, opts in tasks.items():
-            if name not in DATASETS:
-                close = [d for d in DATASETS if name.split("_")[0] in d][:5]
+            if generator(name) not in DATASETS:
+                close = [d for d in DATASETS if generator(name).split("_")[0] in d][:5]
                 raise ConfigError(
                     f"prompts.{section}: unknown reasoning-gym task {name!r}"
                     + (f" (did you mean: {', '.join(close)}?)" if close else "")
                 )
             try:
-                reasoning_gym.create_dataset(name, size=1, seed=0, **opts)
+                reasoning_gym.create_dataset(generator(name), size=1, seed=0, **opts)
             except Exception as e:  # the library raises assorted types for bad options
                 raise ConfigError(f"prompts.{section}.{name}: invalid options {opts}: {e}") from None
     for f in cfg.files:
@@ -106,7 +116,7 @@ def reasoning_gym_rows(task: str, opts: dict, size: int, seed: int, system: str,
     """`where` (e.g. "prompts.tasks.chain_sum") names the task in the error of a prompt over `max_chars`."""
     import reasoning_gym
 
-    ds = reasoning_gym.create_dataset(task, size=size, seed=stable_seed(seed, task), **opts)
+    ds = reasoning_gym.create_dataset(generator(task), size=size, seed=stable_seed(seed, task), **opts)
     rows, seen = [], set()
     for item, entry in enumerate(ds):
         pid = prompt_id(task, entry["question"])
@@ -118,6 +128,8 @@ def reasoning_gym_rows(task: str, opts: dict, size: int, seed: int, system: str,
             raise ConfigError(_too_long(f"{where or task}: generated item {item}", prompt_chars(messages), max_chars,
                                         node))
         meta = dict(entry.get("metadata") or {}, question=entry["question"])
+        if task != generator(task):  # the verifier scores with metadata's source_dataset, else the row's task
+            meta.setdefault("source_dataset", generator(task))
         rows.append({
             "id": pid,
             "messages": messages,
@@ -244,11 +256,16 @@ def build_prompts(cfg: PromptsConfig, seed: int, log: logging.Logger | logging.L
         for row, is_eval in zip(task_rows, _split(len(task_rows), cfg.eval_fraction, stable_seed(seed, task, "split")), strict=True):
             row["split"] = "eval" if is_eval else "train"
         rows += task_rows
+    trained = {r["messages"][-1]["content"] for r in rows if r["split"] == "train"}
     for task, opts in cfg.eval_tasks.items():
         if task in cfg.tasks:
             raise ConfigError(f"prompts.eval_tasks: {task!r} is also a training task")
-        rows += [dict(r, split="eval") for r in reasoning_gym_rows(task, opts, cfg.eval_size, seed, system,
-                                                                   cfg.max_prompt_chars, f"prompts.eval_tasks.{task}")]
+        held = reasoning_gym_rows(task, opts, cfg.eval_size, seed, system, cfg.max_prompt_chars,
+                                  f"prompts.eval_tasks.{task}")
+        kept = [dict(r, split="eval") for r in held if r["messages"][-1]["content"] not in trained]
+        if len(kept) < len(held) and log is not None:  # a variant of a trained task can draw a trained question
+            log.info("prompts: eval_tasks.%s: %d question(s) of the train split dropped", task, len(held) - len(kept))
+        rows += kept
     for f in cfg.files:
         frows, repeats = without_repeats(file_rows(Path(f), system, cfg.max_prompt_chars))
         if repeats and log is not None:

@@ -142,7 +142,7 @@ def comparison_columns(payload: dict) -> tuple[list[Column], list[str]]:
     (its model had another fingerprint) sits under the row of its eval node, as in the report."""
     # lazy: start-up (`r1flow --help` loads none of these: MLflow)
     from flows.plan.results import fmt_metric
-    from flows.report.comparison import TASK_ACCURACY, fmt_contamination, fmt_interval
+    from flows.report.comparison import accuracy_columns, fmt_contamination, fmt_interval
 
     prev = payload.get("previous") or {}
     before = {p.get("eval"): p for p in prev.get("rows", [])}
@@ -152,7 +152,6 @@ def comparison_columns(payload: dict) -> tuple[list[Column], list[str]]:
         if row["eval"] in before:
             lines.append((f"↳ previous (run {prev['parent_run_id'][:8]})", before[row["eval"]]))
     rows = [r for _, r in lines]
-    tasks = list(dict.fromkeys(m.group(1) for r in rows for k in r if (m := TASK_ACCURACY.fullmatch(k))))
     ks = sorted({r.get("pass_k") for r in rows if r.get("pass_at_k") is not None})
 
     def num(value) -> str:
@@ -171,7 +170,8 @@ def comparison_columns(payload: dict) -> tuple[list[Column], list[str]]:
         Column("format", [num(r.get("format_rate")) for r in rows], drop=1, justify="right"),
         Column("contaminated", [fmt_contamination(r) for r in rows], drop=3, justify="right"),
     ]
-    columns += [Column(f"acc: {t}", [fmt_interval(r, f"{t}/accuracy") for r in rows], drop=4) for t in tasks]
+    columns += [Column(title, [fmt_interval(r, key) for r in rows], drop=1 if key.startswith("slice/") else 4)
+                for key, title in accuracy_columns(rows)]
     columns.append(Column("model fp", [(r.get("model_fingerprint") or "—")[:8] for r in rows], drop=5))
     styles = ["dim" if label.startswith("↳") else "" for label, _ in lines]
     return columns, styles
@@ -217,6 +217,9 @@ def print_gains(console, gains: list[dict]) -> None:
     for g, (model, over) in zip(gains, labels, strict=True):
         console.print(f"  {model:<{width}}  {fmt_gain(g):<24} over {over} ({g['relation'].removeprefix('over ')})"
                       f", {g['prompts']} prompts", markup=False)
+        if g.get("slices"):  # the trained kind and the held-out-only tasks (transfer), each paired the same way
+            console.print(f"  {'':<{width}}  " + "; ".join(f"{name} {fmt_gain(s)} ({s['prompts']})"
+                                                           for name, s in g["slices"].items()), markup=False)
 
 
 def time_line(stage_work: float, total: float, before_flow: float) -> str:

@@ -61,7 +61,17 @@ CI_LOW, CI_HIGH = "_ci_low", "_ci_high"  # `<accuracy key><suffix>`: the eval st
 
 PASS_AT_K = re.compile(r"pass_at_(\d+)")  # full match: `pass_at_1_sampled` and `<task>/pass_at_k` are not it
 
-TASK_ACCURACY = re.compile(r"(.+)/accuracy")  # full match: not `<task>/accuracy_lenient`
+TASK_ACCURACY = re.compile(r"(?!slice/)(.+)/accuracy")  # full match: not `<task>/accuracy_lenient`, not a slice's
+
+SLICE_ACCURACY = re.compile(r"slice/(.+)/accuracy")  # stages.eval's SLICE_PREFIX: trained tasks vs held-out-only ones
+
+
+def accuracy_columns(rows: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """(pure) (accuracy key, title) of the per-slice then per-task accuracies any row has: `slice/transfer/accuracy`
+    is `acc: transfer slice`, `chain_sum/accuracy` is `acc: chain_sum`."""
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    slices = [(k, f"acc: {m.group(1)} slice") for k in keys if (m := SLICE_ACCURACY.fullmatch(k))]
+    return sorted(slices) + [(k, f"acc: {m.group(1)}") for k in keys if (m := TASK_ACCURACY.fullmatch(k))]
 
 
 def _finite(value: float | None) -> float | None:
@@ -121,7 +131,7 @@ def comparison_rows(plan: Plan, results: list[StageResult]) -> list[dict[str, An
     """
     outputs = {r.node: r.outputs for r in results}
     evals = [r for r in results if r.stage == "eval" and r.status != "skipped" and "accuracy" in r.metrics]
-    tasks = sorted({m.group(1) for r in evals for k in r.metrics if (m := TASK_ACCURACY.fullmatch(k))})
+    tasks = sorted({k for r in evals for k in r.metrics if TASK_ACCURACY.fullmatch(k) or SLICE_ACCURACY.fullmatch(k)})
     rows = []
     for r in evals:
         model, output = plan.node(r.node).inputs.get("model", (None, None))
@@ -139,8 +149,8 @@ def comparison_rows(plan: Plan, results: list[StageResult]) -> list[dict[str, An
             elif key != "pass_at_k":
                 row[key] = _finite(r.metrics.get(key))
         row.update({key: _finite(r.metrics.get(key)) for key in CONTAMINATION_KEYS})
-        for t in tasks:
-            row.update(with_interval(r.metrics, f"{t}/accuracy"))
+        for key in tasks:
+            row.update(with_interval(r.metrics, key))
         rows.append(row)
     return rows
 
@@ -247,7 +257,7 @@ def comparison_markdown(payload: dict[str, Any], tracker: Tracker) -> list[str]:
     rows, prev = payload["rows"], payload["previous"]
     before = {p.get("eval"): p for p in prev["rows"]} if prev else {}
     shown = rows + list(before.values())
-    tasks = list(dict.fromkeys(m.group(1) for r in shown for k in r if (m := TASK_ACCURACY.fullmatch(k))))
+    accuracies = accuracy_columns(shown)
     ks = {(r.get("pass_k"), r.get("pass_k_prompts")) for r in shown if r.get("pass_at_k") is not None}
     one_k = len(ks) == 1  # one k on one number of prompts: said once, in the header
     columns = sorted(COMPARISON_COLUMNS, key=lambda c: c[0] != "accuracy" and c[0] != "prompts")  # n by accuracy
@@ -262,7 +272,7 @@ def comparison_markdown(payload: dict[str, Any], tracker: Tracker) -> list[str]:
                 n = row.get("pass_k_prompts")
                 cell += f" (k={row.get('pass_k')}" + (f", {n} prompts)" if n else ")")
             cells.append(cell)
-        cells += [fmt_interval(row, f"{t}/accuracy") for t in tasks]
+        cells += [fmt_interval(row, key) for key, _ in accuracies]
         fp = row.get("model_fingerprint")
         return [label, row.get("model") or "?", fp[:8] if fp else "—", *cells]
 
@@ -272,7 +282,7 @@ def comparison_markdown(payload: dict[str, Any], tracker: Tracker) -> list[str]:
         if row["eval"] in before:
             lines.append(line(f"↳ previous (run {prev['parent_run_id'][:8]})", before[row["eval"]]))
     md = ["", "## Model comparison", "",
-          *markdown_tables(["eval", "model", "model fp", *titles, *(f"acc: {t}" for t in tasks)], lines)]
+          *markdown_tables(["eval", "model", "model fp", *titles, *(title for _, title in accuracies)], lines)]
     md += ["", "Accuracy `a [low, high]`: the 95% percentile bootstrap interval of the accuracy over the eval's "
            "scored greedy prompts (`prompts` is the eval size); no interval: an eval logged without one. "
            "Overlapping intervals of two models do not by themselves show that they are equal: both were "
@@ -283,6 +293,8 @@ def comparison_markdown(payload: dict[str, Any], tracker: Tracker) -> list[str]:
            "the greedy accuracy on all `prompts`.", "",
            "† tokens/s: wall-clock generation throughput of the eval; it depends on the machine and its load while "
            "the eval ran, so compare it only between runs on the same, equally idle machine.", "",
+           "Slices: `trained` is the tasks with prompts in the train split (the kind the recipe trains on), `transfer` "
+           "the held-out-only tasks (`eval_tasks`: no stage trains on them); shown where an eval has both.", "",
            "‡ contaminated: held-out prompts found in the evaluated model's training data (every dataset among its "
            "ancestors: same question, 13-word overlap, or the answer in a completion of the same question), with "
            "their share; `contaminated` past the eval's `contamination_threshold` (docs/guides/decontamination.md).",
