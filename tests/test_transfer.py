@@ -208,6 +208,7 @@ def test_sft_eval_run_shows_the_transfer_slice_and_its_gains(home, capsys, monke
         logged = MlflowClient(f"sqlite:///{home}/mlflow.db").get_run(rows[node]["mlflow_run_id"]).data.metrics
         assert logged["slice/transfer/prompts"] == 6 and "slice/trained/accuracy" in logged
     lines = stdout.splitlines()
+    print("\n".join(lines[next(i for i, line in enumerate(lines) if "model comparison" in line):]))  # pytest -rP
     header = next(line for line in lines if "acc: trained slice" in line)
     assert "acc: transfer slice" in header and "acc: gsm_symbolic" in header
     [gain] = result["comparison"]["gains"]
