@@ -120,6 +120,42 @@ def placement_free(config: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+ALARM_RULES = ("length", "repetition", "format", "entropy", "kl", "held_out")
+
+
+class AlarmsConfig(Strict):
+    """Reward-hacking alarms (`stages.math.alarms`, docs/guides/alarms.md): rules over the step metrics, checked
+    after every step. An alarm is a warning line, an MLflow tag `r1flow.alarm.<rule>` and the metric
+    `alarm/<rule>` = 1 at its step; with on_alarm: stop the stage also ends there and publishes its last good
+    checkpoint. A config's dump (and so its cache key) leaves the block out while it is the default."""
+
+    rules: list[Literal["length", "repetition", "format", "entropy", "kl", "held_out"]] = Field(
+        default_factory=lambda: list(ALARM_RULES), description="The rules checked (each fires once a run): length, "
+        "repetition, format, entropy, kl, held_out (needs eval_every > 0). [] checks none.")
+    on_alarm: Literal["warn", "stop"] = Field(
+        "warn", description="warn: log the alarm and train on. stop: end the stage at the step it fires and publish "
+        "the newest checkpoint from before the steps that set it off (checkpoint_every and keep_checkpoints must "
+        "leave one; else the stage fails in one line, nothing published).")
+    baseline_steps: int = Field(3, ge=1, description="The first N steps' mean of a metric is its baseline.")
+    patience: int = Field(2, ge=1, description="A per-step rule fires when its metric is bad for N steps in a row.")
+    length_factor: float = Field(2.0, gt=1, description="length: completion/mean_length at least this many times "
+                                 "its baseline.")
+    truncated_rise: float = Field(0.3, gt=0, le=1, description="length, too: completion/truncated_frac (the share "
+                                  "cut at max_new_tokens) at least this far above its baseline.")
+    repetition_rise: float = Field(0.3, gt=0, le=1, description="repetition: the share of repeated n-grams "
+                                   "(reward/repetition / reward.repetition_max_penalty) at least this far above its "
+                                   "baseline.")
+    format_drop: float = Field(0.3, gt=0, le=1, description="format: reward/format_rate at least this far below its "
+                               "baseline.")
+    entropy_fraction: float = Field(0.1, gt=0, lt=1, description="entropy: train/entropy at most this fraction of its "
+                                    "baseline.")
+    kl_limit: float = Field(1.0, gt=0, description="kl: train/kl (per token, nats) at least this.")
+    held_out_z: float = Field(1.96, gt=0, description="held_out: the normal quantile of the interval of the held-out "
+                              "accuracy's drop from its best earlier eval (1.96: 95%); it fires when the interval "
+                              "is above 0 while the training reward rose.")
+    reward_window: int = Field(3, ge=1, description="held_out: steps whose mean training reward is compared.")
+
+
 class RLConfig(MemoryOptions):
     """What the on-policy RL stages (grpo, ppo) share, one name per idea: the rollout (steps, prompts, samples
     per prompt, sampling, reward), the KL anchor, the epochs over a rollout, the optimizer, checkpoints, the
@@ -164,7 +200,19 @@ class RLConfig(MemoryOptions):
                                 description="Asynchronous RL: generate while training, with bounded staleness "
                                 "(max_staleness 0, the default: the synchronous loop).")
 
+    alarms: AlarmsConfig = Field(default_factory=AlarmsConfig, exclude_if=lambda v: v == AlarmsConfig(),
+                                 description="Reward-hacking alarms over the step metrics (docs/guides/alarms.md): "
+                                 "warn, or stop with the last good checkpoint published.")
+
     model_config = ConfigDict(validate_by_alias=True, validate_by_name=True, serialize_by_alias=True)
+
+    @model_validator(mode="after")
+    def _stop_without_fsdp(self) -> RLConfig:
+        if self.alarms.on_alarm == "stop" and self.resources.distributed_type == "fsdp":
+            raise ValueError("alarms.on_alarm=stop with resources.distributed_type=fsdp is not built (the last good "
+                             "checkpoint would have to reach the unsharded copy the stage publishes): use ddp, or "
+                             "on_alarm: warn")
+        return self
 
 
 class GRPOConfig(RLConfig):

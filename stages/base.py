@@ -105,6 +105,7 @@ class StageContext(Protocol):
     def log_params(self, params: dict[str, Any]) -> None: ...
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None: ...
     def log_file(self, path: Path, subdir: str = "") -> None: ...
+    def set_tags(self, tags: dict[str, str]) -> None: ...  # on the stage's run (MLflow tags inside a pipeline)
     # A runner that evaluates published checkpoints also has `publish_checkpoint(step, output)`: `output` (a model
     # staged in `output_dir`) is the model after `step`; the runner publishes and evaluates it beside the training
     # (`stages.training.loop.CheckpointPublisher` calls it; docs/guides/checkpoint-evals.md).
@@ -254,6 +255,7 @@ class LocalContext:
         self.params: dict[str, Any] = {}
         self.metrics: list[tuple[int | None, dict[str, float]]] = []
         self.files: list[Path] = []
+        self.tags: dict[str, str] = {}
         self.checkpoints: list[tuple[int, Output]] = []  # publish_checkpoint's, in order
 
     def output_dir(self, name: str) -> Path:
@@ -270,6 +272,9 @@ class LocalContext:
 
     def log_file(self, path: Path, subdir: str = "") -> None:
         self.files.append(Path(path))
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        self.tags.update(tags)
 
     def publish_checkpoint(self, step: int, output: Output) -> None:
         self.checkpoints.append((step, output))

@@ -62,8 +62,9 @@ def _png(fig) -> bytes:
     return buf.getvalue()
 
 
-def panel_figure(panels: list[PlotPanel], title: str):
-    """A figure of curves over optimizer steps, one panel each (empty panels dropped), integer step ticks."""
+def panel_figure(panels: list[PlotPanel], title: str, alarms: dict[int, str] | None = None):
+    """A figure of curves over optimizer steps, one panel each (empty panels dropped), integer step ticks; `alarms`
+    (step -> the rules that fired there, `alarm/<rule>` metrics of an RL stage) a dotted red line on every panel."""
     # lazy: start-up (matplotlib, only when a report draws)
     from matplotlib.ticker import MaxNLocator
 
@@ -76,6 +77,10 @@ def panel_figure(panels: list[PlotPanel], title: str):
             if steps:  # a single point (a metric logged at the last step only) needs a visible marker
                 ax.plot(steps, values, marker="o" if len(steps) == 1 else "." if len(steps) < 30 else None,
                         label=label or None)
+        for step, rules in sorted((alarms or {}).items()):
+            ax.axvline(step, color="tab:red", linestyle=":", linewidth=1)
+            ax.annotate(f"alarm: {rules}", (step, 1), xycoords=("data", "axes fraction"), xytext=(2, -2),
+                        textcoords="offset points", rotation=90, va="top", fontsize="x-small", color="tab:red")
         ax.set_title(panel_title, fontsize="medium")
         ax.set_xlabel("optimizer step")
         ax.set_ylabel(ylabel)
@@ -87,8 +92,21 @@ def panel_figure(panels: list[PlotPanel], title: str):
     return fig
 
 
-def plot_panels(panels: list[PlotPanel], title: str) -> bytes:
-    return _png(panel_figure(panels, title))
+def plot_panels(panels: list[PlotPanel], title: str, alarms: dict[int, str] | None = None) -> bytes:
+    return _png(panel_figure(panels, title, alarms))
+
+
+ALARM_PREFIX = "alarm/"  # stages.training.rl_loop logs alarm/<rule> = 1 at the step a reward-hacking alarm fired
+
+
+def alarm_marks(curves: dict[str, Curve]) -> dict[int, str]:
+    """step -> the rules (comma-separated) whose `alarm/<rule>` curve has a point there (pure)."""
+    marks: dict[int, list[str]] = {}
+    for key, (steps, _) in sorted(curves.items()):
+        if key.startswith(ALARM_PREFIX):
+            for step in steps:
+                marks.setdefault(step, []).append(key.removeprefix(ALARM_PREFIX))
+    return {step: ", ".join(rules) for step, rules in marks.items()}
 
 
 def plot_eval(rows: list[tuple[str, dict[str, float]]]) -> bytes:

@@ -73,10 +73,12 @@ from flows.report.comparison import (
 )
 from flows.report.gains import gains_markdown, stage_gains
 from flows.report.plots import (
+    ALARM_PREFIX,
     RL_STAGES,
     TRAINING_PANELS,
     Curve,
     PlotPanel,
+    alarm_marks,
     plot_eval,
     plot_panels,
     training_panels,
@@ -205,7 +207,8 @@ def _plots(results: list[StageResult], runs: dict[str, StageRuns | None], tracke
             continue
         label = f"{r.node} ({r.stage})" if r.node != r.stage else r.node
         chosen = training_panels(r.stage, sr.source_metrics)
-        wanted = {k for _, lines in chosen for k, _ in lines} | {k for k, _ in GRPO_CURVES} | {TRAIN_LOSS}
+        wanted = ({k for _, lines in chosen for k, _ in lines} | {k for k, _ in GRPO_CURVES} | {TRAIN_LOSS}
+                  | {k for k in sr.source_metrics if k.startswith(ALARM_PREFIX)})
         curves = {k: metric_curve(tracker, sr.source_run_id, k) for k in wanted & set(sr.source_metrics)}
 
         def curve(key: str, curves: dict[str, Curve] = curves) -> Curve:
@@ -217,7 +220,8 @@ def _plots(results: list[StageResult], runs: dict[str, StageRuns | None], tracke
         if panels:
             cached = " (cached: the run that produced it)" if sr.source_run_id != sr.run_id else ""
             title = f"{label}: training curves from MLflow run {sr.source_run_id[:8]}{cached}"
-            per_node.append((f"train_{re.sub(r'[^A-Za-z0-9_.-]', '-', r.node)}.png", title, plot_panels(panels, title)))
+            per_node.append((f"train_{re.sub(r'[^A-Za-z0-9_.-]', '-', r.node)}.png", title,
+                             plot_panels(panels, title, alarm_marks(curves))))
         if r.stage in RL_STAGES:  # a GRPO loss is ~0 by construction (advantages are centred): the overview is grpo.png
             for key, _ in GRPO_CURVES:
                 if curve(key)[0]:

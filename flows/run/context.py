@@ -43,6 +43,9 @@ class FlowContext:
     def log_file(self, path: Path, subdir: str = "") -> None:
         self.tracker.log_file(self.run_id, path, subdir)
 
+    def set_tags(self, tags: dict[str, str]) -> None:
+        self.tracker.set_tags(self.run_id, tags)
+
     def publish_checkpoint(self, step: int, output: Output) -> None:
         """The model after `step`, published and evaluated beside the training (flows/run/checkpoint_evals.py)."""
         if self.checkpoint_evals is not None:

@@ -319,6 +319,8 @@ def _forward_events(lines: list[str], ctx: StageContext) -> None:
             ctx.log_params(ev["params"])
         elif ev["op"] == "file":
             ctx.log_file(Path(ev["path"]), ev["subdir"])
+        elif ev["op"] == "tags":
+            ctx.set_tags(ev["tags"])
 
 
 def _failure_message(stage: str, n: int, rc: int | None, work: Path, node_ips: dict[int, str] | None = None,
@@ -376,6 +378,9 @@ class RankContext:
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         check_finite_losses(metrics, step)
         self._emit({"op": "metrics", "metrics": {k: float(v) for k, v in metrics.items()}, "step": step})
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        self._emit({"op": "tags", "tags": tags})
 
     def log_file(self, path: Path, subdir: str = "") -> None:
         if self.dist.is_main:  # a copy: the stage may delete its file before the caller gets to it

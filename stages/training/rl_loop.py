@@ -21,11 +21,12 @@ import torch
 from tqdm.auto import tqdm
 
 from schemas.configs import ASYNC_POLICY_LOSSES, GenerationSpec
-from schemas.errors import ConfigError
+from schemas.errors import ConfigError, StageError
 from stages.base import Input, Output, StageContext
+from stages.math import alarms
 from stages.rewards.verifiers import score
 from stages.runtime import distributed, threads
-from stages.training.checkpoints import save_checkpoint
+from stages.training.checkpoints import complete_checkpoints, load_checkpoint, save_checkpoint
 from stages.training.loop import policy_output, save_policy
 
 if TYPE_CHECKING:
@@ -101,6 +102,8 @@ class StepLoop:
         self.module, self.optimizer, self.held_out = module, optimizer, held_out
         self.start: int = state["step"]
         self.history: list[dict] = state.get("history", [])
+        self.fired = {k.removeprefix("alarm/") for m in self.history for k in m if k.startswith("alarm/")}
+        self.published_step: int | None = None  # on_alarm: stop: the step of the checkpoint published
         for i, m in enumerate(self.history):
             ctx.log_metrics(m, step=i + 1)
         self.bar = tqdm(total=cfg.steps, initial=self.start, desc=stage, unit="step", disable=not dist.is_main)
@@ -125,7 +128,10 @@ class StepLoop:
         out_of_time = self.out_of_time(done)
         threads.rebalance()  # this stage's share of the cores, if another r1flow run started or ended
         if eval_due(self.cfg, self.held_out, done):
+            t_eval = time.perf_counter()
             metrics.update(evaluate(done))
+            metrics["time/held_out_eval"] = time.perf_counter() - t_eval
+        last_good = self.check_alarms(metrics, done)
         self.history.append(metrics)
         if done % self.cfg.checkpoint_every == 0 or done == self.cfg.steps or out_of_time:
             self.checkpoint(done, extra)
@@ -134,10 +140,44 @@ class StepLoop:
         self.ctx.log_metrics(metrics, step=done)
         self.bar.set_postfix(**postfix)
         self.bar.update(1)
+        if last_good is not None:
+            self.restore(last_good, done)
+            return True
         if out_of_time:
             self.ctx.log.info(f"{self.stage}: the %.4g-minute budget is spent after step %d of %d; saving the model "
                               "as it is", self.cfg.max_minutes, done, self.cfg.steps)
         return out_of_time
+
+    def check_alarms(self, metrics: dict[str, float], done: int) -> int | None:
+        """The `alarms` rules over the history and step `done`'s `metrics` (`stages.math.alarms`, on rank 0, whose
+        history holds the held-out evals): each new alarm is a warning line, an MLflow tag `r1flow.alarm.<rule>` and
+        `alarm/<rule>` = 1 in `metrics`. With on_alarm: stop, the step of the newest policy the alarms do not
+        implicate when one fired (every process gets rank 0's answer), else None."""
+        found = alarms.raised([*self.history, metrics], self.cfg.alarms, len(self.held_out),
+                              self.cfg.reward.repetition_max_penalty, self.fired) if self.dist.is_main else []
+        for a in found:
+            self.fired.add(a.rule)
+            metrics[f"alarm/{a.rule}"] = 1.0
+            self.ctx.log.warning("%s: alarm %s at step %d: %s", self.stage, a.rule, done, a.message)
+            self.ctx.set_tags({f"r1flow.alarm.{a.rule}": f"step {a.step}: {a.message}"})
+        if self.cfg.alarms.on_alarm != "stop":
+            return None
+        fired, last_good = self.dist.sum([float(bool(found)), float(min((a.last_good for a in found), default=0))])
+        return int(last_good) if fired else None
+
+    def restore(self, last_good: int, done: int) -> None:
+        """on_alarm: stop after step `done`: the newest checkpoint of step `last_good` or before into the module (on
+        every process), so that `finish` publishes it; none left is one StageError line."""
+        kept = [p for p in complete_checkpoints(self.ctx.checkpoint_dir) if int(p.name.split("-")[1]) <= last_good]
+        if not kept:
+            raise StageError(f"{self.stage}: an alarm at step {done} with alarms.on_alarm=stop, and no checkpoint of "
+                             f"step {last_good} or before is left (checkpoint_every={self.cfg.checkpoint_every}, "
+                             f"keep_checkpoints={self.cfg.keep_checkpoints}); nothing was published: set "
+                             "checkpoint_every lower or keep_checkpoints higher")
+        self.published_step = load_checkpoint(kept[0], self.module, self.optimizer, self.dist)["step"]
+        self.ctx.log.warning("%s: alarms.on_alarm=stop: stopping after step %d of %d and publishing the checkpoint "
+                             "of step %d, the last before the steps that set the alarm off", self.stage, done,
+                             self.cfg.steps, self.published_step)
 
     def skipped_step(self, metrics: dict[str, float], done: int, extra: dict | None = None) -> bool:
         """A step that trained nothing: logged, not checkpointed unless it spends the budget; whether to stop."""
@@ -155,6 +195,8 @@ class StepLoop:
         `curves` (`summarize_curves`), logged with it."""
         self.bar.close()
         summary = summarize_curves(self.history, curves)
+        if self.published_step is not None:  # on_alarm: stop
+            summary["alarm_published_step"] = float(self.published_step)
         out, is_adapter = save_policy(self.ctx, self.dist, policy, tokenizer, self.cfg.lora, merged_input)
         self.ctx.log_metrics(summary)
         return {"model": policy_output(out, is_adapter, inputs["model"], summary)}
