@@ -375,56 +375,6 @@ def test_registering_without_a_server_fails_before_anything_is_registered(tmp_pa
         assert "r1flow up" in out.stderr and "temporary server" in out.stderr, out.stderr
 
 
-def test_a_scheduled_deployment_runs_on_r1flow_worker_and_its_second_run_is_cached(live_servers, session_dir,
-                                                                                      tmp_path):
-    """`deploy --interval` on `r1flow up`'s servers; `r1flow worker` (one run at a time) picks the scheduled runs up;
-    the second run's stage tasks are Cached; Prefect's results live under R1FLOW_HOME."""
-    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
-
-    info, home = live_servers, session_dir / "servers-home"
-    env = _bare_env(home)
-    out = _r1flow(["deploy", "--recipe", "eval", "--profile", "tiny", "--interval", "20", "--pool", "sched-pool",
-                   "--set", "eval_base.max_prompts=5"], env)
-    assert out.returncode == 0, out.stderr[-3000:]
-    log = tmp_path / "worker.log"
-    with open(log, "w") as f:
-        worker = subprocess.Popen([*R1FLOW, "worker", "--pool", "sched-pool", "--limit", "1"], cwd=ROOT, env=env,
-                                  stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        _wait_for("the worker's registration", lambda: [r for r in servers.status(home).runners
-                                                        if r.get("name") == "worker sched-pool"], 60, worker, log)
-        with _prefect_client(info) as client:
-            dep = client.read_deployment_by_name("r1flow-pipeline/eval")
-
-            def two_done():
-                runs = client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[dep.id])))
-                done = sorted((r for r in runs if r.state and r.state.is_final()), key=lambda r: r.start_time)
-                return done if len(done) >= 2 else None
-
-            done = _wait_for("two scheduled runs finished", two_done, 600, worker, log)
-            client.pause_deployment(dep.id)
-            assert all(r.state.is_completed() for r in done), [(r.name, r.state.message) for r in done]
-            assert all(r.auto_scheduled for r in done[:2])  # fired by the schedule, not by hand
-            from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterFlowRunId
-
-            first, second = ({t.name: t.state.name for t in client.read_task_runs(task_run_filter=TaskRunFilter(
-                flow_run_id=TaskRunFilterFlowRunId(any_=[r.id])))} for r in done[:2])
-            assert first["eval_base"] == "Completed", first  # a config no other run had: computed
-            assert set(second) == {"base", "prompts", "eval_base"} and set(second.values()) == {"Cached"}, second
-        storage = home / "prefect" / "storage"  # PREFECT_HOME under R1FLOW_HOME, results included
-        assert storage.is_dir() and any(storage.iterdir())
-    finally:
-        t0 = time.time()
-        os.killpg(worker.pid, signal.SIGTERM)
-        try:
-            worker.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(worker.pid, signal.SIGKILL)
-    # a worker with a flow run in progress (the schedule may have fired a third) is killed after its grace period
-    assert time.time() - t0 < 15, f"r1flow worker took {time.time() - t0:.1f} s to stop on SIGTERM"
-    assert not [r for r in servers.status(home).runners if r.get("name") == "worker sched-pool"]
-
-
 def test_prefect_imported_before_the_servers_are_chosen_is_an_error_not_a_temporary_server(live_servers, session_dir):
     """The guard behind "one place decides": a process that imported Prefect (its settings fixed, no API URL)
     before prepare_environment chose `r1flow up`'s servers gets an error instead of a temporary server; in the
