@@ -18,7 +18,8 @@ Departures from the papers, on purpose:
 - `old_logprobs: sampler` takes the trainer's old log-probs from the first epoch's own forward pass
   (the parameters do not change within an epoch, so they are exact) and multiplies each token's
   policy loss by the truncated IS weight min(pi_trainer / pi_sampler, tis_cap); how far the two log-probs of the
-  trained tokens are apart is logged per step (`sampler/logprob_delta_*`, `rollouts.drift_metrics`; async too);
+  trained tokens are apart is logged per step (`sampler/logprob_delta_*`, `rollouts.drift_metrics`; async too, and
+  on a vLLM engine in either mode: with `trainer` the engine's log-probs serve the drift only);
 - process supervision (`process_coef > 0`) adds the accumulated, group-normalised step rewards to the
   outcome advantage instead of replacing it, so verifiable rewards still count (`stages.training.process_rewards`:
   from the `process_reward_model` input, or the reward model scoring each step prefix);
@@ -200,7 +201,7 @@ class Update:
     rollout_batch: RolloutBatch | None = None
     shared: bool = False  # mini-batches of whole groups, each prompt run once
     old_logp: torch.Tensor | None = None  # (N, L-1), filled by the first epoch's forward passes
-    sampler_logp: torch.Tensor | None = None  # old_logprobs: sampler
+    sampler_logp: torch.Tensor | None = None  # old_logprobs: sampler, async, or (drift only) a vLLM engine's
     tis_w: torch.Tensor | None = None
     ref_logp: torch.Tensor | None = None  # beta > 0
 
@@ -238,10 +239,11 @@ def advantages(s: Session, g: groups.Groups, rewards_by_rank: list[torch.Tensor]
                                  cfg.logprob_chunk, None if cached else True)
     u = Update(adv, n, batch, rollout_batch, shared)
     u.old_logp = torch.zeros_like(batch["loss_mask"])  # the first epoch's own passes fill it (exact: see above)
-    if cfg.old_logprobs == "sampler" or s.rollouts is not None:  # async: mu, the behaviour policy's log-probs
+    corrected = cfg.old_logprobs == "sampler" or s.rollouts is not None  # async: mu, the behaviour policy's
+    if corrected or s.engine:  # on vLLM the engine's log-probs come along for the drift (the loss uses them if corrected)
         u.sampler_logp = (batch["sampler_logprobs"] if s.env is not None  # multi-turn: already in the mask's layout
                           else place([list(c.logprobs or ()) for c in flat_comps], prompt_lens, batch["input_ids"].shape[1]))
-        u.tis_w = torch.zeros_like(u.sampler_logp)
+        u.tis_w = torch.zeros_like(u.sampler_logp) if corrected else None
     if cfg.beta > 0:
         u.ref_logp = reference_logprobs(s, u)
     return u
@@ -317,7 +319,7 @@ def minibatch_backward(s: Session, u: Update, idx: torch.Tensor, epoch: int, n_a
         logp, entropy = u.rollout_batch.logprobs(s.model, idx, with_entropy=True)
     if epoch == 0:  # params unchanged within an epoch: exact old log-probs
         u.old_logp[idx] = logp.detach().float().cpu()
-    if u.sampler_logp is not None and epoch == 0:
+    if u.tis_w is not None and epoch == 0:
         w, tis_stats = rl.tis_weights(u.old_logp[idx], u.sampler_logp[idx], u.batch["loss_mask"][idx], s.weight_cap)
         u.tis_w[idx] = w
         for k, val in tis_stats.items():
@@ -405,7 +407,8 @@ def train_step(s: Session, step: int) -> dict[str, float]:
     else:
         g = groups.sample_groups(s.backend, s.rows, cfg, s.ctx.seed, step, s.dist,
                                  s.scorer if cfg.reward.weights.get("reward_model", 0) != 0 else None,
-                                 cfg.dynamic_sampling, cfg.max_refill_rounds, logprobs=cfg.old_logprobs == "sampler",
+                                 cfg.dynamic_sampling, cfg.max_refill_rounds,
+                                 logprobs=cfg.old_logprobs == "sampler" or s.engine,
                                  env=s.env)
     rewards_by_rank, metrics = groups.gather_groups(g, s.dist, cfg.group_size)
     if synced is not None:
@@ -420,7 +423,7 @@ def train_step(s: Session, step: int) -> dict[str, float]:
     train_stats, grad_norm, lr = update(s, u, step)
     refresh_reference(s, step)
     metrics.update(train_metrics(s, train_stats, grad_norm, lr, t_train, t_step))
-    if cfg.old_logprobs == "sampler" or s.rollouts is not None:  # every process: the drift is gathered
+    if cfg.old_logprobs == "sampler" or s.rollouts is not None or s.engine:  # every process: the drift is gathered
         metrics.update(sampler_metrics(s, u))
     if s.rollouts is not None:
         metrics.update(s.rollouts.step_metrics(delivery))

@@ -54,9 +54,17 @@ def exit_without_final_collection() -> None:
     log and event workers, MLflow, the temporary server's stop); objects still alive are then frozen, which exempts
     them from that pass. Their memory goes back to the system with the process, as after os._exit."""
     import atexit
+
+    atexit.register(_freeze)
+
+
+def _freeze() -> None:
+    """gc.freeze, unless triton is loaded (vLLM brings it): its nanobind bindings check at exit that every object
+    was collected, and a frozen heap makes them print hundreds of "nanobind: leaked ..." lines."""
     import gc
 
-    atexit.register(gc.freeze)
+    if "triton" not in sys.modules:
+        gc.freeze()
 
 
 def start_ticks(pid: int) -> int | None:
