@@ -285,19 +285,23 @@ def test_grpo_plots_reward_kl_entropy_and_length_not_its_loss(tracker, monkeypat
     drawn: dict[str, list] = {}
     real = report_module.plot_panels
 
-    def recording(panels, title):  # the real plot, with what it was asked to draw kept for the asserts
-        drawn[title] = panels
-        return real(panels, title)
+    marked: dict[str, dict | None] = {}
+
+    def recording(panels, title, alarms=None):  # the real plot, with what it was asked to draw kept for the asserts
+        drawn[title], marked[title] = panels, alarms
+        return real(panels, title, alarms)
 
     monkeypatch.setattr(report_module, "plot_panels", recording)
     plan = load_plan("r1-zero", "tiny")
     parent = tracker.start_run("parent", {})
     grpo = stage_run(tracker, parent, "grpo", GRPO_HISTORY, {"reward_first": 0.1})
     tracker.log_metrics(grpo, {"eval/accuracy": 0.5}, step=2)  # evaluated during training at step 2 only
+    tracker.log_metrics(grpo, {"alarm/length": 1.0}, step=3)  # a reward-hacking alarm (docs/guides/alarms.md)
     results = [StageResult("grpo", "grpo", "run", 3.0, "Completed", {"model": fp("g")}, {"reward_first": 0.1}, grpo)]
     report = build_report(plan, results, tracker, parent)
 
     assert [n for n, _ in report.images] == ["grpo.png", "train_grpo.png"]
+    assert [m for t, m in marked.items() if t.startswith("grpo: training curves")] == [{3: "length"}]  # its marker
     assert all(png.startswith(PNG_MAGIC) for _, png in report.images)
     assert "train_grpo.png" in report.markdown and "training_loss.png" not in report.markdown
     (title, panels), = [(t, p) for t, p in drawn.items() if t.startswith("grpo: training curves")]
