@@ -93,7 +93,7 @@ def home(tmp_path_factory):
 def run(home, *args: str) -> dict:
     out = home / "last-run.json"
     assert main(["run", "--recipe", "sft-eval", "--profile", "tiny", "--json", str(out),
-                 "--set", "sft.max_steps=30", "--set", "sft.publish_checkpoints_every=10", *args]) == 0
+                 "--set", "sft.publish_checkpoints_every=40", *args]) == 0
     return json.loads(out.read_text())
 
 
@@ -118,30 +118,31 @@ def test_checkpoint_evals_run_beside_sft_show_their_curve_and_are_reused(home):
     sft = sft_run(client, result)
     record = evals_record(client, sft)
     evals = record["evals"]
-    assert [(e["step"], e["eval"], e["cached"]) for e in evals] == [(10, "eval_sft@sft-step10", False),
-                                                                    (20, "eval_sft@sft-step20", False)]
-    # beside the training: each eval started after sft did, the first ended before sft's last step did
+    assert [(e["step"], e["eval"], e["cached"]) for e in evals] == [(40, "eval_sft@sft-step40", False),
+                                                                    (80, "eval_sft@sft-step80", False)]
+    # beside the training: each eval started after sft did, in a process of its own; the first computed before sft's
+    # last step was done
     started = sft.info.start_time / 1000
-    assert all(started <= e["started_at"] < e["ended_at"] for e in evals)
-    assert evals[0]["ended_at"] < record["training_ended_at"]
+    assert all(started <= e["started_at"] < e["computed_from"] < e["computed_to"] < e["ended_at"] for e in evals)
+    assert evals[0]["computed_to"] < record["training_ended_at"], (evals, record["training_ended_at"])
     # the checkpoint: a model artifact of its own, parents sft's inputs, marked with its step
     manifest = json.loads((home / "artifacts" / evals[0]["checkpoint"] / "manifest.json").read_text())
     sft_manifest = json.loads((home / "artifacts" / result_of(result, "sft")["model"] / "manifest.json").read_text())
     assert manifest["kind"] == "model" and manifest["parents"] == sft_manifest["parents"]
-    assert (manifest["extra"]["checkpoint_of"], manifest["extra"]["checkpoint_step"]) == ("sft", 10)
+    assert (manifest["extra"]["checkpoint_of"], manifest["extra"]["checkpoint_step"]) == ("sft", 40)
     assert manifest["producer"]["mlflow_run_id"] == sft.info.run_id
     # each eval: an MLflow run nested under sft's, and a Prefect task run of this flow run
     eval_runs = {r.data.tags["r1flow.node"]: r for r in client.search_runs(
         [result["experiment_id"]], f"tags.mlflow.parentRunId = '{sft.info.run_id}'")}
-    assert set(eval_runs) == {"eval_sft@sft-step10", "eval_sft@sft-step20"}
-    assert eval_runs["eval_sft@sft-step10"].data.tags["r1flow.input.model"] == evals[0]["checkpoint"]
+    assert set(eval_runs) == {"eval_sft@sft-step40", "eval_sft@sft-step80"}
+    assert eval_runs["eval_sft@sft-step40"].data.tags["r1flow.input.model"] == evals[0]["checkpoint"]
     with get_client(sync_client=True) as prefect:
         tasks = prefect.request("POST", "/task_runs/filter",
                                 json={"flow_runs": {"id": {"any_": [result["flow_run_id"]]}}}).json()
-    assert {"eval_sft@sft-step10", "eval_sft@sft-step20"} <= {t["name"] for t in tasks}
+    assert {"eval_sft@sft-step40", "eval_sft@sft-step80"} <= {t["name"] for t in tasks}
     # the curve: MLflow (sft's run, at the checkpoint's step) and the report
     history = client.get_metric_history(sft.info.run_id, "checkpoint_eval/accuracy")
-    assert sorted(m.step for m in history) == [10, 20]
+    assert sorted(m.step for m in history) == [40, 80]
     assert [m.value for m in sorted(history, key=lambda m: m.step)] == [e["checkpoint_eval/accuracy"] for e in evals]
     report = open(client.download_artifacts(result["parent_run_id"], "report/report.md")).read()
     final = result_of(result, "eval_sft", "metrics")["accuracy"]
@@ -150,7 +151,7 @@ def test_checkpoint_evals_run_beside_sft_show_their_curve_and_are_reused(home):
                f"{e['checkpoint_eval/format_rate']:.3f} |" for e in evals]]
     assert "## Held-out accuracy by checkpoint" in report
     assert "\n".join(table) in report, report
-    assert f"| 30 | final (eval_sft) | {final:.3f} |" in report
+    assert f"| 120 | final (eval_sft) | {final:.3f} |" in report
     assert "report/checkpoints.png" in {a.path for a in client.list_artifacts(result["parent_run_id"], "report")}
 
     # sft again (--force): the same checkpoints, so every eval is reused from the cache

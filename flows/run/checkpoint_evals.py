@@ -1,9 +1,13 @@
 """Checkpoint evals (docs/guides/checkpoint-evals.md): a training node with `publish_checkpoints_every: N` hands the
 model after every N-th step to its context (`stages.training.loop.CheckpointPublisher`); here each is published as a
 model artifact (parents: the stage's inputs; `extra.checkpoint_of`, `extra.checkpoint_step`) and evaluated while the
-training goes on, one at a time in a thread of the stage's process, as a Prefect task run of its own nested under
+training goes on, one at a time, from a thread of the stage's process, as a Prefect task run of its own nested under
 the stage's MLflow run. The held-out curve goes to the stage's run as `checkpoint_eval/<metric>` at step N as each
 eval ends, and `checkpoint_evals.json` (every eval's step, artifact, run, start and end) when the stage ends.
+
+The eval's compute runs in a process of its own (`EvalWorker`, started with the stage): the global RNG that the
+samplers seed per batch, and the torch threads, are per process, and a stage training beside it in the same process
+would draw from the eval's seeds (its outputs would depend on when the eval ran).
 
 The eval is the recipe's eval node of the training node's model (`eval_node_of`): its config, seed and other inputs
 (the held-out prompts) with the checkpoint as its model. So its cache key is made as any eval node's (the checkpoint's
@@ -15,9 +19,17 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextvars
+import importlib
 import json
+import multiprocessing
+import os
+import shutil
+import tempfile
+import threading
 import time
 from collections.abc import Callable, Collection
+from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from flows.plan.recipes import Node, Plan
@@ -25,16 +37,20 @@ from flows.store.cache import cache_key
 from flows.store.lineage import with_lineage
 from schemas.errors import ConfigError
 from stages import get_stage, stage_version
+from stages.base import Input, LocalContext, Output
+from stages.runtime import lifetime, threads
 
 if TYPE_CHECKING:
     from flows.store.artifacts import ArtifactStore
     from flows.track.tracking import Tracker
     from schemas.artifacts import Producer
-    from stages.base import Output
 
 CURVE_PREFIX = "checkpoint_eval/"  # the stage's run: checkpoint_eval/accuracy at step N
 CURVE_METRICS = ("accuracy", "format_rate")
 RECORD_FILE = "checkpoint_evals.json"  # logged to the stage's run
+# set in a checkpoint eval's thread: how the pipeline runs that eval's stage (`EvalWorker.run`), not in this process
+BESIDE: contextvars.ContextVar[Callable[..., dict[str, Output]] | None] = contextvars.ContextVar(
+    "r1flow_checkpoint_eval_beside", default=None)
 
 
 def eval_node_of(plan: Plan, node: Node) -> Node | None:
@@ -86,6 +102,87 @@ def eval_key(store: ArtifactStore, spec: dict[str, Any], checkpoint: str) -> tup
     return cache_key("eval", stage_version(module), spec["config"], inputs, spec["seed"], salt), inputs
 
 
+class _ChildContext(LocalContext):
+    """The context of a stage `EvalWorker` runs: outputs where the runner staged them, files copied into `work` (the
+    runner logs them), params, metrics and tags kept for the runner to log."""
+
+    def __init__(self, seed: int, device: str, cache_dir: Path, checkpoint_dir: Path, outputs: dict[str, Path],
+                 work: Path):
+        super().__init__(root=work, seed=seed, device=device, cache_dir=cache_dir)
+        self.checkpoint_dir, self.outputs, self.work = checkpoint_dir, outputs, work
+        self.logged: list[tuple[str, str]] = []
+
+    def output_dir(self, name: str) -> Path:
+        self.outputs[name].mkdir(parents=True, exist_ok=True)
+        return self.outputs[name]
+
+    def log_file(self, path: Path, subdir: str = "") -> None:
+        kept = self.work / f"file-{len(self.logged)}" / Path(path).name  # the stage may delete its own copy
+        kept.parent.mkdir(parents=True)
+        shutil.copy2(path, kept)
+        self.logged.append((str(kept), subdir))
+
+
+def _die_with(parent: int) -> None:
+    """The worker's start: exit when the stage's process is gone (even killed with -9), and import the eval stage
+    while the stage trains."""
+    lifetime.watch_parent()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="watch-stage-process").start()
+    importlib.import_module("stages.eval")
+
+
+def _run_child(module_name: str, cfg: Any, inputs: dict[str, Input], seed: int, device: str, cache_dir: Path,
+               checkpoint_dir: Path, outputs: dict[str, Path], work: Path) -> dict[str, Any]:
+    """In the worker: the stage's `run` with this process's share of the cores; its outputs and what it logged."""
+    started_at = time.time()
+    module = importlib.import_module(module_name)
+    ctx = _ChildContext(seed, device, cache_dir, checkpoint_dir, outputs, work)
+    with threads.stage_share():
+        out = module.run(cfg, inputs, ctx)
+    return {"outputs": out, "params": ctx.params, "metrics": ctx.metrics, "files": ctx.logged, "tags": ctx.tags,
+            "started_at": started_at}
+
+
+class EvalWorker:
+    """The process beside a training stage that runs its checkpoint evals' stages (`run`: how the pipeline runs a
+    stage while `BESIDE` is set), spawned when the stage starts so that its imports overlap the training's start."""
+
+    def __init__(self) -> None:
+        self.work = Path(tempfile.mkdtemp(prefix="r1flow-checkpoint-evals-"))
+        self.pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                                                           initializer=_die_with, initargs=(os.getpid(),))
+        self.ready = self.pool.submit(int)  # start it now
+        self.computed: list[tuple[float, float]] = []  # (start, end) of each stage run here, in order
+
+    def run(self, module: ModuleType, cfg: Any, inputs: dict[str, Input], ctx) -> dict[str, Output]:
+        """`module.run(cfg, inputs, ...)` in the worker, its outputs in `ctx`'s staging and its logs replayed into
+        `ctx` (the eval's MLflow run)."""
+        work = Path(tempfile.mkdtemp(dir=self.work))
+        outputs = {name: ctx.output_dir(name) for name in module.OUTPUTS}
+        done = self.pool.submit(_run_child, module.__name__, cfg, inputs, ctx.seed, ctx.device, ctx.cache_dir,
+                                ctx.checkpoint_dir, outputs, work).result()
+        if done["params"]:
+            ctx.log_params(done["params"])
+        for step, metrics in done["metrics"]:
+            ctx.log_metrics(metrics, step)
+        for path, subdir in done["files"]:
+            ctx.log_file(Path(path), subdir)
+        if done["tags"]:
+            ctx.set_tags(done["tags"])
+        self.computed.append((done["started_at"], time.time()))
+        return done["outputs"]
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        shutil.rmtree(self.work, ignore_errors=True)
+
+
 class CheckpointEvals:
     """A running stage's published checkpoints and their evals (the context's `publish_checkpoint` calls `submit`).
 
@@ -100,9 +197,17 @@ class CheckpointEvals:
         self.pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.futures: list[concurrent.futures.Future] = []
         self.records: list[dict[str, Any]] = []
+        self.worker = EvalWorker() if spec is not None else None
 
     def submit(self, step: int, output: Output) -> None:
         """Publish and evaluate the model after `step` in the background; returns at once."""
+        if self.worker is not None and self.spec is not None:  # started with the stage: ready long before a real
+            try:                                                 # stage's first checkpoint
+                self.worker.ready.result()
+            except Exception as e:  # noqa: BLE001 - the training goes on; its checkpoints are published unevaluated
+                self.log.warning("%s: the checkpoint eval process did not start (%s: %s); checkpoints are published, "
+                                 "not evaluated", self.node, type(e).__name__, e)
+                self.spec = None
         if self.pool is None:  # one at a time, in the order published; Prefect's and MLflow's context goes along
             self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"checkpoint-evals-{self.node}")
         context = contextvars.copy_context()
@@ -120,12 +225,16 @@ class CheckpointEvals:
             return
         key, inputs = eval_key(self.store, self.spec, manifest.fingerprint)
         name = f"{self.spec['node']}@{self.node}-step{step}"
+        BESIDE.set(self.worker.run)  # this thread's context only: the eval's stage runs in the worker
+        computing = len(self.worker.computed)
         out = self.run_eval(name, self.spec["config"], inputs, self.spec["seed"], key, self.run_id)
         curve = {f"{CURVE_PREFIX}{m}": float(out["metrics"][m]) for m in CURVE_METRICS if m in out["metrics"]}
         self.tracker.log_metrics(self.run_id, curve, step)
+        computed = self.worker.computed[-1] if len(self.worker.computed) > computing else (None, None)
         self.records.append({**record, "eval": name, "key": key, "results": out["outputs"].get("results"),
                              "cached": bool(out["reused"]), "mlflow_run_id": out["mlflow_run_id"],
-                             "started_at": started_at, "ended_at": time.time(), **curve})
+                             "started_at": started_at, "ended_at": time.time(), "computed_from": computed[0],
+                             "computed_to": computed[1], **curve})
 
     def finish(self) -> list[dict[str, Any]]:
         """After the training: wait for the evals still running, log `checkpoint_evals.json` to the stage's run;
@@ -149,3 +258,5 @@ class CheckpointEvals:
         """Stop what has not started (the stage failed, or finished: then nothing is left) and wait for the rest."""
         if self.pool is not None:
             self.pool.shutdown(wait=True, cancel_futures=True)
+        if self.worker is not None:
+            self.worker.close()

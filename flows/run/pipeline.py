@@ -10,7 +10,6 @@ artifact downstream. Tasks pass fingerprints and run ids, never tensors or table
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import logging
 import os
@@ -38,7 +37,7 @@ from flows.plan.results import StageResult
 from flows.report.registry import register_models
 from flows.report.report import build_report, publish_report, report_location
 from flows.run import placement
-from flows.run.checkpoint_evals import CheckpointEvals, check_plan, eval_spec
+from flows.run.checkpoint_evals import BESIDE, CheckpointEvals, check_plan, eval_spec
 from flows.run.context import FlowContext
 from flows.run.placement import Execution
 from flows.run.reach import check_reachable, describe_node
@@ -64,8 +63,6 @@ from stages.runtime import lifetime, threads
 from stages.training.launch import run_stage
 
 LOG_DATA_MAX_BYTES = 50 << 20  # datasets up to this size are copied into MLflow; larger ones by pointer
-# set while a stage runs in this context: a checkpoint eval beside it (flows/run/checkpoint_evals.py) shares its threads
-_STAGE_RUNNING: contextvars.ContextVar[bool] = contextvars.ContextVar("r1flow_stage_running", default=False)
 
 
 def default_device() -> str:
@@ -215,16 +212,13 @@ def _execute_stage(*, node, stage, config, inputs, seed, key, parent_run_id, s: 
 
 
 def _run_stage_here(module, cfg, resolved, ctx: FlowContext, log) -> dict[str, Any]:
-    """`run_stage` in this process, or under accelerate launch (resources), with this process's share of the cores;
-    on a cluster Ray sets the threads per task, and a checkpoint eval beside its stage shares the stage's."""
-    nested = _STAGE_RUNNING.get()
-    share = contextlib.nullcontext() if placement.on_cluster() or nested else threads.stage_share(log)
-    token = _STAGE_RUNNING.set(True)
-    try:
-        with share:
-            return run_stage(module, cfg, resolved, ctx)
-    finally:
-        _STAGE_RUNNING.reset(token)
+    """`run_stage` in this process, or under accelerate launch (resources), with this process's share of the cores (on
+    a cluster Ray sets the threads per task); a checkpoint eval in the process beside its stage (`BESIDE`)."""
+    beside = BESIDE.get()
+    if beside is not None:
+        return beside(module, cfg, resolved, ctx)
+    with contextlib.nullcontext() if placement.on_cluster() else threads.stage_share(log):
+        return run_stage(module, cfg, resolved, ctx)
 
 
 def _run_checkpoint_eval(node: str, config: dict[str, Any], inputs: dict[str, str], seed: int, key: str,
