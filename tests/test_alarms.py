@@ -199,6 +199,31 @@ def test_stop_without_a_checkpoint_left_is_one_line(tmp_path):
                             "checkpoint_every lower or keep_checkpoints higher")
 
 
+def test_a_stopped_grpo_run_publishes_the_checkpoints_weights(tmp_path, tiny_model_input, digit_prompts):
+    """grpo paid for length (L / 128) with on_alarm: stop, by hand: the model it publishes holds exactly the weights of
+    the checkpoint it names, not those of the step where it stopped (which were written too, and differ)."""
+    from safetensors.torch import load_file
+
+    from schemas.configs import GenerationSpec, LoraSpec, RewardSpec
+    from stages import grpo
+
+    cfg = GRPOConfig(steps=10, prompts_per_step=4, group_size=4, learning_rate=1e-2, lora=LoraSpec(r=0),
+                     generation=GenerationSpec(max_new_tokens=128, temperature=1.0, batch_size=16), minibatch_size=16,
+                     reward=RewardSpec(weights={"overlong": -1.0}, overlong_max_tokens=128, overlong_buffer=128),
+                     checkpoint_every=1, keep_checkpoints=10, alarms={"on_alarm": "stop"})
+    ctx = LocalContext(tmp_path / "run", seed=0)
+    out = grpo.run(cfg, {"model": tiny_model_input, "prompts": digit_prompts}, ctx)["model"]
+    stopped, published = int(out.metrics["steps"]), int(out.metrics["alarm_published_step"])
+    assert published < stopped < 10 and "r1flow.alarm.length" in ctx.tags
+    saved = load_file(out.path / "model" / "model.safetensors")
+    good = load_file(ctx.checkpoint_dir / f"step-{published:06d}" / "trainable.safetensors")
+    last = load_file(ctx.checkpoint_dir / f"step-{stopped:06d}" / "trainable.safetensors")
+    shared = sorted(set(saved) & set(good))
+    assert len(shared) >= len(saved) - 1  # every saved tensor (a tied output head may be saved once)
+    assert all(torch.equal(saved[k], good[k]) for k in shared)
+    assert not all(torch.equal(saved[k], last[k]) for k in shared)
+
+
 # ---------------------------------------------------------------------------- the report's marker
 
 
