@@ -32,6 +32,33 @@ def test_the_setting_leaves_the_default_key_alone():
         assert cls(publish_checkpoints_every=5).model_dump(mode="json")["publish_checkpoints_every"] == 5
 
 
+def test_grpo_publishes_its_model_without_changing_what_it_trains(tmp_path, tiny_model_input, digit_prompts):
+    """A merged-LoRA grpo of 3 steps publishing every step: the context gets the models after steps 1 and 2 (not 3,
+    the output), whole models; the final model has the bytes of a run that published nothing (saving a checkpoint
+    merges a copy, never the adapter being trained)."""
+    from schemas.specs import GenerationSpec, LoraSpec, RewardSpec
+    from stages import grpo
+    from stages.base import LocalContext
+
+    def cfg(every: int) -> GRPOConfig:
+        return GRPOConfig(steps=3, prompts_per_step=2, group_size=4, learning_rate=3e-3, minibatch_size=8,
+                          lora=LoraSpec(r=4, alpha=8, merge=True), publish_checkpoints_every=every,
+                          generation=GenerationSpec(max_new_tokens=8, temperature=1.0, batch_size=8),
+                          reward=RewardSpec(weights={"overlong": 1.0}, overlong_max_tokens=6, overlong_buffer=5))
+
+    inputs = {"model": tiny_model_input, "prompts": digit_prompts}
+    publishing, plain = LocalContext(tmp_path / "publishing"), LocalContext(tmp_path / "plain")
+    out = grpo.run(cfg(1), inputs, publishing)["model"]
+    ref = grpo.run(cfg(0), inputs, plain)["model"]
+    assert [(step, o.kind, o.schema) for step, o in publishing.checkpoints] == [(1, "model", "model"),
+                                                                               (2, "model", "model")]
+    assert [o.metrics for _, o in publishing.checkpoints] == [{"step": 1.0}, {"step": 2.0}]
+    assert all((o.path / "model" / "model.safetensors").exists() for _, o in publishing.checkpoints)
+    assert plain.checkpoints == []
+    weights = [(o.path / "model" / "model.safetensors").read_bytes() for o in (out, ref)]
+    assert weights[0] == weights[1]
+
+
 def test_report_rows():
     rows = checkpoint_rows(([10, 20], [0.25, 0.5]), ([10], [0.75]), (30, "eval_sft", 0.625, None))
     assert rows == [["10", "checkpoint", "0.250", "0.750"], ["20", "checkpoint", "0.500", "—"],
