@@ -11,6 +11,9 @@ from pathlib import Path
 _SESSION = Path(tempfile.mkdtemp(prefix="r1flow-tests-"))
 os.environ["R1FLOW_HOME"] = str(_SESSION / "home")
 os.environ["PREFECT_HOME"] = str(_SESSION / "prefect")
+# and what Prefect keeps there (Prefect 3.7 derives results' folder from ~/.prefect, not PREFECT_HOME)
+os.environ["PREFECT_RESULTS_LOCAL_STORAGE_PATH"] = str(_SESSION / "prefect" / "storage")
+os.environ["PREFECT_SERVER_MEMO_STORE_PATH"] = str(_SESSION / "prefect" / "memo_store.toml")
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

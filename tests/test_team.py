@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from flows.servers import servers
+from flows.servers.settings import PREFECT_HOME_FILES
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
@@ -240,7 +241,7 @@ def test_two_runs_started_together_share_stages_safely(live_servers, tmp_path):
 def _bare_env(home: Path) -> dict[str, str]:
     """A shell where the user exported nothing but R1FLOW_HOME (docs/operations/servers.md's promise)."""
     env = {k: v for k, v in os.environ.items()
-           if k not in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "PREFECT_HOME", "R1FLOW_STORE")}
+           if k not in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "PREFECT_HOME", "R1FLOW_STORE", *PREFECT_HOME_FILES)}
     return {**env, "R1FLOW_HOME": str(home)}
 
 

@@ -38,6 +38,11 @@ class Settings:
         return None if self.tracking_uri.startswith(("http://", "https://")) else f"{Path(self.home) / 'mlartifacts'}"
 
 
+# What Prefect keeps under PREFECT_HOME, named explicitly by prepare_environment (a shell that sets PREFECT_HOME
+# alone must not carry these from another home)
+PREFECT_HOME_FILES = {"PREFECT_RESULTS_LOCAL_STORAGE_PATH": "storage", "PREFECT_SERVER_MEMO_STORE_PATH": "memo_store.toml"}
+
+
 def prepare_environment(home: str | None = None) -> str:
     """Decide the servers and Prefect's home, before Prefect or MLflow is imported. Returns where the
     servers came from (for messages).
@@ -55,8 +60,8 @@ def prepare_environment(home: str | None = None) -> str:
     # Prefect derives these from PREFECT_HOME, except where the derivation does not see it (3.7 put results, and a
     # server its memo store, under ~/.prefect): named, so nothing of a run lands outside its home.
     prefect_home = Path(os.environ["PREFECT_HOME"])
-    os.environ.setdefault("PREFECT_RESULTS_LOCAL_STORAGE_PATH", str(prefect_home / "storage"))
-    os.environ.setdefault("PREFECT_SERVER_MEMO_STORE_PATH", str(prefect_home / "memo_store.toml"))
+    for var, name in PREFECT_HOME_FILES.items():
+        os.environ.setdefault(var, str(prefect_home / name))
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     # Prefect waits 20 s for its ephemeral server; on a busy 2-core machine it has taken longer (seen in the
     # test suite: "Timed out while attempting to connect to ephemeral Prefect API server").
