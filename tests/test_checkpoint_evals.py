@@ -170,6 +170,7 @@ def test_checkpoint_evals_run_beside_sft_show_their_curve_and_are_reused(home):
     # the curve: MLflow (sft's run, at the checkpoint's step) and the report
     history = client.get_metric_history(sft.info.run_id, "checkpoint_eval/accuracy")
     assert sorted(m.step for m in history) == [40, 80]
+    assert min(m.timestamp for m in history) / 1000 < record["training_ended_at"]  # in MLflow while sft trained
     assert [m.value for m in sorted(history, key=lambda m: m.step)] == [e["checkpoint_eval/accuracy"] for e in evals]
     report = open(client.download_artifacts(result["parent_run_id"], "report/report.md")).read()
     final = result_of(result, "eval_sft", "metrics")["accuracy"]
