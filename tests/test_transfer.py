@@ -20,6 +20,7 @@ import pytest
 import stages.eval as eval_stage
 from flows.cli.app import main
 from flows.plan.recipes import load_plan
+from flows.plan.results import fmt_metric
 from flows.report.comparison import accuracy_columns
 from flows.report.gains import prompt_slices, prompts_for_interval, slice_gains
 from flows.report.tables import read_tables
@@ -184,7 +185,7 @@ def home(tmp_path_factory):
 def test_sft_eval_run_shows_the_transfer_slice_and_its_gains(home, capsys, monkeypatch):
     """Through the CLI on the tiny profile: sft-eval with gsm_symbolic and new phrasings of the trained task held
     out (3 prompts each of 9: 3 trained, 6 transfer). The end of the run shows each eval's accuracy per slice in the
-    model comparison and sft's gain over the base per slice; report.md has the slice columns in both tables; MLflow
+    model comparison (`trained / transfer`) and sft's gain over the base per slice; report.md has the slice columns in both tables; MLflow
     has the slice metrics. Cheap: 2 sft steps, no pass@k."""
     from mlflow.tracking import MlflowClient
 
@@ -209,8 +210,13 @@ def test_sft_eval_run_shows_the_transfer_slice_and_its_gains(home, capsys, monke
         assert logged["slice/transfer/prompts"] == 6 and "slice/trained/accuracy" in logged
     lines = stdout.splitlines()
     print("\n".join(lines[next(i for i, line in enumerate(lines) if "model comparison" in line):]))  # pytest -rP
-    header = next(line for line in lines if "acc: trained slice" in line)
-    assert "acc: transfer slice" in header and "acc: gsm_symbolic" in header
+    header = next(line for line in lines if "trained / transfer" in line)
+    assert "acc: gsm_symbolic" in header
+    at = lines.index(header)
+    for node in ("eval_base", "eval_sft"):  # the slices' accuracies, `0 / 0.167`, right-aligned under their header
+        line = next(line for line in lines[at:] if line.strip().startswith(node))
+        cell = f"{fmt_metric(rows[node]['slice/trained/accuracy'])} / {fmt_metric(rows[node]['slice/transfer/accuracy'])}"
+        assert line[:header.index("trained / transfer") + len("trained / transfer")].endswith(cell), (line, cell)
     [gain] = result["comparison"]["gains"]
     assert (gain["model"], gain["start"]) == ("sft", "base")
     assert {k: v["prompts"] for k, v in gain["slices"].items()} == {"trained": 3, "transfer": 6}

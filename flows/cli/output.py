@@ -137,7 +137,8 @@ def stage_columns(result: dict) -> list[Column]:
 def comparison_columns(payload: dict) -> tuple[list[Column], list[str]]:
     """The report's model comparison (flows/comparison.comparison_payload) for a terminal: each eval's
     model, accuracy with its 95% bootstrap interval and the eval size n; then, as width allows,
-    pass@k, format rate, the held-out prompts found in the model's training data, per-task accuracies and the
+    pass@k, format rate, the held-out prompts found in the model's training data, the accuracy per slice (trained /
+    transfer), per-task accuracies and the
     model's fingerprint. A previous run's row
     (its model had another fingerprint) sits under the row of its eval node, as in the report."""
     # lazy: start-up (`r1flow --help` loads none of these: MLflow)
@@ -170,8 +171,13 @@ def comparison_columns(payload: dict) -> tuple[list[Column], list[str]]:
         Column("format", [num(r.get("format_rate")) for r in rows], drop=1, justify="right"),
         Column("contaminated", [fmt_contamination(r) for r in rows], drop=3, justify="right"),
     ]
-    columns += [Column(title, [fmt_interval(r, key) for r in rows], drop=1 if key.startswith("slice/") else 4)
-                for key, title in accuracy_columns(rows)]
+    accuracies = accuracy_columns(rows)
+    slices = [key for key, _ in accuracies if key.startswith("slice/")]
+    if slices:  # one narrow column, kept as long as the format's: `0.445 / 0.281`; their intervals are in the report
+        columns.append(Column(" / ".join(key.split("/")[1] for key in slices),
+                              [" / ".join(num(r.get(key)) for key in slices) for r in rows], drop=1, justify="right"))
+    columns += [Column(title, [fmt_interval(r, key) for r in rows], drop=4)
+                for key, title in accuracies if key not in slices]
     columns.append(Column("model fp", [(r.get("model_fingerprint") or "—")[:8] for r in rows], drop=5))
     styles = ["dim" if label.startswith("↳") else "" for label, _ in lines]
     return columns, styles
