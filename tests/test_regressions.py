@@ -17,10 +17,12 @@ import pytest
 
 from flows.report.regressions import paired_regression, regression_line, regressions_markdown
 from flows.run.regressions import RegressionPolicy, final_state
+from flows.servers.settings import PREFECT_HOME_FILES
 
 ROOT = Path(__file__).resolve().parent.parent
 R1FLOW = [sys.executable, "-m", "flows.cli"]
-BEFORE, AFTER = {"id": "1111111122", "name": "calm-otter"}, {"id": "3333333344", "name": "brave-fox"}
+BEFORE, AFTER = {"id": "0192aa10-0000-7000-8000-00001111abcd", "name": "calm-otter"}, {
+    "id": "0192aa10-0000-7000-8000-00003333ef01", "name": "brave-fox"}
 
 
 # ---------------------------------------------------------------------------- the verdict (pure)
@@ -33,7 +35,7 @@ def test_every_prompt_lost_is_a_regression_of_100_points():
     assert (row["gain"], row["ci_low"], row["ci_high"], row["prompts"]) == (-1.0, -1.0, -1.0, 4)
     assert row["regression"] is True
     assert regression_line("eval_sft", row, BEFORE, AFTER) == (
-        "eval_sft: accuracy dropped 100.0 points [100.0, 100.0] from run calm-otter (11111111) to run brave-fox (33333333)")
+        "eval_sft: accuracy dropped 100.0 points [100.0, 100.0] from run calm-otter (1111abcd) to run brave-fox (3333ef01)")
 
 
 def test_the_same_answers_are_no_regression_and_prompts_pair_by_id_not_order():
@@ -74,7 +76,7 @@ def _check(lines: list[str], fail: bool = True) -> dict:
     row = {"eval": "eval_base", "current": current, "previous": previous,
            **paired_regression(dict.fromkeys("ab", 1.0), dict.fromkeys("ab", 0.0))}
     return {"run": AFTER, "baseline": {**BEFORE, "parent_run_id": "p"}, "rows": [row], "lines": lines,
-            "tolerance_points": 0.0, "fail": fail, "note": "Baseline: calm-otter (11111111)."}
+            "tolerance_points": 0.0, "fail": fail, "note": "Baseline: calm-otter (1111abcd)."}
 
 
 def test_the_report_shows_both_rows_and_a_run_without_a_baseline_says_so():
@@ -82,12 +84,12 @@ def test_the_report_shows_both_rows_and_a_run_without_a_baseline_says_so():
 
     md = "\n".join(regressions_markdown(_check(["x"])))
     assert read_tables(md) == [
-        {"eval": "eval_base", "flow run": "brave-fox (33333333)", "model fp": "abababab",
+        {"eval": "eval_base", "flow run": "brave-fox (3333ef01)", "model fp": "abababab",
          "accuracy [95% CI]": "0 [0.000, 0.000]", "prompts": "16", "change, points [95% CI]": "-100.0 [-100.0, -100.0]",
          "regression": "regression"},
-        {"eval": "↳ baseline", "flow run": "calm-otter (11111111)", "model fp": "cdcdcdcd",
+        {"eval": "↳ baseline", "flow run": "calm-otter (1111abcd)", "model fp": "cdcdcdcd",
          "accuracy [95% CI]": "1 [1.000, 1.000]", "prompts": "16", "change, points [95% CI]": "", "regression": ""}]
-    assert "a regression when the whole interval is below 0. Baseline: calm-otter (11111111)." in md
+    assert "a regression when the whole interval is below 0. Baseline: calm-otter (1111abcd)." in md
     first = {"run": AFTER, "baseline": None, "rows": [], "lines": [], "note": "No earlier successful run of "
              "deployment 'nightly': nothing to compare; this run is the next one's baseline."}
     assert "No earlier successful run of deployment 'nightly'" in "\n".join(regressions_markdown(first))
@@ -100,6 +102,30 @@ def test_a_regression_fails_the_flow_run_with_one_line_each_unless_the_policy_is
     assert final_state({"regressions": _check(lines, fail=False)}) == {"regressions": _check(lines, fail=False)}
     assert final_state({"regressions": None}) == {"regressions": None}  # not a deployment's run
     assert RegressionPolicy() == RegressionPolicy(fail=True, tolerance_points=0.0)  # on by default
+
+
+def test_one_eval_is_compared_by_prompt_id_and_a_baseline_that_cannot_be_read_is_said_not_failed():
+    from flows.run.regressions import compare_eval
+    from schemas.errors import ArtifactError
+
+    def greedy(scores: dict[str, int]) -> list[dict]:
+        return [{"prompt_id": k, "mode": "greedy", "correct": bool(v)} for k, v in scores.items()] + [
+            {"prompt_id": "a", "mode": "sampled", "correct": False}]  # pass@k samples are not the accuracy
+
+    evals = {"fp-before": greedy({"a": 1, "b": 1, "c": 1}), "fp-after": greedy({"c": 0, "a": 0, "b": 0})}
+
+    def read_eval(fingerprint: str) -> list[dict]:
+        if fingerprint not in evals:
+            raise ArtifactError(f"artifact {fingerprint}: not in the store")
+        return evals[fingerprint]
+
+    now, before = {"eval": "eval_sft", "eval_fingerprint": "fp-after"}, {"eval": "eval_sft", "eval_fingerprint": "fp-before"}
+    row = compare_eval(now, before, read_eval, RegressionPolicy())
+    assert (row["gain"], row["ci_high"], row["regression"], row["current"], row["previous"]) == (-1.0, -1.0, True, now, before)
+    gone = compare_eval(now, {**before, "eval_fingerprint": "fp-gone"}, read_eval, RegressionPolicy())
+    assert gone["regression"] is False and gone["gain"] is None
+    assert gone["note"] == "not compared: the baseline's eval output fp-gone cannot be read (artifact fp-gone: not in the store)"
+    assert compare_eval(now, None, read_eval, RegressionPolicy())["note"] == "not compared: the baseline run has no such eval"
 
 
 def test_deploy_registers_the_regression_settings_only_where_not_the_default():
@@ -152,7 +178,7 @@ def _good_model(root: Path, prompts_file: Path, untrained) -> Path:
 def _bare_env(home: Path) -> dict[str, str]:
     """A shell where the user exported nothing but R1FLOW_HOME (`r1flow up`'s servers are found through it)."""
     env = {k: v for k, v in os.environ.items()
-           if k not in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "PREFECT_HOME", "R1FLOW_STORE")}
+           if k not in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "PREFECT_HOME", "R1FLOW_STORE", *PREFECT_HOME_FILES)}
     return {**env, "R1FLOW_HOME": str(home)}
 
 
@@ -171,8 +197,10 @@ def _start_worker(pool: str, env: dict[str, str], log: Path, home: Path) -> subp
     from flows.servers import servers
 
     with open(log, "a") as f:
-        worker = subprocess.Popen([*R1FLOW, "worker", "--pool", pool, "--limit", "1"], cwd=ROOT, env=env, stdout=f,
-                                  stderr=subprocess.STDOUT, start_new_session=True)
+        # polling every 2 s instead of Prefect's 10 picks each run up sooner (the test waits on three)
+        worker = subprocess.Popen([*R1FLOW, "worker", "--pool", pool, "--limit", "1"], cwd=ROOT,
+                                  env={**env, "PREFECT_WORKER_QUERY_SECONDS": "2"}, stdout=f, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
     _wait_for("the worker's registration", lambda: [r for r in servers.status(home).runners
                                                     if r.get("pid") == worker.pid], 120, worker, log)
     return worker
@@ -215,11 +243,12 @@ def test_a_scheduled_deployment_fails_when_its_model_got_worse_and_passes_on_the
         live_servers, session_dir, tmp_path, tiny_model_input):
     """`r1flow deploy --interval` of a recipe that evaluates the model in a folder, on `r1flow up`'s servers;
     `r1flow worker` (one run at a time) runs the schedule. The first run has no baseline and passes saying so; the
-    second evaluates the same model (every stage Cached) and passes with a change of 0; then the folder gets the
-    untrained model, and the next scheduled run fails with one line naming the eval, the drop, its interval and
+    second evaluates the same model (every stage Cached) and passes with a change of 0; then, the work pool paused
+    so that no run starts meanwhile, the folder gets the untrained model, and the next scheduled run fails with one line naming the eval, the drop, its interval and
     the two runs; its report shows both rows and MLflow has the drop."""
     from mlflow.tracking import MlflowClient
     from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolUpdate
     from prefect.client.schemas.filters import (
         DeploymentFilter,
         DeploymentFilterId,
@@ -255,54 +284,58 @@ def test_a_scheduled_deployment_fails_when_its_model_got_worse_and_passes_on_the
             runs = client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[dep.id])))
             return sorted((r for r in runs if r.state and r.state.is_final() and r.start_time), key=lambda r: r.start_time)
 
+        def pool_paused(paused: bool) -> None:  # a paused pool hands its worker no runs: the one running finishes
+            client.update_work_pool("regress-pool", WorkPoolUpdate(is_paused=paused))
+
+        def second_started():
+            runs = client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[dep.id])))
+            return (any(r.state.is_completed() for r in runs if r.state)
+                    and any(r.state.type.value in ("PENDING", "RUNNING") for r in runs if r.state))
+
         worker = _start_worker("regress-pool", env, log, home)
         try:
+            _wait_for("the first scheduled run finished and the second started", second_started, 600, worker, log)
+            pool_paused(True)  # no third run until the model changes
             done = _wait_for("two scheduled runs finished", lambda: (d if len(d := final_runs()) >= 2 else None),
                              600, worker, log)
-        finally:
-            stopped_in = _stop_worker(worker)
-        # a worker with a flow run in progress (the schedule fired a third) stops within seconds; that run is Crashed
-        assert stopped_in < 15, f"r1flow worker took {stopped_in:.1f} s to stop on SIGTERM"
-        assert not [r for r in servers.status(home).runners if r.get("name") == "worker regress-pool"]
-        first, second = done[:2]
-        assert first.state.is_completed() and second.state.is_completed(), [(r.name, r.state.message) for r in done]
-        assert first.auto_scheduled and second.auto_scheduled  # fired by the schedule, not by hand
-        tasks = [{t.name: t.state.name for t in client.read_task_runs(task_run_filter=TaskRunFilter(
-            flow_run_id=TaskRunFilterFlowRunId(any_=[r.id])))} for r in (first, second)]
-        assert tasks[0]["eval_base"] == "Completed", tasks[0]  # a config no other run had: computed
-        assert set(tasks[1]) == {"base", "prompts", "eval_base"} and set(tasks[1].values()) == {"Cached"}, tasks[1]
-        exp = mlflow.get_experiment_by_name("r1flow/nightly-regress").experiment_id
-        report = {r.id: _report_text(mlflow, exp, r.id) for r in (first, second)}
-        assert ("No earlier successful run of deployment 'nightly-regress': nothing to compare; this run is the next "
-                "one's baseline.") in report[first.id]
-        same = _regression_rows(report[second.id])
-        assert same[0]["change, points [95% CI]"] == "+0.0 [+0.0, +0.0]" and same[0]["regression"] == "no", same
-        storage = home / "prefect" / "storage"  # PREFECT_HOME under R1FLOW_HOME, results included
-        assert storage.is_dir() and any(storage.iterdir())
+            first, second = done
+            assert first.state.is_completed() and second.state.is_completed(), [(r.name, r.state.message) for r in done]
+            assert first.auto_scheduled and second.auto_scheduled  # fired by the schedule, not by hand
+            tasks = [{t.name: t.state.name for t in client.read_task_runs(task_run_filter=TaskRunFilter(
+                flow_run_id=TaskRunFilterFlowRunId(any_=[r.id])))} for r in (first, second)]
+            assert tasks[0]["eval_base"] == "Completed", tasks[0]  # a config no other run had: computed
+            assert set(tasks[1]) == {"base", "prompts", "eval_base"} and set(tasks[1].values()) == {"Cached"}, tasks[1]
+            exp = mlflow.get_experiment_by_name("r1flow/nightly-regress").experiment_id
+            report = {r.id: _report_text(mlflow, exp, r.id) for r in (first, second)}
+            assert ("No earlier successful run of deployment 'nightly-regress': nothing to compare; this run is the "
+                    "next one's baseline.") in report[first.id]
+            same = _regression_rows(report[second.id])
+            assert same[0]["change, points [95% CI]"] == "+0.0 [+0.0, +0.0]" and same[0]["regression"] == "no", same
+            storage = home / "prefect" / "storage"  # PREFECT_HOME under R1FLOW_HOME, results included
+            assert storage.is_dir() and any(storage.iterdir())
 
-        _wait_for("the interrupted run ended", lambda: not [r for r in client.read_flow_runs(
-            deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[dep.id])))
-            if r.state and r.state.type.value in ("RUNNING", "PENDING", "CANCELLING")], 60)
-        shutil.rmtree(model_dir)  # a worse checkpoint lands where the deployment looks
-        shutil.copytree(tiny_model_input.path / MODEL_DIR, model_dir)
-        swapped = time.time()
-        worker = _start_worker("regress-pool", env, log, home)
-        try:
+            shutil.rmtree(model_dir)  # a worse checkpoint lands where the deployment looks
+            shutil.copytree(tiny_model_input.path / MODEL_DIR, model_dir)
+            swapped = time.time()
+            pool_paused(False)
             worse = _wait_for("a scheduled run of the worse model finished", lambda: next(
                 (r for r in final_runs() if r.start_time.timestamp() > swapped), None), 600, worker, log)
             client.pause_deployment(dep.id)
         finally:
-            _stop_worker(worker)
+            stopped_in = _stop_worker(worker)
+        # a worker stops within seconds, a flow run in progress (the schedule may have fired another) Crashed with it
+        assert stopped_in < 15, f"r1flow worker took {stopped_in:.1f} s to stop on SIGTERM"
+        assert not [r for r in servers.status(home).runners if r.get("name") == "worker regress-pool"]
         baseline = [r for r in final_runs() if r.state.is_completed() and r.start_time < worse.start_time][-1]
         assert worse.state.is_failed() and worse.auto_scheduled, (worse.state.name, worse.state.message)
         assert worse.state.message == (
-            f"eval_base: accuracy dropped 100.0 points [100.0, 100.0] from run {baseline.name} ({str(baseline.id)[:8]}) "
-            f"to run {worse.name} ({str(worse.id)[:8]})"), worse.state.message
+            f"eval_base: accuracy dropped 100.0 points [100.0, 100.0] from run {baseline.name} ({str(baseline.id)[-8:]}) "
+            f"to run {worse.name} ({str(worse.id)[-8:]})"), worse.state.message
     parent = _parent(mlflow, exp, worse.id)
     assert parent.info.status == "FAILED"
     assert parent.data.metrics["eval_base/regression"] == 1.0
     assert parent.data.metrics["eval_base/regression/change"] == -1.0
     rows = _regression_rows(_report_text(mlflow, exp, worse.id))
     assert [(r["eval"], r["flow run"], r["accuracy [95% CI]"], r["regression"]) for r in rows] == [
-        ("eval_base", f"{worse.name} ({str(worse.id)[:8]})", "0 [0.000, 0.000]", "regression"),
-        ("↳ baseline", f"{baseline.name} ({str(baseline.id)[:8]})", "1 [1.000, 1.000]", "")]
+        ("eval_base", f"{worse.name} ({str(worse.id)[-8:]})", "0 [0.000, 0.000]", "regression"),
+        ("↳ baseline", f"{baseline.name} ({str(baseline.id)[-8:]})", "1 [1.000, 1.000]", "")]

@@ -29,8 +29,9 @@ def paired_regression(before: dict[str, float], after: dict[str, float], toleran
 
 
 def fmt_run(run: dict[str, str]) -> str:
-    """`name (id8)`: a Prefect flow run as its UI lists it, with the start of its id (names repeat)."""
-    return f"{run['name']} ({run['id'][:8]})"
+    """`name (…id)`: a Prefect flow run as its UI lists it, with the last 8 characters of its id (names repeat; Prefect's
+    ids start with their creation time, so the first characters of two runs of one night are the same)."""
+    return f"{run['name']} ({run['id'][-8:]})"
 
 
 def regression_line(eval_node: str, row: dict[str, Any], before: dict[str, str], after: dict[str, str]) -> str:
@@ -64,7 +65,7 @@ def regressions_markdown(check: dict[str, Any]) -> list[str]:
     md += markdown_tables(["eval", "flow run", "model fp", "accuracy [95% CI]", "prompts", "change, points [95% CI]",
                            "regression"], table)
     tolerance = check.get("tolerance_points", 0.0)
-    md += ["", f"Change: this run's greedy accuracy minus the baseline's, paired by prompt id; a regression when the "
-           f"whole interval is below " + (f"-{tolerance:g} points (the tolerance)" if tolerance else "0")
+    md += ["", "Change: this run's greedy accuracy minus the baseline's, paired by prompt id; a regression when the "
+           "whole interval is below " + (f"-{tolerance:g} points (the tolerance)" if tolerance else "0")
            + ". " + check["note"], ""]
     return md

@@ -32,7 +32,7 @@ from prefect.states import Failed
 from flows.plan.recipes import Plan
 from flows.report.comparison import comparison_rows, load_comparison
 from flows.report.gains import greedy_scores
-from flows.report.regressions import paired_regression, regression_line
+from flows.report.regressions import fmt_run, paired_regression, regression_line
 from flows.track.tracking import Tracker
 from schemas.errors import R1FlowError
 
@@ -68,14 +68,17 @@ def baseline_rows(tracker: Tracker, flow_run_id: str) -> tuple[str, list[dict[st
     return None
 
 
-def _compare_row(row: dict[str, Any], previous: dict[str, Any] | None, read_eval: Callable[[str], list[dict]],
+def compare_eval(row: dict[str, Any], previous: dict[str, Any] | None, read_eval: Callable[[str], list[dict]],
                  policy: RegressionPolicy) -> dict[str, Any]:
+    """One eval node's comparison: its comparison row in this run (`row`) and in the baseline (`previous`), and
+    `paired_regression` of their greedy results (`read_eval(fingerprint)`); with a `note` and no verdict when the
+    baseline has no such eval or its results cannot be read (garbage-collected, damaged)."""
     out = {"eval": row["eval"], "current": row, "previous": previous, "gain": None, "regression": False}
-    if previous is None:
+    if previous is None or not previous.get("eval_fingerprint"):
         return {**out, "note": "not compared: the baseline run has no such eval"}
     try:
         before = greedy_scores(read_eval(previous["eval_fingerprint"]))
-    except R1FlowError as e:  # garbage-collected or damaged: said, not a failure of this run
+    except R1FlowError as e:  # said, not a failure of this run
         return {**out, "note": f"not compared: the baseline's eval output {previous['eval_fingerprint'][:12]} "
                                f"cannot be read ({e})"}
     after = greedy_scores(read_eval(row["eval_fingerprint"]))
@@ -96,21 +99,21 @@ def compare_with_baseline(plan: Plan, results: list, tracker: Tracker, flow_run_
         name = client.read_deployment(deployment_id).name
     check: dict[str, Any] = {"run": {"id": str(run.id), "name": run.name}, "baseline": None, "rows": [], "lines": [],
                              "tolerance_points": policy.tolerance_points, "fail": policy.fail}
-    found = previous and baseline_rows(tracker, str(previous.id))
+    baseline = {"id": str(previous.id), "name": previous.name} if previous else None
+    found = baseline and baseline_rows(tracker, baseline["id"])
     if not found:
         check["note"] = (f"No earlier successful run of deployment {name!r}: nothing to compare; this run is the next "
-                         "one's baseline." if previous is None else
-                         f"The last successful run of deployment {name!r}, {previous.name} ({str(previous.id)[:8]}), "
-                         f"left no eval rows in MLflow experiment {tracker.experiment_id}: nothing to compare.")
+                         "one's baseline." if baseline is None else
+                         f"The last successful run of deployment {name!r}, {fmt_run(baseline)}, left no eval rows in "
+                         f"MLflow experiment {tracker.experiment_id}: nothing to compare.")
         _say(check["note"])
         return check
-    check["baseline"] = {"id": str(previous.id), "name": previous.name, "parent_run_id": found[0]}
+    check["baseline"] = {**baseline, "parent_run_id": found[0]}
     before = {r.get("eval"): r for r in found[1]}
-    check["rows"] = [_compare_row(r, before.get(r["eval"]), read_eval, policy) for r in comparison_rows(plan, results)]
+    check["rows"] = [compare_eval(r, before.get(r["eval"]), read_eval, policy) for r in comparison_rows(plan, results)]
     check["lines"] = [regression_line(r["eval"], r, check["baseline"], check["run"])
                       for r in check["rows"] if r["regression"]]
-    check["note"] = (f"Baseline: {previous.name} ({str(previous.id)[:8]}), the last successful run of deployment "
-                     f"{name!r} before this one.")
+    check["note"] = f"Baseline: {fmt_run(baseline)}, the last successful run of deployment {name!r} before this one."
     _say(check["note"] + " " + ("; ".join(check["lines"]) or "No regression."))
     return check
 
