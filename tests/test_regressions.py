@@ -335,7 +335,15 @@ def test_a_scheduled_deployment_fails_when_its_model_got_worse_and_passes_on_the
     assert parent.info.status == "FAILED"
     assert parent.data.metrics["eval_base/regression"] == 1.0
     assert parent.data.metrics["eval_base/regression/change"] == -1.0
-    rows = _regression_rows(_report_text(mlflow, exp, worse.id))
+    worse_report = _report_text(mlflow, exp, worse.id)
+    rows = _regression_rows(worse_report)
+    # the worse model is registered, but @final and @champion stay on the last good run's model
+    assert "No alias moved: this run regressed (Regressions above)." in worse_report
+    good_fp, worse_fp = rows[1]["model fp"], rows[0]["model fp"]
+    assert good_fp != worse_fp and worse_fp in worse_report.split("## Model registry", 1)[0]
+    for alias in ("final", "champion"):
+        assert mlflow.get_model_version_by_alias("r1flow-nightly-regress", alias).tags["r1flow.fingerprint"].startswith(
+            good_fp), alias
     assert [(r["eval"], r["flow run"], r["accuracy [95% CI]"], r["regression"]) for r in rows] == [
         ("eval_base", f"{worse.name} ({str(worse.id)[-8:]})", "0 [0.000, 0.000]", "regression"),
         ("↳ baseline", f"{baseline.name} ({str(baseline.id)[-8:]})", "1 [1.000, 1.000]", "")]

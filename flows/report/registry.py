@@ -22,7 +22,8 @@ on every run that reaches them:
   number, which need not be the final model), hence `final`.
 - `champion`: the evaluated model with the highest eval `accuracy` in that run (ties: higher
   format rate, then the later node), moved only by runs in which every eval node ran or was
-  cached (a `--only` run leaves it alone). Only evals of one run are compared: they share
+  cached (a `--only` run leaves it alone).
+- A deployment's run that regressed (flows/run/regressions.py) registers its versions and moves neither alias. Only evals of one run are compared: they share
   held-out prompts, while runs with other profiles or overrides need not.
 
 Load with `models:/r1flow-<recipe>@final` or `@champion`; the version's tags name the node,
@@ -89,6 +90,7 @@ class Registration:
     versions: dict[str, str] = field(default_factory=dict)  # "node.output" -> version
     aliases: dict[str, str] = field(default_factory=dict)  # alias -> version
     created: list[str] = field(default_factory=list)  # versions created by this run
+    held: str = ""  # why no alias moved (a regressed run), or ""
 
     def markdown(self, tracker: Tracker) -> str:
         by_version: dict[str, list[str]] = {}
@@ -100,6 +102,8 @@ class Registration:
         name = f"[`{self.name}`]({base}{UI_QUERY})" if base else f"`{self.name}`"
         lines = [f"Registered model {name} (load with `models:/{self.name}@{FINAL_ALIAS}` or "
                  f"`models:/{self.name}@{CHAMPION_ALIAS}`):", ""]
+        if self.held:
+            lines[-1:-1] = [f"No alias moved: {self.held}.", ""]
         for ref, v in self.versions.items():
             notes = by_version.get(v, []) + (["new"] if v in self.created else [])
             version = f"[version {v}]({base}/versions/{v}{UI_QUERY})" if base else f"version {v}"
@@ -141,15 +145,18 @@ def _ensure_registered_model(tracker: Tracker, name: str, recipe: str) -> None:
 
 
 def register_models(plan: Plan, results: list[StageResult], tracker: Tracker,
-                    store: ArtifactStore | None = None, parent_run_id: str | None = None) -> Registration | None:
+                    store: ArtifactStore | None = None, parent_run_id: str | None = None,
+                    hold_aliases: str = "") -> Registration | None:
     """Register the run's final and evaluated models under `r1flow-<recipe>` and move the aliases
     (scheme in the module docstring). Nodes skipped in this run are left out; None when none remain.
+    `hold_aliases`: why this run moves no alias (a deployment's run that regressed: `@final` and `@champion` stay
+    on the last good run's models), or "".
 
     Runs that finish together on one local sqlite store register one at a time (`sqlite_lock`: else both
     add a version of the same fingerprint, or one fails on `UNIQUE constraint failed:
     registered_model_aliases`); against a server, moving an alias is retried on that race."""
     with sqlite_lock(tracker.uri):
-        return _register_models(plan, results, tracker, store, parent_run_id)
+        return _register_models(plan, results, tracker, store, parent_run_id, hold_aliases)
 
 
 def _set_alias(client, name: str, alias: str, version: str, attempts: int = 5) -> None:
@@ -165,7 +172,7 @@ def _set_alias(client, name: str, alias: str, version: str, attempts: int = 5) -
 
 
 def _register_models(plan: Plan, results: list[StageResult], tracker: Tracker, store: ArtifactStore | None,
-                     parent_run_id: str | None) -> Registration | None:
+                     parent_run_id: str | None, hold_aliases: str = "") -> Registration | None:
     done = {r.node: r for r in results if r.status != "skipped" and r.outputs}
     finals = [n for n in final_model_nodes(plan) if n in done]
     all_evals = evaluated_models(plan)
@@ -213,6 +220,9 @@ def _register_models(plan: Plan, results: list[StageResult], tracker: Tracker, s
                 client.set_model_version_tag(name, version, f"r1flow.eval.{eval_node}.{key}", str(r.metrics[key]))
         candidates.append((r.metrics["accuracy"], r.metrics.get("format_rate", 0.0), order[node], version))
     final_versions = [v for ref, v in reg.versions.items() if finals and ref.split(".", 1)[0] == finals[-1]]
+    if hold_aliases:
+        reg.held = hold_aliases
+        return reg
     if final_versions:
         _set_alias(client, name, FINAL_ALIAS, final_versions[0])
         reg.aliases[FINAL_ALIAS] = final_versions[0]
