@@ -88,10 +88,10 @@ def test_the_cpu_profile_evaluates_grpo_reasonings_checkpoints():
     for overrides in ([], ["options.rl=ppo"]):
         plan = load_plan("r1", "cpu", overrides)
         node = plan.node("grpo_reasoning")
-        assert (node.config.publish_checkpoints_every, node.config.steps) == (20, 80)
+        assert (node.config.publish_checkpoints_every, node.config.steps) == (40, 80)
         check_plan(plan, {n.name for n in plan.nodes})
         assert eval_spec(plan, node, {"prompts": {"prompts": "p" * 64}})["node"] == "eval_grpo_reasoning"
-    assert [d for d in range(1, 81) if publish_due(20, d, 80)] == [20, 40, 60]  # 3 evals, then the final model's
+    assert [d for d in range(1, 81) if publish_due(40, d, 80)] == [40]  # one eval, then the final model's
 
 
 def test_a_node_no_eval_reads_is_one_line_before_any_compute(tmp_path, capsys, monkeypatch):
