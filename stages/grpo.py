@@ -206,6 +206,12 @@ class Update:
     ref_logp: torch.Tensor | None = None  # beta > 0
 
 
+def with_sampler_logprobs(s: Session) -> bool:
+    """Whether a step's samples carry the sampler's log-probs: the behaviour policy of the importance weight
+    (`old_logprobs: sampler`, asynchronous workers), or a vLLM engine's, for the drift alone."""
+    return s.cfg.old_logprobs == "sampler" or s.rollouts is not None or bool(s.engine)
+
+
 def advantages(s: Session, g: groups.Groups, rewards_by_rank: list[torch.Tensor], metrics: dict[str, float]) -> Update:
     """Group-relative advantages of this process's sequences (exactly one process's for every process's rewards)
     and their training tensors; with process_coef > 0 plus process_coef times the per-token step advantages."""
@@ -240,7 +246,7 @@ def advantages(s: Session, g: groups.Groups, rewards_by_rank: list[torch.Tensor]
     u = Update(adv, n, batch, rollout_batch, shared)
     u.old_logp = torch.zeros_like(batch["loss_mask"])  # the first epoch's own passes fill it (exact: see above)
     corrected = cfg.old_logprobs == "sampler" or s.rollouts is not None  # async: mu, the behaviour policy's
-    if corrected or s.engine:  # on vLLM the engine's log-probs come along for the drift (the loss uses them if corrected)
+    if with_sampler_logprobs(s):  # on vLLM the engine's log-probs come along for the drift (the loss uses them if corrected)
         u.sampler_logp = (batch["sampler_logprobs"] if s.env is not None  # multi-turn: already in the mask's layout
                           else place([list(c.logprobs or ()) for c in flat_comps], prompt_lens, batch["input_ids"].shape[1]))
         u.tis_w = torch.zeros_like(u.sampler_logp) if corrected else None
@@ -408,7 +414,7 @@ def train_step(s: Session, step: int) -> dict[str, float]:
         g = groups.sample_groups(s.backend, s.rows, cfg, s.ctx.seed, step, s.dist,
                                  s.scorer if cfg.reward.weights.get("reward_model", 0) != 0 else None,
                                  cfg.dynamic_sampling, cfg.max_refill_rounds,
-                                 logprobs=cfg.old_logprobs == "sampler" or s.engine,
+                                 logprobs=with_sampler_logprobs(s),
                                  env=s.env)
     rewards_by_rank, metrics = groups.gather_groups(g, s.dist, cfg.group_size)
     if synced is not None:
@@ -423,7 +429,7 @@ def train_step(s: Session, step: int) -> dict[str, float]:
     train_stats, grad_norm, lr = update(s, u, step)
     refresh_reference(s, step)
     metrics.update(train_metrics(s, train_stats, grad_norm, lr, t_train, t_step))
-    if cfg.old_logprobs == "sampler" or s.rollouts is not None or s.engine:  # every process: the drift is gathered
+    if with_sampler_logprobs(s):  # every process: the drift is gathered
         metrics.update(sampler_metrics(s, u))
     if s.rollouts is not None:
         metrics.update(s.rollouts.step_metrics(delivery))

@@ -12,8 +12,10 @@ _SESSION = Path(tempfile.mkdtemp(prefix="r1flow-tests-"))
 os.environ["R1FLOW_HOME"] = str(_SESSION / "home")
 os.environ["PREFECT_HOME"] = str(_SESSION / "prefect")
 # and what Prefect keeps there (Prefect 3.7 derives results' folder from ~/.prefect, not PREFECT_HOME)
-os.environ["PREFECT_RESULTS_LOCAL_STORAGE_PATH"] = str(_SESSION / "prefect" / "storage")
-os.environ["PREFECT_SERVER_MEMO_STORE_PATH"] = str(_SESSION / "prefect" / "memo_store.toml")
+from flows.servers.settings import PREFECT_HOME_FILES  # noqa: E402
+
+for _var, _name in PREFECT_HOME_FILES.items():
+    os.environ[_var] = str(_SESSION / "prefect" / _name)
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

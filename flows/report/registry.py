@@ -22,9 +22,9 @@ on every run that reaches them:
   number, which need not be the final model), hence `final`.
 - `champion`: the evaluated model with the highest eval `accuracy` in that run (ties: higher
   format rate, then the later node), moved only by runs in which every eval node ran or was
-  cached (a `--only` run leaves it alone).
-- A deployment's run that regressed (flows/run/regressions.py) registers its versions and moves neither alias. Only evals of one run are compared: they share
+  cached (a `--only` run leaves it alone). Only evals of one run are compared: they share
   held-out prompts, while runs with other profiles or overrides need not.
+- A deployment's run that regressed (flows/run/regressions.py) registers its versions and moves neither alias.
 
 Load with `models:/r1flow-<recipe>@final` or `@champion`; the version's tags name the node,
 stage, fingerprint and eval results.
@@ -219,10 +219,10 @@ def _register_models(plan: Plan, results: list[StageResult], tracker: Tracker, s
             if key in r.metrics:
                 client.set_model_version_tag(name, version, f"r1flow.eval.{eval_node}.{key}", str(r.metrics[key]))
         candidates.append((r.metrics["accuracy"], r.metrics.get("format_rate", 0.0), order[node], version))
-    final_versions = [v for ref, v in reg.versions.items() if finals and ref.split(".", 1)[0] == finals[-1]]
     if hold_aliases:
         reg.held = hold_aliases
         return reg
+    final_versions = [v for ref, v in reg.versions.items() if finals and ref.split(".", 1)[0] == finals[-1]]
     if final_versions:
         _set_alias(client, name, FINAL_ALIAS, final_versions[0])
         reg.aliases[FINAL_ALIAS] = final_versions[0]

@@ -411,11 +411,12 @@ def run_plan(plan: Plan, s: Settings, only: set[str] = frozenset(), force: set[s
 
         check = regression and compare_with_baseline(plan, results, tracker, flow_run_id, read_eval, regression)
         tracker.log_metrics(parent, regression_metrics(check))
-        held = "this run regressed (Regressions above)" if failing(check) else ""
+        regressed = failing(check)
+        held = "this run regressed (Regressions above)" if regressed else ""
         registration = register_models(plan, results, tracker, store=store, parent_run_id=parent, hold_aliases=held)
         report = build_report(plan, results, tracker, parent, registration, read_eval=read_eval, regressions=check)
         published = publish_report(report, tracker, parent)
-        ok = not failing(check)
+        ok = not regressed
     finally:
         tracker.end(parent, ok)
     return {"recipe": plan.recipe, "profile": plan.profile, "parent_run_id": parent,

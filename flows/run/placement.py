@@ -78,8 +78,7 @@ class Execution:
         if self.cluster:
             return f"on the Ray cluster at {self.cluster}"
         if self.parallel > 1:
-            threads = thread_share(self.parallel, available_cpus(), os.environ.get(THREADS_VAR))
-            return f"{self.parallel} stages at a time on this machine, {threads} thread(s) each"
+            return f"{self.parallel} stages at a time on this machine, {pool_threads(self)} thread(s) each"
         return "one stage at a time"
 
 
