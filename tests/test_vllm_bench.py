@@ -1,10 +1,12 @@
-"""The pure helpers of benchmarks/vllm_cpu.py (vLLM's CPU build against r1flow's decode), on hand-made numbers.
+"""The pure helpers of benchmarks/vllm_cpu.py (vLLM's CPU build against r1flow's decode) and learning_vllm.py (GRPO
+on vLLM against r1flow's decode), on hand-made numbers.
 They run in r1flow's own venv: the benchmark's module imports no vLLM until an engine starts."""
 
 from __future__ import annotations
 
 import pytest
 
+from benchmarks.learning_vllm import backend_markdown, backend_order, field_scores
 from benchmarks.vllm_cpu import (
     first_divergence,
     greedy_agreement,
@@ -109,3 +111,21 @@ def test_the_markdown_table_reads_each_measurement():
         "- prompt 2, token 7: top-2 margin 1.00e-05; r1flow ' 4' (rank 1, log-prob -0.6900), vLLM ' 5' (rank 2, "
         "log-prob -0.6900); within rounding",
     ]
+
+
+def test_learning_vllm_alternates_the_backends_and_scores_every_greedy_row():
+    assert backend_order(0) == ("transformers", "vllm") and backend_order(1) == ("vllm", "transformers")
+    rows = [{"prompt_id": "a", "mode": "greedy", "correct": True, "format_ok": True},
+            {"prompt_id": "b", "mode": "greedy", "correct": None, "format_ok": False},  # unscored: counts as wrong
+            {"prompt_id": "a", "mode": "sampled", "correct": False, "format_ok": True}]
+    assert field_scores(rows, "correct") == {"a": 1.0, "b": 0.0}
+    assert field_scores(rows, "format_ok") == {"a": 1.0, "b": 0.0}
+    results = {"prompts": 2, "seeds": 1, "sets": [], "fields": {"correct": {
+        "base": 0.25, "transformers": 0.5, "vllm": 0.75, "gain_transformers": [0.25, 0.0, 0.5],
+        "gain_vllm": [0.5, 0.25, 0.75], "diff": [0.25, -0.1, 0.6], "verdict": "same"}},
+        "sides": {"vllm": [{"grpo_seconds": 61.2, "steps": 12, "reward_last_half": 0.5,
+                            "sampler/logprob_delta_mean": 1e-5, "sampler/logprob_delta_p99": 2e-5,
+                            "sampler/logprob_delta_max": None}]}}
+    md = backend_markdown(results)
+    assert "| correct | 25.0% | 50.0% | 75.0% | +25.0 [+0.0, +50.0] | +50.0 [+25.0, +75.0] | +25.0 [-10.0, +60.0] | same |" in md
+    assert "| vllm | 0 | 61 | 12 | 0.500 | 1.00e-05 | 2.00e-05 | - |" in md

@@ -354,6 +354,36 @@ def test_the_sampling_stages_on_vllm_write_what_r1flows_decode_writes(tmp_path, 
 
 
 @needs_vllm
+def test_on_policy_distill_samples_on_vllm_with_the_students_weights_pushed_every_step(tmp_path, vllm_tiny_input,
+                                                                                      tiny_tokenizer, digit_prompts):
+    """distill mode=on_policy on a real engine (the tiny model with heads of 32 as the student, another seed of it as
+    the teacher, no teacher traces): every step after the first pushes the student's trained weights into the engine
+    in place (`time/weight_sync`), every step's sequences are the student's samples, and the student trains."""
+    from schemas.configs import DistillConfig, LoraSpec
+    from stages import distill
+
+    teacher = tmp_path / "teacher"
+    save_model(build_tiny_model(tiny_tokenizer, seed=1, num_heads=2, num_kv_heads=1), tiny_tokenizer,
+               teacher / MODEL_DIR)
+    cfg = DistillConfig(mode="on_policy", teacher_fraction=0.0, max_steps=3, batch_size=4, learning_rate=3e-3,
+                        warmup_ratio=0.0, lr_scheduler="constant", max_length=64, checkpoint_every=1000,
+                        lora=LoraSpec(r=0), generation=GenerationSpec(max_new_tokens=8, temperature=1.0,
+                                                                       batch_size=8, backend="vllm"))
+    ctx = LocalContext(tmp_path / "run", seed=0)
+    out = distill.run(cfg, {"teacher": fake_input(teacher, "model", "model"), "student": vllm_tiny_input,
+                            "prompts": digit_prompts}, ctx)["model"]
+    steps = {s: m for s, m in ctx.metrics if s is not None and "train/loss" in m}
+    assert sorted(steps) == [1, 2, 3]
+    assert [("time/weight_sync" in steps[s]) for s in (1, 2, 3)] == [False, True, True]
+    assert all(steps[s]["time/weight_sync"] > 0 for s in (2, 3))
+    assert [(m["train/teacher_sequences"], m["train/student_sequences"]) for m in steps.values()] == [(0, 4)] * 3
+    before, _ = load_model(vllm_tiny_input.model_dir)
+    after, _ = load_model(out.path / MODEL_DIR)
+    assert any(not torch.equal(a, b) for a, b in zip(before.state_dict().values(), after.state_dict().values(),
+                                                      strict=True))
+
+
+@needs_vllm
 def test_async_grpo_workers_sample_on_vllm(tmp_path, vllm_tiny_input, digit_prompts):
     """Asynchronous grpo (K = 1, 4 steps) with `generation.backend: vllm`: the rollout worker samples on an engine of
     its own and pushes each version it loads into it (in place); every group is consumed once, in order, min(1, s)
@@ -458,3 +488,39 @@ def test_r1_zero_and_rejection_sampling_run_on_vllm_through_the_cli(tmp_path):
     assert r.returncode == 0, out[-4000:]
     rows = json.loads(result.read_text())
     assert rows["status"] == "run", rows
+
+
+@needs_vllm
+def test_a_model_the_cpu_attention_cannot_serve_is_refused_at_plan_time(tmp_path):
+    """The tiny profile's model (head size 16) on vLLM's CPU build: `r1flow run` refuses GRPO on vLLM with one line
+    before any stage runs, and `r1flow stage eval --set backend=vllm` on that model's artifact before it computes."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.conftest import clean_env
+
+    r1flow, env = str(Path(sys.executable).parent / "r1flow"), clean_env(tmp_path / "home")
+
+    def r1(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([r1flow, *args], env=env, capture_output=True, text=True, timeout=600,
+                              stdin=subprocess.DEVNULL)
+
+    r = r1("run", "--recipe", "r1-zero", "--profile", "tiny", "--set", "grpo.generation.backend=vllm")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert [line for line in r.stderr.splitlines() if "error" in line] == [
+        "r1flow: error: node 'grpo': generation.backend=vllm: its model (base: tiny-random) has head_dim 16 is not "
+        "served by vLLM's CPU attention (head sizes 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512); use generation "
+        "backend transformers for this model; or --set grpo.generation.backend=transformers"], r.stderr
+    artifacts = tmp_path / "home" / "artifacts"
+    assert not artifacts.exists() or not any(artifacts.iterdir())  # nothing ran
+
+    r = r1("run", "--recipe", "r1-zero", "--profile", "tiny", "--only", "base", "--only", "prompts")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    r = r1("stage", "eval", "--profile", "tiny", "--input", "model=latest:base@r1-zero",
+           "--input", "prompts=latest:prompts@r1-zero", "--set", "backend=vllm")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert [line for line in r.stderr.splitlines() if "error" in line] == [
+        "r1flow: error: node 'eval': backend=vllm: its model (model input) has head_dim 16 is not served by vLLM's CPU "
+        "attention (head sizes 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512); use generation backend "
+        "transformers for this model; or --set backend=transformers"], r.stderr

@@ -16,6 +16,7 @@ import json  # noqa: E402
 import os  # noqa: E402
 import select  # noqa: E402
 import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 from flows.cli.deploy_commands import add_deploy_commands  # noqa: E402
 from flows.cli.output import one_line_errors, print_servers_used, print_summary, text_table  # noqa: E402
@@ -44,6 +45,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     settings = Settings.from_env()
     check_driver(execution, settings.store, settings.tracking_uri)  # before anything is written
     make_home()
+    from flows.run.engines import check_vllm_nodes  # lazy: reads models only where a node samples on vLLM
+
+    selected = set(args.only) if args.only else {n.name for n in plan.nodes}  # vLLM can serve (run_plan too)
+    check_vllm_nodes(plan, selected, Path(settings.home) / "cache-models", on_cluster=bool(execution.cluster))
     start_temporary_prefect()
     print(f"r1flow: recipe {plan.recipe!r}, profile {plan.profile!r}, model {plan.model!r}, "
           f"{len(plan.nodes)} stages, {execution.describe()}; home {settings.home}; {threads.describe()}", flush=True)

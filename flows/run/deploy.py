@@ -59,7 +59,16 @@ from flows.plan.recipes import (
     pydantic_message,
 )
 from flows.plan.results import fmt_metric, key_metrics
-from flows.run.pipeline import _flow_run_id, experiment_name, node_outcome, pipeline, run_plan, submit_node
+from flows.run.engines import check_vllm_stage
+from flows.run.pipeline import (
+    _flow_run_id,
+    experiment_name,
+    node_outcome,
+    pipeline,
+    resolve_input,
+    run_plan,
+    submit_node,
+)
 from flows.run.placement import Execution, cluster_address
 from flows.run.reclaim import reclaim_abandoned
 from flows.run.refs import REF_HELP, resolve_ref
@@ -74,6 +83,7 @@ from schemas.errors import ArtifactError, ConfigError
 from stages import STAGE_CONFIGS, STAGE_MODULES, STAGES, get_stage, stage_version
 from stages.base import declared_kinds
 from stages.runtime import lifetime
+from stages.sampling.engine_check import sampled_input
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository
 log = logging.getLogger(__name__)
@@ -191,6 +201,9 @@ def run_single_stage(stage: str, inputs: dict[str, str], overrides: dict[str, An
     resolved, producers = read_inputs(stage, inputs, store, s.tracking_uri)
     # config errors name the node the inputs make it (a blank node), before any file is re-hashed
     config, name, recipe_seed = stage_config(stage, recipe, profile, node, overrides or {}, producers)
+    sampled = sampled_input(stage)  # vLLM can serve the model it samples: one line before any compute
+    check_vllm_stage(name, stage, module.CONFIG.model_validate(config),
+                     {sampled: resolve_input(store, resolved[sampled])} if sampled in resolved else {})
     resolved = with_lineage(module, resolved, store)  # an eval's model's ancestor datasets, as the pipeline's node_key
     for fp in resolved.values():
         store.verify(fp)  # every file matches, before any compute

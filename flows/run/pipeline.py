@@ -39,6 +39,7 @@ from flows.report.report import build_report, publish_report, report_location
 from flows.run import placement
 from flows.run.checkpoint_evals import BESIDE, CheckpointEvals, check_plan, eval_spec
 from flows.run.context import FlowContext
+from flows.run.engines import check_vllm_nodes
 from flows.run.placement import Execution
 from flows.run.reach import check_reachable, describe_node
 from flows.run.reclaim import reclaim_abandoned
@@ -384,6 +385,10 @@ def run_plan(plan: Plan, s: Settings, only: set[str] = frozenset(), force: set[s
     placement.check_driver(execution, s.store, s.tracking_uri)
     lifetime.reinstall()  # SIGTERM stops the run within seconds, not Prefect's bridge (stages/runtime/lifetime.py)
     store = ArtifactStore(s.store, home=s.home)
+    # one line before any compute, and before the MLflow parent run starts (a refused plan leaves no run RUNNING)
+    selected = set(only) if only else {n.name for n in plan.nodes}
+    check_plan(plan, selected)  # checkpoint evals
+    check_vllm_nodes(plan, selected, store.home / "cache-models", on_cluster=bool(execution.cluster))  # vLLM can serve
     experiment = experiment_name(plan.recipe)
     tracker = Tracker(s.tracking_uri, experiment, s.mlflow_artifact_location)
     flow_run_id = _flow_run_id()
@@ -395,8 +400,6 @@ def run_plan(plan: Plan, s: Settings, only: set[str] = frozenset(), force: set[s
                                 "overrides": " ".join(plan.overrides), "only": ",".join(sorted(only)),
                                 "force": ",".join(sorted(force)), "options": plan.options,
                                 "parallel": execution.parallel, "cluster": execution.cluster or ""})
-    selected = set(only) if only else {n.name for n in plan.nodes}
-    check_plan(plan, selected)  # checkpoint evals: one line before any compute
     runner = _NodeRunner(plan, s, store, tracker, parent, experiment, flow_run_id, selected, plan.ancestors(selected),
                          set(force), execution)
     ok = False

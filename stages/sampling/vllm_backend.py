@@ -41,6 +41,7 @@ from stages.sampling.completions import (
     row_prefills,
     stop_token_ids,
 )
+from stages.sampling.engine_check import cpu_head_dim_refusal
 
 COLOCATED_GPU_MEMORY = 0.3  # vLLM's share of the GPU beside a trainer (R1FLOW_VLLM_GPU_MEMORY_UTILIZATION overrides)
 CPU_KV_CACHE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE where unset (else vLLM reserves a share of the machine's memory)
@@ -68,13 +69,11 @@ def cpu_engine_options(model_dir: Path | str) -> dict:
 
 def check_cpu_head_dim(model_dir: Path | str, supported: list[int]) -> None:
     """vLLM's CPU attention serves only some head sizes (`supported`); any other is one error before the engine
-    starts (vLLM itself fails at the first generate, after loading)."""
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    heads = config.get("num_attention_heads") or 1
-    head_dim = config.get("head_dim") or config.get("hidden_size", 0) // heads
-    if supported and head_dim not in supported:
-        raise ModelError(f"{model_dir}: head_dim {head_dim} is not served by vLLM's CPU attention (head sizes "
-                         f"{', '.join(map(str, supported))}); use generation backend transformers for this model")
+    starts (vLLM itself fails at the first generate, after loading). A run refuses it at plan time already
+    (flows/run/engines.py); this is the last check, for a model the plan could not read."""
+    reason = cpu_head_dim_refusal(json.loads((Path(model_dir) / "config.json").read_text()), supported)
+    if reason:
+        raise ModelError(f"{model_dir}: {reason}")
 
 
 class VLLMBackend:
