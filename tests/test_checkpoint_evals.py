@@ -13,6 +13,7 @@ from flows.cli.app import main
 from flows.plan.recipes import load_plan
 from flows.report.checkpoint_curve import checkpoint_rows
 from flows.run.checkpoint_evals import check_plan, eval_spec
+from flows.run.placement import NODE_RETRIES, Execution
 from schemas.configs import SFTConfig
 from schemas.errors import ConfigError
 from schemas.rl_configs import GRPOConfig
@@ -72,6 +73,13 @@ def test_the_plan_names_the_eval_or_refuses_in_one_line():
     spec = eval_spec(plan, plan.node("sft"), {"prompts": {"prompts": "p" * 64}})
     assert (spec["node"], spec["inputs"], spec["seed"]) == ("eval_sft", {"prompts": "p" * 64}, plan.node("eval_sft").seed)
     assert spec["config"] == plan.node("eval_sft").config_dict
+    assert spec["ray_options"] == {}  # off a cluster: nothing to reserve
+    # on a cluster: the Ray options of eval_sft's own stage task, its `resources:` (labels pin it to a machine)
+    pinned = load_plan("sft-eval", "tiny", ["sft.publish_checkpoints_every=10", "eval_sft.resources.labels.head=1",
+                                            "eval_sft.resources.cpus=2"])
+    on_ray = eval_spec(pinned, pinned.node("sft"), {"prompts": {"prompts": "p" * 64}}, Execution(cluster="head:6379"))
+    assert on_ray["ray_options"] == {"num_cpus": 2, "num_gpus": 0, "max_retries": NODE_RETRIES,
+                                     "resources": {"head": 1.0}}
     off = load_plan("sft-eval", "tiny", [])
     assert eval_spec(off, off.node("sft"), {}) is None  # off: no spec
     # r1's RL node: its eval's prompts are made before it

@@ -7,7 +7,10 @@ eval ends, and `checkpoint_evals.json` (every eval's step, artifact, run, start 
 
 The eval's compute runs in a process of its own (`EvalWorker`, started with the stage): the global RNG that the
 samplers seed per batch, and the torch threads, are per process, and a stage training beside it in the same process
-would draw from the eval's seeds (its outputs would depend on when the eval ran).
+would draw from the eval's seeds (its outputs would depend on when the eval ran). On a Ray cluster (the stage a Ray
+task, `placement.on_cluster()`) each eval is instead a Ray task of its own, placed by the eval node's `resources:`
+(`eval_on_ray`: the pipeline's `ray_options` for that node, as its own stage task gets), which runs the same stage
+task there (cache lookup, MLflow run nested under the stage's, publish to the shared store).
 
 The eval is the recipe's eval node of the training node's model (`eval_node_of`): its config, seed and other inputs
 (the held-out prompts) with the checkpoint as its model. So its cache key is made as any eval node's (the checkpoint's
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextvars
+import functools
 import importlib
 import json
 import multiprocessing
@@ -33,6 +37,8 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from flows.plan.recipes import Node, Plan
+from flows.run import placement
+from flows.run.placement import Execution
 from flows.store.cache import cache_key
 from flows.store.lineage import with_lineage
 from schemas.errors import ConfigError
@@ -82,14 +88,17 @@ def check_plan(plan: Plan, running: Collection[str]) -> None:
                               f"it may not exist while {node.name} trains; use {off}")
 
 
-def eval_spec(plan: Plan, node: Node, upstream: dict[str, dict[str, str]]) -> dict[str, Any] | None:
-    """What a training node's checkpoint evals run (`check_plan` passed): the eval node, its config and seed, and its
-    inputs but the model, as fingerprints; None when the node publishes no checkpoints."""
+def eval_spec(plan: Plan, node: Node, upstream: dict[str, dict[str, str]],
+              execution: Execution = Execution()) -> dict[str, Any] | None:
+    """What a training node's checkpoint evals run (`check_plan` passed): the eval node, its config and seed, its
+    inputs but the model, as fingerprints, and on a cluster the Ray options of its stage task (`ray_options`: its
+    `resources:`; empty off a cluster); None when the node publishes no checkpoints."""
     ev = eval_node_of(plan, node) if getattr(node.config, "publish_checkpoints_every", 0) else None
     if ev is None:
         return None
     return {"node": ev.name, "config": ev.config_dict, "seed": ev.seed,
-            "inputs": {name: upstream[up][out] for name, (up, out) in ev.inputs.items() if name != "model"}}
+            "inputs": {name: upstream[up][out] for name, (up, out) in ev.inputs.items() if name != "model"},
+            "ray_options": placement.ray_options(ev.resources, ev.config, execution)}
 
 
 def eval_key(store: ArtifactStore, spec: dict[str, Any], checkpoint: str) -> tuple[str, dict[str, str]]:
@@ -183,21 +192,42 @@ class EvalWorker:
         shutil.rmtree(self.work, ignore_errors=True)
 
 
+def eval_on_ray(options: dict[str, Any], submitted: Callable[[Any], None]) -> Callable[..., Any]:
+    """A `submit` for the pipeline's `submit_node`, called in a Ray worker of a cluster run: the stage task as a Ray
+    task of the same job (a Prefect task run through prefect-ray's runner, as the pipeline's nodes are), reserving
+    `options`; hands its Ray object ref to `submitted` and returns its final state (Crashed when Ray lost it)."""
+    # lazy: optional extra (prefect-ray)
+    from prefect_ray import RayTaskRunner
+    from prefect_ray.context import remote_options
+
+    def submit(task_: Any, params: dict[str, Any], dependencies: dict[str, Any]) -> Any:
+        with RayTaskRunner() as runner, remote_options(**options):  # Ray is up in this worker: the runner joins it
+            future = runner.submit(task_, params, dependencies=dependencies)
+            submitted(future.wrapped_future)
+            future.wait()
+            return future.state
+
+    return submit
+
+
 class CheckpointEvals:
     """A running stage's published checkpoints and their evals (the context's `publish_checkpoint` calls `submit`).
 
     `spec`: `eval_spec`'s (None: the checkpoints are published, not evaluated, with a warning: a single-stage run has
     no eval node). `run_eval(node, config, inputs, seed, key, parent_run_id)`: runs one eval node as a Prefect task
-    and returns its result (the pipeline's `stage_task`'s); called in this class's thread, in the stage's context."""
+    and returns its result (the pipeline's `stage_task`'s); called in this class's thread, in the stage's context,
+    with `submit` (`eval_on_ray`) on a cluster, where no worker process is spawned."""
 
     def __init__(self, spec: dict[str, Any] | None, *, node: str, producer: Producer, parents: list[str],
                  store: ArtifactStore, tracker: Tracker, run_id: str, log, run_eval: Callable[..., dict[str, Any]]):
         self.spec, self.node, self.producer, self.parents = spec, node, producer, parents
         self.store, self.tracker, self.run_id, self.log, self.run_eval = store, tracker, run_id, log, run_eval
         self.pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self.futures: list[concurrent.futures.Future] = []
+        self.futures: list[tuple[int, concurrent.futures.Future]] = []
+        self.on_ray_refs: dict[int, Any] = {}  # step -> its eval's Ray task (on a cluster)
         self.records: list[dict[str, Any]] = []
-        self.worker = EvalWorker() if spec is not None else None
+        self.on_ray = spec is not None and placement.on_cluster()
+        self.worker = EvalWorker() if spec is not None and not self.on_ray else None
 
     def submit(self, step: int, output: Output) -> None:
         """Publish and evaluate the model after `step` in the background; returns at once."""
@@ -211,7 +241,7 @@ class CheckpointEvals:
         if self.pool is None:  # one at a time, in the order published; Prefect's and MLflow's context goes along
             self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"checkpoint-evals-{self.node}")
         context = contextvars.copy_context()
-        self.futures.append(self.pool.submit(context.run, self._evaluate, step, output))
+        self.futures.append((step, self.pool.submit(context.run, self._evaluate, step, output)))
 
     def _evaluate(self, step: int, output: Output) -> None:
         started_at = time.time()
@@ -225,23 +255,32 @@ class CheckpointEvals:
             return
         key, inputs = eval_key(self.store, self.spec, manifest.fingerprint)
         name = f"{self.spec['node']}@{self.node}-step{step}"
-        BESIDE.set(self.worker.run)  # this thread's context only: the eval's stage runs in the worker
-        computing = len(self.worker.computed)
-        out = self.run_eval(name, self.spec["config"], inputs, self.spec["seed"], key, self.run_id)
+        if self.on_ray:
+            out = self.run_eval(name, self.spec["config"], inputs, self.spec["seed"], key, self.run_id,
+                                submit=eval_on_ray(self.spec.get("ray_options", {}),
+                                                   functools.partial(self.on_ray_refs.__setitem__, step)))
+            computed = (None, None) if out["reused"] else (out["started_at"], out["ended_at"])
+        else:
+            BESIDE.set(self.worker.run)  # this thread's context only: the eval's stage runs in the worker
+            computing = len(self.worker.computed)
+            out = self.run_eval(name, self.spec["config"], inputs, self.spec["seed"], key, self.run_id)
+            computed = self.worker.computed[-1] if len(self.worker.computed) > computing else (None, None)
         curve = {f"{CURVE_PREFIX}{m}": float(out["metrics"][m]) for m in CURVE_METRICS if m in out["metrics"]}
         self.tracker.log_metrics(self.run_id, curve, step)
-        computed = self.worker.computed[-1] if len(self.worker.computed) > computing else (None, None)
         self.records.append({**record, "eval": name, "key": key, "results": out["outputs"].get("results"),
                              "cached": bool(out["reused"]), "mlflow_run_id": out["mlflow_run_id"],
                              "started_at": started_at, "ended_at": time.time(), "computed_from": computed[0],
-                             "computed_to": computed[1], **curve})
+                             "computed_to": computed[1], "host": out.get("host", ""),
+                             "ray_node_id": out.get("ray_node_id", ""), **curve})
 
     def finish(self) -> list[dict[str, Any]]:
         """After the training: wait for the evals still running, log `checkpoint_evals.json` to the stage's run;
         the records by step. A failed eval is one warning line: the trained model is still published."""
         trained_at = time.time()
-        for future in self.futures:
+        for step, future in self.futures:
             try:
+                if self.on_ray:
+                    self._lend_while_waiting(step, future)
                 future.result()
             except Exception as e:  # noqa: BLE001 - the training succeeded; its output is published regardless
                 self.log.warning("%s: a checkpoint eval failed: %s: %s", self.node, type(e).__name__, e)
@@ -253,6 +292,21 @@ class CheckpointEvals:
             self.tracker.log_text(self.run_id, json.dumps({"node": self.node, "training_ended_at": trained_at,
                                                            "evals": records}, indent=1), RECORD_FILE)
         return records
+
+    def _lend_while_waiting(self, step: int, future: concurrent.futures.Future) -> None:
+        """On a cluster, in the stage's thread (the Ray worker's main one) once the training is done: wait for the
+        step's eval task in `ray.wait`, which lends the stage's reservation to Ray meanwhile (a blocking call of the
+        main thread does; the evals' own thread waits holding it), so an eval that fits only where the stage runs
+        gets it instead of waiting for it for good."""
+        # lazy: optional extra (ray)
+        import ray
+
+        while not future.done():
+            ref = self.on_ray_refs.get(step)
+            if ref is not None:
+                ray.wait([ref])  # until the task ends, failed or not (its error is the future's)
+                return
+            time.sleep(0.1)  # publishing the checkpoint: not on Ray yet
 
     def close(self) -> None:
         """Stop what has not started (the stage failed, or finished: then nothing is left) and wait for the rest."""

@@ -223,12 +223,14 @@ def _run_stage_here(module, cfg, resolved, ctx: FlowContext, log) -> dict[str, A
 
 
 def _run_checkpoint_eval(node: str, config: dict[str, Any], inputs: dict[str, str], seed: int, key: str,
-                         parent_run_id: str, *, store: ArtifactStore, s: Settings, experiment: str) -> dict[str, Any]:
+                         parent_run_id: str, *, store: ArtifactStore, s: Settings, experiment: str,
+                         submit: Callable[..., Any] | None = None) -> dict[str, Any]:
     """A checkpoint's eval as an eval node's stage task (a Prefect task run, its MLflow run nested under the training
-    stage's), reused from the store when its key is there; its result, `reused` true for a cache hit."""
+    stage's; `submit`: on a cluster, a Ray task of its own), reused from the store when its key is there; its result,
+    `reused` true for a cache hit."""
     record = reusable_record(store, key, node)
     state = submit_node(node, "eval", config, inputs, seed, key, record=record, force=False,
-                        parent_run_id=parent_run_id, s=s, experiment=experiment)
+                        parent_run_id=parent_run_id, s=s, experiment=experiment, submit=submit)
     out = state.result()
     return {**out, "reused": state.name == "Cached" or out["reused"]}
 
@@ -487,7 +489,7 @@ class _NodeRunner:
         handle = submit_node(node.name, node.stage, node.config_dict, inputs, node.seed, key, record=record,
                              force=forced, parent_run_id=self.parent, s=self.s, experiment=self.experiment,
                              upstream=upstream, submit=None if submit is None else functools.partial(submit, node),
-                             checkpoint_eval=eval_spec(self.plan, node, self.upstream))
+                             checkpoint_eval=eval_spec(self.plan, node, self.upstream, self.execution))
         return handle, key, record, t0
 
     def _finish(self, node, key: str, record: CacheRecord | None, t0: float, state, out: dict[str, Any]) -> None:
