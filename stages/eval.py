@@ -207,7 +207,8 @@ def cache_salt(cfg: EvalConfig) -> str:
 def answer_prompts(cfg: EvalConfig, model, tokenizer, prompts: list[dict], spec: GenerationSpec, n: int, seed: int,
                    desc: str, engine=None) -> tuple[list[list[dict]], float, int]:
     """n answers per prompt as partial eval rows, with the seconds and sampled tokens it took. single_turn: generate()'s
-    completions, as always, or `engine`'s (a vLLM backend, `backend: vllm`). Otherwise the environment's trajectories: `completion` is the transcript (the tool's
+    completions, as always, or `engine`'s (a vLLM backend, `backend: vllm`). Otherwise the environment's trajectories
+    (r1flow's loop, or the engine's `trajectories`: token ids turn after turn): `completion` is the transcript (the tool's
     output included, so a reader sees what the model saw), scored on the model's own text (`Environment.score`),
     with turns, tool_calls and tool_errors."""
     autocast_dtype = auto_precision(str(next(model.parameters()).device))  # bf16 on a GPU, fp32 on the CPU
@@ -218,10 +219,11 @@ def answer_prompts(cfg: EvalConfig, model, tokenizer, prompts: list[dict], spec:
         return [[{"completion": c.text, "num_tokens": c.num_tokens, "finish_reason": c.finish_reason,
                   "verdict": score(p, c.text)} for c in cs] for p, cs in zip(prompts, comps, strict=True)], \
             stats.seconds, stats.new_tokens
-    env = environment_from_spec(cfg.environment)
-    trajs, stats = sample_trajectories(model, tokenizer, prompts, env, spec, n=n, seed=seed,
-                                       max_total_tokens=cfg.environment.token_budget(spec.max_new_tokens),
-                                       autocast_dtype=autocast_dtype)
+    env, budget = environment_from_spec(cfg.environment), cfg.environment.token_budget(spec.max_new_tokens)
+    trajs, stats = (engine.trajectories(prompts, env, spec, n=n, seed=seed, max_total_tokens=budget)
+                    if engine is not None else
+                    sample_trajectories(model, tokenizer, prompts, env, spec, n=n, seed=seed, max_total_tokens=budget,
+                                        autocast_dtype=autocast_dtype))
     return [[{"completion": t.transcript, "num_tokens": t.num_tokens, "finish_reason": t.finish_reason,
               "verdict": env.score(p, t.text, t.num_tokens), "turns": t.turns, "tool_calls": t.tool_calls,
               "tool_errors": t.tool_errors} for t in ts] for p, ts in zip(prompts, trajs, strict=True)], \

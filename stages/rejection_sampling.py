@@ -31,7 +31,7 @@ from stages.base import Input, Output, StageContext, seed_everything, write_data
 from stages.environments.registry import check_sampling_environment, environment_from_spec, environment_salt
 from stages.rewards.answers import extract_answer_lenient, reformat_r1
 from stages.rewards.verifiers import Verdict, score
-from stages.sampling.generation import sample_with
+from stages.sampling.generation import make_backend, release, sample_with
 from stages.sampling.multiturn import sample_trajectories
 
 VERSION = "3"  # history: CHANGELOG.md
@@ -82,7 +82,8 @@ def accept(samples: list[dict], cfg: RejectionSamplingConfig) -> list[dict]:
 
 def check(cfg: RejectionSamplingConfig) -> None:
     """Before any compute: the environment loads; only r1flow's decode loop runs multi-turn rollouts."""
-    check_sampling_environment("rejection_sampling", cfg.environment, cfg.reward, cfg.generation.backend)
+    check_sampling_environment("rejection_sampling", cfg.environment, cfg.reward, cfg.generation.backend,
+                               vllm_turns=True)
 
 
 def cache_salt(cfg: RejectionSamplingConfig) -> str:
@@ -101,11 +102,20 @@ def sample_candidates(cfg: RejectionSamplingConfig, model_input: Input, prompts:
                                    seed, device, "rejection sampling")
         return [[{"text": c.text, "completion": c.text, "num_tokens": c.num_tokens, "finish_reason": c.finish_reason,
                   "tool": None} for c in cs] for cs in comps], stats.tokens_per_s
-    env = environment_from_spec(cfg.environment, cfg.reward)
+    env, budget = environment_from_spec(cfg.environment, cfg.reward), cfg.environment.token_budget(
+        cfg.generation.max_new_tokens)
     model, tokenizer = model_input.load_model()
     model.to(device)
-    trajs, stats = sample_trajectories(model, tokenizer, prompts, env, cfg.generation, n=cfg.num_samples, seed=seed,
-                                       max_total_tokens=cfg.environment.token_budget(cfg.generation.max_new_tokens))
+    if cfg.generation.backend == "vllm":  # the engine samples every turn, prompts and observations as token ids
+        engine = make_backend(cfg.generation, model, tokenizer, model_input.model_dir, seed=seed)
+        try:
+            trajs, stats = engine.trajectories(prompts, env, cfg.generation, n=cfg.num_samples, seed=seed,
+                                               max_total_tokens=budget)
+        finally:
+            release(engine)
+    else:
+        trajs, stats = sample_trajectories(model, tokenizer, prompts, env, cfg.generation, n=cfg.num_samples,
+                                           seed=seed, max_total_tokens=budget)
     return [[{"text": t.text, "completion": t.transcript, "num_tokens": t.num_tokens,
               "finish_reason": t.finish_reason,
               "tool": {"turns": t.turns, "tool_calls": t.tool_calls, "tool_errors": t.tool_errors}}

@@ -4,9 +4,11 @@ They run in r1flow's own venv: the benchmark's module imports no vLLM until an e
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
-from benchmarks.learning_vllm import backend_markdown, backend_order, field_scores
+from benchmarks.learning_vllm import backend_markdown, backend_order, field_scores, side_command
 from benchmarks.vllm_cpu import (
     first_divergence,
     greedy_agreement,
@@ -129,3 +131,14 @@ def test_learning_vllm_alternates_the_backends_and_scores_every_greedy_row():
     md = backend_markdown(results)
     assert "| correct | 25.0% | 50.0% | 75.0% | +25.0 [+0.0, +50.0] | +50.0 [+25.0, +75.0] | +25.0 [-10.0, +60.0] | same |" in md
     assert "| vllm | 0 | 61 | 12 | 0.500 | 1.00e-05 | 2.00e-05 | - |" in md
+
+
+def test_learning_vllm_runs_only_the_grpo_node_and_the_two_evals():
+    args = argparse.Namespace(recipe="r1", profile="cpu", node="grpo_reasoning", eval="eval_grpo_reasoning",
+                              base_eval="eval_sft_cold", set=["grpo_reasoning.steps=30"])
+    cmd = side_command("r1flow", args, 2, "vllm", "s.json")
+    assert cmd[:8] == ["r1flow", "run", "--recipe", "r1", "--profile", "cpu", "--json", "s.json"]
+    assert [cmd[i + 1] for i, a in enumerate(cmd) if a == "--only"] == ["grpo_reasoning", "eval_grpo_reasoning",
+                                                                        "eval_sft_cold"]
+    assert [cmd[i + 1] for i, a in enumerate(cmd) if a == "--set"] == [
+        "grpo_reasoning.seed=2", "grpo_reasoning.generation.backend=vllm", "grpo_reasoning.steps=30"]

@@ -38,11 +38,18 @@ CONVS = [[{"role": "user", "content": f"Say {i}, then count to {i + 3}."}] for i
 # ---------------------------------------------------------------------------- everywhere
 
 
-def test_eval_backend_stays_out_of_the_cache_key_by_default_and_vllm_is_single_turn():
+def test_eval_backend_stays_out_of_the_cache_key_by_default_and_which_stages_run_turns_on_vllm():
+    from schemas.errors import ConfigError
+    from schemas.specs import EnvironmentSpec
+    from stages.environments.registry import check_sampling_environment
+
     assert "backend" not in EvalConfig().model_dump(mode="json")  # the keys of every eval node stay what they were
     assert EvalConfig(backend="vllm").model_dump(mode="json")["backend"] == "vllm"
-    with pytest.raises(ValidationError, match="backend 'vllm' samples single-turn answers; environment 'python'"):
-        EvalConfig(backend="vllm", environment={"name": "python"})
+    assert EvalConfig(backend="vllm", environment={"name": "python"}).environment.name == "python"  # its turns on vLLM
+    python = EnvironmentSpec(name="python")
+    check_sampling_environment("rejection_sampling", python, None, "vllm", vllm_turns=True)
+    with pytest.raises(ConfigError, match="step_labels.generation.backend: vllm samples one turn per prompt"):
+        check_sampling_environment("step_labels", python, None, "vllm")
 
 
 def test_sync_timeout_stays_out_of_the_dump_while_default():
@@ -420,6 +427,38 @@ def test_eval_stage_on_vllm_answers_as_on_transformers(tmp_path, vllm_tiny_input
     assert len(greedy[0]) == 4 and greedy[0] == greedy[1]
     assert sum(r["mode"] == "sampled" for r in vllm_rows) == 4
     assert runs["vllm"].metrics["prompts"] == 4 and runs["vllm"].metrics["tokens_per_s"] > 0
+
+
+@needs_vllm
+def test_eval_and_rejection_sampling_run_a_tools_turns_on_vllm_as_r1flows_decode(tmp_path, vllm_tiny_input,
+                                                                                digit_prompts):
+    """eval (`backend: vllm`) and rejection_sampling (`generation.backend: vllm`) with a user environment that calls
+    the python tool every turn: the engine runs the turns (prompts and observations as token ids), and greedy, both
+    stages write the rows r1flow's own multi-turn loop writes (transcripts with the tool's output, turns, calls)."""
+    from schemas.configs import EnvironmentSpec, RejectionSamplingConfig
+    from stages import rejection_sampling
+    from tests.test_grpo_tools import TOOL_EVERY_TURN
+
+    tool = tmp_path / "tool_every_turn.py"
+    tool.write_text(TOOL_EVERY_TURN)
+    env = EnvironmentSpec(name=str(tool), max_turns=3, max_total_tokens=40)
+    rows = {}
+    for backend in ("vllm", "transformers"):
+        cfg = EvalConfig(max_prompts=4, max_new_tokens=8, pass_k=0, backend=backend, environment=env)
+        out = eval_stage.run(cfg, {"model": vllm_tiny_input, "prompts": digit_prompts},
+                             LocalContext(tmp_path / f"eval-{backend}", seed=0))["results"]
+        rs = RejectionSamplingConfig(num_samples=1, max_prompts=4, require_correct=False, environment=env,
+                                     generation=GenerationSpec(max_new_tokens=8, temperature=0.0, batch_size=4,
+                                                               backend=backend))
+        kept = rejection_sampling.run(rs, {"model": vllm_tiny_input, "prompts": digit_prompts},
+                                      LocalContext(tmp_path / f"rs-{backend}", seed=0))
+        rows[backend] = ([(r["prompt_id"], r["completion"], r["num_tokens"], r["turns"], r["tool_calls"])
+                          for r in pq.read_table(out.path / DATA_FILE).to_pylist()],
+                         sorted(str(r) for o in kept.values() for r in pq.read_table(o.path / DATA_FILE).to_pylist()))
+    (eval_vllm, rs_vllm), (eval_hf, rs_hf) = rows["vllm"], rows["transformers"]
+    assert len(eval_vllm) == 4 and eval_vllm == eval_hf
+    assert all(turns > 1 and calls > 0 and "42" in completion for _, completion, _, turns, calls in eval_vllm)
+    assert rs_vllm and rs_vllm == rs_hf
 
 
 @needs_vllm

@@ -125,11 +125,13 @@ def environment_salt(spec: EnvironmentSpec) -> str:
     return f"{spec.name}@{version}" if version else ""
 
 
-def check_sampling_environment(stage: str, spec: EnvironmentSpec, reward: RewardSpec | None, backend: str) -> None:
+def check_sampling_environment(stage: str, spec: EnvironmentSpec, reward: RewardSpec | None, backend: str,
+                               vllm_turns: bool = False) -> None:
     """Before any compute, for a stage that samples with `spec`: the environment loads (`environment_from_spec`), and
-    a multi-turn one is not given to vLLM, which samples one turn per prompt."""
+    a multi-turn one is not given to vLLM unless the stage runs its turns on the engine (`vllm_turns`:
+    `VLLMBackend.trajectories`)."""
     environment_from_spec(spec, reward)
-    if not spec.is_single_turn and backend == "vllm":
+    if not spec.is_single_turn and backend == "vllm" and not vllm_turns:
         raise ConfigError(f"{stage}.generation.backend: vllm samples one turn per prompt; environment {spec.name!r} "
                           f"needs the transformers backend (r1flow's multi-turn decode loop)")
 
