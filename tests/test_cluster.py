@@ -8,6 +8,8 @@ as a real cluster's machines would: what a stage needs comes from the driver.
 - The tiny `r1` recipe on two Ray nodes: every fingerprint equals the run without a cluster (reward_model's and
   grpo_final's too, which MKL's mode changes), its stages ran on both nodes (manifest and MLflow tag), and
   independent stages overlapped in time.
+- sft-eval's checkpoint evals: Ray tasks of their own on the node their eval node's `resources:` pins, while sft
+  trains on another.
 - A wrong address: `r1flow run` and `r1flow status` say so in one line within seconds, before any flow run; status
   pointed at something that is no Ray head ends on SIGTERM.
 - A node no machine can hold (a label none offers, more machines than there are): one line before any stage runs.
@@ -157,6 +159,36 @@ def test_tiny_r1_on_two_ray_nodes_equals_the_run_without_a_cluster(cluster, home
                 if a["node"] < b["node"] and a["ray_node_id"] != b["ray_node_id"]
                 and a["started_at"] < b["ended_at"] and b["started_at"] < a["ended_at"]]
     assert overlaps, [(s["node"], s["started_at"], s["ended_at"]) for s in ran]
+
+
+def test_checkpoint_evals_are_ray_tasks_placed_by_their_eval_nodes_resources(cluster, home):
+    """sft-eval with sft pinned to the worker and eval_sft to the head (`resources.labels`): sft's checkpoint evals
+    ran as Ray tasks of their own on the head while sft trained on the worker (before, they ran in a process beside
+    sft, on the worker), each an MLflow run nested under sft's, and their curve is in sft's run. eval_base is pinned
+    to the worker so that nothing else holds the head's one CPU while sft trains."""
+    from mlflow.tracking import MlflowClient
+
+    result, _ = run_on(cluster, home, "--recipe", "sft-eval", *TINY, "--set", "sft.max_steps=400",
+                       "--set", "sft.publish_checkpoints_every=150", "--set", "sft.resources.labels.worker=1",
+                       "--set", "eval_sft.resources.labels.head=1", "--set", "eval_base.resources.labels.worker=1")
+    head, worker = cluster.running["head"].node_id, cluster.running["worker"].node_id
+    sft = next(s for s in result["stages"] if s["node"] == "sft")
+    assert (sft["status"], sft["ray_node_id"]) == ("run", worker)
+    client = MlflowClient(f"sqlite:///{home}/servers/mlflow.db")
+    # the servers' artifacts (mlflow-artifacts:/<experiment>/<run>/artifacts) are files under the shared home
+    where = client.get_run(sft["mlflow_run_id"]).info.artifact_uri.removeprefix("mlflow-artifacts:/")
+    record = json.loads((home / "servers" / "mlartifacts" / where / "checkpoint_evals.json").read_text())
+    evals = record["evals"]
+    assert [(e["step"], e["eval"], e["cached"], e["ray_node_id"]) for e in evals] == [
+        (150, "eval_sft@sft-step150", False, head), (300, "eval_sft@sft-step300", False, head)]
+    # the first computed on the head while sft still trained on the worker
+    assert evals[0]["started_at"] < evals[0]["computed_from"] < evals[0]["computed_to"] < record["training_ended_at"]
+    nested = client.search_runs([result["experiment_id"]], f"tags.mlflow.parentRunId = '{sft['mlflow_run_id']}'")
+    assert {r.data.tags["r1flow.node"]: r.data.tags["r1flow.ray_node_id"] for r in nested} == {
+        "eval_sft@sft-step150": head, "eval_sft@sft-step300": head}
+    history = client.get_metric_history(sft["mlflow_run_id"], "checkpoint_eval/accuracy")
+    assert [(m.step, m.value) for m in sorted(history, key=lambda m: m.step)] == [
+        (e["step"], e["checkpoint_eval/accuracy"]) for e in evals]
 
 
 def _flow_runs(cluster: LoopbackCluster) -> int:
