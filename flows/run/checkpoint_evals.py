@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextvars
-import functools
 import importlib
 import json
 import multiprocessing
@@ -192,10 +191,11 @@ class EvalWorker:
         shutil.rmtree(self.work, ignore_errors=True)
 
 
-def eval_on_ray(options: dict[str, Any], submitted: Callable[[Any], None]) -> Callable[..., Any]:
+def eval_on_ray(options: dict[str, Any]) -> Callable[..., Any]:
     """A `submit` for the pipeline's `submit_node`, called in a Ray worker of a cluster run: the stage task as a Ray
     task of the same job (a Prefect task run through prefect-ray's runner, as the pipeline's nodes are), reserving
-    `options`; hands its Ray object ref to `submitted` and returns its final state (Crashed when Ray lost it)."""
+    `options`; returns its final state (Crashed when Ray lost it). Waited for from a thread other than the Ray
+    worker's main one, so the stage keeps its reservation meanwhile: an eval that fits only there waits for good."""
     # lazy: optional extra (prefect-ray)
     from prefect_ray import RayTaskRunner
     from prefect_ray.context import remote_options
@@ -203,7 +203,6 @@ def eval_on_ray(options: dict[str, Any], submitted: Callable[[Any], None]) -> Ca
     def submit(task_: Any, params: dict[str, Any], dependencies: dict[str, Any]) -> Any:
         with RayTaskRunner() as runner, remote_options(**options):  # Ray is up in this worker: the runner joins it
             future = runner.submit(task_, params, dependencies=dependencies)
-            submitted(future.wrapped_future)
             future.wait()
             return future.state
 
@@ -223,8 +222,7 @@ class CheckpointEvals:
         self.spec, self.node, self.producer, self.parents = spec, node, producer, parents
         self.store, self.tracker, self.run_id, self.log, self.run_eval = store, tracker, run_id, log, run_eval
         self.pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self.futures: list[tuple[int, concurrent.futures.Future]] = []
-        self.on_ray_refs: dict[int, Any] = {}  # step -> its eval's Ray task (on a cluster)
+        self.futures: list[concurrent.futures.Future] = []
         self.records: list[dict[str, Any]] = []
         self.on_ray = spec is not None and placement.on_cluster()
         self.worker = EvalWorker() if spec is not None and not self.on_ray else None
@@ -241,7 +239,7 @@ class CheckpointEvals:
         if self.pool is None:  # one at a time, in the order published; Prefect's and MLflow's context goes along
             self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"checkpoint-evals-{self.node}")
         context = contextvars.copy_context()
-        self.futures.append((step, self.pool.submit(context.run, self._evaluate, step, output)))
+        self.futures.append(self.pool.submit(context.run, self._evaluate, step, output))
 
     def _evaluate(self, step: int, output: Output) -> None:
         started_at = time.time()
@@ -257,8 +255,7 @@ class CheckpointEvals:
         name = f"{self.spec['node']}@{self.node}-step{step}"
         if self.on_ray:
             out = self.run_eval(name, self.spec["config"], inputs, self.spec["seed"], key, self.run_id,
-                                submit=eval_on_ray(self.spec.get("ray_options", {}),
-                                                   functools.partial(self.on_ray_refs.__setitem__, step)))
+                                submit=eval_on_ray(self.spec.get("ray_options", {})))
             computed = (None, None) if out["reused"] else (out["started_at"], out["ended_at"])
         else:
             BESIDE.set(self.worker.run)  # this thread's context only: the eval's stage runs in the worker
@@ -277,10 +274,8 @@ class CheckpointEvals:
         """After the training: wait for the evals still running, log `checkpoint_evals.json` to the stage's run;
         the records by step. A failed eval is one warning line: the trained model is still published."""
         trained_at = time.time()
-        for step, future in self.futures:
+        for future in self.futures:
             try:
-                if self.on_ray:
-                    self._lend_while_waiting(step, future)
                 future.result()
             except Exception as e:  # noqa: BLE001 - the training succeeded; its output is published regardless
                 self.log.warning("%s: a checkpoint eval failed: %s: %s", self.node, type(e).__name__, e)
@@ -292,21 +287,6 @@ class CheckpointEvals:
             self.tracker.log_text(self.run_id, json.dumps({"node": self.node, "training_ended_at": trained_at,
                                                            "evals": records}, indent=1), RECORD_FILE)
         return records
-
-    def _lend_while_waiting(self, step: int, future: concurrent.futures.Future) -> None:
-        """On a cluster, in the stage's thread (the Ray worker's main one) once the training is done: wait for the
-        step's eval task in `ray.wait`, which lends the stage's reservation to Ray meanwhile (a blocking call of the
-        main thread does; the evals' own thread waits holding it), so an eval that fits only where the stage runs
-        gets it instead of waiting for it for good."""
-        # lazy: optional extra (ray)
-        import ray
-
-        while not future.done():
-            ref = self.on_ray_refs.get(step)
-            if ref is not None:
-                ray.wait([ref])  # until the task ends, failed or not (its error is the future's)
-                return
-            time.sleep(0.1)  # publishing the checkpoint: not on Ray yet
 
     def close(self) -> None:
         """Stop what has not started (the stage failed, or finished: then nothing is left) and wait for the rest."""
