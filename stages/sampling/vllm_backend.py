@@ -41,7 +41,7 @@ from stages.sampling.completions import (
     row_prefills,
     stop_token_ids,
 )
-from stages.sampling.engine_check import cpu_head_dim_refusal
+from stages.sampling.engine_check import cpu_head_dim_refusal, vllm_head_sizes
 
 COLOCATED_GPU_MEMORY = 0.3  # vLLM's share of the GPU beside a trainer (R1FLOW_VLLM_GPU_MEMORY_UTILIZATION overrides)
 CPU_KV_CACHE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE where unset (else vLLM reserves a share of the machine's memory)
@@ -101,9 +101,7 @@ class VLLMBackend:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process (module docstring)
         kwargs = {"distributed_executor_backend": "uni"}
         if on_vllm_cpu():
-            from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-
-            check_cpu_head_dim(model_dir, CPUAttentionBackend.get_supported_head_sizes())
+            check_cpu_head_dim(model_dir, vllm_head_sizes())
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB)
             kwargs.update(cpu_engine_options(model_dir))
         if colocated:
