@@ -12,7 +12,8 @@ r1flow home, in that one environment (same torch,
 threads, allocator and offline settings; the CLI chooses them as for any run), and differ only in
 `grpo.generation.backend` (`transformers`, r1flow's own decode, or `vllm`, weights pushed into the engine after every step). Training seed k is
 `--set grpo.seed=k` on both sides; the prompts, the base model and its eval are the recipe's seed-0 ones, shared by
-every run through the cache, so both sides and every seed are scored on the same held-out prompts. Every trained
+every run through the cache, so both sides and every seed are scored on the same held-out prompts. Those shared nodes (every ancestor of the GRPO node, and
+the start's eval) run once first, in the benchmark's own home. Every trained
 model is evaluated by the same `eval` stage (r1flow's own decode, greedy). The side that runs first alternates by
 seed (transformers first for even k).
 
@@ -56,22 +57,42 @@ def side_command(r1flow: str, args: argparse.Namespace, seed: int, side: str, su
     return cmd
 
 
-def run_side(home: Path, out: Path, seed: int, side: str, args: argparse.Namespace) -> dict:
-    """One `r1flow run` with the GRPO node sampling on `side`; its `--json` summary (raises on failure)."""
-    summary = out / f"{side}-seed{seed}.json"
-    cmd = side_command(str(Path(sys.executable).parent / "r1flow"), args, seed, side, summary)
+def upstream_nodes(plan, args: argparse.Namespace) -> list[str]:
+    """(pure) The nodes both sides read from the cache, in plan order: every ancestor of the GRPO node and the
+    start's eval itself (the GRPO node and its eval excluded). `r1flow run --only` needs them cached, so they run
+    once first, in the benchmark's own home."""
+    wanted = plan.ancestors({args.node, args.base_eval}) - {args.node, args.eval}
+    return [n.name for n in plan.nodes if n.name in wanted]
+
+
+def prepare_command(r1flow: str, args: argparse.Namespace, nodes: list[str]) -> list[str]:
+    """(pure) The `r1flow run` that computes the upstream `nodes` (their training seeds the recipe's own)."""
+    cmd = [r1flow, "run", "--recipe", args.recipe, "--profile", args.profile]
+    for node in nodes:
+        cmd += ["--only", node]
+    for s in args.set:
+        cmd += ["--set", s]
+    return cmd
+
+
+def _r1flow(cmd: list[str], home: Path, log: Path, what: str) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "R1FLOW_", "RAY_"))}
     env.update(R1FLOW_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false")
-    log = out / f"{side}-seed{seed}.log"
-    print(f"  seed {seed} {side}: {' '.join(cmd[1:])}", flush=True)
+    print(f"  {what}: {' '.join(cmd[1:])}", flush=True)
     t0 = time.monotonic()
     with log.open("w") as fh:
         rc = subprocess.run(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL).returncode
     if rc != 0:
-        raise SystemExit(f"seed {seed} {side}: r1flow run exited {rc}; its output: {log}")
-    result = json.loads(summary.read_text())
-    print(f"  seed {seed} {side}: done in {time.monotonic() - t0:.0f} s", flush=True)
-    return result
+        raise SystemExit(f"{what}: r1flow run exited {rc}; its output: {log}")
+    print(f"  {what}: done in {time.monotonic() - t0:.0f} s", flush=True)
+
+
+def run_side(home: Path, out: Path, seed: int, side: str, args: argparse.Namespace) -> dict:
+    """One `r1flow run` with the GRPO node sampling on `side`; its `--json` summary (raises on failure)."""
+    summary = out / f"{side}-seed{seed}.json"
+    cmd = side_command(str(Path(sys.executable).parent / "r1flow"), args, seed, side, summary)
+    _r1flow(cmd, home, out / f"{side}-seed{seed}.log", f"seed {seed} {side}")
+    return json.loads(summary.read_text())
 
 
 def field_scores(rows: list[dict], field: str) -> dict[str, float]:
@@ -96,7 +117,13 @@ def main() -> None:
     out = Path(args.work_dir) / time.strftime("run-%Y%m%d-%H%M%S")
     home = out / "home"
     out.mkdir(parents=True)
-    print(f"[1/3] {args.seeds} seed(s) x {SIDES}, in {out}", flush=True)
+    from flows.plan.recipes import load_plan
+
+    upstream = upstream_nodes(load_plan(args.recipe, args.profile, args.set), args)
+    print(f"[1/3] the shared upstream once ({', '.join(upstream)}), then {args.seeds} seed(s) x {SIDES}, in {out}",
+          flush=True)
+    _r1flow(prepare_command(str(Path(sys.executable).parent / "r1flow"), args, upstream), home,
+            out / "upstream.log", "upstream")
     runs: dict[tuple[str, int], dict] = {}
     for seed in range(args.seeds):
         for side in backend_order(seed):

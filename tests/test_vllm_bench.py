@@ -142,3 +142,18 @@ def test_learning_vllm_runs_only_the_grpo_node_and_the_two_evals():
                                                                         "eval_sft_cold"]
     assert [cmd[i + 1] for i, a in enumerate(cmd) if a == "--set"] == [
         "grpo_reasoning.seed=2", "grpo_reasoning.generation.backend=vllm", "grpo_reasoning.steps=30"]
+
+
+def test_learning_vllm_computes_the_shared_upstream_once_before_the_sides():
+    from benchmarks.learning_vllm import prepare_command, upstream_nodes
+    from flows.plan.recipes import load_plan
+
+    args = argparse.Namespace(recipe="r1", profile="tiny", node="grpo_reasoning", eval="eval_grpo_reasoning",
+                              base_eval="eval_sft_cold", set=["grpo_reasoning.steps=30"])
+    nodes = upstream_nodes(load_plan("r1", "tiny"), args)
+    assert nodes == ["base", "prompts", "cold_start", "sft_cold", "eval_sft_cold"]
+    assert prepare_command("r1flow", args, nodes) == [
+        "r1flow", "run", "--recipe", "r1", "--profile", "tiny", "--only", "base", "--only", "prompts",
+        "--only", "cold_start", "--only", "sft_cold", "--only", "eval_sft_cold", "--set", "grpo_reasoning.steps=30"]
+    zero = argparse.Namespace(recipe="r1-zero", profile="tiny", node="grpo", eval="eval_grpo", base_eval="eval_base", set=[])
+    assert upstream_nodes(load_plan("r1-zero", "tiny"), zero) == ["base", "prompts", "eval_base"]
