@@ -115,7 +115,7 @@ STAGES: dict[str, StageEntry] = {
         "greedy pass@1 and sampled pass@k on held-out prompts, format rate, length; held-out prompts in the "
         "model's training data",
         key_metrics=("accuracy", "accuracy_lenient", "format_rate", "pass_at_[0-9]", "pass_at_[0-9][0-9]", "mean_length",
-                     "contamination/prompts")),
+                     "slice/*/accuracy", "contamination/prompts")),
     "rejection_sampling": StageEntry(
         "stages.rejection_sampling", RejectionSamplingConfig,
         "K scored samples per prompt; keep up to M verified ones as an sft dataset",

@@ -133,6 +133,24 @@ def test_the_stage_tables_mlflow_links_come_before_the_long_cells(tracker):
         assert shown.index("(from [") < 60, shown
 
 
+def test_the_stage_table_shows_each_slices_accuracy_with_its_interval(tracker):
+    """An eval with trained and transfer slices (stages.eval.slice_metrics) shows both slices' accuracies among its key
+    metrics, each with its interval; the slice's interval bounds and prompt count stay out of the list."""
+    plan = load_plan("sft-eval", "tiny")
+    parent = tracker.start_run("parent", {})
+    results = sft_eval_results(tracker, parent)
+    ev = next(r for r in results if r.node == "eval_sft")
+    ev.metrics.update({"slice/trained/accuracy": 0.6, "slice/trained/accuracy_ci_low": 0.5,
+                       "slice/trained/accuracy_ci_high": 0.7, "slice/trained/prompts": 256.0,
+                       "slice/transfer/accuracy": 0.125, "slice/transfer/accuracy_ci_low": 0.0625,
+                       "slice/transfer/accuracy_ci_high": 0.1875, "slice/transfer/prompts": 128.0})
+    shown = table_rows(build_report(plan, results, tracker, parent).markdown)["eval_sft"][4]
+    assert "slice/trained/accuracy=0.600 [0.500, 0.700]" in shown
+    assert "slice/transfer/accuracy=0.125 [0.062, 0.188]" in shown
+    assert "ci_low=" not in shown and "prompts=" not in shown.replace("contamination/prompts=", "")
+    assert "slice/" not in table_rows(build_report(plan, results, tracker, parent).markdown)["eval_base"][4]
+
+
 def test_report_has_one_row_per_stage_with_status_and_link_and_plots_with_data(tracker):
     plan = load_plan("sft-eval", "tiny")
     parent = tracker.start_run("parent", {})

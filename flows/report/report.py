@@ -99,6 +99,7 @@ GRPO_CURVES = (("reward/mean", "mean reward"), ("eval/accuracy", "held-out accur
                ("train/kl", "KL to the reference per token (nats)"),
                ("completion/mean_length", "mean completion length (tokens)"))  # grpo.png: GRPO nodes side by side
 LOAD_DEPENDENT = re.compile(r".+_per_s|time_per_step")  # full match: wall-clock rates, marked † in the report
+SLICE_ACCURACY = re.compile(r"slice/[a-z]+/accuracy")  # full match: an eval's accuracy per slice (stages.eval), with its interval
 LOAD_NOTE = ("† Wall-clock throughput (tokens/s, `*_per_s`, `time_per_step`; also the `s` column): it depends on the "
              "machine and on its load while the stage ran (other processes, concurrent runs, CPU threads), so compare "
              "it only between runs on the same, equally idle machine. A cached stage shows the numbers of the run "
@@ -125,7 +126,7 @@ class Report:
 def _key_metric(plan: Plan, r: StageResult, key: str, value: float) -> str:
     """`key=value` for the stage table, with what the number needs to be read: the accuracy's
     interval, the prompts pass@k was computed on, † on wall-clock throughput."""
-    if key == "accuracy":
+    if key == "accuracy" or SLICE_ACCURACY.fullmatch(key):
         return f"{key}={fmt_interval(r.metrics, key)}"
     text = f"{key}={fmt_metric(value)}"
     if PASS_AT_K.fullmatch(key) and (n := pass_k_prompts(plan.node(r.node).config, r.metrics)):
