@@ -460,11 +460,11 @@ def run(cfg: GRPOConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[st
     publish = CheckpointPublisher(ctx, s.dist, cfg.publish_checkpoints_every, cfg.steps, lambda: s.whole_policy,
                                   s.tokenizer, cfg.lora, merged_input, inputs["model"])
     loop = rl_loop.StepLoop("grpo", cfg, ctx, s.dist, state, s.model, s.optimizer, s.held_out, publish)
-    if cfg.async_.max_staleness:  # the rollout workers start from the resumed step's weights
+    if cfg.async_.max_staleness and loop.steps:  # the rollout workers start from the resumed step's weights
         s.rollouts = async_rollouts.AsyncRollouts("grpo", cfg, ctx, inputs, s.rows, s.model, state)
     done, finished = loop.start, False
     try:
-        for step in range(loop.start, cfg.steps):
+        for step in loop.steps:
             metrics = train_step(s, step)
             done = step + 1
             if s.rollouts is not None:  # the next version, for the workers, before the checkpoint and eval

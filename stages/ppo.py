@@ -510,11 +510,11 @@ def run(cfg: PPOConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[str
     publish = CheckpointPublisher(ctx, s.dist, cfg.publish_checkpoints_every, cfg.steps, lambda: s.models.policy,
                                   s.tokenizer, cfg.lora, merged_input, inputs["model"])
     loop = rl_loop.StepLoop("ppo", cfg, ctx, s.dist, state, s.models.trained, s.optimizer, s.held_out, publish)
-    if cfg.async_.max_staleness:  # the rollout workers start from the resumed step's policy weights
+    if cfg.async_.max_staleness and loop.steps:  # the rollout workers start from the resumed step's policy weights
         s.rollouts = async_rollouts.AsyncRollouts("ppo", cfg, ctx, inputs, s.rows, s.models.policy, state)
     finished = False
     try:
-        for step in range(loop.start, cfg.steps):
+        for step in loop.steps:
             metrics = train_step(s, step)
             extra = None
             if s.rollouts is not None:  # the next version, for the workers, before the checkpoint and eval

@@ -187,6 +187,29 @@ def test_stop_ends_the_loop_with_the_last_good_checkpoint_in_the_module(tmp_path
             "before the steps that set the alarm off") in caplog.text
 
 
+def test_a_stopped_run_that_crashed_before_publishing_publishes_the_same_checkpoint_when_resumed(tmp_path, caplog):
+    """The alarm step's checkpoint records the last good step: a run that stopped, wrote it and crashed before
+    publishing resumes there, loads that same checkpoint and trains no further step (it used to train on, its
+    alarm silent in the history)."""
+    from stages.training.checkpoints import resume
+    from stages.training.rl_loop import StepLoop
+
+    loop, ctx, module = toy_loop(tmp_path, on_alarm="stop")
+    assert drive(loop, module, [10, 10, 10, 10, 30, 30, 40]) == [1, 2, 3, 4, 5, 6] and loop.published_step == 3
+    # the crash: a fresh process, a fresh module, and the newest checkpoint on disk (step 6)
+    module2 = torch.nn.Linear(2, 1)
+    optimizer2 = torch.optim.SGD(module2.parameters(), lr=0.1)
+    state = resume(ctx, module2, optimizer2, "grpo", 8)
+    assert state["step"] == 6 and module2.weight.tolist() == [[6.0, 6.0]]
+    with caplog.at_level(logging.WARNING, logger="r1flow.stage"):
+        again = StepLoop("grpo", loop.cfg, ctx, loop.dist, state, module2, optimizer2, [])
+    assert again.published_step == 3 and module2.weight.tolist() == [[3.0, 3.0]] and list(again.steps) == []
+    assert "grpo: resumed at step 6, where an alarm stopped the run before it published" in caplog.text
+    # warn mode, or a run that never stopped, resumes and trains on
+    plain = toy_loop(tmp_path / "warn")[0]
+    assert list(plain.steps) == list(range(8))
+
+
 def test_stop_without_a_checkpoint_left_is_one_line(tmp_path):
     from schemas.errors import StageError
 

@@ -106,8 +106,19 @@ class StepLoop:
         self.published_step: int | None = None  # on_alarm: stop: the step of the checkpoint published
         for i, m in enumerate(self.history):
             ctx.log_metrics(m, step=i + 1)
+        if state.get("alarm_last_good") is not None and cfg.alarms.on_alarm == "stop":
+            # the run stopped on an alarm, wrote the alarm step's checkpoint and crashed before publishing: it
+            # publishes the same last good checkpoint now, and trains no further step
+            ctx.log.warning("%s: resumed at step %d, where an alarm stopped the run before it published", stage,
+                            self.start)
+            self.restore(int(state["alarm_last_good"]), self.start)
         self.bar = tqdm(total=cfg.steps, initial=self.start, desc=stage, unit="step", disable=not dist.is_main)
         self.t_loop = time.perf_counter()
+
+    @property
+    def steps(self) -> range:
+        """The steps left to train: none where a resumed run had already stopped on an alarm."""
+        return range(self.start, self.start if self.published_step is not None else self.cfg.steps)
 
     def out_of_time(self, done: int) -> bool:
         """max_minutes: whether no further step may start; every process stops after the same step."""
@@ -133,6 +144,9 @@ class StepLoop:
             metrics["time/held_out_eval"] = time.perf_counter() - t_eval
         last_good = self.check_alarms(metrics, done)
         self.history.append(metrics)
+        if last_good is not None:  # a crash before the publish resumes here and publishes the same checkpoint (a
+            # checkpoint not due is not written: it could prune the last good one; a resume there retrains the steps)
+            extra = {**(extra or {}), "alarm_last_good": last_good}
         if done % self.cfg.checkpoint_every == 0 or done == self.cfg.steps or out_of_time:
             self.checkpoint(done, extra)
         if self.publish is not None:  # a CheckpointPublisher: the model after this step, evaluated beside the training
