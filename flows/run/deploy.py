@@ -59,7 +59,7 @@ from flows.plan.recipes import (
     pydantic_message,
 )
 from flows.plan.results import fmt_metric, key_metrics
-from flows.run.engines import check_vllm_stage
+from flows.run.engines import check_vllm_stage, resolve_auto_stage
 from flows.run.pipeline import (
     _flow_run_id,
     experiment_name,
@@ -202,8 +202,9 @@ def run_single_stage(stage: str, inputs: dict[str, str], overrides: dict[str, An
     # config errors name the node the inputs make it (a blank node), before any file is re-hashed
     config, name, recipe_seed = stage_config(stage, recipe, profile, node, overrides or {}, producers)
     sampled = sampled_input(stage)  # vLLM can serve the model it samples: one line before any compute
-    check_vllm_stage(name, stage, module.CONFIG.model_validate(config),
-                     {sampled: resolve_input(store, resolved[sampled])} if sampled in resolved else {})
+    sampled_inputs = {sampled: resolve_input(store, resolved[sampled])} if sampled in resolved else {}
+    config = resolve_auto_stage(stage, module.CONFIG.model_validate(config), sampled_inputs).model_dump(mode="json")
+    check_vllm_stage(name, stage, module.CONFIG.model_validate(config), sampled_inputs)
     resolved = with_lineage(module, resolved, store)  # an eval's model's ancestor datasets, as the pipeline's node_key
     for fp in resolved.values():
         store.verify(fp)  # every file matches, before any compute

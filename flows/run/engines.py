@@ -8,21 +8,31 @@ the field and the reason, before any stage runs, instead of an error after the s
   head size): a builtin model is resolved as that node resolves it (built once into the model cache), a local folder's
   `config.json` read, a hub name's config read from the local hub cache (not found: left to the engine's own check).
   For a single stage, from the input artifact's `config.json` (an adapter's: its base model's).
+
+`backend: auto` (eval) and `generation.backend: auto` (every other sampling stage) are chosen here, when the run is
+planned, so that the node's config and cache key name the backend that ran (`resolve_auto`): vllm where vLLM is
+installed, the node samples, vLLM can serve its model and its config allows the engine; transformers otherwise, and
+always on a Ray cluster, whose workers' environment the planning machine does not know. A lean install (no vLLM)
+resolves every `auto` to transformers, the cache key an explicit `transformers` has.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel, ValidationError
+
 from flows.plan.recipes import Node, Plan
 from schemas.artifacts import MODEL_DIR
 from schemas.errors import ConfigError
 from stages.base import Input
 from stages.sampling.engine_check import (
+    auto_field,
     cpu_head_dim_refusal,
     sampled_input,
     vllm_field,
@@ -118,3 +128,74 @@ def check_vllm_stage(node: str, stage: str, config: Any, inputs: dict[str, Input
     reason = cpu_head_dim_refusal(json.loads(config.read_text()), supported)
     if reason:
         raise _refuse(node, field, f"its model ({sampled_input(stage)} input) has {reason}", prefix="")
+
+
+def with_backend(config: BaseModel, field: str, backend: str) -> BaseModel:
+    """(pure) `config` with its `backend` or `generation.backend` set to `backend`, validated (a ValidationError where
+    the config does not allow it, e.g. vllm under fsdp)."""
+    dump = config.model_dump()
+    if field == "backend":
+        dump["backend"] = backend
+    else:
+        dump["generation"] = {**dump["generation"], "backend": backend}
+    return type(config).model_validate(dump)
+
+
+def auto_choice(stage: str, config: BaseModel, field: str, installed: bool, model_config: dict[str, Any] | None,
+                supported: list[int] | None) -> tuple[str, str]:
+    """(pure) The backend `auto` becomes for one node, and why: `installed`, whether vLLM is installed where the node
+    runs; `model_config`, the sampled model's transformers config (None: not readable before it loads);
+    `supported`, the CPU build's head sizes (None: not the CPU build)."""
+    if not installed:
+        return "transformers", "vLLM is not installed here"
+    try:
+        candidate = with_backend(config, field, "vllm")
+    except ValidationError as e:
+        return "transformers", f"the config does not allow vllm ({e.errors()[0]['msg']})"
+    if vllm_field(stage, candidate) is None:
+        return "transformers", "the node samples nothing"
+    environment = getattr(config, "environment", None)
+    if stage == "step_labels" and environment is not None and not environment.is_single_turn:
+        return "transformers", f"step_labels runs environment {environment.name!r}'s turns on r1flow's decode only"
+    if model_config is None:
+        return "transformers", "the model's config is not readable before it loads"
+    if reason := cpu_head_dim_refusal(model_config, supported or []):
+        return "transformers", f"the model has {reason.split(';')[0]}"
+    return "vllm", "vLLM is installed and serves the model"
+
+
+def resolve_auto(plan: Plan, cache_dir: Path, on_cluster: bool = False) -> Plan:
+    """The plan with every `auto` backend chosen (module docstring), one log line per node; the plan itself where no
+    node says auto. Imports vLLM (seconds) only where it is installed and a node says auto."""
+    autos = {n.name: f for n in plan.nodes if (f := auto_field(n.config))}
+    if not autos:
+        return plan
+    installed = vllm_installed() and not on_cluster
+    supported = vllm_head_sizes() if installed else None
+    nodes = []
+    for node in plan.nodes:
+        field = autos.get(node.name)
+        if field is not None:
+            source = _source_node(plan, node) if installed else None
+            config = _ref_config(source.config, cache_dir) if source is not None else None
+            backend, why = auto_choice(node.stage, node.config, field, installed, config, supported)
+            if on_cluster:
+                why = "on a Ray cluster auto stays transformers (the workers' environment is not known here)"
+            log.info("node %s: %s=auto -> %s: %s", node.name, field, backend, why)
+            node = dataclasses.replace(node, config=with_backend(node.config, field, backend))
+        nodes.append(node)
+    return dataclasses.replace(plan, nodes=nodes)
+
+
+def resolve_auto_stage(stage: str, config: BaseModel, inputs: dict[str, Input]) -> BaseModel:
+    """The same choice for a single stage (`r1flow stage`), its model's config read from the input artifact."""
+    field = auto_field(config)
+    if field is None:
+        return config
+    installed = vllm_installed()
+    model = inputs.get(sampled_input(stage))
+    path = Path((model.base or model).path) / MODEL_DIR / "config.json" if model is not None else None
+    model_config = json.loads(path.read_text()) if path is not None and path.is_file() else None
+    backend, why = auto_choice(stage, config, field, installed, model_config, vllm_head_sizes() if installed else None)
+    log.info("%s: %s=auto -> %s: %s", stage, field, backend, why)
+    return with_backend(config, field, backend)

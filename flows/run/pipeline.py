@@ -39,7 +39,7 @@ from flows.report.report import build_report, publish_report, report_location
 from flows.run import placement
 from flows.run.checkpoint_evals import BESIDE, CheckpointEvals, check_plan, eval_spec
 from flows.run.context import FlowContext
-from flows.run.engines import check_vllm_nodes
+from flows.run.engines import check_vllm_nodes, resolve_auto
 from flows.run.placement import Execution
 from flows.run.reach import check_reachable, describe_node
 from flows.run.reclaim import reclaim_abandoned
@@ -389,6 +389,7 @@ def run_plan(plan: Plan, s: Settings, only: set[str] = frozenset(), force: set[s
     store = ArtifactStore(s.store, home=s.home)
     # one line before any compute, and before the MLflow parent run starts (a refused plan leaves no run RUNNING)
     selected = set(only) if only else {n.name for n in plan.nodes}
+    plan = resolve_auto(plan, store.home / "cache-models", on_cluster=bool(execution.cluster))  # backend: auto chosen
     check_plan(plan, selected)  # checkpoint evals
     check_vllm_nodes(plan, selected, store.home / "cache-models", on_cluster=bool(execution.cluster))  # vLLM can serve
     experiment = experiment_name(plan.recipe)

@@ -13,7 +13,8 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
-__all__ = ["cpu_head_dim_refusal", "head_dim", "sampled_input", "vllm_field", "vllm_head_sizes", "vllm_installed"]
+__all__ = ["auto_field", "cpu_head_dim_refusal", "head_dim", "sampled_input", "vllm_field", "vllm_head_sizes",
+           "vllm_installed"]
 
 
 def vllm_field(stage: str, config: Any) -> str | None:
@@ -27,6 +28,16 @@ def vllm_field(stage: str, config: Any) -> str | None:
     if stage == "distill" and getattr(config, "mode", None) != "on_policy":
         return None  # traces and logits read the teacher's traces: nothing is sampled
     return "generation.backend"
+
+
+def auto_field(config: Any) -> str | None:
+    """(pure) The config field that leaves a node's backend to the plan (`backend: auto`, `generation.backend: auto`),
+    or None."""
+    if getattr(config, "backend", None) == "auto":
+        return "backend"
+    if getattr(getattr(config, "generation", None), "backend", None) == "auto":
+        return "generation.backend"
+    return None
 
 
 def sampled_input(stage: str) -> str:
