@@ -164,9 +164,11 @@ def auto_choice(stage: str, config: BaseModel, field: str, installed: bool, mode
     return "vllm", "vLLM is installed and serves the model"
 
 
-def resolve_auto(plan: Plan, cache_dir: Path, on_cluster: bool = False) -> Plan:
-    """The plan with every `auto` backend chosen (module docstring), one log line per node; the plan itself where no
-    node says auto. Imports vLLM (seconds) only where it is installed and a node says auto."""
+def resolve_auto(plan: Plan, cache_dir: Path, on_cluster: bool = False,
+                 logger: logging.Logger | logging.LoggerAdapter = log) -> Plan:
+    """The plan with every `auto` backend chosen (module docstring), one `logger` line per node (a flow run's logger:
+    the terminal and the Prefect UI); the plan itself where no node says auto. Imports vLLM (seconds) only where it
+    is installed and a node says auto."""
     autos = {n.name: f for n in plan.nodes if (f := auto_field(n.config))}
     if not autos:
         return plan
@@ -181,7 +183,7 @@ def resolve_auto(plan: Plan, cache_dir: Path, on_cluster: bool = False) -> Plan:
             backend, why = auto_choice(node.stage, node.config, field, installed, config, supported)
             if on_cluster:
                 why = "on a Ray cluster auto stays transformers (the workers' environment is not known here)"
-            log.info("node %s: %s=auto -> %s: %s", node.name, field, backend, why)
+            logger.info("node %s: %s=auto -> %s: %s", node.name, field, backend, why)
             node = dataclasses.replace(node, config=with_backend(node.config, field, backend))
         nodes.append(node)
     return dataclasses.replace(plan, nodes=nodes)

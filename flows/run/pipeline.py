@@ -389,7 +389,8 @@ def run_plan(plan: Plan, s: Settings, only: set[str] = frozenset(), force: set[s
     store = ArtifactStore(s.store, home=s.home)
     # one line before any compute, and before the MLflow parent run starts (a refused plan leaves no run RUNNING)
     selected = set(only) if only else {n.name for n in plan.nodes}
-    plan = resolve_auto(plan, store.home / "cache-models", on_cluster=bool(execution.cluster))  # backend: auto chosen
+    plan = resolve_auto(plan, store.home / "cache-models", on_cluster=bool(execution.cluster),  # backend: auto chosen
+                        logger=_run_logger())
     check_plan(plan, selected)  # checkpoint evals
     check_vllm_nodes(plan, selected, store.home / "cache-models", on_cluster=bool(execution.cluster))  # vLLM can serve
     experiment = experiment_name(plan.recipe)
