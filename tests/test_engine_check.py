@@ -148,3 +148,23 @@ def test_auto_resolves_when_the_run_is_planned_and_keeps_the_explicit_backends_k
     assert tiny.node("grpo").config.generation.backend == "transformers"
     cluster = resolve_auto(load_plan("r1-zero", "tiny", [f"model={model}", *sets]), tmp_path, on_cluster=True)
     assert cluster.node("grpo").config.generation.backend == "transformers"
+
+
+def test_a_single_stage_chooses_auto_from_its_input_model(monkeypatch, tmp_path):
+    from flows.run.engines import resolve_auto_stage
+    from schemas.artifacts import MODEL_DIR
+    from tests.conftest import fake_input
+
+    (tmp_path / MODEL_DIR).mkdir()
+    (tmp_path / MODEL_DIR / "config.json").write_text(json.dumps(SMOL))
+    model = {"model": fake_input(tmp_path, "model", "model")}
+    monkeypatch.setattr(engines, "vllm_installed", lambda: False)
+    assert resolve_auto_stage("eval", EvalConfig(backend="auto"), model).backend == "transformers"
+    monkeypatch.setattr(engines, "vllm_installed", lambda: True)
+    monkeypatch.setattr(engines, "vllm_head_sizes", lambda: [32, 64])
+    assert resolve_auto_stage("eval", EvalConfig(backend="auto"), model).backend == "vllm"
+    grpo = resolve_auto_stage("grpo", GRPOConfig(generation={"backend": "auto"}), model)
+    assert grpo.generation.backend == "vllm"
+    (tmp_path / MODEL_DIR / "config.json").write_text(json.dumps(TINY))
+    assert resolve_auto_stage("eval", EvalConfig(backend="auto"), model).backend == "transformers"
+    assert resolve_auto_stage("eval", EvalConfig(backend="vllm"), model).backend == "vllm"  # explicit: as given
