@@ -60,7 +60,7 @@ from stages.runtime import distributed
 from stages.runtime.seeds import seed_stream
 from stages.sampling.completions import render_prompts
 from stages.sampling.generation import generate, make_backend, release
-from stages.sampling.vllm_backend import check_vllm_model_dir
+from stages.sampling.vllm_backend import check_vllm_model
 from stages.training.checkpoints import resume, save_checkpoint
 from stages.training.loop import autocast
 from stages.training.optim import (
@@ -294,7 +294,7 @@ def check_inputs(cfg: DistillConfig, inputs: dict[str, Input], ctx: StageContext
     samples = cfg.mode == "on_policy" and cfg.teacher_fraction < 1
     engine = samples and cfg.generation.backend == "vllm"
     if engine:
-        check_vllm_model_dir(inputs["student"].model_dir, inputs["student"].label)
+        check_vllm_model(inputs["student"])
     return Plan(shared, conversations, train_rows, held_rows, prompts, samples, engine)
 
 
@@ -352,7 +352,7 @@ def open_session(cfg: DistillConfig, inputs: dict[str, Input], ctx: StageContext
 def prepare_training(s: Session, plan: Plan, student: Input) -> None:
     """The sampler (vLLM engine, or fsdp's unsharded copy), the student prepared for the processes, the optimizer."""
     cfg, ctx = s.cfg, s.ctx
-    s.backend = make_backend(cfg.generation, s.student, s.tokenizer, student.model_dir, seed=ctx.seed,
+    s.backend = make_backend(cfg.generation, s.student, s.tokenizer, student, seed=ctx.seed,
                              colocated=True) if plan.engine else None
     # fsdp: the student samples through an unsharded copy on every rank, refreshed before each step's sampling
     s.sampler = copy.deepcopy(s.student).requires_grad_(False).to(ctx.device) if s.dist.sharded and plan.samples else None

@@ -288,7 +288,7 @@ def run(cfg: EvalConfig, inputs: dict[str, Input], ctx: StageContext) -> dict[st
     model.to(ctx.device)
     greedy_spec = GenerationSpec(max_new_tokens=cfg.max_new_tokens, temperature=0.0, batch_size=cfg.batch_size,
                                  prefill=cfg.prefill)
-    engine = (make_backend(GenerationSpec(backend="vllm"), model, tokenizer, inputs["model"].model_dir, seed=ctx.seed)
+    engine = (make_backend(GenerationSpec(backend="vllm"), model, tokenizer, inputs["model"], seed=ctx.seed)
               if cfg.backend == "vllm" else None)
     greedy, seconds, new_tokens = answer_prompts(cfg, model, tokenizer, prompts, greedy_spec, 1, ctx.seed,
                                                  "eval greedy", engine)

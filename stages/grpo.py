@@ -165,7 +165,7 @@ def open_session(cfg: GRPOConfig, inputs: dict[str, Input], ctx: StageContext) -
     optimizer = make_optimizer(trainable, cfg.learning_rate, cfg.weight_decay)
     autocast_dtype = resolve_precision(cfg.precision, ctx.device)
     if engine:
-        backend = make_backend(cfg.generation, model, tokenizer, inputs["model"].model_dir, seed=ctx.seed,
+        backend = make_backend(cfg.generation, model, tokenizer, inputs["model"], seed=ctx.seed,
                                colocated=True)
     else:
         # rollouts in the training passes' precision (bf16 on a GPU), not the fp32 master weights'

@@ -227,7 +227,7 @@ def open_session(cfg: PPOConfig, inputs: dict[str, Input], ctx: StageContext) ->
     optimizer = make_optimizer(m.policy_params, cfg.learning_rate, cfg.weight_decay)
     optimizer.add_param_group({"params": m.critic_params, "lr": cfg.critic_learning_rate or cfg.learning_rate})
     autocast_dtype = resolve_precision(cfg.precision, ctx.device)
-    backend = make_backend(cfg.generation, policy, tokenizer, inputs["model"].model_dir, seed=ctx.seed,
+    backend = make_backend(cfg.generation, policy, tokenizer, inputs["model"], seed=ctx.seed,
                            colocated=True, autocast_dtype=autocast_dtype)  # rollouts in the training precision
     scorer = None
     if cfg.reward.weights.get("reward_model", 0) != 0:

@@ -107,7 +107,7 @@ def sample_candidates(cfg: RejectionSamplingConfig, model_input: Input, prompts:
     model, tokenizer = model_input.load_model()
     model.to(device)
     if cfg.generation.backend == "vllm":  # the engine samples every turn, prompts and observations as token ids
-        engine = make_backend(cfg.generation, model, tokenizer, model_input.model_dir, seed=seed)
+        engine = make_backend(cfg.generation, model, tokenizer, model_input, seed=seed)
         try:
             trajs, stats = engine.trajectories(prompts, env, cfg.generation, n=cfg.num_samples, seed=seed,
                                                max_total_tokens=budget)

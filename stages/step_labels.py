@@ -324,7 +324,7 @@ def run(cfg: StepLabelsConfig, inputs: dict[str, Input], ctx: StageContext) -> d
     model.to(ctx.device)
     precision = resolve_precision(cfg.precision, ctx.device)
     if cfg.environment.is_single_turn:
-        sampler = Sampler(make_backend(cfg.generation, model, tokenizer, inputs["model"].model_dir,
+        sampler = Sampler(make_backend(cfg.generation, model, tokenizer, inputs["model"],
                                        autocast_dtype=precision))
     else:
         sampler = Sampler(env=environment_from_spec(cfg.environment, cfg.reward), model=model, tokenizer=tokenizer,

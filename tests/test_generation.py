@@ -126,9 +126,14 @@ def test_vllm_backend_is_a_clear_error_without_vllm(backend, tmp_path):
         pytest.skip("vllm is installed here")
     except ImportError:
         pass
-    (tmp_path / "config.json").write_text("{}")
+    from schemas.artifacts import MODEL_DIR
+    from tests.conftest import fake_input
+
+    (tmp_path / MODEL_DIR).mkdir()
+    (tmp_path / MODEL_DIR / "config.json").write_text("{}")
     with pytest.raises(Exception, match="vllm is not installed"):
-        make_backend(GenerationSpec(backend="vllm"), backend.model, backend.tokenizer, tmp_path)
+        make_backend(GenerationSpec(backend="vllm"), backend.model, backend.tokenizer,
+                     fake_input(tmp_path, "model", "model"))
 
 
 def test_prefill_starts_the_assistant_turn_and_is_returned_not_counted(backend, tiny_tokenizer):

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from pathlib import Path
 
 import torch
 from transformers.generation.stopping_criteria import (
@@ -34,6 +33,7 @@ from transformers.generation.stopping_criteria import (
 )
 
 from schemas.configs import GenerationSpec
+from schemas.errors import ModelError
 from stages.runtime import threads
 from stages.runtime.seeds import seed_stream
 from stages.sampling import lean_decode
@@ -57,7 +57,7 @@ from stages.sampling.kv_decode import (
 )
 from stages.sampling.rows_first import rows_first_linears
 from stages.sampling.sampler import sampling_processors
-from stages.sampling.vllm_backend import VLLMBackend, check_vllm_model_dir
+from stages.sampling.vllm_backend import VLLMBackend, start_engine
 
 
 class _StepCounter(StoppingCriteria):
@@ -229,13 +229,15 @@ class TransformersBackend:
         return out
 
 
-def make_backend(spec: GenerationSpec, model, tokenizer, model_dir: Path | None = None, seed: int = 0,
+def make_backend(spec: GenerationSpec, model, tokenizer, model_input=None, seed: int = 0,
                  colocated: bool = False, autocast_dtype: torch.dtype | None = None) -> GenerationBackend:
-    """The backend `spec` names; vllm loads `model_dir` (a full model), `colocated` beside a trainer;
-    transformers samples under `autocast_dtype` (a trainer's precision) when given."""
+    """The backend `spec` names; vllm serves `model`, the stage's loaded model of `model_input` (an `Input`: a full
+    model, or an adapter on its base: `start_engine`), `colocated` beside a trainer; transformers samples under
+    `autocast_dtype` (a trainer's precision) when given."""
     if spec.backend == "vllm":
-        check_vllm_model_dir(model_dir)
-        return VLLMBackend(model_dir, tokenizer, seed=seed, colocated=colocated)
+        if model_input is None:
+            raise ModelError("generation.backend=vllm needs the model's artifact to start its engine from")
+        return start_engine(model_input, model, tokenizer, seed=seed, colocated=colocated)
     return TransformersBackend(model, tokenizer, autocast_dtype)
 
 
@@ -252,7 +254,7 @@ def sample_with(model_input, conversations: list[list[dict]], spec: GenerationSp
     autocast on a GPU (auto_precision)."""
     model, tokenizer = model_input.load_model()
     model.to(device)
-    backend = make_backend(spec, model, tokenizer, model_input.model_dir, autocast_dtype=auto_precision(device))
+    backend = make_backend(spec, model, tokenizer, model_input, autocast_dtype=auto_precision(device))
     try:
         return backend.generate(conversations, spec, n=n, seed=seed, desc=desc)
     finally:

@@ -307,9 +307,32 @@ def policy_weights(model):
         yield name.replace(".base_layer.", "."), weight
 
 
-def check_vllm_model_dir(model_dir: Path | None, label: str = "the model input") -> None:
-    """The vllm backend starts its engine from a full model directory: anything else (an adapter) is an error
-    naming the input, raised before any weight loads."""
-    if model_dir is None or not (Path(model_dir) / "config.json").exists():
-        raise ModelError(f"{label}: generation.backend=vllm starts its engine from a full model directory, and this "
-                         f"input is an adapter; merge it first (lora.merge: true upstream)")
+def engine_dir(model_input) -> tuple[Path, bool]:
+    """(the directory an engine for a model artifact starts from, whether the stage's loaded model must then be pushed
+    into it). A full model: its own directory. A LoRA adapter (r1flow's LoRA stages publish adapters unless
+    `lora.merge`): its resolved base model's directory, the adapter then folded into the base weights and pushed in
+    place (`start_engine`). Anything else is one ModelError naming the input, before any weight loads."""
+    directory = Path(model_input.model_dir)
+    if (directory / "config.json").exists():
+        return directory, False
+    base = getattr(model_input, "base", None)
+    if base is not None and (Path(base.model_dir) / "config.json").exists():
+        return Path(base.model_dir), True
+    raise ModelError(f"{model_input.label}: generation.backend=vllm starts its engine from a full model directory or "
+                     f"an adapter's base model, and this input is neither (no config.json, no resolved base model)")
+
+
+def check_vllm_model(model_input) -> None:
+    """`engine_dir`'s refusal alone, for a stage's input before it loads anything."""
+    engine_dir(model_input)
+
+
+def start_engine(model_input, model, tokenizer, seed: int = 0, colocated: bool = False) -> VLLMBackend:
+    """An engine serving `model`, the stage's loaded model of `model_input` (`engine_dir`): for an adapter, started
+    from the base model and given the adapted weights (`policy_weights`: the adapter folded in out of place) before
+    any sampling; it then holds step 0's weights, as an engine started from a full model's directory does."""
+    directory, push = engine_dir(model_input)
+    backend = VLLMBackend(directory, tokenizer, seed=seed, colocated=colocated)
+    if push:
+        backend.load_weights(policy_weights(getattr(model, "module", model)), which="the adapted model's")
+    return backend

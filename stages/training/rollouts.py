@@ -35,7 +35,7 @@ from stages.runtime import distributed
 from stages.runtime.seeds import seed_stream
 from stages.sampling.completions import Completion
 from stages.sampling.multiturn import Trajectory
-from stages.sampling.vllm_backend import check_vllm_model_dir
+from stages.sampling.vllm_backend import check_vllm_model
 from stages.training.env_rollouts import tool_metrics
 
 if TYPE_CHECKING:
@@ -73,7 +73,7 @@ def start_run(stage: str, cfg: RLConfig, inputs: dict[str, Input], ctx: StageCon
     dist = distributed.of(ctx)
     engine = cfg.generation.backend == "vllm"
     if engine:
-        check_vllm_model_dir(inputs["model"].model_dir, inputs["model"].label)
+        check_vllm_model(inputs["model"])
     seed_everything(ctx.seed)
     return rows, held_out, wants_rm, dist, engine
 
