@@ -429,6 +429,66 @@ def test_eval_stage_on_vllm_answers_as_on_transformers(tmp_path, vllm_tiny_input
     assert runs["vllm"].metrics["prompts"] == 4 and runs["vllm"].metrics["tokens_per_s"] > 0
 
 
+@pytest.fixture(scope="module")
+def vllm_adapter_input(session_dir, vllm_tiny_input, tiny_tokenizer):
+    """A LoRA adapter on the tiny model, as r1flow's LoRA stages publish it (lora.merge false), with weights far enough
+    from zero that its greedy answers differ from its base model's."""
+    from peft import LoraConfig, get_peft_model
+
+    from schemas.artifacts import Manifest, Producer
+    from stages.base import Input
+
+    path = session_dir / "tiny-vllm-adapter"
+    if not (path / MODEL_DIR / "adapter_config.json").exists():
+        base, _ = vllm_tiny_input.load_model()
+        torch.manual_seed(0)
+        model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"],
+                                                init_lora_weights=False))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.5)
+        model.save_pretrained(path / MODEL_DIR, safe_serialization=True)
+        tiny_tokenizer.save_pretrained(path / MODEL_DIR)
+    manifest = Manifest(kind="model", schema="adapter", fingerprint="a" * 64, files={},
+                        producer=Producer(stage="test", stage_version="0", config_hash=""))
+    return Input(path, manifest, base=vllm_tiny_input)
+
+
+@needs_vllm
+def test_an_adapter_is_served_from_its_base_with_the_adapter_pushed_in(tmp_path, vllm_adapter_input, vllm_tiny_input,
+                                                                      digit_prompts):
+    """r1flow's LoRA stages publish adapters: the engine starts from the adapter's base model and gets the adapted
+    weights pushed in before it samples. eval on vLLM then answers as r1flow's decode of the adapted model, and not as
+    the base model (the adapter changes the answers)."""
+    runs = {}
+    for name, model, backend in (("vllm", vllm_adapter_input, "vllm"), ("hf", vllm_adapter_input, "transformers"),
+                                 ("base", vllm_tiny_input, "transformers")):
+        cfg = EvalConfig(max_prompts=4, max_new_tokens=12, pass_k=0, backend=backend)
+        out = eval_stage.run(cfg, {"model": model, "prompts": digit_prompts}, LocalContext(tmp_path / name, seed=0))
+        runs[name] = [(r["prompt_id"], r["completion"]) for r in pq.read_table(out["results"].path / DATA_FILE)
+                      .to_pylist() if r["mode"] == "greedy"]
+    assert len(runs["vllm"]) == 4 and runs["vllm"] == runs["hf"]
+    assert runs["hf"] != runs["base"]
+
+
+@needs_vllm
+def test_grpo_from_an_adapter_samples_the_adapted_model_on_vllm(tmp_path, vllm_adapter_input, digit_prompts):
+    """GRPO from an adapter (the r1 recipe's grpo_reasoning starts from sft_cold's adapter) on vLLM: the engine's
+    log-probs of its own tokens are the trainer's from the first step on, which they would not be had the engine
+    sampled the base model (the adapter's greedy answers differ from the base's)."""
+    from stages import grpo
+    from tests.test_grpo import short_is_better
+
+    cfg = short_is_better(steps=2, old_logprobs="sampler",
+                          generation=GenerationSpec(max_new_tokens=8, temperature=1.0, batch_size=8, backend="vllm"))
+    ctx = LocalContext(tmp_path / "run", seed=0)
+    grpo.run(cfg, {"model": vllm_adapter_input, "prompts": digit_prompts}, ctx)
+    steps = {s: m for s, m in ctx.metrics if s is not None and "time/step" in m}
+    assert sorted(steps) == [1, 2]
+    assert all(steps[s]["sampler/logprob_delta_max"] < 1e-4 for s in (1, 2)), steps
+
+
 @needs_vllm
 def test_eval_and_rejection_sampling_run_a_tools_turns_on_vllm_as_r1flows_decode(tmp_path, vllm_tiny_input,
                                                                                 digit_prompts):
@@ -530,6 +590,32 @@ def test_r1_zero_and_rejection_sampling_run_on_vllm_through_the_cli(tmp_path):
 
 
 @needs_vllm
+@needs_vllm
+def test_the_cpu_profile_samples_on_vllm_where_it_is_installed(tmp_path):
+    """The cpu profile's sampling nodes say `auto`: with vLLM's CPU build installed (here) and a model whose head size
+    it serves (64, as SmolLM2-135M's), the planned run samples every one of them on vLLM; the tiny model's 16 stays on
+    r1flow's decode. Nodes that sample nothing (distill from traces) and the rest keep their backend."""
+    import json
+
+    from flows.plan.recipes import load_plan
+    from flows.run.engines import resolve_auto
+    from stages.sampling.engine_check import auto_field, vllm_field
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model.safetensors").touch()
+    (model / "config.json").write_text(json.dumps({"hidden_size": 576, "num_attention_heads": 9}))
+    plan = load_plan("r1", "cpu", [f"model={model}"])
+    auto = {n.name for n in plan.nodes if auto_field(n.config)}
+    assert {"eval_base", "cold_start", "grpo_reasoning", "rs_reasoning", "traces", "grpo_final"} <= auto, auto
+    resolved = resolve_auto(plan, tmp_path)
+    on_vllm = {n.name for n in resolved.nodes if vllm_field(n.stage, n.config)}
+    assert on_vllm == auto - {n.name for n in plan.nodes if n.stage == "distill" and n.config.mode != "on_policy"}
+    assert not any(auto_field(n.config) for n in resolved.nodes)
+    tiny = resolve_auto(load_plan("r1-zero", "tiny", ["grpo.generation.backend=auto"]), tmp_path)
+    assert tiny.node("grpo").config.generation.backend == "transformers"
+
+
 def test_a_model_the_cpu_attention_cannot_serve_is_refused_at_plan_time(tmp_path):
     """The tiny profile's model (head size 16) on vLLM's CPU build: `r1flow run` refuses GRPO on vLLM with one line
     before any stage runs, and `r1flow stage eval --set backend=vllm` on that model's artifact before it computes."""
