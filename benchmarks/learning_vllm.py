@@ -12,10 +12,11 @@ r1flow home, in that one environment (same torch,
 threads, allocator and offline settings; the CLI chooses them as for any run), and differ only in
 `grpo.generation.backend` (`transformers`, r1flow's own decode, or `vllm`, weights pushed into the engine after every step). Training seed k is
 `--set grpo.seed=k` on both sides; the prompts, the base model and its eval are the recipe's seed-0 ones, shared by
-every run through the cache, so both sides and every seed are scored on the same held-out prompts. Those shared nodes (every ancestor of the GRPO node, and
-the start's eval) run once first, in the benchmark's own home. Every trained
-model is evaluated by the same `eval` stage (r1flow's own decode, greedy). The side that runs first alternates by
-seed (transformers first for even k).
+every run through the cache, so both sides and every seed are scored on the same held-out prompts. Those shared
+nodes (every ancestor of the GRPO node, and the start's eval) run once first, in the benchmark's own home. Every
+trained model is evaluated by the same `eval` node, greedy, on the profile's backend (the cpu profile's `auto`: vLLM
+in this venv, whose greedy tokens were r1flow's own decode's, 256 of 256, docs/results/vllm.md); the shared upstream
+samples on it too. The side that runs first alternates by seed (transformers first for even k).
 
 Statistics (`stages/math/stats.py`): each side's held-out gain over the base model and the paired difference vLLM
 minus transformers, every interval a bootstrap resampling the seeds and the prompts together (`compare_gains`; seed k of
