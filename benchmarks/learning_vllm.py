@@ -102,6 +102,19 @@ def field_scores(rows: list[dict], field: str) -> dict[str, float]:
     return {r["prompt_id"]: float(bool(r[field])) for r in rows if r["mode"] == "greedy"}
 
 
+def run_all(home: Path, out: Path, args: argparse.Namespace) -> dict[tuple[str, int], dict]:
+    """The shared upstream once, then every side and seed in order (`backend_order`): (side, seed) -> its summary."""
+    from flows.plan.recipes import load_plan
+
+    upstream = upstream_nodes(load_plan(args.recipe, args.profile, args.set), args)
+    print(f"[1/3] the shared upstream once ({', '.join(upstream)}), then {args.seeds} seed(s) x {SIDES}, in {out}",
+          flush=True)
+    _r1flow(prepare_command(str(Path(sys.executable).parent / "r1flow"), args, upstream), home,
+            out / "upstream.log", "upstream")
+    return {(side, seed): run_side(home, out, seed, side, args)
+            for seed in range(args.seeds) for side in backend_order(seed)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", type=int, default=3)
@@ -118,17 +131,7 @@ def main() -> None:
     out = Path(args.work_dir) / time.strftime("run-%Y%m%d-%H%M%S")
     home = out / "home"
     out.mkdir(parents=True)
-    from flows.plan.recipes import load_plan
-
-    upstream = upstream_nodes(load_plan(args.recipe, args.profile, args.set), args)
-    print(f"[1/3] the shared upstream once ({', '.join(upstream)}), then {args.seeds} seed(s) x {SIDES}, in {out}",
-          flush=True)
-    _r1flow(prepare_command(str(Path(sys.executable).parent / "r1flow"), args, upstream), home,
-            out / "upstream.log", "upstream")
-    runs: dict[tuple[str, int], dict] = {}
-    for seed in range(args.seeds):
-        for side in backend_order(seed):
-            runs[side, seed] = run_side(home, out, seed, side, args)
+    runs = run_all(home, out, args)
 
     print("[2/3] reading the evals", flush=True)
     os.environ["R1FLOW_HOME"] = str(home)

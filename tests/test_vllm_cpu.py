@@ -590,7 +590,6 @@ def test_r1_zero_and_rejection_sampling_run_on_vllm_through_the_cli(tmp_path):
 
 
 @needs_vllm
-@needs_vllm
 def test_the_cpu_profile_samples_on_vllm_where_it_is_installed(tmp_path):
     """The cpu profile's sampling nodes say `auto`: with vLLM's CPU build installed (here) and a model whose head size
     it serves (64, as SmolLM2-135M's), the planned run samples every one of them on vLLM; the tiny model's 16 stays on
@@ -616,6 +615,7 @@ def test_the_cpu_profile_samples_on_vllm_where_it_is_installed(tmp_path):
     assert tiny.node("grpo").config.generation.backend == "transformers"
 
 
+@needs_vllm
 def test_a_model_the_cpu_attention_cannot_serve_is_refused_at_plan_time(tmp_path):
     """The tiny profile's model (head size 16) on vLLM's CPU build: `r1flow run` refuses GRPO on vLLM with one line
     before any stage runs, and `r1flow stage eval --set backend=vllm` on that model's artifact before it computes."""

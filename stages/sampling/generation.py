@@ -57,7 +57,7 @@ from stages.sampling.kv_decode import (
 )
 from stages.sampling.rows_first import rows_first_linears
 from stages.sampling.sampler import sampling_processors
-from stages.sampling.vllm_backend import VLLMBackend, start_engine
+from stages.sampling.vllm_backend import VLLMBackend, serving_engine
 
 
 class _StepCounter(StoppingCriteria):
@@ -232,12 +232,12 @@ class TransformersBackend:
 def make_backend(spec: GenerationSpec, model, tokenizer, model_input=None, seed: int = 0,
                  colocated: bool = False, autocast_dtype: torch.dtype | None = None) -> GenerationBackend:
     """The backend `spec` names; vllm serves `model`, the stage's loaded model of `model_input` (an `Input`: a full
-    model, or an adapter on its base: `start_engine`), `colocated` beside a trainer; transformers samples under
+    model, or an adapter on its base: `serving_engine`), `colocated` beside a trainer; transformers samples under
     `autocast_dtype` (a trainer's precision) when given."""
     if spec.backend == "vllm":
         if model_input is None:
             raise ModelError("generation.backend=vllm needs the model's artifact to start its engine from")
-        return start_engine(model_input, model, tokenizer, seed=seed, colocated=colocated)
+        return serving_engine(model_input, model, tokenizer, seed=seed, colocated=colocated)
     return TransformersBackend(model, tokenizer, autocast_dtype)
 
 

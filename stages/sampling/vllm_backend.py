@@ -311,7 +311,7 @@ def engine_dir(model_input) -> tuple[Path, bool]:
     """(the directory an engine for a model artifact starts from, whether the stage's loaded model must then be pushed
     into it). A full model: its own directory. A LoRA adapter (r1flow's LoRA stages publish adapters unless
     `lora.merge`): its resolved base model's directory, the adapter then folded into the base weights and pushed in
-    place (`start_engine`). Anything else is one ModelError naming the input, before any weight loads."""
+    place (`serving_engine`). Anything else is one ModelError naming the input, before any weight loads."""
     directory = Path(model_input.model_dir)
     if (directory / "config.json").exists():
         return directory, False
@@ -327,7 +327,7 @@ def check_vllm_model(model_input) -> None:
     engine_dir(model_input)
 
 
-def start_engine(model_input, model, tokenizer, seed: int = 0, colocated: bool = False) -> VLLMBackend:
+def serving_engine(model_input, model, tokenizer, seed: int = 0, colocated: bool = False) -> VLLMBackend:
     """An engine serving `model`, the stage's loaded model of `model_input` (`engine_dir`): for an adapter, started
     from the base model and given the adapted weights (`policy_weights`: the adapter folded in out of place) before
     any sampling; it then holds step 0's weights, as an engine started from a full model's directory does."""

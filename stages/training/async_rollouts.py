@@ -157,9 +157,9 @@ def _generate(job: WorkerJob, out) -> None:
     precision = resolve_precision(cfg.precision, job.device)
     engine = cfg.generation.backend == "vllm"  # a vLLM engine samples; the model holds each version to push it in
     if engine:
-        from stages.sampling.vllm_backend import start_engine
+        from stages.sampling.vllm_backend import serving_engine
 
-        backend = start_engine(job.model, model, tokenizer, seed=job.seed)
+        backend = serving_engine(job.model, model, tokenizer, seed=job.seed)
     else:
         backend = TransformersBackend(model, tokenizer, precision)
     env = env_rollouts.open_environment(job.stage, cfg, backend, precision)
