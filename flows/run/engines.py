@@ -111,6 +111,14 @@ def check_vllm_nodes(plan: Plan, running: Collection[str], cache_dir: Path, on_c
             raise _refuse(node.name, field, f"its model ({source.name}: {source.config.ref}) has {reason}")
 
 
+def _input_model_config(model: Input | None) -> dict[str, Any] | None:
+    """The transformers config of a stage's model input (an adapter's: its base model's); None where there is none."""
+    if model is None:
+        return None
+    path = Path((model.base or model).path) / MODEL_DIR / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
 def check_vllm_stage(node: str, stage: str, config: Any, inputs: dict[str, Input]) -> None:
     """The same refusal for a single stage (`r1flow stage`), its model read from the input artifact."""
     field = vllm_field(stage, config)
@@ -119,13 +127,10 @@ def check_vllm_stage(node: str, stage: str, config: Any, inputs: dict[str, Input
     if not vllm_installed():
         raise _refuse(node, field, NOT_INSTALLED, prefix="")
     supported = vllm_head_sizes()
-    model = inputs.get(sampled_input(stage))
-    if not supported or model is None:
+    config = _input_model_config(inputs.get(sampled_input(stage)))
+    if not supported or config is None:
         return
-    config = Path((model.base or model).path) / MODEL_DIR / "config.json"  # an adapter's: its base model's
-    if not config.is_file():
-        return
-    reason = cpu_head_dim_refusal(json.loads(config.read_text()), supported)
+    reason = cpu_head_dim_refusal(config, supported)
     if reason:
         raise _refuse(node, field, f"its model ({sampled_input(stage)} input) has {reason}", prefix="")
 
@@ -195,9 +200,7 @@ def resolve_auto_stage(stage: str, config: BaseModel, inputs: dict[str, Input]) 
     if field is None:
         return config
     installed = vllm_installed()
-    model = inputs.get(sampled_input(stage))
-    path = Path((model.base or model).path) / MODEL_DIR / "config.json" if model is not None else None
-    model_config = json.loads(path.read_text()) if path is not None and path.is_file() else None
+    model_config = _input_model_config(inputs.get(sampled_input(stage)))
     backend, why = auto_choice(stage, config, field, installed, model_config, vllm_head_sizes() if installed else None)
     log.info("%s: %s=auto -> %s: %s", stage, field, backend, why)
     return with_backend(config, field, backend)
