@@ -20,7 +20,8 @@ For each variant and each held-out slice (`trained`, `transfer`: the eval's `<ta
 accuracy minus the teacher's, the mean over seeds, with a 95% interval that resamples seeds and prompts
 (`stages/math/stats.py`, `seed_prompt_means`: the teacher is one model, repeated for every seed). The issue's
 target: the transfer slice's interval includes 0 or lies above it. `distill s`: the distill stage's seconds in each
-seed's run (0 where the cache had it: `traces` seed 0 is the run's own distillation).
+seed's run (0 where the cache had it: `traces` seed 0 is the run's own distillation). Where `traces` ran too, a
+second table gives each other variant minus `traces` (seed k against seed k, same intervals): which keeps more.
 """
 
 from __future__ import annotations
@@ -56,17 +57,25 @@ def variant_command(r1flow: str, profile: str, variant: str, seed: int, summary:
     return cmd
 
 
-def student_minus_teacher(teacher: dict[str, float], students: list[dict[str, float]], ids: list[str],
-                          resamples: int = 10_000) -> tuple[float, float, float]:
-    """(pure) mean over seeds and prompts `ids` of student - teacher (1.0/0.0 scores by prompt id), and its 95%
-    interval over seeds and prompts (`seed_prompt_means`)."""
+def students_minus(baseline: list[dict[str, float]], students: list[dict[str, float]], ids: list[str],
+                   resamples: int = 10_000) -> tuple[float, float, float]:
+    """(pure) mean over seeds and prompts `ids` of student k - baseline k (1.0/0.0 scores by prompt id, one dict per
+    training seed), and its 95% interval over seeds and prompts (`seed_prompt_means`: seed k of both drawn together)."""
     import numpy as np
 
     from stages.math.stats import percentile_interval, seed_prompt_means
 
-    d = np.array([[s[i] - teacher[i] for i in ids] for s in students])
+    if len(baseline) != len(students):
+        raise ValueError(f"students_minus: {len(students)} students against {len(baseline)} baselines")
+    d = np.array([[s[i] - b[i] for i in ids] for s, b in zip(students, baseline, strict=True)])
     low, high = percentile_interval(seed_prompt_means(d[None], resamples)[:, 0])
     return float(d.mean()), low, high
+
+
+def student_minus_teacher(teacher: dict[str, float], students: list[dict[str, float]], ids: list[str],
+                          resamples: int = 10_000) -> tuple[float, float, float]:
+    """(pure) `students_minus` against one teacher, the same model for every seed."""
+    return students_minus([teacher] * len(students), students, ids, resamples)
 
 
 def main() -> None:
@@ -101,6 +110,8 @@ def main() -> None:
     results = summarise(args.home, runs, variants, args.seeds)
     (out / "distill_transfer.json").write_text(json.dumps(results, indent=2))
     print("\n".join(transfer_markdown(results)))
+    if "traces" in variants and len(variants) > 1:
+        print("\n" + "\n".join(against_traces_markdown(results)))
 
 
 def summarise(home: str, runs: dict, variants: list[str], seeds: int) -> dict:
@@ -128,12 +139,14 @@ def summarise(home: str, runs: dict, variants: list[str], seeds: int) -> dict:
     for name in sorted(set(slices.values())):
         ids = sorted(i for i, sl in slices.items() if sl == name)
         out["teacher"][name] = {"prompts": len(ids), "accuracy": sum(teacher[i] for i in ids) / len(ids)}
-        for variant in variants:
-            students = [greedy_scores(rows(runs[variant, k], STUDENT_EVAL)) for k in range(seeds)]
-            diff = student_minus_teacher(teacher, students, ids)
+        by_variant = {v: [greedy_scores(rows(runs[v, k], STUDENT_EVAL)) for k in range(seeds)] for v in variants}
+        for variant, students in by_variant.items():
             out["variants"].setdefault(variant, {})[name] = {
-                "accuracy": [sum(st[i] for i in ids) / len(ids) for st in students], "minus_teacher": diff,
+                "accuracy": [sum(st[i] for i in ids) / len(ids) for st in students],
+                "minus_teacher": student_minus_teacher(teacher, students, ids),
                 "distill_seconds": [stage(runs[variant, k], "distill")["seconds"] for k in range(seeds)]}
+            if "traces" in by_variant and variant != "traces":
+                out["variants"][variant][name]["minus_traces"] = students_minus(by_variant["traces"], students, ids)
     return out
 
 
@@ -149,6 +162,18 @@ def transfer_markdown(results: dict) -> list[str]:
                          f"{', '.join(f'{100 * a:.1f}%' for a in r['accuracy'])} | "
                          f"{100 * d[0]:+.1f} [{100 * d[1]:+.1f}, {100 * d[2]:+.1f}] | "
                          f"{', '.join(f'{x:.0f}' for x in r['distill_seconds'])} |")
+    return lines
+
+
+def against_traces_markdown(results: dict) -> list[str]:
+    """(pure) Each variant's student minus the `traces` variant's student (seed k against seed k), per slice: which
+    variant keeps more (a row only where both ran)."""
+    lines = ["| variant | slice | student - traces student [95%] |", "|---|---|---|"]
+    for variant, by_slice in results["variants"].items():
+        for name, r in by_slice.items():
+            if "minus_traces" in r:
+                d = r["minus_traces"]
+                lines.append(f"| {variant} | {name} | {100 * d[0]:+.1f} [{100 * d[1]:+.1f}, {100 * d[2]:+.1f}] |")
     return lines
 
 

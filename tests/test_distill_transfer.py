@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.distill_transfer import student_minus_teacher, transfer_markdown, variant_command
+from benchmarks.distill_transfer import (
+    against_traces_markdown,
+    student_minus_teacher,
+    students_minus,
+    transfer_markdown,
+    variant_command,
+)
 
 
 def test_a_variant_reruns_only_its_nodes_on_the_runs_cache():
@@ -36,3 +42,17 @@ def test_the_table_has_a_row_per_variant_and_slice():
                                                     "distill_seconds": [61.0, 58.4]}}}}
     assert transfer_markdown(results)[2] == ("| logits | transfer | 4 | 50.0% | 25.0%, 50.0% | -12.5 [-50.0, +0.0] | "
                                              "61, 58 |")
+
+
+def test_a_variant_against_the_traces_variant_pairs_seed_k_with_seed_k():
+    traces = [{"a": 1.0, "b": 0.0}, {"a": 0.0, "b": 0.0}]
+    diverse = [{"a": 1.0, "b": 1.0}, {"a": 1.0, "b": 0.0}]
+    mean, low, high = students_minus(traces, diverse, ["a", "b"], resamples=2000)
+    assert mean == pytest.approx(0.5)  # seed 0 gains b (+1/2), seed 1 gains a (+1/2)
+    assert 0.0 <= low <= mean <= high <= 1.0
+    assert students_minus(traces, traces, ["a", "b"], resamples=200) == (0.0, 0.0, 0.0)
+    with pytest.raises(ValueError, match="2 students against 1 baselines"):
+        students_minus(traces[:1], diverse, ["a"])
+    results = {"variants": {"traces": {"transfer": {}},
+                            "diverse": {"transfer": {"minus_traces": (0.5, 0.0, 1.0)}}}}
+    assert against_traces_markdown(results)[2:] == ["| diverse | transfer | +50.0 [+0.0, +100.0] |"]
