@@ -247,17 +247,16 @@ def test_a_worker_that_hangs_in_a_sync_ends_the_stage_in_one_line(tmp_path, tiny
     assert time.monotonic() - t0 < 120
 
 
-class SlowLearner(LocalContext):
-    """Sleeps `pause` s after each step's metrics: a learner far slower than its workers."""
+def slow_learner(monkeypatch, pause: float) -> None:
+    """Every training step takes `pause` s longer: the sleep is inside the learner's busy window (from taking the
+    step's groups to its step metrics), so the idle metrics see a slow learner, not an idle one."""
+    step_metrics = async_rollouts.AsyncRollouts.step_metrics
 
-    def __init__(self, root, pause: float):
-        super().__init__(root, seed=0)
-        self.pause = pause
+    def slow(self, d):
+        time.sleep(pause)
+        return step_metrics(self, d)
 
-    def log_metrics(self, metrics, step=None):
-        super().log_metrics(metrics, step)
-        if step is not None:
-            time.sleep(self.pause)
+    monkeypatch.setattr(async_rollouts.AsyncRollouts, "step_metrics", slow)
 
 
 @pytest.mark.slow
@@ -268,16 +267,18 @@ def test_neither_a_slow_learner_nor_a_slow_worker_makes_a_group_older_than_k(tmp
     both consume every group once, in order, exactly min(2, s) versions old, and train the same bytes."""
     inputs = {"model": tiny_model_input, "prompts": digit_prompts}
     cfg = short_is_better(steps=4, **{"async": {"max_staleness": 2}})
-    slow_learner = SlowLearner(tmp_path / "learner", pause=1.5)
-    a = grpo.run(cfg, inputs, slow_learner)["model"]
+    with monkeypatch.context() as m:
+        slow_learner(m, pause=1.5)
+        learner_ctx = LocalContext(tmp_path / "learner", seed=0)
+        a = grpo.run(cfg, inputs, learner_ctx)["model"]
     monkeypatch.setenv(async_rollouts.SLOW_VAR, "1.5")
     slow_worker = LocalContext(tmp_path / "worker", seed=0)
     b = grpo.run(cfg, inputs, slow_worker)["model"]
-    for ctx in (slow_learner, slow_worker):
+    for ctx in (learner_ctx, slow_worker):
         _check_schedule(ctx, 2, 4, 4)
     assert _model_sha(a) == _model_sha(b)
     idle = lambda ctx, key: sum(m[key] for m in _step_metrics(ctx).values())  # noqa: E731
-    assert idle(slow_learner, "async/generation_idle") > idle(slow_learner, "async/training_idle")
+    assert idle(learner_ctx, "async/generation_idle") > idle(learner_ctx, "async/training_idle")
     assert idle(slow_worker, "async/training_idle") > idle(slow_worker, "async/generation_idle")
 
 
