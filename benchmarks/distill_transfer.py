@@ -135,11 +135,11 @@ def summarise(home: str, runs: dict, variants: list[str], seeds: int) -> dict:
     teacher_rows = rows(first, TEACHER_EVAL)
     teacher = greedy_scores(teacher_rows)
     slices = prompt_slices(teacher_rows, stage(first, TEACHER_EVAL)["metrics"]) or dict.fromkeys(teacher, "all")
+    by_variant = {v: [greedy_scores(rows(runs[v, k], STUDENT_EVAL)) for k in range(seeds)] for v in variants}
     out: dict = {"teacher": {}, "variants": {}}
     for name in sorted(set(slices.values())):
         ids = sorted(i for i, sl in slices.items() if sl == name)
         out["teacher"][name] = {"prompts": len(ids), "accuracy": sum(teacher[i] for i in ids) / len(ids)}
-        by_variant = {v: [greedy_scores(rows(runs[v, k], STUDENT_EVAL)) for k in range(seeds)] for v in variants}
         for variant, students in by_variant.items():
             out["variants"].setdefault(variant, {})[name] = {
                 "accuracy": [sum(st[i] for i in ids) / len(ids) for st in students],
