@@ -154,7 +154,7 @@ def test_prompts_for_a_paired_gains_interval():
 def test_the_cpu_default_eval_has_a_transfer_slice_of_127_prompts():
     """The default run (recipe r1, profile cpu): every eval's held-out prompts are 257 of the trained kind and 127
     of held-out-only tasks (chain_sum, new phrasings, two-digit operands), enough for +-10 points where two models
-    disagree on a third of them (the run's time bounds the eval: 384 prompts, 6 batches)."""
+    disagree on a third of them (the run's time bounds the eval: 384 prompts, 2 batches of 192)."""
     plan = load_plan("r1", "cpu")
     rows = build_prompts(plan.node("prompts").config, plan.node("prompts").seed)
     import pyarrow as pa
