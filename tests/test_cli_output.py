@@ -21,7 +21,7 @@ import pytest
 from rich.console import Console
 
 from flows.cli.app import main
-from flows.cli.output import print_summary
+from flows.cli.output import prefect_start_failure, print_summary
 from flows.plan.recipes import load_plan
 from flows.store.artifacts import ArtifactStore
 from schemas.artifacts import Producer
@@ -315,3 +315,48 @@ def test_the_cli_and_a_single_stage_run_say_did_you_mean(capsys):
     assert "sft.learnin_rate: unknown key (did you mean learning_rate?)" in capsys.readouterr().err
     assert main(["stage", "sft", "--set", "learnin_rate=1"]) == 2
     assert "sft.learnin_rate: unknown key (did you mean learning_rate?)" in capsys.readouterr().err
+
+
+PREFECT_TIMEOUT_ERROR = ("Timed out while attempting to connect to ephemeral Prefect API server. Ephemeral server "
+                         "process exited with code 3. stdout: INFO:     Started server process [4242]\nINFO: ... "
+                         "stderr: Traceback (most recent call last):\n  File \"uvicorn\", line 1\nOSError: boom")
+
+
+def test_a_prefect_start_timeout_reads_as_one_line_with_its_exit_code():
+    line = prefect_start_failure(RuntimeError(PREFECT_TIMEOUT_ERROR), "90")
+    assert line == ("r1flow: error: the temporary Prefect server did not answer within 90 s (its process exited with "
+                    "code 3); on a busy machine raise PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, or start the "
+                    "servers once with `r1flow up`")
+    try:  # found as the cause of what the flow call raised
+        try:
+            raise RuntimeError("Timed out while attempting to connect to ephemeral Prefect API server.")
+        except RuntimeError as inner:
+            raise ValueError("wrapped") from inner
+    except ValueError as outer:
+        assert prefect_start_failure(outer, None) == (
+            "r1flow: error: the temporary Prefect server did not answer; on a busy machine raise "
+            "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, or start the servers once with `r1flow up`")
+    assert prefect_start_failure(RuntimeError("Timed out reading a file"), "90") is None
+    assert prefect_start_failure(OSError(PREFECT_TIMEOUT_ERROR), "90") is None
+
+
+def test_the_cli_prints_a_prefect_start_timeout_as_its_one_line_and_other_errors_with_their_traceback(
+        monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("R1FLOW_HOME", str(tmp_path))
+    monkeypatch.setenv("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
+
+    def timed_out(args):
+        raise RuntimeError(PREFECT_TIMEOUT_ERROR)
+
+    monkeypatch.setattr("flows.cli.app.cmd_stages", timed_out)
+    assert main(["stages"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [prefect_start_failure(RuntimeError(PREFECT_TIMEOUT_ERROR), "90")]
+    assert "Traceback" not in err and "uvicorn" not in err
+
+    def other(args):
+        raise RuntimeError("something else")
+
+    monkeypatch.setattr("flows.cli.app.cmd_stages", other)
+    with pytest.raises(RuntimeError, match="something else"):
+        main(["stages"])

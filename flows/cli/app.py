@@ -19,7 +19,13 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from flows.cli.deploy_commands import add_deploy_commands  # noqa: E402
-from flows.cli.output import one_line_errors, print_servers_used, print_summary, text_table  # noqa: E402
+from flows.cli.output import (  # noqa: E402
+    one_line_errors,
+    prefect_start_failure,
+    print_servers_used,
+    print_summary,
+    text_table,
+)
 from flows.cli.server_commands import add_server_commands  # noqa: E402
 from schemas.errors import R1FlowError  # noqa: E402
 
@@ -270,7 +276,11 @@ def main(argv: list[str] | None = None) -> int:
     except R1FlowError as e:
         print(f"r1flow: error: {e}", file=sys.stderr)
         return 2
-    except Exception:
+    except Exception as e:
+        line = prefect_start_failure(e, os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"))
+        if line is not None:  # the cause in one line, not the traceback and the server's whole output
+            print(line, file=sys.stderr)
+            return 2
         if not supervised:
             raise
         # lazy: start-up (`r1flow --help` loads none of these)

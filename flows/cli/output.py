@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import shlex
 import shutil
 import sys
@@ -38,6 +39,28 @@ def one_line_errors() -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _NoTracebackForR1FlowErrors) for f in logger.filters):
             logger.addFilter(_NoTracebackForR1FlowErrors())
+
+
+PREFECT_START_TIMEOUT = "Timed out while attempting to connect to ephemeral Prefect API server"
+
+
+def prefect_start_failure(exc: BaseException, timeout_s: str | None = None) -> str | None:
+    """(pure) The one line for Prefect's temporary server not answering in time, or None for any other exception
+    (searched along its causes). Prefect's RuntimeError carries the server's whole stdout and stderr; the line keeps
+    its exit code, if it exited, and says what to change. `timeout_s`: the startup timeout in force
+    (PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, which flows/servers/settings.py sets to 90 unless the user did)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        text = str(exc)
+        if isinstance(exc, RuntimeError) and text.startswith(PREFECT_START_TIMEOUT):
+            code = re.search(r"exited with code (-?\d+)", text)
+            within = f" within {timeout_s} s" if timeout_s else ""
+            exited = f" (its process exited with code {code.group(1)})" if code else ""
+            return (f"r1flow: error: the temporary Prefect server did not answer{within}{exited}; on a busy machine "
+                    "raise PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, or start the servers once with `r1flow up`")
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 SUMMARY_WIDTH = 100  # columns of the end-of-run summary when stdout is not a terminal and COLUMNS is not set
