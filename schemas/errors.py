@@ -1,5 +1,18 @@
 """Typed errors. Every message names the artifact, file, column or field it concerns."""
 
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+
+def exception_chain(exc: BaseException | None) -> Iterator[BaseException]:
+    """`exc`, then what it was raised from or during (`__cause__`, else `__context__`), and so on; each once."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
 
 class R1FlowError(Exception):
     """Base class: the CLI prints these as one clear line instead of a traceback."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flows.servers.servers import MLFLOW_UI_QUERY, ui_port
-from schemas.errors import R1FlowError
+from schemas.errors import R1FlowError, exception_chain
 
 
 def print_servers_used(args: argparse.Namespace) -> None:
@@ -49,17 +49,14 @@ def prefect_start_failure(exc: BaseException, timeout_s: str | None = None) -> s
     (searched along its causes). Prefect's RuntimeError carries the server's whole stdout and stderr; the line keeps
     its exit code, if it exited, and says what to change. `timeout_s`: the startup timeout in force
     (PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, which flows/servers/settings.py sets to 90 unless the user did)."""
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        text = str(exc)
-        if isinstance(exc, RuntimeError) and text.startswith(PREFECT_START_TIMEOUT):
+    for link in exception_chain(exc):
+        text = str(link)
+        if isinstance(link, RuntimeError) and text.startswith(PREFECT_START_TIMEOUT):
             code = re.search(r"exited with code (-?\d+)", text)
             within = f" within {timeout_s} s" if timeout_s else ""
             exited = f" (its process exited with code {code.group(1)})" if code else ""
             return (f"r1flow: error: the temporary Prefect server did not answer{within}{exited}; on a busy machine "
                     "raise PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, or start the servers once with `r1flow up`")
-        exc = exc.__cause__ or exc.__context__
     return None
 
 

@@ -50,7 +50,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from flows.servers.processes import have_proc, proc_stat
 from schemas.artifacts import MANIFEST_FILE, Manifest, Producer
-from schemas.errors import ArtifactError
+from schemas.errors import ArtifactError, exception_chain
 from stages.base import Input
 
 CHUNK = 1 << 20
@@ -154,20 +154,17 @@ _DISK_FULL_TEXT = {"No space left on device": "no space left on device", "Disk q
 
 def _disk_full(exc: BaseException | None) -> tuple[str, str | None] | None:
     """(what, the file being written if known) when exc, or an exception it was raised from, says the disk is full."""
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, shutil.Error) and exc.args and isinstance(exc.args[0], list):
-            for entry in exc.args[0]:  # copytree: (src, dst, why) per file that failed
+    for link in exception_chain(exc):
+        if isinstance(link, shutil.Error) and link.args and isinstance(link.args[0], list):
+            for entry in link.args[0]:  # copytree: (src, dst, why) per file that failed
                 why = next((w for t, w in _DISK_FULL_TEXT.items() if len(entry) == 3 and t in str(entry[2])), None)
                 if why:
                     return why, str(entry[1])
-        if isinstance(exc, OSError) and exc.errno in _DISK_FULL_ERRNOS:
-            return _DISK_FULL_ERRNOS[exc.errno], exc.filename2 or exc.filename
-        why = next((w for t, w in _DISK_FULL_TEXT.items() if t in str(exc)), None)
+        if isinstance(link, OSError) and link.errno in _DISK_FULL_ERRNOS:
+            return _DISK_FULL_ERRNOS[link.errno], link.filename2 or link.filename
+        why = next((w for t, w in _DISK_FULL_TEXT.items() if t in str(link)), None)
         if why:
             return why, None
-        exc = exc.__cause__ or exc.__context__
     return None
 
 
